@@ -1,0 +1,1939 @@
+"""pipelines_port: put any agent under test on the Pipelines platform, stdlib only.
+
+One file, no dependencies, Python 3.9+.  Copy it into a sandbox upload, run it
+as a dispatch server, or read it while porting to another language.  The wire
+contract it speaks is CONTRACT.md; section numbers below (§2, §3.3, ...) point
+into it.
+
+The module reads top to bottom in the order a request flows:
+
+    constants -> errors -> frozen data -> envelope (§2, §5) -> context binding
+    -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
+    -> response envelope (§4)
+
+Quick look::
+
+    import pipelines_port as pp
+
+    env = pp.Envelope.from_dispatch(body, headers)     # §2, raises EnvelopeError
+    with pp.bind_envelope(env):
+        order = pp.proxy_call("get_order", {"order_id": "4521"})   # §3, unwrapped
+        pp.post_trace("assistant_message", {"text": "looking it up"}, best_effort=True)
+    reply = pp.build_response("Refund issued.", messages=[...])      # §4
+
+Importing this module does no I/O and starts nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import contextvars
+import functools
+import hmac
+import json
+import logging
+import math
+import os
+import random
+import re
+import select
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+from urllib.parse import quote, urlsplit
+
+if TYPE_CHECKING:  # imported lazily at run time: they cost import time
+    import http.client
+    import ssl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # errors
+    "PipelinesError",
+    "EnvelopeError",
+    "ProxyError",
+    "ProxyRequestError",
+    "ProxyTransportError",
+    "StaleRunTokenError",
+    "ResponseError",
+    # envelope and context
+    "Envelope",
+    "bind_envelope",
+    "current_envelope",
+    # inbound helpers
+    "check_credential",
+    "is_ping",
+    # proxy client
+    "RetryPolicy",
+    "ProxyClient",
+    "Actor",
+    "as_actor",
+    "proxy_call",
+    "aproxy_call",
+    "validate_tool_name",
+    "validate_actor_label",
+    # trace events
+    "TRACE_EVENT_TYPES",
+    "post_trace",
+    "apost_trace",
+    "post_handoff",
+    # response envelope
+    "build_response",
+    "build_turn_reply",
+    "validate_response",
+]
+
+_log = logging.getLogger("pipelines_port")
+
+
+# ---------------------------------------------------------------------------
+# Constants: the contract's names and numbers
+# ---------------------------------------------------------------------------
+
+# §2 inbound headers (compared case-insensitively; stored lower-case).
+HEADER_RUN_TOKEN = "x-pipelines-run-token"
+HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
+HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
+HEADER_RUN_ID = "x-pipelines-run-id"
+HEADER_TASK_ID = "x-pipelines-task-id"
+HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
+# §3.5 outbound multi-agent attribution.
+HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
+
+# §2 body fields.
+BODY_PROXY_URL = "odyssey_proxy_url"
+BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
+
+# §5 code-mode environment.
+ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
+ENV_RUN_TOKEN = "PIPELINES_RUN_TOKEN"
+ENV_RUN_TOKEN_JTI = "PIPELINES_RUN_TOKEN_JTI"
+ENV_RUN_ID = "PIPELINES_RUN_ID"
+ENV_TASK_ID = "PIPELINES_TASK_ID"
+ENV_AGENT_ID = "PIPELINES_AGENT_ID"
+ENV_API_URL = "PIPELINES_API_URL"
+ENV_TASK_INPUT_JSON = "_PIPELINES_TASK_INPUT_JSON"
+ENV_TASK_INPUT_B64 = "_PIPELINES_TASK_INPUT_B64"
+# §3.6 inline tools schema.
+ENV_TOOLS_SCHEMA_B64 = "PIPELINES_TOOLS_SCHEMA_B64"
+ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
+# §3.1 client knobs.
+ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
+ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
+
+# §3.1 tool names, §3.5 actor labels.
+TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
+ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+ACTOR_MAX_SEGMENTS = 8
+ACTOR_MAX_LENGTH = 256
+
+# §3.1 caps and limits.
+MAX_REQUEST_BYTES = 1 << 20
+MAX_REPLY_BYTES = 1 << 20
+DEFAULT_PROXY_TIMEOUT_S = 120.0
+RATE_LIMIT_PER_MINUTE = 60
+
+# §3.3 retry classification.
+TRANSIENT_503_CLASSES = frozenset(
+    {"lock_contention", "context_store_unavailable", "trace_sequence_contended"}
+)
+STALE_TOKEN_CLASSES = frozenset(
+    {"run_token_expired", "run_token_invalid", "run_token_rejected"}
+)
+
+# §3.4 reserved trace event types.
+TRACE_EVENT_TYPES = frozenset(
+    {
+        "assistant_message",
+        "thinking",
+        "system_prompt",
+        "custom",
+        "llm_payload",
+        "handoff",
+        "subagent_message",
+        "subagent_final",
+    }
+)
+
+# §4 response envelope.
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+FINAL_RESPONSE_SOFT_LIMIT = 50_000
+_METADATA_INT_KEYS = ("total_input_tokens", "total_output_tokens")
+_METADATA_STR_KEYS = ("model", "system_prompt_id")
+
+_REDACTED = "[redacted]"
+_USER_AGENT = "pipelines-port/" + __version__
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class PipelinesError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+
+class EnvelopeError(PipelinesError, ValueError):
+    """A dispatch envelope is missing, malformed, or not bound (§2, §5)."""
+
+
+class ResponseError(PipelinesError, ValueError):
+    """A value cannot become a valid response envelope (§4).
+
+    ``problems`` lists every problem found, one readable string each.
+    """
+
+    def __init__(self, problems: Union[str, Sequence[str]]) -> None:
+        self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class ProxyError(PipelinesError):
+    """A proxy call or trace post failed (§3.3).
+
+    ``status_code`` is the HTTP status (``None`` when no reply arrived or the
+    call was refused before sending), ``error_class`` the platform's machine-
+    readable class from any of the three error body shapes, ``body`` the parsed
+    reply body (or its first 200 characters when it is not JSON), ``tool_name``
+    the tool or trace path called.  Messages never contain the run token.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: Optional[int] = None,
+        error_class: Optional[str] = None,
+        body: Any = None,
+        tool_name: Optional[str] = None,
+        retry_after: Optional[float] = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.error_class = error_class
+        self.body = body
+        self.tool_name = tool_name
+        self.retry_after = retry_after
+
+    def to_value(self) -> Dict[str, Any]:
+        """The failure as an ``{"error": ...}`` tool result a model can read."""
+        value: Dict[str, Any] = {"error": self.message}
+        if self.error_class:
+            value["error_class"] = self.error_class
+        if self.status_code is not None:
+            value["status_code"] = self.status_code
+        return value
+
+
+class ProxyRequestError(ProxyError, ValueError):
+    """The call was refused locally before sending: bad tool name, args, size or actor label."""
+
+
+class ProxyTransportError(ProxyError):
+    """No usable reply arrived: timeout, refused or reset connection, TLS failure."""
+
+
+class StaleRunTokenError(ProxyError):
+    """The proxy rejected the run token as expired, invalid or revoked: the run is over (§3.3)."""
+
+
+# ---------------------------------------------------------------------------
+# Frozen data: read-only JSON containers that still serialise as JSON
+# ---------------------------------------------------------------------------
+
+
+def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise TypeError(
+        "envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))"
+    )
+
+
+class _FrozenDict(dict):
+    """A dict that refuses mutation.  ``json.dumps`` and ``isinstance(x, dict)`` still work."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __copy__(self) -> Dict[Any, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
+        return _thaw(self)
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
+
+
+class _FrozenList(list):
+    """A list that refuses mutation.  ``json.dumps`` and ``isinstance(x, list)`` still work."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+
+    def __copy__(self) -> List[Any]:
+        return list(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> List[Any]:
+        return _thaw(self)
+
+    def __reduce__(self) -> Any:
+        return (list, (list(self),))
+
+
+def _freeze(value: Any) -> Any:
+    """Deep copy of a JSON value with every dict and list made read-only."""
+    if isinstance(value, dict):
+        return _FrozenDict((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return _FrozenList(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Deep copy of a JSON value with plain, mutable dicts and lists."""
+    if isinstance(value, dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Envelope (§2 dispatch, §5 code mode)
+# ---------------------------------------------------------------------------
+
+Id = Union[int, str]
+HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
+
+
+def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
+    """Header names lower-cased (§2: case-insensitive); the first value of a repeated name wins.
+
+    Accepts a mapping, an ``email.message.Message`` or a list of pairs; bytes
+    (ASGI) are decoded as latin-1.
+    """
+    if headers is None:
+        return {}
+    pairs = headers.items() if hasattr(headers, "items") else headers
+    out: Dict[str, str] = {}
+    for name, value in pairs:
+        if isinstance(name, bytes):
+            name = name.decode("latin-1")
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        out.setdefault(str(name).lower(), str(value))
+    return out
+
+
+def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
+    value = headers.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _check_proxy_url(url: Any, where: str) -> str:
+    """The proxy base URL without its trailing ``/``; http(s) with a host only."""
+    if not isinstance(url, str) or not url.strip():
+        raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
+    url = url.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} is not a valid URL: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise EnvelopeError(
+            f"proxy URL {_short(url)!r} from {where} must be an http:// or https:// URL with a host"
+        )
+    if parts.query or parts.fragment:
+        raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} must not carry a query or fragment")
+    if any(ord(c) < 33 or ord(c) == 127 for c in url):
+        raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
+    return url
+
+
+def _check_run_token(token: Any, where: str) -> str:
+    if not isinstance(token, str) or not token.strip():
+        raise EnvelopeError(f"run token from {where} must be a non-empty string")
+    token = token.strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in token):
+        # Never echo it: it is a secret.
+        raise EnvelopeError(f"run token from {where} contains control characters")
+    return token
+
+
+def _native_id(value: Any) -> Optional[Id]:
+    """An id as the body carries it (int or str); anything else counts as absent."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    return None
+
+
+def _first_id(*candidates: Any) -> Optional[Id]:
+    for candidate in candidates:
+        value = _native_id(candidate)
+        if value is not None:
+            return value
+    return None
+
+
+def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
+    """§2 ``sub_agents``: strings or ``{"actor_id": ...}``; malformed entries skipped."""
+    if not isinstance(value, list):
+        return ()
+    labels: List[str] = []
+    for entry in value:
+        label = entry.get("actor_id") if isinstance(entry, dict) else entry
+        if not isinstance(label, str):
+            continue
+        try:
+            label = validate_actor_label(label)
+        except ProxyRequestError:
+            continue
+        if label and label not in labels:
+            labels.append(label)
+    return tuple(labels)
+
+
+def _object_or(value: Any, default: Any) -> Any:
+    return value if isinstance(value, dict) else default
+
+
+class Envelope:
+    """One run's dispatch context (§2), read-only.
+
+    Build it with :meth:`from_dispatch` (HTTP mode), :meth:`from_run` (code-mode
+    ``run()`` arguments) or :meth:`from_env` (code-mode environment).  Every
+    container field is a read-only deep copy; ``raw`` is the whole dispatch
+    body, unknown fields included.  ``repr`` and ``str`` never show the run token.
+    """
+
+    __slots__ = (
+        "proxy_url",
+        "run_token",
+        "run_id",
+        "task_id",
+        "agent_id",
+        "run_token_jti",
+        "user_instruction",
+        "task_input",
+        "latest_user_prompt",
+        "session_id",
+        "turn_id",
+        "messages",
+        "scenario_state",
+        "workspace",
+        "tools_schema",
+        "sub_agents",
+        "raw",
+    )
+
+    proxy_url: str
+    run_token: str
+    run_id: Optional[Id]
+    task_id: Optional[Id]
+    agent_id: Optional[Id]
+    run_token_jti: Optional[str]
+    user_instruction: str
+    task_input: Mapping[str, Any]
+    latest_user_prompt: Optional[str]
+    session_id: Optional[Id]
+    turn_id: Optional[Any]
+    messages: Optional[Sequence[Any]]
+    scenario_state: Optional[Mapping[str, Any]]
+    workspace: Optional[Mapping[str, Any]]
+    tools_schema: Optional[Sequence[Any]]
+    sub_agents: Tuple[str, ...]
+    raw: Mapping[str, Any]
+
+    def __init__(
+        self,
+        *,
+        proxy_url: str,
+        run_token: str,
+        run_id: Optional[Id] = None,
+        task_id: Optional[Id] = None,
+        agent_id: Optional[Id] = None,
+        run_token_jti: Optional[str] = None,
+        user_instruction: str = "",
+        task_input: Optional[Mapping[str, Any]] = None,
+        latest_user_prompt: Optional[str] = None,
+        session_id: Optional[Id] = None,
+        turn_id: Optional[Any] = None,
+        messages: Optional[Sequence[Any]] = None,
+        scenario_state: Optional[Mapping[str, Any]] = None,
+        workspace: Optional[Mapping[str, Any]] = None,
+        tools_schema: Optional[Sequence[Any]] = None,
+        sub_agents: Iterable[Any] = (),
+        raw: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        fields = {
+            "proxy_url": _check_proxy_url(proxy_url, "the proxy_url argument"),
+            "run_token": _check_run_token(run_token, "the run_token argument"),
+            "run_id": run_id,
+            "task_id": task_id,
+            "agent_id": agent_id,
+            "run_token_jti": run_token_jti,
+            "user_instruction": user_instruction if isinstance(user_instruction, str) else "",
+            "task_input": _freeze(dict(task_input or {})),
+            "latest_user_prompt": latest_user_prompt,
+            "session_id": session_id,
+            "turn_id": _freeze(turn_id),
+            "messages": _freeze(messages),
+            "scenario_state": _freeze(scenario_state),
+            "workspace": _freeze(workspace),
+            "tools_schema": _freeze(tools_schema),
+            "sub_agents": _sub_agent_catalog(list(sub_agents)),
+            "raw": _freeze(dict(raw or {})),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
+
+    def __repr__(self) -> str:
+        return (
+            f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
+            f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})"
+        )
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Envelope):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_envelope, ({n: _thaw(getattr(self, n)) for n in self.__slots__},))
+
+    def replace(self, **changes: Any) -> "Envelope":
+        """A copy with some fields changed (like ``dataclasses.replace``)."""
+        fields = {n: _thaw(getattr(self, n)) for n in self.__slots__}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"Envelope has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        return Envelope(**fields)
+
+    # -- derived --------------------------------------------------------------
+
+    @property
+    def api_url(self) -> str:
+        """Origin of the proxy URL (``PIPELINES_API_URL`` in code mode, §5)."""
+        parts = urlsplit(self.proxy_url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def is_multi_turn(self) -> bool:
+        return self.session_id is not None or self.turn_id is not None
+
+    def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+        """The ``PIPELINES_*`` environment for a child process of this run (§5).
+
+        Returns a new dict (``base`` or ``os.environ`` plus this run's
+        variables) for ``subprocess.Popen(env=...)``.  ``os.environ`` itself is
+        never touched: concurrent dispatches share the process.
+        """
+        env = dict(os.environ if base is None else base)
+        env[ENV_PROXY_URL] = self.proxy_url
+        env[ENV_RUN_TOKEN] = self.run_token
+        env[ENV_API_URL] = self.api_url
+        for key, value in (
+            (ENV_RUN_TOKEN_JTI, self.run_token_jti),
+            (ENV_RUN_ID, self.run_id),
+            (ENV_TASK_ID, self.task_id),
+            (ENV_AGENT_ID, self.agent_id),
+        ):
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = str(value)
+        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
+        if self.task_id is not None:
+            task["task_id"] = self.task_id
+        env[ENV_TASK_INPUT_JSON] = json.dumps(task, separators=(",", ":"))
+        env.pop(ENV_TASK_INPUT_B64, None)
+        if self.tools_schema is not None:
+            encoded = json.dumps(self.tools_schema, separators=(",", ":")).encode()
+            env[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(encoded).decode("ascii")
+        return env
+
+    # -- constructors ---------------------------------------------------------
+
+    @classmethod
+    def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> "Envelope":
+        """Parse an HTTP dispatch (§2): the JSON body plus the request headers.
+
+        Body fields win; ids, the jti and the proxy URL fall back to the
+        ``X-Pipelines-*`` headers (and the legacy ``pwsa`` names).  The run
+        token comes from ``X-Pipelines-Run-Token``.  Raises :class:`EnvelopeError`
+        naming what is missing and where it was looked for.
+        """
+        if isinstance(body, (bytes, bytearray, str)):
+            try:
+                body = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise EnvelopeError(f"dispatch body is not valid JSON: {exc}") from None
+        if not isinstance(body, Mapping):
+            raise EnvelopeError(f"dispatch body must be a JSON object, got {_json_type(body)}")
+        h = _lower_headers(headers)
+
+        missing: List[str] = []
+        url_field, url = None, None
+        for field in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
+            if isinstance(body.get(field), str) and body[field].strip():
+                url_field, url = f"body field {field!r}", body[field]
+                break
+        else:
+            for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
+                if _header(h, name):
+                    url_field, url = f"header {_title(name)}", _header(h, name)
+                    break
+        if url is None:
+            missing.append(
+                f"proxy URL (looked for body field {BODY_PROXY_URL!r}, legacy {BODY_PROXY_URL_LEGACY!r}, "
+                f"and headers {_title(HEADER_PROXY_URL)}, legacy {_title(HEADER_PROXY_URL_LEGACY)})"
+            )
+        token = _header(h, HEADER_RUN_TOKEN)
+        if token is None:
+            missing.append(f"run token (looked for header {_title(HEADER_RUN_TOKEN)})")
+        if missing:
+            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
+        proxy_url = _check_proxy_url(url, url_field or "")
+        run_token = _check_run_token(token, f"header {_title(HEADER_RUN_TOKEN)}")
+
+        task = _object_or(body.get("input"), {})
+        jti = body.get("run_token_jti")
+        return cls(
+            proxy_url=proxy_url,
+            run_token=run_token,
+            run_id=_first_id(body.get("run_id"), _header(h, HEADER_RUN_ID)),
+            task_id=_first_id(body.get("task_id"), task.get("task_id"), _header(h, HEADER_TASK_ID)),
+            agent_id=_first_id(body.get("agent_id")),
+            run_token_jti=jti.strip() if isinstance(jti, str) and jti.strip() else _header(h, HEADER_RUN_TOKEN_JTI),
+            tools_schema=body.get("tools_schema") if isinstance(body.get("tools_schema"), list) else None,
+            sub_agents=body.get("sub_agents") if isinstance(body.get("sub_agents"), list) else (),
+            raw=body,
+            **_task_fields(task),
+        )
+
+    @classmethod
+    def from_run(
+        cls,
+        task_input: Optional[Mapping[str, Any]],
+        *,
+        proxy_url: str,
+        run_token: str,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> "Envelope":
+        """Build the envelope from code-mode ``run(task_input, *, proxy_url, run_token)`` (§5).
+
+        The ids, jti and inline tools schema come from ``environ`` (default
+        ``os.environ``) when the sandbox sets them.  ``raw`` is a synthesised
+        dispatch body, so code-mode agents see the same shape as HTTP agents.
+        """
+        if task_input is None:
+            task_input = {}
+        if not isinstance(task_input, Mapping):
+            raise EnvelopeError(f"task_input must be a mapping, got {_json_type(task_input)}")
+        env = os.environ if environ is None else environ
+        proxy_url = _check_proxy_url(proxy_url, "the proxy_url argument")
+        run_token = _check_run_token(run_token, "the run_token argument")
+        task = dict(task_input)
+        run_id = _first_id(env.get(ENV_RUN_ID))
+        task_id = _first_id(task.get("task_id"), env.get(ENV_TASK_ID))
+        agent_id = _first_id(env.get(ENV_AGENT_ID))
+        jti = (env.get(ENV_RUN_TOKEN_JTI) or "").strip() or None
+        tools_schema = _tools_schema_from_env(env)
+        raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
+        for key, value in (("task_id", task_id), ("run_id", run_id), ("agent_id", agent_id), ("run_token_jti", jti)):
+            if value is not None:
+                raw[key] = value
+        if tools_schema is not None:
+            raw["tools_schema"] = tools_schema
+        return cls(
+            proxy_url=proxy_url,
+            run_token=run_token,
+            run_id=run_id,
+            task_id=task_id,
+            agent_id=agent_id,
+            run_token_jti=jti,
+            tools_schema=tools_schema,
+            raw=raw,
+            **_task_fields(task),
+        )
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Envelope":
+        """Build the envelope from the code-mode ``PIPELINES_*`` environment (§5).
+
+        The task comes from ``_PIPELINES_TASK_INPUT_JSON`` or ``_PIPELINES_TASK_INPUT_B64``.
+        """
+        env = os.environ if environ is None else environ
+        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not (env.get(name) or "").strip()]
+        if missing:
+            raise EnvelopeError("environment is missing " + " and ".join(missing))
+        task: Any = {}
+        if (env.get(ENV_TASK_INPUT_JSON) or "").strip():
+            try:
+                task = json.loads(env[ENV_TASK_INPUT_JSON])
+            except ValueError as exc:
+                raise EnvelopeError(f"{ENV_TASK_INPUT_JSON} is not valid JSON: {exc}") from None
+        elif (env.get(ENV_TASK_INPUT_B64) or "").strip():
+            try:
+                task = json.loads(base64.b64decode(env[ENV_TASK_INPUT_B64], validate=True))
+            except (ValueError, binascii.Error) as exc:
+                raise EnvelopeError(f"{ENV_TASK_INPUT_B64} is not base64-encoded JSON: {exc}") from None
+        if not isinstance(task, Mapping):
+            raise EnvelopeError(f"the task input in the environment must be a JSON object, got {_json_type(task)}")
+        proxy_url = _check_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
+        run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
+        return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
+
+
+def _task_fields(task: Mapping[str, Any]) -> Dict[str, Any]:
+    """The envelope fields read from the task payload (``body["input"]``, §2), wrong types dropped."""
+    def typed(key: str, kind: type) -> Any:
+        value = task.get(key)
+        return value if isinstance(value, kind) else None
+
+    return {
+        "user_instruction": typed("user_instruction", str) or "",
+        "task_input": typed("input", dict) or {},
+        "latest_user_prompt": typed("latest_user_prompt", str),
+        "session_id": _native_id(task.get("session_id")),
+        "turn_id": task.get("turn_id"),
+        "messages": typed("messages", list),
+        "scenario_state": typed("scenario_state", dict),
+        "workspace": typed("workspace", dict),
+    }
+
+
+def _rebuild_envelope(fields: Dict[str, Any]) -> Envelope:
+    return Envelope(**fields)
+
+
+def _title(lower_header: str) -> str:
+    return "-".join(part.capitalize() for part in lower_header.split("-"))
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
+    """§3.6 inline tools schema: ``PIPELINES_TOOLS_SCHEMA_B64``, else legacy ``_JSON``."""
+    for name, decode in (
+        (ENV_TOOLS_SCHEMA_B64, lambda s: base64.b64decode(s, validate=True)),
+        (ENV_TOOLS_SCHEMA_JSON, lambda s: s),
+    ):
+        text = (env.get(name) or "").strip()
+        if not text:
+            continue
+        try:
+            value = json.loads(decode(text))
+        except (ValueError, binascii.Error) as exc:
+            raise EnvelopeError(f"{name} is not a valid JSON tools list: {exc}") from None
+        if isinstance(value, dict) and isinstance(value.get("tools"), list):
+            value = value["tools"]
+        if not isinstance(value, list):
+            raise EnvelopeError(f"{name} must hold a JSON list of tools, got {_json_type(value)}")
+        return value
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Context binding: the envelope of the dispatch running in this context
+# ---------------------------------------------------------------------------
+
+_current: "contextvars.ContextVar[Optional[Envelope]]" = contextvars.ContextVar(
+    "pipelines_port_envelope", default=None
+)
+
+
+@contextlib.contextmanager
+def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
+    """Bind ``envelope`` to the current context for the ``with`` block.
+
+    Module-level tools can then call :func:`proxy_call` without being handed
+    the envelope.  Each thread and each asyncio task has its own context, so
+    concurrent dispatches never see each other's envelope.  A fresh thread does
+    not inherit the binding: bind inside it (or use ``contextvars.copy_context``).
+    """
+    if not isinstance(envelope, Envelope):
+        raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
+    token = _current.set(envelope)
+    try:
+        yield envelope
+    finally:
+        _current.reset(token)
+
+
+def current_envelope() -> Envelope:
+    """The envelope bound to this context; :class:`EnvelopeError` when none is."""
+    envelope = _current.get()
+    if envelope is None:
+        raise EnvelopeError(
+            "no dispatch envelope is bound to this context: call inside a dispatch, "
+            "wrap the code in `with bind_envelope(envelope):`, or pass envelope=..."
+        )
+    return envelope
+
+
+# ---------------------------------------------------------------------------
+# Inbound helpers: auth (§2 step 1) and ping (§2 step 3), pure functions
+# ---------------------------------------------------------------------------
+
+
+def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
+    """True when the request carries the expected credential, compared in constant time.
+
+    With ``header_name="Authorization"`` the header must read ``Bearer <expected>``
+    (the scheme is case-insensitive); a custom header (e.g. ``X-API-Key``)
+    carries the raw value.  An empty ``expected`` never matches.
+    """
+    if not expected:
+        return False
+    received = _lower_headers(headers).get(header_name.lower())
+    if received is None:
+        return False
+    received = received.strip()
+    if header_name.lower() == "authorization":
+        scheme, _, received = received.partition(" ")
+        if scheme.lower() != "bearer":
+            # Still compare, so a wrong scheme costs the same time as a wrong token.
+            hmac.compare_digest(b"", expected.encode())
+            return False
+        received = received.strip()
+    return hmac.compare_digest(received.encode("utf-8", "surrogateescape"), expected.encode("utf-8"))
+
+
+def is_ping(body: Any) -> bool:
+    """True only for a body that is exactly ``{"ping": true}``: one key, the boolean ``true`` (§2 step 3)."""
+    return isinstance(body, Mapping) and len(body) == 1 and body.get("ping") is True
+
+
+# ---------------------------------------------------------------------------
+# Proxy client (§3): validation, reply interpretation, retries, transport
+# ---------------------------------------------------------------------------
+
+
+def validate_tool_name(name: Any) -> str:
+    """Return ``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1)."""
+    if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+        shown = _short(repr(name), 80)
+        raise ProxyRequestError(
+            f"invalid tool name {shown}: must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$",
+            tool_name=name if isinstance(name, str) else None,
+        )
+    return name
+
+
+def validate_actor_label(label: Any) -> Optional[str]:
+    """The normalised actor label (§3.5), or ``None`` for an empty one.
+
+    Surrounding whitespace is trimmed; at most 8 ``/``-separated segments of
+    1–64 characters from ``[A-Za-z0-9_.:-]``, at most 256 characters in all.
+    Raises :class:`ProxyRequestError` (``error_class="actor_id_invalid"``).
+    """
+    if label is None:
+        return None
+    if not isinstance(label, str):
+        raise ProxyRequestError(
+            f"actor label must be a string, got {type(label).__name__}", error_class="actor_id_invalid"
+        )
+    label = label.strip()
+    if not label:
+        return None
+    problem = None
+    segments = label.split("/")
+    if len(label) > ACTOR_MAX_LENGTH:
+        problem = f"is {len(label)} characters long (at most {ACTOR_MAX_LENGTH})"
+    elif len(segments) > ACTOR_MAX_SEGMENTS:
+        problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
+    else:
+        for segment in segments:
+            if not ACTOR_SEGMENT_RE.fullmatch(segment):
+                problem = (
+                    f"has segment {_short(repr(segment), 80)}: each segment is 1-64 characters "
+                    "from [A-Za-z0-9_.:-]"
+                )
+                break
+    if problem:
+        raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
+    return label
+
+
+class _Reply(NamedTuple):
+    """What one proxy reply means: a value, an error to raise, or a retry (§3.2, §3.3)."""
+
+    kind: str  # "value" | "error" | "retry"
+    value: Any = None
+    error: Optional[ProxyError] = None
+    retry_after: Optional[float] = None
+
+
+def _parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
+    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if math.isnan(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+def _error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
+    """``(error_class, message)`` from the three error body shapes (§3.3)."""
+    if not isinstance(body, dict):
+        return None, None
+    detail = body.get("detail")
+    if isinstance(detail, dict):
+        cls = detail.get("error_class")
+        msg = detail.get("message") or detail.get("detail")
+        return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
+    if isinstance(detail, str):
+        cls = body.get("error_class")
+        return (cls if isinstance(cls, str) else None), detail
+    cls = body.get("error_class")
+    msg = body.get("message") or body.get("error")
+    if detail is not None and msg is None:
+        msg = json.dumps(detail)[:200]
+    return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
+
+
+def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
+    """``(value, is_json)``: parsed JSON, or the text when the body is not JSON."""
+    if not body:
+        return None, False
+    try:
+        return json.loads(body), True
+    except ValueError:
+        return body.decode("utf-8", "replace"), False
+
+
+def _interpret_reply(
+    status: int, headers: HeadersLike, body: bytes, *, tool_name: str, run_token: Optional[str] = None
+) -> _Reply:
+    """Decide what a proxy reply means, with no I/O (§3.2, §3.3).
+
+    2xx: the unwrapped ``response`` (legacy bodies without it returned whole,
+    non-JSON text as the string).  429 and the transient 503 classes: retry.
+    401 with a stale-token class: :class:`StaleRunTokenError`.  Anything else:
+    :class:`ProxyError`.  ``run_token`` is scrubbed from whatever is kept.
+    """
+    h = _lower_headers(headers)
+    value, is_json = _decode_body(body, h.get("content-type", ""))
+    if run_token:
+        value = _redact(value, run_token)
+    if 200 <= status < 300:
+        if is_json and isinstance(value, dict) and "response" in value:
+            return _Reply("value", value["response"])
+        return _Reply("value", value)
+
+    error_class, message = _error_fields(value) if is_json else (None, None)
+    if message is None:
+        message = _short(value if isinstance(value, str) else (json.dumps(value) if value is not None else ""), 200)
+    body_kept = value if is_json else (_short(value, 200) if isinstance(value, str) else value)
+    retry_after = _parse_retry_after(h.get("retry-after"))
+    text = f"proxy call {tool_name!r} failed: HTTP {status}"
+    if error_class:
+        text += f" {error_class}"
+    if message:
+        text += f": {message}"
+    kwargs = dict(status_code=status, error_class=error_class, body=body_kept, tool_name=tool_name, retry_after=retry_after)
+    if status == 429 or (status == 503 and error_class in TRANSIENT_503_CLASSES):
+        return _Reply("retry", error=ProxyError(text, **kwargs), retry_after=retry_after)
+    if status == 401 and error_class in STALE_TOKEN_CLASSES:
+        return _Reply("error", error=StaleRunTokenError(text + " (the run is over)", **kwargs))
+    return _Reply("error", error=ProxyError(text, **kwargs))
+
+
+def _redact(value: Any, secret: str) -> Any:
+    """``value`` with every occurrence of ``secret`` in its strings replaced."""
+    if isinstance(value, str):
+        return value.replace(secret, _REDACTED) if secret in value else value
+    if isinstance(value, dict):
+        return {_redact(k, secret): _redact(v, secret) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v, secret) for v in value]
+    return value
+
+
+class RetryPolicy(NamedTuple):
+    """The one retry policy of proxy calls and trace posts (§3.3).
+
+    ``max_attempts`` counts the first try (429 / transient 503).  Waits grow
+    ``base_delay_s * 2**n`` with ±``jitter`` and are capped at ``max_delay_s``;
+    a ``Retry-After`` header replaces the computed wait (capped at
+    ``max_retry_after_s``).  Transport failures (timeout, refused or reset
+    connection) are retried ``transport_retries`` more times with the same
+    Idempotency-Key.
+    """
+
+    max_attempts: int = 4
+    base_delay_s: float = 0.5
+    max_delay_s: float = 4.0
+    jitter: float = 0.25
+    max_retry_after_s: float = 60.0
+    transport_retries: int = 2
+
+    def delay(self, retry_number: int, retry_after: Optional[float] = None) -> float:
+        """Seconds to wait before retry ``retry_number`` (1 for the first retry)."""
+        if retry_after is not None:
+            return min(retry_after, self.max_retry_after_s)
+        wait = self.base_delay_s * (2 ** (retry_number - 1))
+        wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        return max(0.0, min(wait, self.max_delay_s))
+
+
+class _Pacer:
+    """Client-side pacing: at most ``limit`` requests per token in any ``window_s`` (§3.1 rate limit).
+
+    A sliding log per token; a caller over the limit is told how long to wait
+    for its reserved slot, so a burst is spread out instead of collecting 429s.
+    """
+
+    def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._max_tokens = max_tokens
+        self._log: "OrderedDict[str, deque]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def reserve(self, key: str, now: Optional[float] = None) -> float:
+        """Reserve the next slot for ``key``; return the seconds to wait for it."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            log = self._log.get(key)
+            if log is None:
+                log = self._log[key] = deque(maxlen=self.limit)
+                if len(self._log) > self._max_tokens:
+                    self._log.popitem(last=False)
+            else:
+                self._log.move_to_end(key)
+            slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
+            log.append(slot)
+            return slot - now
+
+
+def _env_float(name: str, default: float) -> float:
+    text = (os.environ.get(name) or "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise PipelinesError(f"environment variable {name} must be a number, got {_short(text, 40)!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {text!r}")
+    return value
+
+
+class _DispatchStats:
+    """Proxy calls made by one dispatch (for the server's log line)."""
+
+    __slots__ = ("proxy_calls", "_lock")
+
+    def __init__(self) -> None:
+        self.proxy_calls = 0
+        self._lock = threading.Lock()
+
+    def count(self) -> None:
+        with self._lock:
+            self.proxy_calls += 1
+
+
+_dispatch_stats: "contextvars.ContextVar[Optional[_DispatchStats]]" = contextvars.ContextVar(
+    "pipelines_port_dispatch_stats", default=None
+)
+
+class _Connections:
+    """Keep-alive connections per (scheme, host, port), one set per thread.
+
+    ``http.client`` connections are not thread-safe, so each thread keeps its
+    own; an idle connection the server has closed is detected and replaced.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _pool(self) -> Dict[Tuple[str, str, int], Any]:
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = {}
+        return pool
+
+    def get(self, key: Tuple[str, str, int], timeout: float, make: Callable[[], Any]) -> Tuple[Any, bool]:
+        """``(connection, reused)`` for ``key``."""
+        pool = self._pool()
+        conn = pool.pop(key, None)
+        if conn is not None and conn.sock is not None and not _peer_closed(conn.sock):
+            conn.timeout = timeout
+            conn.sock.settimeout(timeout)
+            return conn, True
+        if conn is not None:
+            conn.close()
+        return make(), False
+
+    def put(self, key: Tuple[str, str, int], conn: Any) -> None:
+        old = self._pool().pop(key, None)
+        if old is not None and old is not conn:
+            old.close()
+        self._pool()[key] = conn
+
+    def close_thread(self) -> None:
+        """Close this thread's idle connections."""
+        pool = self._pool()
+        while pool:
+            pool.popitem()[1].close()
+
+
+def _peer_closed(sock: Any) -> bool:
+    """True when an idle keep-alive socket is readable: the server closed it (or sent junk)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+_tls_lock = threading.Lock()
+_tls_default: "Optional[ssl.SSLContext]" = None
+
+
+def _default_tls_context() -> "ssl.SSLContext":
+    """One verifying TLS context per process, created on first use (loading CAs is slow)."""
+    global _tls_default
+    with _tls_lock:
+        if _tls_default is None:
+            import ssl
+
+            _tls_default = ssl.create_default_context()
+        return _tls_default
+
+
+class ProxyClient:
+    """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries.
+
+    One instance is safe to share between threads and asyncio tasks; the
+    module functions use a shared default.  Knobs:
+
+    - ``timeout``: seconds per attempt (default ``PIPELINES_PROXY_TIMEOUT_S`` or 120).
+    - ``retry``: a :class:`RetryPolicy`.
+    - ``rate_per_minute``: client-side pacing per run token (default
+      ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0 turns pacing off).
+    - ``ssl_context``: for https proxies (default: the system CAs).
+    - ``sleep``: how to wait between attempts (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: Optional[float] = None,
+        retry: RetryPolicy = RetryPolicy(),
+        rate_per_minute: Optional[float] = None,
+        ssl_context: "Optional[ssl.SSLContext]" = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
+        self.retry = retry
+        rate = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None else rate_per_minute
+        self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
+        self._ssl_context = ssl_context
+        self._sleep = sleep
+        self._connections = _Connections()
+
+    # -- public ---------------------------------------------------------------
+
+    def call(
+        self,
+        envelope: Envelope,
+        name: str,
+        args: Optional[Mapping[str, Any]] = None,
+        *,
+        actor: Optional[str] = None,
+        timeout: Optional[float] = None,
+        idempotency_key: Optional[str] = None,
+        errors: str = "raise",
+    ) -> Any:
+        """POST ``args`` to ``{proxy_url}/tools/{name}`` and return the unwrapped ``response``.
+
+        ``errors="return"`` turns a failed call into an ``{"error": ...}``
+        value for the model to read instead of an exception; a stale run token
+        still raises, because the run is over.
+        """
+        if errors not in ("raise", "return"):
+            raise ValueError("errors must be 'raise' or 'return'")
+        try:
+            validate_tool_name(name)
+            label = validate_actor_label(actor)
+            if label:
+                _warn_if_undeclared(envelope, label)
+            body = _encode_args(name, args)
+            return self._request(
+                envelope, "tools", name, body, label=label, timeout=timeout, idempotency_key=idempotency_key
+            )
+        except StaleRunTokenError:
+            raise
+        except ProxyError as exc:
+            if errors == "return":
+                _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
+                return exc.to_value()
+            raise
+
+    def trace(
+        self,
+        envelope: Envelope,
+        event_type: str,
+        payload: Optional[Mapping[str, Any]] = None,
+        *,
+        actor: Optional[str] = None,
+        timeout: Optional[float] = None,
+        best_effort: bool = False,
+    ) -> Optional[Dict[str, Any]]:
+        """POST a live trace event to ``{proxy_url}/traces/{event_type}`` (§3.4).
+
+        Returns the proxy's ``{"accepted": true, "sequence": N}`` (``None`` when
+        an older platform answers with an empty body).  ``__occurred_at`` is
+        stamped once, before the first attempt.  With ``best_effort=True`` a
+        failure is logged as a warning and ``None`` returned.
+        """
+        try:
+            if event_type not in TRACE_EVENT_TYPES:
+                raise ProxyRequestError(
+                    f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
+                    + ", ".join(sorted(TRACE_EVENT_TYPES)),
+                    tool_name=str(event_type),
+                )
+            label = validate_actor_label(actor)
+            event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
+            if not isinstance(event, dict):
+                raise ProxyRequestError(
+                    f"trace payload must be a JSON object, got {_json_type(payload)}", tool_name=event_type
+                )
+            event.setdefault("__occurred_at", _utc_now_iso())
+            body = _encode_args(event_type, event, what="trace payload")
+            result = self._request(envelope, "traces", event_type, body, label=label, timeout=timeout)
+            return result if isinstance(result, dict) else None
+        except ProxyError as exc:
+            if best_effort:
+                _log.warning("trace event %r not recorded: %s", event_type, exc)
+                return None
+            raise
+
+    def close(self) -> None:
+        """Close the calling thread's idle keep-alive connections."""
+        self._connections.close_thread()
+
+    # -- internals ------------------------------------------------------------
+
+    def _request(
+        self,
+        envelope: Envelope,
+        kind: str,
+        name: str,
+        body: bytes,
+        *,
+        label: Optional[str],
+        timeout: Optional[float],
+        idempotency_key: Optional[str] = None,
+    ) -> Any:
+        """One logical call: retries and pacing around :meth:`_send`."""
+        if not isinstance(envelope, Envelope):
+            raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+        base = urlsplit(envelope.proxy_url)
+        path = f"{base.path.rstrip('/')}/{kind}/{quote(name, safe='')}"
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "Authorization": "Bearer " + envelope.run_token,
+            "Idempotency-Key": idempotency_key or str(uuid.uuid4()),
+            "User-Agent": _USER_AGENT,
+        }
+        if label:
+            headers[HEADER_ACTOR_ID] = label
+        timeout = self.timeout if timeout is None else float(timeout)
+        stats = _dispatch_stats.get()
+        if stats is not None:
+            stats.count()
+
+        attempt, transport_failures = 0, 0
+        while True:
+            attempt += 1
+            if self._pacer is not None:
+                wait = self._pacer.reserve(envelope.run_token)
+                if wait > 0:
+                    _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
+                    self._sleep(wait)
+            try:
+                status, reply_headers, reply = self._send(base, path, headers, body, timeout, name)
+            except ProxyTransportError as exc:
+                transport_failures += 1
+                if not _is_retryable_transport(exc) or transport_failures > self.retry.transport_retries:
+                    raise
+                wait = self.retry.delay(transport_failures)
+                _log.warning("%s; retrying in %.2f s with the same Idempotency-Key", exc, wait)
+                self._sleep(wait)
+                continue
+            outcome = _interpret_reply(status, reply_headers, reply, tool_name=name, run_token=envelope.run_token)
+            if outcome.kind == "value":
+                return outcome.value
+            if outcome.kind == "retry" and attempt < self.retry.max_attempts:
+                wait = self.retry.delay(attempt, outcome.retry_after)
+                _log.warning("%s; retry %d in %.2f s", outcome.error, attempt, wait)
+                self._sleep(wait)
+                continue
+            assert outcome.error is not None
+            raise outcome.error
+
+    def _send(
+        self, base: Any, path: str, headers: Dict[str, str], body: bytes, timeout: float, name: str
+    ) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """One HTTP exchange over a pooled keep-alive connection."""
+        import http.client
+
+        transport_errors = (OSError, http.client.HTTPException)
+        scheme = base.scheme.lower()
+        port = base.port or (443 if scheme == "https" else 80)
+        key = (scheme, base.hostname, port)
+
+        def make() -> "http.client.HTTPConnection":
+            if scheme == "https":
+                context = self._ssl_context or _default_tls_context()
+                return _http_classes()[1](base.hostname, port, timeout=timeout, context=context)
+            return _http_classes()[0](base.hostname, port, timeout=timeout)
+
+        debug = _log.isEnabledFor(logging.DEBUG)
+        for fresh_retry in (False, True):
+            conn, reused = self._connections.get(key, timeout, make)
+            started = time.monotonic()
+            if debug:
+                _log.debug("proxy -> POST %s (%d bytes, key %s%s)", path, len(body), headers["Idempotency-Key"],
+                           ", actor " + headers[HEADER_ACTOR_ID] if HEADER_ACTOR_ID in headers else "")
+            try:
+                conn.request("POST", path, body, headers)
+                response = conn.getresponse()
+            except transport_errors as exc:
+                conn.close()
+                if reused and not fresh_retry and _is_stale_connection_error(exc):
+                    continue  # the server closed the idle connection: retry once on a fresh one
+                raise _transport_error(exc, name) from exc
+            try:
+                status = response.status
+                reply_headers = response.getheaders()
+                length = response.getheader("Content-Length")
+                if length is not None and length.strip().isdigit() and int(length) > MAX_REPLY_BYTES:
+                    conn.close()
+                    raise ProxyError(
+                        f"proxy reply to {name!r} is {int(length)} bytes, over the {MAX_REPLY_BYTES}-byte cap",
+                        status_code=status, tool_name=name,
+                    )
+                reply = response.read(MAX_REPLY_BYTES + 1)
+                if len(reply) > MAX_REPLY_BYTES:
+                    conn.close()
+                    raise ProxyError(
+                        f"proxy reply to {name!r} exceeds the {MAX_REPLY_BYTES}-byte cap",
+                        status_code=status, tool_name=name,
+                    )
+            except transport_errors as exc:
+                conn.close()
+                raise _transport_error(exc, name) from exc
+            if response.isclosed() and not response.will_close:
+                self._connections.put(key, conn)
+            else:
+                conn.close()
+            if debug:
+                _log.debug("proxy <- %s HTTP %d (%d bytes) in %.1f ms", path, status, len(reply),
+                           (time.monotonic() - started) * 1000)
+            return status, reply_headers, reply
+        raise AssertionError("unreachable")
+
+
+@functools.lru_cache(maxsize=None)
+def _http_classes() -> Tuple[type, type]:
+    """``http.client`` connections with TCP_NODELAY, built on first use so import stays cheap.
+
+    Without TCP_NODELAY a keep-alive request can stall ~40 ms on delayed ACKs.
+    """
+    import http.client
+    import socket
+
+    class HTTPConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            super().connect()
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    class HTTPSConnection(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            super().connect()
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    return HTTPConnection, HTTPSConnection
+
+
+def _is_stale_connection_error(exc: BaseException) -> bool:
+    import http.client
+
+    return isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
+                            http.client.RemoteDisconnected, http.client.BadStatusLine))
+
+
+def _transport_error(exc: BaseException, name: str) -> ProxyTransportError:
+    reason = str(exc) or type(exc).__name__
+    return ProxyTransportError(
+        f"proxy call {name!r} failed before a reply arrived: {type(exc).__name__}: {_short(reason, 200)}",
+        tool_name=name,
+    )
+
+
+def _is_retryable_transport(exc: ProxyTransportError) -> bool:
+    """Timeouts and refused, reset or dropped connections; not certificate or DNS failures."""
+    import socket
+
+    cause = exc.__cause__
+    ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
+    if ssl is not None and isinstance(cause, ssl.SSLCertVerificationError):
+        return False
+    return not isinstance(cause, socket.gaierror)
+
+
+def _encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
+    """Compact JSON for the request body; must be a JSON object under the 1 MiB cap."""
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {_json_type(args)}", tool_name=name)
+    try:
+        body = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
+    if len(body) > MAX_REQUEST_BYTES:
+        raise ProxyRequestError(
+            f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte cap", tool_name=name
+        )
+    return body
+
+
+def _utc_now_iso() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
+_undeclared_lock = threading.Lock()
+_undeclared_seen: "OrderedDict[Tuple[Any, ...], None]" = OrderedDict()
+
+
+def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
+    """§3.5: a label off the declared catalog is accepted; warn once per run and label."""
+    catalog = envelope.sub_agents
+    if not catalog or label in catalog or label.rsplit("/", 1)[-1] in catalog:
+        return
+    key = (envelope.run_id, envelope.run_token_jti, envelope.proxy_url, label)
+    with _undeclared_lock:
+        if key in _undeclared_seen:
+            return
+        _undeclared_seen[key] = None
+        if len(_undeclared_seen) > 4096:
+            _undeclared_seen.popitem(last=False)
+    _log.warning("actor label %r is not in this run's declared sub_agents %s; the platform will show it as undeclared",
+                 label, list(catalog))
+
+
+_default_client_lock = threading.Lock()
+_default_client_cache: List[ProxyClient] = []
+
+
+def _default_client() -> ProxyClient:
+    """The shared client of the module functions, created on first use."""
+    if not _default_client_cache:
+        with _default_client_lock:
+            if not _default_client_cache:
+                _default_client_cache.append(ProxyClient())
+    return _default_client_cache[0]
+
+
+def proxy_call(
+    name: str,
+    args: Optional[Mapping[str, Any]] = None,
+    *,
+    envelope: Optional[Envelope] = None,
+    actor: Optional[str] = None,
+    timeout: Optional[float] = None,
+    idempotency_key: Optional[str] = None,
+    errors: str = "raise",
+    client: Optional[ProxyClient] = None,
+) -> Any:
+    """Call tool ``name`` through the per-run proxy; return the unwrapped ``response`` (§3).
+
+    Uses ``envelope`` or the one bound to this context.  Retries 429 and the
+    transient 503 classes; raises :class:`ProxyError` (or
+    :class:`StaleRunTokenError`) otherwise, or returns ``{"error": ...}`` with
+    ``errors="return"``.
+    """
+    return (client or _default_client()).call(
+        envelope or current_envelope(), name, args,
+        actor=actor, timeout=timeout, idempotency_key=idempotency_key, errors=errors,
+    )
+
+
+_executor_lock = threading.Lock()
+_executor_cache: List[Any] = []
+
+
+def _executor() -> Any:
+    """A thread pool for the asyncio forms; wider than asyncio's default so tool calls overlap."""
+    if not _executor_cache:
+        with _executor_lock:
+            if not _executor_cache:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _executor_cache.append(ThreadPoolExecutor(max_workers=64, thread_name_prefix="pipelines-proxy"))
+    return _executor_cache[0]
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    import asyncio
+
+    context = contextvars.copy_context()
+    call = functools.partial(context.run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+
+
+async def aproxy_call(
+    name: str,
+    args: Optional[Mapping[str, Any]] = None,
+    **options: Any,
+) -> Any:
+    """The asyncio form of :func:`proxy_call` (same options); never blocks the event loop."""
+    return await _in_thread(proxy_call, name, args, **options)
+
+
+class Actor:
+    """Proxy calls and trace events attributed to one sub-agent (§3.5).
+
+    Every request carries ``X-Pipelines-Actor-Id: <label>``.  Build with
+    :func:`as_actor`.
+    """
+
+    __slots__ = ("label", "_envelope", "_client")
+
+    def __init__(self, label: str, *, envelope: Optional[Envelope] = None, client: Optional[ProxyClient] = None) -> None:
+        normalised = validate_actor_label(label)
+        if not normalised:
+            raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
+        self.label = normalised
+        self._envelope = envelope
+        self._client = client
+        if envelope is not None:
+            _warn_if_undeclared(envelope, normalised)
+
+    def __repr__(self) -> str:
+        return f"Actor({self.label!r})"
+
+    def call(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
+        """:func:`proxy_call` as this actor."""
+        return proxy_call(name, args, envelope=self._envelope, actor=self.label, client=self._client, **options)
+
+    async def acall(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
+        """:func:`aproxy_call` as this actor."""
+        return await _in_thread(self.call, name, args, **options)
+
+    def trace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None, **options: Any) -> Optional[Dict[str, Any]]:
+        """:func:`post_trace` as this actor."""
+        return post_trace(event_type, payload, envelope=self._envelope, actor=self.label, client=self._client, **options)
+
+    def handoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
+        """:func:`post_handoff` from this actor to ``to_sub_agent``."""
+        return post_handoff(self.label, to_sub_agent, envelope=self._envelope, client=self._client, **options)
+
+    def actor(self, child: str) -> "Actor":
+        """A sub-actor one level down the call path (``parent/child``)."""
+        return Actor(f"{self.label}/{child}", envelope=self._envelope, client=self._client)
+
+
+def as_actor(label: str, *, envelope: Optional[Envelope] = None, client: Optional[ProxyClient] = None) -> Actor:
+    """A handle whose calls carry ``X-Pipelines-Actor-Id: label``; validated now (§3.5)."""
+    return Actor(label, envelope=envelope, client=client)
+
+
+# ---------------------------------------------------------------------------
+# Trace events (§3.4)
+# ---------------------------------------------------------------------------
+
+
+def post_trace(
+    event_type: str,
+    payload: Optional[Mapping[str, Any]] = None,
+    *,
+    envelope: Optional[Envelope] = None,
+    actor: Optional[str] = None,
+    timeout: Optional[float] = None,
+    best_effort: bool = False,
+    client: Optional[ProxyClient] = None,
+) -> Optional[Dict[str, Any]]:
+    """Post a live trace event for the bound run (§3.4); see :meth:`ProxyClient.trace`."""
+    if best_effort:
+        try:
+            envelope = envelope or current_envelope()
+        except EnvelopeError as exc:
+            _log.warning("trace event %r not recorded: %s", event_type, exc)
+            return None
+    return (client or _default_client()).trace(
+        envelope or current_envelope(), event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort
+    )
+
+
+async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, **options: Any) -> Optional[Dict[str, Any]]:
+    """The asyncio form of :func:`post_trace`."""
+    return await _in_thread(post_trace, event_type, payload, **options)
+
+
+def post_handoff(
+    from_sub_agent: str,
+    to_sub_agent: str,
+    *,
+    reason: Optional[str] = None,
+    payload_preview: Optional[str] = None,
+    **options: Any,
+) -> Optional[Dict[str, Any]]:
+    """Record a control transfer between sub-agents as a ``handoff`` event (§3.4).
+
+    Both labels are validated as §3.5; a self-handoff is dropped (logged, not sent).
+    """
+    source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
+    if not source or not target:
+        raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
+    if source == target:
+        _log.info("dropping self-handoff %r -> %r", source, target)
+        return None
+    event: Dict[str, Any] = {"from_sub_agent": source, "to_sub_agent": target}
+    if reason is not None:
+        event["reason"] = reason
+    if payload_preview is not None:
+        event["payload_preview"] = payload_preview
+    return post_trace("handoff", event, **options)
+
+
+# ---------------------------------------------------------------------------
+# Response envelope (§4)
+# ---------------------------------------------------------------------------
+
+_FINAL_KEYS = ("final_response", "final_output", "output", "message")
+
+
+def _final_text(value: Any, key: str) -> Optional[str]:
+    """The final response as a string; frameworks' non-string outputs become JSON or ``str()``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if key == "final_response":
+        raise ResponseError(f"final_response must be a string, got {_json_type(value)}")
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
+    if callable(dump):
+        return str(dump())
+    return str(value)
+
+
+def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+    """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object.
+
+    Only an envelope-shaped value (one with ``final_response``) contributes its
+    messages, metadata and extra top-level keys; a framework's result
+    (``final_output`` / ``output`` / ``message``) contributes its text alone,
+    since its other fields are rarely JSON.
+    """
+    if isinstance(value, str):
+        return value, None, None, {}
+    if isinstance(value, Mapping):
+        if "final_response" in value:
+            extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
+            return _final_text(value["final_response"], "final_response"), value.get("messages"), value.get("metadata"), extra
+        for key in _FINAL_KEYS[1:]:
+            if value.get(key) is not None:
+                return _final_text(value[key], key), None, None, {}
+        return None, None, None, {}
+    if value is None:
+        return None, None, None, {}
+    for key in _FINAL_KEYS:
+        attr = getattr(value, key, None)
+        if attr is not None and not callable(attr):
+            if key == "final_response":
+                return _final_text(attr, key), getattr(value, "messages", None), getattr(value, "metadata", None), {}
+            return _final_text(attr, key), None, None, {}
+    raise ResponseError(
+        f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
+        "'final_response', or an object with final_response / final_output / output / message"
+    )
+
+
+def _normalise_tool_call(call: Any) -> Any:
+    """OpenAI nested ``{type: function, function: {name, arguments}}`` -> flat ``{id?, name, arguments?}``."""
+    if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
+        flat = {k: v for k, v in call.items() if k not in ("function", "type")}
+        flat["name"] = call["function"].get("name")
+        if "arguments" in call["function"]:
+            flat["arguments"] = call["function"]["arguments"]
+        return flat
+    return dict(call) if isinstance(call, Mapping) else call
+
+
+def _normalise_messages(messages: Any) -> Any:
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    out = []
+    for message in messages:
+        if isinstance(message, Mapping):
+            message = dict(message)
+            if isinstance(message.get("tool_calls"), (list, tuple)):
+                message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def build_response(
+    value: Any,
+    *,
+    messages: Optional[Sequence[Mapping[str, Any]]] = None,
+    metadata: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The v1 response envelope (§4) from what an agent returned.
+
+    ``value`` is a string, a mapping (``final_response`` and friends, plus any
+    extra top-level keys, kept), or a result object exposing ``final_response``
+    / ``final_output`` / ``output`` / ``message``.  ``messages`` and
+    ``metadata`` override those found in ``value``.  Nested OpenAI tool calls
+    become the flat form.  Raises :class:`ResponseError` listing every problem
+    (an empty final response, bad roles, unpaired ``tool_call_id``, bad
+    metadata types) instead of returning a body the platform would drop.
+    """
+    final, found_messages, found_metadata, extra = _unpack_result(value)
+    if messages is None:
+        messages = found_messages
+    if metadata is None:
+        metadata = found_metadata
+    body: Dict[str, Any] = dict(extra)
+    body["final_response"] = final
+    if messages is not None:
+        body["messages"] = _normalise_messages(messages)
+    if metadata is not None:
+        body["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
+    problems = [p for p in validate_response(body) if not p.startswith("warning:")]
+    if problems:
+        raise ResponseError(problems)
+    for warning in validate_response(body):
+        if warning.startswith("warning:"):
+            _log.warning("response: %s", warning[len("warning: "):])
+    return body
+
+
+def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False) -> Dict[str, Any]:
+    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4)."""
+    text = _final_text(message, "message") if not isinstance(message, str) else message
+    if not text or not text.strip():
+        raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
+    if not isinstance(session_done, bool):
+        raise ResponseError(f"session_done must be a boolean, got {_json_type(session_done)}")
+    reply: Dict[str, Any] = {"message": text, "session_done": session_done}
+    if metadata is not None:
+        problems = _metadata_problems(metadata)
+        if problems:
+            raise ResponseError(problems)
+        reply["metadata"] = dict(metadata)
+    return reply
+
+
+def _metadata_problems(metadata: Any) -> List[str]:
+    if metadata is None:
+        return []
+    if not isinstance(metadata, Mapping):
+        return [f"metadata: must be an object or null, got {_json_type(metadata)} (the platform drops it)"]
+    problems = []
+    for key in _METADATA_STR_KEYS:
+        if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
+            problems.append(f"metadata.{key}: must be a string, got {_json_type(metadata[key])}")
+    for key in _METADATA_INT_KEYS:
+        v = metadata.get(key)
+        if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            problems.append(f"metadata.{key}: must be a non-negative integer, got {_short(repr(v), 40)}")
+    v = metadata.get("agent_runtime_ms")
+    if "agent_runtime_ms" in metadata and v is not None and (
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+    ):
+        problems.append(f"metadata.agent_runtime_ms: must be a non-negative number, got {_short(repr(v), 40)}")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"metadata: is not JSON-serialisable: {exc}")
+    return problems
+
+
+def _message_problems(messages: Any) -> List[str]:
+    if messages is None:
+        return []
+    if not isinstance(messages, (list, tuple)):
+        return [f"messages: must be an array or null, got {_json_type(messages)} (the platform drops it)"]
+    problems: List[str] = []
+    seen_call_ids: set = set()
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            problems.append(f"{at}: must be an object, got {_json_type(message)}")
+            continue
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
+        content = message.get("content")
+        if "content" in message and content is not None and not isinstance(content, (str, list, tuple)):
+            problems.append(f"{at}.content: must be a string, an array of parts or null, got {_json_type(content)}")
+        tool_calls = message.get("tool_calls")
+        if "tool_calls" in message and tool_calls is not None:
+            if not isinstance(tool_calls, (list, tuple)):
+                problems.append(f"{at}.tool_calls: must be an array, got {_json_type(tool_calls)}")
+            else:
+                if role != "assistant" and tool_calls:
+                    problems.append(f"{at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
+                for j, call in enumerate(tool_calls):
+                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids))
+        thinking = message.get("thinking")
+        if "thinking" in message and thinking is not None:
+            if not isinstance(thinking, (list, tuple)):
+                problems.append(f"{at}.thinking: must be an array of objects, got {_json_type(thinking)}")
+            else:
+                for j, block in enumerate(thinking):
+                    if not isinstance(block, Mapping):
+                        problems.append(f"{at}.thinking[{j}]: must be an object, got {_json_type(block)}")
+        call_id = message.get("tool_call_id")
+        if "tool_call_id" in message and call_id is not None and not isinstance(call_id, str):
+            problems.append(f"{at}.tool_call_id: must be a string, got {_json_type(call_id)}")
+        elif role == "tool":
+            if not call_id:
+                problems.append(f"{at}.tool_call_id: required on role 'tool'")
+            elif call_id not in seen_call_ids:
+                problems.append(
+                    f"{at}.tool_call_id: {_short(repr(call_id), 60)} does not match the id of an earlier "
+                    "assistant tool_calls entry"
+                )
+    return problems
+
+
+def _tool_call_problems(call: Any, at: str, seen_call_ids: set) -> List[str]:
+    if not isinstance(call, Mapping):
+        return [f"{at}: must be an object, got {_json_type(call)}"]
+    flat = _normalise_tool_call(call)
+    problems = []
+    name = flat.get("name")
+    if not isinstance(name, str) or not name:
+        problems.append(f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it")
+    call_id = flat.get("id")
+    if "id" in flat and call_id is not None:
+        if not isinstance(call_id, str):
+            problems.append(f"{at}.id: must be a string, got {_json_type(call_id)}")
+        else:
+            seen_call_ids.add(call_id)
+    arguments = flat.get("arguments")
+    if arguments is not None and not isinstance(arguments, (Mapping, str)):
+        problems.append(f"{at}.arguments: must be an object or a JSON-encoded string, got {_json_type(arguments)}")
+    return problems
+
+
+def validate_response(body: Any) -> List[str]:
+    """Every problem the platform would reject, drop or truncate in a response body (§4).
+
+    Returns readable strings, each starting with the JSON path it concerns
+    (``final_response: ...``, ``messages[3].tool_call_id: ...``); warnings
+    that the platform only softens (truncation) start with ``warning:``.  An
+    empty list means the body is accepted as sent.
+    """
+    if not isinstance(body, Mapping):
+        return [f"body: must be a JSON object, got {_json_type(body)}"]
+    problems: List[str] = []
+    final = body.get("final_response")
+    if "final_response" not in body or final is None:
+        problems.append("final_response: required, a non-empty string (the judge grades it)")
+    elif not isinstance(final, str):
+        problems.append(f"final_response: must be a string, got {_json_type(final)}")
+    elif not final.strip():
+        problems.append("final_response: must not be empty or blank (the judge has nothing to grade)")
+    elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
+        problems.append(
+            f"warning: final_response: {len(final)} characters; the platform truncates it at "
+            f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning"
+        )
+    problems.extend(_message_problems(body.get("messages")))
+    problems.extend(_metadata_problems(body.get("metadata")))
+    if not problems:
+        try:
+            json.dumps(body, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"body: is not JSON-serialisable: {exc}")
+    # Warnings last, so callers can show the hard problems first.
+    return sorted(problems, key=lambda p: p.startswith("warning:"))

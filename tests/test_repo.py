@@ -1,0 +1,75 @@
+"""Standing rules of the repository: stdlib-only runtime, a quiet import, a documented public API."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import pathlib
+import subprocess
+import sys
+
+import pipelines_port as pp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUNTIME = [ROOT / "pipelines_port.py", *sorted((ROOT / "conformance").rglob("*.py")),
+           *sorted((ROOT / "templates").glob("*.py"))]
+
+
+def test_runtime_code_imports_the_standard_library_only() -> None:
+    allowed = set(sys.stdlib_module_names) | {"__future__", "pipelines_port", "conformance"}
+    bad = []
+    for path in RUNTIME:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] not in allowed]
+    assert bad == []
+
+
+def test_import_does_no_io_and_starts_nothing() -> None:
+    code = r"""
+import sys, threading, json
+events = []
+def hook(event, args):
+    if event in ("open", "socket.connect", "socket.bind", "socket.getaddrinfo", "subprocess.Popen", "os.system"):
+        target = str(args[0]) if args else ""
+        if not (event == "open" and target.endswith((".py", ".pyc"))):
+            events.append([event, target])
+sys.addaudithook(hook)
+before = threading.active_count()
+import pipelines_port
+heavy = [m for m in ("asyncio", "ssl", "http.client", "http.server", "email.utils") if m in sys.modules]
+print(json.dumps({"events": events, "threads": threading.active_count() - before, "heavy": heavy}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report == {"events": [], "threads": 0, "heavy": []}
+
+
+def test_public_api_is_exported_documented_and_typed() -> None:
+    for name in pp.__all__:
+        obj = getattr(pp, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert obj.__doc__, f"{name} has no docstring"
+        if inspect.isfunction(obj):
+            sig = inspect.signature(obj)
+            assert sig.return_annotation is not inspect.Signature.empty, f"{name} has no return type"
+            for p in sig.parameters.values():
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    assert p.annotation is not inspect.Parameter.empty, f"{name}({p.name}) has no type"
+
+
+def test_vectors_are_valid_json_with_names_and_expectations() -> None:
+    files = sorted((ROOT / "conformance" / "vectors").glob("*.json"))
+    assert len(files) >= 8
+    for path in files:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        assert doc["contract"] and doc["description"] and doc["cases"], path.name
+        names = [c["name"] for c in doc["cases"]]
+        assert len(names) == len(set(names)), f"{path.name}: duplicate case names"
+        assert all("expect" in c or "valid" in c for c in doc["cases"]), path.name
