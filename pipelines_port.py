@@ -97,10 +97,22 @@ __all__ = [
     "post_trace",
     "apost_trace",
     "post_handoff",
+    # agent-loop helpers
+    "TOOL_FORMATS",
+    "convert_tools",
+    "load_tools_schema",
+    "bound_output",
+    "call_tools",
+    "post_json",
+    "HTTPStatusError",
     # response envelope
     "build_response",
     "build_turn_reply",
     "validate_response",
+    # code mode
+    "AgentError",
+    "code_mode",
+    "run_in_fresh_thread",
 ]
 
 _log = logging.getLogger("pipelines_port")
@@ -985,17 +997,17 @@ def _interpret_reply(
     2xx: the unwrapped ``response`` (legacy bodies without it returned whole,
     non-JSON text as the string).  429 and the transient 503 classes: retry.
     401 with a stale-token class: :class:`StaleRunTokenError`.  Anything else:
-    :class:`ProxyError`.  ``run_token`` is scrubbed from whatever is kept.
+    :class:`ProxyError`.  ``run_token`` is scrubbed from error bodies and messages.
     """
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
-    if run_token:
-        value = _redact(value, run_token)
     if 200 <= status < 300:
         if is_json and isinstance(value, dict) and "response" in value:
             return _Reply("value", value["response"])
         return _Reply("value", value)
 
+    if run_token:  # an error body is kept and shown: scrub the token from it
+        value = _redact(value, run_token)
     error_class, message = _error_fields(value) if is_json else (None, None)
     if message is None:
         message = _short(value if isinstance(value, str) else (json.dumps(value) if value is not None else ""), 200)
@@ -1205,9 +1217,8 @@ class ProxyClient:
         self.retry = retry
         rate = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None else rate_per_minute
         self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
-        self._ssl_context = ssl_context
         self._sleep = sleep
-        self._connections = _Connections()
+        self._transport = _Transport(ssl_context)
 
     # -- public ---------------------------------------------------------------
 
@@ -1289,7 +1300,7 @@ class ProxyClient:
 
     def close(self) -> None:
         """Close the calling thread's idle keep-alive connections."""
-        self._connections.close_thread()
+        self._transport.close()
 
     # -- internals ------------------------------------------------------------
 
@@ -1304,7 +1315,7 @@ class ProxyClient:
         timeout: Optional[float],
         idempotency_key: Optional[str] = None,
     ) -> Any:
-        """One logical call: retries and pacing around :meth:`_send`."""
+        """One logical call: pacing and the retry loop around one transport exchange."""
         if not isinstance(envelope, Envelope):
             raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
         base = urlsplit(envelope.proxy_url)
@@ -1323,39 +1334,63 @@ class ProxyClient:
         if stats is not None:
             stats.count()
 
-        attempt, transport_failures = 0, 0
-        while True:
-            attempt += 1
+        def before_attempt() -> None:
             if self._pacer is not None:
                 wait = self._pacer.reserve(envelope.run_token)
                 if wait > 0:
                     _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
                     self._sleep(wait)
-            try:
-                status, reply_headers, reply = self._send(base, path, headers, body, timeout, name)
-            except ProxyTransportError as exc:
-                transport_failures += 1
-                if not _is_retryable_transport(exc) or transport_failures > self.retry.transport_retries:
-                    raise
-                wait = self.retry.delay(transport_failures)
-                _log.warning("%s; retrying in %.2f s with the same Idempotency-Key", exc, wait)
-                self._sleep(wait)
-                continue
-            outcome = _interpret_reply(status, reply_headers, reply, tool_name=name, run_token=envelope.run_token)
-            if outcome.kind == "value":
-                return outcome.value
-            if outcome.kind == "retry" and attempt < self.retry.max_attempts:
-                wait = self.retry.delay(attempt, outcome.retry_after)
-                _log.warning("%s; retry %d in %.2f s", outcome.error, attempt, wait)
-                self._sleep(wait)
-                continue
-            assert outcome.error is not None
-            raise outcome.error
 
-    def _send(
-        self, base: Any, path: str, headers: Dict[str, str], body: bytes, timeout: float, name: str
+        def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
+            try:
+                return self._transport.exchange(base, "POST", path, headers, body, timeout, MAX_REPLY_BYTES)
+            except _ReplyTooLarge as big:
+                raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
+
+        return _retry_loop(
+            send,
+            lambda status, reply_headers, reply: _interpret_reply(
+                status, reply_headers, reply, tool_name=name, run_token=envelope.run_token),
+            policy=self.retry,
+            sleep=self._sleep,
+            transport_error=lambda cause: ProxyTransportError(
+                _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name),
+            before_attempt=before_attempt,
+        )
+
+
+class _TransportFailure(Exception):
+    """No usable reply arrived; the socket or protocol error is ``__cause__``."""
+
+
+class _ReplyTooLarge(Exception):
+    """A reply body over the caller's cap; refused without reading it all."""
+
+    def __init__(self, status: int, cap: int, length: Optional[int]) -> None:
+        self.status = status
+        super().__init__(
+            f"is {length} bytes, over the {cap}-byte cap" if length is not None else f"exceeds the {cap}-byte cap"
+        )
+
+
+class _Transport:
+    """HTTP(S) exchanges over keep-alive connections: the one I/O layer of every outbound call."""
+
+    def __init__(self, ssl_context: "Optional[ssl.SSLContext]" = None) -> None:
+        self._ssl_context = ssl_context
+        self._connections = _Connections()
+
+    def close(self) -> None:
+        self._connections.close_thread()
+
+    def exchange(
+        self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float, max_reply: int
     ) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One HTTP exchange over a pooled keep-alive connection."""
+        """``(status, headers, body)`` of one request; raises :class:`_TransportFailure` or :class:`_ReplyTooLarge`.
+
+        An idle pooled connection the server closed is replaced transparently,
+        once, before anything counts as a failure.
+        """
         import http.client
 
         transport_errors = (OSError, http.client.HTTPException)
@@ -1374,45 +1409,94 @@ class ProxyClient:
             conn, reused = self._connections.get(key, timeout, make)
             started = time.monotonic()
             if debug:
-                _log.debug("proxy -> POST %s (%d bytes, key %s%s)", path, len(body), headers["Idempotency-Key"],
-                           ", actor " + headers[HEADER_ACTOR_ID] if HEADER_ACTOR_ID in headers else "")
+                _log.debug("-> %s %s%s (%d bytes%s)", method, base.netloc, path, len(body), _debug_headers(headers))
             try:
-                conn.request("POST", path, body, headers)
+                conn.request(method, path, body, dict(headers))
                 response = conn.getresponse()
             except transport_errors as exc:
                 conn.close()
                 if reused and not fresh_retry and _is_stale_connection_error(exc):
                     continue  # the server closed the idle connection: retry once on a fresh one
-                raise _transport_error(exc, name) from exc
+                raise _TransportFailure() from exc
             try:
                 status = response.status
                 reply_headers = response.getheaders()
-                length = response.getheader("Content-Length")
-                if length is not None and length.strip().isdigit() and int(length) > MAX_REPLY_BYTES:
+                length = (response.getheader("Content-Length") or "").strip()
+                if length.isdigit() and int(length) > max_reply:
                     conn.close()
-                    raise ProxyError(
-                        f"proxy reply to {name!r} is {int(length)} bytes, over the {MAX_REPLY_BYTES}-byte cap",
-                        status_code=status, tool_name=name,
-                    )
-                reply = response.read(MAX_REPLY_BYTES + 1)
-                if len(reply) > MAX_REPLY_BYTES:
+                    raise _ReplyTooLarge(status, max_reply, int(length))
+                reply = response.read(max_reply + 1)
+                if len(reply) > max_reply:
                     conn.close()
-                    raise ProxyError(
-                        f"proxy reply to {name!r} exceeds the {MAX_REPLY_BYTES}-byte cap",
-                        status_code=status, tool_name=name,
-                    )
+                    raise _ReplyTooLarge(status, max_reply, None)
             except transport_errors as exc:
                 conn.close()
-                raise _transport_error(exc, name) from exc
+                raise _TransportFailure() from exc
             if response.isclosed() and not response.will_close:
                 self._connections.put(key, conn)
             else:
                 conn.close()
             if debug:
-                _log.debug("proxy <- %s HTTP %d (%d bytes) in %.1f ms", path, status, len(reply),
+                _log.debug("<- %s %s%s HTTP %d (%d bytes) in %.1f ms", method, base.netloc, path, status, len(reply),
                            (time.monotonic() - started) * 1000)
             return status, reply_headers, reply
         raise AssertionError("unreachable")
+
+
+_SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
+
+
+def _debug_headers(headers: Mapping[str, str]) -> str:
+    """Headers worth a debug line, secrets redacted."""
+    shown = [
+        f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}"
+        for k, v in headers.items()
+        if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())
+    ]
+    return (", " + ", ".join(shown)) if shown else ""
+
+
+def _retry_loop(
+    send: Callable[[], Tuple[int, List[Tuple[str, str]], bytes]],
+    interpret: Callable[[int, List[Tuple[str, str]], bytes], "_Reply"],
+    *,
+    policy: RetryPolicy,
+    sleep: Callable[[float], None],
+    transport_error: Callable[[BaseException], PipelinesError],
+    before_attempt: Optional[Callable[[], None]] = None,
+) -> Any:
+    """The one retry loop (§3.3): ``interpret`` decides value / retry / error, ``policy`` how long and how often.
+
+    Transport failures are retried ``policy.transport_retries`` times (the
+    caller's request must be safe to repeat, e.g. by an Idempotency-Key).
+    """
+    attempt, transport_failures = 0, 0
+    while True:
+        attempt += 1
+        if before_attempt is not None:
+            before_attempt()
+        try:
+            status, reply_headers, reply = send()
+        except _TransportFailure as failure:
+            cause = failure.__cause__ or failure
+            error = transport_error(cause)
+            transport_failures += 1
+            if not _is_retryable_transport(cause) or transport_failures > policy.transport_retries:
+                raise error from cause
+            wait = policy.delay(transport_failures)
+            _log.warning("%s; retrying in %.2f s", error, wait)
+            sleep(wait)
+            continue
+        outcome = interpret(status, reply_headers, reply)
+        if outcome.kind == "value":
+            return outcome.value
+        if outcome.kind == "retry" and attempt < policy.max_attempts:
+            wait = policy.delay(attempt, outcome.retry_after)
+            _log.warning("%s; retry %d in %.2f s", outcome.error, attempt, wait)
+            sleep(wait)
+            continue
+        assert outcome.error is not None
+        raise outcome.error
 
 
 @functools.lru_cache(maxsize=None)
@@ -1444,19 +1528,15 @@ def _is_stale_connection_error(exc: BaseException) -> bool:
                             http.client.RemoteDisconnected, http.client.BadStatusLine))
 
 
-def _transport_error(exc: BaseException, name: str) -> ProxyTransportError:
-    reason = str(exc) or type(exc).__name__
-    return ProxyTransportError(
-        f"proxy call {name!r} failed before a reply arrived: {type(exc).__name__}: {_short(reason, 200)}",
-        tool_name=name,
-    )
+def _failed_before_reply(what: str, cause: BaseException) -> str:
+    reason = str(cause) or type(cause).__name__
+    return f"{what} failed before a reply arrived: {type(cause).__name__}: {_short(reason, 200)}"
 
 
-def _is_retryable_transport(exc: ProxyTransportError) -> bool:
+def _is_retryable_transport(cause: BaseException) -> bool:
     """Timeouts and refused, reset or dropped connections; not certificate or DNS failures."""
     import socket
 
-    cause = exc.__cause__
     ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
     if ssl is not None and isinstance(cause, ssl.SSLCertVerificationError):
         return False
@@ -1678,6 +1758,220 @@ def post_handoff(
     if payload_preview is not None:
         event["payload_preview"] = payload_preview
     return post_trace("handoff", event, **options)
+
+
+# ---------------------------------------------------------------------------
+# Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
+# output, and a retrying JSON client for model APIs
+# ---------------------------------------------------------------------------
+
+TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
+
+
+def _tool_parts(entry: Any, index: int) -> Tuple[str, str, Dict[str, Any]]:
+    """``(name, description, input_schema)`` of one tool in any accepted shape (§3.6).
+
+    Platform ``{name, description?, input_schema}``, the Import-JSON shapes
+    ``{name, description, parameters}`` (OpenAI) and ``{name, description,
+    input_schema}`` (Anthropic), and Chat Completions' ``{type: function, function: {...}}``.
+    """
+    if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping):
+        entry = entry["function"]
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"tools[{index}]: must be an object, got {_json_type(entry)}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+        raise ValueError(f"tools[{index}].name: {_short(repr(name), 60)} must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$")
+    schema = entry.get("input_schema", entry.get("parameters"))
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"tools[{index}] ({name}): input_schema must be a JSON Schema object")
+    description = entry.get("description") or ""
+    return name, str(description), _thaw(schema)
+
+
+def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
+    """A tool list in another API's format: ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic``.
+
+    Accepts any shape :func:`load_tools_schema` accepts; raises ``ValueError``
+    naming the first bad entry or a duplicate name.
+    """
+    if to not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
+    out: List[Dict[str, Any]] = []
+    seen: set = set()
+    for i, entry in enumerate(tools):
+        name, description, schema = _tool_parts(entry, i)
+        if name in seen:
+            raise ValueError(f"tools[{i}].name: {name!r} is declared twice; tool names are unique per agent")
+        seen.add(name)
+        if to == "platform":
+            tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
+            for key in ("output_schema", "default_execution_mode", "passthrough_binding"):
+                if isinstance(entry, Mapping) and key in entry:
+                    tool[key] = _thaw(entry[key])
+        elif to == "openai_chat":
+            tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+        elif to == "openai_responses":
+            tool = {"type": "function", "name": name, "description": description, "parameters": schema}
+        else:
+            tool = {"name": name, "description": description, "input_schema": schema}
+        out.append(tool)
+    return out
+
+
+def load_tools_schema(source: Union[str, "os.PathLike[str]", None] = None) -> List[Dict[str, Any]]:
+    """The tool list in the platform's shape, from a JSON file or the environment (§3.6).
+
+    ``source`` is a path to a JSON list (or ``{"tools": [...]}``); with no
+    source, ``PIPELINES_TOOLS_SCHEMA_B64`` or ``PIPELINES_TOOLS_SCHEMA_JSON``.
+    Raises ``ValueError`` naming the file and the problem.
+    """
+    if source is None:
+        tools = _tools_schema_from_env(os.environ)
+        where = "the environment"
+        if tools is None:
+            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
+    else:
+        where = os.fspath(source)
+        try:
+            with open(source, encoding="utf-8") as f:
+                tools = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read tools schema {where}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"tools schema {where} is not valid JSON: {exc}") from None
+        if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
+            tools = tools["tools"]
+        if not isinstance(tools, list):
+            raise ValueError(f"tools schema {where} must be a JSON list of tools, got {_json_type(tools)}")
+    try:
+        return convert_tools(tools, "platform")
+    except ValueError as exc:
+        raise ValueError(f"tools schema {where}: {exc}") from None
+
+
+def bound_output(text: Any, limit: int = 8000) -> str:
+    """``text`` (JSON-encoded when not a string) cut to about ``limit`` characters, head and tail kept.
+
+    The middle is replaced by a marker saying how many characters were cut, so
+    a model sees both how a long tool result starts and how it ends.
+    """
+    if not isinstance(text, str):
+        text = json.dumps(text, ensure_ascii=False, default=str)
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 40, 2)
+    head, tail = keep - keep // 2, keep // 2
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n...[{cut} characters truncated]...\n{text[len(text) - tail:]}"
+
+
+def call_tools(
+    calls: Iterable[Tuple[str, Optional[Mapping[str, Any]]]],
+    *,
+    max_concurrency: int = 8,
+    errors: str = "return",
+    **options: Any,
+) -> List[Any]:
+    """Run one model turn's tool calls through the proxy concurrently; results in call order.
+
+    At most ``max_concurrency`` run at once; the client's pacing keeps them
+    under the platform's rate limit.  Each call sees this context's bound
+    envelope.  With ``errors="return"`` (the default here) a failed call gives
+    its ``{"error": ...}`` value, so the model can react; a stale run token
+    still raises.  ``options`` go to :func:`proxy_call`.
+    """
+    calls = [(name, args) for name, args in calls]
+    if not calls:
+        return []
+    if len(calls) == 1 or max_concurrency <= 1:
+        return [proxy_call(name, args, errors=errors, **options) for name, args in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(max_concurrency, len(calls)), thread_name_prefix="pipelines-tool") as pool:
+        futures = [
+            pool.submit(contextvars.copy_context().run, proxy_call, name, args, errors=errors, **options)
+            for name, args in calls
+        ]
+        return [f.result() for f in futures]
+
+
+class HTTPStatusError(PipelinesError):
+    """A JSON API (e.g. a model API) answered with an error status after retries, or with no JSON."""
+
+    def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+_MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
+_MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
+_transport_lock = threading.Lock()
+_transport_cache: List[_Transport] = []
+
+
+def post_json(
+    url: str,
+    payload: Mapping[str, Any],
+    *,
+    headers: Optional[Mapping[str, str]] = None,
+    timeout: float = 300.0,
+    retry: RetryPolicy = _MODEL_RETRY,
+    max_reply_bytes: int = 64 << 20,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """POST JSON to an HTTP API (a model API) and return the decoded JSON reply.
+
+    Keep-alive connections are shared with the proxy client.  429, 408, 409,
+    425, 5xx and 529 (overloaded) are retried with backoff, ``Retry-After``
+    honoured, as are timeouts and dropped connections.  Other errors raise
+    :class:`HTTPStatusError` with the status and the first 500 characters of
+    the body.  Header values (API keys) never appear in messages or logs.
+    """
+    try:
+        base = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"invalid URL {_short(url)!r}: {exc}") from None
+    if base.scheme.lower() not in ("http", "https") or not base.hostname:
+        raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
+    path = (base.path or "/") + (f"?{base.query}" if base.query else "")
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT}
+    sent.update(headers or {})
+    if not _transport_cache:
+        with _transport_lock:
+            if not _transport_cache:
+                _transport_cache.append(_Transport())
+    transport = _transport_cache[0]
+    where = f"POST {base.scheme}://{base.netloc}{base.path}"
+
+    def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
+        try:
+            return transport.exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
+        except _ReplyTooLarge as big:
+            raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
+
+    def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> _Reply:
+        value, is_json = _decode_body(reply, "")
+        if 200 <= status < 300:
+            if not is_json:
+                return _Reply("error", error=HTTPStatusError(
+                    f"{where}: HTTP {status} but the reply is not JSON: {_short(str(value or ''), 200)!r}",
+                    status_code=status, body=value))
+            return _Reply("value", value)
+        text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
+        error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
+        if status in _MODEL_RETRY_STATUSES:
+            return _Reply("retry", error=error, retry_after=_parse_retry_after(_lower_headers(reply_headers).get("retry-after")))
+        return _Reply("error", error=error)
+
+    return _retry_loop(
+        send, interpret, policy=retry, sleep=sleep,
+        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1937,3 +2231,101 @@ def validate_response(body: Any) -> List[str]:
             problems.append(f"body: is not JSON-serialisable: {exc}")
     # Warnings last, so callers can show the hard problems first.
     return sorted(problems, key=lambda p: p.startswith("warning:"))
+
+
+# ---------------------------------------------------------------------------
+# Code mode (§5): one agent function, the sandbox's run() entrypoint
+# ---------------------------------------------------------------------------
+
+
+class AgentError(PipelinesError):
+    """The agent function raised; the original exception is ``__cause__``, its traceback intact."""
+
+
+def _describe(exc: BaseException, limit: int = 500) -> str:
+    """``"TypeName: message"`` of an exception, shortened: what the platform is shown."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return _short(text, limit)
+
+
+def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
+    """Call a sync or ``async def`` agent with the envelope bound; this thread must have no running loop."""
+    import inspect
+
+    with bind_envelope(envelope):
+        result = agent(envelope)
+        if inspect.isawaitable(result):
+            import asyncio
+
+            async def _await() -> Any:
+                return await result
+
+            result = asyncio.run(_await())
+    return result
+
+
+def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on a new thread and hand back its result or exception.
+
+    For the sandbox, whose Jupyter kernel already runs an event loop on the
+    calling thread (``asyncio.run`` raises there).  ``fn`` may be ``async def``:
+    it gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the one
+    bound here, if any) is bound inside the new thread, since a ContextVar does
+    not cross threads.  An exception is re-raised as is, traceback included.
+    """
+    import inspect
+
+    envelope = envelope if envelope is not None else _current.get()
+    outcome: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            with contextlib.ExitStack() as stack:
+                if envelope is not None:
+                    stack.enter_context(bind_envelope(envelope))
+                result = fn(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    import asyncio
+
+                    async def _await() -> Any:
+                        return await result
+
+                    result = asyncio.run(_await())
+                outcome["result"] = result
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]:
+    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
+
+    The same ``agent(envelope)`` function (sync or ``async def``) serves HTTP
+    mode.  It runs on a fresh thread with the envelope bound, so it works under
+    the kernel's running loop.  The result goes through :func:`build_response`;
+    a raising agent gives :class:`AgentError` (original exception chained), a
+    result that cannot become a response gives :class:`ResponseError`, never a
+    half-built dict.
+    """
+
+    def run(task_input: Mapping[str, Any], *, proxy_url: str, run_token: str) -> Dict[str, Any]:
+        envelope = Envelope.from_run(task_input, proxy_url=proxy_url, run_token=run_token)
+        try:
+            result = run_in_fresh_thread(_call_agent, agent, envelope)
+        except PipelinesError:
+            raise
+        except Exception as exc:
+            raise AgentError(f"agent raised {_describe(exc)}") from exc
+        return build_response(result)
+
+    run.__name__ = "run"
+    run.__qualname__ = "run"
+    run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (built by pipelines_port.code_mode)."
+    run.agent = agent  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,1 @@
+"""The pipelines_port conformance suite: vectors, a mock platform, and checks for any port."""

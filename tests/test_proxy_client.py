@@ -394,6 +394,14 @@ def test_no_message_or_log_line_ever_contains_the_run_token(proxy: MockProxy, cl
     assert caplog.records and all(TOKEN not in r.getMessage() for r in caplog.records)
 
 
+def test_successful_results_are_never_scrubbed(fake_sleep: FakeSleep) -> None:
+    with MockProxy(tokens=["t"]) as proxy:  # a token that occurs in ordinary text
+        env = pp.Envelope.from_dispatch({"odyssey_proxy_url": proxy.url}, {"X-Pipelines-Run-Token": "t"})
+        proxy.script("get_text", [{"response": "the total is ten"}])
+        client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep)
+        assert client.call(env, "get_text", {}) == "the total is ten"
+
+
 def test_dispatch_stats_count_calls_of_the_bound_dispatch(proxy: MockProxy, client: pp.ProxyClient) -> None:
     stats = pp._DispatchStats()
     token = pp._dispatch_stats.set(stats)
