@@ -22,7 +22,8 @@ A reply spec is a dict with any of:
 - ``source``, ``matched_rule_index``: envelope fields
 - ``replay`` (default True for 2xx): remember the reply for its Idempotency-Key
 
-With no script for a tool the proxy echoes: ``{"response": {"tool": name, "args": args}}``.
+``script("*", fn)`` answers every tool without a script of its own (a simulator
+plugs in here).  With no script at all for a tool the proxy echoes: ``{"response": {"tool": name, "args": args}}``.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ class MockProxy:
 
     def script(self, name: str, replies: Script) -> None:
         """Replies for tool (or trace event type) ``name``: a list consumed in order
-        (the last one repeats), or a function of the recorded request."""
+        (the last one repeats), or a function of the recorded request.  The name
+        ``"*"`` answers every tool that has no script of its own."""
         with self._lock:
             self._scripts[name] = list(replies) if isinstance(replies, list) else replies
 
@@ -177,6 +179,8 @@ class MockProxy:
             if key and key in self._replayed:
                 return dict(self._replayed[key], replayed=True)
             script = self._scripts.get(request.name)
+            if script is None and request.kind == "tools":
+                script = self._scripts.get("*")
             if callable(script):
                 reply = None
             elif script:
