@@ -109,6 +109,17 @@ __all__ = [
     "build_response",
     "build_turn_reply",
     "validate_response",
+    # dispatch server
+    "HttpReply",
+    "DispatchApp",
+    "probe_proxy",
+    "wsgi_app",
+    "asgi_app",
+    "make_server",
+    "start_server",
+    "serve",
+    "load_agent",
+    "main",
     # code mode
     "AgentError",
     "code_mode",
@@ -1110,10 +1121,11 @@ def _env_float(name: str, default: float) -> float:
 class _DispatchStats:
     """Proxy calls made by one dispatch (for the server's log line)."""
 
-    __slots__ = ("proxy_calls", "_lock")
+    __slots__ = ("proxy_calls", "cancelled", "_lock")
 
     def __init__(self) -> None:
         self.proxy_calls = 0
+        self.cancelled = False  # set when the dispatch overran run_timeout_s
         self._lock = threading.Lock()
 
     def count(self) -> None:
@@ -1332,6 +1344,9 @@ class ProxyClient:
         timeout = self.timeout if timeout is None else float(timeout)
         stats = _dispatch_stats.get()
         if stats is not None:
+            if stats.cancelled:
+                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
+                                 "answered already", tool_name=name)
             stats.count()
 
         def before_attempt() -> None:
@@ -2234,22 +2249,46 @@ def validate_response(body: Any) -> List[str]:
 
 
 # ---------------------------------------------------------------------------
-# Code mode (§5): one agent function, the sandbox's run() entrypoint
+# Dispatch core (§2): one function decides what every request returns
 # ---------------------------------------------------------------------------
 
+DEFAULT_DISPATCH_PATH = "/dispatch"
+DEFAULT_TOKEN_ENV = "AGENT_TOKEN"
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_RUN_TIMEOUT_S = 300.0
+MAX_RUN_TIMEOUT_S = 1800.0
+ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
+_DETAIL_LIMIT = 500
+_PROBE_TOOL = "__reachability_probe__"
 
-class AgentError(PipelinesError):
-    """The agent function raised; the original exception is ``__cause__``, its traceback intact."""
+
+class HttpReply(NamedTuple):
+    """What the dispatch core answers: a status, headers and a JSON body."""
+
+    status: int
+    headers: List[Tuple[str, str]]
+    body: bytes
 
 
-def _describe(exc: BaseException, limit: int = 500) -> str:
-    """``"TypeName: message"`` of an exception, shortened: what the platform is shown."""
+def _json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    headers.extend(extra_headers)
+    return HttpReply(status, headers, body)
+
+
+def _error_reply(status: int, detail: str, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
+    return _json_reply(status, {"detail": detail}, extra_headers)
+
+
+def _describe(exc: BaseException, limit: int = _DETAIL_LIMIT) -> str:
+    """``"TypeName: message"`` of an exception, at most ``limit`` characters: what the platform is shown."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return _short(text, limit)
 
 
 def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
-    """Call a sync or ``async def`` agent with the envelope bound; this thread must have no running loop."""
+    """Call a sync or ``async def`` agent with the envelope bound (this thread must run no event loop)."""
     import inspect
 
     with bind_envelope(envelope):
@@ -2262,6 +2301,618 @@ def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
 
             result = asyncio.run(_await())
     return result
+
+
+class _DeadlineExceeded(Exception):
+    pass
+
+
+def _run_with_deadline(fn: Callable[[], Any], timeout_s: float, stats: "_DispatchStats") -> Any:
+    """Run ``fn`` in this context on a worker thread; give up waiting after ``timeout_s``.
+
+    A Python thread cannot be killed: an overrunning agent keeps running in the
+    background, but ``stats.cancelled`` makes its further proxy calls fail fast.
+    """
+    context = contextvars.copy_context()
+    outcome: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = context.run(fn)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the dispatching thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        stats.cancelled = True
+        raise _DeadlineExceeded()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+class DispatchApp:
+    """An agent function and its endpoint settings; :meth:`handle` decides every reply (§2).
+
+    ``agent(envelope)`` may be sync or ``async def`` and may return anything
+    :func:`build_response` accepts.  Auth (step 1) uses ``token`` or, by
+    default, the environment variable ``token_env`` read at each request; it is
+    off only with ``no_auth=True``.  ``auth_header`` is ``Authorization``
+    (``Bearer <token>``) or a custom header carrying the raw value.
+
+    Serve it with :func:`serve` / :func:`start_server`, under a WSGI server
+    (:attr:`wsgi`) or an ASGI server (:attr:`asgi`): all three call the same core.
+    """
+
+    def __init__(
+        self,
+        agent: Callable[[Envelope], Any],
+        *,
+        path: str = DEFAULT_DISPATCH_PATH,
+        token: Optional[str] = None,
+        token_env: Optional[str] = DEFAULT_TOKEN_ENV,
+        auth_header: str = "Authorization",
+        no_auth: bool = False,
+        max_body: int = DEFAULT_MAX_BODY_BYTES,
+        run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+        tools_schema: Union[Sequence[Any], str, "os.PathLike[str]", None] = None,
+    ) -> None:
+        if not callable(agent):
+            raise TypeError(f"agent must be callable, got {type(agent).__name__}")
+        if not path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {path!r}")
+        if no_auth and token:
+            raise ValueError("no_auth=True and a token contradict each other: choose one")
+        if not no_auth and not token and not token_env:
+            raise ValueError("auth needs a token or a token_env; pass no_auth=True to disable it explicitly")
+        if not (0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
+            raise ValueError(f"run_timeout_s must be in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
+        if max_body < 1:
+            raise ValueError(f"max_body must be a positive number of bytes, got {max_body!r}")
+        if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
+            raise ValueError(f"auth_header must be an HTTP header name, got {auth_header!r}")
+        self.agent = agent
+        self.path = path.rstrip("/") or "/"
+        self.token = token
+        self.token_env = None if token else token_env
+        self.auth_header = auth_header
+        self.no_auth = no_auth
+        self.max_body = int(max_body)
+        self.run_timeout_s = float(run_timeout_s)
+        if tools_schema is None or isinstance(tools_schema, (list, tuple)):
+            self.tools_schema = convert_tools(tools_schema, "platform") if tools_schema is not None else None
+        else:
+            self.tools_schema = load_tools_schema(tools_schema)
+        self.routes: Dict[str, Tuple[str, ...]] = {self.path: ("POST",), "/healthz": ("GET",)}
+        if self.tools_schema is not None:
+            self.routes["/tools_schema"] = ("GET",)
+
+    def __repr__(self) -> str:
+        return f"DispatchApp({getattr(self.agent, '__name__', self.agent)!r}, path={self.path!r}, auth={self.describe_auth()!r})"
+
+    def describe_auth(self) -> str:
+        """How auth is configured, for a start-up line (never the token)."""
+        if self.no_auth:
+            return "DISABLED (no_auth): anyone who can reach this endpoint can dispatch"
+        value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
+        source = "the configured token" if self.token else f"${self.token_env}"
+        line = f"{self.auth_header}: {value} (token from {source})"
+        if self.token_env and not os.environ.get(self.token_env):
+            line += f"; {self.token_env} is NOT set: every request gets 503 until it is"
+        return line
+
+    # -- the core ---------------------------------------------------------------
+
+    def precheck(self, method: str, target: str, headers: HeadersLike) -> Optional[HttpReply]:
+        """The reply decided before the body is read, or ``None`` to read it and call :meth:`handle`.
+
+        Routing (404, 405), auth (401, 503), then the body's framing: 411 for a
+        chunked or length-less body, 413 over ``max_body`` (from Content-Length).
+        """
+        path = urlsplit(target).path.rstrip("/") or "/"
+        allowed = self.routes.get(path)
+        if allowed is None:
+            return _error_reply(404, f"no route for {_short(path, 100)}: dispatches go to POST {self.path}")
+        if method.upper() not in allowed:
+            return _error_reply(405, f"{method.upper()} is not allowed on {path}: use {' or '.join(allowed)}",
+                                [("Allow", ", ".join(allowed))])
+        if path == "/healthz":
+            return None
+        h = _lower_headers(headers)
+        denied = self._auth_problem(h)
+        if denied is not None:
+            return denied
+        if method.upper() != "POST":
+            return None
+        if "chunked" in h.get("transfer-encoding", "").lower():
+            return _error_reply(411, "chunked request bodies are not supported: send the JSON body with a Content-Length header")
+        length = h.get("content-length", "").strip()
+        if not length.isdigit():
+            return _error_reply(411, "a Content-Length header is required: send the JSON body with its length")
+        if int(length) > self.max_body:
+            return _error_reply(413, f"request body of {int(length)} bytes is over this endpoint's {self.max_body}-byte cap")
+        return None
+
+    def _auth_problem(self, headers: Dict[str, str]) -> Optional[HttpReply]:
+        if self.no_auth:
+            return None
+        expected = self.token or os.environ.get(self.token_env or "") or ""
+        if not expected:
+            return _error_reply(503, f"this agent's wrapper is misconfigured: auth reads environment variable "
+                                     f"{self.token_env}, which is not set")
+        if not check_credential(headers, expected, header_name=self.auth_header):
+            return _error_reply(401, f"missing or invalid credential in the {self.auth_header} header",
+                                [("WWW-Authenticate", "Bearer")] if self.auth_header.lower() == "authorization" else [])
+        return None
+
+    def handle(self, method: str, target: str, headers: HeadersLike, body: bytes) -> HttpReply:
+        """Decide the reply to one request, in §2's order: auth, JSON, ping, connectivity, envelope, agent, response.
+
+        No socket I/O of its own (the agent and the connectivity probe talk to
+        the proxy); every failure is one status with a JSON ``detail`` naming
+        it.  Adapters call it for every request, also when :meth:`precheck`
+        refused it (``body`` is then unread and ignored), and it writes one log
+        line per request to the dispatch path: ids, status, duration, proxy calls.
+        """
+        started = time.monotonic()
+        stats = _DispatchStats()
+        reply, what, envelope = self._decide(method, target, headers, body, stats)
+        if what == "health":
+            return reply
+        if envelope is not None:
+            ids = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
+        else:
+            h = _lower_headers(headers)
+            ids = (_header(h, HEADER_RUN_ID), _header(h, HEADER_TASK_ID), _header(h, HEADER_RUN_TOKEN_JTI))
+        if what != "dispatch" and reply.status >= 400:
+            what = "rejected: " + json.loads(reply.body).get("detail", "")[:200]
+        _log.info("%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
+                  method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
+                  stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
+        return reply
+
+    def _decide(self, method: str, target: str, headers: HeadersLike, body: bytes,
+                stats: "_DispatchStats") -> Tuple[HttpReply, str, Optional[Envelope]]:
+        """``(reply, what, envelope)``: the §2 steps in order; ``what`` names the request for the log."""
+        early = self.precheck(method, target, headers)
+        if early is not None:
+            return early, "rejected", None
+        path = urlsplit(target).path.rstrip("/") or "/"
+        if path == "/healthz":
+            return _json_reply(200, {"ok": True, "version": __version__}), "health", None
+        if path == "/tools_schema":
+            return _json_reply(200, {"tools": self.tools_schema}), "tools schema", None
+        if len(body) > self.max_body:
+            return _error_reply(413, f"request body of {len(body)} bytes is over this endpoint's "
+                                     f"{self.max_body}-byte cap"), "rejected", None
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error_reply(400, f"body is not valid JSON: {_short(str(exc), 200)}"), "rejected", None
+        if is_ping(payload):
+            return _json_reply(200, {"ok": True}), "ping", None
+        if not isinstance(payload, dict):
+            return _error_reply(400, f"body must be a JSON object, got {_json_type(payload)}"), "rejected", None
+        if payload.get("connectivity_check") is True:
+            return self._connectivity_check(payload, headers), "connectivity check", None
+        try:
+            envelope = Envelope.from_dispatch(payload, headers)
+        except EnvelopeError as exc:
+            return _error_reply(400, str(exc)), "rejected", None
+        return self._run_agent(envelope, stats), "dispatch", envelope
+
+    def _connectivity_check(self, payload: Mapping[str, Any], headers: HeadersLike) -> HttpReply:
+        """§2 step 4: probe the proxy with a fake bearer; never runs user code."""
+        h = _lower_headers(headers)
+        url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(h, HEADER_PROXY_URL)
+        if not url:
+            return _error_reply(400, f"connectivity_check needs a proxy URL: body field {BODY_PROXY_URL!r} "
+                                     f"or header {_title(HEADER_PROXY_URL)}")
+        try:
+            proxy_url = _check_proxy_url(url, "the connectivity check")
+        except EnvelopeError as exc:
+            return _error_reply(400, str(exc))
+        return _json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
+
+    def _run_agent(self, envelope: Envelope, stats: "_DispatchStats") -> HttpReply:
+        token = _dispatch_stats.set(stats)
+        try:
+            result = _run_with_deadline(lambda: _call_agent(self.agent, envelope), self.run_timeout_s, stats)
+            body = build_response(result)
+            reply = _json_reply(200, body)
+            if envelope.run_token.encode("utf-8") in reply.body:
+                _log.warning("the agent's response contained the run token; it was redacted")
+                reply = _json_reply(200, _redact(body, envelope.run_token))
+        except _DeadlineExceeded:
+            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
+                       "further proxy calls", envelope.run_id, self.run_timeout_s)
+            reply = _error_reply(504, f"agent did not finish within run_timeout_s={self.run_timeout_s:g} s")
+        except ResponseError as exc:
+            reply = _error_reply(500, _redact_secrets(
+                f"agent returned a value that cannot become a response: {exc}", envelope, self)[:_DETAIL_LIMIT])
+        except Exception as exc:  # noqa: BLE001 - the agent is user code
+            import traceback
+
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            _log.error("run %s: the agent raised:\n%s", envelope.run_id, _redact_secrets(trace, envelope, self))
+            reply = _error_reply(500, _redact_secrets(_describe(exc), envelope, self))
+        finally:
+            _dispatch_stats.reset(token)
+        return reply
+
+    # -- adapters -----------------------------------------------------------------
+
+    def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
+        """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
+        headers = [(k[5:].replace("_", "-"), v) for k, v in environ.items() if k.startswith("HTTP_")]
+        for key, name in (("CONTENT_TYPE", "Content-Type"), ("CONTENT_LENGTH", "Content-Length")):
+            if environ.get(key):
+                headers.append((name, environ[key]))
+        method = environ.get("REQUEST_METHOD", "GET")
+        target = environ.get("PATH_INFO", "/") or "/"
+        if self.precheck(method, target, headers) is not None:
+            reply = self.handle(method, target, headers, b"")
+        else:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            body = _read_exactly(environ["wsgi.input"].read, length) if length else b""
+            if len(body) < length:
+                reply = _error_reply(400, f"request body truncated: got {len(body)} of {length} bytes")
+            else:
+                reply = self.handle(method, target, headers, body)
+        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
+        return [reply.body]
+
+    async def asgi(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        """The ASGI application (HTTP and lifespan): ``app = DispatchApp(agent).asgi`` for uvicorn & co.
+
+        The core runs on a worker thread, so a slow agent never blocks the event loop.
+        """
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
+        method, target, headers = scope["method"], scope.get("path", "/"), scope.get("headers", [])
+        if self.precheck(method, target, headers) is not None:
+            reply = self.handle(method, target, headers, b"")
+        else:
+            length = int(_lower_headers(headers).get("content-length") or 0)
+            chunks: List[bytes] = []
+            received, more = 0, True
+            while more and received < length:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                chunks.append(chunk)
+                received += len(chunk)
+                more = message.get("more_body", False)
+            body = b"".join(chunks)
+            if len(body) < length:
+                reply = _error_reply(400, f"request body truncated: got {len(body)} of {length} bytes")
+            else:
+                reply = await _in_thread(self.handle, method, target, headers, body)
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]})
+        await send({"type": "http.response.body", "body": reply.body})
+
+
+def _redact_secrets(text: str, envelope: Optional[Envelope], app: Optional[DispatchApp]) -> str:
+    """``text`` without the run token or the agent token (an agent's error may quote either)."""
+    secrets = [envelope.run_token] if envelope is not None else []
+    if app is not None:
+        secrets.append(app.token or os.environ.get(app.token_env or "") or "")
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _REDACTED)
+    return text
+
+
+def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
+    """§3.7 reachability probe: ``{reachable, status_code, latency_ms, error}``.
+
+    POSTs ``{}`` to ``{proxy_url}/tools/__reachability_probe__`` with a fake
+    bearer: 401/403 (or 2xx) means reachable; a connection or DNS error means
+    egress is blocked.  Never raises.
+    """
+    started = time.monotonic()
+    try:
+        base = urlsplit(_check_proxy_url(proxy_url, "the probe"))
+        path = f"{base.path.rstrip('/')}/tools/{_PROBE_TOOL}"
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer fake-token", "User-Agent": _USER_AGENT}
+        status, _, _ = _probe_transport().exchange(base, "POST", path, headers, b"{}", timeout, 64 << 10)
+    except _TransportFailure as failure:
+        cause = failure.__cause__ or failure
+        return {"reachable": False, "status_code": None, "latency_ms": round((time.monotonic() - started) * 1000, 1),
+                "error": _describe(cause, 200)}
+    except (EnvelopeError, _ReplyTooLarge) as exc:
+        return {"reachable": False, "status_code": getattr(exc, "status", None),
+                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": _describe(exc, 200)}
+    reachable = status in (401, 403) or 200 <= status < 300
+    return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
+            "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_transport() -> _Transport:
+    return _Transport()
+
+
+def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
+    """Up to ``length`` bytes from a stream that may return short reads; fewer only at EOF."""
+    chunks, remaining = [], length
+    while remaining > 0:
+        chunk = read(min(remaining, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _reason(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
+    """A WSGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
+    return DispatchApp(agent, **options).wsgi
+
+
+def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., Any]:
+    """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
+    return DispatchApp(agent, **options).asgi
+
+
+# ---------------------------------------------------------------------------
+# Server: http.server, keep-alive, graceful shutdown
+# ---------------------------------------------------------------------------
+
+DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_GRACE_S = 30.0
+
+
+@functools.lru_cache(maxsize=None)
+def _server_classes() -> Tuple[type, type]:
+    """The ``http.server`` classes, built on first use so import stays cheap."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class DispatchServer(ThreadingHTTPServer):
+        """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
+
+        daemon_threads = True
+        allow_reuse_address = True
+        block_on_close = False
+        request_queue_size = 1024  # socketserver's 5 resets connections in a burst of dispatches
+
+        def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
+            self.app = app
+            self.read_timeout_s = read_timeout_s
+            self.draining = threading.Event()
+            self._in_flight = 0
+            self._idle = threading.Condition()
+            self._thread: Optional[threading.Thread] = None
+            super().__init__(address, DispatchHandler)
+
+        @property
+        def url(self) -> str:
+            host, port = self.server_address[:2]
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{port}{self.app.path}"
+
+        def enter(self) -> bool:
+            with self._idle:
+                if self.draining.is_set():
+                    return False
+                self._in_flight += 1
+                return True
+
+        def leave(self) -> None:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+        def drain(self, grace_s: float) -> bool:
+            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished."""
+            self.draining.set()
+            deadline = time.monotonic() + grace_s
+            with self._idle:
+                while self._in_flight > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(left)
+            return True
+
+        def close(self, grace_s: float = 5.0) -> bool:
+            """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
+            self.draining.set()
+            if self._thread is not None:
+                self.shutdown()
+            finished = self.drain(grace_s)
+            self.server_close()
+            return finished
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                _default_client().close()  # this connection's thread is ending: close its proxy connections
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+
+    class DispatchHandler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "pipelines-port/" + __version__
+        sys_version = ""
+        server: DispatchServer
+
+        def setup(self) -> None:
+            self.timeout = self.server.read_timeout_s  # slow or truncated clients cannot hold a worker forever
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            _log.debug("%s %s", self.address_string(), format % args)
+
+        def do_GET(self) -> None:
+            self._serve()
+
+        def do_POST(self) -> None:
+            self._serve()
+
+        def do_PUT(self) -> None:
+            self._serve()
+
+        def do_DELETE(self) -> None:
+            self._serve()
+
+        def do_PATCH(self) -> None:
+            self._serve()
+
+        def do_HEAD(self) -> None:
+            self._serve()
+
+        def _serve(self) -> None:
+            app = self.server.app
+            if not self.server.enter():
+                self._send(_error_reply(503, "server is shutting down: retry on another instance"), close=True)
+                return
+            try:
+                headers = self.headers.items()
+                refused = app.precheck(self.command, self.path, headers) is not None
+                length = self.headers.get("Content-Length", "").strip()
+                length_n = int(length) if length.isdigit() else None
+                # A refused request's body is read (and dropped) only when small, to keep the connection;
+                # otherwise the connection closes rather than parse the body as the next request.
+                readable = length_n is not None and length_n <= app.max_body
+                close = self.server.draining.is_set() or (refused and not readable and self.command != "GET")
+                try:
+                    body = _read_exactly(self.rfile.read, length_n) if readable else b""
+                except OSError:  # a client that stops sending times out here
+                    self.close_connection = True
+                    return
+                if readable and len(body) < length_n:
+                    self._send(_error_reply(400, f"request body truncated: got {len(body)} of {length_n} bytes"),
+                               close=True)
+                    return
+                self._send(app.handle(self.command, self.path, headers, body), close=close)
+            finally:
+                self.server.leave()
+
+        def _send(self, reply: HttpReply, *, close: bool = False) -> None:
+            self.send_response(reply.status)
+            for name, value in reply.headers:
+                self.send_header(name, value)
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                try:
+                    self.wfile.write(reply.body)
+                except OSError:
+                    self.close_connection = True
+
+    return DispatchServer, DispatchHandler
+
+
+def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
+    if isinstance(agent, DispatchApp):
+        if options:
+            raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
+        return agent
+    return DispatchApp(agent, **options)
+
+
+def make_server(
+    agent: Union[DispatchApp, Callable[[Envelope], Any]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    **options: Any,
+) -> Any:
+    """A bound, not yet serving ``DispatchServer`` (a ``ThreadingHTTPServer``); ``options`` as for :class:`DispatchApp`."""
+    app = _as_app(agent, options)
+    if app.no_auth:
+        _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
+    server_class, _ = _server_classes()
+    return server_class((host, port), app, read_timeout_s)
+
+
+def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
+                 **options: Any) -> Any:
+    """Serve on a background thread (tests, notebooks); returns the server: ``.url``, ``.close(grace_s)``."""
+    server = make_server(agent, host=host, port=port, **options)
+    server._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                      name="pipelines-server", daemon=True)
+    server._thread.start()
+    return server
+
+
+def serve(
+    agent: Union[DispatchApp, Callable[[Envelope], Any]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    grace_s: float = DEFAULT_GRACE_S,
+    ready: Optional[Callable[[Any], None]] = None,
+    **options: Any,
+) -> int:
+    """Serve until SIGTERM or SIGINT, then drain: refuse new dispatches, let in-flight ones finish.
+
+    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is
+    called once listening.  Returns 0 when every dispatch finished, 1 otherwise.
+    """
+    import signal
+
+    server = make_server(agent, host=host, port=port, **options)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    server._thread = thread
+    thread.start()
+    try:
+        if ready is not None:
+            ready(server)
+        while not stop.wait(0.5):
+            pass
+        _log.info("shutting down: refusing new dispatches, waiting up to %g s for in-flight ones", grace_s)
+        finished = server.close(grace_s)
+        if not finished:
+            _log.warning("grace period over with dispatches still running; exiting anyway")
+        return 0 if finished else 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------------------
+# Code mode (§5): one agent function, the sandbox's run() entrypoint
+# ---------------------------------------------------------------------------
+
+
+class AgentError(PipelinesError):
+    """The agent function raised; the original exception is ``__cause__``, its traceback intact."""
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
@@ -2329,3 +2980,201 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
     run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (built by pipelines_port.code_mode)."
     run.agent = agent  # type: ignore[attr-defined]
     return run
+
+
+# ---------------------------------------------------------------------------
+# Command line: python3 pipelines_port.py serve PATH_OR_MODULE:FUNCTION ...
+# ---------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    """A command-line problem: printed as one line, exit status 2."""
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The callable named by ``PATH.py:NAME`` or ``package.module:NAME`` (``NAME`` may be dotted).
+
+    A file's directory goes first on ``sys.path`` so its sibling imports work.
+    Raises ``ValueError`` with one readable line.
+    """
+    import importlib
+    import importlib.util
+
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ValueError(f"expected PATH_OR_MODULE:FUNCTION (e.g. agent.py:agent or mypkg.agent:agent), got {spec!r}")
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    try:
+        if is_file:
+            path = os.path.abspath(where)
+            if not os.path.isfile(path):
+                raise ValueError(f"no such file: {where}")
+            directory, name = os.path.split(path)
+            name = name[:-3] if name.endswith(".py") else name
+            loaded = sys.modules.get(name)
+            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+                name = f"_pipelines_agent_{name}"
+            if directory not in sys.path:
+                sys.path.insert(0, directory)
+            spec_ = importlib.util.spec_from_file_location(name, path)
+            if spec_ is None or spec_.loader is None:
+                raise ValueError(f"cannot load {where} as a Python module")
+            module = importlib.util.module_from_spec(spec_)
+            sys.modules[name] = module
+            try:
+                spec_.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)
+                raise
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: report it in one line
+        raise ValueError(f"cannot import {where}: {_describe(exc, 300)}{_where_raised(exc)}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            names = ", ".join(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))[:200]
+            raise ValueError(f"{where} has no {attr!r} (callables defined there: {names or 'none'})")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"{where}:{attr} is a {type(target).__name__}, not a function")
+    return target
+
+
+def _where_raised(exc: BaseException) -> str:
+    """`` (file.py, line N)`` of the innermost frame, to find an import error fast."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    return f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}, line {tb.tb_lineno})"
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _configure_logging(debug: bool) -> None:
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _argparse().ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise _argparse().ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise _argparse().ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def _argparse() -> Any:
+    import argparse
+
+    return argparse
+
+
+def _cmd_serve(args: Any) -> int:
+    _configure_logging(args.debug or _truthy(os.environ.get(ENV_DEBUG)))
+    try:
+        agent = load_agent(args.agent)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    tools_schema = args.tools_schema
+    if tools_schema is None and ":" in args.agent:
+        beside = os.path.join(os.path.dirname(os.path.abspath(args.agent.rpartition(":")[0])), "tools_schema.json")
+        if args.agent.rpartition(":")[0].endswith(".py") and os.path.isfile(beside):
+            tools_schema = beside
+    if isinstance(agent, DispatchApp):
+        app = agent
+    else:
+        try:
+            app = DispatchApp(
+                agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
+                max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
+            )
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+
+    def ready(server: Any) -> None:
+        print(f"pipelines_port serve: listening on {server.url}", flush=True)
+        print(f"pipelines_port serve: auth: {app.describe_auth()}", flush=True)
+        if app.tools_schema is not None:
+            print(f"pipelines_port serve: {len(app.tools_schema)} tools declared, served at GET /tools_schema",
+                  flush=True)
+
+    try:
+        return serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready)
+    except OSError as exc:
+        raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+
+
+def _parser() -> Any:
+    argparse = _argparse()
+    parser = argparse.ArgumentParser(
+        prog="pipelines_port.py",
+        description="Put an agent under test on the Pipelines platform, standard library only.",
+    )
+    parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve_ = commands.add_parser(
+        "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)",
+        description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.",
+    )
+    serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
+    serve_.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve_.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
+    serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
+                        help="environment variable holding the agent token (default AGENT_TOKEN)")
+    serve_.add_argument("--auth-header", default="Authorization", metavar="NAME",
+                        help="header carrying it: Authorization (Bearer <token>) or a custom name with the raw value")
+    serve_.add_argument("--no-auth", action="store_true", help="disable inbound auth (anyone can dispatch)")
+    serve_.add_argument("--max-body", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
+    serve_.add_argument("--timeout", type=_positive_float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
+                        help=f"run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
+    serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
+    serve_.add_argument("--tools-schema", metavar="FILE",
+                        help="tools list served at GET /tools_schema (default: tools_schema.json beside the agent file)")
+    serve_.add_argument("--debug", action="store_true",
+                        help=f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)")
+    serve_.set_defaults(run=_cmd_serve)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except _UsageError as exc:
+        print(f"pipelines_port {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    # Run the command in the importable module, not in __main__, so that an agent
+    # file doing `import pipelines_port` shares its envelope binding and proxy client.
+    import pipelines_port as _module
+
+    sys.exit(_module.main())

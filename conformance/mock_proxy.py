@@ -222,6 +222,7 @@ class MockProxy:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 1024
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # dropped and reset connections are part of the script
