@@ -119,6 +119,8 @@ __all__ = [
     "start_server",
     "serve",
     "load_agent",
+    "available_templates",
+    "init_project",
     "main",
     # code mode
     "AgentError",
@@ -3121,6 +3123,118 @@ def _cmd_serve(args: Any) -> int:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
 
 
+_TEMPLATES_DIR = "templates"
+_INIT_README = """# {name}
+
+Scaffolded by `python3 pipelines_port.py init` from the `{template}` template.
+
+- `agent.py` - your agent: edit it. `agent(envelope)` serves both ways below.
+- `tools_schema.json` - the tools it may call (register the same list on the platform).
+- `pipelines_port.py` - the kit (standard library only); keep it beside `agent.py`.
+
+Run it as an HTTP dispatch endpoint:
+
+    export AGENT_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
+    python3 pipelines_port.py serve agent.py:agent --host 0.0.0.0 --port 8080
+
+Or upload this folder in code mode: the sandbox calls `agent.run(task_input, proxy_url=..., run_token=...)`.
+
+Check the setup before a platform run:
+
+    python3 pipelines_port.py doctor --app agent.py:agent --tools-schema tools_schema.json
+"""
+
+
+def _template_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), _TEMPLATES_DIR)
+
+
+def available_templates() -> Dict[str, str]:
+    """``{name: one-line description}`` of the templates beside this file (empty when there are none)."""
+    import ast
+
+    found: Dict[str, str] = {}
+    directory = _template_dir()
+    if not os.path.isdir(directory):
+        return found
+    for entry in sorted(os.listdir(directory)):
+        if entry.endswith(".py") and not entry.startswith("_"):
+            path = os.path.join(directory, entry)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    doc = ast.get_docstring(ast.parse(f.read())) or ""
+            except (OSError, SyntaxError, ValueError):
+                doc = ""
+            found[entry[:-3]] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return found
+
+
+def init_project(directory: str, template: str = "minimal", *, force: bool = False) -> List[str]:
+    """Write ``agent.py`` (from ``template``), ``tools_schema.json``, ``README.md`` and this module into ``directory``.
+
+    Nothing is overwritten unless ``force``; every target is checked before the
+    first is written, and each file is written to a temporary name and renamed,
+    so a refusal or failure leaves no half-written project.  Returns the paths written.
+    """
+    templates = available_templates()
+    if not templates:
+        raise ValueError(f"no templates found in {_template_dir()}: init needs the kit's templates/ folder "
+                         "beside pipelines_port.py")
+    if template not in templates:
+        raise ValueError(f"unknown template {template!r}: choose one of {', '.join(templates)}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{directory} exists and is not a directory")
+    here = os.path.abspath(__file__)
+    with open(os.path.join(_template_dir(), template + ".py"), encoding="utf-8") as f:
+        agent_source = f.read()
+    schema_path = os.path.join(_template_dir(), "tools_schema.json")
+    with open(schema_path, encoding="utf-8") as f:
+        schema_source = f.read()
+    with open(here, encoding="utf-8") as f:
+        module_source = f.read()
+    readme = _INIT_README.format(name=os.path.basename(os.path.abspath(directory)), template=template)
+    files = {"agent.py": agent_source, "tools_schema.json": schema_source, "README.md": readme,
+             "pipelines_port.py": module_source}
+    targets = {name: os.path.join(directory, name) for name in files}
+    existing = [name for name, path in targets.items() if os.path.exists(path)]
+    if existing and not force:
+        raise ValueError(f"{', '.join(existing)} already exist(s) in {directory}: nothing written "
+                         "(use --force to overwrite)")
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for name, content in files.items():
+        path = targets[name]
+        if os.path.abspath(path) == here:
+            continue  # initialising the kit's own folder: the module is already there
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(content)
+        os.replace(temporary, path)
+        written.append(path)
+    return written
+
+
+def _cmd_init(args: Any) -> int:
+    if args.list:
+        templates = available_templates()
+        if not templates:
+            raise _UsageError(f"no templates found in {_template_dir()}")
+        width = max(map(len, templates))
+        for name, doc in templates.items():
+            print(f"{name:<{width}}  {doc}")
+        return 0
+    if not args.directory:
+        raise _UsageError("init needs a DIR (or --list to see the templates)")
+    try:
+        written = init_project(args.directory, args.template, force=args.force)
+    except (ValueError, OSError) as exc:
+        raise _UsageError(str(exc)) from None
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next: cd {args.directory} && AGENT_TOKEN=... python3 pipelines_port.py serve agent.py:agent")
+    return 0
+
+
 def _parser() -> Any:
     argparse = _argparse()
     parser = argparse.ArgumentParser(
@@ -3153,6 +3267,16 @@ def _parser() -> Any:
     serve_.add_argument("--debug", action="store_true",
                         help=f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)")
     serve_.set_defaults(run=_cmd_serve)
+
+    init_ = commands.add_parser(
+        "init", help="scaffold an agent project from a template",
+        description="Write agent.py (from a template), tools_schema.json, README.md and pipelines_port.py into DIR.",
+    )
+    init_.add_argument("directory", metavar="DIR", nargs="?", help="the project folder (created if missing)")
+    init_.add_argument("--template", default="minimal", metavar="NAME", help="template to start from (default minimal)")
+    init_.add_argument("--force", action="store_true", help="overwrite files that already exist")
+    init_.add_argument("--list", action="store_true", help="list the templates and exit")
+    init_.set_defaults(run=_cmd_init)
     return parser
 
 
