@@ -30,6 +30,7 @@ import base64
 import binascii
 import contextlib
 import contextvars
+import enum
 import functools
 import hmac
 import json
@@ -97,6 +98,12 @@ __all__ = [
     "post_trace",
     "apost_trace",
     "post_handoff",
+    # tools from code
+    "Tool",
+    "tool",
+    "export_tools",
+    "schema_for_type",
+    "validate_args",
     # agent-loop helpers
     "TOOL_FORMATS",
     "convert_tools",
@@ -1775,6 +1782,294 @@ def post_handoff(
     if payload_preview is not None:
         event["payload_preview"] = payload_preview
     return post_trace("handoff", event, **options)
+
+
+# ---------------------------------------------------------------------------
+# Tools from code: JSON Schema from a function's signature, local argument
+# validation, proxied inside a dispatch and local outside one (§3.6)
+# ---------------------------------------------------------------------------
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _is_json_type(value: Any, kind: str) -> bool:
+    if kind == "null":
+        return value is None
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "array":
+        return isinstance(value, (list, tuple))
+    if kind == "object":
+        return isinstance(value, Mapping)
+    return True  # an unknown type name constrains nothing
+
+
+def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
+    """Every way ``value`` breaks ``schema``, one readable string each (empty: valid).
+
+    The JSON Schema subset tools use: ``type`` (one or a list), ``properties``,
+    ``required``, ``additionalProperties``, ``enum``, ``const``, ``items``,
+    ``minimum`` / ``maximum`` (and exclusive), ``minLength`` / ``maxLength``,
+    ``minItems`` / ``maxItems``, ``anyOf`` / ``oneOf``.  Other keywords are ignored.
+    """
+    if not isinstance(schema, Mapping):
+        return []
+    problems: List[str] = []
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+        if not any(_is_json_type(value, k) for k in kinds):
+            return [f"{path}: expected {' or '.join(kinds)}, got {_json_type(value)}"]
+    if "enum" in schema and value not in schema["enum"]:
+        shown = ", ".join(json.dumps(v) for v in schema["enum"])
+        problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
+    if "const" in schema and value != schema["const"]:
+        problems.append(f"{path}: must be {json.dumps(schema['const'])}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for key, ok, word in (("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
+                              ("exclusiveMinimum", lambda v, b: v > b, "more than"),
+                              ("exclusiveMaximum", lambda v, b: v < b, "less than")):
+            bound = schema.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not ok(value, bound):
+                problems.append(f"{path}: {value} is not {word} {bound}")
+    if isinstance(value, str):
+        if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
+            problems.append(f"{path}: {len(value)} characters, fewer than minLength {schema['minLength']}")
+        if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
+            problems.append(f"{path}: {len(value)} characters, more than maxLength {schema['maxLength']}")
+    if isinstance(value, (list, tuple)):
+        if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
+            problems.append(f"{path}: {len(value)} items, fewer than minItems {schema['minItems']}")
+        if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
+            problems.append(f"{path}: {len(value)} items, more than maxItems {schema['maxItems']}")
+        if isinstance(schema.get("items"), Mapping):
+            for i, item in enumerate(value):
+                problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
+    if isinstance(value, Mapping):
+        properties = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        for name in schema.get("required") or ():
+            if name not in value:
+                problems.append(f"{path}.{name}: required")
+        extra = schema.get("additionalProperties", True)
+        for name, item in value.items():
+            if name in properties:
+                problems.extend(validate_args(properties[name], item, f"{path}.{name}"))
+            elif extra is False:
+                problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
+            elif isinstance(extra, Mapping):
+                problems.extend(validate_args(extra, item, f"{path}.{name}"))
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            matches = sum(1 for option in options if not validate_args(option, value, path))
+            if matches == 0 or (key == "oneOf" and matches > 1):
+                problems.append(f"{path}: matches {matches} of the {key} alternatives")
+    return problems
+
+
+def schema_for_type(annotation: Any) -> Dict[str, Any]:
+    """The JSON Schema for a Python type hint: str, int, float, bool, None, Optional/Union,
+    list/tuple/set[X], dict[str, X], Literal, Enum, Any.  Raises ``TypeError`` for anything else."""
+    import typing
+
+    if annotation is Any:
+        return {}
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
+    if annotation is None:
+        return {"type": "null"}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        values = [m.value for m in annotation]
+        schema: Dict[str, Any] = {"enum": values}
+        kinds = {_JSON_TYPES.get(type(v)) for v in values}
+        if len(kinds) == 1 and None not in kinds:
+            schema["type"] = kinds.pop()
+        return schema
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        schema = {"enum": list(args)}
+        kinds = {_JSON_TYPES.get(type(v)) for v in args}
+        if len(kinds) == 1 and None not in kinds:
+            schema["type"] = kinds.pop()
+        return schema
+    if origin is Union or type(annotation).__name__ == "UnionType":
+        members = [a for a in args if a is not type(None)]
+        nullable = len(members) < len(args)
+        parts = [schema_for_type(a) for a in members]
+        if len(parts) == 1:
+            only = parts[0]
+            if nullable and isinstance(only.get("type"), str) and set(only) == {"type"}:
+                return {"type": [only["type"], "null"]}
+            return {"anyOf": [only, {"type": "null"}]} if nullable else only
+        return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
+    if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
+        schema = {"type": "array"}
+        members = [a for a in args if a is not Ellipsis]
+        if len(set(members)) == 1:
+            schema["items"] = schema_for_type(members[0])
+        elif members:  # a fixed-shape tuple: each item is one of its types
+            schema["items"] = {"anyOf": [schema_for_type(a) for a in dict.fromkeys(members)]}
+        return schema
+    if annotation is dict or origin is dict:
+        schema = {"type": "object"}
+        if len(args) == 2 and args[1] is not Any:
+            schema["additionalProperties"] = schema_for_type(args[1])
+        return schema
+    raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
+                    "list/dict of those, Literal or an Enum")
+
+
+def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
+    """``(description, {param: description})`` from a Google-style (``Args:``) or Sphinx (``:param x:``) docstring."""
+    import inspect
+
+    text = inspect.cleandoc(doc or "")
+    params: Dict[str, str] = {}
+    summary: List[str] = []
+    section = None
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        sphinx = re.match(r":param\s+(?:[\w\[\], ]+\s+)?(\w+):\s*(.*)", stripped)
+        if sphinx:
+            current = sphinx.group(1)
+            params[current] = sphinx.group(2)
+            section = "sphinx"
+            continue
+        if re.fullmatch(r"(Args|Arguments|Parameters):", stripped):
+            section, current = "args", None
+            continue
+        if re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", stripped) or stripped.startswith(":"):
+            section, current = "other", None
+            continue
+        if section == "args":
+            m = re.match(r"(\w+)\s*(\([^)]*\))?:\s*(.*)", stripped)
+            if m and line.startswith(("    ", "\t")) and not line.startswith(("        ", "\t\t")):
+                current = m.group(1)
+                params[current] = m.group(3)
+            elif current and stripped:
+                params[current] = (params[current] + " " + stripped).strip()
+            continue
+        if section == "sphinx" and current and stripped and line.startswith((" ", "\t")):
+            params[current] = (params[current] + " " + stripped).strip()
+            continue
+        if section is None:
+            summary.append(line)
+    description = "\n".join(summary).strip()
+    return re.sub(r"\s*\n\s*\n\s*", "\n\n", description), params
+
+
+class Tool:
+    """A tool declared from a plain function with :func:`tool`.
+
+    Inside a dispatch (an envelope is bound) a call validates its arguments
+    against the derived input schema, then goes through the proxy and returns
+    the unwrapped result; outside one it runs the function locally.  An ``async
+    def`` function gives an awaitable either way.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
+                 default_execution_mode: Optional[str] = None) -> None:
+        import inspect
+        import typing
+
+        self.fn = fn
+        self.name = validate_tool_name(name or fn.__name__)
+        summary, param_docs = _docstring_parts(fn.__doc__)
+        self.description = description if description is not None else summary
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.signature = inspect.signature(fn)
+        try:
+            hints = typing.get_type_hints(fn)
+        except Exception as exc:  # noqa: BLE001 - unresolvable annotations
+            raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
+        properties: Dict[str, Any] = {}
+        required: List[str] = []
+        for param in self.signature.parameters.values():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
+            try:
+                prop = schema_for_type(hints[param.name]) if param.name in hints else {}
+            except TypeError as exc:
+                raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
+            if param_docs.get(param.name):
+                prop["description"] = param_docs[param.name]
+            if param.default is param.empty:
+                required.append(param.name)
+            else:
+                default = param.default.value if isinstance(param.default, enum.Enum) else param.default
+                try:
+                    prop["default"] = json.loads(json.dumps(default))  # as the JSON a model would send
+                except (TypeError, ValueError):
+                    pass
+            properties[param.name] = prop
+        self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+        if required:
+            self.input_schema["required"] = required
+        if default_execution_mode not in (None, "sandbox", "passthrough"):
+            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
+        self.default_execution_mode = default_execution_mode
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r})"
+
+    @property
+    def schema(self) -> Dict[str, Any]:
+        """This tool in the platform's tools_schema shape."""
+        entry: Dict[str, Any] = {"name": self.name, "description": self.description,
+                                 "input_schema": _thaw(self.input_schema)}
+        if self.default_execution_mode:
+            entry["default_execution_mode"] = self.default_execution_mode
+        return entry
+
+    def validate(self, arguments: Mapping[str, Any]) -> List[str]:
+        """Every way ``arguments`` break this tool's input schema."""
+        return validate_args(self.input_schema, arguments)
+
+    def arguments(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The JSON arguments object a call sends (enum members become their values)."""
+        bound = self.signature.bind(*args, **kwargs)
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in bound.arguments.items()}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _current.get() is None:
+            return self.fn(*args, **kwargs)
+        arguments = self.arguments(*args, **kwargs)
+        problems = self.validate(arguments)
+        if problems:
+            raise ProxyRequestError(f"arguments for tool {self.name!r} do not match its input schema: "
+                                    + "; ".join(problems), tool_name=self.name)
+        if self.is_async:
+            return aproxy_call(self.name, arguments)
+        return proxy_call(self.name, arguments)
+
+
+def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, description: Optional[str] = None,
+         default_execution_mode: Optional[str] = None) -> Any:
+    """Declare a tool from a plain function: ``@tool`` or ``@tool(name=..., description=...)``.
+
+    The input schema comes from the signature and type hints, the description
+    from the docstring (its ``Args:`` / ``:param:`` lines describe the arguments).
+    Inside a dispatch a call goes through the proxy; outside, the function runs.
+    """
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return Tool(f, name=name, description=description, default_execution_mode=default_execution_mode)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
+    """The tool list for registration or a model API: ``Tool`` objects and/or tools_schema entries
+    in ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic`` shape."""
+    return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 
 # ---------------------------------------------------------------------------
