@@ -129,6 +129,9 @@ __all__ = [
     "available_templates",
     "init_project",
     "main",
+    # MCP shim
+    "McpShim",
+    "MCP_PROTOCOL_VERSIONS",
     # code mode
     "AgentError",
     "code_mode",
@@ -3204,6 +3207,201 @@ def serve(
 
 
 # ---------------------------------------------------------------------------
+# MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+# ---------------------------------------------------------------------------
+
+MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+_RPC_PARSE_ERROR, _RPC_INVALID_REQUEST, _RPC_METHOD_NOT_FOUND = -32700, -32600, -32601
+_RPC_INVALID_PARAMS, _RPC_INTERNAL_ERROR = -32602, -32603
+
+
+class McpShim:
+    """A Model Context Protocol server over stdio (JSON-RPC 2.0, one message per line).
+
+    For agent frameworks that speak MCP: ``tools/list`` comes from §3.6's
+    sources (``PIPELINES_TOOLS_SCHEMA_B64`` / ``_JSON``, else the platform's
+    ``GET {api_url}/api/agents/{agent_id}/tools-schema``), ``tools/call`` goes
+    through the proxy client (one Idempotency-Key per call, reused on its
+    retries; failures become ``isError`` results).  Notifications are never
+    answered; malformed lines get JSON-RPC errors; nothing crashes it.
+    """
+
+    def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
+        self.environ = dict(os.environ if environ is None else environ)
+        self.client = client
+        self._tools: Optional[List[Dict[str, Any]]] = None
+        self._envelope: Optional[Envelope] = None
+        self._lock = threading.Lock()
+
+    # -- protocol -----------------------------------------------------------------
+
+    def handle_line(self, line: str) -> Optional[str]:
+        """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
+        if not line.strip():
+            return None
+        try:
+            message = json.loads(line)
+        except ValueError as exc:
+            return _rpc_error(None, _RPC_PARSE_ERROR, f"parse error: {_short(str(exc), 120)}")
+        if isinstance(message, list):
+            return _rpc_error(None, _RPC_INVALID_REQUEST, "batches are not supported: send one message per line")
+        if not isinstance(message, dict):
+            return _rpc_error(None, _RPC_INVALID_REQUEST, f"a message must be a JSON object, got {_json_type(message)}")
+        has_id = "id" in message
+        request_id = message.get("id")
+        if has_id and not (request_id is None or isinstance(request_id, (str, int)) and not isinstance(request_id, bool)):
+            return _rpc_error(None, _RPC_INVALID_REQUEST, "id must be a string or a number")
+        method = message.get("method")
+        if method is None and ("result" in message or "error" in message):
+            return None  # a response to something we never send: ignore
+        if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
+            return _rpc_error(request_id, _RPC_INVALID_REQUEST, 'expected {"jsonrpc": "2.0", "method": ...}') if has_id else None
+        if not has_id:
+            return None  # a notification (notifications/initialized, cancelled, ...): never answered
+        params = message.get("params", {})
+        if not isinstance(params, dict):
+            return _rpc_error(request_id, _RPC_INVALID_PARAMS, "params must be an object")
+        try:
+            result = self._dispatch(method, params)
+        except _RpcError as exc:
+            return _rpc_error(request_id, exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - never crash the shim
+            _log.exception("mcp: %s failed", method)
+            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, _redact_secrets(_describe(exc), self._envelope, None))
+        return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
+
+    def _dispatch(self, method: str, params: Dict[str, Any]) -> Dict[str, Any]:
+        if method == "initialize":
+            asked = params.get("protocolVersion")
+            version = asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0]
+            return {"protocolVersion": version, "capabilities": {"tools": {"listChanged": False}},
+                    "serverInfo": {"name": "pipelines_port", "version": __version__},
+                    "instructions": "Every tool call goes through the Pipelines per-run proxy."}
+        if method == "ping":
+            return {}
+        if method == "tools/list":
+            return {"tools": [{"name": t["name"], "description": t.get("description") or "",
+                               "inputSchema": t["input_schema"]} for t in self.tools()]}
+        if method == "tools/call":
+            name, arguments = params.get("name"), params.get("arguments", {})
+            if not isinstance(name, str):
+                raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name, a string")
+            if arguments is None:
+                arguments = {}
+            if not isinstance(arguments, dict):
+                raise _RpcError(_RPC_INVALID_PARAMS, "tools/call params.arguments must be an object")
+            return self.call_tool(name, arguments)
+        raise _RpcError(_RPC_METHOD_NOT_FOUND, f"method not found: {_short(method, 80)}")
+
+    # -- tools --------------------------------------------------------------------
+
+    def envelope(self) -> Envelope:
+        with self._lock:
+            if self._envelope is None:
+                try:
+                    self._envelope = Envelope.from_env(self.environ)
+                except EnvelopeError as exc:
+                    raise _RpcError(_RPC_INTERNAL_ERROR, f"the shim has no run: {exc}") from None
+            return self._envelope
+
+    def tools(self) -> List[Dict[str, Any]]:
+        """The tool list (platform shape), read once: inline env first, else the platform's endpoint."""
+        with self._lock:
+            cached = self._tools
+        if cached is not None:
+            return cached
+        try:
+            inline = _tools_schema_from_env(self.environ)
+        except EnvelopeError as exc:
+            raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
+        tools = inline if inline is not None else self._fetch_tools()
+        try:
+            tools = convert_tools(tools, "platform")
+        except ValueError as exc:
+            raise _RpcError(_RPC_INTERNAL_ERROR, f"the tools schema is invalid: {exc}") from None
+        with self._lock:
+            self._tools = tools
+        return tools
+
+    def _fetch_tools(self) -> List[Any]:
+        """``GET {api_url}/api/agents/{agent_id}/tools-schema`` with the run token (§3.6)."""
+        agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
+        if not agent_id:
+            raise _RpcError(_RPC_INTERNAL_ERROR, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} (or "
+                                                 f"{ENV_TOOLS_SCHEMA_JSON}), or {ENV_AGENT_ID} to fetch it")
+        envelope = self.envelope()
+        api_url = (self.environ.get(ENV_API_URL) or "").strip().rstrip("/") or envelope.api_url
+        try:
+            base = urlsplit(_check_proxy_url(api_url, ENV_API_URL))
+        except EnvelopeError as exc:
+            raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
+        path = f"{base.path.rstrip('/')}/api/agents/{quote(agent_id, safe='')}/tools-schema"
+        headers = {"Accept": "application/json", "Authorization": "Bearer " + envelope.run_token,
+                   "User-Agent": _USER_AGENT}
+        try:
+            status, _, body = _probe_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
+        except (_TransportFailure, _ReplyTooLarge) as exc:
+            raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: "
+                                                 f"{_describe(exc.__cause__ or exc, 200)}") from None
+        value, is_json = _decode_body(body, "")
+        tools = value.get("tools") if is_json and isinstance(value, dict) else None
+        if status != 200 or not isinstance(tools, list):
+            raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: HTTP {status} from "
+                                                 f"{base.netloc}{path}")
+        return tools
+
+    def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
+        """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
+        envelope = self.envelope()
+        try:
+            value = proxy_call(name, arguments, envelope=envelope, client=self.client)
+        except ProxyError as exc:
+            return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        result: Dict[str, Any] = {"content": [{"type": "text", "text": text}], "isError": False}
+        if isinstance(value, dict):
+            result["structuredContent"] = value
+        return result
+
+    # -- transport -----------------------------------------------------------------
+
+    def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
+        """Read lines until EOF; ``tools/call`` runs concurrently, replies are written whole, one per line."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        stdin = sys.stdin if stdin is None else stdin
+        stdout = sys.stdout if stdout is None else stdout
+        write_lock = threading.Lock()
+
+        def answer(line: str) -> None:
+            reply = self.handle_line(line)
+            if reply is not None:
+                with write_lock:
+                    stdout.write(reply + "\n")
+                    stdout.flush()
+
+        with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="pipelines-mcp") as pool:
+            for line in stdin:
+                # Only tool calls are slow (the proxy may take minutes); a false positive of this
+                # cheap test merely runs a line on the pool, where replies may come out of order.
+                if '"tools/call"' in line:
+                    pool.submit(answer, line)
+                else:
+                    answer(line)
+        return 0
+
+
+class _RpcError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _rpc_error(request_id: Any, code: int, message: str) -> str:
+    return json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}})
+
+
+# ---------------------------------------------------------------------------
 # Code mode (§5): one agent function, the sandbox's run() entrypoint
 # ---------------------------------------------------------------------------
 
@@ -3530,6 +3728,12 @@ def _cmd_init(args: Any) -> int:
     return 0
 
 
+def _cmd_mcp(args: Any) -> int:
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log.setLevel(logging.DEBUG if args.debug or _truthy(os.environ.get(ENV_DEBUG)) else logging.WARNING)
+    return McpShim().serve()
+
+
 def _parser() -> Any:
     argparse = _argparse()
     parser = argparse.ArgumentParser(
@@ -3572,6 +3776,15 @@ def _parser() -> Any:
     init_.add_argument("--force", action="store_true", help="overwrite files that already exist")
     init_.add_argument("--list", action="store_true", help="list the templates and exit")
     init_.set_defaults(run=_cmd_init)
+
+    mcp_ = commands.add_parser(
+        "mcp", help="a stdio MCP server whose tools go through the per-run proxy",
+        description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
+                    f"{ENV_TOOLS_SCHEMA_B64} or the platform, tools/call through the proxy of the run in "
+                    f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.",
+    )
+    mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
+    mcp_.set_defaults(run=_cmd_mcp)
     return parser
 
 
