@@ -3728,6 +3728,176 @@ def _cmd_init(args: Any) -> int:
     return 0
 
 
+DEFAULT_PROBE_PROXY_URL = "https://api.pipelines.tech/api/odyssey-proxy"
+
+
+class _Doctor:
+    """Runs the doctor's checks in order; each prints one line: ✓ green, ✗ red, - not checked."""
+
+    def __init__(self, color: bool) -> None:
+        self.color = color
+        self.red = 0
+
+    def report(self, state: str, label: str, detail: str) -> None:
+        mark, code = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33")}[state]
+        if state == "fail":
+            self.red += 1
+        text = f"{mark} {label}: {detail}"
+        print(f"\033[{code}m{text}\033[0m" if self.color else text, flush=True)
+
+
+def _http_exchange(url: str, method: str, headers: Dict[str, str], body: bytes,
+                   timeout: float = 30.0) -> Tuple[int, Any]:
+    """``(status, parsed JSON or text)`` of one request; raises ``OSError``-like errors as ``ValueError``."""
+    base = urlsplit(url)
+    path = (base.path or "/") + (f"?{base.query}" if base.query else "")
+    try:
+        status, _, reply = _probe_transport().exchange(base, method, path, headers, body, timeout, MAX_REPLY_BYTES)
+    except _TransportFailure as failure:
+        raise ValueError(_describe(failure.__cause__ or failure, 200)) from None
+    except _ReplyTooLarge as exc:
+        raise ValueError(f"reply {exc}") from None
+    value, _ = _decode_body(reply, "")
+    return status, value
+
+
+def _cmd_doctor(args: Any) -> int:
+    doctor = _Doctor(color=sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    token = os.environ.get(args.token_env or "") or ""
+    server = None
+    url = args.url
+    app_schema: Optional[List[Dict[str, Any]]] = None
+
+    # 1. the agent imports (and, for --app, is served here on a private port)
+    if args.app:
+        try:
+            agent = load_agent(args.app)
+        except ValueError as exc:
+            doctor.report("fail", "agent imports", str(exc))
+            agent = None
+        if agent is not None:
+            doctor.report("ok", "agent imports", f"{args.app} ({type(agent).__name__})")
+            where = args.app.rpartition(":")[0]
+            beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
+            try:
+                app = agent if isinstance(agent, DispatchApp) else DispatchApp(
+                    agent, token_env=args.token_env, auth_header=args.auth_header,
+                    tools_schema=beside if where.endswith(".py") and os.path.isfile(beside) else None)
+                server = start_server(app, host="127.0.0.1", port=0)
+                url = server.url
+                app_schema = app.tools_schema
+            except (ValueError, OSError) as exc:
+                doctor.report("fail", "agent serves", _describe(exc, 300))
+    try:
+        auth = {args.auth_header: ("Bearer " + token) if args.auth_header.lower() == "authorization" else token}
+        ping = json.dumps({"ping": True}).encode()
+        plain = {"Content-Type": "application/json"}
+
+        # 2. ping, with the configured credential
+        if url is None:
+            doctor.report("skip", "server answers ping", "no server to ask (the agent did not import)")
+        elif not token and not args.no_auth:
+            doctor.report("fail", "server answers ping",
+                          f"environment variable {args.token_env} is not set: the server answers every "
+                          "dispatch with 503 (set it, or pass --no-auth for an endpoint without auth)")
+        else:
+            try:
+                status, value = _http_exchange(url, "POST", {**plain, **(auth if token else {})}, ping)
+                if status == 200 and value == {"ok": True}:
+                    doctor.report("ok", "server answers ping", f"{url} -> 200 {{\"ok\": true}}")
+                else:
+                    doctor.report("fail", "server answers ping",
+                                  f"{url} -> HTTP {status} {_short(json.dumps(value), 200)} (expected 200 {{\"ok\": true}})")
+            except ValueError as exc:
+                doctor.report("fail", "server answers ping", f"{url} unreachable: {exc}")
+
+        # 3. auth runs before ping: a wrong credential must get 401, even on a ping
+        if url is None:
+            doctor.report("skip", "auth runs before ping", "no server to ask")
+        elif args.no_auth:
+            doctor.report("skip", "auth runs before ping", "--no-auth: the endpoint has no auth to check")
+        else:
+            wrong = {args.auth_header: "Bearer wrong-doctor-token" if args.auth_header.lower() == "authorization"
+                     else "wrong-doctor-token"}
+            try:
+                status, _ = _http_exchange(url, "POST", {**plain, **wrong}, ping)
+                if status == 401:
+                    doctor.report("ok", "auth runs before ping", "a ping with a wrong credential gets 401")
+                elif status == 503 and not token:
+                    doctor.report("fail", "auth runs before ping", f"cannot tell: {args.token_env} is not set (503)")
+                else:
+                    doctor.report("fail", "auth runs before ping",
+                                  f"a ping with a wrong credential got HTTP {status}, expected 401: run auth "
+                                  "before the ping short-circuit (CONTRACT §2)")
+            except ValueError as exc:
+                doctor.report("fail", "auth runs before ping", f"{url} unreachable: {exc}")
+
+        # 4. tools_schema: valid, and the same as what the app serves
+        if args.tools_schema:
+            try:
+                tools = load_tools_schema(args.tools_schema)
+                names = ", ".join(t["name"] for t in tools)
+                doctor.report("ok", "tools_schema is valid", f"{len(tools)} tools: {_short(names, 200)}")
+            except ValueError as exc:
+                doctor.report("fail", "tools_schema is valid", str(exc))
+                tools = None
+            status = 200
+            if tools is not None and url is not None and server is None:  # --url: ask the running server
+                try:
+                    status, value = _http_exchange(url.rsplit("/", 1)[0] + "/tools_schema", "GET", auth, b"")
+                except ValueError as exc:
+                    status, value = 0, str(exc)
+                if status == 200 and isinstance(value, dict) and isinstance(value.get("tools"), list):
+                    app_schema = value["tools"]
+            if tools is not None and url is not None:
+                if app_schema is not None:
+                    served = {t.get("name"): t.get("input_schema") for t in app_schema if isinstance(t, dict)}
+                    mine = {t["name"]: t["input_schema"] for t in tools}
+                    if served == mine:
+                        doctor.report("ok", "tools_schema matches the app", f"GET /tools_schema serves the same {len(mine)} tools")
+                    else:
+                        only_file = sorted(set(mine) - set(served))
+                        only_app = sorted(set(served) - set(mine))
+                        differ = sorted(n for n in set(mine) & set(served) if mine[n] != served[n])
+                        doctor.report("fail", "tools_schema matches the app",
+                                      f"only in the file: {only_file or 'none'}; only in the app: {only_app or 'none'}; "
+                                      f"different input_schema: {differ or 'none'}")
+                elif server is not None:
+                    doctor.report("fail", "tools_schema matches the app",
+                                  "the app declares no tools: put tools_schema.json beside the agent file")
+                else:
+                    doctor.report("skip", "tools_schema matches the app",
+                                  f"the server does not serve GET /tools_schema (HTTP {status})")
+
+        # 5. the outbound proxy is reachable (401 to a fake token means reachable)
+        probe = probe_proxy(args.proxy_url)
+        if probe["reachable"]:
+            doctor.report("ok", "outbound proxy reachable",
+                          f"{args.proxy_url} -> HTTP {probe['status_code']} in {probe['latency_ms']:.0f} ms")
+        else:
+            doctor.report("fail", "outbound proxy reachable", f"{args.proxy_url}: {probe['error']}")
+
+        # 6. the dataset
+        if args.csv:
+            try:
+                from conformance import dataset as datasets
+            except ImportError:
+                doctor.report("fail", "dataset is valid", "the dataset check needs the kit's conformance/ package "
+                                                          "beside pipelines_port.py")
+            else:
+                loaded = datasets.load_dataset(args.csv)
+                problems = datasets.format_problems(loaded)
+                if loaded.ok:
+                    doctor.report("ok", "dataset is valid", datasets.summary(loaded))
+                else:
+                    doctor.report("fail", "dataset is valid", datasets.summary(loaded) + "".join(
+                        "\n    " + p for p in problems[:10]) + ("\n    ..." if len(problems) > 10 else ""))
+    finally:
+        if server is not None:
+            server.close(1)
+    return 1 if doctor.red else 0
+
+
 def _cmd_mcp(args: Any) -> int:
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if args.debug or _truthy(os.environ.get(ENV_DEBUG)) else logging.WARNING)
@@ -3776,6 +3946,24 @@ def _parser() -> Any:
     init_.add_argument("--force", action="store_true", help="overwrite files that already exist")
     init_.add_argument("--list", action="store_true", help="list the templates and exit")
     init_.set_defaults(run=_cmd_init)
+
+    doctor_ = commands.add_parser(
+        "doctor", help="check an agent's setup before a platform run",
+        description="One line per check, green or red: the agent imports, ping answers, auth runs before ping, "
+                    "tools_schema is valid and matches the app, the outbound proxy is reachable, the dataset is valid.",
+    )
+    target = doctor_.add_mutually_exclusive_group(required=True)
+    target.add_argument("--app", metavar="PATH_OR_MODULE:FUNCTION", help="the agent, served here on a private port")
+    target.add_argument("--url", metavar="URL", help="a running dispatch endpoint")
+    doctor_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
+                         help="environment variable holding the agent token (default AGENT_TOKEN)")
+    doctor_.add_argument("--auth-header", default="Authorization", metavar="NAME", help="header carrying it")
+    doctor_.add_argument("--no-auth", action="store_true", help="the endpoint has no inbound auth")
+    doctor_.add_argument("--tools-schema", metavar="FILE", help="tools list to validate and compare with the app's")
+    doctor_.add_argument("--csv", metavar="FILE", help="a task-seeding dataset to validate (CONTRACT §6)")
+    doctor_.add_argument("--proxy-url", default=DEFAULT_PROBE_PROXY_URL, metavar="URL",
+                         help=f"proxy to probe for egress (default {DEFAULT_PROBE_PROXY_URL})")
+    doctor_.set_defaults(run=_cmd_doctor)
 
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy",
