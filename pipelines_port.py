@@ -2184,7 +2184,7 @@ def bound_output(text: Any, limit: int = 8000) -> str:
 
 
 def call_tools(
-    calls: Iterable[Tuple[str, Optional[Mapping[str, Any]]]],
+    calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
     *,
     max_concurrency: int = 8,
     errors: str = "return",
@@ -2192,24 +2192,36 @@ def call_tools(
 ) -> List[Any]:
     """Run one model turn's tool calls through the proxy concurrently; results in call order.
 
-    At most ``max_concurrency`` run at once; the client's pacing keeps them
-    under the platform's rate limit.  Each call sees this context's bound
-    envelope.  With ``errors="return"`` (the default here) a failed call gives
-    its ``{"error": ...}`` value, so the model can react; a stale run token
-    still raises.  ``options`` go to :func:`proxy_call`.
+    Arguments may be objects or the JSON text models produce (decoded here;
+    text that is not a JSON object is refused before sending).  At most
+    ``max_concurrency`` run at once; the client's pacing keeps them under the
+    platform's rate limit.  Each call sees this context's bound envelope.  With
+    ``errors="return"`` (the default here) a failed or refused call gives its
+    ``{"error": ...}`` value, so the model can react; a stale run token still
+    raises.  ``options`` go to :func:`proxy_call`.
     """
     calls = [(name, args) for name, args in calls]
     if not calls:
         return []
+
+    def one(name: str, args: Any) -> Any:
+        if isinstance(args, (str, bytes)):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError as exc:
+                error = ProxyRequestError(f"arguments for {name!r} must be a JSON object, got invalid JSON: {exc}",
+                                          tool_name=name)
+                if errors == "return":
+                    return error.to_value()
+                raise error from None
+        return proxy_call(name, args, errors=errors, **options)
+
     if len(calls) == 1 or max_concurrency <= 1:
-        return [proxy_call(name, args, errors=errors, **options) for name, args in calls]
+        return [one(name, args) for name, args in calls]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(max_concurrency, len(calls)), thread_name_prefix="pipelines-tool") as pool:
-        futures = [
-            pool.submit(contextvars.copy_context().run, proxy_call, name, args, errors=errors, **options)
-            for name, args in calls
-        ]
+        futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
         return [f.result() for f in futures]
 
 
@@ -3928,7 +3940,7 @@ def _parser() -> Any:
     serve_.add_argument("--max-body", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                         help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
     serve_.add_argument("--timeout", type=_positive_float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
-                        help=f"run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
+                        help="run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
     serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
     serve_.add_argument("--tools-schema", metavar="FILE",

@@ -95,6 +95,18 @@ def test_call_tools_overlaps_bounded_in_order_with_errors_as_values(proxy: MockP
     assert proxy.max_in_flight == 3
 
 
+def test_call_tools_decodes_model_json_arguments(proxy: MockProxy, client: pp.ProxyClient) -> None:
+    with pp.bind_envelope(envelope_for(proxy)):
+        results = pp.call_tools([("a", '{"x": 1}'), ("b", "{oops"), ("c", "[1, 2]"), ("d", ""), ("e", None)],
+                                client=client)
+        assert results[0] == {"tool": "a", "args": {"x": 1}}
+        assert "invalid JSON" in results[1]["error"] and "must be a JSON object" in results[2]["error"]
+        assert results[3] == {"tool": "d", "args": {}} and results[4] == {"tool": "e", "args": {}}
+        with pytest.raises(pp.ProxyRequestError, match="invalid JSON"):
+            pp.call_tools([("b", "{oops")], errors="raise", client=client)
+    assert [c.name for c in proxy.calls()] == ["a", "d", "e"]
+
+
 def test_call_tools_raises_on_a_stale_token(proxy: MockProxy, client: pp.ProxyClient) -> None:
     proxy.script("x", [{"status": 401, "error_class": "run_token_expired"}])
     with pp.bind_envelope(envelope_for(proxy)):

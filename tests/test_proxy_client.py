@@ -13,7 +13,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.conftest import TOKEN, FakeSleep, client_tls, envelope_for
+from tests.conftest import TOKEN, FakeSleep, envelope_for
 
 FAST = pp.RetryPolicy(base_delay_s=0.001, max_delay_s=0.002)
 

@@ -1,0 +1,178 @@
+"""A tool-calling agent loop on the OpenAI Chat Completions API, standard library only.
+
+The loop: send the messages and the tools to the model; run the tool calls it
+asks for (one turn's calls concurrently, through the per-run proxy); send back
+each result as a ``role: tool`` message, cut to a bounded size keeping head and
+tail; repeat until the model answers without calling a tool, or the turn limit
+is reached.  Works with any Chat Completions-compatible server; when one sends
+the model's reasoning as ``reasoning_content`` (DeepSeek, vLLM, ...), it shows
+as thinking in the trace.  Edit SYSTEM_PROMPT and tools_schema.json (kept
+beside this file) for your agent.
+
+Run it (PATH is this file: templates/openai_chat.py in the kit, agent.py in a
+project made by ``python3 pipelines_port.py init DIR --template openai_chat``):
+
+- HTTP mode, the platform POSTs each run to your server (AGENT_TOKEN is the
+  bearer it must send)::
+
+      AGENT_TOKEN=... python3 pipelines_port.py serve PATH:agent --port 8080
+
+- Code mode (sandbox upload): upload it with pipelines_port.py and
+  tools_schema.json; the sandbox calls ``run(task_input, proxy_url=..., run_token=...)``.
+
+Environment (read on every run, so a server answers ping before a key is set):
+
+- ``OPENAI_API_KEY``: required.
+- ``OPENAI_BASE_URL``: default ``https://api.openai.com/v1``.
+- ``OPENAI_MODEL``: default ``gpt-4.1``.
+- ``AGENT_MAX_TURNS``: model turns before the loop gives up, default 10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+import pipelines_port as pp
+
+SYSTEM_PROMPT = (
+    "You are a customer-support agent. Use the tools to look things up and act; "
+    "never invent an order's details. When you are done, answer the user in a few sentences."
+)
+TOOLS_FILE = pathlib.Path(__file__).with_name("tools_schema.json")
+MAX_PARALLEL_TOOLS = 8  # one turn's tool calls in flight at once
+TOOL_OUTPUT_LIMIT = 8000  # characters of one tool result the model sees
+
+
+def setting(name: str, default: str) -> str:
+    """An environment variable, or ``default`` when unset or blank."""
+    return (os.environ.get(name) or "").strip() or default
+
+
+def required_setting(name: str, what: str) -> str:
+    """An environment variable that must be set; the error names it and says what to export."""
+    value = setting(name, "")
+    if not value:
+        raise RuntimeError(f"{name} is not set: export {what} before running this agent")
+    return value
+
+
+def int_setting(name: str, default: int, minimum: int) -> int:
+    """An integer environment variable of at least ``minimum``; a clear error otherwise."""
+    text = setting(name, str(default))
+    if not text.isdigit() or int(text) < minimum:
+        raise RuntimeError(f"{name} must be an integer of at least {minimum}, got {text!r}")
+    return int(text)
+
+
+def tool_list(envelope: pp.Envelope) -> List[Dict[str, Any]]:
+    """The run's tools: inlined in the dispatch when the platform sends them, else tools_schema.json."""
+    if envelope.tools_schema:
+        return list(envelope.tools_schema)
+    return pp.load_tools_schema(TOOLS_FILE)
+
+
+def conversation(envelope: pp.Envelope) -> List[Dict[str, Any]]:
+    """Earlier turns of a multi-turn run (user and assistant text), then this turn's prompt."""
+    turns = [
+        {"role": m["role"], "content": m["content"]}
+        for m in envelope.messages or ()
+        if isinstance(m, dict) and m.get("role") in ("user", "assistant")
+        and isinstance(m.get("content"), str) and m["content"].strip()
+    ]
+    prompt = envelope.latest_user_prompt or envelope.user_instruction or "(no instruction given)"
+    if envelope.task_input and not envelope.latest_user_prompt:
+        prompt += "\n\nTask input:\n" + json.dumps(envelope.task_input, indent=2)
+    if not turns or turns[-1] != {"role": "user", "content": prompt}:
+        turns.append({"role": "user", "content": prompt})
+    return turns
+
+
+def run_tools(envelope: pp.Envelope, calls: Sequence[Tuple[str, str]]) -> List[str]:
+    """One model turn's tool calls, run concurrently through the proxy; bounded results in call order.
+
+    ``calls`` holds ``(name, arguments)`` with the arguments as the model's
+    JSON string (``call_tools`` decodes it).  A failed call, or arguments that
+    are not a JSON object, give an ``{"error": ...}`` result for the model to read.
+    """
+    # The client paces calls under the proxy's 60/min limit and retries 429s.
+    results = pp.call_tools(calls, max_concurrency=MAX_PARALLEL_TOOLS, envelope=envelope)
+    return [pp.bound_output(value, TOOL_OUTPUT_LIMIT) for value in results]
+
+
+def agent(envelope: pp.Envelope) -> Dict[str, Any]:
+    """Run the Chat Completions tool loop for one dispatch; return the response envelope."""
+    started = time.monotonic()
+    api_key = required_setting("OPENAI_API_KEY", "your OpenAI API key")
+    url = setting("OPENAI_BASE_URL", "https://api.openai.com/v1").rstrip("/") + "/chat/completions"
+    model = setting("OPENAI_MODEL", "gpt-4.1")
+    max_turns = int_setting("AGENT_MAX_TURNS", 10, 1)
+    tools = pp.convert_tools(tool_list(envelope), to="openai_chat")
+
+    messages: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *conversation(envelope)]
+    transcript: List[Dict[str, Any]] = list(messages)
+    input_tokens = output_tokens = 0
+    final = ""
+    for turn in range(1, max_turns + 1):
+        request: Dict[str, Any] = {"model": model, "messages": messages}
+        if tools:
+            request["tools"] = tools
+        # post_json retries 429, 5xx and dropped connections with backoff, honouring Retry-After.
+        reply = pp.post_json(url, request, headers={"Authorization": f"Bearer {api_key}"})
+        usage = reply.get("usage") or {}
+        input_tokens += usage.get("prompt_tokens") or 0
+        output_tokens += usage.get("completion_tokens") or 0
+
+        choice = (reply.get("choices") or [{}])[0]
+        said = choice.get("message") or {}
+        text = said.get("content") or said.get("refusal") or ""
+        reasoning = said.get("reasoning_content") or ""
+        calls = [c for c in said.get("tool_calls") or () if c.get("type", "function") == "function"]
+        # Echo the assistant turn back as the API expects it (reasoning_content is not sent back).
+        echo: Dict[str, Any] = {"role": "assistant", "content": said.get("content")}
+        if calls:
+            echo["tool_calls"] = calls
+        messages.append(echo)
+
+        if reasoning:
+            pp.post_trace("thinking", {"text": reasoning, "turn": turn}, envelope=envelope, best_effort=True)
+        if text:
+            pp.post_trace("assistant_message", {"text": text, "turn": turn}, envelope=envelope, best_effort=True)
+        message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+        if reasoning:
+            message["thinking"] = [{"type": "text", "text": reasoning}]
+        if calls:
+            message["tool_calls"] = [
+                {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"].get("arguments") or "{}"}
+                for c in calls
+            ]
+        transcript.append(message)
+        if not calls:
+            reason = choice.get("finish_reason")
+            final = text or f"The model ended its turn without an answer (finish_reason {reason!r})."
+            break
+
+        results = run_tools(envelope, [(c["function"]["name"], c["function"].get("arguments") or "{}") for c in calls])
+        for call, result in zip(calls, results):
+            reply_message = {"role": "tool", "tool_call_id": call["id"], "content": result}
+            messages.append(reply_message)
+            transcript.append(reply_message)
+    else:
+        names = ", ".join(c["function"]["name"] for c in calls)
+        final = (f"Stopped after {max_turns} model turns (the AGENT_MAX_TURNS limit) without a final answer; "
+                 f"the model was still calling tools ({names}).")
+
+    metadata = {
+        "model": model,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "agent_runtime_ms": int((time.monotonic() - started) * 1000),
+    }
+    return pp.build_response(final, messages=transcript, metadata=metadata)
+
+
+# Code mode: the sandbox's entrypoint, the same agent unchanged.
+run = pp.code_mode(agent)
