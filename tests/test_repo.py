@@ -73,3 +73,13 @@ def test_vectors_are_valid_json_with_names_and_expectations() -> None:
         names = [c["name"] for c in doc["cases"]]
         assert len(names) == len(set(names)), f"{path.name}: duplicate case names"
         assert all("expect" in c or "valid" in c for c in doc["cases"]), path.name
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = "python3 -m pip install -q pytest && python3 -m pytest -q"
+    quickstart = readme.split("## Quickstart", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    first, second = [line.split("#")[0].strip() for line in quickstart.strip().splitlines()[:2]]
+    assert first == "python3 -m conformance demo"
+    assert second == command
+    assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
