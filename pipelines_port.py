@@ -3742,25 +3742,12 @@ def _cmd_init(args: Any) -> int:
 
 DEFAULT_PROBE_PROXY_URL = "https://api.pipelines.tech/api/odyssey-proxy"
 
-
-class _Doctor:
-    """Runs the doctor's checks in order; each prints one line: ✓ green, ✗ red, - not checked."""
-
-    def __init__(self, color: bool) -> None:
-        self.color = color
-        self.red = 0
-
-    def report(self, state: str, label: str, detail: str) -> None:
-        mark, code = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33")}[state]
-        if state == "fail":
-            self.red += 1
-        text = f"{mark} {label}: {detail}"
-        print(f"\033[{code}m{text}\033[0m" if self.color else text, flush=True)
+_Check = Tuple[str, str, str]  # (state "ok" | "fail" | "skip", label, detail)
 
 
 def _http_exchange(url: str, method: str, headers: Dict[str, str], body: bytes,
                    timeout: float = 30.0) -> Tuple[int, Any]:
-    """``(status, parsed JSON or text)`` of one request; raises ``OSError``-like errors as ``ValueError``."""
+    """``(status, parsed JSON or text)`` of one request; a failure to get a reply raises ``ValueError``."""
     base = urlsplit(url)
     path = (base.path or "/") + (f"?{base.query}" if base.query else "")
     try:
@@ -3773,141 +3760,157 @@ def _http_exchange(url: str, method: str, headers: Dict[str, str], body: bytes,
     return status, value
 
 
-def _cmd_doctor(args: Any) -> int:
-    doctor = _Doctor(color=sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
-    token = os.environ.get(args.token_env or "") or ""
-    server = None
-    url = args.url
-    app_schema: Optional[List[Dict[str, Any]]] = None
+class _Doctor:
+    """The doctor's checks, in order; each yields one line: ✓ green, ✗ red, - not checked."""
 
-    # 1. the agent imports (and, for --app, is served here on a private port)
-    if args.app:
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.token = os.environ.get(args.token_env or "") or ""
+        self.url: Optional[str] = args.url
+        self.server: Any = None
+        self.app_tools: Optional[List[Dict[str, Any]]] = None  # what the app declares (--app) or serves (--url)
+        header = args.auth_header
+        bearer = header.lower() == "authorization"
+        self.auth = {header: ("Bearer " if bearer else "") + self.token} if self.token else {}
+        self.wrong_auth = {header: ("Bearer " if bearer else "") + "wrong-doctor-token"}
+
+    def checks(self) -> Iterator[_Check]:
+        if self.args.app:
+            yield self.agent_imports()
+        yield self.answers_ping()
+        yield self.auth_before_ping()
+        if self.args.tools_schema:
+            yield from self.tools_schema()
+        yield self.proxy_reachable()
+        if self.args.csv:
+            yield self.dataset()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close(1)
+
+    def _ping(self, headers: Dict[str, str]) -> Tuple[int, Any]:
+        return _http_exchange(self.url or "", "POST", {"Content-Type": "application/json", **headers}, b'{"ping": true}')
+
+    def agent_imports(self) -> _Check:
+        """Load the agent and serve it here, on a private port, as ``serve`` would."""
         try:
-            agent = load_agent(args.app)
+            agent = load_agent(self.args.app)
         except ValueError as exc:
-            doctor.report("fail", "agent imports", str(exc))
-            agent = None
-        if agent is not None:
-            doctor.report("ok", "agent imports", f"{args.app} ({type(agent).__name__})")
-            where = args.app.rpartition(":")[0]
-            beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
-            try:
-                app = agent if isinstance(agent, DispatchApp) else DispatchApp(
-                    agent, token_env=args.token_env, auth_header=args.auth_header,
-                    tools_schema=beside if where.endswith(".py") and os.path.isfile(beside) else None)
-                server = start_server(app, host="127.0.0.1", port=0)
-                url = server.url
-                app_schema = app.tools_schema
-            except (ValueError, OSError) as exc:
-                doctor.report("fail", "agent serves", _describe(exc, 300))
-    try:
-        auth = {args.auth_header: ("Bearer " + token) if args.auth_header.lower() == "authorization" else token}
-        ping = json.dumps({"ping": True}).encode()
-        plain = {"Content-Type": "application/json"}
+            return "fail", "agent imports", str(exc)
+        where = self.args.app.rpartition(":")[0]
+        beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
+        try:
+            app = agent if isinstance(agent, DispatchApp) else DispatchApp(
+                agent, token_env=self.args.token_env, auth_header=self.args.auth_header, no_auth=self.args.no_auth,
+                tools_schema=beside if where.endswith(".py") and os.path.isfile(beside) else None)
+            self.server = start_server(app, host="127.0.0.1", port=0)
+        except (ValueError, OSError) as exc:
+            return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {_describe(exc, 300)}"
+        self.url, self.app_tools = self.server.url, app.tools_schema
+        return "ok", "agent imports", f"{self.args.app} ({type(agent).__name__})"
 
-        # 2. ping, with the configured credential
-        if url is None:
-            doctor.report("skip", "server answers ping", "no server to ask (the agent did not import)")
-        elif not token and not args.no_auth:
-            doctor.report("fail", "server answers ping",
-                          f"environment variable {args.token_env} is not set: the server answers every "
-                          "dispatch with 503 (set it, or pass --no-auth for an endpoint without auth)")
-        else:
-            try:
-                status, value = _http_exchange(url, "POST", {**plain, **(auth if token else {})}, ping)
-                if status == 200 and value == {"ok": True}:
-                    doctor.report("ok", "server answers ping", f"{url} -> 200 {{\"ok\": true}}")
-                else:
-                    doctor.report("fail", "server answers ping",
-                                  f"{url} -> HTTP {status} {_short(json.dumps(value), 200)} (expected 200 {{\"ok\": true}})")
-            except ValueError as exc:
-                doctor.report("fail", "server answers ping", f"{url} unreachable: {exc}")
+    def answers_ping(self) -> _Check:
+        label = "server answers ping"
+        if self.url is None:
+            return "skip", label, "no server to ask (the agent did not import)"
+        if not self.token and not self.args.no_auth:
+            return "fail", label, (f"environment variable {self.args.token_env} is not set: the server answers every "
+                                   "dispatch with 503 (set it, or pass --no-auth for an endpoint without auth)")
+        try:
+            status, value = self._ping(self.auth)
+        except ValueError as exc:
+            return "fail", label, f"{self.url} unreachable: {exc}"
+        if status == 200 and value == {"ok": True}:
+            return "ok", label, f'{self.url} -> 200 {{"ok": true}}'
+        return "fail", label, f'{self.url} -> HTTP {status} {_short(json.dumps(value), 200)} (expected 200 {{"ok": true}})'
 
-        # 3. auth runs before ping: a wrong credential must get 401, even on a ping
-        if url is None:
-            doctor.report("skip", "auth runs before ping", "no server to ask")
-        elif args.no_auth:
-            doctor.report("skip", "auth runs before ping", "--no-auth: the endpoint has no auth to check")
-        else:
-            wrong = {args.auth_header: "Bearer wrong-doctor-token" if args.auth_header.lower() == "authorization"
-                     else "wrong-doctor-token"}
-            try:
-                status, _ = _http_exchange(url, "POST", {**plain, **wrong}, ping)
-                if status == 401:
-                    doctor.report("ok", "auth runs before ping", "a ping with a wrong credential gets 401")
-                elif status == 503 and not token:
-                    doctor.report("fail", "auth runs before ping", f"cannot tell: {args.token_env} is not set (503)")
-                else:
-                    doctor.report("fail", "auth runs before ping",
-                                  f"a ping with a wrong credential got HTTP {status}, expected 401: run auth "
-                                  "before the ping short-circuit (CONTRACT §2)")
-            except ValueError as exc:
-                doctor.report("fail", "auth runs before ping", f"{url} unreachable: {exc}")
+    def auth_before_ping(self) -> _Check:
+        label = "auth runs before ping"
+        if self.url is None:
+            return "skip", label, "no server to ask"
+        if self.args.no_auth:
+            return "skip", label, "--no-auth: the endpoint has no auth to check"
+        try:
+            status, _ = self._ping(self.wrong_auth)
+        except ValueError as exc:
+            return "fail", label, f"{self.url} unreachable: {exc}"
+        if status == 401:
+            return "ok", label, "a ping with a wrong credential gets 401"
+        if status == 503 and not self.token:
+            return "fail", label, f"cannot tell: {self.args.token_env} is not set (503)"
+        return "fail", label, (f"a ping with a wrong credential got HTTP {status}, expected 401: run auth before "
+                               "the ping short-circuit (CONTRACT §2)")
 
-        # 4. tools_schema: valid, and the same as what the app serves
-        if args.tools_schema:
+    def tools_schema(self) -> Iterator[_Check]:
+        try:
+            tools = load_tools_schema(self.args.tools_schema)
+        except ValueError as exc:
+            yield "fail", "tools_schema is valid", str(exc)
+            return
+        yield "ok", "tools_schema is valid", f"{len(tools)} tools: {_short(', '.join(t['name'] for t in tools), 200)}"
+        label = "tools_schema matches the app"
+        if self.url is None:
+            return
+        status = 200
+        if self.server is None:  # --url: ask the running server what it serves
             try:
-                tools = load_tools_schema(args.tools_schema)
-                names = ", ".join(t["name"] for t in tools)
-                doctor.report("ok", "tools_schema is valid", f"{len(tools)} tools: {_short(names, 200)}")
-            except ValueError as exc:
-                doctor.report("fail", "tools_schema is valid", str(exc))
-                tools = None
-            status = 200
-            if tools is not None and url is not None and server is None:  # --url: ask the running server
-                try:
-                    status, value = _http_exchange(url.rsplit("/", 1)[0] + "/tools_schema", "GET", auth, b"")
-                except ValueError as exc:
-                    status, value = 0, str(exc)
-                if status == 200 and isinstance(value, dict) and isinstance(value.get("tools"), list):
-                    app_schema = value["tools"]
-            if tools is not None and url is not None:
-                if app_schema is not None:
-                    served = {t.get("name"): t.get("input_schema") for t in app_schema if isinstance(t, dict)}
-                    mine = {t["name"]: t["input_schema"] for t in tools}
-                    if served == mine:
-                        doctor.report("ok", "tools_schema matches the app", f"GET /tools_schema serves the same {len(mine)} tools")
-                    else:
-                        only_file = sorted(set(mine) - set(served))
-                        only_app = sorted(set(served) - set(mine))
-                        differ = sorted(n for n in set(mine) & set(served) if mine[n] != served[n])
-                        doctor.report("fail", "tools_schema matches the app",
-                                      f"only in the file: {only_file or 'none'}; only in the app: {only_app or 'none'}; "
-                                      f"different input_schema: {differ or 'none'}")
-                elif server is not None:
-                    doctor.report("fail", "tools_schema matches the app",
-                                  "the app declares no tools: put tools_schema.json beside the agent file")
-                else:
-                    doctor.report("skip", "tools_schema matches the app",
-                                  f"the server does not serve GET /tools_schema (HTTP {status})")
-
-        # 5. the outbound proxy is reachable (401 to a fake token means reachable)
-        probe = probe_proxy(args.proxy_url)
-        if probe["reachable"]:
-            doctor.report("ok", "outbound proxy reachable",
-                          f"{args.proxy_url} -> HTTP {probe['status_code']} in {probe['latency_ms']:.0f} ms")
-        else:
-            doctor.report("fail", "outbound proxy reachable", f"{args.proxy_url}: {probe['error']}")
-
-        # 6. the dataset
-        if args.csv:
-            try:
-                from conformance import dataset as datasets
-            except ImportError:
-                doctor.report("fail", "dataset is valid", "the dataset check needs the kit's conformance/ package "
-                                                          "beside pipelines_port.py")
+                status, value = _http_exchange(self.url.rsplit("/", 1)[0] + "/tools_schema", "GET", self.auth, b"")
+            except ValueError:
+                status, value = 0, None
+            if status == 200 and isinstance(value, dict) and isinstance(value.get("tools"), list):
+                self.app_tools = value["tools"]
+        if self.app_tools is None:
+            if self.server is not None:
+                yield "fail", label, "the app declares no tools: put tools_schema.json beside the agent file"
             else:
-                loaded = datasets.load_dataset(args.csv)
-                problems = datasets.format_problems(loaded)
-                if loaded.ok:
-                    doctor.report("ok", "dataset is valid", datasets.summary(loaded))
-                else:
-                    doctor.report("fail", "dataset is valid", datasets.summary(loaded) + "".join(
-                        "\n    " + p for p in problems[:10]) + ("\n    ..." if len(problems) > 10 else ""))
+                yield "skip", label, f"the server does not serve GET /tools_schema (HTTP {status})"
+            return
+        served = {t.get("name"): t.get("input_schema") for t in self.app_tools if isinstance(t, dict)}
+        mine = {t["name"]: t["input_schema"] for t in tools}
+        if served == mine:
+            yield "ok", label, f"the app declares the same {len(mine)} tools"
+            return
+        differ = sorted(n for n in set(mine) & set(served) if mine[n] != served[n])
+        yield "fail", label, (f"only in the file: {sorted(set(mine) - set(served)) or 'none'}; only in the app: "
+                              f"{sorted(set(served) - set(mine)) or 'none'}; different input_schema: {differ or 'none'}")
+
+    def proxy_reachable(self) -> _Check:
+        """§3.7: a fake bearer; 401 means the proxy is reachable."""
+        probe = probe_proxy(self.args.proxy_url)
+        if probe["reachable"]:
+            return "ok", "outbound proxy reachable", (f"{self.args.proxy_url} -> HTTP {probe['status_code']} "
+                                                      f"in {probe['latency_ms']:.0f} ms")
+        return "fail", "outbound proxy reachable", f"{self.args.proxy_url}: {probe['error']}"
+
+    def dataset(self) -> _Check:
+        label = "dataset is valid"
+        try:
+            from conformance import dataset as datasets
+        except ImportError:
+            return "fail", label, "the dataset check needs the kit's conformance/ package beside pipelines_port.py"
+        loaded = datasets.load_dataset(self.args.csv)
+        if loaded.ok:
+            return "ok", label, datasets.summary(loaded)
+        problems = datasets.format_problems(loaded)
+        listed = "".join("\n    " + p for p in problems[:10]) + ("\n    ..." if len(problems) > 10 else "")
+        return "fail", label, datasets.summary(loaded) + listed
+
+
+def _cmd_doctor(args: Any) -> int:
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    marks = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33")}
+    doctor = _Doctor(args)
+    red = 0
+    try:
+        for state, label, detail in doctor.checks():
+            mark, code = marks[state]
+            red += state == "fail"
+            line = f"{mark} {label}: {detail}"
+            print(f"\033[{code}m{line}\033[0m" if color else line, flush=True)
     finally:
-        if server is not None:
-            server.close(1)
-    return 1 if doctor.red else 0
+        doctor.close()
+    return 1 if red else 0
 
 
 def _cmd_mcp(args: Any) -> int:
