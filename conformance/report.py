@@ -1,0 +1,354 @@
+"""Render a simulation report (the dict ``conformance.simulate.simulate`` returns) as text or HTML.
+
+``render_text`` is the terminal summary; ``render_html`` one self-contained
+page (inline CSS, no script, no external asset, every value HTML-escaped)
+showing each run like a trace view: the task, a timeline of tool calls and
+live trace events with their sources and ledger changes, the agent's
+transcript and its final response.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any, Dict, List, Mapping
+
+__all__ = ["progress_line", "render_text", "render_html"]
+
+_STATUS_WORD = {"ok": "ok", "error": "ERROR", "invalid": "INVALID"}
+
+
+def _short(text: Any, limit: int = 100) -> str:
+    """One line of at most ``limit`` characters (JSON for non-strings)."""
+    if not isinstance(text, str):
+        text = json.dumps(text, ensure_ascii=False, default=str)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _where(run: Mapping[str, Any]) -> str:
+    return f"row {run['row']}" + (f" (line {run['line']})" if run.get("line") is not None else "")
+
+
+def _source_label(call: Mapping[str, Any]) -> str:
+    """``odyssey`` / ``injected by rule N`` / ``error``, or the HTTP status of a rejected request."""
+    if call.get("source") == "injected":
+        label = f"injected by rule {call.get('matched_rule_index')}"
+    elif call.get("source") is None:
+        label = f"rejected, HTTP {call.get('http_status')}"
+    else:
+        label = str(call.get("source"))
+    return label + (" (replayed)" if call.get("replayed") else "")
+
+
+# ---------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------
+
+
+def progress_line(run: Mapping[str, Any]) -> str:
+    """One line for a finished run, for stderr while the simulation goes on."""
+    if run["status"] == "invalid":
+        return f"{_where(run)}: not run, the dataset check rejected it ({_plural(len(run['errors']), 'error')})"
+    calls = run["tool_calls"]
+    injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
+    head = f"{_where(run)}: {_STATUS_WORD[run['status']]}, {_plural(len(calls), 'tool call')}, {injected} injected, " \
+           f"{run.get('duration_ms', 0):.0f} ms"
+    if run["errors"]:
+        head += f": {_short(run['errors'][0], 160)}"
+    return head
+
+
+def render_text(result: Mapping[str, Any]) -> str:
+    """The terminal report: per row the instruction, calls, errors and final response; a summary last."""
+    agent = result.get("agent") or {}
+    lines = [f"simulation of {result['dataset']['file']}" + (f" against {agent.get('mode')} agent {agent.get('target')}"
+                                                               if agent else "")]
+    for run in result["runs"]:
+        lines.append("")
+        lines.append(f"{_where(run)}  {_STATUS_WORD[run['status']]}  {_short(run.get('user_instruction', ''), 80)}")
+        if run["status"] == "invalid":
+            lines += [f"    dataset error: {e}" for e in run["errors"]]
+            continue
+        outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
+        lines.append(f"    expected outcome: {outcome}")
+        if run.get("behavior_instructions"):
+            lines.append(f"    behavior (not enforced): {_short(run['behavior_instructions'], 100)}")
+        for rule in run["failure_rules"]:
+            lines.append(f"    rule {rule['index']}: {rule['summary']}  [fired {rule['fired']}x]")
+        for call in run["tool_calls"]:
+            answer = f": {_short(call.get('response'), 80)}" if call.get("source") is not None else ""
+            lines.append(f"    #{call['index']} {call['tool_name']} {_short(call.get('arguments'), 60)} -> "
+                         f"{_source_label(call)}{answer}")
+            for change in call.get("changes") or []:
+                lines.append(f"        ledger: {_change_text(change)}")
+        for event in run["trace_events"]:
+            lines.append(f"    trace {event['event_type']}: {_short(event.get('payload'), 80)}")
+        for note in run.get("notes") or []:
+            lines.append(f"    note: {note}")
+        for warning in run["warnings"]:
+            lines.append(f"    warning: {warning}")
+        for error in run["errors"]:
+            lines.append(f"    error: {_short(error, 300)}")
+        if run.get("final_response") is not None:
+            lines.append(f"    final response: {_short(run['final_response'], 200)}")
+    s = result["summary"]
+    lines.append("")
+    lines.append(f"{_plural(s['runs'], 'run')}: {s['ok']} ok, {_plural(s['errors'], 'error')}; "
+                 f"{_plural(s['tool_calls'], 'tool call')}, {s['injected']} injected")
+    return "\n".join(lines)
+
+
+def _change_text(change: Mapping[str, Any]) -> str:
+    op = change.get("op")
+    if op == "set_flag":
+        return f"set_flag {change.get('flag')}"
+    entity = f"{change.get('entity_type')} {change.get('entity_id')}"
+    if op == "update":
+        before, after = change.get("before") or {}, change.get("after") or {}
+        diffs = [f"{k}: {_short(before.get(k), 30)} -> {_short(after.get(k), 30)}"
+                 for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+        return f"update {entity}: " + ("; ".join(diffs) or "no change")
+    if op == "add":
+        return f"add {entity} {_short(change.get('after'), 60)}"
+    return f"{op} {entity}"
+
+
+# ---------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;background:#f5f6f8;color:#1d2330}
+header{background:#1d2330;color:#fff;padding:16px 24px}header h1{margin:0 0 4px;font-size:20px}
+header .meta{color:#b8c0d0;font-size:13px}main{padding:16px 24px;max-width:1200px}
+.summary{display:flex;gap:8px;flex-wrap:wrap;margin:8px 0 0}.pill{border-radius:10px;padding:1px 9px;font-size:12px;
+font-weight:600;background:#e3e7ee;color:#1d2330;white-space:nowrap}.ok{background:#d7f2df;color:#135c2b}
+.error,.invalid{background:#fbdcdc;color:#8a1c1c}.injected{background:#ffe7c2;color:#7a4300}
+.odyssey{background:#dde9ff;color:#17407f}.src-error{background:#fbdcdc;color:#8a1c1c}
+details.run{background:#fff;border:1px solid #dde1e8;border-radius:8px;margin:12px 0}
+details.run>summary{cursor:pointer;padding:10px 14px;display:flex;gap:10px;align-items:center}
+details.run>summary .instr{flex:1;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
+.body{padding:0 14px 14px}
+h3{font-size:13px;text-transform:uppercase;letter-spacing:.04em;color:#5a6478;margin:16px 0 6px}
+.task{display:grid;grid-template-columns:max-content 1fr;gap:4px 12px}.task dt{color:#5a6478}.task dd{margin:0}
+pre{background:#f3f4f7;border-radius:6px;padding:8px;margin:4px 0;white-space:pre-wrap;word-break:break-word;
+font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;max-height:360px;overflow:auto}
+.step{border-left:3px solid #c9d0dc;padding:4px 0 4px 12px;margin:8px 0}.step.inj{border-color:#f0a030}
+.step.err{border-color:#d04545}.step.evt{border-color:#9a7fd1}.step .head{display:flex;gap:8px;align-items:center;
+flex-wrap:wrap}.t{color:#5a6478;font-size:12px;min-width:70px}.name{font-weight:600;font-family:ui-monospace,monospace}
+.cols{display:grid;grid-template-columns:1fr 1fr;gap:8px}.lbl{font-size:11px;color:#5a6478}
+table.diff{border-collapse:collapse;font-size:12px;margin:4px 0}table.diff td{border:1px solid #e1e4ea;padding:2px 6px}
+.before{color:#8a1c1c;text-decoration:line-through}.after{color:#135c2b}
+.msg{border:1px solid #e1e4ea;border-radius:6px;padding:6px 10px;margin:6px 0}.role{font-size:11px;font-weight:700;
+text-transform:uppercase;color:#5a6478}.final{border:2px solid #7aa2e3;border-radius:8px;padding:8px 12px;
+white-space:pre-wrap;word-break:break-word;background:#fbfcff}.errors{background:#fdf0f0;border:1px solid #f2c4c4;
+border-radius:6px;padding:6px 12px}.warnings{background:#fff8ec;border:1px solid #f3ddb4;border-radius:6px;
+padding:6px 12px}.muted{color:#5a6478}ul{margin:4px 0;padding-left:20px}
+"""
+
+
+def _e(value: Any) -> str:
+    """HTML-escaped text of any value (JSON for non-strings)."""
+    if not isinstance(value, str):
+        value = json.dumps(value, ensure_ascii=False, default=str)
+    return html.escape(value, quote=True)
+
+
+def _pre(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, indent=2, default=str)
+    return f"<pre>{html.escape(text, quote=True)}</pre>"
+
+
+def _pill(text: str, css: str = "") -> str:
+    return f'<span class="pill {css}">{_e(text)}</span>'
+
+
+def render_html(result: Mapping[str, Any]) -> str:
+    """The whole report as one self-contained HTML page."""
+    s = result["summary"]
+    agent = result.get("agent") or {}
+    title = f"Simulation: {result['dataset']['file']}"
+    meta = [f"started {result.get('started_at', '')}", f"{result.get('duration_ms', 0):.0f} ms"]
+    if agent:
+        meta.insert(0, f"{agent.get('mode')} agent {agent.get('target')}")
+    if result.get("fixtures"):
+        meta.append(f"fixtures {result['fixtures']}")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<header><h1>{_e(title)}</h1><div class=\"meta\">{_e(' · '.join(meta))}</div>",
+        '<div class="summary">',
+        _pill(_plural(s["runs"], "run")),
+        _pill(f"{s['ok']} ok", "ok"),
+        _pill(_plural(s["errors"], "error"), "error" if s["errors"] else ""),
+        _pill(_plural(s["tool_calls"], "tool call")),
+        _pill(f"{s['injected']} injected", "injected" if s["injected"] else ""),
+        "</div></header><main>",
+    ]
+    problems = result["dataset"].get("problems") or []
+    if problems:
+        parts.append("<h3>Dataset check</h3><ul>")
+        for p in problems:
+            where = ", ".join(x for x in (f"line {p['line']}" if p.get("line") is not None else "",
+                                          f"row {p['row']}" if p.get("row") is not None else "",
+                                          f"column {p['column']}" if p.get("column") else "") if x)
+            parts.append(f"<li>{_pill(p['severity'], 'error' if p['severity'] == 'error' else 'injected')} "
+                         f"{_e(where)}{': ' if where else ''}{_e(p['message'])}</li>")
+        parts.append("</ul>")
+    for run in result["runs"]:
+        parts.append(_run_html(run))
+    parts.append("</main></body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _run_html(run: Mapping[str, Any]) -> str:
+    status = run["status"]
+    calls: List[Dict[str, Any]] = run.get("tool_calls") or []
+    injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
+    out = [
+        f'<details class="run" id="row-{_e(run["row"])}"{" open" if status != "ok" else ""}>',
+        f"<summary>{_pill(_STATUS_WORD[status], status)} <b>{_e(_where(run))}</b>",
+        f'<span class="instr">{_e(run.get("user_instruction", ""))}</span>',
+        _pill(_plural(len(calls), "call")) + (_pill(f"{injected} injected", "injected") if injected else ""),
+        "</summary>",
+        '<div class="body">',
+    ]
+    if run.get("errors"):
+        out.append('<h3>Errors</h3><div class="errors"><ul>')
+        out += [f"<li>{_e(e)}</li>" for e in run["errors"]]
+        out.append("</ul></div>")
+        if run.get("traceback"):
+            out.append(f"<details><summary>traceback</summary>{_pre(run['traceback'])}</details>")
+    if status == "invalid":
+        out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p></div></details>")
+        return "\n".join(out)
+    out.append(_task_html(run))
+    if run.get("warnings") or run.get("notes"):
+        out.append('<h3>Notes</h3><div class="warnings"><ul>')
+        out += [f"<li>{_e(w)}</li>" for w in (run.get("warnings") or []) + (run.get("notes") or [])]
+        out.append("</ul></div>")
+    out.append("<h3>Timeline</h3>")
+    out.append(_timeline_html(run))
+    if run.get("messages"):
+        out.append("<h3>Transcript</h3>")
+        out += [_message_html(m) for m in run["messages"]]
+    out.append("<h3>Final response</h3>")
+    if run.get("final_response") is not None:
+        out.append(f'<div class="final">{_e(run["final_response"])}</div>')
+    else:
+        out.append('<p class="muted">(none)</p>')
+    if run.get("metadata"):
+        out.append(f"<details><summary>metadata</summary>{_pre(run['metadata'])}</details>")
+    out.append(f"<details><summary>final state</summary>{_pre(run.get('final_state'))}"
+               f"<div class=\"lbl\">flags set: {_e(', '.join(run.get('flags') or []) or 'none')}</div></details>")
+    out.append("</div></details>")
+    return "\n".join(out)
+
+
+def _task_html(run: Mapping[str, Any]) -> str:
+    outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
+    rows = [
+        ("user", f"<pre>{_e(run.get('user_instruction', ''))}</pre>"),
+        ("expected outcome", _e(outcome)),
+        ("behavior", (f"<pre>{_e(run['behavior_instructions'])}</pre><span class=\"lbl\">shown, not enforced "
+                      "(the platform's simulator applies it with an LLM)</span>") if run.get("behavior_instructions")
+         else '<span class="muted">none</span>'),
+        ("run", _e(f"task {run.get('task_id')}, run {run.get('run_id')}, {run.get('duration_ms', 0):.0f} ms")),
+    ]
+    rules = run.get("failure_rules") or []
+    if rules:
+        items = "".join(
+            f"<li>[{_e(r['index'])}] {_e(r['summary'])} {_fired_pill(r['fired'])}</li>" for r in rules)
+        rows.append(("failure rules", f"<ul>{items}</ul>"))
+    if run.get("initial_state"):
+        rows.append(("initial state", f"<details><summary>{_e(_short(run['initial_state'], 80))}</summary>"
+                                      f"{_pre(run['initial_state'])}</details>"))
+    body = "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in rows)
+    return f'<h3>Task</h3><dl class="task">{body}</dl>'
+
+
+def _fired_pill(fired: int) -> str:
+    return _pill(f"fired {fired}x", "injected" if fired else "")
+
+
+def _timeline_html(run: Mapping[str, Any]) -> str:
+    steps: List[Any] = [("call", c.get("at_ms") or 0, c) for c in run.get("tool_calls") or []]
+    steps += [("event", e.get("at_ms") or 0, e) for e in run.get("trace_events") or []]
+    steps.sort(key=lambda s: s[1])
+    if not steps:
+        return '<p class="muted">no tool calls and no trace events</p>'
+    out = []
+    for kind, at, item in steps:
+        if kind == "event":
+            actor = f" as {item['actor']}" if item.get("actor") else ""
+            out.append(f'<div class="step evt"><div class="head"><span class="t">+{_e(f"{at:.0f}")} ms</span>'
+                       f'{_pill("trace")} <span class="name">{_e(item["event_type"])}</span>{_e(actor)}</div>'
+                       f"{_pre(item.get('payload'))}</div>")
+            continue
+        source = item.get("source")
+        css = {"injected": "inj", "error": "err", None: "err"}.get(source, "")
+        pill_css = {"injected": "injected", "odyssey": "odyssey"}.get(source or "", "src-error")
+        latency = f" · {item['latency_ms']} ms" if item.get("latency_ms") is not None else ""
+        actor = f" · actor {item['actor']}" if item.get("actor") else ""
+        out.append(
+            f'<div class="step {css}"><div class="head"><span class="t">+{_e(f"{at:.0f}")} ms</span>'
+            f'<span class="name">#{_e(item["index"])} {_e(item["tool_name"])}</span>'
+            f"{_pill(_source_label(item), pill_css)}<span class=\"lbl\">{_e(latency + actor)}</span></div>"
+            f'<div class="cols"><div><div class="lbl">arguments</div>{_pre(item.get("arguments"))}</div>'
+            f'<div><div class="lbl">response</div>{_pre(item.get("response"))}</div></div>'
+            f"{_changes_html(item.get('changes') or [])}</div>"
+        )
+    return "\n".join(out)
+
+
+def _changes_html(changes: List[Mapping[str, Any]]) -> str:
+    if not changes:
+        return ""
+    rows = []
+    for change in changes:
+        op = change.get("op")
+        if op == "set_flag":
+            rows.append(f"<tr><td>set_flag</td><td colspan=\"3\">{_e(change.get('flag'))}</td></tr>")
+            continue
+        entity = _e(f"{change.get('entity_type')} {change.get('entity_id')}")
+        before, after = change.get("before") or {}, change.get("after") or {}
+        keys = [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k) or op != "update"]
+        if not keys:
+            rows.append(f"<tr><td>{_e(op)}</td><td>{entity}</td><td colspan=\"2\">no change</td></tr>")
+        for k in keys:
+            old = f'<span class="before">{_e(before[k])}</span>' if k in before else ""
+            new = f'<span class="after">{_e(after[k])}</span>' if k in after else ""
+            arrow = " → " if old and new else " "
+            rows.append(f"<tr><td>{_e(op)}</td><td>{entity}</td><td>{_e(k)}</td><td>{old}{arrow}{new}</td></tr>")
+    return f'<div class="lbl">ledger changes</div><table class="diff">{"".join(rows)}</table>'
+
+
+def _message_html(message: Any) -> str:
+    if not isinstance(message, dict):
+        return f'<div class="msg">{_pre(message)}</div>'
+    role = message.get("role", "?")
+    parts = [f'<div class="msg"><div class="role">{_e(role)}'
+             f"{' · ' + _e(message['tool_call_id']) if message.get('tool_call_id') else ''}</div>"]
+    content = message.get("content")
+    if isinstance(content, str):
+        parts.append(f'<div style="white-space:pre-wrap">{_e(content)}</div>')
+    elif content is not None:
+        parts.append(_pre(content))
+    for thinking in message.get("thinking") or []:
+        text = thinking.get("text") if isinstance(thinking, dict) else thinking
+        parts.append(f'<div class="lbl">thinking</div>{_pre(text)}')
+    for call in message.get("tool_calls") or []:
+        if isinstance(call, dict):
+            function = call.get("function") if isinstance(call.get("function"), dict) else call
+            name, args = function.get("name"), function.get("arguments")
+            parts.append(f'<div><span class="lbl">tool call {_e(call.get("id") or "")}</span> '
+                         f'<span class="name">{_e(name)}</span>{_pre(args)}</div>')
+    parts.append("</div>")
+    return "".join(parts)

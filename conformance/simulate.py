@@ -1,0 +1,785 @@
+"""``python3 -m conformance simulate``: run every dataset row against an agent through a local proxy.
+
+    python3 -m conformance simulate --csv FILE.csv --code agent.py[:run] [--responses FIXTURES.json]
+    python3 -m conformance simulate --csv FILE.csv --url http://127.0.0.1:8080/dispatch --token-env AGENT_TOKEN
+        [--json OUT.json] [--html OUT.html] [--tools tools_schema.json] [--timeout 300]
+
+Each valid row (see ``conformance/dataset.py``) becomes one run with its own
+proxy (a :class:`~conformance.mock_proxy.MockProxy` on 127.0.0.1 at
+``/api/odyssey-proxy/runs/{run_id}``) and its own fresh run token.  The
+proxy answers every tool call from the row's simulated backend
+(``conformance/engine.py``: ledger booted from ``state``, ``failure_rules``,
+optional fixtures) and records the trajectory: each call, its source,
+latency and ledger changes, plus any live trace events the agent posts.
+
+How the agent is run:
+
+- ``--code FILE.py[:run]`` (code mode, CONTRACT §5): the file is imported and
+  ``run(task_input, proxy_url=..., run_token=...)`` is called with
+  ``task_input = {"task_id", "user_instruction", "input": {}}``, on a thread
+  whose asyncio loop is already running (as in the sandbox's Jupyter kernel),
+  with the ``PIPELINES_*`` variables set in ``os.environ`` for the duration of
+  the row (rows run one at a time).
+- ``--url URL`` (HTTP mode, CONTRACT §2): a ping first (``{"ping": true}``
+  with the auth header), then one POST per row carrying exactly the
+  platform's headers (``X-Pipelines-Run-Token``, ``X-Pipelines-Odyssey-Proxy-Url``,
+  ``X-Pipelines-Run-Id``, ``X-Pipelines-Task-Id``, ``X-Pipelines-Run-Token-Jti``,
+  the auth header: ``Authorization: Bearer T``, or ``NAME: T`` with
+  ``--auth-header NAME``) and body (``task_id``, ``run_id``, ``input``,
+  ``odyssey_proxy_url``, ``run_token_jti``, ``tools_schema`` with ``--tools``).
+  No ``agent_id`` is sent: there is no registered agent.
+
+In both modes ``input.input`` is ``{}``: the seed axes (``behavior``,
+``state``, ``failure_rules``, ``expected_outcome``) are never forwarded to the
+agent (§2); the state lives behind the proxy.
+
+Injected failures.  A failure rule with a non-200 ``error.code`` reaches the
+agent as an HTTP 200 trace envelope with ``source: "injected"``,
+``matched_rule_index`` and ``response: {"error": message, "status_code":
+code}``, not as an HTTP error status.  Why: §3.2 says tool-level errors arrive
+as 200 with an ``{"error": ...}`` response, results the model should see, and
+that trace rows from rules carry ``source``/``matched_rule_index``, fields
+that only exist in the 200 envelope.  HTTP statuses on the proxy belong to the
+proxy itself (§3.3: auth, rate limits, lock contention): a conforming client
+retries 429 and some 503s, and raises on the rest, so an injected 503 sent as
+a real status would be retried or turned into an exception instead of showing
+the model a failed call.  The shape mirrors ``ProxyError.to_value()`` so an
+agent sees the same keys whether a call failed for real or by a rule.
+
+Exit status: 0 when every row ran and returned a valid response, 1 when any
+row errored (agent exception, invalid response, timeout, or a row the
+dataset check rejected), 2 when nothing could run (bad options, unreadable
+or invalid files, an agent that cannot be imported or reached).  The run
+token and the agent token are never printed, logged or written to a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import http.client
+import importlib.util
+import inspect
+import json
+import os
+import pathlib
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from urllib.parse import urlsplit, urlunsplit
+
+import pipelines_port as pp
+from conformance import dataset as datasets
+from conformance import engine, report
+from conformance.mock_proxy import MockProxy, RecordedRequest
+
+__all__ = ["SetupError", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate", "main"]
+
+DEFAULT_TIMEOUT_S = 300.0
+_REDACTED = "[redacted]"
+
+
+class SetupError(Exception):
+    """Nothing can run: a bad option, file or agent.  The message is one line for the user."""
+
+
+# ---------------------------------------------------------------------------
+# Agents: code mode and HTTP mode behind one call
+# ---------------------------------------------------------------------------
+
+
+class Outcome(NamedTuple):
+    """What one run of the agent gave back: a response body, or an error (with a traceback for code mode)."""
+
+    body: Any = None
+    error: Optional[str] = None
+    traceback: Optional[str] = None
+
+
+class Dispatch(NamedTuple):
+    """Everything one run hands the agent."""
+
+    task_id: int
+    run_id: int
+    run_token: str
+    run_token_jti: str
+    proxy_url: str
+    user_instruction: str
+    tools_schema: Optional[List[Dict[str, Any]]]
+
+    def task_input(self) -> Dict[str, Any]:
+        """The code-mode ``task_input`` and the dispatch body's ``input`` (§2, §5)."""
+        return {"task_id": self.task_id, "user_instruction": self.user_instruction, "input": {}}
+
+    def __repr__(self) -> str:  # the run token is a secret
+        return (f"Dispatch(task_id={self.task_id}, run_id={self.run_id}, proxy_url={self.proxy_url!r}, "
+                f"run_token={_REDACTED!r})")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class CodeAgent:
+    """A code-mode agent file: ``FILE.py`` (function ``run``) or ``FILE.py:function``."""
+
+    mode = "code"
+
+    def __init__(self, spec: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        path, sep, function = spec.rpartition(":")
+        if not sep or not function.isidentifier() or not path:
+            path, function = spec, "run"
+        self.path = pathlib.Path(path)
+        self.function_name = function
+        self.target = f"{path}:{function}"
+        self.timeout = timeout
+        self.function = self._load()
+
+    def _load(self) -> Callable[..., Any]:
+        if not self.path.is_file():
+            raise SetupError(f"--code: no such file {str(self.path)!r}")
+        directory = str(self.path.resolve().parent)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)  # so the agent finds a pipelines_port.py copied beside it
+        name = f"_simulated_agent_{uuid.uuid4().hex[:8]}"
+        spec = importlib.util.spec_from_file_location(name, self.path)
+        if spec is None or spec.loader is None:
+            raise SetupError(f"--code: cannot import {str(self.path)!r} (is it a .py file?)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as exc:
+            raise SetupError(f"--code: {self.path} has a syntax error: {exc.msg} (line {exc.lineno})") from None
+        except BaseException as exc:  # noqa: BLE001 - an agent file may raise anything, SystemExit included
+            raise SetupError(f"--code: importing {self.path} raised {_describe(exc)}") from None
+        function = getattr(module, self.function_name, None)
+        if not callable(function):
+            hint = ""
+            if self.function_name == "run" and callable(getattr(module, "agent", None)):
+                hint = " (it has `agent`: add `run = pp.code_mode(agent)`)"
+            raise SetupError(f"--code: {self.path} has no function {self.function_name!r}{hint}")
+        return function
+
+    def __call__(self, dispatch: Dispatch) -> Outcome:
+        env = _code_mode_env(dispatch)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return _call_with_timeout(self._call_like_the_kernel, dispatch, timeout=self.timeout)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def _call_like_the_kernel(self, dispatch: Dispatch) -> Outcome:
+        """Call ``run()`` from inside a running event loop, as the sandbox's Jupyter kernel does (§5)."""
+
+        async def cell() -> Any:
+            return self.function(dispatch.task_input(), proxy_url=dispatch.proxy_url, run_token=dispatch.run_token)
+
+        try:
+            result = asyncio.run(cell())
+        except Exception as exc:
+            cause = exc.__cause__ if isinstance(exc, pp.AgentError) and exc.__cause__ else exc
+            text = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+            return Outcome(error=f"{self.function_name}() raised {_describe(exc)}", traceback=text[-6000:])
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            return Outcome(error=f"{self.function_name}() returned an awaitable: the sandbox calls run() synchronously "
+                                 "(wrap an async agent with pp.code_mode)")
+        return Outcome(body=result)
+
+
+def _code_mode_env(dispatch: Dispatch) -> Dict[str, str]:
+    """The ``PIPELINES_*`` environment the sandbox sets for one run (§5)."""
+    parts = urlsplit(dispatch.proxy_url)
+    env = {
+        pp.ENV_PROXY_URL: dispatch.proxy_url,
+        pp.ENV_RUN_TOKEN: dispatch.run_token,
+        pp.ENV_RUN_TOKEN_JTI: dispatch.run_token_jti,
+        pp.ENV_RUN_ID: str(dispatch.run_id),
+        pp.ENV_TASK_ID: str(dispatch.task_id),
+        pp.ENV_API_URL: f"{parts.scheme}://{parts.netloc}",
+        pp.ENV_TASK_INPUT_JSON: json.dumps(dispatch.task_input()),
+    }
+    if dispatch.tools_schema is not None:
+        encoded = json.dumps(dispatch.tools_schema).encode("utf-8")
+        env[pp.ENV_TOOLS_SCHEMA_B64] = base64.b64encode(encoded).decode("ascii")
+    return env
+
+
+def _call_with_timeout(fn: Callable[..., Outcome], *args: Any, timeout: float) -> Outcome:
+    """``fn(*args)`` on a daemon thread; an :class:`Outcome` error when it outlives ``timeout``."""
+    box: List[Outcome] = []
+
+    def target() -> None:
+        try:
+            box.append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from agent code must not kill the simulator
+            box.append(Outcome(error=f"the agent raised {_describe(exc)}"))
+
+    thread = threading.Thread(target=target, name="simulated-run", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not box:
+        return Outcome(error=f"the agent did not return within {timeout:g} s (--timeout)")
+    return box[0]
+
+
+class UrlAgent:
+    """An agent behind a dispatch URL (HTTP mode)."""
+
+    mode = "url"
+
+    def __init__(self, url: str, *, token: Optional[str], auth_header: str = "Authorization",
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        parts = urlsplit(url)
+        try:
+            parts.port
+        except ValueError:
+            raise SetupError(f"--url has an invalid port: {_safe_url(url)!r}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SetupError(f"--url must be an http:// or https:// URL, got {_safe_url(url)!r}")
+        self.url = url
+        self.target = _safe_url(url)
+        self.token = token
+        self.auth_header = auth_header
+        self.timeout = timeout
+
+    def _auth(self) -> Dict[str, str]:
+        if not self.token:
+            return {}
+        if self.auth_header.lower() == "authorization":
+            return {"Authorization": "Bearer " + self.token}
+        return {self.auth_header: self.token}
+
+    def _post(self, body: Any, headers: Mapping[str, str], timeout: float) -> Tuple[int, bytes]:
+        """One POST on a fresh connection (http.client keeps the header names' case, as the platform sends them)."""
+        parts = urlsplit(self.url)
+        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(parts.hostname, parts.port, timeout=timeout)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        data = json.dumps(body).encode("utf-8")
+        try:
+            connection.request("POST", path, body=data,
+                               headers={"Content-Type": "application/json", **self._auth(), **headers})
+            reply = connection.getresponse()
+            return reply.status, reply.read()
+        finally:
+            connection.close()
+
+    def check(self) -> Optional[str]:
+        """Ping the agent (§2 step 3); raises :class:`SetupError` when runs cannot work, returns a warning or None."""
+        try:
+            status, raw = self._post({"ping": True}, {}, min(self.timeout, 30.0))
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise SetupError(f"cannot reach the agent at {self.target}: {_describe(exc)}") from None
+        if status in (401, 403):
+            given = "no credential was sent (use --token or --token-env)" if not self.token else \
+                f"check --token/--token-env and --auth-header (sent as {self.auth_header})"
+            raise SetupError(f"the agent at {self.target} refused the ping with HTTP {status}: {given}")
+        if status in (404, 405):
+            raise SetupError(f"the agent at {self.target} answered HTTP {status} to a ping: "
+                             "is the dispatch path right?")
+        if status != 200:
+            return f"the agent answered the ping with HTTP {status}: {_detail(raw)}"
+        return None
+
+    def __call__(self, dispatch: Dispatch) -> Outcome:
+        body: Dict[str, Any] = {
+            "task_id": dispatch.task_id,
+            "run_id": dispatch.run_id,
+            "input": dispatch.task_input(),
+            "odyssey_proxy_url": dispatch.proxy_url,
+            "run_token_jti": dispatch.run_token_jti,
+        }
+        if dispatch.tools_schema is not None:
+            body["tools_schema"] = dispatch.tools_schema
+        headers = {
+            "X-Pipelines-Run-Token": dispatch.run_token,
+            "X-Pipelines-Odyssey-Proxy-Url": dispatch.proxy_url,
+            "X-Pipelines-Run-Id": str(dispatch.run_id),
+            "X-Pipelines-Task-Id": str(dispatch.task_id),
+            "X-Pipelines-Run-Token-Jti": dispatch.run_token_jti,
+        }
+        try:
+            status, raw = self._post(body, headers, self.timeout)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            if isinstance(exc, socket.timeout) or "timed out" in str(exc):
+                return Outcome(error=f"the agent did not answer within {self.timeout:g} s (--timeout)")
+            return Outcome(error=f"the dispatch failed: {_describe(exc)}")
+        if status != 200:
+            return Outcome(error=f"the agent answered HTTP {status}: {_detail(raw)}")
+        try:
+            return Outcome(body=json.loads(raw))
+        except ValueError:
+            return Outcome(error=f"the agent answered 200 with a body that is not JSON: {_detail(raw)}")
+
+
+def _detail(raw: bytes) -> str:
+    """The useful part of an error body: FastAPI ``detail`` when there is one, else the first 300 characters."""
+    text = raw.decode("utf-8", "replace")
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "detail" in body:
+        detail = body["detail"]
+        text = detail if isinstance(detail, str) else json.dumps(detail)
+    text = " ".join(text.split())
+    return (text[:297] + "...") if len(text) > 300 else (text or "(empty body)")
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without credentials or query string, for reports and messages."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+# ---------------------------------------------------------------------------
+# One run: a proxy driven by the engine, the agent, the recorded trajectory
+# ---------------------------------------------------------------------------
+
+
+class _Run:
+    """The proxy side of one run: answers tool calls from the backend and records each answer."""
+
+    def __init__(self, backend: engine.Backend, started: float) -> None:
+        self.backend = backend
+        self.started = started
+        self.entries: Dict[int, Dict[str, Any]] = {}  # id(request) -> what the backend answered
+        self.problems: List[str] = []
+        self.lock = threading.Lock()
+
+    def answer(self, request: RecordedRequest) -> Dict[str, Any]:
+        """The ``script("*", fn)`` hook: one tool call through the backend, as a reply spec."""
+        with self.lock:
+            entry = _call_entry(request, self.started)
+            self.entries[id(request)] = entry
+            if not isinstance(request.json, dict):  # an older MockProxy lets such bodies through
+                entry["http_status"] = 422
+                return {"status": 422, "error_class": "invalid_arguments",
+                        "message": "tool arguments must be a JSON object"}
+            try:
+                result = self.backend.call(request.name, request.json)
+            except Exception as exc:  # a simulator bug must not hang the agent: answer, and report it
+                self.problems.append(f"the simulator failed on {request.name}: {_describe(exc)}")
+                entry["http_status"] = 500
+                return {"status": 500, "error_class": "simulator_error", "message": _describe(exc)}
+            latency = round((time.monotonic() - request.time) * 1000, 2)
+            entry.update(source=result.source, matched_rule_index=result.matched_rule_index, response=result.response,
+                         changes=result.changes, http_status=200, latency_ms=latency)
+            return {"response": result.response, "source": result.source,
+                    "matched_rule_index": result.matched_rule_index, "latency_ms": max(1, int(latency))}
+
+
+def _call_entry(request: RecordedRequest, started: float) -> Dict[str, Any]:
+    """A trajectory entry for one tool request, before anything answered it."""
+    return {
+        "index": 0,
+        "tool_name": request.name,
+        "arguments": request.json if request.body else {},
+        "actor": request.actor,
+        "at_ms": round((request.time - started) * 1000, 1),
+        "http_status": request.reply_status,
+        "source": None,
+        "matched_rule_index": None,
+        "response": None,
+        "changes": [],
+        "latency_ms": None,
+    }
+
+
+_REJECTIONS = {
+    401: "without this run's token",
+    400: "with a malformed X-Pipelines-Actor-Id",
+    413: "with a body over the 1 MiB cap",
+    422: "with arguments that are not a JSON object",
+    429: "over the rate limit",
+}
+
+
+def _trajectory(proxy: MockProxy, run: _Run) -> Tuple[List[Dict[str, Any]], List[str], int]:
+    """Every tool request in arrival order, the requests the proxy rejected, and how many were replays."""
+    calls: List[Dict[str, Any]] = []
+    problems: List[str] = []
+    replays = 0
+    by_key: Dict[str, Dict[str, Any]] = {}
+    with run.lock:
+        requests = list(proxy.requests)
+        answered = dict(run.entries)
+    for request in requests:
+        status = request.reply_status
+        if request.kind == "other":
+            problems.append(f"the agent sent {request.method} {request.path!r}: not a proxy path (HTTP {status})")
+            continue
+        if request.kind == "traces":
+            if status not in (200, None):
+                problems.append(f"the proxy rejected the agent's trace event {request.name!r} "
+                                f"{_REJECTIONS.get(status, '')} (HTTP {status})".replace("  ", " "))
+            continue
+        entry = answered.get(id(request))
+        if entry is None:
+            entry = _call_entry(request, run.started)
+            original = by_key.get(request.idempotency_key or "")
+            if status == 200 and original is not None:
+                replays += 1
+                entry.update(replayed=True, source=original["source"], response=original["response"],
+                             matched_rule_index=original["matched_rule_index"])
+            elif status is not None:
+                problems.append(f"the proxy rejected the agent's call to {request.name!r} "
+                                f"{_REJECTIONS.get(status, '')} (HTTP {status})".replace("  ", " "))
+        elif request.idempotency_key:
+            by_key[request.idempotency_key] = entry
+        if entry.get("http_status") == 422 and id(request) in answered:
+            problems.append(f"the proxy rejected the agent's call to {request.name!r} {_REJECTIONS[422]} (HTTP 422)")
+        entry["index"] = len(calls) + 1
+        calls.append(entry)
+    return calls, problems + run.problems, replays
+
+
+def _trace_events(proxy: MockProxy, started: float) -> List[Dict[str, Any]]:
+    return [
+        {"event_type": r.name, "payload": r.json, "actor": r.actor, "at_ms": round((r.time - started) * 1000, 1)}
+        for r in list(proxy.requests) if r.kind == "traces" and r.reply_status == 200
+    ]
+
+
+def _scrub(value: Any, secrets_: Sequence[str]) -> Any:
+    """``value`` with every secret replaced in every string (keys included)."""
+    if isinstance(value, str):
+        for secret in secrets_:
+            if secret and secret in value:
+                value = value.replace(secret, _REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {_scrub(k, secrets_): _scrub(v, secrets_) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_scrub(v, secrets_) for v in value]
+    return value
+
+
+def _rule_notes(task: datasets.Task, fixtures: Optional[Mapping[str, Any]]) -> List[str]:
+    """Why a rule can never fire in this simulation, when that can be known up front."""
+    settable = engine.flags_set_by(fixtures or {})
+    notes = []
+    for i, rule in enumerate(task.failure_rules):
+        if rule["trigger"] == "after_state_change" and rule["condition"] not in settable:
+            where = "no fixture sets it" if fixtures else "no fixtures were given (--responses)"
+            notes.append(f"rule {i} (after_state_change on flag {rule['condition']!r}) cannot fire: {where}")
+    return notes
+
+
+def run_task(
+    task: datasets.Task,
+    agent: Callable[[Dispatch], Outcome],
+    *,
+    fixtures: Optional[Mapping[str, Any]] = None,
+    tools_schema: Optional[List[Dict[str, Any]]] = None,
+    hidden: Sequence[str] = (),
+) -> Dict[str, Any]:
+    """Run one task end to end and return its record (secrets scrubbed)."""
+    run_id = task_id = task.row
+    token = "sim-" + secrets.token_urlsafe(24)
+    backend = engine.Backend(task.initial_state, task.failure_rules, fixtures=fixtures,
+                             seed=engine.task_seed(task.row, task.user_instruction))
+    started = time.monotonic()
+    recorder = _Run(backend, started)
+    with MockProxy(tokens=[token], base_path=f"/api/odyssey-proxy/runs/{run_id}") as proxy:
+        proxy.script("*", recorder.answer)
+        dispatch = Dispatch(task_id, run_id, token, uuid.uuid4().hex, proxy.url, task.user_instruction, tools_schema)
+        outcome = agent(dispatch)
+        duration_ms = round((time.monotonic() - started) * 1000, 1)
+        calls, problems, replays = _trajectory(proxy, recorder)
+        events = _trace_events(proxy, started)
+
+    errors: List[str] = []
+    warnings: List[str] = []
+    body = outcome.body
+    if outcome.error:
+        errors.append(outcome.error)
+    else:
+        for problem in pp.validate_response(body):
+            if problem.startswith("warning: "):
+                warnings.append("response: " + problem[len("warning: "):])
+            else:
+                errors.append("invalid response: " + problem)
+    errors += problems
+    known = {t.get("name") for t in tools_schema or []}
+    if tools_schema is not None:
+        for name in sorted({c["tool_name"] for c in calls} - known):
+            warnings.append(f"the agent called {name!r}, which is not in the tools schema (--tools)")
+    notes = _rule_notes(task, fixtures)
+    if replays:
+        notes.append(f"{replays} call(s) were retries the proxy answered from its Idempotency-Key replay memory")
+    if task.workspace:
+        notes.append("workspace columns (" + ", ".join(sorted(task.workspace)) + ") are not simulated")
+    fired: Dict[int, int] = {}
+    for call in calls:
+        if call.get("matched_rule_index") is not None and not call.get("replayed"):
+            fired[call["matched_rule_index"]] = fired.get(call["matched_rule_index"], 0) + 1
+    body_dict = body if isinstance(body, dict) else {}
+    record = {
+        "row": task.row,
+        "line": task.line,
+        "task_id": task_id,
+        "run_id": run_id,
+        "status": "error" if errors else "ok",
+        "user_instruction": task.user_instruction,
+        "behavior_instructions": task.behavior_instructions,
+        "expected_outcome": task.expected_outcome,
+        "expected_outcome_given": task.expected_outcome_given,
+        "initial_state": task.initial_state,
+        "failure_rules": [
+            {"index": i, "rule": rule, "summary": engine.describe_rule(rule), "fired": fired.get(i, 0)}
+            for i, rule in enumerate(task.failure_rules)
+        ],
+        "notes": notes,
+        "final_response": body_dict.get("final_response") if isinstance(body_dict.get("final_response"), str) else None,
+        "messages": body_dict.get("messages"),
+        "metadata": body_dict.get("metadata"),
+        "errors": errors,
+        "warnings": warnings,
+        "traceback": outcome.traceback,
+        "tool_calls": calls,
+        "ledger_changes": [dict(change, call=c["index"]) for c in calls for change in c.get("changes") or []],
+        "final_state": backend.ledger.snapshot(),
+        "flags": sorted(backend.ledger.flags),
+        "trace_events": events,
+        "duration_ms": duration_ms,
+    }
+    return _scrub(record, [token, *hidden])
+
+
+def _invalid_run(row: int, problems: Sequence[datasets.Problem]) -> Dict[str, Any]:
+    line = next((p.line for p in problems if p.line is not None), None)
+    return {
+        "row": row,
+        "line": line,
+        "status": "invalid",
+        "errors": [f"{p.where + ': ' if p.where else ''}{p.message}" for p in problems if p.severity == "error"],
+        "warnings": [],
+        "tool_calls": [],
+        "ledger_changes": [],
+        "trace_events": [],
+        "failure_rules": [],
+        "notes": ["the row was not run: the dataset check rejected it"],
+    }
+
+
+def simulate(
+    data: datasets.Dataset,
+    agent: Callable[[Dispatch], Outcome],
+    *,
+    fixtures: Optional[Mapping[str, Any]] = None,
+    tools_schema: Optional[List[Dict[str, Any]]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    hidden: Sequence[str] = (),
+    describe: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
+
+    Rows the dataset check rejected are listed with status ``invalid`` and
+    not run.  ``hidden`` strings (the agent token) are scrubbed from the report
+    like each run token.  ``describe`` is merged into the report's header.
+    """
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    clock = time.monotonic()
+    tasks = {t.row: t for t in data.tasks}
+    rejected: Dict[int, List[datasets.Problem]] = {}
+    for p in data.problems:
+        if p.row is not None and p.severity == "error":
+            rejected.setdefault(p.row, []).append(p)
+    rows = sorted(set(tasks) | set(rejected))
+    runs = []
+    for n, row in enumerate(rows, 1):
+        if row in tasks:
+            record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden)
+        else:
+            record = _invalid_run(row, rejected[row])
+        runs.append(record)
+        if progress is not None:
+            progress(f"[{n}/{len(rows)}] " + report.progress_line(record))
+    summary = {
+        "runs": len(runs),
+        "ok": sum(1 for r in runs if r["status"] == "ok"),
+        "errors": sum(1 for r in runs if r["status"] != "ok"),
+        "tool_calls": sum(len(r["tool_calls"]) for r in runs),
+        "injected": sum(1 for r in runs for c in r["tool_calls"]
+                        if c.get("source") == "injected" and not c.get("replayed")),
+    }
+    result: Dict[str, Any] = {
+        "kind": "pipelines_port.simulation",
+        "version": 1,
+        "started_at": started_at,
+        "duration_ms": round((time.monotonic() - clock) * 1000, 1),
+        "dataset": {"file": data.name, "rows": data.rows, "problems": [p.to_json() for p in data.problems]},
+        "summary": summary,
+        "runs": runs,
+    }
+    result.update(describe or {})
+    return _scrub(result, hidden)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m conformance simulate",
+        description="Run every row of a task-seeding CSV against an agent through a local simulated proxy.",
+        epilog="Exit status: 0 all rows ok, 1 some row errored, 2 nothing could run.",
+    )
+    parser.add_argument("--csv", required=True, metavar="FILE.csv",
+                        help="the dataset (checked as by `conformance dataset`)")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--code", metavar="FILE.py[:run]",
+                        help="a code-mode agent file and its entrypoint (default run)")
+    target.add_argument("--url", metavar="URL", help="an HTTP-mode agent's dispatch URL")
+    parser.add_argument("--token", metavar="T", help="the agent's auth token (--url); prefer --token-env")
+    parser.add_argument("--token-env", metavar="NAME",
+                        help="read the agent's auth token from this environment variable")
+    parser.add_argument("--auth-header", default="Authorization", metavar="NAME",
+                        help="header carrying the token: Authorization (Bearer T, the default) "
+                             "or a custom name (raw T)")
+    parser.add_argument("--responses", metavar="FIXTURES.json",
+                        help="tool fixtures for the simulated backend (see conformance/engine.py)")
+    parser.add_argument("--tools", metavar="TOOLS.json",
+                        help="a tools schema to inline in each dispatch (tools_schema)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"per-row limit for the agent (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--json", metavar="OUT",
+                        help="write the JSON report to OUT ('-' for stdout instead of the text report)")
+    parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML report to OUT")
+    return parser
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise SetupError(f"{what}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SetupError(f"{what}: {path} is not UTF-8") from None
+    except ValueError as exc:
+        raise SetupError(f"{what}: {path} is not valid JSON: {exc}") from None
+
+
+def _load_fixtures(path: str, say: Callable[[str], None]) -> Dict[str, Any]:
+    doc = _read_json(path, "--responses")
+    findings = engine.fixture_findings(doc)
+    for f in findings:
+        say(f"{path}: {f.severity}: {f}")
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise SetupError(f"--responses: {path} has {len(errors)} error(s); fix them first")
+    return engine.load_fixtures(doc)
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise SetupError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _agent_token(args: argparse.Namespace) -> Optional[str]:
+    if args.token and args.token_env:
+        raise SetupError("give --token or --token-env, not both")
+    if args.token_env:
+        value = os.environ.get(args.token_env, "")
+        if not value.strip():
+            raise SetupError(f"--token-env: the environment variable {args.token_env} is not set")
+        return value.strip()
+    return args.token
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """The simulate command after option parsing; raises :class:`SetupError` when nothing can run."""
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    if args.timeout <= 0:
+        raise SetupError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.code and (args.token or args.token_env):
+        raise SetupError("--token/--token-env are for --url agents; a --code agent is called directly")
+    data = datasets.load_dataset(args.csv)
+    for line in datasets.format_problems(data):
+        say(line)
+    if any(p.severity == "error" and p.row is None for p in data.problems):
+        raise SetupError(f"{args.csv}: the file or its header has errors; fix them first")
+    if not data.tasks and not [p for p in data.problems if p.row is not None]:
+        raise SetupError(f"{args.csv}: nothing to run ({datasets.summary(data)})")
+    fixtures = _load_fixtures(args.responses, say) if args.responses else None
+    tools_schema = None
+    if args.tools:
+        try:
+            tools_schema = pp.load_tools_schema(args.tools)
+        except ValueError as exc:
+            raise SetupError(f"--tools: {exc}") from None
+    if any(t.workspace for t in data.tasks):
+        say("note: workspace columns (scenario_ref, workspace_seed, setup_command) are not simulated; "
+            "rows run as ledger tasks")
+
+    token = _agent_token(args)
+    agent: Any
+    if args.code:
+        agent = CodeAgent(args.code, timeout=args.timeout)
+    else:
+        agent = UrlAgent(args.url, token=token, auth_header=args.auth_header, timeout=args.timeout)
+        warning = agent.check()
+        if warning:
+            say(f"warning: {warning}")
+    hidden = [token] if token else []
+    describe = {"agent": {"mode": agent.mode, "target": agent.target},
+                "fixtures": args.responses, "tools_schema": args.tools}
+    result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say, hidden=hidden,
+                      describe=describe)
+
+    if args.json:
+        text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            _write(args.json, text + "\n")
+    if args.html:
+        _write(args.html, report.render_html(result))
+    if args.json != "-":
+        print(report.render_text(result))
+    return 0 if result["summary"]["errors"] == 0 else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        return run_cli(args)
+    except SetupError as exc:
+        print(f"simulate: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("simulate: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
