@@ -5,7 +5,8 @@ from __future__ import annotations
 import pathlib
 import ssl
 import sys
-from typing import Iterator, List
+import threading
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
@@ -28,6 +29,34 @@ class FakeSleep:
 
     def __call__(self, seconds: float) -> None:
         self.waits.append(seconds)
+
+
+class Together:
+    """Holds the proxy's first ``n`` replies until all ``n`` calls are in flight: proves overlap without timing.
+
+    ``proxy.script(name, together(reply_fn))``; later calls are answered at once.
+    If the first ``n`` never gather, they get a 500 ``not_concurrent`` reply.
+    """
+
+    def __init__(self, n: int, timeout: float = 15.0) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=timeout)
+        self._arrived = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, reply: Callable[[Any], Dict[str, Any]]) -> Callable[[Any], Dict[str, Any]]:
+        def script(request: Any) -> Dict[str, Any]:
+            with self._lock:
+                self._arrived += 1
+                gather = self._arrived <= self.n
+            if gather:
+                try:
+                    self.barrier.wait()
+                except threading.BrokenBarrierError:
+                    return {"status": 500, "error_class": "not_concurrent",
+                            "message": f"fewer than {self.n} calls were in flight together"}
+            return reply(request)
+        return script
 
 
 def server_tls() -> ssl.SSLContext:

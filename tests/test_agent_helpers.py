@@ -13,7 +13,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.conftest import FakeSleep, envelope_for
+from tests.conftest import FakeSleep, Together, envelope_for
 
 PLATFORM_TOOL = {"name": "get_order", "description": "Look up an order.",
                  "input_schema": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]},
@@ -85,7 +85,7 @@ def test_bound_output_keeps_head_and_tail_and_counts_the_cut() -> None:
 
 
 def test_call_tools_overlaps_bounded_in_order_with_errors_as_values(proxy: MockProxy, client: pp.ProxyClient) -> None:
-    proxy.script("slow", lambda r: {"response": r.json, "delay_s": 0.15})
+    proxy.script("slow", Together(3)(lambda r: {"response": r.json}))
     proxy.script("broken", [{"status": 500, "error_class": "internal", "message": "boom"}])
     with pp.bind_envelope(envelope_for(proxy)):
         calls = [("slow", {"i": i}) for i in range(6)] + [("broken", {})]

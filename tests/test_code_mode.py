@@ -12,6 +12,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
+from tests.conftest import Together
 
 
 def in_running_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -87,7 +88,7 @@ def test_sync_agent_runs_on_a_fresh_thread_with_the_envelope_bound(proxy: MockPr
 
 
 def test_async_agent_gathers_tool_calls_under_the_kernel_loop(proxy: MockProxy, token: str) -> None:
-    proxy.script("*", lambda r: {"response": {"tool": r.name}, "delay_s": 0.3})
+    proxy.script("*", Together(3)(lambda r: {"response": {"tool": r.name}}))
     kernel_loops: List[Any] = []
 
     async def agent(envelope: pp.Envelope) -> Dict[str, Any]:

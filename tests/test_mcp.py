@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 
 from conformance.mock_proxy import MockProxy
+from tests.conftest import Together
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TOKEN = "mcp-run-token-31415"
@@ -201,7 +202,7 @@ def test_tools_list_fetched_from_the_platform_with_the_run_token(proxy: MockProx
 
 
 def test_tool_calls_run_concurrently(proxy: MockProxy) -> None:
-    proxy.script("slow", lambda r: {"response": r.json, "delay_s": 0.4})
+    proxy.script("slow", Together(4)(lambda r: {"response": r.json}))
     shim = Shim(run_env(proxy, PIPELINES_TOOLS_SCHEMA_JSON=json.dumps(TOOLS)))
     for i in range(4):
         shim.send(request(i, "tools/call", {"name": "slow", "arguments": {"i": i}}))

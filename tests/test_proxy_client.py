@@ -13,7 +13,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.conftest import TOKEN, FakeSleep, envelope_for
+from tests.conftest import TOKEN, FakeSleep, Together, envelope_for
 
 FAST = pp.RetryPolicy(base_delay_s=0.001, max_delay_s=0.002)
 
@@ -284,7 +284,7 @@ def test_fifty_threads_with_fifty_tokens_never_mix() -> None:
 def test_asyncio_calls_overlap_and_keep_their_own_envelope() -> None:
     tokens = [f"tok-task-{i}" for i in range(10)]
     with MockProxy(tokens=tokens) as proxy:
-        proxy.script("slow", lambda r: {"response": r.json, "delay_s": 0.2})
+        proxy.script("slow", Together(10)(lambda r: {"response": r.json}))
         client = pp.ProxyClient(rate_per_minute=0)
 
         async def one(i: int) -> Any:

@@ -20,6 +20,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
+from tests.conftest import Together
 from tests.fake_model_apis import (
     RATE_LIMITED,
     FakeAnthropicAPI,
@@ -145,9 +146,9 @@ SCRIPT = [
 
 def script_the_proxy(proxy: MockProxy) -> None:
     """Tools of the scenario: slow lookups (to see them overlap), an oversized policy, a failing refund."""
-    proxy.script("get_order", lambda r: {"response": {"order_id": r.json["order_id"], "status": "shipped"},
-                                         "delay_s": 0.3})
-    proxy.script("search_kb", [{"response": POLICY, "delay_s": 0.3}])
+    first_turn = Together(3)  # the first turn's three calls are answered only once all three are in flight
+    proxy.script("get_order", first_turn(lambda r: {"response": {"order_id": r.json["order_id"], "status": "shipped"}}))
+    proxy.script("search_kb", first_turn(lambda r: {"response": POLICY}))
     proxy.script("refund_order", [{"status": 422, "error_class": "validation_error",
                                    "message": "refund amount exceeds the order total"}])
 
@@ -344,9 +345,9 @@ def test_minimal_reports_a_failed_tool(proxy: MockProxy, token: str) -> None:
 
 
 def test_async_framework_gathers_its_tools_under_a_running_loop(proxy: MockProxy, token: str) -> None:
-    proxy.script("get_order", lambda r: {"response": {"order_id": r.json["order_id"], "status": "shipped"},
-                                         "delay_s": 0.3})
-    proxy.script("search_kb", [{"response": "Refunds within 30 days.", "delay_s": 0.3}])
+    together = Together(3)
+    proxy.script("get_order", together(lambda r: {"response": {"order_id": r.json["order_id"], "status": "shipped"}}))
+    proxy.script("search_kb", together(lambda r: {"response": "Refunds within 30 days."}))
     task = {"user_instruction": "Compare orders 4521 and 4522 with the refund policy."}
     body = in_running_loop(template("async_framework").run, task, proxy_url=proxy.url, run_token=token)
     assert pp.validate_response(body) == []
