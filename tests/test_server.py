@@ -474,7 +474,9 @@ def test_slow_and_truncated_clients_do_not_hold_a_worker() -> None:
         # The server still answers.
         status, _, body = http_call(server.url, "POST", "/dispatch", AUTH, b'{"ping": true}')
         assert (status, body) == (200, b'{"ok":true}')
-        assert server._in_flight == 0
+        with server._idle:  # the handler leaves just after sending: wait for it, bounded
+            server._idle.wait_for(lambda: server._in_flight == 0, timeout=10)
+            assert server._in_flight == 0
     finally:
         server.close(1)
 
