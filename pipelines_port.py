@@ -1387,7 +1387,15 @@ class ProxyClient:
 
 
 class _TransportFailure(Exception):
-    """No usable reply arrived; the socket or protocol error is ``__cause__``."""
+    """No usable reply arrived; the socket or protocol error is ``__cause__``.
+
+    ``stale`` marks a reused keep-alive connection the server had closed: worth
+    an immediate retry, without the backoff wait.
+    """
+
+    def __init__(self, stale: bool = False) -> None:
+        super().__init__()
+        self.stale = stale
 
 
 class _ReplyTooLarge(Exception):
@@ -1415,8 +1423,11 @@ class _Transport:
     ) -> Tuple[int, List[Tuple[str, str]], bytes]:
         """``(status, headers, body)`` of one request; raises :class:`_TransportFailure` or :class:`_ReplyTooLarge`.
 
-        An idle pooled connection the server closed is replaced transparently,
-        once, before anything counts as a failure.
+        An idle pooled connection the server closed is replaced before use; if
+        the server closes it while we send, the request is re-sent at once on a
+        fresh connection (it cannot have been read).  A reused connection that
+        drops while we await the reply is ambiguous (the request may have been
+        processed) and raises a ``stale`` :class:`_TransportFailure`.
         """
         import http.client
 
@@ -1439,12 +1450,16 @@ class _Transport:
                 _log.debug("-> %s %s%s (%d bytes%s)", method, base.netloc, path, len(body), _debug_headers(headers))
             try:
                 conn.request(method, path, body, dict(headers))
-                response = conn.getresponse()
             except transport_errors as exc:
                 conn.close()
                 if reused and not fresh_retry and _is_stale_connection_error(exc):
-                    continue  # the server closed the idle connection: retry once on a fresh one
+                    continue  # closed before it read our request: re-send once on a fresh connection
                 raise _TransportFailure() from exc
+            try:
+                response = conn.getresponse()
+            except transport_errors as exc:
+                conn.close()
+                raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
             try:
                 status = response.status
                 reply_headers = response.getheaders()
@@ -1510,6 +1525,9 @@ def _retry_loop(
             transport_failures += 1
             if not _is_retryable_transport(cause) or transport_failures > policy.transport_retries:
                 raise error from cause
+            if failure.stale:  # a keep-alive connection the server had closed: no reason to wait
+                _log.info("%s (a stale keep-alive connection); retrying at once", error)
+                continue
             wait = policy.delay(transport_failures)
             _log.warning("%s; retrying in %.2f s", error, wait)
             sleep(wait)

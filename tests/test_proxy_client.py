@@ -195,7 +195,16 @@ def test_stale_connection_caught_mid_request_is_retried_once_on_a_fresh_one(
     proxy.script("t", [{"response": 1, "close_after": True}, {"response": 2}])
     assert client.call(env, "t", {}) == 1
     assert client.call(env, "t", {}) == 2
-    assert len(proxy.calls("t")) == 2 and fake_sleep.waits == []  # no backoff, no transport retry spent
+    assert len(proxy.calls("t")) == 2 and fake_sleep.waits == []  # retried at once, no backoff
+
+
+def test_a_drop_on_a_reused_connection_counts_as_a_transport_retry(proxy: MockProxy, client: pp.ProxyClient) -> None:
+    env = envelope_for(proxy)
+    client.call(env, "warm_up", {})  # the next call reuses this keep-alive connection
+    proxy.script("gone", [{"drop": True}])
+    with pytest.raises(pp.ProxyTransportError):
+        client.call(env, "gone", {})
+    assert len(proxy.calls("gone")) == 3  # first try + 2 transport retries, never more
 
 
 # -- caps (§3.1) ---------------------------------------------------------------------------
