@@ -11,6 +11,10 @@ like the platform's proxy: trace envelopes, error bodies with ``error_class``,
         ... point the agent at proxy.url with run token proxy.token ...
         assert [r.path for r in proxy.requests] == [...]
 
+One server can stand in for many runs, as the platform's does: ``proxy.new_run()``
+gives a :class:`ProxyRun` with its own base path, run token, scripts, replay
+memory and recorded requests (``proxy`` itself is the default run).
+
 A reply spec is a dict with any of:
 
 - ``response``: the tool result, wrapped in a trace envelope (``source`` defaults to ``odyssey``)
@@ -24,31 +28,50 @@ A reply spec is a dict with any of:
 
 ``script("*", fn)`` answers every tool without a script of its own (a simulator
 plugs in here).  With no script at all for a tool the proxy echoes: ``{"response": {"tool": name, "args": args}}``.
+
+Before any script, a request is checked as the platform checks it, in this
+order: a path that is not ``/tools/{name}`` or ``/traces/{type}`` under a run's
+base path is 404; a bearer (or ``X-Pipelines-Run-Token``) that is not the run's
+is 401 ``run_token_invalid``; a body over 1 MiB is 413 ``payload_too_large``; a
+body that is not a JSON object is 422 (FastAPI's validation shape); a malformed
+``X-Pipelines-Actor-Id`` (§3.5) is 400 ``actor_id_invalid``; with
+``rate_limit=N``, the N+1st request of a token within 60 s is 429
+``rate_limited`` with ``Retry-After``.  Then a repeated ``Idempotency-Key``
+replays its original reply.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
+import re
+import secrets
 import socket
 import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, Union
 
-__all__ = ["MockProxy", "RecordedRequest"]
+__all__ = ["MockProxy", "ProxyRun", "RecordedRequest"]
 
 Reply = Dict[str, Any]
 Script = Union[List[Reply], Callable[["RecordedRequest"], Reply]]
+
+MAX_BODY_BYTES = 1 << 20  # §3.1 request cap
+RUNS_PATH = "/api/odyssey-proxy/runs"
+_ACTOR_SEGMENT = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 class RecordedRequest:
     """One request the proxy received."""
 
-    __slots__ = ("method", "path", "kind", "name", "headers", "body", "json", "connection", "time", "reply_status")
+    __slots__ = ("method", "path", "kind", "name", "headers", "body", "json", "connection", "time", "reply_status",
+                 "run")
 
     def __init__(self, method: str, path: str, kind: str, name: str, headers: Dict[str, str], body: bytes,
-                 connection: int) -> None:
+                 connection: int, run: Optional["ProxyRun"] = None) -> None:
         self.method = method
         self.path = path
         self.kind = kind  # "tools", "traces" or "other"
@@ -62,6 +85,7 @@ class RecordedRequest:
         self.connection = connection
         self.time = time.monotonic()
         self.reply_status: Optional[int] = None
+        self.run = run  # the ProxyRun whose base path it reached, if any
 
     @property
     def bearer(self) -> Optional[str]:
@@ -80,6 +104,106 @@ class RecordedRequest:
         return f"RecordedRequest({self.method} {self.path} conn={self.connection})"
 
 
+class ProxyRun:
+    """One run's proxy: a base path, the run tokens it accepts, scripts, replay memory, requests.
+
+    Made by :meth:`MockProxy.new_run`; the :class:`MockProxy` itself is the default run.
+    """
+
+    def __init__(self, owner: "MockProxy", base_path: str, tokens: Set[str]) -> None:
+        self._owner = owner
+        self.base_path = base_path.rstrip("/")
+        self.tokens = tokens
+        self.requests: List[RecordedRequest] = []
+        self._scripts: Dict[str, Script] = {}
+        self._replayed: Dict[str, Reply] = {}
+
+    def __repr__(self) -> str:
+        return f"ProxyRun({self.base_path!r}, requests={len(self.requests)})"
+
+    @property
+    def url(self) -> str:
+        """The base URL a dispatch envelope carries as ``odyssey_proxy_url``."""
+        return self._owner.origin + self.base_path
+
+    @property
+    def token(self) -> str:
+        return next(iter(sorted(self.tokens)))
+
+    def script(self, name: str, replies: Script) -> None:
+        """Replies for tool (or trace event type) ``name``: a list consumed in order
+        (the last one repeats), or a function of the recorded request.  The name
+        ``"*"`` answers every tool that has no script of its own."""
+        with self._owner._lock:
+            self._scripts[name] = list(replies) if isinstance(replies, list) else replies
+
+    def calls(self, name: Optional[str] = None, kind: str = "tools") -> List[RecordedRequest]:
+        with self._owner._lock:
+            return [r for r in self.requests if r.kind == kind and (name is None or r.name == name)]
+
+    def reset(self) -> None:
+        with self._owner._lock:
+            self._reset()
+
+    def _reset(self) -> None:
+        self.requests.clear()
+        self._scripts.clear()
+        self._replayed.clear()
+
+    def _decide(self, request: RecordedRequest) -> Reply:
+        """The reply to one routed request: the platform's checks, replay, then the script."""
+        owner = self._owner
+        token = request.bearer or request.headers.get("x-pipelines-run-token")
+        if token not in self.tokens:
+            return {"status": 401, "error_class": "run_token_invalid", "message": "unknown run token"}
+        if len(request.body) > MAX_BODY_BYTES:
+            return {"status": 413, "error_class": "payload_too_large",
+                    "message": f"request body of {len(request.body)} bytes is over the {MAX_BODY_BYTES}-byte cap"}
+        if not isinstance(request.json, dict):
+            return {"status": 422, "json": {"detail": [{"loc": ["body"], "msg": "body must be a JSON object",
+                                                        "type": "type_error.dict"}]}}
+        if request.actor is not None and not _valid_actor_label(request.actor):
+            return {"status": 400, "error_class": "actor_id_invalid",
+                    "message": "X-Pipelines-Actor-Id must be 1-8 '/'-separated segments of [A-Za-z0-9_.:-]{1,64}"}
+        wait = owner._rate_limited(token)
+        if wait is not None:
+            return {"status": 429, "error_class": "rate_limited", "message": "too many requests for this run token",
+                    "headers": {"Retry-After": str(wait)}}
+        key = request.idempotency_key
+        with owner._lock:
+            if key and key in self._replayed:
+                return dict(self._replayed[key], replayed=True)
+            script = self._scripts.get(request.name)
+            if script is None and request.kind == "tools":
+                script = self._scripts.get("*")
+            if callable(script):
+                reply = None
+            elif script:
+                reply = script.pop(0) if len(script) > 1 else script[0]
+            else:
+                reply = {}
+        if callable(script):
+            reply = script(request)
+        if request.kind == "traces" and not reply:
+            with owner._lock:
+                sequence = sum(1 for r in self.requests if r.kind == "traces")
+            reply = {"json": {"accepted": True, "sequence": sequence}}
+        if not reply:
+            reply = {"response": {"tool": request.name, "args": request.json}}
+        if key and reply.get("replay", 200 <= reply.get("status", 200) < 300) and not reply.get("drop"):
+            with owner._lock:
+                self._replayed[key] = reply
+        return reply
+
+
+def _valid_actor_label(label: str) -> bool:
+    """§3.5: 1-8 ``/``-separated segments of ``[A-Za-z0-9_.:-]{1,64}``, at most 256 characters."""
+    label = label.strip()
+    segments = label.split("/")
+    return (0 < len(label) <= 256 and len(segments) <= 8
+            and all(_ACTOR_SEGMENT.fullmatch(segment) for segment in segments))
+
+
 class MockProxy:
     """A scriptable per-run proxy.  ``url`` is the base URL an envelope carries."""
 
@@ -87,19 +211,20 @@ class MockProxy:
         self,
         *,
         tokens: Optional[List[str]] = None,
-        base_path: str = "/api/odyssey-proxy/runs/mock",
+        base_path: str = RUNS_PATH + "/mock",
         tls: Optional[ssl.SSLContext] = None,
         host: str = "127.0.0.1",
+        rate_limit: Optional[int] = None,
     ) -> None:
-        self.tokens = set(tokens or ["run-token-mock"])
-        self.base_path = base_path.rstrip("/")
-        self.requests: List[RecordedRequest] = []
+        self._lock = threading.Lock()
+        self._default = ProxyRun(self, base_path, set(tokens or ["run-token-mock"]))
+        self._runs: List[ProxyRun] = [self._default]
+        self.requests: List[RecordedRequest] = []  # every request, whichever run it reached
         self.connections = 0
         self.in_flight = 0
         self.max_in_flight = 0
-        self._scripts: Dict[str, Script] = {}
-        self._replayed: Dict[str, Reply] = {}
-        self._lock = threading.Lock()
+        self.rate_limit = rate_limit
+        self._sent: Dict[str, Deque[float]] = {}
         self._tls = tls
         self._host = host
         self._server: Optional[ThreadingHTTPServer] = None
@@ -139,66 +264,99 @@ class MockProxy:
         return self._server.server_address[1]
 
     @property
-    def url(self) -> str:
+    def origin(self) -> str:
+        """``scheme://host:port``, without a path."""
         scheme = "https" if self._tls is not None else "http"
-        return f"{scheme}://{self._host}:{self.port}{self.base_path}"
+        return f"{scheme}://{self._host}:{self.port}"
+
+    # -- the default run ---------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self._default.url
+
+    @property
+    def base_path(self) -> str:
+        return self._default.base_path
+
+    @property
+    def tokens(self) -> Set[str]:
+        return self._default.tokens
 
     @property
     def token(self) -> str:
-        return next(iter(sorted(self.tokens)))
-
-    # -- scripting --------------------------------------------------------------
+        return self._default.token
 
     def script(self, name: str, replies: Script) -> None:
-        """Replies for tool (or trace event type) ``name``: a list consumed in order
-        (the last one repeats), or a function of the recorded request.  The name
-        ``"*"`` answers every tool that has no script of its own."""
-        with self._lock:
-            self._scripts[name] = list(replies) if isinstance(replies, list) else replies
+        """Script the default run; see :meth:`ProxyRun.script`."""
+        self._default.script(name, replies)
 
     def calls(self, name: Optional[str] = None, kind: str = "tools") -> List[RecordedRequest]:
-        with self._lock:
-            return [r for r in self.requests if r.kind == kind and (name is None or r.name == name)]
+        """The default run's requests of ``kind`` (to tool or event type ``name``)."""
+        return self._default.calls(name, kind)
 
     def reset(self) -> None:
+        """Forget every request, script and replayable reply, of every run."""
         with self._lock:
             self.requests.clear()
-            self._scripts.clear()
-            self._replayed.clear()
+            for run in self._runs:
+                run._reset()
+            self._sent.clear()
+
+    # -- more runs -----------------------------------------------------------------
+
+    def new_run(self, token: Optional[str] = None, *, name: Optional[str] = None) -> ProxyRun:
+        """A run of its own at ``/api/odyssey-proxy/runs/{name}``, accepting only ``token``.
+
+        Both default to fresh random values.
+        """
+        name = name or "run-" + secrets.token_hex(6)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError(f"run name must be URL-safe, got {name!r}")
+        run = ProxyRun(self, f"{RUNS_PATH}/{name}", {token or "run-token-" + secrets.token_hex(16)})
+        with self._lock:
+            if any(r.base_path == run.base_path for r in self._runs):
+                raise ValueError(f"a run named {name!r} exists already")
+            self._runs.append(run)
+        return run
+
+    @property
+    def runs(self) -> List[ProxyRun]:
+        with self._lock:
+            return list(self._runs)
 
     # -- request handling ---------------------------------------------------------
 
-    def _decide(self, request: RecordedRequest) -> Reply:
-        if request.kind == "other":
-            return {"status": 404, "json": {"detail": "Not Found"}}
-        token = request.bearer or request.headers.get("x-pipelines-run-token")
-        if token not in self.tokens:
-            return {"status": 401, "error_class": "run_token_invalid", "message": "unknown run token"}
-        key = request.idempotency_key
+    def _route(self, path: str) -> Tuple[Optional[ProxyRun], str, str]:
+        """``(run, kind, name)`` of a request path; kind ``"other"`` when it is no tool or trace path."""
         with self._lock:
-            if key and key in self._replayed:
-                return dict(self._replayed[key], replayed=True)
-            script = self._scripts.get(request.name)
-            if script is None and request.kind == "tools":
-                script = self._scripts.get("*")
-            if callable(script):
-                reply = None
-            elif script:
-                reply = script.pop(0) if len(script) > 1 else script[0]
-            else:
-                reply = {}
-        if callable(script):
-            reply = script(request)
-        if request.kind == "traces" and not reply:
-            with self._lock:
-                sequence = sum(1 for r in self.requests if r.kind == "traces")
-            reply = {"json": {"accepted": True, "sequence": sequence}}
-        if not reply:
-            reply = {"response": {"tool": request.name, "args": request.json}}
-        if key and reply.get("replay", 200 <= reply.get("status", 200) < 300) and not reply.get("drop"):
-            with self._lock:
-                self._replayed[key] = reply
-        return reply
+            runs = sorted(self._runs, key=lambda r: len(r.base_path), reverse=True)
+        for run in runs:
+            if path.startswith(run.base_path + "/"):
+                first, _, name = path[len(run.base_path) + 1:].partition("/")
+                if first in ("tools", "traces") and name and "/" not in name:
+                    return run, first, name
+                return run, "other", ""
+        return None, "other", ""
+
+    def _decide(self, request: RecordedRequest) -> Reply:
+        if request.kind == "other" or request.run is None:
+            return {"status": 404, "json": {"detail": "Not Found"}}
+        return request.run._decide(request)
+
+    def _rate_limited(self, token: str) -> Optional[int]:
+        """Seconds to wait when ``token`` is over ``rate_limit`` requests in 60 s, else ``None`` (and counted)."""
+        if not self.rate_limit:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            sent = self._sent.setdefault(token, collections.deque())
+            while sent and now - sent[0] >= 60.0:
+                sent.popleft()
+            if len(sent) >= self.rate_limit:
+                return max(1, math.ceil(sent[0] + 60.0 - now))
+            sent.append(now)
+        return None
 
     def _count_connection(self) -> int:
         with self._lock:
@@ -217,6 +375,8 @@ class MockProxy:
     def _record(self, request: RecordedRequest) -> None:
         with self._lock:
             self.requests.append(request)
+            if request.run is not None:
+                request.run.requests.append(request)
 
 
 class _Server(ThreadingHTTPServer):
@@ -250,15 +410,9 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         path = self.path.split("?", 1)[0]
-        base = self.owner.base_path
-        kind, name = "other", ""
-        if path.startswith(base + "/"):
-            rest = path[len(base) + 1:]
-            first, _, name = rest.partition("/")
-            if first in ("tools", "traces") and name and "/" not in name:
-                kind = first
+        run, kind, name = self.owner._route(path)
         headers = {k.lower(): v for k, v in self.headers.items()}
-        request = RecordedRequest("POST", path, kind, name, headers, body, self.connection_id)
+        request = RecordedRequest("POST", path, kind, name, headers, body, self.connection_id, run)
         self.owner._record(request)
         self.owner._enter()
         try:
@@ -310,7 +464,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
-def _render(reply: Reply, request: RecordedRequest) -> "tuple[int, Dict[str, str], bytes]":
+def _render(reply: Reply, request: RecordedRequest) -> Tuple[int, Dict[str, str], bytes]:
     status = int(reply.get("status", 200))
     headers = dict(reply.get("headers") or {})
     if "body" in reply:

@@ -1,0 +1,211 @@
+"""The conformance agent on pipelines_port (spec: conformance/README.md, "The conformance agent").
+
+A tiny scripted agent that ``python3 -m conformance check`` drives through a
+port's ordinary dispatch server.  Serve it with::
+
+    AGENT_TOKEN=secret python3 pipelines_port.py serve conformance/agent.py:agent --port 8080
+
+The agent reads ``user_instruction``: a JSON object with a ``steps`` array is a
+script, anything else asks for an echo of the envelope.  Everything goes
+through pipelines_port's own code (proxy shim, trace client, response builder),
+so the checker sees exactly what the port does.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Mapping, Optional
+
+import pipelines_port as pp
+
+__all__ = ["agent", "ScriptError", "echo", "outcome_of_error"]
+
+MODEL = "conformance-agent"
+STEP_KINDS = ("call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return")
+
+
+class ScriptError(ValueError):
+    """The instruction is a script, but a step is unknown or misses a field."""
+
+
+def agent(envelope: pp.Envelope) -> Any:
+    """Echo the envelope, or run the script in ``user_instruction``."""
+    steps = _script_steps(envelope.user_instruction)
+    if steps is None:
+        return compact({"envelope": echo(envelope)})
+    return Script(envelope.user_instruction).run(steps)
+
+
+def compact(value: Any) -> str:
+    """The compact JSON text of ``value``."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _script_steps(instruction: str) -> Optional[List[Any]]:
+    try:
+        parsed = json.loads(instruction)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict) and isinstance(parsed.get("steps"), list):
+        return parsed["steps"]
+    return None
+
+
+# -- echo mode ----------------------------------------------------------------------
+
+
+def echo(envelope: pp.Envelope) -> Dict[str, Any]:
+    """The envelope as the port parsed it; the run token only as its SHA-256."""
+    return {
+        "proxy_url": envelope.proxy_url,
+        "run_token_sha256": hashlib.sha256(envelope.run_token.encode("utf-8")).hexdigest(),
+        "run_id": envelope.run_id,
+        "task_id": envelope.task_id,
+        "agent_id": envelope.agent_id,
+        "run_token_jti": envelope.run_token_jti,
+        "user_instruction": envelope.user_instruction,
+        "task_input": envelope.task_input,
+        "latest_user_prompt": envelope.latest_user_prompt,
+        "session_id": envelope.session_id,
+        "turn_id": envelope.turn_id,
+        "messages": envelope.messages,
+        "scenario_state": envelope.scenario_state,
+        "workspace": envelope.workspace,
+        "tools_schema": envelope.tools_schema,
+        "sub_agents": list(envelope.sub_agents),
+        "api_url": envelope.api_url,
+        "raw": envelope.raw,
+    }
+
+
+# -- script mode --------------------------------------------------------------------
+
+
+def outcome_of_error(exc: pp.ProxyError) -> Dict[str, Any]:
+    """``{"ok": false, "error": {kind, status_code, error_class}}`` for a failed call or trace."""
+    if isinstance(exc, pp.StaleRunTokenError):
+        kind = "stale_run_token"
+    elif isinstance(exc, pp.ProxyRequestError):
+        kind = "request"
+    elif isinstance(exc, pp.ProxyTransportError):
+        kind = "transport"
+    else:
+        kind = "proxy"
+    return {"ok": False, "error": {"kind": kind, "status_code": exc.status_code, "error_class": exc.error_class}}
+
+
+def _ok(value: Any) -> Dict[str, Any]:
+    return {"ok": True, "value": value}
+
+
+class _Return(Exception):
+    """A ``return`` step: end the run with this value."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__("return step")
+        self.value = value
+
+
+class Script:
+    """One script run: its results and its transcript."""
+
+    def __init__(self, instruction: str) -> None:
+        self.results: List[Any] = []
+        self.messages: List[Dict[str, Any]] = [{"role": "user", "content": instruction}]
+        self.calls_made = 0
+
+    def run(self, steps: List[Any]) -> Any:
+        started = time.monotonic()
+        try:
+            for index, step in enumerate(steps):
+                self.results.append(self.step(index, step))
+        except _Return as returned:
+            return returned.value
+        final = compact({"results": self.results})
+        self.messages.append({"role": "assistant", "content": final})
+        runtime_ms = int(round((time.monotonic() - started) * 1000))
+        return {"final_response": final, "messages": self.messages,
+                "metadata": {"model": MODEL, "agent_runtime_ms": runtime_ms}}
+
+    def step(self, index: int, step: Any) -> Any:
+        """Run one step and give its result; ``raise`` and ``return`` steps end the run."""
+        where = f"steps[{index}]"
+        kinds = [k for k in STEP_KINDS if isinstance(step, dict) and k in step]
+        if len(kinds) != 1:
+            raise ScriptError(f"{where}: a step is an object with exactly one of {', '.join(STEP_KINDS)}")
+        kind = kinds[0]
+        if kind == "call":
+            return self.calls([_call_step(step, where)])[0]
+        if kind == "parallel":
+            calls = step["parallel"]
+            if not isinstance(calls, list):
+                raise ScriptError(f"{where}.parallel: must be an array of call steps")
+            return {"parallel": self.calls([_call_step(c, f"{where}.parallel[{i}]") for i, c in enumerate(calls)])}
+        if kind == "trace":
+            if "payload" not in step:
+                raise ScriptError(f"{where}: a trace step needs 'payload'")
+            return _attempt(lambda: pp.post_trace(step["trace"], step["payload"], actor=step.get("actor")))
+        if kind == "handoff":
+            handoff = step["handoff"]
+            if not isinstance(handoff, dict) or "from" not in handoff or "to" not in handoff:
+                raise ScriptError(f"{where}.handoff: must be an object with 'from' and 'to'")
+            return _attempt(lambda: pp.post_handoff(handoff["from"], handoff["to"], reason=handoff.get("reason"),
+                                                    payload_preview=handoff.get("payload_preview")))
+        if kind == "sleep_ms":
+            millis = step["sleep_ms"]
+            if isinstance(millis, bool) or not isinstance(millis, (int, float)) or millis < 0:
+                raise ScriptError(f"{where}.sleep_ms: must be a non-negative number")
+            time.sleep(millis / 1000)
+            return _ok(None)
+        if kind == "raise":
+            if not isinstance(step["raise"], str):
+                raise ScriptError(f"{where}.raise: must be a string")
+            raise RuntimeError(step["raise"])
+        raise _Return(step["return"])
+
+    def calls(self, calls: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+        """Tool calls started together and awaited together; outcomes in the listed order."""
+        ids = []
+        for call in calls:
+            self.calls_made += 1
+            ids.append(f"call_{self.calls_made}")
+        if len(calls) == 1:
+            outcomes = [_tool_call(calls[0])]
+        elif calls:
+            with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="conformance-call") as pool:
+                futures = [pool.submit(contextvars.copy_context().run, _tool_call, c) for c in calls]
+                outcomes = [f.result() for f in futures]
+        else:
+            outcomes = []
+        for call_id, call, outcome in zip(ids, calls, outcomes):
+            self.messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "name": _transcript_name(call["call"]),
+                 "arguments": call["args"] if isinstance(call["args"], dict) else compact(call["args"])}]})
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": compact(outcome)})
+        return outcomes
+
+
+def _call_step(step: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(step, dict) or "call" not in step or "args" not in step:
+        raise ScriptError(f"{where}: a call step is an object with 'call' and 'args'")
+    return step
+
+
+def _tool_call(call: Mapping[str, Any]) -> Dict[str, Any]:
+    return _attempt(lambda: pp.proxy_call(call["call"], call["args"], actor=call.get("actor")))
+
+
+def _attempt(fn: Any) -> Dict[str, Any]:
+    try:
+        return _ok(fn())
+    except pp.ProxyError as exc:
+        return outcome_of_error(exc)
+
+
+def _transcript_name(name: Any) -> str:
+    """The tool name as the transcript shows it: a non-empty string, else its JSON text."""
+    return name if isinstance(name, str) and name else compact(name)

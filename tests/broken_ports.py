@@ -1,0 +1,229 @@
+"""Deliberately broken ports: our server and conformance agent with one contract rule broken.
+
+    python3 tests/broken_ports.py VARIANT [--port 0] [--token T]
+
+prints ``listening on URL`` and serves until SIGTERM.  Each variant patches
+pipelines_port in its own process only (so nothing leaks into the checker) and
+names the case ``python3 -m conformance check`` must fail it on.  ``correct``
+patches nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import sys
+import uuid
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pipelines_port as pp  # noqa: E402
+
+
+class Variant(NamedTuple):
+    fails: Optional[str]  # the case id check must fail; None for the correct port
+    control: Optional[str]  # a neighbouring case it must still pass
+    patch: Callable[[], None]
+
+
+VARIANTS: Dict[str, Variant] = {}
+
+
+def variant(name: str, fails: Optional[str], control: Optional[str]) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(patch: Callable[[], None]) -> Callable[[], None]:
+        VARIANTS[name] = Variant(fails, control, patch)
+        return patch
+    return register
+
+
+def wrap_replies(change: Callable[[int, bytes, Any], Any]) -> None:
+    """Patch how proxy replies are read: ``change(status, body, reply) -> reply``."""
+    original = pp._interpret_reply
+
+    def interpret(status: int, headers: Any, body: bytes, **kwargs: Any) -> Any:
+        return change(status, body, original(status, headers, body, **kwargs))
+
+    pp._interpret_reply = interpret
+
+
+def wrap_sent_headers(change: Callable[[Dict[str, str]], Dict[str, str]]) -> None:
+    """Patch the headers of every outbound request."""
+    original = pp._Transport.exchange
+
+    def exchange(self: Any, base: Any, method: str, path: str, headers: Any, *rest: Any) -> Any:
+        return original(self, base, method, path, change(dict(headers)), *rest)
+
+    pp._Transport.exchange = exchange
+
+
+@variant("correct", None, None)
+def correct() -> None:
+    pass
+
+
+@variant("auth_after_ping", "auth.ping_wrong_credential", "auth.dispatch_without_credential")
+def auth_after_ping() -> None:
+    original = pp.DispatchApp.handle
+
+    def handle(self: Any, method: str, target: str, headers: Any, body: bytes) -> Any:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if pp.is_ping(payload):  # answered before the credential is looked at
+            return pp._json_reply(200, {"ok": True})
+        return original(self, method, target, headers, body)
+
+    pp.DispatchApp.handle = handle
+
+
+@variant("envelope_unwrapped", "proxy.unwrap", "proxy.non_json_reply")
+def envelope_unwrapped() -> None:
+    def whole_body(status: int, body: bytes, reply: Any) -> Any:
+        if reply.kind == "value":
+            with contextlib.suppress(ValueError):
+                return reply._replace(value=json.loads(body))  # the trace envelope itself
+        return reply
+
+    wrap_replies(whole_body)
+
+
+@variant("no_retry_429", "proxy.retry_429", "proxy.retry_503_lock_contention")
+def no_retry_429() -> None:
+    wrap_replies(lambda status, body, reply: pp._Reply("error", error=reply.error)
+                 if status == 429 and reply.kind == "retry" else reply)
+
+
+@variant("new_key_per_retry", "proxy.idempotency_reused_on_retry", "proxy.idempotency_fresh")
+def new_key_per_retry() -> None:
+    wrap_sent_headers(lambda headers: dict(headers, **{"Idempotency-Key": str(uuid.uuid4())})
+                      if "Idempotency-Key" in headers else headers)
+
+
+@variant("string_decoded_twice", "proxy.string_not_decoded_twice", "proxy.unwrap")
+def string_decoded_twice() -> None:
+    def decode_again(status: int, body: bytes, reply: Any) -> Any:
+        if reply.kind == "value" and isinstance(reply.value, str):
+            with contextlib.suppress(ValueError):
+                return reply._replace(value=json.loads(reply.value))
+        return reply
+
+    wrap_replies(decode_again)
+
+
+@variant("token_in_error_detail", "secrets.agent_error_detail", "response.agent_error")
+def token_in_error_detail() -> None:
+    pp._redact_secrets = lambda text, envelope, app: text
+
+
+@variant("empty_final_response", "response.empty_final_response", "response.echo_valid")
+def empty_final_response() -> None:
+    original = pp.build_response
+
+    def build_response(value: Any, **kwargs: Any) -> Any:
+        try:
+            return original(value, **kwargs)
+        except pp.ResponseError:
+            return {"final_response": ""}
+
+    pp.build_response = build_response
+
+
+@variant("global_envelope", "concurrency.distinct_tokens", "envelope.echo")
+def global_envelope() -> None:
+    current: Dict[str, pp.Envelope] = {}
+
+    @contextlib.contextmanager
+    def bind_envelope(envelope: pp.Envelope) -> Iterator[pp.Envelope]:
+        current["envelope"] = envelope  # one global for every concurrent dispatch
+        yield envelope
+
+    pp.bind_envelope = bind_envelope
+    pp.current_envelope = lambda: current["envelope"]
+
+
+@variant("loose_ping", "ping.strict", "ping.exact")
+def loose_ping() -> None:
+    pp.is_ping = lambda body: isinstance(body, dict) and bool(body.get("ping"))
+
+
+@variant("stale_not_distinguished", "proxy.stale_run_token", "proxy.terminal_401")
+def stale_not_distinguished() -> None:
+    def plain(status: int, body: bytes, reply: Any) -> Any:
+        error = reply.error
+        if isinstance(error, pp.StaleRunTokenError):
+            return reply._replace(error=pp.ProxyError(error.message, status_code=error.status_code,
+                                                      error_class=error.error_class, tool_name=error.tool_name))
+        return reply
+
+    wrap_replies(plain)
+
+
+@variant("actor_not_validated", "actor.malformed_refused", "actor.trimmed")
+def actor_not_validated() -> None:
+    pp.validate_actor_label = lambda label: (label.strip() or None) if isinstance(label, str) else label
+
+
+@variant("retries_terminal_500", "proxy.terminal_500", "proxy.retry_429")
+def retries_terminal_500() -> None:
+    wrap_replies(lambda status, body, reply: reply._replace(kind="retry") if status == 500 else reply)
+
+
+@variant("header_fallback_ignored", "envelope.header_fallback", "envelope.echo")
+def header_fallback_ignored() -> None:
+    original = pp.Envelope.from_dispatch.__func__
+
+    def from_dispatch(cls: Any, body: Any, headers: Any = None) -> pp.Envelope:
+        token = pp._lower_headers(headers).get("x-pipelines-run-token")
+        return original(cls, body, {"X-Pipelines-Run-Token": token} if token is not None else {})
+
+    pp.Envelope.from_dispatch = classmethod(from_dispatch)
+
+
+@variant("no_occurred_at", "trace.event_shape", "trace.self_handoff_dropped")
+def no_occurred_at() -> None:
+    original = pp._encode_args
+
+    def encode(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
+        if what == "trace payload" and isinstance(args, dict):
+            args = {k: v for k, v in args.items() if k != "__occurred_at"}
+        return original(name, args, what=what)
+
+    pp._encode_args = encode
+
+
+@variant("both_token_headers", "proxy.request_shape", "proxy.idempotency_fresh")
+def both_token_headers() -> None:
+    def add(headers: Dict[str, str]) -> Dict[str, str]:
+        auth = headers.get("Authorization", "")
+        if auth.startswith("Bearer ") and "Idempotency-Key" in headers:
+            headers["X-Pipelines-Run-Token"] = auth[7:]
+        return headers
+
+    wrap_sent_headers(add)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="broken_ports.py", description=__doc__.splitlines()[0])
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--token", help="the agent token (default: auth off)")
+    args = parser.parse_args(argv)
+    VARIANTS[args.variant].patch()
+    from conformance.agent import agent
+
+    auth: Dict[str, Any] = {"token": args.token} if args.token else {"no_auth": True}
+    pp._configure_logging(False)
+    pp._log.setLevel("ERROR")
+    return pp.serve(agent, host=args.host, port=args.port, grace_s=2.0,
+                    ready=lambda server: print(f"listening on {server.url}", flush=True), **auth)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""The JavaScript port (conformance/ports/node/): its vectors, and its dispatch server over 127.0.0.1.
+
+The server runs as a subprocess serving the conformance agent; the agent's
+tool calls go to a MockProxy.  Skipped when ``node`` is not on PATH.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import pathlib
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+
+import pipelines_port as pp
+from conformance.mock_proxy import MockProxy
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PORT_DIR = ROOT / "conformance" / "ports" / "node"
+NODE = shutil.which("node")
+AGENT_TOKEN = "node-agent-token-7e7e7e"
+RUN_TOKEN = "node-run-token-3c3c3c3c"
+
+pytestmark = pytest.mark.skipif(NODE is None, reason="node is not on PATH: the JavaScript port cannot run")
+
+
+class NodeServer:
+    """``node server.mjs --port 0 ...`` as a subprocess; ``url`` is its dispatch URL."""
+
+    def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [NODE, str(PORT_DIR / "server.mjs"), "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN, **(env or {})},
+        )
+        lines: "queue.Queue[str]" = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        try:
+            first = lines.get(timeout=15)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"node server did not start: {self.log()}") from None
+        assert "listening on http://" in first, first
+        self.url = first.split("listening on ", 1)[1].strip()
+        self.host, rest = self.url.split("//", 1)[1].split("/", 1)[0].split(":")
+        self.port = int(rest)
+
+    def log(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode("utf-8", "replace")
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (the server drains in-flight dispatches first)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(15)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[NodeServer]:
+    node = NodeServer()
+    yield node
+    assert node.stop() == 0
+
+
+@pytest.fixture
+def proxy() -> Iterator[MockProxy]:
+    with MockProxy(tokens=[RUN_TOKEN] + [f"node-run-token-{i:03d}" for i in range(20)]) as p:
+        yield p
+
+
+Reply = Tuple[int, Dict[str, str], bytes]
+AUTH = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+
+
+def post(server: NodeServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
+         path: str = "/dispatch") -> Reply:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request(method, path, body=raw if method == "POST" else None,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def dispatch(server: NodeServer, proxy: MockProxy, instruction: Any, *, token: str = RUN_TOKEN,
+             **body: Any) -> Tuple[int, Dict[str, Any]]:
+    """One dispatch as the platform sends it; ``instruction`` (a script when not a string) becomes user_instruction."""
+    text = instruction if isinstance(instruction, str) else json.dumps(instruction)
+    payload = {"task_id": 42, "run_id": 17, "agent_id": 8, "run_token_jti": "jti-17", "odyssey_proxy_url": proxy.url,
+               "input": {"task_id": 42, "user_instruction": text, "input": {"order_id": "4521"}}, **body}
+    status, _, raw = post(server, payload, {**AUTH, "X-Pipelines-Run-Token": token})
+    assert token.encode() not in raw
+    return status, json.loads(raw)
+
+
+def results(reply: Dict[str, Any]) -> List[Any]:
+    return json.loads(reply["final_response"])["results"]
+
+
+def raw_request(server: NodeServer, data: bytes) -> bytes:
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+# -- the vectors, in JavaScript ----------------------------------------------------------
+
+
+def test_the_port_passes_every_json_vector() -> None:
+    done = subprocess.run([NODE, str(PORT_DIR / "vectors.mjs")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    passed, failed = done.stdout.split(" passed, ")
+    assert int(passed) > 150 and failed.startswith("0 failed"), done.stdout
+
+
+# -- §2: the order of handling ---------------------------------------------------------------
+
+
+def test_auth_before_a_strict_ping_and_the_400s(server: NodeServer) -> None:
+    assert post(server, {"ping": True})[0] == 401
+    status, headers, body = post(server, {"ping": True}, {"Authorization": "Bearer guess-123"})
+    assert status == 401 and b"guess-123" not in body and headers["www-authenticate"] == "Bearer"
+    assert post(server, {"ping": True}, {"Authorization": AGENT_TOKEN})[0] == 401  # no Bearer scheme
+    status, _, body = post(server, {"ping": True}, AUTH)
+    assert (status, json.loads(body)) == (200, {"ok": True})
+    for shaped in ({"ping": True, "x": 1}, {"ping": 1}, {"ping": "true"}):
+        status, _, body = post(server, shaped, AUTH)
+        detail = json.loads(body)["detail"]
+        assert status == 400 and "proxy URL" in detail and "X-Pipelines-Run-Token" in detail
+    status, _, body = post(server, b"{not json", AUTH)
+    assert status == 400 and "not valid JSON" in json.loads(body)["detail"]
+    status, _, body = post(server, [1, 2], AUTH)
+    assert status == 400 and "JSON object" in json.loads(body)["detail"]
+
+
+def test_routes_methods_framing_and_keep_alive(server: NodeServer) -> None:
+    status, headers, body = post(server, b"", AUTH, method="GET")
+    assert status == 405 and headers["allow"] == "POST"
+    status, _, body = post(server, {"ping": True}, AUTH, path="/elsewhere")
+    assert status == 404 and "/dispatch" in json.loads(body)["detail"]
+    status, _, body = post(server, b"", method="GET", path="/healthz")
+    assert status == 200 and json.loads(body)["ok"] is True
+    auth = f"Authorization: Bearer {AGENT_TOKEN}\r\n".encode()
+    out = raw_request(server, b"POST /dispatch HTTP/1.1\r\nHost: x\r\n" + auth +
+                      b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 411") and b"chunked" in out
+    # 100 MB announced, nothing sent: refused at once, the connection closed rather than read.
+    out = raw_request(server, b"POST /dispatch HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 100000000\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 413") and b"Connection: close" in out
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    try:
+        sockets = set()
+        for headers in (AUTH, {"Authorization": "Bearer wrong"}, AUTH):
+            conn.request("POST", "/dispatch", body=b'{"ping": true}', headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            sockets.add(id(conn.sock))
+        assert resp.status == 200 and len(sockets) == 1
+    finally:
+        conn.close()
+
+
+def test_unset_token_env_is_503_and_a_custom_auth_header_carries_the_raw_value() -> None:
+    node = NodeServer("--token-env", "NODE_PORT_UNSET_TOKEN", env={"NODE_PORT_UNSET_TOKEN": ""})
+    try:
+        status, _, body = post(node, {"ping": True}, AUTH)
+        assert status == 503 and "NODE_PORT_UNSET_TOKEN" in json.loads(body)["detail"]
+    finally:
+        assert node.stop() == 0
+    node = NodeServer("--auth-header", "X-API-Key")
+    try:
+        assert post(node, {"ping": True}, {"X-API-Key": AGENT_TOKEN})[0] == 200
+        assert post(node, {"ping": True}, {"X-API-Key": f"Bearer {AGENT_TOKEN}"})[0] == 401
+        assert post(node, {"ping": True}, AUTH)[0] == 401
+    finally:
+        assert node.stop() == 0
+
+
+# -- the conformance agent: echo mode -------------------------------------------------------------
+
+
+def test_echo_mode_shows_the_envelope_with_header_fallbacks(server: NodeServer, proxy: MockProxy) -> None:
+    body = {"input": {"user_instruction": "hello", "session_id": "s-1"}, "future_field": {"kept": True},
+            "sub_agents": [{"actor_id": "triage"}, "refunds", 7, "bad label!"]}
+    headers = {**AUTH, "X-Pipelines-Run-Token": RUN_TOKEN, "X-Pipelines-Odyssey-Proxy-Url": proxy.url + "/",
+               "X-Pipelines-Run-Id": "17", "X-Pipelines-Task-Id": "42", "X-Pipelines-Run-Token-Jti": "jti-h"}
+    status, _, raw = post(server, body, headers)
+    assert status == 200 and RUN_TOKEN.encode() not in raw
+    reply = json.loads(raw)
+    assert set(reply) == {"final_response"}
+    echoed = json.loads(reply["final_response"])["envelope"]
+    assert echoed["proxy_url"] == proxy.url and echoed["api_url"] == proxy.url.split("/api/")[0]
+    assert (echoed["run_id"], echoed["task_id"], echoed["agent_id"], echoed["run_token_jti"]) == ("17", "42", None, "jti-h")
+    assert echoed["run_token_sha256"] == hashlib.sha256(RUN_TOKEN.encode()).hexdigest()
+    assert (echoed["user_instruction"], echoed["task_input"], echoed["session_id"]) == ("hello", {}, "s-1")
+    assert echoed["sub_agents"] == ["triage", "refunds"] and echoed["raw"] == body
+    status, reply = dispatch(server, proxy, "plain text", odyssey_proxy_url="file:///etc/passwd")
+    assert status == 400 and "http" in reply["detail"]
+
+
+# -- the conformance agent: script mode through the proxy shim -----------------------------------------
+
+
+def test_script_calls_retries_errors_and_traces(server: NodeServer, proxy: MockProxy) -> None:
+    proxy.script("get_order", [{"response": {"status": "shipped"}}])
+    proxy.script("flaky", [{"status": 429, "headers": {"Retry-After": "0"}, "error_class": "rate_limited"},
+                           {"response": "{\"a\": 1}"}])
+    proxy.script("expired", [{"status": 401, "error_class": "run_token_expired", "message": "gone"}])
+    proxy.script("broken", [{"status": 503, "error_class": "simulator_unavailable", "message": "down"}])
+    steps = [
+        {"call": "get_order", "args": {"order_id": "4521"}},
+        {"call": "flaky", "args": {}, "actor": "  supervisor/refunds  "},
+        {"call": "expired", "args": {}},
+        {"call": "broken", "args": {}},
+        {"call": "bad name", "args": {}},
+        {"call": "get_order", "args": [1, 2]},
+        {"call": "get_order", "args": {}, "actor": "a//b"},
+        {"trace": "assistant_message", "payload": {"text": "working"}},
+        {"trace": "debug_dump", "payload": {}},
+        {"handoff": {"from": "triage", "to": "triage"}},
+        {"handoff": {"from": "triage", "to": "refunds", "reason": "refund asked"}},
+        {"sleep_ms": 1},
+    ]
+    status, reply = dispatch(server, proxy, {"steps": steps})
+    assert status == 200, reply
+    request_error = {"ok": False, "error": {"kind": "request", "status_code": None, "error_class": None}}
+    assert results(reply) == [
+        {"ok": True, "value": {"status": "shipped"}},
+        {"ok": True, "value": "{\"a\": 1}"},
+        {"ok": False, "error": {"kind": "stale_run_token", "status_code": 401, "error_class": "run_token_expired"}},
+        {"ok": False, "error": {"kind": "proxy", "status_code": 503, "error_class": "simulator_unavailable"}},
+        request_error,
+        request_error,
+        {"ok": False, "error": {"kind": "request", "status_code": None, "error_class": "actor_id_invalid"}},
+        {"ok": True, "value": {"accepted": True, "sequence": 1}},
+        request_error,
+        {"ok": True, "value": None},
+        {"ok": True, "value": {"accepted": True, "sequence": 2}},
+        {"ok": True, "value": None},
+    ]
+    tools = proxy.calls()
+    assert [c.name for c in tools] == ["get_order", "flaky", "flaky", "expired", "broken"]
+    assert all(c.bearer == RUN_TOKEN and "x-pipelines-run-token" not in c.headers for c in tools)
+    assert tools[0].json == {"order_id": "4521"} and tools[0].actor is None
+    assert tools[1].idempotency_key == tools[2].idempotency_key != tools[0].idempotency_key
+    assert tools[1].actor == tools[2].actor == "supervisor/refunds"
+    traces = proxy.calls(kind="traces")
+    assert [t.name for t in traces] == ["assistant_message", "handoff"]
+    assert traces[0].json["text"] == "working" and traces[0].json["__occurred_at"].endswith("Z")
+    assert traces[1].json["from_sub_agent"] == "triage" and traces[1].json["to_sub_agent"] == "refunds"
+    # The transcript pairs every call with its outcome and is a valid response envelope.
+    assert pp.validate_response(reply) == []
+    messages = reply["messages"]
+    assert messages[0] == {"role": "user", "content": json.dumps({"steps": steps})}
+    assert messages[1]["tool_calls"] == [{"id": "call_1", "name": "get_order", "arguments": {"order_id": "4521"}}]
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": json.dumps(results(reply)[0], separators=(",", ":"))}
+    assert messages[11]["tool_calls"][0]["arguments"] == "[1,2]"  # non-object args shown as JSON text
+    assert len(messages) == 1 + 2 * 7 + 1 and messages[-1] == {"role": "assistant", "content": reply["final_response"]}
+    assert reply["metadata"]["model"] == "conformance-agent" and reply["metadata"]["agent_runtime_ms"] >= 0
+
+
+def test_parallel_calls_overlap_and_keep_their_order(server: NodeServer, proxy: MockProxy) -> None:
+    proxy.script("*", lambda r: {"response": {"name": r.name}, "delay_s": 0.2})
+    status, reply = dispatch(server, proxy, {"steps": [{"parallel": [{"call": n, "args": {}} for n in "abc"]}]})
+    assert status == 200
+    assert results(reply) == [{"parallel": [{"ok": True, "value": {"name": n}} for n in "abc"]}]
+    assert proxy.max_in_flight == 3
+    assert [m["tool_calls"][0]["id"] for m in reply["messages"][1:-1:2]] == ["call_1", "call_2", "call_3"]
+
+
+def test_concurrent_dispatches_never_cross_run_tokens(server: NodeServer, proxy: MockProxy) -> None:
+    proxy.script("whoami", lambda r: {"response": {"bearer_sha": hashlib.sha256(r.bearer.encode()).hexdigest()},
+                                      "delay_s": 0.05})
+    script = {"steps": [{"call": "whoami", "args": {}}, {"call": "whoami", "args": {}}]}
+    replies: Dict[int, Tuple[int, Dict[str, Any]]] = {}
+
+    def one(i: int) -> None:
+        replies[i] = dispatch(server, proxy, script, token=f"node-run-token-{i:03d}", run_id=i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(20):
+        status, reply = replies[i]
+        want = hashlib.sha256(f"node-run-token-{i:03d}".encode()).hexdigest()
+        assert status == 200 and [r["value"]["bearer_sha"] for r in results(reply)] == [want, want]
+    assert len(proxy.calls("whoami")) == 40 and proxy.max_in_flight > 5
+
+
+def test_agent_errors_and_unusable_results_are_500s(server: NodeServer, proxy: MockProxy) -> None:
+    status, reply = dispatch(server, proxy, {"steps": [{"raise": f"boom with {RUN_TOKEN} and {AGENT_TOKEN}"}]})
+    assert status == 500 and reply["detail"].startswith("Error: boom with [redacted]") and AGENT_TOKEN not in reply["detail"]
+    status, reply = dispatch(server, proxy, {"steps": [{"raise": "x" * 2000}]})
+    assert status == 500 and len(reply["detail"]) <= 500
+    status, reply = dispatch(server, proxy, {"steps": [{"return": ""}]})
+    assert status == 500 and "final_response" in reply["detail"]
+    status, reply = dispatch(server, proxy, {"steps": [{"return": {"final_response": "custom", "trace_id": "t"}}]})
+    assert (status, reply) == (200, {"final_response": "custom", "trace_id": "t"})
+    status, reply = dispatch(server, proxy, {"steps": [{"call": "get_order", "args": {}}, {"dance": True}]})
+    assert status == 500 and "steps[1]" in reply["detail"] and proxy.requests == []  # checked before anything is sent
+    status, reply = dispatch(server, proxy, {"steps": [{"call": "get_order"}]})
+    assert status == 500 and "steps[0]" in reply["detail"] and '"args"' in reply["detail"]
+    status, reply = dispatch(server, proxy, {"steps": [{"return": f"leak {RUN_TOKEN}"}]})
+    assert status == 200 and "[redacted]" in reply["final_response"]
+
+
+def test_connectivity_check_probes_without_running_the_agent(server: NodeServer, proxy: MockProxy) -> None:
+    status, _, body = post(server, {"connectivity_check": True, "odyssey_proxy_url": proxy.url}, AUTH)
+    out = json.loads(body)["outbound"]
+    assert status == 200 and out["reachable"] is True and out["status_code"] == 401
+    assert proxy.requests[-1].name == "__reachability_probe__" and proxy.requests[-1].bearer == "fake-token"
+    status, _, body = post(server, {"connectivity_check": True}, AUTH)
+    assert status == 400 and "proxy URL" in json.loads(body)["detail"]
+
+
+# -- the command line: start-up errors and graceful SIGTERM -------------------------------------------------
+
+
+def test_bad_arguments_are_one_clear_line() -> None:
+    for args, needle in ((["--port", "abc"], "--port"), (["--bogus"], "--bogus"), (["--path", "nope"], "path")):
+        done = subprocess.run([NODE, str(PORT_DIR / "server.mjs"), *args], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and needle in done.stderr and "    at " not in done.stderr, done.stderr
+
+
+def test_sigterm_lets_an_in_flight_dispatch_finish(proxy: MockProxy) -> None:
+    node = NodeServer()
+    outcome: List[Tuple[int, Dict[str, Any]]] = []
+    script = {"steps": [{"call": "started", "args": {}}, {"sleep_ms": 400}]}
+    worker = threading.Thread(target=lambda: outcome.append(dispatch(node, proxy, script)))
+    worker.start()
+    try:
+        for _ in range(500):
+            if proxy.calls("started"):
+                break
+            threading.Event().wait(0.01)
+        assert proxy.calls("started")
+        assert node.stop() == 0
+    finally:
+        worker.join(15)
+    assert outcome[0][0] == 200 and results(outcome[0][1])[1] == {"ok": True, "value": None}
+
+
+# -- the conformance checker -------------------------------------------------------------------------------
+
+
+def run_check(node: NodeServer, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "conformance", "check", node.url, "--token", AGENT_TOKEN, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " 0 failed" in summary, summary
+    return summary
+
+
+@pytest.mark.skipif(not (ROOT / "conformance" / "check.py").exists(), reason="conformance/check.py has not landed yet")
+def test_the_conformance_check_passes_every_case() -> None:
+    node = NodeServer()
+    try:
+        summary = run_check(node)
+    finally:
+        assert node.stop() == 0
+    passed = int(summary.split(" passed")[0])
+    assert passed > 200, summary
+    # The cases that need a custom auth header, against a server registered with one.
+    node = NodeServer("--auth-header", "X-API-Key")
+    try:
+        run_check(node, "--auth-header", "X-API-Key", "--only", "auth,ping,vectors.inbound")
+    finally:
+        assert node.stop() == 0
