@@ -66,6 +66,14 @@ if TYPE_CHECKING:  # imported lazily at run time: they cost import time
     import http.client
     import ssl
 
+if __name__ == "__main__":
+    # Run as a script or with -m: hand over to the importable module at once (the command
+    # line is its last section), so an agent file's `import pipelines_port` shares the
+    # envelope binding and the proxy client, and this copy defines nothing it would not use.
+    import pipelines_port as _module
+
+    sys.exit(_module.main())
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -365,16 +373,24 @@ Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 
 
+class _LowerHeaders(Dict[str, str]):
+    """Headers whose names are already lower-cased: :func:`_lower_headers` returns them as they are."""
+
+    __slots__ = ()
+
+
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
     """Header names lower-cased (§2: case-insensitive); the first value of a repeated name wins.
 
     Accepts a mapping, an ``email.message.Message`` or a list of pairs; bytes
-    (ASGI) are decoded as latin-1.
+    (ASGI) are decoded as latin-1.  Cheap to call again on its own result.
     """
+    if isinstance(headers, _LowerHeaders):
+        return headers
+    out = _LowerHeaders()
     if headers is None:
-        return {}
+        return out
     pairs = headers.items() if hasattr(headers, "items") else headers
-    out: Dict[str, str] = {}
     for name, value in pairs:
         if isinstance(name, bytes):
             name = name.decode("latin-1")
@@ -1150,44 +1166,51 @@ _dispatch_stats: "contextvars.ContextVar[Optional[_DispatchStats]]" = contextvar
 )
 
 class _Connections:
-    """Keep-alive connections per (scheme, host, port), one set per thread.
+    """Idle keep-alive connections per (scheme, host, port), shared by every thread.
 
-    ``http.client`` connections are not thread-safe, so each thread keeps its
-    own; an idle connection the server has closed is detected and replaced.
+    ``http.client`` connections are not thread-safe, so one serves one exchange
+    at a time: :meth:`get` takes it out of the pool and :meth:`put` returns it
+    once the reply is read.  Connections thus move between threads (the server
+    runs each agent on a fresh one) but are never used by two at once.  An idle
+    connection the server has closed is detected and replaced.
     """
 
-    def __init__(self) -> None:
-        self._local = threading.local()
+    MAX_IDLE_PER_HOST = 64
 
-    def _pool(self) -> Dict[Tuple[str, str, int], Any]:
-        pool = getattr(self._local, "pool", None)
-        if pool is None:
-            pool = self._local.pool = {}
-        return pool
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: Dict[Tuple[str, str, int], List[Any]] = {}
 
     def get(self, key: Tuple[str, str, int], timeout: float, make: Callable[[], Any]) -> Tuple[Any, bool]:
-        """``(connection, reused)`` for ``key``."""
-        pool = self._pool()
-        conn = pool.pop(key, None)
-        if conn is not None and conn.sock is not None and not _peer_closed(conn.sock):
-            conn.timeout = timeout
-            conn.sock.settimeout(timeout)
-            return conn, True
-        if conn is not None:
+        """``(connection, reused)`` for ``key``: the most recently used idle one, or a new one."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(key)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                return make(), False
+            if conn.sock is not None and not _peer_closed(conn.sock):
+                conn.timeout = timeout
+                conn.sock.settimeout(timeout)
+                return conn, True
             conn.close()
-        return make(), False
 
     def put(self, key: Tuple[str, str, int], conn: Any) -> None:
-        old = self._pool().pop(key, None)
-        if old is not None and old is not conn:
-            old.close()
-        self._pool()[key] = conn
+        """Return ``conn`` to the pool (closed instead when the pool for ``key`` is full)."""
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < self.MAX_IDLE_PER_HOST:
+                idle.append(conn)
+                return
+        conn.close()
 
-    def close_thread(self) -> None:
-        """Close this thread's idle connections."""
-        pool = self._pool()
-        while pool:
-            pool.popitem()[1].close()
+    def close_idle(self) -> None:
+        """Close every idle connection (those in use finish their exchange first)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
 
 
 def _peer_closed(sock: Any) -> bool:
@@ -1323,7 +1346,7 @@ class ProxyClient:
             raise
 
     def close(self) -> None:
-        """Close the calling thread's idle keep-alive connections."""
+        """Close the idle keep-alive connections."""
         self._transport.close()
 
     # -- internals ------------------------------------------------------------
@@ -1416,7 +1439,7 @@ class _Transport:
         self._connections = _Connections()
 
     def close(self) -> None:
-        self._connections.close_thread()
+        self._connections.close_idle()
 
     def exchange(
         self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float, max_reply: int
@@ -2788,14 +2811,15 @@ class DispatchApp:
         """
         started = time.monotonic()
         stats = _DispatchStats()
+        headers = _lower_headers(headers)
         reply, what, envelope = self._decide(method, target, headers, body, stats)
         if what == "health":
             return reply
         if envelope is not None:
             ids = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
         else:
-            h = _lower_headers(headers)
-            ids = (_header(h, HEADER_RUN_ID), _header(h, HEADER_TASK_ID), _header(h, HEADER_RUN_TOKEN_JTI))
+            ids = (_header(headers, HEADER_RUN_ID), _header(headers, HEADER_TASK_ID),
+                   _header(headers, HEADER_RUN_TOKEN_JTI))
         if what != "dispatch" and reply.status >= 400:
             what = "rejected: " + json.loads(reply.body).get("detail", "")[:200]
         _log.info("%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
@@ -2876,10 +2900,11 @@ class DispatchApp:
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
-        headers = [(k[5:].replace("_", "-"), v) for k, v in environ.items() if k.startswith("HTTP_")]
+        pairs = [(k[5:].replace("_", "-"), v) for k, v in environ.items() if k.startswith("HTTP_")]
         for key, name in (("CONTENT_TYPE", "Content-Type"), ("CONTENT_LENGTH", "Content-Length")):
             if environ.get(key):
-                headers.append((name, environ[key]))
+                pairs.append((name, environ[key]))
+        headers = _lower_headers(pairs)
         method = environ.get("REQUEST_METHOD", "GET")
         target = environ.get("PATH_INFO", "/") or "/"
         if self.precheck(method, target, headers) is not None:
@@ -2909,11 +2934,11 @@ class DispatchApp:
                     return
         if scope["type"] != "http":
             raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
-        method, target, headers = scope["method"], scope.get("path", "/"), scope.get("headers", [])
+        method, target, headers = scope["method"], scope.get("path", "/"), _lower_headers(scope.get("headers", []))
         if self.precheck(method, target, headers) is not None:
             reply = self.handle(method, target, headers, b"")
         else:
-            length = int(_lower_headers(headers).get("content-length") or 0)
+            length = int(headers.get("content-length") or 0)
             chunks: List[bytes] = []
             received, more = 0, True
             while more and received < length:
@@ -3076,12 +3101,6 @@ def _server_classes() -> Tuple[type, type]:
             self.server_close()
             return finished
 
-        def process_request_thread(self, request: Any, client_address: Any) -> None:
-            try:
-                super().process_request_thread(request, client_address)
-            finally:
-                _default_client().close()  # this connection's thread is ending: close its proxy connections
-
         def handle_error(self, request: Any, client_address: Any) -> None:
             _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
 
@@ -3090,6 +3109,8 @@ def _server_classes() -> Tuple[type, type]:
         server_version = "pipelines-port/" + __version__
         sys_version = ""
         server: DispatchServer
+
+        wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
 
         def setup(self) -> None:
             self.timeout = self.server.read_timeout_s  # slow or truncated clients cannot hold a worker forever
@@ -3123,7 +3144,7 @@ def _server_classes() -> Tuple[type, type]:
                 self._send(_error_reply(503, "server is shutting down: retry on another instance"), close=True)
                 return
             try:
-                headers = self.headers.items()
+                headers = _lower_headers(self.headers.items())
                 refused = app.precheck(self.command, self.path, headers) is not None
                 length = self.headers.get("Content-Length", "").strip()
                 length_n = int(length) if length.isdigit() else None
@@ -3144,6 +3165,11 @@ def _server_classes() -> Tuple[type, type]:
             finally:
                 self.server.leave()
 
+        def handle_expect_100(self) -> bool:
+            super().handle_expect_100()
+            self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
+            return True
+
         def _send(self, reply: HttpReply, *, close: bool = False) -> None:
             self.send_response(reply.status)
             for name, value in reply.headers:
@@ -3151,12 +3177,13 @@ def _server_classes() -> Tuple[type, type]:
             if close:
                 self.send_header("Connection", "close")
                 self.close_connection = True
-            self.end_headers()
-            if self.command != "HEAD":
-                try:
+            try:
+                self.end_headers()
+                if self.command != "HEAD":
                     self.wfile.write(reply.body)
-                except OSError:
-                    self.close_connection = True
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True
 
     return DispatchServer, DispatchHandler
 
@@ -4024,10 +4051,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    # Run the command in the importable module, not in __main__, so that an agent
-    # file doing `import pipelines_port` shares its envelope binding and proxy client.
-    import pipelines_port as _module
-
-    sys.exit(_module.main())

@@ -539,3 +539,31 @@ def test_subprocess_env_helper_is_built_per_dispatch(endpoints: Callable[..., En
         body=dispatch_body(proxy), headers=run_headers())
     assert status == 200 and envs[0]["PIPELINES_RUN_TOKEN"] == RUN_TOKEN
     assert "PIPELINES_RUN_TOKEN" not in os.environ
+
+
+def test_proxy_connections_are_reused_across_dispatches(proxy: MockProxy) -> None:
+    """Each agent runs on a thread of its own; the pool is shared, so the second dispatch reuses the first's connection."""
+    server = pp.start_server(order_agent, token=AGENT_TOKEN)
+    try:
+        for _ in range(5):
+            status, _, _ = http_call(server.url, "POST", "/dispatch", {**run_headers(), "Content-Type": "application/json"},
+                                     json.dumps(dispatch_body(proxy)).encode())
+            assert status == 200
+    finally:
+        server.close(1)
+    assert len(proxy.calls("get_order")) == 5 and proxy.connections == 1
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    server = pp.start_server(lambda env: "ok", token=AGENT_TOKEN)
+    try:
+        with socket.create_connection(server.server_address, timeout=5) as s:
+            s.sendall(b"POST /dispatch HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + AGENT_TOKEN.encode() +
+                      b"\r\nContent-Length: 14\r\nExpect: 100-continue\r\n\r\n")
+            interim = s.recv(4096)  # a buffered 100 Continue would never come: the recv would time out
+            assert interim.startswith(b"HTTP/1.1 100 Continue")
+            s.sendall(b'{"ping": true}')
+            final = s.recv(4096)
+            assert final.startswith(b"HTTP/1.1 200") and final.endswith(b'{"ok":true}')
+    finally:
+        server.close(1)
