@@ -67,12 +67,9 @@ if TYPE_CHECKING:  # imported lazily at run time: they cost import time
     import ssl
 
 if __name__ == "__main__":
-    # Run as a script or with -m: hand over to the importable module at once (the command
-    # line is its last section), so an agent file's `import pipelines_port` shares the
-    # envelope binding and the proxy client, and this copy defines nothing it would not use.
-    import pipelines_port as _module
-
-    sys.exit(_module.main())
+    # Run as a script or with -m: an agent file's `import pipelines_port` must get this very
+    # module (one envelope binding, one proxy client), not a second copy.
+    sys.modules.setdefault("pipelines_port", sys.modules[__name__])
 
 __version__ = "0.1.0"
 
@@ -2813,7 +2810,10 @@ class DispatchApp:
         stats = _DispatchStats()
         headers = _lower_headers(headers)
         reply, what, envelope = self._decide(method, target, headers, body, stats)
-        if what == "health":
+        # Health probes and accepted pings come often and mean little: DEBUG, so they neither
+        # flood the log nor queue every handler thread on the log's lock.
+        level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
+        if not _log.isEnabledFor(level):
             return reply
         if envelope is not None:
             ids = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
@@ -2822,7 +2822,7 @@ class DispatchApp:
                    _header(headers, HEADER_RUN_TOKEN_JTI))
         if what != "dispatch" and reply.status >= 400:
             what = "rejected: " + json.loads(reply.body).get("detail", "")[:200]
-        _log.info("%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
+        _log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
                   method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
                   stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
         return reply
@@ -3118,7 +3118,8 @@ def _server_classes() -> Tuple[type, type]:
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def log_message(self, format: str, *args: Any) -> None:
-            _log.debug("%s %s", self.address_string(), format % args)
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug("%s %s", self.address_string(), format % args)
 
         def do_GET(self) -> None:
             self._serve()
@@ -4051,3 +4052,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
 
+
+if __name__ == "__main__":
+    sys.exit(main())
