@@ -3686,7 +3686,7 @@ Scaffolded by `python3 pipelines_port.py init` from the `{template}` template.
 Run it as an HTTP dispatch endpoint:
 
     export AGENT_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
-    python3 pipelines_port.py serve agent.py:agent --host 0.0.0.0 --port 8080
+    python3 -m pipelines_port serve agent.py:agent --host 0.0.0.0 --port 8080
 
 Or upload this folder in code mode: the sandbox calls `agent.run(task_input, proxy_url=..., run_token=...)`.
 
