@@ -3585,13 +3585,17 @@ def load_agent(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
     except ValueError:
         raise
+    except SyntaxError as exc:
+        raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: report it in one line
-        raise ValueError(f"cannot import {where}: {_describe(exc, 300)}{_where_raised(exc)}") from exc
+        raise ValueError(f"cannot import {where}: it raised {_describe(exc, 300)}{_where_raised(exc)}") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            names = ", ".join(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))[:200]
-            raise ValueError(f"{where} has no {attr!r} (callables defined there: {names or 'none'})")
+            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+            hint = (" (it has `agent`: add `run = pp.code_mode(agent)`)" if attr == "run" and "agent" in names
+                    else f" (callables defined there: {', '.join(names)[:200] or 'none'})")
+            raise ValueError(f"{where} has no function {attr!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"{where}:{attr} is a {type(target).__name__}, not a function")

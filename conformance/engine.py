@@ -92,6 +92,8 @@ import math
 import re
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from pipelines_port import _json_type as _kind  # the JSON type name of a value, for messages
+
 __all__ = [
     "TRIGGERS",
     "Finding",
@@ -140,23 +142,6 @@ class Finding(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}" if self.where else self.message
-
-
-def _kind(value: Any) -> str:
-    """The JSON type name of a Python value, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
 
 
 def _names(keys: Sequence[str]) -> str:

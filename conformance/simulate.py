@@ -59,7 +59,6 @@ import argparse
 import asyncio
 import base64
 import http.client
-import importlib.util
 import inspect
 import json
 import os
@@ -143,30 +142,10 @@ class CodeAgent:
         self.function = self._load()
 
     def _load(self) -> Callable[..., Any]:
-        if not self.path.is_file():
-            raise SetupError(f"--code: no such file {str(self.path)!r}")
-        directory = str(self.path.resolve().parent)
-        if directory not in sys.path:
-            sys.path.insert(0, directory)  # so the agent finds a pipelines_port.py copied beside it
-        name = f"_simulated_agent_{uuid.uuid4().hex[:8]}"
-        spec = importlib.util.spec_from_file_location(name, self.path)
-        if spec is None or spec.loader is None:
-            raise SetupError(f"--code: cannot import {str(self.path)!r} (is it a .py file?)")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except SyntaxError as exc:
-            raise SetupError(f"--code: {self.path} has a syntax error: {exc.msg} (line {exc.lineno})") from None
-        except BaseException as exc:  # noqa: BLE001 - an agent file may raise anything, SystemExit included
-            raise SetupError(f"--code: importing {self.path} raised {_describe(exc)}") from None
-        function = getattr(module, self.function_name, None)
-        if not callable(function):
-            hint = ""
-            if self.function_name == "run" and callable(getattr(module, "agent", None)):
-                hint = " (it has `agent`: add `run = pp.code_mode(agent)`)"
-            raise SetupError(f"--code: {self.path} has no function {self.function_name!r}{hint}")
-        return function
+        try:  # the loader `pipelines_port.py serve` uses; the file's folder goes on sys.path
+            return pp.load_agent(self.target)
+        except ValueError as exc:
+            raise SetupError(f"--code: {exc}") from None
 
     def __call__(self, dispatch: Dispatch) -> Outcome:
         env = _code_mode_env(dispatch)

@@ -195,7 +195,7 @@ def test_unset_token_env_warns_at_start_and_answers_503(agent_file: Path) -> Non
     (["serve"], "required"),
     (["serve", "no_colon_here"], "PATH_OR_MODULE:FUNCTION"),
     (["serve", "/nowhere/agent.py:agent"], "no such file"),
-    (["serve", "{agent}:missing"], "has no 'missing'"),
+    (["serve", "{agent}:missing"], "has no function 'missing'"),
     (["serve", "{agent}:NOT_CALLABLE"], "not a function"),
     (["serve", "{bad}:agent"], "cannot import"),
     (["serve", "no_such_module_xyz:agent"], "No module named"),
