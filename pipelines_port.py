@@ -616,6 +616,27 @@ class Envelope:
     def is_multi_turn(self) -> bool:
         return self.session_id is not None or self.turn_id is not None
 
+    def conversation(self) -> List[Dict[str, str]]:
+        """This turn as chat messages, ``[{"role", "content"}, ...]``, for a model API.
+
+        The earlier user and assistant text of a multi-turn run (``messages``),
+        then the prompt: ``latest_user_prompt``, else ``user_instruction`` with
+        a non-empty task input appended as JSON (§2), else a placeholder.  The
+        prompt is not repeated when the history already ends with it.
+        """
+        turns = [
+            {"role": m["role"], "content": m["content"]}
+            for m in self.messages or ()
+            if isinstance(m, Mapping) and m.get("role") in ("user", "assistant")
+            and isinstance(m.get("content"), str) and m["content"].strip()
+        ]
+        prompt = self.latest_user_prompt or self.user_instruction or "(no instruction given)"
+        if self.task_input and not self.latest_user_prompt:
+            prompt += "\n\nTask input:\n" + json.dumps(self.task_input, indent=2)
+        if not turns or turns[-1] != {"role": "user", "content": prompt}:
+            turns.append({"role": "user", "content": prompt})
+        return turns
+
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
         """The ``PIPELINES_*`` environment for a child process of this run (§5).
 

@@ -30,7 +30,6 @@ Environment (read on every run, so a server answers ping before a key is set):
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import time
@@ -75,22 +74,6 @@ def tool_list(envelope: pp.Envelope) -> List[Dict[str, Any]]:
     return pp.load_tools_schema(TOOLS_FILE)
 
 
-def conversation(envelope: pp.Envelope) -> List[Dict[str, Any]]:
-    """Earlier turns of a multi-turn run (user and assistant text), then this turn's prompt."""
-    turns = [
-        {"role": m["role"], "content": m["content"]}
-        for m in envelope.messages or ()
-        if isinstance(m, dict) and m.get("role") in ("user", "assistant")
-        and isinstance(m.get("content"), str) and m["content"].strip()
-    ]
-    prompt = envelope.latest_user_prompt or envelope.user_instruction or "(no instruction given)"
-    if envelope.task_input and not envelope.latest_user_prompt:
-        prompt += "\n\nTask input:\n" + json.dumps(envelope.task_input, indent=2)
-    if not turns or turns[-1] != {"role": "user", "content": prompt}:
-        turns.append({"role": "user", "content": prompt})
-    return turns
-
-
 def run_tools(envelope: pp.Envelope, calls: Sequence[Tuple[str, str]]) -> List[str]:
     """One model turn's tool calls, run concurrently through the proxy; bounded results in call order.
 
@@ -112,7 +95,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     max_turns = int_setting("AGENT_MAX_TURNS", 10, 1)
     tools = pp.convert_tools(tool_list(envelope), to="openai_chat")
 
-    messages: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *conversation(envelope)]
+    messages: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *envelope.conversation()]
     transcript: List[Dict[str, Any]] = list(messages)
     input_tokens = output_tokens = 0
     final = ""

@@ -29,7 +29,6 @@ Environment (read on every run, so a server answers ping before a key is set):
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import time
@@ -74,22 +73,6 @@ def tool_list(envelope: pp.Envelope) -> List[Dict[str, Any]]:
     return pp.load_tools_schema(TOOLS_FILE)
 
 
-def conversation(envelope: pp.Envelope) -> List[Dict[str, Any]]:
-    """Earlier turns of a multi-turn run (user and assistant text), then this turn's prompt."""
-    turns = [
-        {"role": m["role"], "content": m["content"]}
-        for m in envelope.messages or ()
-        if isinstance(m, dict) and m.get("role") in ("user", "assistant")
-        and isinstance(m.get("content"), str) and m["content"].strip()
-    ]
-    prompt = envelope.latest_user_prompt or envelope.user_instruction or "(no instruction given)"
-    if envelope.task_input and not envelope.latest_user_prompt:
-        prompt += "\n\nTask input:\n" + json.dumps(envelope.task_input, indent=2)
-    if not turns or turns[-1] != {"role": "user", "content": prompt}:
-        turns.append({"role": "user", "content": prompt})
-    return turns
-
-
 def run_tools(envelope: pp.Envelope, calls: Sequence[Tuple[str, str]]) -> List[str]:
     """One model turn's function calls, run concurrently through the proxy; bounded results in call order.
 
@@ -118,7 +101,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     max_turns = int_setting("AGENT_MAX_TURNS", 10, 1)
     tools = pp.convert_tools(tool_list(envelope), to="openai_responses")
 
-    inputs: List[Dict[str, Any]] = conversation(envelope)  # the model's context, in Responses items
+    inputs: List[Dict[str, Any]] = envelope.conversation()  # the model's context, in Responses items
     transcript: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *inputs]
     input_tokens = output_tokens = 0
     final = ""

@@ -211,3 +211,24 @@ def test_child_env_of_two_runs_are_independent() -> None:
     assert env_a["PIPELINES_RUN_TOKEN"] == SECRET and env_b["PIPELINES_RUN_TOKEN"] == "tok-b"
     assert env_a["PIPELINES_RUN_ID"] == "1" and env_b["PIPELINES_RUN_ID"] == "2"
     assert base == {"PATH": "/usr/bin"}
+
+
+def test_conversation_builds_the_turn_from_history_prompt_and_task_input() -> None:
+    first = make()  # one turn: the instruction, with the task input as JSON
+    (turn,) = first.conversation()
+    assert turn["role"] == "user" and turn["content"].startswith("Refund #4521\n\nTask input:\n")
+    assert json.loads(turn["content"].split("Task input:\n", 1)[1]) == {"order": {"id": "4521", "tags": ["a"]}}
+    later = pp.Envelope.from_dispatch({
+        "odyssey_proxy_url": "https://p.example.com/x",
+        "input": {"user_instruction": "Refund #4521", "latest_user_prompt": "and the other one?",
+                  "session_id": 5, "turn_id": "5-t1", "input": {"k": 1},
+                  "messages": [{"role": "user", "content": "Refund #4521"}, {"role": "assistant", "content": "Done."},
+                               {"role": "tool", "content": "skipped"}, {"role": "assistant", "content": None},
+                               "junk", {"role": "user", "content": "   "}]}},
+        {"X-Pipelines-Run-Token": SECRET})
+    assert later.conversation() == [{"role": "user", "content": "Refund #4521"},
+                                    {"role": "assistant", "content": "Done."},
+                                    {"role": "user", "content": "and the other one?"}]
+    repeated = later.replace(messages=[{"role": "user", "content": "and the other one?"}])
+    assert repeated.conversation() == [{"role": "user", "content": "and the other one?"}]  # not doubled
+    assert make(input={}).conversation() == [{"role": "user", "content": "(no instruction given)"}]
