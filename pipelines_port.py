@@ -9,7 +9,9 @@ The module reads top to bottom in the order a request flows:
 
     constants -> errors -> frozen data -> envelope (§2, §5) -> context binding
     -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
-    -> response envelope (§4)
+    -> agent-loop helpers -> tools from code (§3.6) -> response envelope (§4)
+    -> dispatch core (§2) -> server (http.server, WSGI, ASGI) -> MCP shim
+    -> code mode (§5) -> command line (serve, init, doctor, mcp)
 
 Quick look::
 
@@ -103,12 +105,6 @@ __all__ = [
     "post_trace",
     "apost_trace",
     "post_handoff",
-    # tools from code
-    "Tool",
-    "tool",
-    "export_tools",
-    "schema_for_type",
-    "validate_args",
     # agent-loop helpers
     "TOOL_FORMATS",
     "convert_tools",
@@ -117,6 +113,12 @@ __all__ = [
     "call_tools",
     "post_json",
     "HTTPStatusError",
+    # tools from code
+    "Tool",
+    "tool",
+    "export_tools",
+    "schema_for_type",
+    "validate_args",
     # response envelope
     "build_response",
     "build_turn_reply",
@@ -1847,6 +1849,232 @@ def post_handoff(
 
 
 # ---------------------------------------------------------------------------
+# Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
+# output, and a retrying JSON client for model APIs
+# ---------------------------------------------------------------------------
+
+TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
+
+
+def _tool_parts(entry: Any, index: int) -> Tuple[str, str, Dict[str, Any]]:
+    """``(name, description, input_schema)`` of one tool in any accepted shape (§3.6).
+
+    Platform ``{name, description?, input_schema}``, the Import-JSON shapes
+    ``{name, description, parameters}`` (OpenAI) and ``{name, description,
+    input_schema}`` (Anthropic), and Chat Completions' ``{type: function, function: {...}}``.
+    """
+    if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping):
+        entry = entry["function"]
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"tools[{index}]: must be an object, got {_json_type(entry)}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+        raise ValueError(f"tools[{index}].name: {_short(repr(name), 60)} must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$")
+    schema = entry.get("input_schema", entry.get("parameters"))
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"tools[{index}] ({name}): input_schema must be a JSON Schema object")
+    description = entry.get("description") or ""
+    return name, str(description), _thaw(schema)
+
+
+def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
+    """A tool list in another API's format: ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic``.
+
+    Accepts any shape :func:`load_tools_schema` accepts; raises ``ValueError``
+    naming the first bad entry or a duplicate name.
+    """
+    if to not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
+    out: List[Dict[str, Any]] = []
+    seen: set = set()
+    for i, entry in enumerate(tools):
+        name, description, schema = _tool_parts(entry, i)
+        if name in seen:
+            raise ValueError(f"tools[{i}].name: {name!r} is declared twice; tool names are unique per agent")
+        seen.add(name)
+        if to == "platform":
+            tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
+            for key in ("output_schema", "default_execution_mode", "passthrough_binding"):
+                if isinstance(entry, Mapping) and key in entry:
+                    tool[key] = _thaw(entry[key])
+        elif to == "openai_chat":
+            tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+        elif to == "openai_responses":
+            tool = {"type": "function", "name": name, "description": description, "parameters": schema}
+        else:
+            tool = {"name": name, "description": description, "input_schema": schema}
+        out.append(tool)
+    return out
+
+
+def load_tools_schema(source: Union[str, "os.PathLike[str]", None] = None) -> List[Dict[str, Any]]:
+    """The tool list in the platform's shape, from a JSON file or the environment (§3.6).
+
+    ``source`` is a path to a JSON list (or ``{"tools": [...]}``); with no
+    source, ``PIPELINES_TOOLS_SCHEMA_B64`` or ``PIPELINES_TOOLS_SCHEMA_JSON``.
+    Raises ``ValueError`` naming the file and the problem.
+    """
+    if source is None:
+        tools = _tools_schema_from_env(os.environ)
+        where = "the environment"
+        if tools is None:
+            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
+    else:
+        where = os.fspath(source)
+        try:
+            with open(source, encoding="utf-8") as f:
+                tools = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read tools schema {where}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"tools schema {where} is not valid JSON: {exc}") from None
+        if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
+            tools = tools["tools"]
+        if not isinstance(tools, list):
+            raise ValueError(f"tools schema {where} must be a JSON list of tools, got {_json_type(tools)}")
+    try:
+        return convert_tools(tools, "platform")
+    except ValueError as exc:
+        raise ValueError(f"tools schema {where}: {exc}") from None
+
+
+def bound_output(text: Any, limit: int = 8000) -> str:
+    """``text`` (JSON-encoded when not a string) cut to about ``limit`` characters, head and tail kept.
+
+    The middle is replaced by a marker saying how many characters were cut, so
+    a model sees both how a long tool result starts and how it ends.
+    """
+    if not isinstance(text, str):
+        text = json.dumps(text, ensure_ascii=False, default=str)
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 40, 2)
+    head, tail = keep - keep // 2, keep // 2
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n...[{cut} characters truncated]...\n{text[len(text) - tail:]}"
+
+
+def call_tools(
+    calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
+    *,
+    max_concurrency: int = 8,
+    errors: str = "return",
+    **options: Any,
+) -> List[Any]:
+    """Run one model turn's tool calls through the proxy concurrently; results in call order.
+
+    Arguments may be objects or the JSON text models produce (decoded here;
+    text that is not a JSON object is refused before sending).  At most
+    ``max_concurrency`` run at once; the client's pacing keeps them under the
+    platform's rate limit.  Each call sees this context's bound envelope.  With
+    ``errors="return"`` (the default here) a failed or refused call gives its
+    ``{"error": ...}`` value, so the model can react; a stale run token still
+    raises.  ``options`` go to :func:`proxy_call`.
+    """
+    calls = [(name, args) for name, args in calls]
+    if not calls:
+        return []
+
+    def one(name: str, args: Any) -> Any:
+        if isinstance(args, (str, bytes)):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError as exc:
+                error = ProxyRequestError(f"arguments for {name!r} must be a JSON object, got invalid JSON: {exc}",
+                                          tool_name=name)
+                if errors == "return":
+                    return error.to_value()
+                raise error from None
+        return proxy_call(name, args, errors=errors, **options)
+
+    if len(calls) == 1 or max_concurrency <= 1:
+        return [one(name, args) for name, args in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(max_concurrency, len(calls)), thread_name_prefix="pipelines-tool") as pool:
+        futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
+        return [f.result() for f in futures]
+
+
+class HTTPStatusError(PipelinesError):
+    """A JSON API (e.g. a model API) answered with an error status after retries, or with no JSON."""
+
+    def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+_MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
+_MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
+_transport_lock = threading.Lock()
+_transport_cache: List[_Transport] = []
+
+
+def post_json(
+    url: str,
+    payload: Mapping[str, Any],
+    *,
+    headers: Optional[Mapping[str, str]] = None,
+    timeout: float = 300.0,
+    retry: RetryPolicy = _MODEL_RETRY,
+    max_reply_bytes: int = 64 << 20,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """POST JSON to an HTTP API (a model API) and return the decoded JSON reply.
+
+    Keep-alive connections are shared with the proxy client.  429, 408, 409,
+    425, 5xx and 529 (overloaded) are retried with backoff, ``Retry-After``
+    honoured, as are timeouts and dropped connections.  Other errors raise
+    :class:`HTTPStatusError` with the status and the first 500 characters of
+    the body.  Header values (API keys) never appear in messages or logs.
+    """
+    try:
+        base = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"invalid URL {_short(url)!r}: {exc}") from None
+    if base.scheme.lower() not in ("http", "https") or not base.hostname:
+        raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
+    path = (base.path or "/") + (f"?{base.query}" if base.query else "")
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT}
+    sent.update(headers or {})
+    if not _transport_cache:
+        with _transport_lock:
+            if not _transport_cache:
+                _transport_cache.append(_Transport())
+    transport = _transport_cache[0]
+    where = f"POST {base.scheme}://{base.netloc}{base.path}"
+
+    def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
+        try:
+            return transport.exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
+        except _ReplyTooLarge as big:
+            raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
+
+    def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> _Reply:
+        value, is_json = _decode_body(reply, "")
+        if 200 <= status < 300:
+            if not is_json:
+                return _Reply("error", error=HTTPStatusError(
+                    f"{where}: HTTP {status} but the reply is not JSON: {_short(str(value or ''), 200)!r}",
+                    status_code=status, body=value))
+            return _Reply("value", value)
+        text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
+        error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
+        if status in _MODEL_RETRY_STATUSES:
+            return _Reply("retry", error=error, retry_after=_parse_retry_after(_lower_headers(reply_headers).get("retry-after")))
+        return _Reply("error", error=error)
+
+    return _retry_loop(
+        send, interpret, policy=retry, sleep=sleep,
+        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)),
+    )
+
+
+# ---------------------------------------------------------------------------
 # Tools from code: JSON Schema from a function's signature, local argument
 # validation, proxied inside a dispatch and local outside one (§3.6)
 # ---------------------------------------------------------------------------
@@ -2132,232 +2360,6 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     """The tool list for registration or a model API: ``Tool`` objects and/or tools_schema entries
     in ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic`` shape."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
-
-
-# ---------------------------------------------------------------------------
-# Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
-# output, and a retrying JSON client for model APIs
-# ---------------------------------------------------------------------------
-
-TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
-
-
-def _tool_parts(entry: Any, index: int) -> Tuple[str, str, Dict[str, Any]]:
-    """``(name, description, input_schema)`` of one tool in any accepted shape (§3.6).
-
-    Platform ``{name, description?, input_schema}``, the Import-JSON shapes
-    ``{name, description, parameters}`` (OpenAI) and ``{name, description,
-    input_schema}`` (Anthropic), and Chat Completions' ``{type: function, function: {...}}``.
-    """
-    if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping):
-        entry = entry["function"]
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"tools[{index}]: must be an object, got {_json_type(entry)}")
-    name = entry.get("name")
-    if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
-        raise ValueError(f"tools[{index}].name: {_short(repr(name), 60)} must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$")
-    schema = entry.get("input_schema", entry.get("parameters"))
-    if schema is None:
-        schema = {"type": "object", "properties": {}}
-    if not isinstance(schema, Mapping):
-        raise ValueError(f"tools[{index}] ({name}): input_schema must be a JSON Schema object")
-    description = entry.get("description") or ""
-    return name, str(description), _thaw(schema)
-
-
-def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
-    """A tool list in another API's format: ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic``.
-
-    Accepts any shape :func:`load_tools_schema` accepts; raises ``ValueError``
-    naming the first bad entry or a duplicate name.
-    """
-    if to not in TOOL_FORMATS:
-        raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
-    out: List[Dict[str, Any]] = []
-    seen: set = set()
-    for i, entry in enumerate(tools):
-        name, description, schema = _tool_parts(entry, i)
-        if name in seen:
-            raise ValueError(f"tools[{i}].name: {name!r} is declared twice; tool names are unique per agent")
-        seen.add(name)
-        if to == "platform":
-            tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
-            for key in ("output_schema", "default_execution_mode", "passthrough_binding"):
-                if isinstance(entry, Mapping) and key in entry:
-                    tool[key] = _thaw(entry[key])
-        elif to == "openai_chat":
-            tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
-        elif to == "openai_responses":
-            tool = {"type": "function", "name": name, "description": description, "parameters": schema}
-        else:
-            tool = {"name": name, "description": description, "input_schema": schema}
-        out.append(tool)
-    return out
-
-
-def load_tools_schema(source: Union[str, "os.PathLike[str]", None] = None) -> List[Dict[str, Any]]:
-    """The tool list in the platform's shape, from a JSON file or the environment (§3.6).
-
-    ``source`` is a path to a JSON list (or ``{"tools": [...]}``); with no
-    source, ``PIPELINES_TOOLS_SCHEMA_B64`` or ``PIPELINES_TOOLS_SCHEMA_JSON``.
-    Raises ``ValueError`` naming the file and the problem.
-    """
-    if source is None:
-        tools = _tools_schema_from_env(os.environ)
-        where = "the environment"
-        if tools is None:
-            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
-    else:
-        where = os.fspath(source)
-        try:
-            with open(source, encoding="utf-8") as f:
-                tools = json.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read tools schema {where}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"tools schema {where} is not valid JSON: {exc}") from None
-        if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
-            tools = tools["tools"]
-        if not isinstance(tools, list):
-            raise ValueError(f"tools schema {where} must be a JSON list of tools, got {_json_type(tools)}")
-    try:
-        return convert_tools(tools, "platform")
-    except ValueError as exc:
-        raise ValueError(f"tools schema {where}: {exc}") from None
-
-
-def bound_output(text: Any, limit: int = 8000) -> str:
-    """``text`` (JSON-encoded when not a string) cut to about ``limit`` characters, head and tail kept.
-
-    The middle is replaced by a marker saying how many characters were cut, so
-    a model sees both how a long tool result starts and how it ends.
-    """
-    if not isinstance(text, str):
-        text = json.dumps(text, ensure_ascii=False, default=str)
-    if len(text) <= limit:
-        return text
-    keep = max(limit - 40, 2)
-    head, tail = keep - keep // 2, keep // 2
-    cut = len(text) - head - tail
-    return f"{text[:head]}\n...[{cut} characters truncated]...\n{text[len(text) - tail:]}"
-
-
-def call_tools(
-    calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
-    *,
-    max_concurrency: int = 8,
-    errors: str = "return",
-    **options: Any,
-) -> List[Any]:
-    """Run one model turn's tool calls through the proxy concurrently; results in call order.
-
-    Arguments may be objects or the JSON text models produce (decoded here;
-    text that is not a JSON object is refused before sending).  At most
-    ``max_concurrency`` run at once; the client's pacing keeps them under the
-    platform's rate limit.  Each call sees this context's bound envelope.  With
-    ``errors="return"`` (the default here) a failed or refused call gives its
-    ``{"error": ...}`` value, so the model can react; a stale run token still
-    raises.  ``options`` go to :func:`proxy_call`.
-    """
-    calls = [(name, args) for name, args in calls]
-    if not calls:
-        return []
-
-    def one(name: str, args: Any) -> Any:
-        if isinstance(args, (str, bytes)):
-            try:
-                args = json.loads(args or "{}")
-            except ValueError as exc:
-                error = ProxyRequestError(f"arguments for {name!r} must be a JSON object, got invalid JSON: {exc}",
-                                          tool_name=name)
-                if errors == "return":
-                    return error.to_value()
-                raise error from None
-        return proxy_call(name, args, errors=errors, **options)
-
-    if len(calls) == 1 or max_concurrency <= 1:
-        return [one(name, args) for name, args in calls]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=min(max_concurrency, len(calls)), thread_name_prefix="pipelines-tool") as pool:
-        futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
-        return [f.result() for f in futures]
-
-
-class HTTPStatusError(PipelinesError):
-    """A JSON API (e.g. a model API) answered with an error status after retries, or with no JSON."""
-
-    def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.body = body
-
-
-_MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
-_MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
-_transport_lock = threading.Lock()
-_transport_cache: List[_Transport] = []
-
-
-def post_json(
-    url: str,
-    payload: Mapping[str, Any],
-    *,
-    headers: Optional[Mapping[str, str]] = None,
-    timeout: float = 300.0,
-    retry: RetryPolicy = _MODEL_RETRY,
-    max_reply_bytes: int = 64 << 20,
-    sleep: Callable[[float], None] = time.sleep,
-) -> Any:
-    """POST JSON to an HTTP API (a model API) and return the decoded JSON reply.
-
-    Keep-alive connections are shared with the proxy client.  429, 408, 409,
-    425, 5xx and 529 (overloaded) are retried with backoff, ``Retry-After``
-    honoured, as are timeouts and dropped connections.  Other errors raise
-    :class:`HTTPStatusError` with the status and the first 500 characters of
-    the body.  Header values (API keys) never appear in messages or logs.
-    """
-    try:
-        base = urlsplit(url)
-    except ValueError as exc:
-        raise ValueError(f"invalid URL {_short(url)!r}: {exc}") from None
-    if base.scheme.lower() not in ("http", "https") or not base.hostname:
-        raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
-    path = (base.path or "/") + (f"?{base.query}" if base.query else "")
-    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT}
-    sent.update(headers or {})
-    if not _transport_cache:
-        with _transport_lock:
-            if not _transport_cache:
-                _transport_cache.append(_Transport())
-    transport = _transport_cache[0]
-    where = f"POST {base.scheme}://{base.netloc}{base.path}"
-
-    def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
-        try:
-            return transport.exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
-        except _ReplyTooLarge as big:
-            raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
-
-    def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> _Reply:
-        value, is_json = _decode_body(reply, "")
-        if 200 <= status < 300:
-            if not is_json:
-                return _Reply("error", error=HTTPStatusError(
-                    f"{where}: HTTP {status} but the reply is not JSON: {_short(str(value or ''), 200)!r}",
-                    status_code=status, body=value))
-            return _Reply("value", value)
-        text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
-        error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
-        if status in _MODEL_RETRY_STATUSES:
-            return _Reply("retry", error=error, retry_after=_parse_retry_after(_lower_headers(reply_headers).get("retry-after")))
-        return _Reply("error", error=error)
-
-    return _retry_loop(
-        send, interpret, policy=retry, sleep=sleep,
-        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)),
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -3557,7 +3559,7 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
 
 
 # ---------------------------------------------------------------------------
-# Command line: python3 pipelines_port.py serve PATH_OR_MODULE:FUNCTION ...
+# Command line: serve, init, doctor, mcp
 # ---------------------------------------------------------------------------
 
 
