@@ -427,6 +427,10 @@ def _check_proxy_url(url: Any, where: str) -> str:
         )
     if parts.query or parts.fragment:
         raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} must not carry a query or fragment")
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} has a host name that is not valid") from None
     if any(ord(c) < 33 or ord(c) == 127 for c in url):
         raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
     return url
@@ -916,6 +920,7 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     (the scheme is case-insensitive); a custom header (e.g. ``X-API-Key``)
     carries the raw value.  An empty ``expected`` never matches.
     """
+    expected = (expected or "").strip()
     if not expected:
         return False
     received = _lower_headers(headers).get(header_name.lower())
@@ -926,10 +931,14 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
         scheme, _, received = received.partition(" ")
         if scheme.lower() != "bearer":
             # Still compare, so a wrong scheme costs the same time as a wrong token.
-            hmac.compare_digest(b"", expected.encode())
+            hmac.compare_digest(b"", expected.encode("utf-8", "surrogateescape"))
             return False
         received = received.strip()
-    return hmac.compare_digest(received.encode("utf-8", "surrogateescape"), expected.encode("utf-8"))
+    try:  # http.server and ASGI hand over header bytes as latin-1 text: compare the bytes that arrived
+        received_bytes = received.encode("latin-1")
+    except UnicodeEncodeError:
+        received_bytes = received.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(received_bytes, expected.encode("utf-8", "surrogateescape"))
 
 
 def is_ping(body: Any) -> bool:
@@ -1236,10 +1245,91 @@ class _Connections:
 def _peer_closed(sock: Any) -> bool:
     """True when an idle keep-alive socket is readable: the server closed it (or sent junk)."""
     try:
+        if hasattr(select, "poll"):  # select() cannot watch descriptors >= 1024
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return bool(poller.poll(0))
         readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
         return True
     return bool(readable)
+
+
+class _Watchdog:
+    """Shuts down sockets whose exchange overran its deadline: one lazily started daemon thread.
+
+    A socket timeout bounds each ``recv``, not a whole reply: a peer sending a
+    byte now and then would hold a call forever.  :meth:`watch` a socket for
+    an exchange, :meth:`done` when it ends; ``done`` says whether it fired.
+    """
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition(threading.Lock())
+        self._heap: List[List[Any]] = []  # [deadline, sequence, socket, state]: 0 watched, 1 done, 2 fired
+        self._sequence = 0
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, sock: Any, seconds: float) -> List[Any]:
+        import heapq
+
+        with self._wake:
+            self._sequence += 1
+            entry = [time.monotonic() + seconds, self._sequence, sock, 0]
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pipelines-watchdog", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+            return entry
+
+    def done(self, entry: List[Any]) -> bool:
+        with self._wake:
+            fired = entry[3] == 2
+            entry[3], entry[2] = 1, None
+            return fired
+
+    def _run(self) -> None:
+        import heapq
+        import socket
+
+        while True:
+            with self._wake:
+                while not self._heap or (self._heap[0][3] == 0 and self._heap[0][0] > time.monotonic()):
+                    self._wake.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                entry = heapq.heappop(self._heap)
+                if entry[3] != 0:
+                    continue
+                entry[3] = 2
+                sock = entry[2]
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
+            except OSError:
+                pass
+
+
+@functools.lru_cache(maxsize=None)
+def _watchdog() -> _Watchdog:
+    return _Watchdog()
+
+
+def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
+    """A header whose value would break the request (a line break, a control character), named without its value."""
+    for name, value in headers.items():
+        if any(ord(c) < 32 and c != "\t" or ord(c) == 127 for c in value):
+            return (f"header {name} has a line break or control character in its value (not shown: it may be "
+                    "a secret); check where it comes from, e.g. a trailing newline in an environment variable")
+    return None
+
+
+def _content_length(value: Optional[str]) -> Optional[int]:
+    """A Content-Length value as an int: ASCII digits only, at most 18 of them; ``None`` otherwise."""
+    value = (value or "").strip()
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+
+
+def _loggable_path(path: str) -> str:
+    """A request path for a log line: a query string may carry a key, so it is cut."""
+    return path.split("?", 1)[0] + ("?…" if "?" in path else "")
 
 
 _tls_lock = threading.Lock()
@@ -1281,6 +1371,9 @@ class ProxyClient:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
+        if not self.timeout > 0:  # 0 would make every socket non-blocking and every call fail
+            where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
+            raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
         self.retry = retry
         rate = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None else rate_per_minute
         self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
@@ -1399,12 +1492,12 @@ class ProxyClient:
         timeout = self.timeout if timeout is None else float(timeout)
         stats = _dispatch_stats.get()
         if stats is not None:
-            if stats.cancelled:
-                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
-                                 "answered already", tool_name=name)
             stats.count()
 
         def before_attempt() -> None:
+            if stats is not None and stats.cancelled:  # checked before every attempt: no retry runs a tool late
+                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
+                                 "answered already", tool_name=name)
             if self._pacer is not None:
                 wait = self._pacer.reserve(envelope.run_token)
                 if wait > 0:
@@ -1474,7 +1567,11 @@ class _Transport:
         """
         import http.client
 
-        transport_errors = (OSError, http.client.HTTPException)
+        # UnicodeError: a host name that cannot be IDNA-encoded fails like an unreachable one.
+        transport_errors = (OSError, http.client.HTTPException, UnicodeError)
+        problem = _header_problem(headers)
+        if problem:
+            raise ValueError(problem)
         scheme = base.scheme.lower()
         port = base.port or (443 if scheme == "https" else 80)
         key = (scheme, base.hostname, port)
@@ -1486,11 +1583,12 @@ class _Transport:
             return _http_classes()[0](base.hostname, port, timeout=timeout)
 
         debug = _log.isEnabledFor(logging.DEBUG)
+        where = f"{base.hostname}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
         for fresh_retry in (False, True):
             conn, reused = self._connections.get(key, timeout, make)
             started = time.monotonic()
             if debug:
-                _log.debug("-> %s %s%s (%d bytes%s)", method, base.netloc, path, len(body), _debug_headers(headers))
+                _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
             try:
                 conn.request(method, path, body, dict(headers))
             except transport_errors as exc:
@@ -1498,31 +1596,33 @@ class _Transport:
                 if reused and not fresh_retry and _is_stale_connection_error(exc):
                     continue  # closed before it read our request: re-send once on a fresh connection
                 raise _TransportFailure() from exc
+            # The whole reply must arrive within the timeout, however slowly a peer drips it.
+            watch = _watchdog().watch(conn.sock, max(timeout - (time.monotonic() - started), 0.001))
             try:
                 response = conn.getresponse()
-            except transport_errors as exc:
-                conn.close()
-                raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
-            try:
                 status = response.status
                 reply_headers = response.getheaders()
-                length = (response.getheader("Content-Length") or "").strip()
-                if length.isdigit() and int(length) > max_reply:
+                length = _content_length(response.getheader("Content-Length"))
+                if length is not None and length > max_reply:
                     conn.close()
-                    raise _ReplyTooLarge(status, max_reply, int(length))
+                    raise _ReplyTooLarge(status, max_reply, length)
                 reply = response.read(max_reply + 1)
                 if len(reply) > max_reply:
                     conn.close()
                     raise _ReplyTooLarge(status, max_reply, None)
             except transport_errors as exc:
                 conn.close()
-                raise _TransportFailure() from exc
-            if response.isclosed() and not response.will_close:
+                if _watchdog().done(watch):
+                    raise _TransportFailure() from TimeoutError(f"timed out: no complete reply within {timeout:g} s")
+                raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
+            if _watchdog().done(watch):  # fired just as the reply completed: the socket is shut
+                conn.close()
+            elif response.isclosed() and not response.will_close:
                 self._connections.put(key, conn)
             else:
                 conn.close()
             if debug:
-                _log.debug("<- %s %s%s HTTP %d (%d bytes) in %.1f ms", method, base.netloc, path, status, len(reply),
+                _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                            (time.monotonic() - started) * 1000)
             return status, reply_headers, reply
         raise AssertionError("unreachable")
@@ -2046,7 +2146,8 @@ def post_json(
             if not _transport_cache:
                 _transport_cache.append(_Transport())
     transport = _transport_cache[0]
-    where = f"POST {base.scheme}://{base.netloc}{base.path}"
+    shown_port = f":{base.port}" if base.port else ""
+    where = f"POST {base.scheme}://{base.hostname}{shown_port}{base.path}"  # no userinfo or query: they may hold keys
 
     def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
         try:
@@ -2801,17 +2902,18 @@ class DispatchApp:
             return None
         if "chunked" in h.get("transfer-encoding", "").lower():
             return _error_reply(411, "chunked request bodies are not supported: send the JSON body with a Content-Length header")
-        length = h.get("content-length", "").strip()
-        if not length.isdigit():
-            return _error_reply(411, "a Content-Length header is required: send the JSON body with its length")
-        if int(length) > self.max_body:
-            return _error_reply(413, f"request body of {int(length)} bytes is over this endpoint's {self.max_body}-byte cap")
+        length = _content_length(h.get("content-length"))
+        if length is None:
+            return _error_reply(411, "a Content-Length header with a decimal length is required: send the JSON "
+                                     "body with its length")
+        if length > self.max_body:
+            return _error_reply(413, f"request body of {length} bytes is over this endpoint's {self.max_body}-byte cap")
         return None
 
     def _auth_problem(self, headers: Dict[str, str]) -> Optional[HttpReply]:
         if self.no_auth:
             return None
-        expected = self.token or os.environ.get(self.token_env or "") or ""
+        expected = (self.token or os.environ.get(self.token_env or "") or "").strip()
         if not expected:
             return _error_reply(503, f"this agent's wrapper is misconfigured: auth reads environment variable "
                                      f"{self.token_env}, which is not set")
@@ -2909,7 +3011,7 @@ class DispatchApp:
         except ResponseError as exc:
             reply = _error_reply(500, _redact_secrets(
                 f"agent returned a value that cannot become a response: {exc}", envelope, self)[:_DETAIL_LIMIT])
-        except Exception as exc:  # noqa: BLE001 - the agent is user code
+        except BaseException as exc:  # noqa: BLE001 - the agent is user code: SystemExit or CancelledError too
             import traceback
 
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -2933,7 +3035,7 @@ class DispatchApp:
         if self.precheck(method, target, headers) is not None:
             reply = self.handle(method, target, headers, b"")
         else:
-            length = int(environ.get("CONTENT_LENGTH") or 0)
+            length = _content_length(environ.get("CONTENT_LENGTH")) or 0
             body = _read_exactly(environ["wsgi.input"].read, length) if length else b""
             if len(body) < length:
                 reply = _error_reply(400, f"request body truncated: got {len(body)} of {length} bytes")
@@ -2945,7 +3047,10 @@ class DispatchApp:
     async def asgi(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         """The ASGI application (HTTP and lifespan): ``app = DispatchApp(agent).asgi`` for uvicorn & co.
 
-        The core runs on a worker thread, so a slow agent never blocks the event loop.
+        The core runs on a thread of its own per request, so a slow agent never
+        blocks the event loop, and never on the pool that ``aproxy_call`` uses
+        (with both on one pool, enough concurrent dispatches would wait forever
+        for their own proxy calls).
         """
         if scope["type"] == "lifespan":
             while True:
@@ -2961,7 +3066,7 @@ class DispatchApp:
         if self.precheck(method, target, headers) is not None:
             reply = self.handle(method, target, headers, b"")
         else:
-            length = int(headers.get("content-length") or 0)
+            length = _content_length(headers.get("content-length")) or 0
             chunks: List[bytes] = []
             received, more = 0, True
             while more and received < length:
@@ -2976,10 +3081,34 @@ class DispatchApp:
             if len(body) < length:
                 reply = _error_reply(400, f"request body truncated: got {len(body)} of {length} bytes")
             else:
-                reply = await _in_thread(self.handle, method, target, headers, body)
+                reply = await _on_own_thread(self.handle, method, target, headers, body)
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]})
         await send({"type": "http.response.body", "body": reply.body})
+
+
+async def _on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await ``fn(*args)`` run on a new daemon thread in a copy of this context."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(method: str, value: Any) -> None:
+        if not future.done():  # the awaiting task may have been cancelled meanwhile
+            getattr(future, method)(value)
+
+    def target() -> None:
+        try:
+            result = context.run(fn, *args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, "set_exception", exc)
+        else:
+            loop.call_soon_threadsafe(settle, "set_result", result)
+
+    threading.Thread(target=target, name="pipelines-dispatch", daemon=True).start()
+    return await future
 
 
 def _redact_secrets(text: str, envelope: Optional[Envelope], app: Optional[DispatchApp]) -> str:
@@ -3170,17 +3299,21 @@ def _server_classes() -> Tuple[type, type]:
             try:
                 headers = _lower_headers(self.headers.items())
                 refused = app.precheck(self.command, self.path, headers) is not None
-                length = self.headers.get("Content-Length", "").strip()
-                length_n = int(length) if length.isdigit() else None
+                length_n = _content_length(headers.get("content-length"))
                 # A refused request's body is read (and dropped) only when small, to keep the connection;
-                # otherwise the connection closes rather than parse the body as the next request.
-                readable = length_n is not None and length_n <= app.max_body
+                # otherwise the connection closes rather than parse the body as the next request.  Any
+                # Transfer-Encoding closes it too: its framing would disagree with Content-Length.
+                readable = length_n is not None and length_n <= app.max_body and "transfer-encoding" not in headers
                 close = self.server.draining.is_set() or (refused and not readable and self.command != "GET")
+                watch = _watchdog().watch(self.connection, self.server.read_timeout_s) if readable else None
                 try:
                     body = _read_exactly(self.rfile.read, length_n) if readable else b""
-                except OSError:  # a client that stops sending times out here
+                except (OSError, ValueError):  # a client too slow or gone; the watchdog may have shut the socket
                     self.close_connection = True
                     return
+                finally:
+                    if watch is not None and _watchdog().done(watch):
+                        self.close_connection = True
                 if readable and len(body) < length_n:
                     self._send(_error_reply(400, f"request body truncated: got {len(body)} of {length_n} bytes"),
                                close=True)
@@ -3537,8 +3670,10 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
     mode.  It runs on a fresh thread with the envelope bound, so it works under
     the kernel's running loop.  The result goes through :func:`build_response`;
     a raising agent gives :class:`AgentError` (original exception chained), a
-    result that cannot become a response gives :class:`ResponseError`, never a
-    half-built dict.
+    :class:`PipelinesError` it raises (a stale run token, say) propagates as it
+    is, and a result that cannot become a response gives :class:`ResponseError`,
+    never a half-built dict.  The run token is redacted from the returned body
+    and from error messages, as the server does.
     """
 
     def run(task_input: Mapping[str, Any], *, proxy_url: str, run_token: str) -> Dict[str, Any]:
@@ -3548,8 +3683,12 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
         except PipelinesError:
             raise
         except Exception as exc:
-            raise AgentError(f"agent raised {_describe(exc)}") from exc
-        return build_response(result)
+            raise AgentError(_redact_secrets(f"agent raised {_describe(exc)}", envelope, None)) from exc
+        body = build_response(result)
+        if envelope.run_token in json.dumps(body, ensure_ascii=False):
+            _log.warning("the agent's response contained the run token; it was redacted")
+            body = _redact(body, envelope.run_token)
+        return body
 
     run.__name__ = "run"
     run.__qualname__ = "run"
@@ -3654,6 +3793,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise _argparse().ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
 def _positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise _argparse().ArgumentTypeError(f"expected a positive whole number, got {text!r}")
@@ -3696,9 +3841,14 @@ def _cmd_serve(args: Any) -> int:
                   flush=True)
 
     try:
-        return serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready)
+        status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready)
     except OSError as exc:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    if status != 0:  # dispatches still running after the grace period: leave without waiting for their threads
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(status)
+    return status
 
 
 _TEMPLATES_DIR = "templates"
@@ -3838,7 +3988,7 @@ class _Doctor:
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        self.token = os.environ.get(args.token_env or "") or ""
+        self.token = (os.environ.get(args.token_env or "") or "").strip()
         self.url: Optional[str] = args.url
         self.server: Any = None
         self.app_tools: Optional[List[Dict[str, Any]]] = None  # what the app declares (--app) or serves (--url)
@@ -3928,7 +4078,8 @@ class _Doctor:
         status = 200
         if self.server is None:  # --url: ask the running server what it serves
             try:
-                status, value = _http_exchange(self.url.rsplit("/", 1)[0] + "/tools_schema", "GET", self.auth, b"")
+                origin = urlsplit(self.url)
+                status, value = _http_exchange(f"{origin.scheme}://{origin.netloc}/tools_schema", "GET", self.auth, b"")
             except ValueError:
                 status, value = 0, None
             if status == 200 and isinstance(value, dict) and isinstance(value.get("tools"), list):
@@ -3971,6 +4122,12 @@ class _Doctor:
 
 
 def _cmd_doctor(args: Any) -> int:
+    for flag, url in (("--url", args.url), ("--proxy-url", args.proxy_url)):
+        if url is not None:
+            try:
+                _check_proxy_url(url, flag)
+            except EnvelopeError as exc:
+                raise _UsageError(str(exc).replace("proxy URL ", "URL ", 1)) from None
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     marks = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33")}
     doctor = _Doctor(args)
@@ -4006,7 +4163,7 @@ def _parser() -> Any:
     )
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     serve_.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    serve_.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    serve_.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
     serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
     serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
                         help="environment variable holding the agent token (default AGENT_TOKEN)")
