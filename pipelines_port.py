@@ -188,6 +188,8 @@ TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
+# Control characters that break an HTTP header value (a tab is allowed).
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 # §3.1 caps and limits.
 MAX_REQUEST_BYTES = 1 << 20
@@ -440,7 +442,7 @@ def _check_run_token(token: Any, where: str) -> str:
     if not isinstance(token, str) or not token.strip():
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
     token = token.strip()
-    if any(ord(c) < 32 or ord(c) == 127 for c in token):
+    if _CONTROL_CHARACTER.search(token) or "\t" in token:
         # Never echo it: it is a secret.
         raise EnvelopeError(f"run token from {where} contains control characters")
     return token
@@ -1266,6 +1268,7 @@ class _Watchdog:
     def __init__(self) -> None:
         self._wake = threading.Condition(threading.Lock())
         self._heap: List[List[Any]] = []  # [deadline, sequence, socket, state]: 0 watched, 1 done, 2 fired
+        self._watched = 0
         self._sequence = 0
         self._thread: Optional[threading.Thread] = None
 
@@ -1276,16 +1279,25 @@ class _Watchdog:
             self._sequence += 1
             entry = [time.monotonic() + seconds, self._sequence, sock, 0]
             heapq.heappush(self._heap, entry)
+            self._watched += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pipelines-watchdog", daemon=True)
                 self._thread.start()
-            self._wake.notify()
+            if self._heap[0] is entry:  # the thread sleeps until the earliest deadline: wake it only for an earlier one
+                self._wake.notify()
             return entry
 
     def done(self, entry: List[Any]) -> bool:
+        import heapq
+
         with self._wake:
             fired = entry[3] == 2
+            if entry[3] == 0:
+                self._watched -= 1
             entry[3], entry[2] = 1, None
+            if len(self._heap) > 64 and len(self._heap) > 4 * self._watched:  # drop finished entries now and then
+                self._heap = [e for e in self._heap if e[3] == 0]
+                heapq.heapify(self._heap)
             return fired
 
     def _run(self) -> None:
@@ -1300,6 +1312,7 @@ class _Watchdog:
                 if entry[3] != 0:
                     continue
                 entry[3] = 2
+                self._watched -= 1
                 sock = entry[2]
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
@@ -1315,7 +1328,7 @@ def _watchdog() -> _Watchdog:
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     """A header whose value would break the request (a line break, a control character), named without its value."""
     for name, value in headers.items():
-        if any(ord(c) < 32 and c != "\t" or ord(c) == 127 for c in value):
+        if _CONTROL_CHARACTER.search(value):
             return (f"header {name} has a line break or control character in its value (not shown: it may be "
                     "a secret); check where it comes from, e.g. a trailing newline in an environment variable")
     return None
@@ -1993,6 +2006,9 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         name, description, schema = _tool_parts(entry, i)
         if name in seen:
             raise ValueError(f"tools[{i}].name: {name!r} is declared twice; tool names are unique per agent")
+        if to != "platform" and len(name) > 64:
+            raise ValueError(f"tools[{i}].name: {name!r} is {len(name)} characters; the platform allows 128, but "
+                             "OpenAI and Anthropic tool names are at most 64: shorten it")
         seen.add(name)
         if to == "platform":
             tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}

@@ -181,3 +181,12 @@ def test_post_json_terminal_errors_never_show_the_key(api: FakeAPI, fake_sleep: 
         pp.post_json(api.url + "/v1/x", {}, sleep=fake_sleep)
     with pytest.raises(ValueError, match="http"):
         pp.post_json("file:///etc/passwd", {})
+
+
+def test_model_apis_get_tool_names_of_at_most_64_characters() -> None:
+    long_name = "x" * 65
+    assert pp.convert_tools([{"name": long_name}], "platform")[0]["name"] == long_name  # the platform allows 128
+    for fmt in ("openai_chat", "openai_responses", "anthropic"):
+        with pytest.raises(ValueError, match="at most 64"):
+            pp.convert_tools([{"name": long_name}], fmt)
+    assert pp.convert_tools([{"name": "y" * 64}], "anthropic")[0]["name"] == "y" * 64

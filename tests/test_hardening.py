@@ -345,3 +345,12 @@ def test_doctor_finds_tools_schema_at_the_root_whatever_the_dispatch_path(tmp_pa
     finally:
         server.close(1)
     assert "✓ tools_schema matches the app" in out.stdout, out.stdout
+
+
+def test_the_watchdog_forgets_finished_exchanges() -> None:
+    watchdog = pp._Watchdog()
+    with socket.socket() as s:
+        entries = [watchdog.watch(s, 60) for _ in range(1000)]
+        for entry in entries:
+            assert watchdog.done(entry) is False
+    assert len(watchdog._heap) <= 64 and watchdog._watched == 0
