@@ -39,6 +39,8 @@ from conformance.mock_proxy import MockProxy, ProxyRun
 __all__ = ["Case", "Result", "all_cases", "select", "run_cases", "main"]
 
 ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|\+00:00)")
+TYPED_DETAIL = re.compile(r"^[A-Za-z_][\w.]*: ", re.M)  # "ValueError: boom", "Error: boom"
+MIN_BACKOFF_S = 0.1  # the least wait that still counts as a backoff (§3.3)
 ENVELOPE_KEYS = ("tool_name", "source", "latency_ms", "matched_rule_index", "validation")
 AGENT_SPEC = "README: the conformance agent"
 RETRY_NOW = {"Retry-After": "0"}  # keeps the suite fast; the vectors check real waits
@@ -347,21 +349,53 @@ def is_uuid(text: Optional[str]) -> bool:
         return False
 
 
+def expect_run_token(request: Any, run_token: str) -> None:
+    """§3.1: the run token in exactly one of ``Authorization: Bearer <t>`` and ``X-Pipelines-Run-Token: <t>``."""
+    wanted = "the run token in exactly one of Authorization: Bearer <t> and X-Pipelines-Run-Token: <t>"
+    auth = request.headers.get("authorization")
+    header = request.headers.get("x-pipelines-run-token")
+    if auth is not None and header is not None:
+        raise Failed(wanted, "both headers sent")
+    if auth is None and header is None:
+        raise Failed(wanted, "neither header sent")
+    if auth is not None and request.bearer is None:
+        raise Failed(wanted, "an Authorization header that is not Bearer <token>")
+    if request.run_token != run_token:
+        raise Failed(wanted, "another token")  # never shown: it may be another run's
+
+
 def expect_request_shape(request: Any, proxy_run: ProxyRun, run: Run, suffix: str) -> None:
-    """§3.1: path, bearer, one token header, JSON content type, a UUID Idempotency-Key."""
+    """§3.1: path, the run token in one header, JSON content type; a UUID Idempotency-Key on a tool call."""
     if request.path != proxy_run.base_path + suffix:
         raise Failed(f"POST {{proxy_url}}{suffix}", f"POST {request.path} (proxy base {proxy_run.base_path})")
-    auth = request.headers.get("authorization")
-    if auth != "Bearer " + run.run_token:
-        got = "no Authorization header" if auth is None else "an Authorization header that is not Bearer <run token>"
-        raise Failed("Authorization: Bearer <run token>", got)
-    if "x-pipelines-run-token" in request.headers:
-        raise Failed("only one of the two token headers (Authorization, not also X-Pipelines-Run-Token)",
-                     "both sent")
+    expect_run_token(request, run.run_token)
     if not request.headers.get("content-type", "").startswith("application/json"):
         raise Failed("Content-Type: application/json", show(request.headers.get("content-type")))
-    if not is_uuid(request.idempotency_key):
-        raise Failed("an Idempotency-Key holding a UUID", show(request.idempotency_key))
+    if suffix.startswith("/tools/") and not is_uuid(request.idempotency_key):
+        raise Failed("an Idempotency-Key holding a UUID on a tool call", show(request.idempotency_key))
+
+
+def expect_refused(ran: Ran, outcome: Any, what: str, *, or_by_proxy: bool = False) -> None:
+    """Refused locally: kind ``request``, nothing sent.
+
+    With ``or_by_proxy`` (the contract does not ask for a local check) the
+    proxy's refusal passes too: one request under ``/tools/``, answered with a
+    4xx the call reports as kind ``proxy`` with that status.
+    """
+    error = outcome.get("error") if isinstance(outcome, dict) and outcome.get("ok") is False else None
+    if not or_by_proxy or not isinstance(error, dict) or error.get("kind") != "proxy":
+        expect_error(outcome, "request", what=what)
+        expect_nothing_sent(ran.proxy)
+        return
+    wanted = f"{what} refused: locally (kind request, nothing sent) or by the proxy (kind proxy, its 4xx)"
+    requests = list(ran.proxy.requests)
+    tools = ran.proxy.base_path + "/tools/"
+    if len(requests) != 1 or not requests[0].path.startswith(tools) or "/" in requests[0].path[len(tools):]:
+        raise Failed(wanted + ", one request to {proxy_url}/tools/<name>",
+                     f"{len(requests)} request(s): {paths(ran.proxy, requests)}")
+    status = requests[0].reply_status
+    if not (isinstance(status, int) and 400 <= status < 500 and error.get("status_code") == status):
+        raise Failed(wanted, f"the proxy answered {status}, the call reported {show(outcome)}")
 
 
 # ---------------------------------------------------------------------------
@@ -420,6 +454,17 @@ def _(c: Check) -> None:
         echoed = c.echo(reply)
         if not same_json(echoed.get("raw"), body):
             raise Failed(f"the agent to see the body {show(body)}", show(echoed.get("raw")))
+
+
+@case("auth.invalid_json_without_credential", "§2 steps 1-2",
+      "a body that is not JSON, without the credential, gets 401: auth comes before parsing")
+def _(c: Check) -> None:
+    c.need_token()
+    run, _ = c.new_run()
+    reply = c.dispatch(run, b'{"input": {"user_instruction": "x"}, oops', credential=False)
+    if reply.status != 401:
+        raise Failed("401 for invalid JSON without the credential (auth runs before the body is parsed)",
+                     describe(reply))
 
 
 @case("http.invalid_json", "§2 step 2", "a body that is not JSON gets 400")
@@ -500,7 +545,8 @@ def _(c: Check) -> None:
 # -- §3.1 the request a tool call sends --------------------------------------------------------
 
 
-@case("proxy.request_shape", "§3.1", "POST {proxy_url}/tools/{name}, Bearer run token, the args as the JSON body")
+@case("proxy.request_shape", "§3.1",
+      "POST {proxy_url}/tools/{name}, the run token in one header, the args as the JSON body")
 def _(c: Check) -> None:
     args = {"order_id": "4521", "n": 2, "nested": {"tags": ["a", "ü"]}}
     ran = c.script([{"call": "get_order", "args": args}])
@@ -857,22 +903,40 @@ def _json_or_none(text: Any) -> Any:
         return None
 
 
-@case("response.agent_error", "§2 step 8", "an agent that raises gets 500 with its message in detail")
+@case("response.agent_error", "§2 step 8",
+      "an agent that raises gets 500 whose detail names the exception type and message")
 def _(c: Check) -> None:
     message = "conformance-boom-" + secrets.token_hex(4)
     ran = c.script([{"raise": message}])
     if ran.reply.status != 500 or not isinstance(ran.reply.json, dict) or "detail" not in ran.reply.json:
         raise Failed('500 with a JSON body {"detail": ...}', describe(ran.reply))
-    if message not in strings_in(ran.reply.json["detail"]):
+    detail = strings_in(ran.reply.json["detail"])
+    if message not in detail:
         raise Failed(f"a detail naming the error message {message!r}", describe(ran.reply))
+    if not any(TYPED_DETAIL.match(line) and message in line for line in detail.splitlines()):
+        raise Failed(f"a detail naming the exception type before the message, e.g. 'RuntimeError: {message}'",
+                     describe(ran.reply))
 
 
 @case("response.empty_final_response", "§4", 'an empty final_response is never sent: "" becomes a 500')
 def _(c: Check) -> None:
-    for value in ("", {"final_response": ""}, {"final_response": "   "}):
+    for value in ("", {"final_response": ""}):
         ran = c.script([{"return": value}])
         if ran.reply.status != 500:
             raise Failed(f"500 when the agent returns {show(value)}", describe(ran.reply))
+    # A blank one is not empty: the contract lets it through; pipelines_port refuses it (a stricter choice).
+    ran = c.script([{"return": {"final_response": "   "}}])
+    expect_blank_final_response(ran.reply, "   ")
+
+
+def expect_blank_final_response(reply: Reply, blank: str) -> None:
+    """A blank final_response: a 500, or (the contract only asks for a non-empty string) a 200 carrying it."""
+    if reply.status == 500:
+        return
+    body = reply.json if isinstance(reply.json, dict) else {}
+    if reply.status != 200 or body.get("final_response") != blank:
+        raise Failed(f"500, or 200 with the final_response {show(blank)} (non-empty, so allowed by §4)",
+                     describe(reply))
 
 
 @case("agent.malformed_script", AGENT_SPEC, "a malformed script (unknown step) makes the agent raise: 500")
@@ -917,8 +981,10 @@ def _(c: Check) -> None:
             raise Failed(f"run {index}'s call to reach its own proxy run with its own token",
                          f"the reply of another run: {show(value)}")
         (request,) = expect_requests(ran.proxy, 1, f"run {index}: its own call only")
-        if request.bearer != ran.run.run_token:
-            raise Failed(f"run {index}'s call to carry its own run token", "another run's token")
+        if request.run_token != ran.run.run_token:
+            raise Failed(f"run {index}'s call to carry its own run token",
+                         "another run's token" if request.run_token else "no run token")
+        expect_run_token(request, ran.run.run_token)
 
 
 # -- §2 step 4 connectivity check (SDK extension) --------------------------------------------------------------
@@ -1078,8 +1144,8 @@ def _tool_name_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable[[
             if request.path != f"{ran.proxy.base_path}/tools/{vector['tool_name']}":
                 raise Failed(f"POST {{proxy_url}}/tools/{vector['tool_name']}", request.path)
         else:
-            expect_error(outcome, "request", what=f"a call to {show(vector['tool_name'], 60)}")
-            expect_nothing_sent(ran.proxy)
+            expect_refused(ran, outcome, f"a call to {show(vector['tool_name'], 60)}",
+                           or_by_proxy=bool(vector.get("stricter_than_contract")))
     return run
 
 
@@ -1109,8 +1175,8 @@ def _proxy_request_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callab
         outcome = c.outcome(ran)
         expect = vector["expect"]
         if "error" in expect:
-            expect_error(outcome, "request")
-            expect_nothing_sent(ran.proxy)
+            expect_refused(ran, outcome, f"a call to {show(vector['tool_name'], 60)}",
+                           or_by_proxy=bool(vector.get("stricter_than_contract")))
             return
         expect_ok(outcome)
         (request,) = expect_requests(ran.proxy, 1, "one call")
@@ -1119,7 +1185,8 @@ def _proxy_request_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callab
 
 
 def check_request(request: Any, ran: Ran, expect: Mapping[str, Any]) -> None:
-    """The vectors' request expectations: path_suffix, body_json, headers, headers_absent, a key."""
+    """The vectors' request expectations: path_suffix, body_json, headers, headers_absent, run_token_sent;
+    and an Idempotency-Key on a tool call."""
     if "path_suffix" in expect and request.path != ran.proxy.base_path + expect["path_suffix"]:
         raise Failed(f"POST {{proxy_url}}{expect['path_suffix']}", request.path)
     if "body_json" in expect and not same_json(request.json, expect["body_json"]):
@@ -1134,8 +1201,10 @@ def check_request(request: Any, ran: Ran, expect: Mapping[str, Any]) -> None:
     for name in expect.get("headers_absent", []):
         if name.lower() in request.headers:
             raise Failed(f"no {name} header", "one sent")
-    if not request.idempotency_key:
-        raise Failed("an Idempotency-Key on every call", "none")
+    if expect.get("run_token_sent"):
+        expect_run_token(request, ran.run.run_token)
+    if request.kind == "tools" and not request.idempotency_key:
+        raise Failed("an Idempotency-Key on every tool call", "none")
 
 
 def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable[[Check], None]:
@@ -1157,10 +1226,12 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
             expect_ok(outcome, "after-retry", "the call (retried, then a success)")
             first, second = expect_requests(ran.proxy, 2, "the reply, then one retry")
             expect_same_key([first, second], "a retry reuses the key")
-            wait = expect.get("retry_after_s")
-            if wait and second.time - first.time < 0.9 * wait:
-                raise Failed(f"a retry after the Retry-After wait of {wait} s",
-                             f"a retry after {second.time - first.time:.2f} s")
+            wait, gap = expect.get("retry_after_s"), second.time - first.time
+            if wait and gap < 0.9 * wait:
+                raise Failed(f"a retry after the Retry-After wait of {wait} s", f"a retry after {gap:.2f} s")
+            if wait is None and gap < MIN_BACKOFF_S:
+                raise Failed(f"a retry after a backoff wait of at least {MIN_BACKOFF_S} s (§3.3: retry with backoff)",
+                             f"a retry after {gap:.3f} s")
         elif "value" in expect:
             expect_ok(outcome, expect["value"])
             expect_requests(ran.proxy, 1, "a success is not retried")
@@ -1214,6 +1285,10 @@ def _build_response_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Optio
     def run(c: Check) -> None:
         ran = c.script([{"return": value}])
         expect = vector["expect"]
+        if "error" in expect and vector.get("stricter_than_contract") and ran.reply.status != 500:
+            # A blank final_response is not empty: a port may send it (§4 asks for a non-empty string).
+            expect_blank_final_response(ran.reply, value if isinstance(value, str) else value.get("final_response"))
+            return
         if "error" in expect:
             if ran.reply.status != 500:
                 raise Failed("500: the returned value cannot become a response", describe(ran.reply))

@@ -28,7 +28,9 @@ column is a warning (it is ignored), with a hint when it looks like a known one.
 
 Reading: UTF-8, with or without a BOM; other encodings, NUL bytes, malformed
 quoting, rows with more cells than the header, empty files and unreadable
-paths are reported as problems, never raised.  A row with fewer cells than the
+paths are reported as problems, never raised.  A cell may hold up to 64 MiB;
+a JSON cell may nest arrays and objects up to 64 levels deep, and ``null`` is
+not an empty cell (``state`` must be an object, ``failure_rules`` an array).  A row with fewer cells than the
 header is a warning (the missing cells read as empty); a row whose cells are
 all empty is skipped with a warning; blank lines are skipped silently.
 """
@@ -76,6 +78,9 @@ _NO_ROWS = "the file has a header but no data rows"
 _EMPTY = "the file is empty: expected a header row with at least a `user` column"
 
 _AGENT_DIRECTED = re.compile(r"\byou\s+(should|must|need to|have to|are)\b", re.I)
+_FIELD_SIZE_LIMIT = 64 << 20  # the csv module's own default (128 KiB) is too small for a big `state` cell
+_UNREADABLE = object()  # a JSON cell that could not be parsed (its problem is reported)
+MAX_JSON_DEPTH = 64  # nesting levels a JSON cell may have: the simulator copies and renders values recursively
 
 
 # ---------------------------------------------------------------------------
@@ -224,7 +229,19 @@ def _csv_error_message(exc: csv.Error) -> str:
 
 
 def read_table(text: str) -> Tuple[List[str], List[Record], List[Problem]]:
-    """Split CSV text into the header, the records (blank lines dropped) and parse problems."""
+    """Split CSV text into the header, the records (blank lines dropped) and parse problems.
+
+    Cells may be up to 64 MiB: the csv module's field size limit is raised
+    while reading and restored afterwards (it is process-global).
+    """
+    previous = csv.field_size_limit(_FIELD_SIZE_LIMIT)
+    try:
+        return _read_records(text)
+    finally:
+        csv.field_size_limit(previous)
+
+
+def _read_records(text: str) -> Tuple[List[str], List[Record], List[Problem]]:
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     records: List[Record] = []
     problems: List[Problem] = []
@@ -319,7 +336,10 @@ def _reject_constant(name: str) -> Any:
 
 
 def _json_cell(text: str, column: str, line: int, row: int) -> Tuple[Any, List[Problem]]:
-    """Parse a JSON cell; duplicate keys are warnings, NaN/Infinity and syntax errors errors."""
+    """Parse a JSON cell: its value (``_UNREADABLE`` when it cannot be parsed) and its problems.
+
+    Duplicate keys are warnings; NaN/Infinity, syntax errors and nesting too deep to parse are errors.
+    """
     duplicates: List[str] = []
 
     def pairs(items: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -333,10 +353,32 @@ def _json_cell(text: str, column: str, line: int, row: int) -> Tuple[Any, List[P
     try:
         value = json.loads(text, object_pairs_hook=pairs, parse_constant=_reject_constant)
     except ValueError as exc:
-        return None, [Problem("error", f"not valid JSON: {exc}", line=line, row=row, column=column)]
+        return _UNREADABLE, [Problem("error", f"not valid JSON: {exc}", line=line, row=row, column=column)]
+    except RecursionError:
+        value = None
+        depth = MAX_JSON_DEPTH + 1
+    else:
+        depth = _depth(value)
+    if depth > MAX_JSON_DEPTH:
+        message = f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects inside each other)"
+        return _UNREADABLE, [Problem("error", message, line=line, row=row, column=column)]
     problems = [Problem("warning", f"the key {key!r} appears twice in one object; the last one wins",
                         line=line, row=row, column=column) for key in duplicates]
     return value, problems
+
+
+def _depth(value: Any) -> int:
+    """How many arrays and objects deep ``value`` goes (iteratively: the value may be deeper than the stack)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _findings(findings: Iterable[engine.Finding], column: str, line: int, row: int) -> List[Problem]:
@@ -387,14 +429,14 @@ def _row(index: Dict[str, int], header_width: int, record: Record) -> Tuple[Opti
     if cell("state").strip():
         state, found = _json_cell(cell("state"), "state", line, row)
         problems += found
-        if state is not None:
+        if state is not _UNREADABLE:  # null included: it is no object
             problems += _findings(engine.state_findings(state), "state", line, row)
 
     rules: Any = []
     if cell("failure_rules").strip():
         rules, found = _json_cell(cell("failure_rules"), "failure_rules", line, row)
         problems += found
-        if rules is not None:
+        if rules is not _UNREADABLE:  # null included: it is no array
             problems += _findings(engine.rule_findings(rules), "failure_rules", line, row)
 
     outcome = cell("expected_outcome").strip().lower()

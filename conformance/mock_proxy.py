@@ -31,13 +31,20 @@ plugs in here).  With no script at all for a tool the proxy echoes: ``{"response
 
 Before any script, a request is checked as the platform checks it, in this
 order: a path that is not ``/tools/{name}`` or ``/traces/{type}`` under a run's
-base path is 404; a bearer (or ``X-Pipelines-Run-Token``) that is not the run's
-is 401 ``run_token_invalid``; a body over 1 MiB is 413 ``payload_too_large``; a
-body that is not a JSON object is 422 (FastAPI's validation shape); a malformed
-``X-Pipelines-Actor-Id`` (§3.5) is 400 ``actor_id_invalid``; with
-``rate_limit=N``, the N+1st request of a token within 60 s is 429
-``rate_limited`` with ``Retry-After``.  Then a repeated ``Idempotency-Key``
-replays its original reply.
+base path is 404; a run token that is not the run's is 401
+``run_token_invalid`` (it may come as ``Authorization: Bearer <t>``, any case
+of ``Bearer``, or as ``X-Pipelines-Run-Token: <t>``; both at once must agree);
+a tool name (percent-decoded) outside §3.1's pattern is 404 ``unknown_tool``; a
+body over 1 MiB is 413 ``payload_too_large``; a body that is not a JSON object
+is 422 (FastAPI's validation shape); a malformed ``X-Pipelines-Actor-Id``
+(§3.5) is 400 ``actor_id_invalid``; with ``rate_limit=N``, the N+1st request
+of a token within 60 s is 429 ``rate_limited`` with ``Retry-After``.  Then a
+repeated ``Idempotency-Key`` replays its original reply.
+
+Request bodies may come with ``Content-Length`` or in chunked transfer coding.
+A chunked body is read only up to the 1 MiB cap plus a margin: past that (or
+when its framing is broken) the proxy answers 413 (or 400), drops a bounded
+amount of what still arrives unread, and closes the connection.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, Union
+from urllib.parse import unquote
 
 __all__ = ["MockProxy", "ProxyRun", "RecordedRequest"]
 
@@ -60,8 +68,10 @@ Reply = Dict[str, Any]
 Script = Union[List[Reply], Callable[["RecordedRequest"], Reply]]
 
 MAX_BODY_BYTES = 1 << 20  # §3.1 request cap
+CHUNKED_READ_LIMIT = MAX_BODY_BYTES + (64 << 10)  # a chunked body is read this far, then refused unread
 RUNS_PATH = "/api/odyssey-proxy/runs"
 _ACTOR_SEGMENT = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 
 
 class RecordedRequest:
@@ -89,8 +99,15 @@ class RecordedRequest:
 
     @property
     def bearer(self) -> Optional[str]:
-        auth = self.headers.get("authorization", "")
-        return auth[7:] if auth.startswith("Bearer ") else None
+        """The token of ``Authorization: Bearer <t>`` (the scheme in any case), else ``None``."""
+        scheme, _, token = self.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        return token if scheme.lower() == "bearer" and token else None
+
+    @property
+    def run_token(self) -> Optional[str]:
+        """The run token the request carries (§3.1): the bearer, else ``X-Pipelines-Run-Token``."""
+        return self.bearer or self.headers.get("x-pipelines-run-token") or None
 
     @property
     def idempotency_key(self) -> Optional[str]:
@@ -153,9 +170,13 @@ class ProxyRun:
     def _decide(self, request: RecordedRequest) -> Reply:
         """The reply to one routed request: the platform's checks, replay, then the script."""
         owner = self._owner
-        token = request.bearer or request.headers.get("x-pipelines-run-token")
-        if token not in self.tokens:
+        token = request.run_token
+        header = request.headers.get("x-pipelines-run-token")
+        if token not in self.tokens or (request.bearer and header and header != request.bearer):
             return {"status": 401, "error_class": "run_token_invalid", "message": "unknown run token"}
+        if request.kind == "tools" and not _TOOL_NAME.fullmatch(request.name):
+            return {"status": 404, "error_class": "unknown_tool",
+                    "message": "no such tool: a tool name matches ^[A-Za-z_][A-Za-z0-9_-]{0,127}$"}
         if len(request.body) > MAX_BODY_BYTES:
             return {"status": 413, "error_class": "payload_too_large",
                     "message": f"request body of {len(request.body)} bytes is over the {MAX_BODY_BYTES}-byte cap"}
@@ -335,7 +356,7 @@ class MockProxy:
             if path.startswith(run.base_path + "/"):
                 first, _, name = path[len(run.base_path) + 1:].partition("/")
                 if first in ("tools", "traces") and name and "/" not in name:
-                    return run, first, name
+                    return run, first, unquote(name)
                 return run, "other", ""
         return None, "other", ""
 
@@ -407,8 +428,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(404, {}, json.dumps({"detail": "Not Found"}).encode(), chunked=False)
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
+        body, refusal = self._read_body()
         path = self.path.split("?", 1)[0]
         run, kind, name = self.owner._route(path)
         headers = {k.lower(): v for k, v in self.headers.items()}
@@ -416,9 +436,70 @@ class _Handler(BaseHTTPRequestHandler):
         self.owner._record(request)
         self.owner._enter()
         try:
-            self._answer(request)
+            if refusal is not None:  # the body was not read to its end: answer, then drop the connection
+                request.reply_status = refusal["status"]
+                self._send(*_render(refusal, request), chunked=False)
+                self.close_connection = True
+                self._discard_input()
+            else:
+                self._answer(request)
         finally:
             self.owner._leave()
+
+    def _discard_input(self, limit: int = 8 << 20, seconds: float = 2.0) -> None:
+        """Drop what the client still sends (bounded), so closing does not reset the connection under our reply.
+
+        Closing a socket with unread input sends a TCP reset, and a client may
+        then lose the reply before it reads it.
+        """
+        deadline = time.monotonic() + seconds
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            while limit > 0 and time.monotonic() < deadline:
+                self.connection.settimeout(max(0.01, deadline - time.monotonic()))
+                data = self.connection.recv(min(limit, 65536))
+                if not data:
+                    break
+                limit -= len(data)
+        except OSError:
+            pass
+
+    def _read_body(self) -> Tuple[bytes, Optional[Reply]]:
+        """The request body (``Content-Length`` or chunked), and a refusal when it could not be read whole."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return self._read_chunked()
+        length = int(self.headers.get("Content-Length") or 0)
+        return (self.rfile.read(length) if length else b""), None
+
+    def _read_chunked(self) -> Tuple[bytes, Optional[Reply]]:
+        """A chunked body (RFC 9112 §7.1), read no further than :data:`CHUNKED_READ_LIMIT` bytes."""
+        parts: List[bytes] = []
+        size = 0
+        while True:
+            line = self.rfile.readline(1026)
+            try:
+                chunk = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                chunk = -1
+            if chunk < 0 or not line.endswith(b"\n"):
+                return b"".join(parts), {"status": 400, "error_class": "bad_request",
+                                         "message": "malformed chunked request body"}
+            if chunk == 0:
+                break
+            if size + chunk > CHUNKED_READ_LIMIT:
+                return b"".join(parts), {
+                    "status": 413, "error_class": "payload_too_large",
+                    "message": f"chunked request body is over the {MAX_BODY_BYTES}-byte cap"}
+            data = self.rfile.read(chunk)
+            if len(data) < chunk or self.rfile.readline(3).strip():
+                return b"".join(parts) + data, {"status": 400, "error_class": "bad_request",
+                                                "message": "malformed chunked request body"}
+            parts.append(data)
+            size += chunk
+        for _ in range(100):  # trailer fields, up to the empty line
+            if not self.rfile.readline(8194).strip():
+                return b"".join(parts), None
+        return b"".join(parts), {"status": 400, "error_class": "bad_request", "message": "too many trailer fields"}
 
     def _answer(self, request: RecordedRequest) -> None:
         reply = self.owner._decide(request)

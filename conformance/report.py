@@ -203,7 +203,10 @@ def render_html(result: Mapping[str, Any]) -> str:
                          f"{_e(where)}{': ' if where else ''}{_e(p['message'])}</li>")
         parts.append("</ul>")
     for run in result["runs"]:
-        parts.append(_run_html(run))
+        try:
+            parts.append(_run_html(run))
+        except Exception:  # noqa: BLE001 - an agent's odd output must never cost the whole report
+            parts.append(f'<details class="run" open><summary>{_e(_where(run))}</summary>{_pre(run)}</details>')
     parts.append("</main></body></html>")
     return "\n".join(parts) + "\n"
 
@@ -236,9 +239,13 @@ def _run_html(run: Mapping[str, Any]) -> str:
         out.append("</ul></div>")
     out.append("<h3>Timeline</h3>")
     out.append(_timeline_html(run))
-    if run.get("messages"):
+    messages = run.get("messages")
+    if messages:
         out.append("<h3>Transcript</h3>")
-        out += [_message_html(m) for m in run["messages"]]
+        if isinstance(messages, list):
+            out += [_message_html(m) for m in messages]
+        else:  # not a transcript at all (the run's errors say so): shown as it came
+            out.append(f'<div class="msg">{_pre(messages)}</div>')
     out.append("<h3>Final response</h3>")
     if run.get("final_response") is not None:
         out.append(f'<div class="final">{_e(run["final_response"])}</div>')
@@ -341,14 +348,18 @@ def _message_html(message: Any) -> str:
         parts.append(f'<div style="white-space:pre-wrap">{_e(content)}</div>')
     elif content is not None:
         parts.append(_pre(content))
-    for thinking in message.get("thinking") or []:
-        text = thinking.get("text") if isinstance(thinking, dict) else thinking
+    thinking = message.get("thinking")
+    for item in thinking if isinstance(thinking, list) else [thinking] if thinking is not None else []:
+        text = item.get("text") if isinstance(item, dict) and "text" in item else item
         parts.append(f'<div class="lbl">thinking</div>{_pre(text)}')
-    for call in message.get("tool_calls") or []:
-        if isinstance(call, dict):
-            function = call.get("function") if isinstance(call.get("function"), dict) else call
-            name, args = function.get("name"), function.get("arguments")
-            parts.append(f'<div><span class="lbl">tool call {_e(call.get("id") or "")}</span> '
-                         f'<span class="name">{_e(name)}</span>{_pre(args)}</div>')
+    tool_calls = message.get("tool_calls")
+    for call in tool_calls if isinstance(tool_calls, list) else [tool_calls] if tool_calls is not None else []:
+        if not isinstance(call, dict):
+            parts.append(f'<div><span class="lbl">tool call</span>{_pre(call)}</div>')
+            continue
+        function = call.get("function") if isinstance(call.get("function"), dict) else call
+        name, args = function.get("name"), function.get("arguments")
+        parts.append(f'<div><span class="lbl">tool call {_e(call.get("id") or "")}</span> '
+                     f'<span class="name">{_e(name)}</span>{_pre(args)}</div>')
     parts.append("</div>")
     return "".join(parts)

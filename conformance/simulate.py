@@ -171,7 +171,8 @@ class CodeAgent:
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, pp.AgentError) and exc.__cause__ else exc
             text = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
-            return Outcome(error=f"{self.function_name}() raised {_describe(exc)}", traceback=text[-6000:])
+            text = _scrub(text, [dispatch.run_token])[-6000:]  # scrubbed before cut: no half token survives
+            return Outcome(error=f"{self.function_name}() raised {_describe(exc)}", traceback=text)
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()
@@ -272,7 +273,7 @@ class UrlAgent:
             raise SetupError(f"the agent at {self.target} answered HTTP {status} to a ping: "
                              "is the dispatch path right?")
         if status != 200:
-            return f"the agent answered the ping with HTTP {status}: {_detail(raw)}"
+            return f"the agent answered the ping with HTTP {status}: {_detail(raw, [self.token or ''])}"
         return None
 
     def __call__(self, dispatch: Dispatch) -> Outcome:
@@ -298,16 +299,20 @@ class UrlAgent:
             if isinstance(exc, socket.timeout) or "timed out" in str(exc):
                 return Outcome(error=f"the agent did not answer within {self.timeout:g} s (--timeout)")
             return Outcome(error=f"the dispatch failed: {_describe(exc)}")
+        secrets_ = [dispatch.run_token, self.token or ""]
         if status != 200:
-            return Outcome(error=f"the agent answered HTTP {status}: {_detail(raw)}")
+            return Outcome(error=f"the agent answered HTTP {status}: {_detail(raw, secrets_)}")
         try:
             return Outcome(body=json.loads(raw))
         except ValueError:
-            return Outcome(error=f"the agent answered 200 with a body that is not JSON: {_detail(raw)}")
+            return Outcome(error=f"the agent answered 200 with a body that is not JSON: {_detail(raw, secrets_)}")
 
 
-def _detail(raw: bytes) -> str:
-    """The useful part of an error body: FastAPI ``detail`` when there is one, else the first 300 characters."""
+def _detail(raw: bytes, secrets_: Sequence[str]) -> str:
+    """The useful part of an error body: FastAPI ``detail`` when there is one, else the first 300 characters.
+
+    ``secrets_`` are replaced before the text is cut, so no part of one survives.
+    """
     text = raw.decode("utf-8", "replace")
     try:
         body = json.loads(text)
@@ -315,8 +320,8 @@ def _detail(raw: bytes) -> str:
         body = None
     if isinstance(body, dict) and "detail" in body:
         detail = body["detail"]
-        text = detail if isinstance(detail, str) else json.dumps(detail)
-    text = " ".join(text.split())
+        text = detail if isinstance(detail, str) else json.dumps(detail, ensure_ascii=False)
+    text = " ".join(_scrub(text, secrets_).split())
     return (text[:297] + "...") if len(text) > 300 else (text or "(empty body)")
 
 

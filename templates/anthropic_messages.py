@@ -123,12 +123,15 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         output_tokens += usage.get("output_tokens") or 0
 
         blocks = [b for b in reply.get("content") or () if isinstance(b, dict)]
-        # Send the whole turn back unchanged: with thinking on, the API requires
-        # the signed thinking blocks before the tool_use blocks they led to.
-        messages.append({"role": "assistant", "content": blocks})
+        # Send the turn back as it came (with thinking on, the API requires the signed
+        # thinking blocks before the tool_use blocks they led to), less any blank text
+        # block: the API refuses a text block without non-whitespace text.
+        messages.append({"role": "assistant", "content": [
+            b for b in blocks if b.get("type") != "text" or (b.get("text") or "").strip()]})
         thinking = [b["thinking"] for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
         redacted = sum(1 for b in blocks if b.get("type") == "redacted_thinking")
         text = "".join(b.get("text") or "" for b in blocks if b.get("type") == "text")
+        text = text if text.strip() else ""  # whitespace only is no answer (build_response refuses a blank one)
         uses = [b for b in blocks if b.get("type") == "tool_use"]
 
         for thought in thinking:
@@ -150,6 +153,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         results = run_tools(envelope, [(u["name"], u.get("input", {})) for u in uses])
         tool_results: List[Dict[str, Any]] = []
         for use, (result, is_error) in zip(uses, results):
+            result = result if result.strip() else "(no output)"  # the API refuses an empty tool_result
             block: Dict[str, Any] = {"type": "tool_result", "tool_use_id": use["id"], "content": result}
             if is_error:
                 block["is_error"] = True

@@ -112,6 +112,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         choice = (reply.get("choices") or [{}])[0]
         said = choice.get("message") or {}
         text = said.get("content") or said.get("refusal") or ""
+        text = text if text.strip() else ""  # whitespace only is no answer (build_response refuses a blank one)
         reasoning = said.get("reasoning_content") or ""
         calls = [c for c in said.get("tool_calls") or () if c.get("type", "function") == "function"]
         # Echo the assistant turn back as the API expects it (reasoning_content is not sent back).

@@ -125,6 +125,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         thinking = [s["text"] for item in output if item.get("type") == "reasoning"
                     for s in item.get("summary") or () if isinstance(s, dict) and s.get("text")]
         text = "".join(output_text(item) for item in output if item.get("type") == "message")
+        text = text if text.strip() else ""  # whitespace only is no answer (build_response refuses a blank one)
         calls = [item for item in output if item.get("type") == "function_call"]
 
         for summary in thinking:

@@ -5,7 +5,9 @@
 prints ``listening on URL`` and serves until SIGTERM.  Each variant patches
 pipelines_port in its own process only (so nothing leaks into the checker) and
 names the case ``python3 -m conformance check`` must fail it on.  ``correct``
-patches nothing.
+patches nothing.  A *legal variation* (``fails`` is None, ``control`` lists
+cases) changes something the contract leaves open, where pipelines_port made
+one choice: the check must pass it on every case listed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import re
 import sys
 import uuid
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
@@ -26,8 +29,8 @@ import pipelines_port as pp  # noqa: E402
 
 
 class Variant(NamedTuple):
-    fails: Optional[str]  # the case id check must fail; None for the correct port
-    control: Optional[str]  # a neighbouring case it must still pass
+    fails: Optional[str]  # the case id check must fail; None for a port that keeps the contract
+    control: Optional[str]  # a neighbouring case it must still pass; for a legal variation, the cases (--only)
     patch: Callable[[], None]
 
 
@@ -51,12 +54,12 @@ def wrap_replies(change: Callable[[int, bytes, Any], Any]) -> None:
     pp._interpret_reply = interpret
 
 
-def wrap_sent_headers(change: Callable[[Dict[str, str]], Dict[str, str]]) -> None:
-    """Patch the headers of every outbound request."""
+def wrap_sent_headers(change: Callable[[Dict[str, str], str], Dict[str, str]]) -> None:
+    """Patch the headers of every outbound request: ``change(headers, path) -> headers``."""
     original = pp._Transport.exchange
 
     def exchange(self: Any, base: Any, method: str, path: str, headers: Any, *rest: Any) -> Any:
-        return original(self, base, method, path, change(dict(headers)), *rest)
+        return original(self, base, method, path, change(dict(headers), path), *rest)
 
     pp._Transport.exchange = exchange
 
@@ -101,7 +104,7 @@ def no_retry_429() -> None:
 
 @variant("new_key_per_retry", "proxy.idempotency_reused_on_retry", "proxy.idempotency_fresh")
 def new_key_per_retry() -> None:
-    wrap_sent_headers(lambda headers: dict(headers, **{"Idempotency-Key": str(uuid.uuid4())})
+    wrap_sent_headers(lambda headers, path: dict(headers, **{"Idempotency-Key": str(uuid.uuid4())})
                       if "Idempotency-Key" in headers else headers)
 
 
@@ -199,13 +202,141 @@ def no_occurred_at() -> None:
 
 @variant("both_token_headers", "proxy.request_shape", "proxy.idempotency_fresh")
 def both_token_headers() -> None:
-    def add(headers: Dict[str, str]) -> Dict[str, str]:
+    def add(headers: Dict[str, str], path: str) -> Dict[str, str]:
         auth = headers.get("Authorization", "")
         if auth.startswith("Bearer ") and "Idempotency-Key" in headers:
             headers["X-Pipelines-Run-Token"] = auth[7:]
         return headers
 
     wrap_sent_headers(add)
+
+
+@variant("no_key_on_tool_calls", "proxy.idempotency_fresh", "trace.event_shape")
+def no_key_on_tool_calls() -> None:
+    wrap_sent_headers(lambda headers, path: {k: v for k, v in headers.items() if k != "Idempotency-Key"})
+
+
+@variant("no_backoff", "vectors.proxy_replies:429-without-retry-after-is-retried-with-backoff", "proxy.retry_429")
+def no_backoff() -> None:
+    original = pp.RetryPolicy.delay
+
+    def delay(self: Any, retry_number: int, retry_after: Optional[float] = None) -> float:
+        return original(self, retry_number, retry_after) if retry_after is not None else 0.0  # hammers the proxy
+
+    pp.RetryPolicy.delay = delay
+
+
+@variant("json_before_auth", "auth.invalid_json_without_credential", "http.invalid_json")
+def json_before_auth() -> None:
+    original = pp.DispatchApp.handle
+
+    def handle(self: Any, method: str, target: str, headers: Any, body: bytes) -> Any:
+        try:
+            json.loads(body)
+        except ValueError:  # a 400 before the credential is looked at
+            return pp._error_reply(400, "body is not valid JSON")
+        return original(self, method, target, headers, body)
+
+    pp.DispatchApp.handle = handle
+
+
+@variant("untyped_error_detail", "response.agent_error", "secrets.agent_error_detail")
+def untyped_error_detail() -> None:
+    pp._describe = lambda exc, limit=pp._DETAIL_LIMIT: str(exc)[:limit]  # the message without the exception type
+
+
+# -- legal variations: what the contract leaves open ------------------------------------------
+
+SHAPE_CASES = "proxy.request_shape,proxy.idempotency_fresh,trace.event_shape,trace.handoff,concurrency," \
+              "vectors.proxy_requests,vectors.trace_events"
+
+
+@variant("chunked_requests", None, "proxy,trace,actor,concurrency,vectors.proxy_requests,vectors.trace_events,"
+                                   "vectors.proxy_replies")
+def chunked_requests() -> None:
+    """Every proxy request body in chunked transfer coding, as a streaming HTTP/1.1 client sends it."""
+    import http.client
+
+    original = http.client.HTTPConnection.request
+
+    def request(self: Any, method: str, url: str, body: Any = None, headers: Any = None, **kwargs: Any) -> Any:
+        headers = dict(headers or {})
+        if isinstance(body, bytes) and body:
+            headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
+            body = iter([body[i:i + 4096] for i in range(0, len(body), 4096)])  # no length: http.client chunks it
+        return original(self, method, url, body, headers, **kwargs)
+
+    http.client.HTTPConnection.request = request
+
+
+@variant("run_token_header", None, SHAPE_CASES)
+def run_token_header() -> None:
+    """The run token as X-Pipelines-Run-Token instead of Authorization: Bearer (§3.1 allows either)."""
+    def swap(headers: Dict[str, str], path: str) -> Dict[str, str]:
+        if headers.get("Authorization", "").startswith("Bearer "):
+            headers["X-Pipelines-Run-Token"] = headers.pop("Authorization")[len("Bearer "):]
+        return headers
+
+    wrap_sent_headers(swap)
+
+
+@variant("lowercase_bearer", None, SHAPE_CASES)
+def lowercase_bearer() -> None:
+    """``authorization: bearer <t>``: the scheme is case-insensitive."""
+    def lower(headers: Dict[str, str], path: str) -> Dict[str, str]:
+        if headers.get("Authorization", "").startswith("Bearer "):
+            headers["authorization"] = "bearer " + headers.pop("Authorization")[len("Bearer "):]
+        return headers
+
+    wrap_sent_headers(lower)
+
+
+@variant("no_key_on_traces", None, "trace,vectors.trace_events")
+def no_key_on_traces() -> None:
+    """No Idempotency-Key on trace events: §3.1's key is for tool calls."""
+    wrap_sent_headers(lambda headers, path: {k: v for k, v in headers.items() if k != "Idempotency-Key"}
+                      if "/traces/" in path else headers)
+
+
+@variant("refusals_left_to_the_proxy", None, "vectors.tool_names,vectors.proxy_requests")
+def refusals_left_to_the_proxy() -> None:
+    """Tool names and argument sizes not checked locally: the proxy's 4xx reports them."""
+    original = pp.ProxyClient.call
+
+    def call(self: Any, envelope: Any, name: Any, args: Any, **kwargs: Any) -> Any:
+        return original(self, envelope, name if isinstance(name, str) else json.dumps(name), args, **kwargs)
+
+    pp.ProxyClient.call = call
+    pp.validate_tool_name = lambda name: name
+    pp.MAX_REQUEST_BYTES = 1 << 30
+
+
+@variant("terse_missing_proxy_url", None, "envelope.missing_proxy_url,vectors.envelope")
+def terse_missing_proxy_url() -> None:
+    """A 400 that names the missing proxy URL and not every place looked for it."""
+    original = pp.Envelope.from_dispatch.__func__
+
+    def from_dispatch(cls: Any, body: Any, headers: Any = None) -> pp.Envelope:
+        try:
+            return original(cls, body, headers)
+        except pp.EnvelopeError as exc:
+            raise pp.EnvelopeError(re.sub(r"proxy URL \(looked for [^)]*\)", "proxy URL", str(exc))) from None
+
+    pp.Envelope.from_dispatch = classmethod(from_dispatch)
+
+
+@variant("blank_final_response_sent", None, "response.empty_final_response,vectors.build_response")
+def blank_final_response_sent() -> None:
+    """A blank final_response answered as is: §4 asks only for a non-empty string."""
+    original = pp.build_response
+
+    def build_response(value: Any, **kwargs: Any) -> Any:
+        final = value.get("final_response") if isinstance(value, dict) else value
+        if isinstance(final, str) and final and not final.strip():
+            return {"final_response": final}
+        return original(value, **kwargs)
+
+    pp.build_response = build_response
 
 
 def main(argv: Optional[list] = None) -> int:

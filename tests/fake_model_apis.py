@@ -12,8 +12,9 @@
 
 Each fake answers from a script of turns in its API's wire shape, rejects what
 the real API rejects (a wrong key, a tool call without its result, a result
-without its call, an unknown reasoning item or thinking signature) with that
-API's error body, and records every request::
+without its call, an unknown reasoning item or thinking signature, an Anthropic
+text block without non-whitespace text) with that API's error body, and records
+every request::
 
     with FakeChatAPI() as api:
         api.script([RATE_LIMITED, Turn(tool_calls=[("get_order", {"order_id": "4521"})]), Turn(text="Done.")])
@@ -368,6 +369,9 @@ class FakeAnthropicAPI(FakeModelAPI):
             for block in blocks:
                 if block.get("type") == "tool_result":
                     _require(isinstance(block.get("content"), (str, list)), f"messages.{i}: tool_result content")
+                if block.get("type") == "text":
+                    _require(isinstance(block.get("text"), str) and bool(block["text"].strip()),
+                             f"messages.{i}: text content blocks must contain non-whitespace text")
                 if block.get("type") == "thinking":
                     _require(block.get("signature") in self.signatures,
                              f"messages.{i}: Invalid `signature` in `thinking` block")

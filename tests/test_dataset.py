@@ -149,6 +149,38 @@ def test_failure_rules_must_be_a_json_array_of_objects() -> None:
     assert messages(d)[2].startswith("failure_rules[0]: a rule must be an object")
 
 
+def test_null_is_no_object_and_no_array() -> None:
+    d = check("bad_null_cells.csv")
+    assert where(d) == [(2, 1, "state"), (3, 2, "failure_rules")]
+    assert messages(d)[0].startswith("must be a JSON object") and messages(d)[0].endswith("got null")
+    assert messages(d)[1] == "must be a JSON array of rules, got null"
+    assert [t.row for t in d.tasks] == [3]
+
+
+@pytest.mark.parametrize("column", ["state", "failure_rules"])
+def test_json_nested_too_deeply_is_a_problem_on_its_cell(column: str) -> None:
+    for depth in (65, 5000, 200000):  # past the limit; past the stack while parsing
+        cell = "[" * depth + "]" * depth
+        d = ds.parse_bytes(f'user,{column}\nhi,"{cell}"\nok,\n'.encode())
+        assert where(d) == [(2, 1, column)]
+        assert messages(d) == [f"the JSON is nested more than {ds.MAX_JSON_DEPTH} levels deep "
+                               "(arrays and objects inside each other)"]
+        assert [t.row for t in d.tasks] == [2]
+    deep = '{"order": {"1": {"a": ' + "[" * 61 + "]" * 61 + "}}}"  # 64 levels: fine
+    assert ds.parse_bytes(f'user,state\nhi,"{deep.replace(chr(34), chr(34) * 2)}"\n'.encode()).ok
+
+
+def test_a_cell_over_the_csv_modules_default_limit_is_read_and_the_limit_restored() -> None:
+    import csv
+
+    before = csv.field_size_limit()
+    note = "x" * (300 << 10)  # over the csv module's default 128 KiB field limit
+    cell = json.dumps({"order": {"1": {"note": note}}}).replace('"', '""')
+    d = ds.parse_bytes(f'user,state\nhi,"{cell}"\n'.encode())
+    assert d.problems == [] and d.tasks[0].initial_state["order"]["1"]["note"] == note
+    assert csv.field_size_limit() == before
+
+
 @pytest.mark.parametrize("name, expected", [
     ("bad_rule_trigger.csv", [
         "failure_rules[0].trigger: must be one of after_n_calls, random, after_state_change, got nothing",

@@ -434,6 +434,138 @@ def test_html_report_shows_calls_and_answers_and_escapes_everything(
     assert page.count('class="final"') == 2
 
 
+MALFORMED_TRANSCRIPTS = r'''
+def run(task_input, *, proxy_url, run_token):
+    kind = task_input["user_instruction"]
+    message = {"role": "assistant", "content": "x <i>"}
+    if kind == "messages-a-number":
+        return {"final_response": "done", "messages": 5}
+    if kind == "messages-a-string":
+        return {"final_response": "done", "messages": "<b>not a list</b>"}
+    if kind == "tool_calls-a-number":
+        return {"final_response": "done", "messages": [dict(message, tool_calls=5)]}
+    if kind == "thinking-a-number":
+        return {"final_response": "done", "messages": [dict(message, thinking=7)]}
+    return {"final_response": "done", "messages": [dict(message, thinking=["<t>", {"no_text": 1}],
+                                                        tool_calls=["<c>", {"function": 3}]), "<m>"]}
+'''
+
+
+def test_html_report_shows_a_malformed_transcript_as_it_came(capsys: pytest.CaptureFixture,
+                                                              tmp_path: pathlib.Path) -> None:
+    agent = tmp_path / "malformed.py"
+    agent.write_text(MALFORMED_TRANSCRIPTS, encoding="utf-8")
+    kinds = ["messages-a-number", "messages-a-string", "tool_calls-a-number", "thinking-a-number", "odd-items"]
+    data = write_csv(tmp_path / "odd.csv", [{"user": k, "behavior": "", "state": "", "failure_rules": "",
+                                             "expected_outcome": ""} for k in kinds])
+    out_html = tmp_path / "r.html"
+    code, out, err = simulate_cli(capsys, "--csv", data, "--code", agent, "--html", out_html)
+    assert code == 1 and "Traceback" not in out + err  # invalid transcripts are row errors, not a crash
+    page = out_html.read_text(encoding="utf-8")
+    assert page.count("<h3>Transcript</h3>") == 5 and page.count('class="final"') == 5
+    assert '<div class="msg"><pre>5</pre></div>' in page
+    assert "<pre>&lt;b&gt;not a list&lt;/b&gt;</pre>" in page
+    assert '<span class="lbl">tool call</span><pre>5</pre>' in page
+    assert '<div class="lbl">thinking</div><pre>7</pre>' in page
+    for shown in ("<pre>&lt;t&gt;</pre>", "&quot;no_text&quot;: 1", "<pre>&lt;c&gt;</pre>", "<pre>&lt;m&gt;</pre>"):
+        assert shown in page
+    assert "x <i>" not in page and "<b>not a list" not in page and "x &lt;i&gt;" in page
+
+
+def test_html_report_falls_back_to_the_raw_run_when_a_run_cannot_be_drawn() -> None:
+    from conformance import report
+
+    odd = {"row": 1, "line": 2, "status": "ok", "tool_calls": [{"tool_name": "<x>"}], "errors": [], "warnings": [],
+           "trace_events": [], "failure_rules": [], "expected_outcome": "completion", "user_instruction": "<u>"}
+    result = {"summary": {"runs": 1, "ok": 1, "errors": 0, "tool_calls": 1, "injected": 0},
+              "dataset": {"file": "d.csv", "problems": []}, "runs": [odd]}
+    page = report.render_html(result)
+    assert page.rstrip().endswith("</main></body></html>") and "row 1 (line 2)" in page
+    assert "&quot;tool_name&quot;: &quot;&lt;x&gt;&quot;" in page and "<x>" not in page and "<u>" not in page
+
+
+class LeakyAgent(BaseHTTPRequestHandler):
+    """A buggy HTTP agent whose error bodies quote the credentials it got, after a long prefix."""
+
+    run_tokens: List[str] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body == {"ping": True}:  # the agent token lands across the 300-character cut
+            status, detail = 503, "misconfigured: " + "x" * 260 + " got " + self.headers["Authorization"]
+        else:
+            token = self.headers["X-Pipelines-Run-Token"]
+            self.run_tokens.append(token)
+            status, detail = 500, "RuntimeError: " + "y" * 270 + " token=" + token
+        data = json.dumps({"detail": detail}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_no_part_of_a_secret_survives_a_cut_message(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LeakyAgent)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    data = write_csv(tmp_path / "one.csv", [{"user": "hello", "behavior": "", "state": "", "failure_rules": "",
+                                             "expected_outcome": ""}])
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/dispatch"
+        code, out, err = simulate_cli(capsys, "--csv", data, "--url", url, "--token", AGENT_TOKEN, "--json", "-")
+    finally:
+        server.shutdown()
+        server.server_close()
+    (run_token,) = LeakyAgent.run_tokens
+    assert code == 1 and "warning: the agent answered the ping with HTTP 503: misconfigured:" in err
+    assert "the agent answered HTTP 500: RuntimeError: yyy" in json.loads(out)["runs"][0]["errors"][0]
+    assert AGENT_TOKEN[:6] not in err  # the ping warning
+    assert run_token[:6] not in out + err  # the row's error
+
+
+RAISES_WITH_THE_TOKEN = r'''
+import os
+
+
+def run(task_input, *, proxy_url, run_token):
+    with open(os.environ["SIM_TEST_TOKEN_LOG"], "a") as log:
+        log.write(run_token + "\n")
+    raise ValueError(run_token + "z" * 5990)  # the token straddles the traceback's 6000-character tail
+'''
+
+
+def test_a_traceback_tail_never_keeps_half_a_run_token(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path,
+                                                       scripted: Tuple[pathlib.Path, pathlib.Path]) -> None:
+    _, token_log = scripted
+    agent = tmp_path / "raises.py"
+    agent.write_text(RAISES_WITH_THE_TOKEN, encoding="utf-8")
+    data = write_csv(tmp_path / "one.csv", [{"user": "hello", "behavior": "", "state": "", "failure_rules": "",
+                                             "expected_outcome": ""}])
+    code, out, err = simulate_cli(capsys, "--csv", data, "--code", agent, "--json", "-")
+    (run,) = json.loads(out)["runs"]
+    (token,) = token_log.read_text(encoding="utf-8").split()
+    assert code == 1 and run["errors"][0].startswith("run() raised ValueError: [redacted]zzz")
+    assert run["traceback"] == "redacted]" + "z" * 5990 + "\n"  # the cut falls in the placeholder
+    assert len(token) > 20 and token[-8:] not in out + err
+
+
+def test_a_null_failure_rules_cell_is_a_rejected_row_not_a_crash(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path,
+                                                                  scripted: Tuple[pathlib.Path, pathlib.Path]) -> None:
+    agent, _ = scripted
+    data = write_csv(tmp_path / "null.csv", [
+        {"user": "plain text", "behavior": "", "state": "null", "failure_rules": "", "expected_outcome": ""},
+        {"user": "plain text", "behavior": "", "state": STATE, "failure_rules": "null", "expected_outcome": ""},
+        {"user": "plain text", "behavior": "", "state": STATE, "failure_rules": "", "expected_outcome": ""}])
+    code, out, err = simulate_cli(capsys, "--csv", data, "--code", agent, "--json", "-")
+    report = json.loads(out)
+    assert code == 1 and [r["status"] for r in report["runs"]] == ["invalid", "invalid", "ok"]
+    assert "got null" in report["runs"][0]["errors"][0] and "got null" in report["runs"][1]["errors"][0]
+    assert "Traceback" not in err
+
+
 # ---------------------------------------------------------------------------
 # Bad input: one line on stderr, exit 2, no traceback
 # ---------------------------------------------------------------------------

@@ -272,6 +272,31 @@ def test_turn_limit_still_gives_a_final_response(loop: Loop, api: FakeModelAPI, 
     assert len(api.answered()) == 2 and len(proxy.calls("search_kb")) == 2
 
 
+def test_a_blank_answer_gives_the_fallback_final_response(loop: Loop, api: FakeModelAPI, proxy: MockProxy,
+                                                          token: str) -> None:
+    api.script([Turn(text="\n \n")])  # the model ends its turn with whitespace only
+    body = template(loop.name).run(TASK, proxy_url=proxy.url, run_token=token)
+    assert pp.validate_response(body) == []
+    assert body["final_response"].startswith("The model ended its turn without an answer (")
+    assert body["messages"][-1] == {"role": "assistant", "content": None}
+    assert proxy.calls(kind="traces") == []  # no assistant_message trace of nothing
+
+
+def test_anthropic_gets_no_empty_tool_result_and_no_blank_text_block(monkeypatch: pytest.MonkeyPatch,
+                                                                      proxy: MockProxy, token: str) -> None:
+    proxy.script("get_order", [{"response": ""}])  # a tool whose result is an empty string
+    with FakeAnthropicAPI() as api:
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", api.base_url)
+        monkeypatch.setenv("ANTHROPIC_API_KEY", api.api_key)
+        api.script([Turn(text="  ", tool_calls=[("get_order", {"order_id": "1"})]), Turn(text="Nothing on file.")])
+        body = template("anthropic_messages").run(TASK, proxy_url=proxy.url, run_token=token)
+    assert body["final_response"] == "Nothing on file." and [r.status for r in api.requests] == [200, 200]
+    assistant, results = api.requests[1].json["messages"][-2:]
+    assert [b["type"] for b in assistant["content"]] == ["thinking", "tool_use"]  # the blank text block dropped
+    assert results["content"] == [{"type": "tool_result", "tool_use_id": "toolu_1_1", "content": "(no output)"}]
+    assert body["messages"][-2] == {"role": "tool", "tool_call_id": "toolu_1_1", "content": "(no output)"}
+
+
 def test_missing_api_key_names_the_variable_and_calls_nothing(loop: Loop, api: FakeModelAPI, proxy: MockProxy,
                                                               token: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(loop.key_env)

@@ -44,7 +44,7 @@ def check_error(exc: BaseException, expect: Dict[str, Any]) -> None:
     for key in ("status_code", "error_class"):
         if key in expect:
             assert getattr(exc, key) == expect[key]
-    for text in expect.get("mentions", []):
+    for text in expect.get("mentions", []) + expect.get("our_mentions", []):  # ours: pipelines_port's own wording
         assert text in str(exc), f"{text!r} not in {str(exc)!r}"
     for text in expect.get("never_mentions", []):
         assert text not in str(exc) and text not in repr(exc)
@@ -204,6 +204,12 @@ REQUESTS_DOC = vectorlib.load("proxy_requests")
 REQUESTS = REQUESTS_DOC["cases"]
 
 
+def run_token_sent(recorded: Any, token: str) -> bool:
+    """The run token in exactly one of ``Authorization: Bearer <t>`` and ``X-Pipelines-Run-Token: <t>``."""
+    sent = [name for name in ("authorization", "x-pipelines-run-token") if name in recorded.headers]
+    return len(sent) == 1 and recorded.run_token == token and (sent != ["authorization"] or recorded.bearer == token)
+
+
 def check_request(recorded: Any, proxy: MockProxy, expect: Dict[str, Any], token: str) -> None:
     if "path_suffix" in expect:
         assert recorded.path == proxy.base_path + expect["path_suffix"]
@@ -213,7 +219,10 @@ def check_request(recorded: Any, proxy: MockProxy, expect: Dict[str, Any], token
         assert recorded.headers.get(name.lower()) == value.replace("{run_token}", token)
     for name in expect.get("headers_absent", []):
         assert name.lower() not in recorded.headers
-    assert re.fullmatch(r"[0-9a-f-]{36}", recorded.idempotency_key or "")
+    if expect.get("run_token_sent"):
+        assert run_token_sent(recorded, token)
+    if recorded.kind == "tools":  # §3.1's key is per tool call; a trace event need not carry one
+        assert re.fullmatch(r"[0-9a-f-]{36}", recorded.idempotency_key or "")
 
 
 @pytest.mark.parametrize("case", REQUESTS, ids=ids(REQUESTS))
@@ -306,3 +315,24 @@ def test_validate_response_vectors(case: Dict[str, Any]) -> None:
     assert errors == set(case["expect"]["error_paths"]), problems
     assert warnings == set(case["expect"]["warning_paths"]), problems
     assert all(isinstance(p, str) and ": " in p for p in problems)
+
+
+# -- the markers for what only pipelines_port holds itself to -------------------------------
+
+def test_the_stricter_than_contract_marks_and_our_mentions_sit_on_error_cases_only() -> None:
+    marked = {}
+    for stem in ("tool_names", "proxy_requests", "build_response", "envelope"):
+        for case in vectorlib.cases(stem):
+            expect = case.get("expect", {})
+            is_error = "error" in expect or case.get("valid") is False
+            if case.get("stricter_than_contract"):
+                assert is_error, case["name"]
+                marked.setdefault(stem, []).append(case["name"])
+            if "our_mentions" in expect:
+                assert is_error and expect["our_mentions"], case["name"]
+    assert marked["build_response"] == ["a blank string is an error"]
+    assert marked["proxy_requests"] == ["an invalid tool name is refused", "a path-traversal tool name is refused",
+                                        "arguments over the 1 MiB request cap are refused"]
+    assert len(marked["tool_names"]) == sum(1 for c in vectorlib.cases("tool_names") if not c["valid"])
+    (missing_url,) = [c for c in ENVELOPE if c["name"] == "missing proxy URL is named"]
+    assert missing_url["expect"]["mentions"] == ["proxy URL"]  # all the contract asks; the rest is ours

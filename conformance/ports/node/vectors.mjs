@@ -109,6 +109,16 @@ async function startProxy() {
   return proxy;
 }
 
+/** The run token in exactly one of `Authorization: Bearer <t>` (scheme in any case) and `X-Pipelines-Run-Token: <t>`. */
+function runTokenSent(headers, token) {
+  const auth = headers.authorization;
+  const header = headers["x-pipelines-run-token"];
+  if ((auth === undefined) === (header === undefined)) return false;
+  if (header !== undefined) return header === token;
+  const [scheme, ...rest] = auth.split(" ");
+  return scheme.toLowerCase() === "bearer" && rest.join(" ").trim() === token;
+}
+
 function checkRequest(recorded, expect, token) {
   if ("path_suffix" in expect) check(recorded.path === BASE_PATH + expect.path_suffix, `path ${recorded.path}`);
   if ("body_json" in expect) check(same(recorded.json, expect.body_json), `body ${show(recorded.json)}`);
@@ -117,7 +127,11 @@ function checkRequest(recorded, expect, token) {
     check(recorded.headers[name.toLowerCase()] === wanted, `header ${name}: ${show(recorded.headers[name.toLowerCase()])}`);
   }
   for (const name of expect.headers_absent ?? []) check(!(name.toLowerCase() in recorded.headers), `header ${name} sent`);
-  check(/^[0-9a-f-]{36}$/.test(recorded.headers["idempotency-key"] ?? ""), "no Idempotency-Key");
+  if (expect.run_token_sent) check(runTokenSent(recorded.headers, token), "the run token not in exactly one token header");
+  // §3.1's Idempotency-Key is per tool call; a trace event need not carry one.
+  if (recorded.path.startsWith(`${BASE_PATH}/tools/`)) {
+    check(/^[0-9a-f-]{36}$/.test(recorded.headers["idempotency-key"] ?? ""), "no Idempotency-Key");
+  }
 }
 
 // -- the suites ----------------------------------------------------------------------
