@@ -133,8 +133,6 @@ __all__ = [
     "start_server",
     "serve",
     "load_agent",
-    "available_templates",
-    "init_project",
     "main",
     # MCP shim
     "McpShim",
@@ -413,7 +411,7 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _check_proxy_url(url: Any, where: str) -> str:
+def validate_proxy_url(url: Any, where: str) -> str:
     """The proxy base URL without its trailing ``/``; http(s) with a host only."""
     if not isinstance(url, str) or not url.strip():
         raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
@@ -558,7 +556,7 @@ class Envelope:
         raw: Optional[Mapping[str, Any]] = None,
     ) -> None:
         fields = {
-            "proxy_url": _check_proxy_url(proxy_url, "the proxy_url argument"),
+            "proxy_url": validate_proxy_url(proxy_url, "the proxy_url argument"),
             "run_token": _check_run_token(run_token, "the run_token argument"),
             "run_id": run_id,
             "task_id": task_id,
@@ -717,7 +715,7 @@ class Envelope:
             missing.append(f"run token (looked for header {_title(HEADER_RUN_TOKEN)})")
         if missing:
             raise EnvelopeError("dispatch is missing " + " and ".join(missing))
-        proxy_url = _check_proxy_url(url, url_field or "")
+        proxy_url = validate_proxy_url(url, url_field or "")
         run_token = _check_run_token(token, f"header {_title(HEADER_RUN_TOKEN)}")
 
         task = _object_or(body.get("input"), {})
@@ -755,7 +753,7 @@ class Envelope:
         if not isinstance(task_input, Mapping):
             raise EnvelopeError(f"task_input must be a mapping, got {_json_type(task_input)}")
         env = os.environ if environ is None else environ
-        proxy_url = _check_proxy_url(proxy_url, "the proxy_url argument")
+        proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
         run_token = _check_run_token(run_token, "the run_token argument")
         task = dict(task_input)
         run_id = _first_id(env.get(ENV_RUN_ID))
@@ -804,7 +802,7 @@ class Envelope:
                 raise EnvelopeError(f"{ENV_TASK_INPUT_B64} is not base64-encoded JSON: {exc}") from None
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the task input in the environment must be a JSON object, got {_json_type(task)}")
-        proxy_url = _check_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
+        proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
 
@@ -2771,7 +2769,7 @@ def _error_reply(status: int, detail: str, extra_headers: Sequence[Tuple[str, st
     return _json_reply(status, {"detail": detail}, extra_headers)
 
 
-def _describe(exc: BaseException, limit: int = _DETAIL_LIMIT) -> str:
+def describe_error(exc: BaseException, limit: int = _DETAIL_LIMIT) -> str:
     """``"TypeName: message"`` of an exception, at most ``limit`` characters: what the platform is shown."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return _short(text, limit)
@@ -3006,7 +3004,7 @@ class DispatchApp:
             return _error_reply(400, f"connectivity_check needs a proxy URL: body field {BODY_PROXY_URL!r} "
                                      f"or header {_title(HEADER_PROXY_URL)}")
         try:
-            proxy_url = _check_proxy_url(url, "the connectivity check")
+            proxy_url = validate_proxy_url(url, "the connectivity check")
         except EnvelopeError as exc:
             return _error_reply(400, str(exc))
         return _json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
@@ -3032,7 +3030,7 @@ class DispatchApp:
 
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             _log.error("run %s: the agent raised:\n%s", envelope.run_id, _redact_secrets(trace, envelope, self))
-            reply = _error_reply(500, _redact_secrets(_describe(exc), envelope, self))
+            reply = _error_reply(500, _redact_secrets(describe_error(exc), envelope, self))
         finally:
             _dispatch_stats.reset(token)
         return reply
@@ -3147,17 +3145,17 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """
     started = time.monotonic()
     try:
-        base = urlsplit(_check_proxy_url(proxy_url, "the probe"))
+        base = urlsplit(validate_proxy_url(proxy_url, "the probe"))
         path = f"{base.path.rstrip('/')}/tools/{_PROBE_TOOL}"
         headers = {"Content-Type": "application/json", "Authorization": "Bearer fake-token", "User-Agent": _USER_AGENT}
         status, _, _ = _probe_transport().exchange(base, "POST", path, headers, b"{}", timeout, 64 << 10)
     except _TransportFailure as failure:
         cause = failure.__cause__ or failure
         return {"reachable": False, "status_code": None, "latency_ms": round((time.monotonic() - started) * 1000, 1),
-                "error": _describe(cause, 200)}
+                "error": describe_error(cause, 200)}
     except (EnvelopeError, _ReplyTooLarge) as exc:
         return {"reachable": False, "status_code": getattr(exc, "status", None),
-                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": _describe(exc, 200)}
+                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(exc, 200)}
     reachable = status in (401, 403) or 200 <= status < 300
     return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
             "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
@@ -3497,7 +3495,7 @@ class McpShim:
             return _rpc_error(request_id, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             _log.exception("mcp: %s failed", method)
-            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, _redact_secrets(_describe(exc), self._envelope, None))
+            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, _redact_secrets(describe_error(exc), self._envelope, None))
         return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -3562,7 +3560,7 @@ class McpShim:
         envelope = self.envelope()
         api_url = (self.environ.get(ENV_API_URL) or "").strip().rstrip("/") or envelope.api_url
         try:
-            base = urlsplit(_check_proxy_url(api_url, ENV_API_URL))
+            base = urlsplit(validate_proxy_url(api_url, ENV_API_URL))
         except EnvelopeError as exc:
             raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
         path = f"{base.path.rstrip('/')}/api/agents/{quote(agent_id, safe='')}/tools-schema"
@@ -3572,7 +3570,7 @@ class McpShim:
             status, _, body = _probe_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
         except (_TransportFailure, _ReplyTooLarge) as exc:
             raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: "
-                                                 f"{_describe(exc.__cause__ or exc, 200)}") from None
+                                                 f"{describe_error(exc.__cause__ or exc, 200)}") from None
         value, is_json = _decode_body(body, "")
         tools = value.get("tools") if is_json and isinstance(value, dict) else None
         if status != 200 or not isinstance(tools, list):
@@ -3699,7 +3697,7 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
         except PipelinesError:
             raise
         except Exception as exc:
-            raise AgentError(_redact_secrets(f"agent raised {_describe(exc)}", envelope, None)) from exc
+            raise AgentError(_redact_secrets(f"agent raised {describe_error(exc)}", envelope, None)) from exc
         body = build_response(result)
         if envelope.run_token in json.dumps(body, ensure_ascii=False):
             _log.warning("the agent's response contained the run token; it was redacted")
@@ -3714,7 +3712,7 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
 
 
 # ---------------------------------------------------------------------------
-# Command line: serve, init, doctor, mcp
+# Command line: serve, mcp
 # ---------------------------------------------------------------------------
 
 
@@ -3766,7 +3764,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
     except SyntaxError as exc:
         raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: report it in one line
-        raise ValueError(f"cannot import {where}: it raised {_describe(exc, 300)}{_where_raised(exc)}") from exc
+        raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{_where_raised(exc)}") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -3867,308 +3865,29 @@ def _cmd_serve(args: Any) -> int:
     return status
 
 
-_TEMPLATES_DIR = "templates"
-_INIT_README = """# {name}
-
-Scaffolded by `python3 pipelines_port.py init` from the `{template}` template.
-
-- `agent.py` - your agent: edit it. `agent(envelope)` serves both ways below.
-- `tools_schema.json` - the tools it may call (register the same list on the platform).
-- `pipelines_port.py` - the kit (standard library only); keep it beside `agent.py`.
-
-Run it as an HTTP dispatch endpoint:
-
-    export AGENT_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
-    python3 -m pipelines_port serve agent.py:agent --host 0.0.0.0 --port 8080
-
-Or upload this folder in code mode: the sandbox calls `agent.run(task_input, proxy_url=..., run_token=...)`.
-
-Check the setup before a platform run:
-
-    python3 pipelines_port.py doctor --app agent.py:agent --tools-schema tools_schema.json
-"""
-
-
-def _template_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), _TEMPLATES_DIR)
-
-
-def available_templates() -> Dict[str, str]:
-    """``{name: one-line description}`` of the templates beside this file (empty when there are none)."""
-    import ast
-
-    found: Dict[str, str] = {}
-    directory = _template_dir()
-    if not os.path.isdir(directory):
-        return found
-    for entry in sorted(os.listdir(directory)):
-        if entry.endswith(".py") and not entry.startswith("_"):
-            path = os.path.join(directory, entry)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    doc = ast.get_docstring(ast.parse(f.read())) or ""
-            except (OSError, SyntaxError, ValueError):
-                doc = ""
-            found[entry[:-3]] = doc.strip().splitlines()[0] if doc.strip() else ""
-    return found
-
-
-def init_project(directory: str, template: str = "minimal", *, force: bool = False) -> List[str]:
-    """Write ``agent.py`` (from ``template``), ``tools_schema.json``, ``README.md`` and this module into ``directory``.
-
-    Nothing is overwritten unless ``force``; every target is checked before the
-    first is written, and each file is written to a temporary name and renamed,
-    so a refusal or failure leaves no half-written project.  Returns the paths written.
-    """
-    templates = available_templates()
-    if not templates:
-        raise ValueError(f"no templates found in {_template_dir()}: init needs the kit's templates/ folder "
-                         "beside pipelines_port.py")
-    if template not in templates:
-        raise ValueError(f"unknown template {template!r}: choose one of {', '.join(templates)}")
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"{directory} exists and is not a directory")
-    here = os.path.abspath(__file__)
-    with open(os.path.join(_template_dir(), template + ".py"), encoding="utf-8") as f:
-        agent_source = f.read()
-    schema_path = os.path.join(_template_dir(), "tools_schema.json")
-    with open(schema_path, encoding="utf-8") as f:
-        schema_source = f.read()
-    with open(here, encoding="utf-8") as f:
-        module_source = f.read()
-    readme = _INIT_README.format(name=os.path.basename(os.path.abspath(directory)), template=template)
-    files = {"agent.py": agent_source, "tools_schema.json": schema_source, "README.md": readme,
-             "pipelines_port.py": module_source}
-    targets = {name: os.path.join(directory, name) for name in files}
-    existing = [name for name, path in targets.items() if os.path.exists(path)]
-    if existing and not force:
-        raise ValueError(f"{', '.join(existing)} already exist(s) in {directory}: nothing written "
-                         "(use --force to overwrite)")
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for name, content in files.items():
-        path = targets[name]
-        if os.path.abspath(path) == here:
-            continue  # initialising the kit's own folder: the module is already there
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write(content)
-        os.replace(temporary, path)
-        written.append(path)
-    return written
-
-
-def _cmd_init(args: Any) -> int:
-    if args.list:
-        templates = available_templates()
-        if not templates:
-            raise _UsageError(f"no templates found in {_template_dir()}")
-        width = max(map(len, templates))
-        for name, doc in templates.items():
-            print(f"{name:<{width}}  {doc}")
-        return 0
-    if not args.directory:
-        raise _UsageError("init needs a DIR (or --list to see the templates)")
-    try:
-        written = init_project(args.directory, args.template, force=args.force)
-    except (ValueError, OSError) as exc:
-        raise _UsageError(str(exc)) from None
-    for path in written:
-        print(f"wrote {path}")
-    print(f"next: cd {args.directory} && AGENT_TOKEN=... python3 pipelines_port.py serve agent.py:agent")
-    return 0
-
-
-DEFAULT_PROBE_PROXY_URL = "https://api.pipelines.tech/api/odyssey-proxy"
-
-_Check = Tuple[str, str, str]  # (state "ok" | "fail" | "skip", label, detail)
-
-
-def _http_exchange(url: str, method: str, headers: Dict[str, str], body: bytes,
-                   timeout: float = 30.0) -> Tuple[int, Any]:
-    """``(status, parsed JSON or text)`` of one request; a failure to get a reply raises ``ValueError``."""
-    base = urlsplit(url)
-    path = (base.path or "/") + (f"?{base.query}" if base.query else "")
-    try:
-        status, _, reply = _probe_transport().exchange(base, method, path, headers, body, timeout, MAX_REPLY_BYTES)
-    except _TransportFailure as failure:
-        raise ValueError(_describe(failure.__cause__ or failure, 200)) from None
-    except _ReplyTooLarge as exc:
-        raise ValueError(f"reply {exc}") from None
-    value, _ = _decode_body(reply, "")
-    return status, value
-
-
-class _Doctor:
-    """The doctor's checks, in order; each yields one line: ✓ green, ✗ red, - not checked."""
-
-    def __init__(self, args: Any) -> None:
-        self.args = args
-        self.token = (os.environ.get(args.token_env or "") or "").strip()
-        self.url: Optional[str] = args.url
-        self.server: Any = None
-        self.app_tools: Optional[List[Dict[str, Any]]] = None  # what the app declares (--app) or serves (--url)
-        header = args.auth_header
-        bearer = header.lower() == "authorization"
-        self.auth = {header: ("Bearer " if bearer else "") + self.token} if self.token else {}
-        self.wrong_auth = {header: ("Bearer " if bearer else "") + "wrong-doctor-token"}
-
-    def checks(self) -> Iterator[_Check]:
-        if self.args.app:
-            yield self.agent_imports()
-        yield self.answers_ping()
-        yield self.auth_before_ping()
-        if self.args.tools_schema:
-            yield from self.tools_schema()
-        yield self.proxy_reachable()
-        if self.args.csv:
-            yield self.dataset()
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close(1)
-
-    def _ping(self, headers: Dict[str, str]) -> Tuple[int, Any]:
-        return _http_exchange(self.url or "", "POST", {"Content-Type": "application/json", **headers}, b'{"ping": true}')
-
-    def agent_imports(self) -> _Check:
-        """Load the agent and serve it here, on a private port, as ``serve`` would."""
-        try:
-            agent = load_agent(self.args.app)
-        except ValueError as exc:
-            return "fail", "agent imports", str(exc)
-        where = self.args.app.rpartition(":")[0]
-        beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
-        try:
-            app = agent if isinstance(agent, DispatchApp) else DispatchApp(
-                agent, token_env=self.args.token_env, auth_header=self.args.auth_header, no_auth=self.args.no_auth,
-                tools_schema=beside if where.endswith(".py") and os.path.isfile(beside) else None)
-            self.server = start_server(app, host="127.0.0.1", port=0)
-        except (ValueError, OSError) as exc:
-            return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {_describe(exc, 300)}"
-        self.url, self.app_tools = self.server.url, app.tools_schema
-        return "ok", "agent imports", f"{self.args.app} ({type(agent).__name__})"
-
-    def answers_ping(self) -> _Check:
-        label = "server answers ping"
-        if self.url is None:
-            return "skip", label, "no server to ask (the agent did not import)"
-        if not self.token and not self.args.no_auth:
-            return "fail", label, (f"environment variable {self.args.token_env} is not set: the server answers every "
-                                   "dispatch with 503 (set it, or pass --no-auth for an endpoint without auth)")
-        try:
-            status, value = self._ping(self.auth)
-        except ValueError as exc:
-            return "fail", label, f"{self.url} unreachable: {exc}"
-        if status == 200 and value == {"ok": True}:
-            return "ok", label, f'{self.url} -> 200 {{"ok": true}}'
-        return "fail", label, f'{self.url} -> HTTP {status} {_short(json.dumps(value), 200)} (expected 200 {{"ok": true}})'
-
-    def auth_before_ping(self) -> _Check:
-        label = "auth runs before ping"
-        if self.url is None:
-            return "skip", label, "no server to ask"
-        if self.args.no_auth:
-            return "skip", label, "--no-auth: the endpoint has no auth to check"
-        try:
-            status, _ = self._ping(self.wrong_auth)
-        except ValueError as exc:
-            return "fail", label, f"{self.url} unreachable: {exc}"
-        if status == 401:
-            return "ok", label, "a ping with a wrong credential gets 401"
-        if status == 503 and not self.token:
-            return "fail", label, f"cannot tell: {self.args.token_env} is not set (503)"
-        return "fail", label, (f"a ping with a wrong credential got HTTP {status}, expected 401: run auth before "
-                               "the ping short-circuit (CONTRACT §2)")
-
-    def tools_schema(self) -> Iterator[_Check]:
-        try:
-            tools = load_tools_schema(self.args.tools_schema)
-        except ValueError as exc:
-            yield "fail", "tools_schema is valid", str(exc)
-            return
-        yield "ok", "tools_schema is valid", f"{len(tools)} tools: {_short(', '.join(t['name'] for t in tools), 200)}"
-        label = "tools_schema matches the app"
-        if self.url is None:
-            return
-        status = 200
-        if self.server is None:  # --url: ask the running server what it serves
-            try:
-                origin = urlsplit(self.url)
-                status, value = _http_exchange(f"{origin.scheme}://{origin.netloc}/tools_schema", "GET", self.auth, b"")
-            except ValueError:
-                status, value = 0, None
-            if status == 200 and isinstance(value, dict) and isinstance(value.get("tools"), list):
-                self.app_tools = value["tools"]
-        if self.app_tools is None:
-            if self.server is not None:
-                yield "fail", label, "the app declares no tools: put tools_schema.json beside the agent file"
-            else:
-                yield "skip", label, f"the server does not serve GET /tools_schema (HTTP {status})"
-            return
-        served = {t.get("name"): t.get("input_schema") for t in self.app_tools if isinstance(t, dict)}
-        mine = {t["name"]: t["input_schema"] for t in tools}
-        if served == mine:
-            yield "ok", label, f"the app declares the same {len(mine)} tools"
-            return
-        differ = sorted(n for n in set(mine) & set(served) if mine[n] != served[n])
-        yield "fail", label, (f"only in the file: {sorted(set(mine) - set(served)) or 'none'}; only in the app: "
-                              f"{sorted(set(served) - set(mine)) or 'none'}; different input_schema: {differ or 'none'}")
-
-    def proxy_reachable(self) -> _Check:
-        """§3.7: a fake bearer; 401 means the proxy is reachable."""
-        probe = probe_proxy(self.args.proxy_url)
-        if probe["reachable"]:
-            return "ok", "outbound proxy reachable", (f"{self.args.proxy_url} -> HTTP {probe['status_code']} "
-                                                      f"in {probe['latency_ms']:.0f} ms")
-        return "fail", "outbound proxy reachable", f"{self.args.proxy_url}: {probe['error']}"
-
-    def dataset(self) -> _Check:
-        label = "dataset is valid"
-        try:
-            from conformance import dataset as datasets
-        except ImportError:
-            return "fail", label, "the dataset check needs the kit's conformance/ package beside pipelines_port.py"
-        loaded = datasets.load_dataset(self.args.csv)
-        if loaded.ok:
-            return "ok", label, datasets.summary(loaded)
-        problems = datasets.format_problems(loaded)
-        listed = "".join("\n    " + p for p in problems[:10]) + ("\n    ..." if len(problems) > 10 else "")
-        return "fail", label, datasets.summary(loaded) + listed
-
-
-def _cmd_doctor(args: Any) -> int:
-    for flag, url in (("--url", args.url), ("--proxy-url", args.proxy_url)):
-        if url is not None:
-            try:
-                _check_proxy_url(url, flag)
-            except EnvelopeError as exc:
-                raise _UsageError(str(exc).replace("proxy URL ", "URL ", 1)) from None
-    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    marks = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33")}
-    doctor = _Doctor(args)
-    red = 0
-    try:
-        for state, label, detail in doctor.checks():
-            mark, code = marks[state]
-            red += state == "fail"
-            line = f"{mark} {label}: {detail}"
-            print(f"\033[{code}m{line}\033[0m" if color else line, flush=True)
-    finally:
-        doctor.close()
-    return 1 if red else 0
-
-
 def _cmd_mcp(args: Any) -> int:
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if args.debug or _truthy(os.environ.get(ENV_DEBUG)) else logging.WARNING)
     return McpShim().serve()
 
 
-def _parser() -> Any:
+_KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
+
+
+def _prog_name() -> str:
+    """How the user ran us: ``python3 -m pipelines_port`` or ``pipelines_port.py``."""
+    main_module = sys.modules.get("__main__")
+    if getattr(main_module, "__spec__", None) is not None and getattr(main_module.__spec__, "name", "") == "pipelines_port":
+        return "python3 -m pipelines_port"
+    if os.path.basename(sys.argv[0] or "") == "pipelines_port.py":
+        return "pipelines_port.py"
+    return "python3 -m pipelines_port"
+
+
+def _parser(prog: Optional[str] = None) -> Any:
     argparse = _argparse()
     parser = argparse.ArgumentParser(
-        prog="pipelines_port.py",
+        prog=prog or _prog_name(),
         description="Put an agent under test on the Pipelines platform, standard library only.",
     )
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
@@ -4198,34 +3917,6 @@ def _parser() -> Any:
                         help=f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)")
     serve_.set_defaults(run=_cmd_serve)
 
-    init_ = commands.add_parser(
-        "init", help="scaffold an agent project from a template",
-        description="Write agent.py (from a template), tools_schema.json, README.md and pipelines_port.py into DIR.",
-    )
-    init_.add_argument("directory", metavar="DIR", nargs="?", help="the project folder (created if missing)")
-    init_.add_argument("--template", default="minimal", metavar="NAME", help="template to start from (default minimal)")
-    init_.add_argument("--force", action="store_true", help="overwrite files that already exist")
-    init_.add_argument("--list", action="store_true", help="list the templates and exit")
-    init_.set_defaults(run=_cmd_init)
-
-    doctor_ = commands.add_parser(
-        "doctor", help="check an agent's setup before a platform run",
-        description="One line per check, green or red: the agent imports, ping answers, auth runs before ping, "
-                    "tools_schema is valid and matches the app, the outbound proxy is reachable, the dataset is valid.",
-    )
-    target = doctor_.add_mutually_exclusive_group(required=True)
-    target.add_argument("--app", metavar="PATH_OR_MODULE:FUNCTION", help="the agent, served here on a private port")
-    target.add_argument("--url", metavar="URL", help="a running dispatch endpoint")
-    doctor_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
-                         help="environment variable holding the agent token (default AGENT_TOKEN)")
-    doctor_.add_argument("--auth-header", default="Authorization", metavar="NAME", help="header carrying it")
-    doctor_.add_argument("--no-auth", action="store_true", help="the endpoint has no inbound auth")
-    doctor_.add_argument("--tools-schema", metavar="FILE", help="tools list to validate and compare with the app's")
-    doctor_.add_argument("--csv", metavar="FILE", help="a task-seeding dataset to validate (CONTRACT §6)")
-    doctor_.add_argument("--proxy-url", default=DEFAULT_PROBE_PROXY_URL, metavar="URL",
-                         help=f"proxy to probe for egress (default {DEFAULT_PROBE_PROXY_URL})")
-    doctor_.set_defaults(run=_cmd_doctor)
-
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy",
         description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
@@ -4237,9 +3928,14 @@ def _parser() -> Any:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line; returns the exit status."""
-    parser = _parser()
+def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) -> int:
+    """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _KIT_COMMANDS:
+        print(f"pipelines_port {argv[0]}: a kit command, not part of this module: run `pipelines-port {argv[0]}` "
+              f"(pip install the kit) or `python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
+        return 2
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help()
@@ -4247,7 +3943,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.run(args) or 0)
     except _UsageError as exc:
-        print(f"pipelines_port {args.command}: {exc}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

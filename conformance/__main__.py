@@ -10,6 +10,8 @@ import sys
 from typing import List, Optional
 
 COMMANDS = {
+    "init": ("conformance.init", "scaffold an agent project from a template"),
+    "doctor": ("conformance.doctor", "check an agent's setup before a platform run"),
     "check": ("conformance.check", "check a port's dispatch endpoint against the contract"),
     "dataset": ("conformance.dataset", "validate a task-seeding CSV (CONTRACT §6)"),
     "simulate": ("conformance.simulate", "run every dataset row against an agent through a local proxy"),

@@ -242,7 +242,7 @@ def json_before_auth() -> None:
 
 @variant("untyped_error_detail", "response.agent_error", "secrets.agent_error_detail")
 def untyped_error_detail() -> None:
-    pp._describe = lambda exc, limit=pp._DETAIL_LIMIT: str(exc)[:limit]  # the message without the exception type
+    pp.describe_error = lambda exc, limit=pp._DETAIL_LIMIT: str(exc)[:limit]  # the message without the exception type
 
 
 # -- legal variations: what the contract leaves open ------------------------------------------

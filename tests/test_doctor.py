@@ -23,7 +23,7 @@ BAD_CSV = 'user_instruction,state\n"hi","{not json"\n'
 
 def doctor(args: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("AGENT_TOKEN", "NO_COLOR")}
-    return subprocess.run([sys.executable, str(ROOT / "pipelines_port.py"), "doctor"] + args, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "conformance", "doctor"] + args, cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
 
 

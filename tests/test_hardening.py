@@ -328,8 +328,9 @@ def test_sigterm_exits_after_the_grace_period_even_with_async_proxy_calls_in_fli
     (["doctor", "--url", "http://127.0.0.1:1/d", "--proxy-url", "http://" + "a" * 64 + ".com/p"], "host name"),
 ])
 def test_cli_usage_errors_are_one_line(args: List[str], needle: str) -> None:
-    out = subprocess.run([sys.executable, str(ROOT / "pipelines_port.py")] + args, cwd=ROOT, capture_output=True,
-                         text=True, timeout=30)
+    command = [sys.executable, str(ROOT / "pipelines_port.py")] if args[0] == "serve" else [sys.executable, "-m",
+                                                                                             "conformance"]
+    out = subprocess.run(command + args, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
 
 
@@ -338,7 +339,7 @@ def test_doctor_finds_tools_schema_at_the_root_whatever_the_dispatch_path(tmp_pa
     (tmp_path / "tools.json").write_text(json.dumps(tools))
     server = pp.start_server(lambda env: "ok", token=AGENT_TOKEN, path="/agents/x/dispatch", tools_schema=tools)
     try:
-        out = subprocess.run([sys.executable, str(ROOT / "pipelines_port.py"), "doctor", "--url", server.url,
+        out = subprocess.run([sys.executable, "-m", "conformance", "doctor", "--url", server.url,
                               "--tools-schema", str(tmp_path / "tools.json"), "--proxy-url", proxy.url],
                              cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})

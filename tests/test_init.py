@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(args: List[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "pipelines_port.py")] + args, cwd=cwd, capture_output=True,
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "conformance"] + args, cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=30)
 
 
