@@ -3,15 +3,18 @@
 One file, no dependencies, Python 3.9+.  Copy it into a sandbox upload, run it
 as a dispatch server, or read it while porting to another language.  The wire
 contract it speaks is CONTRACT.md; section numbers below (§2, §3.3, ...) point
-into it.
+into it, and each rule there says whether a port MUST, SHOULD or MAY keep it.
 
-The module reads top to bottom in the order a request flows:
+The file has three parts, each opening with what it may and may not do:
 
-    constants -> errors -> frozen data -> envelope (§2, §5) -> context binding
-    -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
-    -> agent-loop helpers -> tools from code (§3.6) -> response envelope (§4)
-    -> dispatch core (§2) -> server (http.server, WSGI, ASGI) -> MCP shim
-    -> code mode (§5) -> command line (serve, init, doctor, mcp)
+1. THE CONTRACT: constants, errors (each carries its HTTP status), envelope
+   parsing, inbound decisions (``decide``), request encoding, reply
+   interpretation, the retry decision, response building and validation.
+   No sockets, threads, environment reads or logging.  A porter reads this part alone.
+2. THE PYTHON RUNTIME: context binding, transport and connection pool,
+   ``ProxyClient``, ``DispatchApp`` (runs the agent, probes the proxy), the
+   server adapters (http.server, WSGI, ASGI), code mode, the command line.
+3. CONVENIENCES: agent-loop helpers, tools from code, the MCP shim.
 
 Quick look::
 
@@ -27,7 +30,6 @@ Importing this module does no I/O and starts nothing.
 """
 
 from __future__ import annotations
-
 import base64
 import binascii
 import contextlib
@@ -52,6 +54,8 @@ from typing import (
     Any,
     Callable,
     Dict,
+    FrozenSet,
+    Generic,
     Iterable,
     Iterator,
     List,
@@ -60,7 +64,9 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    TypeVar,
     Union,
+    cast,
 )
 from urllib.parse import quote, urlsplit
 
@@ -76,55 +82,71 @@ if __name__ == "__main__":
 __version__ = "0.1.0"
 
 __all__ = [
-    # errors
+    # -- part 1: the contract ------------------------------------------------
+    # errors (each with its http_status)
     "PipelinesError",
+    "RequestError",
     "EnvelopeError",
+    "NotFoundError",
+    "MethodNotAllowedError",
+    "LengthRequiredError",
+    "BodyTooLargeError",
+    "AuthError",
+    "MisconfiguredError",
+    "ShuttingDownError",
+    "RunTimeoutError",
+    "AgentError",
+    "ResponseError",
     "ProxyError",
     "ProxyRequestError",
     "ProxyTransportError",
     "StaleRunTokenError",
-    "ResponseError",
-    # envelope and context
+    # envelope
     "Envelope",
-    "bind_envelope",
-    "current_envelope",
-    # inbound helpers
+    "validate_proxy_url",
+    # inbound decisions
     "check_credential",
     "is_ping",
-    # proxy client
-    "RetryPolicy",
-    "ProxyClient",
-    "Actor",
-    "as_actor",
-    "proxy_call",
-    "aproxy_call",
+    "request_body_length",
+    "connectivity_proxy_url",
+    "Endpoint",
+    "Decision",
+    "decide",
+    # request encoding
     "validate_tool_name",
     "validate_actor_label",
-    # trace events
+    "encode_args",
+    # reply interpretation and the retry decision
+    "ProxyOutcome",
+    "parse_retry_after",
+    "error_fields",
+    "interpret_reply",
+    "RETRY_TABLE",
+    "retry_decision",
+    "RetryPolicy",
     "TRACE_EVENT_TYPES",
+    # response envelope
+    "response_envelope",
+    "build_turn_reply",
+    "validate_response",
+    "HttpReply",
+    "json_reply",
+    "error_reply",
+    "describe_error",
+    "redact",
+    # -- part 2: the Python runtime -------------------------------------------
+    "bind_envelope",
+    "current_envelope",
+    "ProxyClient",
+    "set_default_client",
+    "proxy_call",
+    "aproxy_call",
+    "Actor",
+    "as_actor",
     "post_trace",
     "apost_trace",
     "post_handoff",
-    # agent-loop helpers
-    "TOOL_FORMATS",
-    "convert_tools",
-    "load_tools_schema",
-    "bound_output",
-    "call_tools",
-    "post_json",
-    "HTTPStatusError",
-    # tools from code
-    "Tool",
-    "tool",
-    "export_tools",
-    "schema_for_type",
-    "validate_args",
-    # response envelope
     "build_response",
-    "build_turn_reply",
-    "validate_response",
-    # dispatch server
-    "HttpReply",
     "DispatchApp",
     "probe_proxy",
     "wsgi_app",
@@ -132,18 +154,46 @@ __all__ = [
     "make_server",
     "start_server",
     "serve",
-    "load_agent",
-    "main",
-    # MCP shim
-    "McpShim",
-    "MCP_PROTOCOL_VERSIONS",
-    # code mode
-    "AgentError",
     "code_mode",
     "run_in_fresh_thread",
+    "load_agent",
+    "main",
+    # -- part 3: conveniences ----------------------------------------------
+    "TOOL_FORMATS",
+    "convert_tools",
+    "load_tools_schema",
+    "tools_schema_beside",
+    "bound_output",
+    "call_tools",
+    "post_json",
+    "HTTPStatusError",
+    "Tool",
+    "tool",
+    "export_tools",
+    "schema_for_type",
+    "validate_args",
+    "McpShim",
+    "MCP_PROTOCOL_VERSIONS",
 ]
 
 _log = logging.getLogger("pipelines_port")
+
+# ###########################################################################
+#
+#   PART 1 - THE CONTRACT
+#
+#   What a port must agree on, as data and pure functions: the contract's
+#   names and numbers, the errors and the HTTP status each one means, the
+#   dispatch envelope, the inbound decision (``decide``), how a proxy request
+#   is encoded and its reply interpreted, when to retry, and the response
+#   envelope.  Rules this part keeps: no sockets, no threads, no environment
+#   reads (a caller that omits an ``environ`` mapping gets ``os.environ``,
+#   read there and nowhere else), no logging.  Everything here takes its
+#   inputs as arguments and returns values or raises one of the errors below,
+#   so a TypeScript, Go or Rust port can translate it function by function.
+#
+# ###########################################################################
+
 
 
 # ---------------------------------------------------------------------------
@@ -159,11 +209,9 @@ HEADER_TASK_ID = "x-pipelines-task-id"
 HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
 # §3.5 outbound multi-agent attribution.
 HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
-
 # §2 body fields.
 BODY_PROXY_URL = "odyssey_proxy_url"
 BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
-
 # §5 code-mode environment.
 ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
 ENV_RUN_TOKEN = "PIPELINES_RUN_TOKEN"
@@ -180,7 +228,6 @@ ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
 # §3.1 client knobs.
 ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
 ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
-
 # §3.1 tool names, §3.5 actor labels.
 TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -188,13 +235,11 @@ ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
 # Control characters that break an HTTP header value (a tab is allowed).
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
 # §3.1 caps and limits.
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
 DEFAULT_PROXY_TIMEOUT_S = 120.0
 RATE_LIMIT_PER_MINUTE = 60
-
 # §3.3 retry classification.
 TRANSIENT_503_CLASSES = frozenset(
     {"lock_contention", "context_store_unavailable", "trace_sequence_contended"}
@@ -202,7 +247,6 @@ TRANSIENT_503_CLASSES = frozenset(
 STALE_TOKEN_CLASSES = frozenset(
     {"run_token_expired", "run_token_invalid", "run_token_rejected"}
 )
-
 # §3.4 reserved trace event types.
 TRACE_EVENT_TYPES = frozenset(
     {
@@ -216,28 +260,110 @@ TRACE_EVENT_TYPES = frozenset(
         "subagent_final",
     }
 )
-
 # §4 response envelope.
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
 _METADATA_INT_KEYS = ("total_input_tokens", "total_output_tokens")
 _METADATA_STR_KEYS = ("model", "system_prompt_id")
-
 _REDACTED = "[redacted]"
 _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors
+# Errors.  Each class carries the HTTP status a dispatch endpoint answers when
+# it is raised while handling a request (``http_status``, like h11's
+# ``error_status_hint``), so the inbound statuses come from this one table:
+#
+#   RequestError 400 (EnvelopeError 400, NotFoundError 404,
+#       MethodNotAllowedError 405, LengthRequiredError 411, BodyTooLargeError 413)
+#   AuthError 401          MisconfiguredError 503     ShuttingDownError 503
+#   AgentError 500         ResponseError 500          RunTimeoutError 504
+#
+# ``error_reply(exc)`` turns any of them into the JSON ``{"detail": ...}`` reply.
 # ---------------------------------------------------------------------------
 
 
 class PipelinesError(Exception):
-    """Base class of every error this module raises on purpose."""
+    """Base class of every error this module raises on purpose.
+
+    ``http_status`` is what a dispatch endpoint answers when the error ends a
+    request; ``headers`` are extra reply headers (``Allow``, ``WWW-Authenticate``).
+    """
+
+    http_status: int = 500
+    headers: Tuple[Tuple[str, str], ...] = ()
 
 
-class EnvelopeError(PipelinesError, ValueError):
+class RequestError(PipelinesError, ValueError):
+    """The request cannot be handled as sent: not JSON, not an object, truncated (§2)."""
+
+    http_status = 400
+
+
+class EnvelopeError(RequestError):
     """A dispatch envelope is missing, malformed, or not bound (§2, §5)."""
+
+
+class NotFoundError(RequestError):
+    """No route for the request's path."""
+
+    http_status = 404
+
+
+class MethodNotAllowedError(RequestError):
+    """The path exists, the method does not; ``headers`` carry ``Allow``."""
+
+    http_status = 405
+
+    def __init__(self, message: str, allowed: Sequence[str]) -> None:
+        super().__init__(message)
+        self.headers = (("Allow", ", ".join(allowed)),)
+
+
+class LengthRequiredError(RequestError):
+    """A POST without a usable Content-Length (chunked, absent or not a decimal number)."""
+
+    http_status = 411
+
+
+class BodyTooLargeError(RequestError):
+    """A request body over the endpoint's cap, refused before it is read."""
+
+    http_status = 413
+
+
+class AuthError(PipelinesError):
+    """Missing or wrong inbound credential (§2 step 1); the message never echoes what was sent."""
+
+    http_status = 401
+
+    def __init__(self, message: str, *, bearer: bool = True) -> None:
+        super().__init__(message)
+        self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
+
+
+class MisconfiguredError(PipelinesError):
+    """The endpoint cannot check credentials: its token variable is unset (§2 step 1)."""
+
+    http_status = 503
+
+
+class ShuttingDownError(PipelinesError):
+    """The server is draining after SIGTERM and takes no new requests."""
+
+    http_status = 503
+
+
+class RunTimeoutError(PipelinesError):
+    """The agent did not finish within ``run_timeout_s`` (§2 step 7)."""
+
+    http_status = 504
+
+
+class AgentError(PipelinesError):
+    """The agent function raised; the message is ``Type: message``, the original is ``__cause__``."""
+
+    http_status = 500
 
 
 class ResponseError(PipelinesError, ValueError):
@@ -245,6 +371,8 @@ class ResponseError(PipelinesError, ValueError):
 
     ``problems`` lists every problem found, one readable string each.
     """
+
+    http_status = 500
 
     def __init__(self, problems: Union[str, Sequence[str]]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
@@ -300,11 +428,9 @@ class ProxyTransportError(ProxyError):
 class StaleRunTokenError(ProxyError):
     """The proxy rejected the run token as expired, invalid or revoked: the run is over (§3.3)."""
 
-
 # ---------------------------------------------------------------------------
 # Frozen data: read-only JSON containers that still serialise as JSON
 # ---------------------------------------------------------------------------
-
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise TypeError(
@@ -362,7 +488,6 @@ def _thaw(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_thaw(v) for v in value]
     return value
-
 
 # ---------------------------------------------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
@@ -871,50 +996,23 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Context binding: the envelope of the dispatch running in this context
+# Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope.
+# ``decide`` is the one function that decides what a dispatch request gets;
+# the adapters (http.server, WSGI, ASGI) read the body ``request_body_length``
+# allows, call it once, and carry out its decision.
 # ---------------------------------------------------------------------------
 
-_current: "contextvars.ContextVar[Optional[Envelope]]" = contextvars.ContextVar(
-    "pipelines_port_envelope", default=None
-)
-
-
-@contextlib.contextmanager
-def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
-    """Bind ``envelope`` to the current context for the ``with`` block.
-
-    Module-level tools can then call :func:`proxy_call` without being handed
-    the envelope.  Each thread and each asyncio task has its own context, so
-    concurrent dispatches never see each other's envelope.  A fresh thread does
-    not inherit the binding: bind inside it (or use ``contextvars.copy_context``).
-    """
-    if not isinstance(envelope, Envelope):
-        raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
-    token = _current.set(envelope)
-    try:
-        yield envelope
-    finally:
-        _current.reset(token)
-
-
-def current_envelope() -> Envelope:
-    """The envelope bound to this context; :class:`EnvelopeError` when none is."""
-    envelope = _current.get()
-    if envelope is None:
-        raise EnvelopeError(
-            "no dispatch envelope is bound to this context: call inside a dispatch, "
-            "wrap the code in `with bind_envelope(envelope):`, or pass envelope=..."
-        )
-    return envelope
-
-
-# ---------------------------------------------------------------------------
-# Inbound helpers: auth (§2 step 1) and ping (§2 step 3), pure functions
-# ---------------------------------------------------------------------------
+DEFAULT_DISPATCH_PATH = "/dispatch"
+DEFAULT_TOKEN_ENV = "AGENT_TOKEN"
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_RUN_TIMEOUT_S = 300.0
+MAX_RUN_TIMEOUT_S = 1800.0
+HEALTH_PATH = "/healthz"
+TOOLS_SCHEMA_PATH = "/tools_schema"
 
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """True when the request carries the expected credential, compared in constant time.
+    """True when the request carries the expected credential, compared in constant time (§2 step 1).
 
     With ``header_name="Authorization"`` the header must read ``Bearer <expected>``
     (the scheme is case-insensitive); a custom header (e.g. ``X-API-Key``)
@@ -946,10 +1044,145 @@ def is_ping(body: Any) -> bool:
     return isinstance(body, Mapping) and len(body) == 1 and body.get("ping") is True
 
 
-# ---------------------------------------------------------------------------
-# Proxy client (§3): validation, reply interpretation, retries, transport
-# ---------------------------------------------------------------------------
+def _content_length(value: Optional[str]) -> Optional[int]:
+    """A Content-Length value as an int: ASCII digits only, at most 18 of them; ``None`` otherwise."""
+    value = (value or "").strip()
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
 
+
+def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
+    """How many body bytes an adapter reads before calling :func:`decide` (lower-cased ``headers``).
+
+    The Content-Length when it is a decimal number within ``max_body``; 0 when
+    the request has no body headers at all; ``None`` when the body must not be
+    read: chunked or any Transfer-Encoding (its framing could disagree with
+    Content-Length), an unreadable length, or one over the cap.  After a
+    ``None`` the adapter closes the connection once it has answered, rather
+    than parse the unread body as the next request.
+    """
+    if "transfer-encoding" in headers:
+        return None
+    if "content-length" not in headers:
+        return 0
+    length = _content_length(headers["content-length"])
+    return length if length is not None and length <= max_body else None
+
+
+class Endpoint(NamedTuple):
+    """A dispatch endpoint's settings, as :func:`decide` sees them (:class:`DispatchApp` builds one)."""
+
+    path: str = DEFAULT_DISPATCH_PATH
+    auth_header: str = "Authorization"
+    token_env: Optional[str] = DEFAULT_TOKEN_ENV  # named in the 503 when it is unset
+    no_auth: bool = False
+    max_body: int = DEFAULT_MAX_BODY_BYTES
+    tools_schema: Optional[Sequence[Any]] = None  # served at GET /tools_schema when set
+
+    def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
+        """The methods routed at ``path``, or ``None`` for no route."""
+        if path == self.path:
+            return ("POST",)
+        if path == HEALTH_PATH:
+            return ("GET",)
+        if path == TOOLS_SCHEMA_PATH and self.tools_schema is not None:
+            return ("GET",)
+        return None
+
+
+class Decision(NamedTuple):
+    """What to do with one request.
+
+    ``action`` is ``"reply"`` (send ``reply``), ``"probe"`` (the connectivity
+    check: probe ``proxy_url``, §3.7) or ``"run"`` (run the agent on
+    ``envelope``).  ``what`` names the request for the log line.
+    """
+
+    action: str
+    reply: Optional["HttpReply"] = None
+    proxy_url: Optional[str] = None
+    envelope: Optional[Envelope] = None
+    what: str = "rejected"
+
+
+def decide(
+    endpoint: Endpoint,
+    method: str,
+    target: str,
+    headers: HeadersLike,
+    body: Optional[bytes],
+    *,
+    expected_token: Optional[str],
+) -> Decision:
+    """Decide what one request gets, in §2's order: route, auth, framing, JSON, ping, connectivity, envelope.
+
+    ``body`` is what :func:`request_body_length` allowed the adapter to read
+    (``None`` when it read nothing).  ``expected_token`` is the configured
+    agent token (``""`` when its variable is unset: 503; ignored with
+    ``endpoint.no_auth``).  Pure: every refusal is an error class whose
+    ``http_status`` :func:`error_reply` turns into the reply.
+    """
+    try:
+        return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
+    except PipelinesError as exc:
+        return Decision("reply", error_reply(exc))
+
+
+def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
+            expected_token: Optional[str]) -> Decision:
+    path = urlsplit(target).path.rstrip("/") or "/"
+    allowed = endpoint.allowed_methods(path)
+    if allowed is None:
+        raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
+    if method not in allowed:
+        raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
+    if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
+        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
+    if not endpoint.no_auth:
+        if not (expected_token or "").strip():
+            raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
+                                     f"{endpoint.token_env}, which is not set")
+        if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
+            raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
+                            bearer=endpoint.auth_header.lower() == "authorization")
+    if path == TOOLS_SCHEMA_PATH:
+        return Decision("reply", json_reply(200, {"tools": endpoint.tools_schema}), what="tools schema")
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a "
+                                  "Content-Length header")
+    length = _content_length(headers.get("content-length"))
+    if length is None:
+        raise LengthRequiredError("a Content-Length header with a decimal length is required: send the JSON "
+                                  "body with its length")
+    if length > endpoint.max_body or (body is not None and len(body) > endpoint.max_body):
+        raise BodyTooLargeError(f"request body of {max(length, len(body or b''))} bytes is over this endpoint's "
+                                f"{endpoint.max_body}-byte cap")
+    if body is None or len(body) < length:
+        raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
+    if is_ping(payload):
+        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
+    if not isinstance(payload, dict):
+        raise RequestError(f"body must be a JSON object, got {_json_type(payload)}")
+    if payload.get("connectivity_check") is True:
+        return Decision("probe", proxy_url=connectivity_proxy_url(payload, headers), what="connectivity check")
+    return Decision("run", envelope=Envelope.from_dispatch(payload, headers), what="dispatch")
+
+
+def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
+    """The proxy URL a connectivity check asks to probe (§2 step 4); :class:`EnvelopeError` when absent or bad."""
+    h = _lower_headers(headers)
+    url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(h, HEADER_PROXY_URL)
+    if not url:
+        raise EnvelopeError(f"connectivity_check needs a proxy URL: body field {BODY_PROXY_URL!r} "
+                            f"or header {_title(HEADER_PROXY_URL)}")
+    return validate_proxy_url(url, "the connectivity check")
+
+# ---------------------------------------------------------------------------
+# Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+# ---------------------------------------------------------------------------
 
 def validate_tool_name(name: Any) -> str:
     """Return ``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1)."""
@@ -997,8 +1230,37 @@ def validate_actor_label(label: Any) -> Optional[str]:
     return label
 
 
-class _Reply(NamedTuple):
-    """What one proxy reply means: a value, an error to raise, or a retry (§3.2, §3.3)."""
+def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
+    """Compact JSON for the request body; must be a JSON object under the 1 MiB cap."""
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {_json_type(args)}", tool_name=name)
+    try:
+        body = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
+    if len(body) > MAX_REQUEST_BYTES:
+        raise ProxyRequestError(
+            f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte cap", tool_name=name
+        )
+    return body
+
+
+def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
+    """A header whose value would break the request (a line break, a control character), named without its value."""
+    for name, value in headers.items():
+        if _CONTROL_CHARACTER.search(value):
+            return (f"header {name} has a line break or control character in its value (not shown: it may be "
+                    "a secret); check where it comes from, e.g. a trailing newline in an environment variable")
+    return None
+
+# ---------------------------------------------------------------------------
+# Reply interpretation (§3.2, §3.3) and the retry decision
+# ---------------------------------------------------------------------------
+
+class ProxyOutcome(NamedTuple):
+    """What one proxy reply means (§3.2, §3.3): ``kind`` is ``"value"``, ``"error"`` or ``"retry"``."""
 
     kind: str  # "value" | "error" | "retry"
     value: Any = None
@@ -1006,7 +1268,7 @@ class _Reply(NamedTuple):
     retry_after: Optional[float] = None
 
 
-def _parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
+def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
     if value is None or not value.strip():
         return None
@@ -1028,7 +1290,7 @@ def _parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opt
     return max(0.0, seconds)
 
 
-def _error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
+def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
     """``(error_class, message)`` from the three error body shapes (§3.3)."""
     if not isinstance(body, dict):
         return None, None
@@ -1056,10 +1318,26 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
     except ValueError:
         return body.decode("utf-8", "replace"), False
 
+# §3.3 the retry decision as data: (status, error classes or None for any) -> what the client does.
+# "retry": wait (Retry-After, else backoff) and try again; "stale": the run is over; anything else fails.
+RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
+    (429, None, "retry"),
+    (503, TRANSIENT_503_CLASSES, "retry"),
+    (401, STALE_TOKEN_CLASSES, "stale"),
+)
 
-def _interpret_reply(
+
+def retry_decision(status: int, error_class: Optional[str]) -> str:
+    """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply, from :data:`RETRY_TABLE` (§3.3)."""
+    for table_status, classes, outcome in RETRY_TABLE:
+        if status == table_status and (classes is None or error_class in classes):
+            return outcome
+    return "fail"
+
+
+def interpret_reply(
     status: int, headers: HeadersLike, body: bytes, *, tool_name: str, run_token: Optional[str] = None
-) -> _Reply:
+) -> ProxyOutcome:
     """Decide what a proxy reply means, with no I/O (§3.2, §3.3).
 
     2xx: the unwrapped ``response`` (legacy bodies without it returned whole,
@@ -1071,38 +1349,28 @@ def _interpret_reply(
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
         if is_json and isinstance(value, dict) and "response" in value:
-            return _Reply("value", value["response"])
-        return _Reply("value", value)
+            return ProxyOutcome("value", value["response"])
+        return ProxyOutcome("value", value)
 
     if run_token:  # an error body is kept and shown: scrub the token from it
-        value = _redact(value, run_token)
-    error_class, message = _error_fields(value) if is_json else (None, None)
+        value = redact(value, run_token)
+    error_class, message = error_fields(value) if is_json else (None, None)
     if message is None:
         message = _short(value if isinstance(value, str) else (json.dumps(value) if value is not None else ""), 200)
     body_kept = value if is_json else (_short(value, 200) if isinstance(value, str) else value)
-    retry_after = _parse_retry_after(h.get("retry-after"))
+    retry_after = parse_retry_after(h.get("retry-after"))
     text = f"proxy call {tool_name!r} failed: HTTP {status}"
     if error_class:
         text += f" {error_class}"
     if message:
         text += f": {message}"
     kwargs = dict(status_code=status, error_class=error_class, body=body_kept, tool_name=tool_name, retry_after=retry_after)
-    if status == 429 or (status == 503 and error_class in TRANSIENT_503_CLASSES):
-        return _Reply("retry", error=ProxyError(text, **kwargs), retry_after=retry_after)
-    if status == 401 and error_class in STALE_TOKEN_CLASSES:
-        return _Reply("error", error=StaleRunTokenError(text + " (the run is over)", **kwargs))
-    return _Reply("error", error=ProxyError(text, **kwargs))
-
-
-def _redact(value: Any, secret: str) -> Any:
-    """``value`` with every occurrence of ``secret`` in its strings replaced."""
-    if isinstance(value, str):
-        return value.replace(secret, _REDACTED) if secret in value else value
-    if isinstance(value, dict):
-        return {_redact(k, secret): _redact(v, secret) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(v, secret) for v in value]
-    return value
+    decision = retry_decision(status, error_class)
+    if decision == "retry":
+        return ProxyOutcome("retry", error=ProxyError(text, **kwargs), retry_after=retry_after)
+    if decision == "stale":
+        return ProxyOutcome("error", error=StaleRunTokenError(text + " (the run is over)", **kwargs))
+    return ProxyOutcome("error", error=ProxyError(text, **kwargs))
 
 
 class RetryPolicy(NamedTuple):
@@ -1130,6 +1398,421 @@ class RetryPolicy(NamedTuple):
         wait = self.base_delay_s * (2 ** (retry_number - 1))
         wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
         return max(0.0, min(wait, self.max_delay_s))
+
+# ---------------------------------------------------------------------------
+# Response envelope (§4): building and validation
+# ---------------------------------------------------------------------------
+
+_FINAL_KEYS = ("final_response", "final_output", "output", "message")
+
+
+def _final_text(value: Any, key: str) -> Optional[str]:
+    """The final response as a string; frameworks' non-string outputs become JSON or ``str()``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if key == "final_response":
+        raise ResponseError(f"final_response must be a string, got {_json_type(value)}")
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
+    if callable(dump):
+        return str(dump())
+    return str(value)
+
+
+def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+    """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object.
+
+    Only an envelope-shaped value (one with ``final_response``) contributes its
+    messages, metadata and extra top-level keys; a framework's result
+    (``final_output`` / ``output`` / ``message``) contributes its text alone,
+    since its other fields are rarely JSON.
+    """
+    if isinstance(value, str):
+        return value, None, None, {}
+    if isinstance(value, Mapping):
+        if "final_response" in value:
+            extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
+            return _final_text(value["final_response"], "final_response"), value.get("messages"), value.get("metadata"), extra
+        for key in _FINAL_KEYS[1:]:
+            if value.get(key) is not None:
+                return _final_text(value[key], key), None, None, {}
+        return None, None, None, {}
+    if value is None:
+        return None, None, None, {}
+    for key in _FINAL_KEYS:
+        attr = getattr(value, key, None)
+        if attr is not None and not callable(attr):
+            if key == "final_response":
+                return _final_text(attr, key), getattr(value, "messages", None), getattr(value, "metadata", None), {}
+            return _final_text(attr, key), None, None, {}
+    raise ResponseError(
+        f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
+        "'final_response', or an object with final_response / final_output / output / message"
+    )
+
+
+def _normalise_tool_call(call: Any) -> Any:
+    """OpenAI nested ``{type: function, function: {name, arguments}}`` -> flat ``{id?, name, arguments?}``."""
+    if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
+        flat = {k: v for k, v in call.items() if k not in ("function", "type")}
+        flat["name"] = call["function"].get("name")
+        if "arguments" in call["function"]:
+            flat["arguments"] = call["function"]["arguments"]
+        return flat
+    return dict(call) if isinstance(call, Mapping) else call
+
+
+def _normalise_messages(messages: Any) -> Any:
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    out = []
+    for message in messages:
+        if isinstance(message, Mapping):
+            message = dict(message)
+            if isinstance(message.get("tool_calls"), (list, tuple)):
+                message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def response_envelope(
+    value: Any,
+    *,
+    messages: Optional[Sequence[Mapping[str, Any]]] = None,
+    metadata: Optional[Mapping[str, Any]] = None,
+) -> Tuple[Dict[str, Any], List[str]]:
+    """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned.
+
+    ``value`` is a string, a mapping (``final_response`` and friends, plus any
+    extra top-level keys, kept), or a result object exposing ``final_response``
+    / ``final_output`` / ``output`` / ``message``.  ``messages`` and
+    ``metadata`` override those found in ``value``.  Nested OpenAI tool calls
+    become the flat form.  Raises :class:`ResponseError` listing every problem
+    (an empty final response, bad roles, unpaired ``tool_call_id``, bad
+    metadata types) instead of returning a body the platform would drop.
+    ``warnings`` name what the platform only softens (a truncated final response).
+    """
+    final, found_messages, found_metadata, extra = _unpack_result(value)
+    if messages is None:
+        messages = found_messages
+    if metadata is None:
+        metadata = found_metadata
+    body: Dict[str, Any] = dict(extra)
+    body["final_response"] = final
+    if messages is not None:
+        body["messages"] = _normalise_messages(messages)
+    if metadata is not None:
+        body["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
+    found = validate_response(body)
+    problems = [p for p in found if not p.startswith("warning:")]
+    if problems:
+        raise ResponseError(problems)
+    return body, [w[len("warning: "):] for w in found if w.startswith("warning:")]
+
+
+def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False) -> Dict[str, Any]:
+    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4)."""
+    text = _final_text(message, "message") if not isinstance(message, str) else message
+    if not text or not text.strip():
+        raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
+    if not isinstance(session_done, bool):
+        raise ResponseError(f"session_done must be a boolean, got {_json_type(session_done)}")
+    reply: Dict[str, Any] = {"message": text, "session_done": session_done}
+    if metadata is not None:
+        problems = _metadata_problems(metadata)
+        if problems:
+            raise ResponseError(problems)
+        reply["metadata"] = dict(metadata)
+    return reply
+
+
+def _metadata_problems(metadata: Any) -> List[str]:
+    if metadata is None:
+        return []
+    if not isinstance(metadata, Mapping):
+        return [f"metadata: must be an object or null, got {_json_type(metadata)} (the platform drops it)"]
+    problems = []
+    for key in _METADATA_STR_KEYS:
+        if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
+            problems.append(f"metadata.{key}: must be a string, got {_json_type(metadata[key])}")
+    for key in _METADATA_INT_KEYS:
+        v = metadata.get(key)
+        if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            problems.append(f"metadata.{key}: must be a non-negative integer, got {_short(repr(v), 40)}")
+    v = metadata.get("agent_runtime_ms")
+    if "agent_runtime_ms" in metadata and v is not None and (
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+    ):
+        problems.append(f"metadata.agent_runtime_ms: must be a non-negative number, got {_short(repr(v), 40)}")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"metadata: is not JSON-serialisable: {exc}")
+    return problems
+
+
+def _message_problems(messages: Any) -> List[str]:
+    if messages is None:
+        return []
+    if not isinstance(messages, (list, tuple)):
+        return [f"messages: must be an array or null, got {_json_type(messages)} (the platform drops it)"]
+    problems: List[str] = []
+    seen_call_ids: set = set()
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            problems.append(f"{at}: must be an object, got {_json_type(message)}")
+            continue
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
+        content = message.get("content")
+        if "content" in message and content is not None and not isinstance(content, (str, list, tuple)):
+            problems.append(f"{at}.content: must be a string, an array of parts or null, got {_json_type(content)}")
+        tool_calls = message.get("tool_calls")
+        if "tool_calls" in message and tool_calls is not None:
+            if not isinstance(tool_calls, (list, tuple)):
+                problems.append(f"{at}.tool_calls: must be an array, got {_json_type(tool_calls)}")
+            else:
+                if role != "assistant" and tool_calls:
+                    problems.append(f"{at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
+                for j, call in enumerate(tool_calls):
+                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids))
+        thinking = message.get("thinking")
+        if "thinking" in message and thinking is not None:
+            if not isinstance(thinking, (list, tuple)):
+                problems.append(f"{at}.thinking: must be an array of objects, got {_json_type(thinking)}")
+            else:
+                for j, block in enumerate(thinking):
+                    if not isinstance(block, Mapping):
+                        problems.append(f"{at}.thinking[{j}]: must be an object, got {_json_type(block)}")
+        call_id = message.get("tool_call_id")
+        if "tool_call_id" in message and call_id is not None and not isinstance(call_id, str):
+            problems.append(f"{at}.tool_call_id: must be a string, got {_json_type(call_id)}")
+        elif role == "tool":
+            if not call_id:
+                problems.append(f"{at}.tool_call_id: required on role 'tool'")
+            elif call_id not in seen_call_ids:
+                problems.append(
+                    f"{at}.tool_call_id: {_short(repr(call_id), 60)} does not match the id of an earlier "
+                    "assistant tool_calls entry"
+                )
+    return problems
+
+
+def _tool_call_problems(call: Any, at: str, seen_call_ids: set) -> List[str]:
+    if not isinstance(call, Mapping):
+        return [f"{at}: must be an object, got {_json_type(call)}"]
+    flat = _normalise_tool_call(call)
+    problems = []
+    name = flat.get("name")
+    if not isinstance(name, str) or not name:
+        problems.append(f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it")
+    call_id = flat.get("id")
+    if "id" in flat and call_id is not None:
+        if not isinstance(call_id, str):
+            problems.append(f"{at}.id: must be a string, got {_json_type(call_id)}")
+        else:
+            seen_call_ids.add(call_id)
+    arguments = flat.get("arguments")
+    if arguments is not None and not isinstance(arguments, (Mapping, str)):
+        problems.append(f"{at}.arguments: must be an object or a JSON-encoded string, got {_json_type(arguments)}")
+    return problems
+
+
+def validate_response(body: Any) -> List[str]:
+    """Every problem the platform would reject, drop or truncate in a response body (§4).
+
+    Returns readable strings, each starting with the JSON path it concerns
+    (``final_response: ...``, ``messages[3].tool_call_id: ...``); warnings
+    that the platform only softens (truncation) start with ``warning:``.  An
+    empty list means the body is accepted as sent.
+    """
+    if not isinstance(body, Mapping):
+        return [f"body: must be a JSON object, got {_json_type(body)}"]
+    problems: List[str] = []
+    final = body.get("final_response")
+    if "final_response" not in body or final is None:
+        problems.append("final_response: required, a non-empty string (the judge grades it)")
+    elif not isinstance(final, str):
+        problems.append(f"final_response: must be a string, got {_json_type(final)}")
+    elif not final.strip():
+        problems.append("final_response: must not be empty or blank (the judge has nothing to grade)")
+    elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
+        problems.append(
+            f"warning: final_response: {len(final)} characters; the platform truncates it at "
+            f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning"
+        )
+    problems.extend(_message_problems(body.get("messages")))
+    problems.extend(_metadata_problems(body.get("metadata")))
+    if not problems:
+        try:
+            json.dumps(body, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"body: is not JSON-serialisable: {exc}")
+    # Warnings last, so callers can show the hard problems first.
+    return sorted(problems, key=lambda p: p.startswith("warning:"))
+
+
+# ---------------------------------------------------------------------------
+# HTTP replies of a dispatch endpoint: JSON bodies, one error path
+# ---------------------------------------------------------------------------
+
+DETAIL_LIMIT = 500  # characters of an error ``detail``: one readable line, never a traceback
+
+
+class HttpReply(NamedTuple):
+    """What a dispatch endpoint answers: a status, headers and a JSON body."""
+
+    status: int
+    headers: List[Tuple[str, str]]
+    body: bytes
+
+
+def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
+    """A reply with ``payload`` as compact JSON and its Content-Length."""
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    headers.extend(extra_headers)
+    return HttpReply(status, headers, body)
+
+
+def error_reply(exc: BaseException) -> HttpReply:
+    """The one error path: ``exc.http_status`` (500 for anything not ours) with ``{"detail": message}``.
+
+    Our errors' messages are written to be shown; anything else is described as
+    ``Type: message`` (§2 step 8).  At most :data:`DETAIL_LIMIT` characters.
+    """
+    if isinstance(exc, PipelinesError):
+        return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT)}, exc.headers)
+    return json_reply(500, {"detail": describe_error(exc)})
+
+
+def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT) -> str:
+    """``"TypeName: message"`` of an exception, one line of at most ``limit`` characters: what the platform shows."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return _short(" ".join(text.split()), limit)
+
+
+def redact(value: Any, *secrets: Optional[str]) -> Any:
+    """``value`` (a string or JSON value) with every occurrence of each non-empty secret replaced by ``[redacted]``."""
+    for secret in secrets:
+        if secret:
+            value = _redact_one(value, secret)
+    return value
+
+
+def _redact_one(value: Any, secret: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(secret, _REDACTED) if secret in value else value
+    if isinstance(value, dict):
+        return {_redact_one(k, secret): _redact_one(v, secret) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_one(v, secret) for v in value]
+    return value
+
+# ###########################################################################
+#
+#   PART 2 - THE PYTHON RUNTIME
+#
+#   Carries out part 1's decisions with Python's standard library: the
+#   envelope bound per dispatch (ContextVars), keep-alive connections and
+#   the retry loop, the proxy client, the dispatch app that runs the agent,
+#   the server adapters (http.server, WSGI, ASGI), code mode and the command
+#   line.  This is where sockets, threads, the environment and the log live;
+#   every protocol decision is delegated to part 1.  Global state is limited
+#   to ContextVars and the lazily built, lock-guarded singletons below.
+#
+# ###########################################################################
+
+
+_T = TypeVar("_T")
+
+
+class _Once(Generic[_T]):
+    """A value built on first use, exactly once, under a lock: the module's one lazy-singleton idiom.
+
+    Import stays cheap (nothing is built until needed) and no two threads
+    build it twice.  :meth:`replace` swaps it (tests, a custom default client).
+    """
+
+    __slots__ = ("_make", "_lock", "_value")
+
+    def __init__(self, make: Callable[[], _T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._value: Optional[_T] = None
+
+    def __call__(self) -> _T:
+        value = self._value
+        if value is None:
+            with self._lock:
+                if self._value is None:
+                    self._value = self._make()
+                value = self._value
+        return value
+
+    def replace(self, value: _T) -> None:
+        with self._lock:
+            self._value = value
+
+
+
+# ---------------------------------------------------------------------------
+# Context binding: the envelope of the dispatch running in this context
+# ---------------------------------------------------------------------------
+
+_current: "contextvars.ContextVar[Optional[Envelope]]" = contextvars.ContextVar(
+    "pipelines_port_envelope", default=None
+)
+
+
+@contextlib.contextmanager
+def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
+    """Bind ``envelope`` to the current context for the ``with`` block.
+
+    Module-level tools can then call :func:`proxy_call` without being handed
+    the envelope.  Each thread and each asyncio task has its own context, so
+    concurrent dispatches never see each other's envelope.  A fresh thread does
+    not inherit the binding: bind inside it (or use ``contextvars.copy_context``).
+    """
+    if not isinstance(envelope, Envelope):
+        raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
+    token = _current.set(envelope)
+    try:
+        yield envelope
+    finally:
+        _current.reset(token)
+
+
+def current_envelope() -> Envelope:
+    """The envelope bound to this context; :class:`EnvelopeError` when none is."""
+    envelope = _current.get()
+    if envelope is None:
+        raise EnvelopeError(
+            "no dispatch envelope is bound to this context: call inside a dispatch, "
+            "wrap the code in `with bind_envelope(envelope):`, or pass envelope=..."
+        )
+    return envelope
+
+# ---------------------------------------------------------------------------
+# Transport: keep-alive connections, a whole-reply deadline, the retry loop
+# ---------------------------------------------------------------------------
+
+def _env_float(name: str, default: float) -> float:
+    text = (os.environ.get(name) or "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise PipelinesError(f"environment variable {name} must be a number, got {_short(text, 40)!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {text!r}")
+    return value
 
 
 class _Pacer:
@@ -1162,19 +1845,6 @@ class _Pacer:
             return slot - now
 
 
-def _env_float(name: str, default: float) -> float:
-    text = (os.environ.get(name) or "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise PipelinesError(f"environment variable {name} must be a number, got {_short(text, 40)!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {text!r}")
-    return value
-
-
 class _DispatchStats:
     """Proxy calls made by one dispatch (for the server's log line)."""
 
@@ -1193,6 +1863,7 @@ class _DispatchStats:
 _dispatch_stats: "contextvars.ContextVar[Optional[_DispatchStats]]" = contextvars.ContextVar(
     "pipelines_port_dispatch_stats", default=None
 )
+
 
 class _Connections:
     """Idle keep-alive connections per (scheme, host, port), shared by every thread.
@@ -1318,24 +1989,7 @@ class _Watchdog:
                 pass
 
 
-@functools.lru_cache(maxsize=None)
-def _watchdog() -> _Watchdog:
-    return _Watchdog()
-
-
-def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
-    """A header whose value would break the request (a line break, a control character), named without its value."""
-    for name, value in headers.items():
-        if _CONTROL_CHARACTER.search(value):
-            return (f"header {name} has a line break or control character in its value (not shown: it may be "
-                    "a secret); check where it comes from, e.g. a trailing newline in an environment variable")
-    return None
-
-
-def _content_length(value: Optional[str]) -> Optional[int]:
-    """A Content-Length value as an int: ASCII digits only, at most 18 of them; ``None`` otherwise."""
-    value = (value or "").strip()
-    return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+_watchdog = _Once(_Watchdog)
 
 
 def _loggable_path(path: str) -> str:
@@ -1343,194 +1997,14 @@ def _loggable_path(path: str) -> str:
     return path.split("?", 1)[0] + ("?…" if "?" in path else "")
 
 
-_tls_lock = threading.Lock()
-_tls_default: "Optional[ssl.SSLContext]" = None
-
-
-def _default_tls_context() -> "ssl.SSLContext":
+def _make_tls_context() -> "ssl.SSLContext":
     """One verifying TLS context per process, created on first use (loading CAs is slow)."""
-    global _tls_default
-    with _tls_lock:
-        if _tls_default is None:
-            import ssl
+    import ssl
 
-            _tls_default = ssl.create_default_context()
-        return _tls_default
+    return ssl.create_default_context()
 
 
-class ProxyClient:
-    """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries.
-
-    One instance is safe to share between threads and asyncio tasks; the
-    module functions use a shared default.  Knobs:
-
-    - ``timeout``: seconds per attempt (default ``PIPELINES_PROXY_TIMEOUT_S`` or 120).
-    - ``retry``: a :class:`RetryPolicy`.
-    - ``rate_per_minute``: client-side pacing per run token (default
-      ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0 turns pacing off).
-    - ``ssl_context``: for https proxies (default: the system CAs).
-    - ``sleep``: how to wait between attempts (tests pass a fake).
-    """
-
-    def __init__(
-        self,
-        *,
-        timeout: Optional[float] = None,
-        retry: RetryPolicy = RetryPolicy(),
-        rate_per_minute: Optional[float] = None,
-        ssl_context: "Optional[ssl.SSLContext]" = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
-        if not self.timeout > 0:  # 0 would make every socket non-blocking and every call fail
-            where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
-            raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
-        self.retry = retry
-        rate = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None else rate_per_minute
-        self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
-        self._sleep = sleep
-        self._transport = _Transport(ssl_context)
-
-    # -- public ---------------------------------------------------------------
-
-    def call(
-        self,
-        envelope: Envelope,
-        name: str,
-        args: Optional[Mapping[str, Any]] = None,
-        *,
-        actor: Optional[str] = None,
-        timeout: Optional[float] = None,
-        idempotency_key: Optional[str] = None,
-        errors: str = "raise",
-    ) -> Any:
-        """POST ``args`` to ``{proxy_url}/tools/{name}`` and return the unwrapped ``response``.
-
-        ``errors="return"`` turns a failed call into an ``{"error": ...}``
-        value for the model to read instead of an exception; a stale run token
-        still raises, because the run is over.
-        """
-        if errors not in ("raise", "return"):
-            raise ValueError("errors must be 'raise' or 'return'")
-        try:
-            validate_tool_name(name)
-            label = validate_actor_label(actor)
-            if label:
-                _warn_if_undeclared(envelope, label)
-            body = _encode_args(name, args)
-            return self._request(
-                envelope, "tools", name, body, label=label, timeout=timeout, idempotency_key=idempotency_key
-            )
-        except StaleRunTokenError:
-            raise
-        except ProxyError as exc:
-            if errors == "return":
-                _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
-                return exc.to_value()
-            raise
-
-    def trace(
-        self,
-        envelope: Envelope,
-        event_type: str,
-        payload: Optional[Mapping[str, Any]] = None,
-        *,
-        actor: Optional[str] = None,
-        timeout: Optional[float] = None,
-        best_effort: bool = False,
-    ) -> Optional[Dict[str, Any]]:
-        """POST a live trace event to ``{proxy_url}/traces/{event_type}`` (§3.4).
-
-        Returns the proxy's ``{"accepted": true, "sequence": N}`` (``None`` when
-        an older platform answers with an empty body).  ``__occurred_at`` is
-        stamped once, before the first attempt.  With ``best_effort=True`` a
-        failure is logged as a warning and ``None`` returned.
-        """
-        try:
-            if event_type not in TRACE_EVENT_TYPES:
-                raise ProxyRequestError(
-                    f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
-                    + ", ".join(sorted(TRACE_EVENT_TYPES)),
-                    tool_name=str(event_type),
-                )
-            label = validate_actor_label(actor)
-            event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
-            if not isinstance(event, dict):
-                raise ProxyRequestError(
-                    f"trace payload must be a JSON object, got {_json_type(payload)}", tool_name=event_type
-                )
-            event.setdefault("__occurred_at", _utc_now_iso())
-            body = _encode_args(event_type, event, what="trace payload")
-            result = self._request(envelope, "traces", event_type, body, label=label, timeout=timeout)
-            return result if isinstance(result, dict) else None
-        except ProxyError as exc:
-            if best_effort:
-                _log.warning("trace event %r not recorded: %s", event_type, exc)
-                return None
-            raise
-
-    def close(self) -> None:
-        """Close the idle keep-alive connections."""
-        self._transport.close()
-
-    # -- internals ------------------------------------------------------------
-
-    def _request(
-        self,
-        envelope: Envelope,
-        kind: str,
-        name: str,
-        body: bytes,
-        *,
-        label: Optional[str],
-        timeout: Optional[float],
-        idempotency_key: Optional[str] = None,
-    ) -> Any:
-        """One logical call: pacing and the retry loop around one transport exchange."""
-        if not isinstance(envelope, Envelope):
-            raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
-        base = urlsplit(envelope.proxy_url)
-        path = f"{base.path.rstrip('/')}/{kind}/{quote(name, safe='')}"
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-            "Authorization": "Bearer " + envelope.run_token,
-            "Idempotency-Key": idempotency_key or str(uuid.uuid4()),
-            "User-Agent": _USER_AGENT,
-        }
-        if label:
-            headers[HEADER_ACTOR_ID] = label
-        timeout = self.timeout if timeout is None else float(timeout)
-        stats = _dispatch_stats.get()
-        if stats is not None:
-            stats.count()
-
-        def before_attempt() -> None:
-            if stats is not None and stats.cancelled:  # checked before every attempt: no retry runs a tool late
-                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
-                                 "answered already", tool_name=name)
-            if self._pacer is not None:
-                wait = self._pacer.reserve(envelope.run_token)
-                if wait > 0:
-                    _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
-                    self._sleep(wait)
-
-        def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
-            try:
-                return self._transport.exchange(base, "POST", path, headers, body, timeout, MAX_REPLY_BYTES)
-            except _ReplyTooLarge as big:
-                raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
-
-        return _retry_loop(
-            send,
-            lambda status, reply_headers, reply: _interpret_reply(
-                status, reply_headers, reply, tool_name=name, run_token=envelope.run_token),
-            policy=self.retry,
-            sleep=self._sleep,
-            transport_error=lambda cause: ProxyTransportError(
-                _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name),
-            before_attempt=before_attempt,
-        )
+_default_tls_context = _Once(_make_tls_context)
 
 
 class _TransportFailure(Exception):
@@ -1654,7 +2128,7 @@ def _debug_headers(headers: Mapping[str, str]) -> str:
 
 def _retry_loop(
     send: Callable[[], Tuple[int, List[Tuple[str, str]], bytes]],
-    interpret: Callable[[int, List[Tuple[str, str]], bytes], "_Reply"],
+    interpret: Callable[[int, List[Tuple[str, str]], bytes], "ProxyOutcome"],
     *,
     policy: RetryPolicy,
     sleep: Callable[[float], None],
@@ -1698,8 +2172,7 @@ def _retry_loop(
         raise outcome.error
 
 
-@functools.lru_cache(maxsize=None)
-def _http_classes() -> Tuple[type, type]:
+def _make_http_classes() -> Tuple[type, type]:
     """``http.client`` connections with TCP_NODELAY, built on first use so import stays cheap.
 
     Without TCP_NODELAY a keep-alive request can stall ~40 ms on delayed ACKs.
@@ -1718,6 +2191,9 @@ def _http_classes() -> Tuple[type, type]:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     return HTTPConnection, HTTPSConnection
+
+
+_http_classes = _Once(_make_http_classes)
 
 
 def _is_stale_connection_error(exc: BaseException) -> bool:
@@ -1742,26 +2218,203 @@ def _is_retryable_transport(cause: BaseException) -> bool:
     return not isinstance(cause, socket.gaierror)
 
 
-def _encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """Compact JSON for the request body; must be a JSON object under the 1 MiB cap."""
-    if args is None:
-        args = {}
-    if not isinstance(args, Mapping):
-        raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {_json_type(args)}", tool_name=name)
-    try:
-        body = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as exc:
-        raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
-    if len(body) > MAX_REQUEST_BYTES:
-        raise ProxyRequestError(
-            f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte cap", tool_name=name
-        )
-    return body
-
-
 def _utc_now_iso() -> str:
     now = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
+_shared_transport = _Once(lambda: _Transport())  # probes and model-API calls; each ProxyClient has its own
+
+
+# ---------------------------------------------------------------------------
+# Proxy client (§3): tool calls, trace events, actors
+# ---------------------------------------------------------------------------
+
+class ProxyClient:
+    """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries.
+
+    One instance is safe to share between threads and asyncio tasks; the
+    module functions use a shared default.  Knobs:
+
+    - ``timeout``: seconds per attempt (default ``PIPELINES_PROXY_TIMEOUT_S`` or 120).
+    - ``retry``: a :class:`RetryPolicy`.
+    - ``rate_per_minute``: client-side pacing per run token (default
+      ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0 turns pacing off).
+    - ``ssl_context``: for https proxies (default: the system CAs).
+    - ``sleep``: how to wait between attempts (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: Optional[float] = None,
+        retry: RetryPolicy = RetryPolicy(),
+        rate_per_minute: Optional[float] = None,
+        ssl_context: "Optional[ssl.SSLContext]" = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
+        if not self.timeout > 0:  # 0 would make every socket non-blocking and every call fail
+            where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
+            raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
+        self.retry = retry
+        rate = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None else rate_per_minute
+        self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
+        self._sleep = sleep
+        self._transport = _Transport(ssl_context)
+
+    # -- public ---------------------------------------------------------------
+
+    def call(
+        self,
+        envelope: Envelope,
+        name: str,
+        args: Optional[Mapping[str, Any]] = None,
+        *,
+        actor: Optional[str] = None,
+        timeout: Optional[float] = None,
+        idempotency_key: Optional[str] = None,
+        errors: str = "raise",
+    ) -> Any:
+        """POST ``args`` to ``{proxy_url}/tools/{name}`` and return the unwrapped ``response``.
+
+        ``errors="return"`` turns a failed call into an ``{"error": ...}``
+        value for the model to read instead of an exception; a stale run token
+        still raises, because the run is over.
+        """
+        if errors not in ("raise", "return"):
+            raise ValueError("errors must be 'raise' or 'return'")
+        try:
+            validate_tool_name(name)
+            label = validate_actor_label(actor)
+            if label:
+                _warn_if_undeclared(envelope, label)
+            body = encode_args(name, args)
+            return self._request(
+                envelope, "tools", name, body, label=label, timeout=timeout, idempotency_key=idempotency_key
+            )
+        except StaleRunTokenError:
+            raise
+        except ProxyError as exc:
+            if errors == "return":
+                _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
+                return exc.to_value()
+            raise
+
+    def trace(
+        self,
+        envelope: Envelope,
+        event_type: str,
+        payload: Optional[Mapping[str, Any]] = None,
+        *,
+        actor: Optional[str] = None,
+        timeout: Optional[float] = None,
+        best_effort: bool = False,
+    ) -> Optional[Dict[str, Any]]:
+        """POST a live trace event to ``{proxy_url}/traces/{event_type}`` (§3.4).
+
+        Returns the proxy's ``{"accepted": true, "sequence": N}`` (``None`` when
+        an older platform answers with an empty body).  ``__occurred_at`` is
+        stamped once, before the first attempt.  With ``best_effort=True`` a
+        failure is logged as a warning and ``None`` returned.
+        """
+        try:
+            if event_type not in TRACE_EVENT_TYPES:
+                raise ProxyRequestError(
+                    f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
+                    + ", ".join(sorted(TRACE_EVENT_TYPES)),
+                    tool_name=str(event_type),
+                )
+            label = validate_actor_label(actor)
+            event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
+            if not isinstance(event, dict):
+                raise ProxyRequestError(
+                    f"trace payload must be a JSON object, got {_json_type(payload)}", tool_name=event_type
+                )
+            event.setdefault("__occurred_at", _utc_now_iso())
+            body = encode_args(event_type, event, what="trace payload")
+            result = self._request(envelope, "traces", event_type, body, label=label, timeout=timeout)
+            return result if isinstance(result, dict) else None
+        except ProxyError as exc:
+            if best_effort:
+                _log.warning("trace event %r not recorded: %s", event_type, exc)
+                return None
+            raise
+
+    def close(self) -> None:
+        """Close the idle keep-alive connections."""
+        self._transport.close()
+
+    # -- seams: override in a subclass to observe or change the wire (tests, broken ports) ----
+
+    def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
+                 max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL)."""
+        return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
+
+    def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
+                  run_token: Optional[str] = None) -> ProxyOutcome:
+        """What one proxy reply means: :func:`interpret_reply`."""
+        return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
+
+    # -- internals ------------------------------------------------------------
+
+    def _request(
+        self,
+        envelope: Envelope,
+        kind: str,
+        name: str,
+        body: bytes,
+        *,
+        label: Optional[str],
+        timeout: Optional[float],
+        idempotency_key: Optional[str] = None,
+    ) -> Any:
+        """One logical call: pacing and the retry loop around one transport exchange."""
+        if not isinstance(envelope, Envelope):
+            raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+        base = urlsplit(envelope.proxy_url)
+        path = f"{base.path.rstrip('/')}/{kind}/{quote(name, safe='')}"
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "Authorization": "Bearer " + envelope.run_token,
+            "Idempotency-Key": idempotency_key or str(uuid.uuid4()),
+            "User-Agent": _USER_AGENT,
+        }
+        if label:
+            headers[HEADER_ACTOR_ID] = label
+        timeout = self.timeout if timeout is None else float(timeout)
+        stats = _dispatch_stats.get()
+        if stats is not None:
+            stats.count()
+
+        def before_attempt() -> None:
+            if stats is not None and stats.cancelled:  # checked before every attempt: no retry runs a tool late
+                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
+                                 "answered already", tool_name=name)
+            if self._pacer is not None:
+                wait = self._pacer.reserve(envelope.run_token)
+                if wait > 0:
+                    _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
+                    self._sleep(wait)
+
+        def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
+            try:
+                return self.exchange(base, "POST", path, headers, body, timeout, MAX_REPLY_BYTES)
+            except _ReplyTooLarge as big:
+                raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
+
+        return _retry_loop(
+            send,
+            lambda status, reply_headers, reply: self.interpret(
+                status, reply_headers, reply, tool_name=name, run_token=envelope.run_token),
+            policy=self.retry,
+            sleep=self._sleep,
+            transport_error=lambda cause: ProxyTransportError(
+                _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name),
+            before_attempt=before_attempt,
+        )
 
 
 _undeclared_lock = threading.Lock()
@@ -1784,17 +2437,21 @@ def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
                  label, list(catalog))
 
 
-_default_client_lock = threading.Lock()
-_default_client_cache: List[ProxyClient] = []
+_default_client = _Once(lambda: ProxyClient())
 
 
-def _default_client() -> ProxyClient:
-    """The shared client of the module functions, created on first use."""
-    if not _default_client_cache:
-        with _default_client_lock:
-            if not _default_client_cache:
-                _default_client_cache.append(ProxyClient())
-    return _default_client_cache[0]
+def set_default_client(client: "ProxyClient") -> "ProxyClient":
+    """Make ``client`` the one :func:`proxy_call`, :func:`post_trace` and tools use when none is passed.
+
+    The supported way to change how every call of the process goes out (a
+    subclass overriding :meth:`ProxyClient.exchange` or :meth:`ProxyClient.interpret`,
+    other timeouts or pacing).  Returns the client it replaces, so a caller can put it back.
+    """
+    if not isinstance(client, ProxyClient):
+        raise TypeError(f"set_default_client() needs a ProxyClient, got {type(client).__name__}")
+    previous = _default_client()
+    _default_client.replace(client)
+    return previous
 
 
 def proxy_call(
@@ -1821,19 +2478,14 @@ def proxy_call(
     )
 
 
-_executor_lock = threading.Lock()
-_executor_cache: List[Any] = []
-
-
-def _executor() -> Any:
+def _make_executor() -> Any:
     """A thread pool for the asyncio forms; wider than asyncio's default so tool calls overlap."""
-    if not _executor_cache:
-        with _executor_lock:
-            if not _executor_cache:
-                from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
-                _executor_cache.append(ThreadPoolExecutor(max_workers=64, thread_name_prefix="pipelines-proxy"))
-    return _executor_cache[0]
+    return ThreadPoolExecutor(max_workers=64, thread_name_prefix="pipelines-proxy")
+
+
+_executor = _Once(_make_executor)
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -1901,11 +2553,6 @@ def as_actor(label: str, *, envelope: Optional[Envelope] = None, client: Optiona
     return Actor(label, envelope=envelope, client=client)
 
 
-# ---------------------------------------------------------------------------
-# Trace events (§3.4)
-# ---------------------------------------------------------------------------
-
-
 def post_trace(
     event_type: str,
     payload: Optional[Mapping[str, Any]] = None,
@@ -1957,6 +2604,721 @@ def post_handoff(
     if payload_preview is not None:
         event["payload_preview"] = payload_preview
     return post_trace("handoff", event, **options)
+
+
+def build_response(
+    value: Any,
+    *,
+    messages: Optional[Sequence[Mapping[str, Any]]] = None,
+    metadata: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The v1 response envelope (§4) from what an agent returned: :func:`response_envelope`, warnings logged.
+
+    Raises :class:`ResponseError` listing every problem.
+    """
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata)
+    for warning in warnings:
+        _log.warning("response: %s", warning)
+    return body
+
+
+# ---------------------------------------------------------------------------
+# Running agents: a fresh thread per run, an optional deadline
+# ---------------------------------------------------------------------------
+
+ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
+_PROBE_TOOL = "__reachability_probe__"
+
+
+class _Overran(RunTimeoutError):
+    """Raised by :func:`_on_fresh_thread` when its deadline passes (the agent itself never raises this)."""
+
+
+def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+    """Run ``fn()`` in a copy of this context on a new daemon thread; its result, or its exception re-raised.
+
+    The one way this module runs agent code off the caller's thread: the
+    sandbox kernel's thread already runs an event loop (§5), and the server
+    must be able to stop waiting.  With ``timeout_s``, :class:`RunTimeoutError`
+    after that long; a Python thread cannot be killed, so the agent runs on in
+    the background (the caller refuses its further proxy calls).
+    """
+    context = contextvars.copy_context()
+    outcome: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = context.run(fn)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the waiting thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+def _settle(result: Any) -> Any:
+    """``result``, awaited with ``asyncio.run`` when it is awaitable (this thread must run no event loop)."""
+    import inspect
+
+    if inspect.isawaitable(result):
+        import asyncio
+
+        async def _await() -> Any:
+            return await result
+
+        result = asyncio.run(_await())
+    return result
+
+
+def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
+    """Call a sync or ``async def`` agent with the envelope bound."""
+    with bind_envelope(envelope):
+        return _settle(agent(envelope))
+
+
+def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
+    """The response body with the run token redacted, should the agent have echoed it (logged once)."""
+    encoded = json.dumps(body, ensure_ascii=False).encode("utf-8") if encoded is None else encoded
+    if envelope.run_token.encode("utf-8") not in encoded:
+        return body
+    _log.warning("the agent's response contained the run token; it was redacted")
+    return cast(Dict[str, Any], redact(body, envelope.run_token))
+
+
+# ---------------------------------------------------------------------------
+# The dispatch app (§2): decide(), then probe the proxy or run the agent
+# ---------------------------------------------------------------------------
+
+
+class DispatchApp:
+    """An agent function and its endpoint settings; :meth:`handle` answers every request (§2).
+
+    ``agent(envelope)`` may be sync or ``async def`` and may return anything
+    :func:`build_response` accepts.  Auth (step 1) uses ``token`` or, by
+    default, the environment variable ``token_env`` read at each request; it is
+    off only with ``no_auth=True``.  ``auth_header`` is ``Authorization``
+    (``Bearer <token>``) or a custom header carrying the raw value.
+
+    Serve it with :func:`serve` / :func:`start_server`, under a WSGI server
+    (:attr:`wsgi`) or an ASGI server (:attr:`asgi`): all three call :meth:`handle`.
+    """
+
+    def __init__(
+        self,
+        agent: Callable[[Envelope], Any],
+        *,
+        path: str = DEFAULT_DISPATCH_PATH,
+        token: Optional[str] = None,
+        token_env: Optional[str] = DEFAULT_TOKEN_ENV,
+        auth_header: str = "Authorization",
+        no_auth: bool = False,
+        max_body: int = DEFAULT_MAX_BODY_BYTES,
+        run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+        tools_schema: Union[Sequence[Any], str, "os.PathLike[str]", None] = None,
+    ) -> None:
+        if not callable(agent):
+            raise TypeError(f"agent must be callable, got {type(agent).__name__}")
+        if not path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {path!r}")
+        if no_auth and token:
+            raise ValueError("no_auth=True and a token contradict each other: choose one")
+        if not no_auth and not token and not token_env:
+            raise ValueError("auth needs a token or a token_env; pass no_auth=True to disable it explicitly")
+        if not (0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
+            raise ValueError(f"run_timeout_s must be in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
+        if max_body < 1:
+            raise ValueError(f"max_body must be a positive number of bytes, got {max_body!r}")
+        if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
+            raise ValueError(f"auth_header must be an HTTP header name, got {auth_header!r}")
+        self.agent = agent
+        self.token = token
+        self.token_env = None if token else token_env
+        self.run_timeout_s = float(run_timeout_s)
+        if tools_schema is None or isinstance(tools_schema, (list, tuple)):
+            tools = convert_tools(tools_schema, "platform") if tools_schema is not None else None
+        else:
+            tools = load_tools_schema(tools_schema)
+        self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
+                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools)
+
+    @property
+    def path(self) -> str:
+        return self.endpoint.path
+
+    @property
+    def auth_header(self) -> str:
+        return self.endpoint.auth_header
+
+    @property
+    def no_auth(self) -> bool:
+        return self.endpoint.no_auth
+
+    @property
+    def max_body(self) -> int:
+        return self.endpoint.max_body
+
+    @property
+    def tools_schema(self) -> Optional[List[Dict[str, Any]]]:
+        return cast(Optional[List[Dict[str, Any]]], self.endpoint.tools_schema)
+
+    def __repr__(self) -> str:
+        return f"DispatchApp({getattr(self.agent, '__name__', self.agent)!r}, path={self.path!r}, auth={self.describe_auth()!r})"
+
+    def describe_auth(self) -> str:
+        """How auth is configured, for a start-up line (never the token)."""
+        if self.no_auth:
+            return "DISABLED (no_auth): anyone who can reach this endpoint can dispatch"
+        value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
+        source = "the configured token" if self.token else f"${self.token_env}"
+        line = f"{self.auth_header}: {value} (token from {source})"
+        if self.token_env and not os.environ.get(self.token_env):
+            line += f"; {self.token_env} is NOT set: every request gets 503 until it is"
+        return line
+
+    def expected_token(self) -> Optional[str]:
+        """The agent token requests must carry, read now (``""`` when its variable is unset; ``None``: no auth)."""
+        if self.no_auth:
+            return None
+        return (self.token or os.environ.get(self.token_env or "") or "").strip()
+
+    # -- the core ---------------------------------------------------------------
+
+    def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
+        """The reply to one request: :func:`decide`, then the probe or the agent run it asks for.
+
+        ``body`` is what :func:`request_body_length` allowed the adapter to read
+        (``None``: nothing).  Writes one log line per request (ids, status,
+        duration, proxy calls; never a token); health probes and pings at DEBUG.
+        """
+        started = time.monotonic()
+        headers = _lower_headers(headers)
+        return self.carry_out(self.decide(method, target, headers, body), method, target, headers, started)
+
+    def decide(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> Decision:
+        """:func:`decide` with this app's endpoint and its token as configured now."""
+        return decide(self.endpoint, method, target, headers, body, expected_token=self.expected_token())
+
+    def carry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
+                  started: float) -> HttpReply:
+        """Do what ``decision`` asks (reply, probe, run the agent) and log the request."""
+        stats = _DispatchStats()
+        if decision.action == "run":
+            assert decision.envelope is not None
+            reply = self.run_agent(decision.envelope, stats)
+        elif decision.action == "probe":
+            assert decision.proxy_url is not None
+            reply = self.connectivity_check(decision.proxy_url)
+        else:
+            assert decision.reply is not None
+            reply = decision.reply
+        what = decision.what
+        # Health probes and accepted pings come often and mean little: DEBUG, so they neither
+        # flood the log nor queue every handler thread on the log's lock.
+        level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
+        if not _log.isEnabledFor(level):
+            return reply
+        envelope = decision.envelope
+        if envelope is not None:
+            ids: Tuple[Any, ...] = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
+        else:
+            ids = (_header(headers, HEADER_RUN_ID), _header(headers, HEADER_TASK_ID),
+                   _header(headers, HEADER_RUN_TOKEN_JTI))
+        if what != "dispatch" and reply.status >= 400:
+            what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
+        _log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
+                 method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
+                 stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
+        return reply
+
+    def connectivity_check(self, proxy_url: str) -> HttpReply:
+        """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code."""
+        return json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
+
+    def run_agent(self, envelope: Envelope, stats: Optional["_DispatchStats"] = None) -> HttpReply:
+        """Run the agent on ``envelope`` within ``run_timeout_s``; the response envelope or the error reply."""
+        stats = _DispatchStats() if stats is None else stats
+        bound = _dispatch_stats.set(stats)
+        try:
+            result = _on_fresh_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s)
+            body = build_response(result)
+        except _Overran as exc:
+            stats.cancelled = True  # its further proxy calls are refused before each attempt
+            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
+                       "further proxy calls", envelope.run_id, self.run_timeout_s)
+            return error_reply(exc)
+        except ResponseError as exc:
+            return error_reply(ResponseError(self.redact(
+                f"agent returned a value that cannot become a response: {exc}", envelope)))
+        except BaseException as exc:  # noqa: BLE001 - the agent is user code: SystemExit or CancelledError too
+            import traceback
+
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
+            return error_reply(AgentError(self.redact(describe_error(exc), envelope)))
+        finally:
+            _dispatch_stats.reset(bound)
+        reply = json_reply(200, body)
+        clean = _without_run_token(body, envelope, reply.body)
+        return reply if clean is body else json_reply(200, clean)
+
+    def redact(self, text: str, envelope: Optional[Envelope]) -> str:
+        """``text`` without the run token or the agent token (an agent's error may quote either)."""
+        return cast(str, redact(text, envelope.run_token if envelope is not None else None,
+                                self.token or os.environ.get(self.token_env or "")))
+
+    # -- adapters (below: the server adapters section) ------------------------------
+
+    def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
+        """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
+        return _wsgi(self, environ, start_response)
+
+    async def asgi(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        """The ASGI application (HTTP and lifespan): ``app = DispatchApp(agent).asgi`` for uvicorn & co."""
+        await _asgi(self, scope, receive, send)
+
+
+def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
+    """§3.7 reachability probe: ``{reachable, status_code, latency_ms, error}``.
+
+    POSTs ``{}`` to ``{proxy_url}/tools/__reachability_probe__`` with a fake
+    bearer: 401/403 (or 2xx) means reachable; a connection or DNS error means
+    egress is blocked.  Never raises.
+    """
+    started = time.monotonic()
+    try:
+        base = urlsplit(validate_proxy_url(proxy_url, "the probe"))
+        path = f"{base.path.rstrip('/')}/tools/{_PROBE_TOOL}"
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer fake-token", "User-Agent": _USER_AGENT}
+        status, _, _ = _shared_transport().exchange(base, "POST", path, headers, b"{}", timeout, 64 << 10)
+    except _TransportFailure as failure:
+        cause = failure.__cause__ or failure
+        return {"reachable": False, "status_code": None, "latency_ms": round((time.monotonic() - started) * 1000, 1),
+                "error": describe_error(cause, 200)}
+    except (EnvelopeError, _ReplyTooLarge) as exc:
+        return {"reachable": False, "status_code": getattr(exc, "status", None),
+                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(exc, 200)}
+    reachable = status in (401, 403) or 200 <= status < 300
+    return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
+            "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
+
+
+def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
+    """A WSGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
+    return DispatchApp(agent, **options).wsgi
+
+
+def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., Any]:
+    """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
+    return DispatchApp(agent, **options).asgi
+
+
+# ---------------------------------------------------------------------------
+# Server adapters: WSGI, ASGI and http.server, each a thin layer over
+# DispatchApp.handle (read the body request_body_length allows, answer)
+# ---------------------------------------------------------------------------
+
+
+def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
+    """Up to ``length`` bytes from a stream that may return short reads; fewer only at EOF."""
+    chunks, remaining = [], length
+    while remaining > 0:
+        chunk = read(min(remaining, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _reason(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
+    pairs = [(k[5:].replace("_", "-"), v) for k, v in environ.items() if k.startswith("HTTP_")]
+    for key, name in (("CONTENT_TYPE", "Content-Type"), ("CONTENT_LENGTH", "Content-Length")):
+        if environ.get(key):
+            pairs.append((name, environ[key]))
+    headers = _lower_headers(pairs)
+    length = request_body_length(headers, app.max_body)
+    body = _read_exactly(environ["wsgi.input"].read, length) if length else (b"" if length == 0 else None)
+    reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", "/") or "/", headers, body)
+    start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
+    return [reply.body]
+
+
+async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    """HTTP and lifespan scopes.  The core runs on a thread of its own per request, so a slow agent never
+    blocks the event loop, and never on the pool ``aproxy_call`` uses (with both on one pool, enough
+    concurrent dispatches would wait forever for their own proxy calls)."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["type"] != "http":
+        raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
+    headers = _lower_headers(scope.get("headers", []))
+    length = request_body_length(headers, app.max_body)
+    body: Optional[bytes] = None
+    if length is not None:
+        chunks: List[bytes] = []
+        received, more = 0, True
+        while more and received < length:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+    started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
+    decision = app.decide(method, target, headers, body)
+    if decision.action == "reply":  # decided already: answer on the loop, no thread
+        reply = app.carry_out(decision, method, target, headers, started)
+    else:
+        reply = await _on_own_thread(app.carry_out, decision, method, target, headers, started)
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]})
+    await send({"type": "http.response.body", "body": reply.body})
+
+
+async def _on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await ``fn(*args)`` run on a new daemon thread in a copy of this context."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(method: str, value: Any) -> None:
+        if not future.done():  # the awaiting task may have been cancelled meanwhile
+            getattr(future, method)(value)
+
+    def target() -> None:
+        try:
+            result = context.run(fn, *args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, "set_exception", exc)
+        else:
+            loop.call_soon_threadsafe(settle, "set_result", result)
+
+    threading.Thread(target=target, name="pipelines-dispatch", daemon=True).start()
+    return await future
+
+
+DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_GRACE_S = 30.0
+
+
+def _make_server_classes() -> Tuple[type, type]:
+    """The ``http.server`` classes, built on first use so import stays cheap."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class DispatchServer(ThreadingHTTPServer):
+        """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
+
+        daemon_threads = True
+        allow_reuse_address = True
+        block_on_close = False
+        request_queue_size = 1024  # socketserver's 5 resets connections in a burst of dispatches
+
+        def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
+            self.app = app
+            self.read_timeout_s = read_timeout_s
+            self.draining = threading.Event()
+            self._in_flight = 0
+            self._idle = threading.Condition()
+            self._thread: Optional[threading.Thread] = None
+            super().__init__(address, DispatchHandler)
+
+        @property
+        def url(self) -> str:
+            host, port = self.server_address[:2]
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{port}{self.app.path}"
+
+        def enter(self) -> bool:
+            with self._idle:
+                if self.draining.is_set():
+                    return False
+                self._in_flight += 1
+                return True
+
+        def leave(self) -> None:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+        def drain(self, grace_s: float) -> bool:
+            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished."""
+            self.draining.set()
+            deadline = time.monotonic() + grace_s
+            with self._idle:
+                while self._in_flight > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(left)
+            return True
+
+        def close(self, grace_s: float = 5.0) -> bool:
+            """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
+            self.draining.set()
+            if self._thread is not None:
+                self.shutdown()
+            finished = self.drain(grace_s)
+            self.server_close()
+            return finished
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+
+    class DispatchHandler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "pipelines-port/" + __version__
+        sys_version = ""
+        server: DispatchServer
+
+        wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
+
+        def setup(self) -> None:
+            self.timeout = self.server.read_timeout_s  # slow or truncated clients cannot hold a worker forever
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug("%s %s", self.address_string(), format % args)
+
+        def do_GET(self) -> None:
+            self._serve()
+
+        def do_POST(self) -> None:
+            self._serve()
+
+        def do_PUT(self) -> None:
+            self._serve()
+
+        def do_DELETE(self) -> None:
+            self._serve()
+
+        def do_PATCH(self) -> None:
+            self._serve()
+
+        def do_HEAD(self) -> None:
+            self._serve()
+
+        def _serve(self) -> None:
+            app = self.server.app
+            if not self.server.enter():
+                self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
+                           close=True)
+                return
+            try:
+                headers = _lower_headers(self.headers.items())
+                length = request_body_length(headers, app.max_body)
+                # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
+                # connection closes after the reply rather than parse that body as the next request.
+                close = self.server.draining.is_set() or length is None
+                body: Optional[bytes] = None
+                if length is not None:
+                    watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
+                    try:
+                        body = _read_exactly(self.rfile.read, length)
+                    except (OSError, ValueError):  # a client too slow or gone; the watchdog may have shut the socket
+                        self.close_connection = True
+                        return
+                    finally:
+                        if _watchdog().done(watch):
+                            self.close_connection = True
+                    close = close or len(body) < length
+                self._send(app.handle(self.command, self.path, headers, body), close=close)
+            finally:
+                self.server.leave()
+
+        def handle_expect_100(self) -> bool:
+            super().handle_expect_100()
+            self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
+            return True
+
+        def _send(self, reply: HttpReply, *, close: bool = False) -> None:
+            self.send_response(reply.status)
+            for name, value in reply.headers:
+                self.send_header(name, value)
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            try:
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(reply.body)
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True
+
+    return DispatchServer, DispatchHandler
+
+
+_server_classes = _Once(_make_server_classes)
+
+
+def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
+    if isinstance(agent, DispatchApp):
+        if options:
+            raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
+        return agent
+    return DispatchApp(agent, **options)
+
+
+def make_server(
+    agent: Union[DispatchApp, Callable[[Envelope], Any]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    **options: Any,
+) -> Any:
+    """A bound, not yet serving ``DispatchServer`` (a ``ThreadingHTTPServer``); ``options`` as for :class:`DispatchApp`."""
+    app = _as_app(agent, options)
+    if app.no_auth:
+        _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
+    server_class, _ = _server_classes()
+    return server_class((host, port), app, read_timeout_s)
+
+
+def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
+                 **options: Any) -> Any:
+    """Serve on a background thread (tests, notebooks); returns the server: ``.url``, ``.close(grace_s)``."""
+    server = make_server(agent, host=host, port=port, **options)
+    server._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                      name="pipelines-server", daemon=True)
+    server._thread.start()
+    return server
+
+
+def serve(
+    agent: Union[DispatchApp, Callable[[Envelope], Any]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    grace_s: float = DEFAULT_GRACE_S,
+    ready: Optional[Callable[[Any], None]] = None,
+    **options: Any,
+) -> int:
+    """Serve until SIGTERM or SIGINT, then drain: refuse new dispatches, let in-flight ones finish.
+
+    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is
+    called once listening.  Returns 0 when every dispatch finished, 1 otherwise.
+    """
+    import signal
+
+    server = make_server(agent, host=host, port=port, **options)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    server._thread = thread
+    thread.start()
+    try:
+        if ready is not None:
+            ready(server)
+        while not stop.wait(0.5):
+            pass
+        _log.info("shutting down: refusing new dispatches, waiting up to %g s for in-flight ones", grace_s)
+        finished = server.close(grace_s)
+        if not finished:
+            _log.warning("grace period over with dispatches still running; exiting anyway")
+        return 0 if finished else 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------------------
+# Code mode (§5): one agent function, the sandbox's run() entrypoint
+# ---------------------------------------------------------------------------
+
+
+def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on a new thread and hand back its result or exception.
+
+    For the sandbox, whose Jupyter kernel already runs an event loop on the
+    calling thread (``asyncio.run`` raises there).  ``fn`` may be ``async def``:
+    it gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the one
+    bound here, if any) is bound inside the new thread.  An exception is
+    re-raised as is, traceback included.
+    """
+    envelope = envelope if envelope is not None else _current.get()
+
+    def call() -> Any:
+        with contextlib.ExitStack() as stack:
+            if envelope is not None:
+                stack.enter_context(bind_envelope(envelope))
+            return _settle(fn(*args, **kwargs))
+
+    return _on_fresh_thread(call)
+
+
+def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]:
+    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
+
+    The same ``agent(envelope)`` function (sync or ``async def``) serves HTTP
+    mode.  It runs on a fresh thread with the envelope bound, so it works under
+    the kernel's running loop.  The result goes through :func:`build_response`;
+    a raising agent gives :class:`AgentError` (original exception chained), a
+    :class:`PipelinesError` it raises (a stale run token, say) propagates as it
+    is, and a result that cannot become a response gives :class:`ResponseError`,
+    never a half-built dict.  The run token is redacted from the returned body
+    and from error messages, as the server does.
+    """
+
+    def run(task_input: Mapping[str, Any], *, proxy_url: str, run_token: str) -> Dict[str, Any]:
+        envelope = Envelope.from_run(task_input, proxy_url=proxy_url, run_token=run_token)
+        try:
+            result = _on_fresh_thread(functools.partial(_call_agent, agent, envelope))
+        except PipelinesError:
+            raise
+        except Exception as exc:
+            raise AgentError(redact(f"agent raised {describe_error(exc)}", envelope.run_token)) from exc
+        return _without_run_token(build_response(result), envelope)
+
+    run.__name__ = "run"
+    run.__qualname__ = "run"
+    run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (built by pipelines_port.code_mode)."
+    run.agent = agent  # type: ignore[attr-defined]
+    return run
+
+# ###########################################################################
+#
+#   PART 3 - CONVENIENCES
+#
+#   Helpers for writing the agent itself, built on parts 1 and 2 and needed
+#   by neither: agent-loop helpers (tool formats, concurrent tool calls,
+#   bounded output, a retrying JSON client for model APIs), tools from code
+#   (JSON Schema from type hints), and the MCP shim.  The dispatch app uses
+#   only ``convert_tools`` / ``load_tools_schema`` from here.
+#
+# ###########################################################################
+
 
 
 # ---------------------------------------------------------------------------
@@ -2054,6 +3416,18 @@ def load_tools_schema(source: Union[str, "os.PathLike[str]", None] = None) -> Li
         raise ValueError(f"tools schema {where}: {exc}") from None
 
 
+def tools_schema_beside(agent_spec: str) -> Optional[str]:
+    """The ``tools_schema.json`` beside an agent file named as ``PATH.py:NAME``, if there is one (§3.6).
+
+    ``serve`` serves it at ``GET /tools_schema`` and the kit's ``doctor`` checks it.
+    """
+    where = agent_spec.rpartition(":")[0]
+    if not where.endswith(".py"):
+        return None
+    beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
+    return beside if os.path.isfile(beside) else None
+
+
 def bound_output(text: Any, limit: int = 8000) -> str:
     """``text`` (JSON-encoded when not a string) cut to about ``limit`` characters, head and tail kept.
 
@@ -2123,8 +3497,6 @@ class HTTPStatusError(PipelinesError):
 
 _MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
 _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
-_transport_lock = threading.Lock()
-_transport_cache: List[_Transport] = []
 
 
 def post_json(
@@ -2155,11 +3527,7 @@ def post_json(
     body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT}
     sent.update(headers or {})
-    if not _transport_cache:
-        with _transport_lock:
-            if not _transport_cache:
-                _transport_cache.append(_Transport())
-    transport = _transport_cache[0]
+    transport = _shared_transport()
     shown_port = f":{base.port}" if base.port else ""
     where = f"POST {base.scheme}://{base.hostname}{shown_port}{base.path}"  # no userinfo or query: they may hold keys
 
@@ -2169,25 +3537,24 @@ def post_json(
         except _ReplyTooLarge as big:
             raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
 
-    def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> _Reply:
+    def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> ProxyOutcome:
         value, is_json = _decode_body(reply, "")
         if 200 <= status < 300:
             if not is_json:
-                return _Reply("error", error=HTTPStatusError(
+                return ProxyOutcome("error", error=HTTPStatusError(
                     f"{where}: HTTP {status} but the reply is not JSON: {_short(str(value or ''), 200)!r}",
                     status_code=status, body=value))
-            return _Reply("value", value)
+            return ProxyOutcome("value", value)
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
         error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
         if status in _MODEL_RETRY_STATUSES:
-            return _Reply("retry", error=error, retry_after=_parse_retry_after(_lower_headers(reply_headers).get("retry-after")))
-        return _Reply("error", error=error)
+            return ProxyOutcome("retry", error=error, retry_after=parse_retry_after(_lower_headers(reply_headers).get("retry-after")))
+        return ProxyOutcome("error", error=error)
 
     return _retry_loop(
         send, interpret, policy=retry, sleep=sleep,
         transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)),
     )
-
 
 # ---------------------------------------------------------------------------
 # Tools from code: JSON Schema from a function's signature, local argument
@@ -2476,964 +3843,6 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     in ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic`` shape."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
-
-# ---------------------------------------------------------------------------
-# Response envelope (§4)
-# ---------------------------------------------------------------------------
-
-_FINAL_KEYS = ("final_response", "final_output", "output", "message")
-
-
-def _final_text(value: Any, key: str) -> Optional[str]:
-    """The final response as a string; frameworks' non-string outputs become JSON or ``str()``."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value
-    if key == "final_response":
-        raise ResponseError(f"final_response must be a string, got {_json_type(value)}")
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, ensure_ascii=False, default=str)
-    dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
-    if callable(dump):
-        return str(dump())
-    return str(value)
-
-
-def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object.
-
-    Only an envelope-shaped value (one with ``final_response``) contributes its
-    messages, metadata and extra top-level keys; a framework's result
-    (``final_output`` / ``output`` / ``message``) contributes its text alone,
-    since its other fields are rarely JSON.
-    """
-    if isinstance(value, str):
-        return value, None, None, {}
-    if isinstance(value, Mapping):
-        if "final_response" in value:
-            extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
-            return _final_text(value["final_response"], "final_response"), value.get("messages"), value.get("metadata"), extra
-        for key in _FINAL_KEYS[1:]:
-            if value.get(key) is not None:
-                return _final_text(value[key], key), None, None, {}
-        return None, None, None, {}
-    if value is None:
-        return None, None, None, {}
-    for key in _FINAL_KEYS:
-        attr = getattr(value, key, None)
-        if attr is not None and not callable(attr):
-            if key == "final_response":
-                return _final_text(attr, key), getattr(value, "messages", None), getattr(value, "metadata", None), {}
-            return _final_text(attr, key), None, None, {}
-    raise ResponseError(
-        f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
-        "'final_response', or an object with final_response / final_output / output / message"
-    )
-
-
-def _normalise_tool_call(call: Any) -> Any:
-    """OpenAI nested ``{type: function, function: {name, arguments}}`` -> flat ``{id?, name, arguments?}``."""
-    if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
-        flat = {k: v for k, v in call.items() if k not in ("function", "type")}
-        flat["name"] = call["function"].get("name")
-        if "arguments" in call["function"]:
-            flat["arguments"] = call["function"]["arguments"]
-        return flat
-    return dict(call) if isinstance(call, Mapping) else call
-
-
-def _normalise_messages(messages: Any) -> Any:
-    if not isinstance(messages, (list, tuple)):
-        return messages
-    out = []
-    for message in messages:
-        if isinstance(message, Mapping):
-            message = dict(message)
-            if isinstance(message.get("tool_calls"), (list, tuple)):
-                message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
-        out.append(message)
-    return out
-
-
-def build_response(
-    value: Any,
-    *,
-    messages: Optional[Sequence[Mapping[str, Any]]] = None,
-    metadata: Optional[Mapping[str, Any]] = None,
-) -> Dict[str, Any]:
-    """The v1 response envelope (§4) from what an agent returned.
-
-    ``value`` is a string, a mapping (``final_response`` and friends, plus any
-    extra top-level keys, kept), or a result object exposing ``final_response``
-    / ``final_output`` / ``output`` / ``message``.  ``messages`` and
-    ``metadata`` override those found in ``value``.  Nested OpenAI tool calls
-    become the flat form.  Raises :class:`ResponseError` listing every problem
-    (an empty final response, bad roles, unpaired ``tool_call_id``, bad
-    metadata types) instead of returning a body the platform would drop.
-    """
-    final, found_messages, found_metadata, extra = _unpack_result(value)
-    if messages is None:
-        messages = found_messages
-    if metadata is None:
-        metadata = found_metadata
-    body: Dict[str, Any] = dict(extra)
-    body["final_response"] = final
-    if messages is not None:
-        body["messages"] = _normalise_messages(messages)
-    if metadata is not None:
-        body["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
-    problems = [p for p in validate_response(body) if not p.startswith("warning:")]
-    if problems:
-        raise ResponseError(problems)
-    for warning in validate_response(body):
-        if warning.startswith("warning:"):
-            _log.warning("response: %s", warning[len("warning: "):])
-    return body
-
-
-def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False) -> Dict[str, Any]:
-    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4)."""
-    text = _final_text(message, "message") if not isinstance(message, str) else message
-    if not text or not text.strip():
-        raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
-    if not isinstance(session_done, bool):
-        raise ResponseError(f"session_done must be a boolean, got {_json_type(session_done)}")
-    reply: Dict[str, Any] = {"message": text, "session_done": session_done}
-    if metadata is not None:
-        problems = _metadata_problems(metadata)
-        if problems:
-            raise ResponseError(problems)
-        reply["metadata"] = dict(metadata)
-    return reply
-
-
-def _metadata_problems(metadata: Any) -> List[str]:
-    if metadata is None:
-        return []
-    if not isinstance(metadata, Mapping):
-        return [f"metadata: must be an object or null, got {_json_type(metadata)} (the platform drops it)"]
-    problems = []
-    for key in _METADATA_STR_KEYS:
-        if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
-            problems.append(f"metadata.{key}: must be a string, got {_json_type(metadata[key])}")
-    for key in _METADATA_INT_KEYS:
-        v = metadata.get(key)
-        if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            problems.append(f"metadata.{key}: must be a non-negative integer, got {_short(repr(v), 40)}")
-    v = metadata.get("agent_runtime_ms")
-    if "agent_runtime_ms" in metadata and v is not None and (
-        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-    ):
-        problems.append(f"metadata.agent_runtime_ms: must be a non-negative number, got {_short(repr(v), 40)}")
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        problems.append(f"metadata: is not JSON-serialisable: {exc}")
-    return problems
-
-
-def _message_problems(messages: Any) -> List[str]:
-    if messages is None:
-        return []
-    if not isinstance(messages, (list, tuple)):
-        return [f"messages: must be an array or null, got {_json_type(messages)} (the platform drops it)"]
-    problems: List[str] = []
-    seen_call_ids: set = set()
-    for i, message in enumerate(messages):
-        at = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            problems.append(f"{at}: must be an object, got {_json_type(message)}")
-            continue
-        role = message.get("role")
-        if role not in MESSAGE_ROLES:
-            problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        content = message.get("content")
-        if "content" in message and content is not None and not isinstance(content, (str, list, tuple)):
-            problems.append(f"{at}.content: must be a string, an array of parts or null, got {_json_type(content)}")
-        tool_calls = message.get("tool_calls")
-        if "tool_calls" in message and tool_calls is not None:
-            if not isinstance(tool_calls, (list, tuple)):
-                problems.append(f"{at}.tool_calls: must be an array, got {_json_type(tool_calls)}")
-            else:
-                if role != "assistant" and tool_calls:
-                    problems.append(f"{at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
-                for j, call in enumerate(tool_calls):
-                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids))
-        thinking = message.get("thinking")
-        if "thinking" in message and thinking is not None:
-            if not isinstance(thinking, (list, tuple)):
-                problems.append(f"{at}.thinking: must be an array of objects, got {_json_type(thinking)}")
-            else:
-                for j, block in enumerate(thinking):
-                    if not isinstance(block, Mapping):
-                        problems.append(f"{at}.thinking[{j}]: must be an object, got {_json_type(block)}")
-        call_id = message.get("tool_call_id")
-        if "tool_call_id" in message and call_id is not None and not isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: must be a string, got {_json_type(call_id)}")
-        elif role == "tool":
-            if not call_id:
-                problems.append(f"{at}.tool_call_id: required on role 'tool'")
-            elif call_id not in seen_call_ids:
-                problems.append(
-                    f"{at}.tool_call_id: {_short(repr(call_id), 60)} does not match the id of an earlier "
-                    "assistant tool_calls entry"
-                )
-    return problems
-
-
-def _tool_call_problems(call: Any, at: str, seen_call_ids: set) -> List[str]:
-    if not isinstance(call, Mapping):
-        return [f"{at}: must be an object, got {_json_type(call)}"]
-    flat = _normalise_tool_call(call)
-    problems = []
-    name = flat.get("name")
-    if not isinstance(name, str) or not name:
-        problems.append(f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it")
-    call_id = flat.get("id")
-    if "id" in flat and call_id is not None:
-        if not isinstance(call_id, str):
-            problems.append(f"{at}.id: must be a string, got {_json_type(call_id)}")
-        else:
-            seen_call_ids.add(call_id)
-    arguments = flat.get("arguments")
-    if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        problems.append(f"{at}.arguments: must be an object or a JSON-encoded string, got {_json_type(arguments)}")
-    return problems
-
-
-def validate_response(body: Any) -> List[str]:
-    """Every problem the platform would reject, drop or truncate in a response body (§4).
-
-    Returns readable strings, each starting with the JSON path it concerns
-    (``final_response: ...``, ``messages[3].tool_call_id: ...``); warnings
-    that the platform only softens (truncation) start with ``warning:``.  An
-    empty list means the body is accepted as sent.
-    """
-    if not isinstance(body, Mapping):
-        return [f"body: must be a JSON object, got {_json_type(body)}"]
-    problems: List[str] = []
-    final = body.get("final_response")
-    if "final_response" not in body or final is None:
-        problems.append("final_response: required, a non-empty string (the judge grades it)")
-    elif not isinstance(final, str):
-        problems.append(f"final_response: must be a string, got {_json_type(final)}")
-    elif not final.strip():
-        problems.append("final_response: must not be empty or blank (the judge has nothing to grade)")
-    elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
-        problems.append(
-            f"warning: final_response: {len(final)} characters; the platform truncates it at "
-            f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning"
-        )
-    problems.extend(_message_problems(body.get("messages")))
-    problems.extend(_metadata_problems(body.get("metadata")))
-    if not problems:
-        try:
-            json.dumps(body, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            problems.append(f"body: is not JSON-serialisable: {exc}")
-    # Warnings last, so callers can show the hard problems first.
-    return sorted(problems, key=lambda p: p.startswith("warning:"))
-
-
-# ---------------------------------------------------------------------------
-# Dispatch core (§2): one function decides what every request returns
-# ---------------------------------------------------------------------------
-
-DEFAULT_DISPATCH_PATH = "/dispatch"
-DEFAULT_TOKEN_ENV = "AGENT_TOKEN"
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_RUN_TIMEOUT_S = 300.0
-MAX_RUN_TIMEOUT_S = 1800.0
-ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
-_DETAIL_LIMIT = 500
-_PROBE_TOOL = "__reachability_probe__"
-
-
-class HttpReply(NamedTuple):
-    """What the dispatch core answers: a status, headers and a JSON body."""
-
-    status: int
-    headers: List[Tuple[str, str]]
-    body: bytes
-
-
-def _json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-    headers.extend(extra_headers)
-    return HttpReply(status, headers, body)
-
-
-def _error_reply(status: int, detail: str, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    return _json_reply(status, {"detail": detail}, extra_headers)
-
-
-def describe_error(exc: BaseException, limit: int = _DETAIL_LIMIT) -> str:
-    """``"TypeName: message"`` of an exception, at most ``limit`` characters: what the platform is shown."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return _short(text, limit)
-
-
-def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
-    """Call a sync or ``async def`` agent with the envelope bound (this thread must run no event loop)."""
-    import inspect
-
-    with bind_envelope(envelope):
-        result = agent(envelope)
-        if inspect.isawaitable(result):
-            import asyncio
-
-            async def _await() -> Any:
-                return await result
-
-            result = asyncio.run(_await())
-    return result
-
-
-class _DeadlineExceeded(Exception):
-    pass
-
-
-def _run_with_deadline(fn: Callable[[], Any], timeout_s: float, stats: "_DispatchStats") -> Any:
-    """Run ``fn`` in this context on a worker thread; give up waiting after ``timeout_s``.
-
-    A Python thread cannot be killed: an overrunning agent keeps running in the
-    background, but ``stats.cancelled`` makes its further proxy calls fail fast.
-    """
-    context = contextvars.copy_context()
-    outcome: Dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = context.run(fn)
-        except BaseException as exc:  # noqa: BLE001 - handed back to the dispatching thread
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=target, name="pipelines-agent", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        stats.cancelled = True
-        raise _DeadlineExceeded()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("result")
-
-
-class DispatchApp:
-    """An agent function and its endpoint settings; :meth:`handle` decides every reply (§2).
-
-    ``agent(envelope)`` may be sync or ``async def`` and may return anything
-    :func:`build_response` accepts.  Auth (step 1) uses ``token`` or, by
-    default, the environment variable ``token_env`` read at each request; it is
-    off only with ``no_auth=True``.  ``auth_header`` is ``Authorization``
-    (``Bearer <token>``) or a custom header carrying the raw value.
-
-    Serve it with :func:`serve` / :func:`start_server`, under a WSGI server
-    (:attr:`wsgi`) or an ASGI server (:attr:`asgi`): all three call the same core.
-    """
-
-    def __init__(
-        self,
-        agent: Callable[[Envelope], Any],
-        *,
-        path: str = DEFAULT_DISPATCH_PATH,
-        token: Optional[str] = None,
-        token_env: Optional[str] = DEFAULT_TOKEN_ENV,
-        auth_header: str = "Authorization",
-        no_auth: bool = False,
-        max_body: int = DEFAULT_MAX_BODY_BYTES,
-        run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-        tools_schema: Union[Sequence[Any], str, "os.PathLike[str]", None] = None,
-    ) -> None:
-        if not callable(agent):
-            raise TypeError(f"agent must be callable, got {type(agent).__name__}")
-        if not path.startswith("/"):
-            raise ValueError(f"path must start with '/', got {path!r}")
-        if no_auth and token:
-            raise ValueError("no_auth=True and a token contradict each other: choose one")
-        if not no_auth and not token and not token_env:
-            raise ValueError("auth needs a token or a token_env; pass no_auth=True to disable it explicitly")
-        if not (0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
-            raise ValueError(f"run_timeout_s must be in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
-        if max_body < 1:
-            raise ValueError(f"max_body must be a positive number of bytes, got {max_body!r}")
-        if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
-            raise ValueError(f"auth_header must be an HTTP header name, got {auth_header!r}")
-        self.agent = agent
-        self.path = path.rstrip("/") or "/"
-        self.token = token
-        self.token_env = None if token else token_env
-        self.auth_header = auth_header
-        self.no_auth = no_auth
-        self.max_body = int(max_body)
-        self.run_timeout_s = float(run_timeout_s)
-        if tools_schema is None or isinstance(tools_schema, (list, tuple)):
-            self.tools_schema = convert_tools(tools_schema, "platform") if tools_schema is not None else None
-        else:
-            self.tools_schema = load_tools_schema(tools_schema)
-        self.routes: Dict[str, Tuple[str, ...]] = {self.path: ("POST",), "/healthz": ("GET",)}
-        if self.tools_schema is not None:
-            self.routes["/tools_schema"] = ("GET",)
-
-    def __repr__(self) -> str:
-        return f"DispatchApp({getattr(self.agent, '__name__', self.agent)!r}, path={self.path!r}, auth={self.describe_auth()!r})"
-
-    def describe_auth(self) -> str:
-        """How auth is configured, for a start-up line (never the token)."""
-        if self.no_auth:
-            return "DISABLED (no_auth): anyone who can reach this endpoint can dispatch"
-        value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
-        source = "the configured token" if self.token else f"${self.token_env}"
-        line = f"{self.auth_header}: {value} (token from {source})"
-        if self.token_env and not os.environ.get(self.token_env):
-            line += f"; {self.token_env} is NOT set: every request gets 503 until it is"
-        return line
-
-    # -- the core ---------------------------------------------------------------
-
-    def precheck(self, method: str, target: str, headers: HeadersLike) -> Optional[HttpReply]:
-        """The reply decided before the body is read, or ``None`` to read it and call :meth:`handle`.
-
-        Routing (404, 405), auth (401, 503), then the body's framing: 411 for a
-        chunked or length-less body, 413 over ``max_body`` (from Content-Length).
-        """
-        path = urlsplit(target).path.rstrip("/") or "/"
-        allowed = self.routes.get(path)
-        if allowed is None:
-            return _error_reply(404, f"no route for {_short(path, 100)}: dispatches go to POST {self.path}")
-        if method.upper() not in allowed:
-            return _error_reply(405, f"{method.upper()} is not allowed on {path}: use {' or '.join(allowed)}",
-                                [("Allow", ", ".join(allowed))])
-        if path == "/healthz":
-            return None
-        h = _lower_headers(headers)
-        denied = self._auth_problem(h)
-        if denied is not None:
-            return denied
-        if method.upper() != "POST":
-            return None
-        if "chunked" in h.get("transfer-encoding", "").lower():
-            return _error_reply(411, "chunked request bodies are not supported: send the JSON body with a Content-Length header")
-        length = _content_length(h.get("content-length"))
-        if length is None:
-            return _error_reply(411, "a Content-Length header with a decimal length is required: send the JSON "
-                                     "body with its length")
-        if length > self.max_body:
-            return _error_reply(413, f"request body of {length} bytes is over this endpoint's {self.max_body}-byte cap")
-        return None
-
-    def _auth_problem(self, headers: Dict[str, str]) -> Optional[HttpReply]:
-        if self.no_auth:
-            return None
-        expected = (self.token or os.environ.get(self.token_env or "") or "").strip()
-        if not expected:
-            return _error_reply(503, f"this agent's wrapper is misconfigured: auth reads environment variable "
-                                     f"{self.token_env}, which is not set")
-        if not check_credential(headers, expected, header_name=self.auth_header):
-            return _error_reply(401, f"missing or invalid credential in the {self.auth_header} header",
-                                [("WWW-Authenticate", "Bearer")] if self.auth_header.lower() == "authorization" else [])
-        return None
-
-    def handle(self, method: str, target: str, headers: HeadersLike, body: bytes) -> HttpReply:
-        """Decide the reply to one request, in §2's order: auth, JSON, ping, connectivity, envelope, agent, response.
-
-        No socket I/O of its own (the agent and the connectivity probe talk to
-        the proxy); every failure is one status with a JSON ``detail`` naming
-        it.  Adapters call it for every request, also when :meth:`precheck`
-        refused it (``body`` is then unread and ignored), and it writes one log
-        line per request to the dispatch path: ids, status, duration, proxy calls.
-        """
-        started = time.monotonic()
-        stats = _DispatchStats()
-        headers = _lower_headers(headers)
-        reply, what, envelope = self._decide(method, target, headers, body, stats)
-        # Health probes and accepted pings come often and mean little: DEBUG, so they neither
-        # flood the log nor queue every handler thread on the log's lock.
-        level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
-        if not _log.isEnabledFor(level):
-            return reply
-        if envelope is not None:
-            ids = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
-        else:
-            ids = (_header(headers, HEADER_RUN_ID), _header(headers, HEADER_TASK_ID),
-                   _header(headers, HEADER_RUN_TOKEN_JTI))
-        if what != "dispatch" and reply.status >= 400:
-            what = "rejected: " + json.loads(reply.body).get("detail", "")[:200]
-        _log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
-                  method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
-                  stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
-        return reply
-
-    def _decide(self, method: str, target: str, headers: HeadersLike, body: bytes,
-                stats: "_DispatchStats") -> Tuple[HttpReply, str, Optional[Envelope]]:
-        """``(reply, what, envelope)``: the §2 steps in order; ``what`` names the request for the log."""
-        early = self.precheck(method, target, headers)
-        if early is not None:
-            return early, "rejected", None
-        path = urlsplit(target).path.rstrip("/") or "/"
-        if path == "/healthz":
-            return _json_reply(200, {"ok": True, "version": __version__}), "health", None
-        if path == "/tools_schema":
-            return _json_reply(200, {"tools": self.tools_schema}), "tools schema", None
-        if len(body) > self.max_body:
-            return _error_reply(413, f"request body of {len(body)} bytes is over this endpoint's "
-                                     f"{self.max_body}-byte cap"), "rejected", None
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return _error_reply(400, f"body is not valid JSON: {_short(str(exc), 200)}"), "rejected", None
-        if is_ping(payload):
-            return _json_reply(200, {"ok": True}), "ping", None
-        if not isinstance(payload, dict):
-            return _error_reply(400, f"body must be a JSON object, got {_json_type(payload)}"), "rejected", None
-        if payload.get("connectivity_check") is True:
-            return self._connectivity_check(payload, headers), "connectivity check", None
-        try:
-            envelope = Envelope.from_dispatch(payload, headers)
-        except EnvelopeError as exc:
-            return _error_reply(400, str(exc)), "rejected", None
-        return self._run_agent(envelope, stats), "dispatch", envelope
-
-    def _connectivity_check(self, payload: Mapping[str, Any], headers: HeadersLike) -> HttpReply:
-        """§2 step 4: probe the proxy with a fake bearer; never runs user code."""
-        h = _lower_headers(headers)
-        url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(h, HEADER_PROXY_URL)
-        if not url:
-            return _error_reply(400, f"connectivity_check needs a proxy URL: body field {BODY_PROXY_URL!r} "
-                                     f"or header {_title(HEADER_PROXY_URL)}")
-        try:
-            proxy_url = validate_proxy_url(url, "the connectivity check")
-        except EnvelopeError as exc:
-            return _error_reply(400, str(exc))
-        return _json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
-
-    def _run_agent(self, envelope: Envelope, stats: "_DispatchStats") -> HttpReply:
-        token = _dispatch_stats.set(stats)
-        try:
-            result = _run_with_deadline(lambda: _call_agent(self.agent, envelope), self.run_timeout_s, stats)
-            body = build_response(result)
-            reply = _json_reply(200, body)
-            if envelope.run_token.encode("utf-8") in reply.body:
-                _log.warning("the agent's response contained the run token; it was redacted")
-                reply = _json_reply(200, _redact(body, envelope.run_token))
-        except _DeadlineExceeded:
-            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
-                       "further proxy calls", envelope.run_id, self.run_timeout_s)
-            reply = _error_reply(504, f"agent did not finish within run_timeout_s={self.run_timeout_s:g} s")
-        except ResponseError as exc:
-            reply = _error_reply(500, _redact_secrets(
-                f"agent returned a value that cannot become a response: {exc}", envelope, self)[:_DETAIL_LIMIT])
-        except BaseException as exc:  # noqa: BLE001 - the agent is user code: SystemExit or CancelledError too
-            import traceback
-
-            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            _log.error("run %s: the agent raised:\n%s", envelope.run_id, _redact_secrets(trace, envelope, self))
-            reply = _error_reply(500, _redact_secrets(describe_error(exc), envelope, self))
-        finally:
-            _dispatch_stats.reset(token)
-        return reply
-
-    # -- adapters -----------------------------------------------------------------
-
-    def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
-        """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
-        pairs = [(k[5:].replace("_", "-"), v) for k, v in environ.items() if k.startswith("HTTP_")]
-        for key, name in (("CONTENT_TYPE", "Content-Type"), ("CONTENT_LENGTH", "Content-Length")):
-            if environ.get(key):
-                pairs.append((name, environ[key]))
-        headers = _lower_headers(pairs)
-        method = environ.get("REQUEST_METHOD", "GET")
-        target = environ.get("PATH_INFO", "/") or "/"
-        if self.precheck(method, target, headers) is not None:
-            reply = self.handle(method, target, headers, b"")
-        else:
-            length = _content_length(environ.get("CONTENT_LENGTH")) or 0
-            body = _read_exactly(environ["wsgi.input"].read, length) if length else b""
-            if len(body) < length:
-                reply = _error_reply(400, f"request body truncated: got {len(body)} of {length} bytes")
-            else:
-                reply = self.handle(method, target, headers, body)
-        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
-        return [reply.body]
-
-    async def asgi(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        """The ASGI application (HTTP and lifespan): ``app = DispatchApp(agent).asgi`` for uvicorn & co.
-
-        The core runs on a thread of its own per request, so a slow agent never
-        blocks the event loop, and never on the pool that ``aproxy_call`` uses
-        (with both on one pool, enough concurrent dispatches would wait forever
-        for their own proxy calls).
-        """
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
-        method, target, headers = scope["method"], scope.get("path", "/"), _lower_headers(scope.get("headers", []))
-        if self.precheck(method, target, headers) is not None:
-            reply = self.handle(method, target, headers, b"")
-        else:
-            length = _content_length(headers.get("content-length")) or 0
-            chunks: List[bytes] = []
-            received, more = 0, True
-            while more and received < length:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunk = message.get("body", b"")
-                chunks.append(chunk)
-                received += len(chunk)
-                more = message.get("more_body", False)
-            body = b"".join(chunks)
-            if len(body) < length:
-                reply = _error_reply(400, f"request body truncated: got {len(body)} of {length} bytes")
-            else:
-                reply = await _on_own_thread(self.handle, method, target, headers, body)
-        await send({"type": "http.response.start", "status": reply.status,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]})
-        await send({"type": "http.response.body", "body": reply.body})
-
-
-async def _on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Await ``fn(*args)`` run on a new daemon thread in a copy of this context."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-    context = contextvars.copy_context()
-
-    def settle(method: str, value: Any) -> None:
-        if not future.done():  # the awaiting task may have been cancelled meanwhile
-            getattr(future, method)(value)
-
-    def target() -> None:
-        try:
-            result = context.run(fn, *args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(settle, "set_exception", exc)
-        else:
-            loop.call_soon_threadsafe(settle, "set_result", result)
-
-    threading.Thread(target=target, name="pipelines-dispatch", daemon=True).start()
-    return await future
-
-
-def _redact_secrets(text: str, envelope: Optional[Envelope], app: Optional[DispatchApp]) -> str:
-    """``text`` without the run token or the agent token (an agent's error may quote either)."""
-    secrets = [envelope.run_token] if envelope is not None else []
-    if app is not None:
-        secrets.append(app.token or os.environ.get(app.token_env or "") or "")
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, _REDACTED)
-    return text
-
-
-def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
-    """§3.7 reachability probe: ``{reachable, status_code, latency_ms, error}``.
-
-    POSTs ``{}`` to ``{proxy_url}/tools/__reachability_probe__`` with a fake
-    bearer: 401/403 (or 2xx) means reachable; a connection or DNS error means
-    egress is blocked.  Never raises.
-    """
-    started = time.monotonic()
-    try:
-        base = urlsplit(validate_proxy_url(proxy_url, "the probe"))
-        path = f"{base.path.rstrip('/')}/tools/{_PROBE_TOOL}"
-        headers = {"Content-Type": "application/json", "Authorization": "Bearer fake-token", "User-Agent": _USER_AGENT}
-        status, _, _ = _probe_transport().exchange(base, "POST", path, headers, b"{}", timeout, 64 << 10)
-    except _TransportFailure as failure:
-        cause = failure.__cause__ or failure
-        return {"reachable": False, "status_code": None, "latency_ms": round((time.monotonic() - started) * 1000, 1),
-                "error": describe_error(cause, 200)}
-    except (EnvelopeError, _ReplyTooLarge) as exc:
-        return {"reachable": False, "status_code": getattr(exc, "status", None),
-                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(exc, 200)}
-    reachable = status in (401, 403) or 200 <= status < 300
-    return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
-            "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
-
-
-@functools.lru_cache(maxsize=None)
-def _probe_transport() -> _Transport:
-    return _Transport()
-
-
-def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
-    """Up to ``length`` bytes from a stream that may return short reads; fewer only at EOF."""
-    chunks, remaining = [], length
-    while remaining > 0:
-        chunk = read(min(remaining, 1 << 16))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-def _reason(status: int) -> str:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
-
-
-def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
-    """A WSGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
-    return DispatchApp(agent, **options).wsgi
-
-
-def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., Any]:
-    """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
-    return DispatchApp(agent, **options).asgi
-
-
-# ---------------------------------------------------------------------------
-# Server: http.server, keep-alive, graceful shutdown
-# ---------------------------------------------------------------------------
-
-DEFAULT_READ_TIMEOUT_S = 30.0
-DEFAULT_GRACE_S = 30.0
-
-
-@functools.lru_cache(maxsize=None)
-def _server_classes() -> Tuple[type, type]:
-    """The ``http.server`` classes, built on first use so import stays cheap."""
-    import socket
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class DispatchServer(ThreadingHTTPServer):
-        """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
-
-        daemon_threads = True
-        allow_reuse_address = True
-        block_on_close = False
-        request_queue_size = 1024  # socketserver's 5 resets connections in a burst of dispatches
-
-        def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
-            self.app = app
-            self.read_timeout_s = read_timeout_s
-            self.draining = threading.Event()
-            self._in_flight = 0
-            self._idle = threading.Condition()
-            self._thread: Optional[threading.Thread] = None
-            super().__init__(address, DispatchHandler)
-
-        @property
-        def url(self) -> str:
-            host, port = self.server_address[:2]
-            shown = f"[{host}]" if ":" in host else host
-            return f"http://{shown}:{port}{self.app.path}"
-
-        def enter(self) -> bool:
-            with self._idle:
-                if self.draining.is_set():
-                    return False
-                self._in_flight += 1
-                return True
-
-        def leave(self) -> None:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
-
-        def drain(self, grace_s: float) -> bool:
-            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished."""
-            self.draining.set()
-            deadline = time.monotonic() + grace_s
-            with self._idle:
-                while self._in_flight > 0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._idle.wait(left)
-            return True
-
-        def close(self, grace_s: float = 5.0) -> bool:
-            """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
-            self.draining.set()
-            if self._thread is not None:
-                self.shutdown()
-            finished = self.drain(grace_s)
-            self.server_close()
-            return finished
-
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
-
-    class DispatchHandler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "pipelines-port/" + __version__
-        sys_version = ""
-        server: DispatchServer
-
-        wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
-
-        def setup(self) -> None:
-            self.timeout = self.server.read_timeout_s  # slow or truncated clients cannot hold a worker forever
-            super().setup()
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            if _log.isEnabledFor(logging.DEBUG):
-                _log.debug("%s %s", self.address_string(), format % args)
-
-        def do_GET(self) -> None:
-            self._serve()
-
-        def do_POST(self) -> None:
-            self._serve()
-
-        def do_PUT(self) -> None:
-            self._serve()
-
-        def do_DELETE(self) -> None:
-            self._serve()
-
-        def do_PATCH(self) -> None:
-            self._serve()
-
-        def do_HEAD(self) -> None:
-            self._serve()
-
-        def _serve(self) -> None:
-            app = self.server.app
-            if not self.server.enter():
-                self._send(_error_reply(503, "server is shutting down: retry on another instance"), close=True)
-                return
-            try:
-                headers = _lower_headers(self.headers.items())
-                refused = app.precheck(self.command, self.path, headers) is not None
-                length_n = _content_length(headers.get("content-length"))
-                # A refused request's body is read (and dropped) only when small, to keep the connection;
-                # otherwise the connection closes rather than parse the body as the next request.  Any
-                # Transfer-Encoding closes it too: its framing would disagree with Content-Length.
-                readable = length_n is not None and length_n <= app.max_body and "transfer-encoding" not in headers
-                close = self.server.draining.is_set() or (refused and not readable and self.command != "GET")
-                watch = _watchdog().watch(self.connection, self.server.read_timeout_s) if readable else None
-                try:
-                    body = _read_exactly(self.rfile.read, length_n) if readable else b""
-                except (OSError, ValueError):  # a client too slow or gone; the watchdog may have shut the socket
-                    self.close_connection = True
-                    return
-                finally:
-                    if watch is not None and _watchdog().done(watch):
-                        self.close_connection = True
-                if readable and len(body) < length_n:
-                    self._send(_error_reply(400, f"request body truncated: got {len(body)} of {length_n} bytes"),
-                               close=True)
-                    return
-                self._send(app.handle(self.command, self.path, headers, body), close=close)
-            finally:
-                self.server.leave()
-
-        def handle_expect_100(self) -> bool:
-            super().handle_expect_100()
-            self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
-            return True
-
-        def _send(self, reply: HttpReply, *, close: bool = False) -> None:
-            self.send_response(reply.status)
-            for name, value in reply.headers:
-                self.send_header(name, value)
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            try:
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(reply.body)
-                self.wfile.flush()
-            except OSError:
-                self.close_connection = True
-
-    return DispatchServer, DispatchHandler
-
-
-def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
-    if isinstance(agent, DispatchApp):
-        if options:
-            raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
-        return agent
-    return DispatchApp(agent, **options)
-
-
-def make_server(
-    agent: Union[DispatchApp, Callable[[Envelope], Any]],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-    **options: Any,
-) -> Any:
-    """A bound, not yet serving ``DispatchServer`` (a ``ThreadingHTTPServer``); ``options`` as for :class:`DispatchApp`."""
-    app = _as_app(agent, options)
-    if app.no_auth:
-        _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
-    server_class, _ = _server_classes()
-    return server_class((host, port), app, read_timeout_s)
-
-
-def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
-                 **options: Any) -> Any:
-    """Serve on a background thread (tests, notebooks); returns the server: ``.url``, ``.close(grace_s)``."""
-    server = make_server(agent, host=host, port=port, **options)
-    server._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                                      name="pipelines-server", daemon=True)
-    server._thread.start()
-    return server
-
-
-def serve(
-    agent: Union[DispatchApp, Callable[[Envelope], Any]],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    grace_s: float = DEFAULT_GRACE_S,
-    ready: Optional[Callable[[Any], None]] = None,
-    **options: Any,
-) -> int:
-    """Serve until SIGTERM or SIGINT, then drain: refuse new dispatches, let in-flight ones finish.
-
-    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is
-    called once listening.  Returns 0 when every dispatch finished, 1 otherwise.
-    """
-    import signal
-
-    server = make_server(agent, host=host, port=port, **options)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-    server._thread = thread
-    thread.start()
-    try:
-        if ready is not None:
-            ready(server)
-        while not stop.wait(0.5):
-            pass
-        _log.info("shutting down: refusing new dispatches, waiting up to %g s for in-flight ones", grace_s)
-        finished = server.close(grace_s)
-        if not finished:
-            _log.warning("grace period over with dispatches still running; exiting anyway")
-        return 0 if finished else 1
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
 # ---------------------------------------------------------------------------
@@ -3495,7 +3904,7 @@ class McpShim:
             return _rpc_error(request_id, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             _log.exception("mcp: %s failed", method)
-            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, _redact_secrets(describe_error(exc), self._envelope, None))
+            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, redact(describe_error(exc), self._envelope.run_token if self._envelope else None))
         return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -3567,7 +3976,7 @@ class McpShim:
         headers = {"Accept": "application/json", "Authorization": "Bearer " + envelope.run_token,
                    "User-Agent": _USER_AGENT}
         try:
-            status, _, body = _probe_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
+            status, _, body = _shared_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
         except (_TransportFailure, _ReplyTooLarge) as exc:
             raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: "
                                                  f"{describe_error(exc.__cause__ or exc, 200)}") from None
@@ -3628,93 +4037,9 @@ class _RpcError(Exception):
 def _rpc_error(request_id: Any, code: int, message: str) -> str:
     return json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}})
 
-
-# ---------------------------------------------------------------------------
-# Code mode (§5): one agent function, the sandbox's run() entrypoint
-# ---------------------------------------------------------------------------
-
-
-class AgentError(PipelinesError):
-    """The agent function raised; the original exception is ``__cause__``, its traceback intact."""
-
-
-def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` on a new thread and hand back its result or exception.
-
-    For the sandbox, whose Jupyter kernel already runs an event loop on the
-    calling thread (``asyncio.run`` raises there).  ``fn`` may be ``async def``:
-    it gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the one
-    bound here, if any) is bound inside the new thread, since a ContextVar does
-    not cross threads.  An exception is re-raised as is, traceback included.
-    """
-    import inspect
-
-    envelope = envelope if envelope is not None else _current.get()
-    outcome: Dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            with contextlib.ExitStack() as stack:
-                if envelope is not None:
-                    stack.enter_context(bind_envelope(envelope))
-                result = fn(*args, **kwargs)
-                if inspect.isawaitable(result):
-                    import asyncio
-
-                    async def _await() -> Any:
-                        return await result
-
-                    result = asyncio.run(_await())
-                outcome["result"] = result
-        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]:
-    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
-
-    The same ``agent(envelope)`` function (sync or ``async def``) serves HTTP
-    mode.  It runs on a fresh thread with the envelope bound, so it works under
-    the kernel's running loop.  The result goes through :func:`build_response`;
-    a raising agent gives :class:`AgentError` (original exception chained), a
-    :class:`PipelinesError` it raises (a stale run token, say) propagates as it
-    is, and a result that cannot become a response gives :class:`ResponseError`,
-    never a half-built dict.  The run token is redacted from the returned body
-    and from error messages, as the server does.
-    """
-
-    def run(task_input: Mapping[str, Any], *, proxy_url: str, run_token: str) -> Dict[str, Any]:
-        envelope = Envelope.from_run(task_input, proxy_url=proxy_url, run_token=run_token)
-        try:
-            result = run_in_fresh_thread(_call_agent, agent, envelope)
-        except PipelinesError:
-            raise
-        except Exception as exc:
-            raise AgentError(_redact_secrets(f"agent raised {describe_error(exc)}", envelope, None)) from exc
-        body = build_response(result)
-        if envelope.run_token in json.dumps(body, ensure_ascii=False):
-            _log.warning("the agent's response contained the run token; it was redacted")
-            body = _redact(body, envelope.run_token)
-        return body
-
-    run.__name__ = "run"
-    run.__qualname__ = "run"
-    run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (built by pipelines_port.code_mode)."
-    run.agent = agent  # type: ignore[attr-defined]
-    return run
-
-
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
 # ---------------------------------------------------------------------------
-
 
 class _UsageError(Exception):
     """A command-line problem: printed as one line, exit status 2."""
@@ -3831,11 +4156,7 @@ def _cmd_serve(args: Any) -> int:
         agent = load_agent(args.agent)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
-    tools_schema = args.tools_schema
-    if tools_schema is None and ":" in args.agent:
-        beside = os.path.join(os.path.dirname(os.path.abspath(args.agent.rpartition(":")[0])), "tools_schema.json")
-        if args.agent.rpartition(":")[0].endswith(".py") and os.path.isfile(beside):
-            tools_schema = beside
+    tools_schema = args.tools_schema if args.tools_schema is not None else tools_schema_beside(args.agent)
     if isinstance(agent, DispatchApp):
         app = agent
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import pathlib
 import re
 import sys
@@ -45,23 +46,21 @@ def variant(name: str, fails: Optional[str], control: Optional[str]) -> Callable
 
 
 def wrap_replies(change: Callable[[int, bytes, Any], Any]) -> None:
-    """Patch how proxy replies are read: ``change(status, body, reply) -> reply``."""
-    original = pp._interpret_reply
+    """Change how proxy replies are read: ``change(status, body, outcome) -> outcome`` (the interpret seam)."""
+    class Client(pp.ProxyClient):
+        def interpret(self, status: int, headers: Any, body: bytes, **kwargs: Any) -> Any:
+            return change(status, body, super().interpret(status, headers, body, **kwargs))
 
-    def interpret(status: int, headers: Any, body: bytes, **kwargs: Any) -> Any:
-        return change(status, body, original(status, headers, body, **kwargs))
-
-    pp._interpret_reply = interpret
+    pp.set_default_client(Client())
 
 
 def wrap_sent_headers(change: Callable[[Dict[str, str], str], Dict[str, str]]) -> None:
-    """Patch the headers of every outbound request: ``change(headers, path) -> headers``."""
-    original = pp._Transport.exchange
+    """Change the headers of every proxy request: ``change(headers, path) -> headers`` (the exchange seam)."""
+    class Client(pp.ProxyClient):
+        def exchange(self, base: Any, method: str, path: str, headers: Any, *rest: Any) -> Any:
+            return super().exchange(base, method, path, change(dict(headers), path), *rest)
 
-    def exchange(self: Any, base: Any, method: str, path: str, headers: Any, *rest: Any) -> Any:
-        return original(self, base, method, path, change(dict(headers), path), *rest)
-
-    pp._Transport.exchange = exchange
+    pp.set_default_client(Client())
 
 
 @variant("correct", None, None)
@@ -79,7 +78,7 @@ def auth_after_ping() -> None:
         except ValueError:
             payload = None
         if pp.is_ping(payload):  # answered before the credential is looked at
-            return pp._json_reply(200, {"ok": True})
+            return pp.json_reply(200, {"ok": True})
         return original(self, method, target, headers, body)
 
     pp.DispatchApp.handle = handle
@@ -98,7 +97,7 @@ def envelope_unwrapped() -> None:
 
 @variant("no_retry_429", "proxy.retry_429", "proxy.retry_503_lock_contention")
 def no_retry_429() -> None:
-    wrap_replies(lambda status, body, reply: pp._Reply("error", error=reply.error)
+    wrap_replies(lambda status, body, reply: pp.ProxyOutcome("error", error=reply.error)
                  if status == 429 and reply.kind == "retry" else reply)
 
 
@@ -121,7 +120,7 @@ def string_decoded_twice() -> None:
 
 @variant("token_in_error_detail", "secrets.agent_error_detail", "response.agent_error")
 def token_in_error_detail() -> None:
-    pp._redact_secrets = lambda text, envelope, app: text
+    pp.DispatchApp.redact = lambda self, text, envelope: text  # type: ignore[method-assign]
 
 
 @variant("empty_final_response", "response.empty_final_response", "response.echo_valid")
@@ -182,7 +181,7 @@ def header_fallback_ignored() -> None:
     original = pp.Envelope.from_dispatch.__func__
 
     def from_dispatch(cls: Any, body: Any, headers: Any = None) -> pp.Envelope:
-        token = pp._lower_headers(headers).get("x-pipelines-run-token")
+        token = {str(k).lower(): v for k, v in dict(headers or {}).items()}.get("x-pipelines-run-token")
         return original(cls, body, {"X-Pipelines-Run-Token": token} if token is not None else {})
 
     pp.Envelope.from_dispatch = classmethod(from_dispatch)
@@ -190,14 +189,15 @@ def header_fallback_ignored() -> None:
 
 @variant("no_occurred_at", "trace.event_shape", "trace.self_handoff_dropped")
 def no_occurred_at() -> None:
-    original = pp._encode_args
+    class Client(pp.ProxyClient):
+        def exchange(self, base: Any, method: str, path: str, headers: Any, body: bytes, *rest: Any) -> Any:
+            if "/traces/" in path:
+                event = json.loads(body)
+                event.pop("__occurred_at", None)
+                body = json.dumps(event).encode()
+            return super().exchange(base, method, path, headers, body, *rest)
 
-    def encode(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-        if what == "trace payload" and isinstance(args, dict):
-            args = {k: v for k, v in args.items() if k != "__occurred_at"}
-        return original(name, args, what=what)
-
-    pp._encode_args = encode
+    pp.set_default_client(Client())
 
 
 @variant("both_token_headers", "proxy.request_shape", "proxy.idempotency_fresh")
@@ -234,7 +234,7 @@ def json_before_auth() -> None:
         try:
             json.loads(body)
         except ValueError:  # a 400 before the credential is looked at
-            return pp._error_reply(400, "body is not valid JSON")
+            return pp.error_reply(pp.RequestError("body is not valid JSON"))
         return original(self, method, target, headers, body)
 
     pp.DispatchApp.handle = handle
@@ -242,7 +242,7 @@ def json_before_auth() -> None:
 
 @variant("untyped_error_detail", "response.agent_error", "secrets.agent_error_detail")
 def untyped_error_detail() -> None:
-    pp.describe_error = lambda exc, limit=pp._DETAIL_LIMIT: str(exc)[:limit]  # the message without the exception type
+    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT: str(exc)[:limit]  # the message without the exception type
 
 
 # -- legal variations: what the contract leaves open ------------------------------------------
@@ -350,8 +350,8 @@ def main(argv: Optional[list] = None) -> int:
     from conformance.agent import agent
 
     auth: Dict[str, Any] = {"token": args.token} if args.token else {"no_auth": True}
-    pp._configure_logging(False)
-    pp._log.setLevel("ERROR")
+    logging.basicConfig()
+    logging.getLogger("pipelines_port").setLevel("ERROR")
     return pp.serve(agent, host=args.host, port=args.port, grace_s=2.0,
                     ready=lambda server: print(f"listening on {server.url}", flush=True), **auth)
 

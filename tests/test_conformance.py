@@ -228,8 +228,10 @@ def test_list_names_every_case_with_its_section() -> None:
 
 
 @pytest.fixture
-def quick_client(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pp, "_default_client_cache", [pp.ProxyClient(rate_per_minute=0, timeout=20)])
+def quick_client() -> Iterator[None]:
+    previous = pp.set_default_client(pp.ProxyClient(rate_per_minute=0, timeout=20))
+    yield
+    pp.set_default_client(previous)
 
 
 def test_a_custom_auth_header_runs_its_own_auth_vectors(capsys: pytest.CaptureFixture, tmp_path: Path,
@@ -273,7 +275,7 @@ def test_without_a_token_the_auth_cases_are_skipped(capsys: pytest.CaptureFixtur
 def test_a_port_without_the_connectivity_extension_is_skipped_not_failed(capsys: pytest.CaptureFixture,
                                                                          quick_client: None) -> None:
     app = pp.DispatchApp(conformance_agent.agent, no_auth=True)
-    app._connectivity_check = lambda payload, headers: pp._error_reply(400, "dispatch is missing run token")
+    app.connectivity_check = lambda proxy_url: pp.error_reply(pp.EnvelopeError("dispatch is missing run token"))  # type: ignore[method-assign]
     server = pp.start_server(app)
     try:
         code = check.main([server.url, "--only", "connectivity", "--json", "-"])

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Iterator, Any, Dict, List
 
 import pytest
 
@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def quick_client(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pp, "_default_client_cache", [pp.ProxyClient(rate_per_minute=0, timeout=20)])
+def quick_client() -> Iterator[None]:
+    previous = pp.set_default_client(pp.ProxyClient(rate_per_minute=0, timeout=20))
+    yield
+    pp.set_default_client(previous)
 
 
 @pytest.fixture

@@ -109,9 +109,11 @@ def proxy() -> Iterator[MockProxy]:
 
 
 @pytest.fixture(autouse=True)
-def quick_client(monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_client() -> Iterator[None]:
     """The module-level client without pacing, so many dispatches do not wait on the rate limit."""
-    monkeypatch.setattr(pp, "_default_client_cache", [pp.ProxyClient(rate_per_minute=0, timeout=20)])
+    previous = pp.set_default_client(pp.ProxyClient(rate_per_minute=0, timeout=20))
+    yield
+    pp.set_default_client(previous)
 
 
 @pytest.fixture

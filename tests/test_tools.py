@@ -120,8 +120,9 @@ def test_outside_a_dispatch_the_function_runs_locally() -> None:
 
 
 def test_inside_a_dispatch_calls_go_through_the_proxy(proxy: MockProxy, client: pp.ProxyClient,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pp, "_default_client_cache", [client])
+                                                       request: pytest.FixtureRequest) -> None:
+    previous = pp.set_default_client(client)
+    request.addfinalizer(lambda: pp.set_default_client(previous))
     with pp.bind_envelope(envelope_for(proxy)):
         got = refund_order("4521", priority=Priority.HIGH, tags=["vip"])
         assert got == {"tool": "refund_order", "args": {"order_id": "4521", "priority": "high", "tags": ["vip"]}}

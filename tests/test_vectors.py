@@ -152,7 +152,7 @@ def raw_body(case: Dict[str, Any]) -> bytes:
 
 @pytest.mark.parametrize("case", REPLIES, ids=ids(REPLIES))
 def test_proxy_reply_vectors_pure(case: Dict[str, Any]) -> None:
-    outcome = pp._interpret_reply(
+    outcome = pp.interpret_reply(
         case["status"], case["headers"], raw_body(case),
         tool_name=REPLIES_DOC["tool_name"], run_token=REPLIES_DOC["run_token"],
     )
