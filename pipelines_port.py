@@ -53,6 +53,7 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
+    Deque,
     Dict,
     FrozenSet,
     Generic,
@@ -63,6 +64,7 @@ from typing import (
     NamedTuple,
     Optional,
     Sequence,
+    Set,
     Tuple,
     TypeVar,
     Union,
@@ -438,7 +440,7 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
     )
 
 
-class _FrozenDict(dict):
+class _FrozenDict(Dict[Any, Any]):
     """A dict that refuses mutation.  ``json.dumps`` and ``isinstance(x, dict)`` still work."""
 
     __slots__ = ()
@@ -449,13 +451,13 @@ class _FrozenDict(dict):
         return dict(self)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
-        return _thaw(self)
+        return cast(Dict[Any, Any], _thaw(self))
 
     def __reduce__(self) -> Any:
         return (dict, (dict(self),))
 
 
-class _FrozenList(list):
+class _FrozenList(List[Any]):
     """A list that refuses mutation.  ``json.dumps`` and ``isinstance(x, list)`` still work."""
 
     __slots__ = ()
@@ -466,7 +468,7 @@ class _FrozenList(list):
         return list(self)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> List[Any]:
-        return _thaw(self)
+        return cast(List[Any], _thaw(self))
 
     def __reduce__(self) -> Any:
         return (list, (list(self),))
@@ -514,7 +516,8 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
     out = _LowerHeaders()
     if headers is None:
         return out
-    pairs = headers.items() if hasattr(headers, "items") else headers
+    items = getattr(headers, "items", None)  # a mapping or an email.message.Message
+    pairs = cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers)
     for name, value in pairs:
         if isinstance(name, bytes):
             name = name.decode("latin-1")
@@ -540,35 +543,35 @@ def validate_proxy_url(url: Any, where: str) -> str:
     """The proxy base URL without its trailing ``/``; http(s) with a host only."""
     if not isinstance(url, str) or not url.strip():
         raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
-    url = url.strip().rstrip("/")
+    text: str = url.strip().rstrip("/")
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
-        raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} is not a valid URL: {exc}") from None
+        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} is not a valid URL: {exc}") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise EnvelopeError(
-            f"proxy URL {_short(url)!r} from {where} must be an http:// or https:// URL with a host"
+            f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host"
         )
     if parts.query or parts.fragment:
-        raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} must not carry a query or fragment")
+        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must not carry a query or fragment")
     try:
         parts.hostname.encode("idna")
     except UnicodeError:
-        raise EnvelopeError(f"proxy URL {_short(url)!r} from {where} has a host name that is not valid") from None
-    if any(ord(c) < 33 or ord(c) == 127 for c in url):
+        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} has a host name that is not valid") from None
+    if any(ord(c) < 33 or ord(c) == 127 for c in text):
         raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
-    return url
+    return text
 
 
 def _check_run_token(token: Any, where: str) -> str:
     if not isinstance(token, str) or not token.strip():
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    token = token.strip()
-    if _CONTROL_CHARACTER.search(token) or "\t" in token:
+    text: str = token.strip()
+    if _CONTROL_CHARACTER.search(text) or "\t" in text:
         # Never echo it: it is a secret.
         raise EnvelopeError(f"run token from {where} contains control characters")
-    return token
+    return text
 
 
 def _native_id(value: Any) -> Optional[Id]:
@@ -726,7 +729,7 @@ class Envelope:
     def __reduce__(self) -> Any:
         return (_rebuild_envelope, ({n: _thaw(getattr(self, n)) for n in self.__slots__},))
 
-    def replace(self, **changes: Any) -> "Envelope":
+    def replace(self, **changes: Any) -> Envelope:
         """A copy with some fields changed (like ``dataclasses.replace``)."""
         fields = {n: _thaw(getattr(self, n)) for n in self.__slots__}
         unknown = set(changes) - set(fields)
@@ -802,7 +805,7 @@ class Envelope:
     # -- constructors ---------------------------------------------------------
 
     @classmethod
-    def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> "Envelope":
+    def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
         """Parse an HTTP dispatch (§2): the JSON body plus the request headers.
 
         Body fields win; ids, the jti and the proxy URL fall back to the
@@ -853,7 +856,7 @@ class Envelope:
             agent_id=_first_id(body.get("agent_id")),
             run_token_jti=jti.strip() if isinstance(jti, str) and jti.strip() else _header(h, HEADER_RUN_TOKEN_JTI),
             tools_schema=body.get("tools_schema") if isinstance(body.get("tools_schema"), list) else None,
-            sub_agents=body.get("sub_agents") if isinstance(body.get("sub_agents"), list) else (),
+            sub_agents=body["sub_agents"] if isinstance(body.get("sub_agents"), list) else (),
             raw=body,
             **_task_fields(task),
         )
@@ -866,7 +869,7 @@ class Envelope:
         proxy_url: str,
         run_token: str,
         environ: Optional[Mapping[str, str]] = None,
-    ) -> "Envelope":
+    ) -> Envelope:
         """Build the envelope from code-mode ``run(task_input, *, proxy_url, run_token)`` (§5).
 
         The ids, jti and inline tools schema come from ``environ`` (default
@@ -905,7 +908,7 @@ class Envelope:
         )
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Envelope":
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
         """Build the envelope from the code-mode ``PIPELINES_*`` environment (§5).
 
         The task comes from ``_PIPELINES_TASK_INPUT_JSON`` or ``_PIPELINES_TASK_INPUT_B64``.
@@ -1098,7 +1101,7 @@ class Decision(NamedTuple):
     """
 
     action: str
-    reply: Optional["HttpReply"] = None
+    reply: Optional[HttpReply] = None
     proxy_url: Optional[str] = None
     envelope: Optional[Envelope] = None
     what: str = "rejected"
@@ -1208,7 +1211,7 @@ def validate_actor_label(label: Any) -> Optional[str]:
         raise ProxyRequestError(
             f"actor label must be a string, got {type(label).__name__}", error_class="actor_id_invalid"
         )
-    label = label.strip()
+    label = str(label).strip()
     if not label:
         return None
     problem = None
@@ -1226,8 +1229,9 @@ def validate_actor_label(label: Any) -> Optional[str]:
                 )
                 break
     if problem:
-        raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
-    return label
+        raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}",
+                                error_class="actor_id_invalid")
+    return cast(str, label)
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
@@ -1264,7 +1268,7 @@ class ProxyOutcome(NamedTuple):
 
     kind: str  # "value" | "error" | "retry"
     value: Any = None
-    error: Optional[ProxyError] = None
+    error: Optional[PipelinesError] = None  # ProxyError for proxy replies; post_json's HTTPStatusError
     retry_after: Optional[float] = None
 
 
@@ -1364,13 +1368,11 @@ def interpret_reply(
         text += f" {error_class}"
     if message:
         text += f": {message}"
-    kwargs = dict(status_code=status, error_class=error_class, body=body_kept, tool_name=tool_name, retry_after=retry_after)
     decision = retry_decision(status, error_class)
-    if decision == "retry":
-        return ProxyOutcome("retry", error=ProxyError(text, **kwargs), retry_after=retry_after)
-    if decision == "stale":
-        return ProxyOutcome("error", error=StaleRunTokenError(text + " (the run is over)", **kwargs))
-    return ProxyOutcome("error", error=ProxyError(text, **kwargs))
+    error_type = StaleRunTokenError if decision == "stale" else ProxyError
+    error = error_type(text + (" (the run is over)" if decision == "stale" else ""), status_code=status,
+                       error_class=error_class, body=body_kept, tool_name=tool_name, retry_after=retry_after)
+    return ProxyOutcome("retry" if decision == "retry" else "error", error=error, retry_after=retry_after)
 
 
 class RetryPolicy(NamedTuple):
@@ -1397,7 +1399,7 @@ class RetryPolicy(NamedTuple):
             return min(retry_after, self.max_retry_after_s)
         wait = self.base_delay_s * (2 ** (retry_number - 1))
         wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
-        return max(0.0, min(wait, self.max_delay_s))
+        return float(max(0.0, min(wait, self.max_delay_s)))
 
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation
@@ -1435,7 +1437,8 @@ def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]
     if isinstance(value, Mapping):
         if "final_response" in value:
             extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
-            return _final_text(value["final_response"], "final_response"), value.get("messages"), value.get("metadata"), extra
+            final = _final_text(value["final_response"], "final_response")
+            return final, value.get("messages"), value.get("metadata"), extra
         for key in _FINAL_KEYS[1:]:
             if value.get(key) is not None:
                 return _final_text(value[key], key), None, None, {}
@@ -1513,7 +1516,9 @@ def response_envelope(
     return body, [w[len("warning: "):] for w in found if w.startswith("warning:")]
 
 
-def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False) -> Dict[str, Any]:
+def build_turn_reply(
+    message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False
+) -> Dict[str, Any]:
     """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4)."""
     text = _final_text(message, "message") if not isinstance(message, str) else message
     if not text or not text.strip():
@@ -1560,7 +1565,7 @@ def _message_problems(messages: Any) -> List[str]:
     if not isinstance(messages, (list, tuple)):
         return [f"messages: must be an array or null, got {_json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
-    seen_call_ids: set = set()
+    seen_call_ids: Set[str] = set()
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -1603,14 +1608,15 @@ def _message_problems(messages: Any) -> List[str]:
     return problems
 
 
-def _tool_call_problems(call: Any, at: str, seen_call_ids: set) -> List[str]:
+def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str]) -> List[str]:
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {_json_type(call)}"]
     flat = _normalise_tool_call(call)
     problems = []
     name = flat.get("name")
     if not isinstance(name, str) or not name:
-        problems.append(f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it")
+        problems.append(f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); "
+                        "the platform drops it")
     call_id = flat.get("id")
     if "id" in flat and call_id is not None:
         if not isinstance(call_id, str):
@@ -1765,7 +1771,7 @@ class _Once(Generic[_T]):
 # Context binding: the envelope of the dispatch running in this context
 # ---------------------------------------------------------------------------
 
-_current: "contextvars.ContextVar[Optional[Envelope]]" = contextvars.ContextVar(
+_current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar(
     "pipelines_port_envelope", default=None
 )
 
@@ -1826,7 +1832,7 @@ class _Pacer:
         self.limit = limit
         self.window_s = window_s
         self._max_tokens = max_tokens
-        self._log: "OrderedDict[str, deque]" = OrderedDict()
+        self._log: OrderedDict[str, Deque[float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def reserve(self, key: str, now: Optional[float] = None) -> float:
@@ -1860,7 +1866,7 @@ class _DispatchStats:
             self.proxy_calls += 1
 
 
-_dispatch_stats: "contextvars.ContextVar[Optional[_DispatchStats]]" = contextvars.ContextVar(
+_dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.ContextVar(
     "pipelines_port_dispatch_stats", default=None
 )
 
@@ -1960,7 +1966,7 @@ class _Watchdog:
         import heapq
 
         with self._wake:
-            fired = entry[3] == 2
+            fired = bool(entry[3] == 2)
             if entry[3] == 0:
                 self._watched -= 1
             entry[3], entry[2] = 1, None
@@ -1997,7 +2003,7 @@ def _loggable_path(path: str) -> str:
     return path.split("?", 1)[0] + ("?…" if "?" in path else "")
 
 
-def _make_tls_context() -> "ssl.SSLContext":
+def _make_tls_context() -> ssl.SSLContext:
     """One verifying TLS context per process, created on first use (loading CAs is slow)."""
     import ssl
 
@@ -2032,7 +2038,7 @@ class _ReplyTooLarge(Exception):
 class _Transport:
     """HTTP(S) exchanges over keep-alive connections: the one I/O layer of every outbound call."""
 
-    def __init__(self, ssl_context: "Optional[ssl.SSLContext]" = None) -> None:
+    def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
         self._ssl_context = ssl_context
         self._connections = _Connections()
 
@@ -2061,11 +2067,12 @@ class _Transport:
         port = base.port or (443 if scheme == "https" else 80)
         key = (scheme, base.hostname, port)
 
-        def make() -> "http.client.HTTPConnection":
+        def make() -> http.client.HTTPConnection:
             if scheme == "https":
                 context = self._ssl_context or _default_tls_context()
-                return _http_classes()[1](base.hostname, port, timeout=timeout, context=context)
-            return _http_classes()[0](base.hostname, port, timeout=timeout)
+                return cast("http.client.HTTPConnection",
+                            _http_classes()[1](base.hostname, port, timeout=timeout, context=context))
+            return cast("http.client.HTTPConnection", _http_classes()[0](base.hostname, port, timeout=timeout))
 
         debug = _log.isEnabledFor(logging.DEBUG)
         where = f"{base.hostname}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
@@ -2128,7 +2135,7 @@ def _debug_headers(headers: Mapping[str, str]) -> str:
 
 def _retry_loop(
     send: Callable[[], Tuple[int, List[Tuple[str, str]], bytes]],
-    interpret: Callable[[int, List[Tuple[str, str]], bytes], "ProxyOutcome"],
+    interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
     *,
     policy: RetryPolicy,
     sleep: Callable[[float], None],
@@ -2250,7 +2257,7 @@ class ProxyClient:
         timeout: Optional[float] = None,
         retry: RetryPolicy = RetryPolicy(),
         rate_per_minute: Optional[float] = None,
-        ssl_context: "Optional[ssl.SSLContext]" = None,
+        ssl_context: Optional[ssl.SSLContext] = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
@@ -2258,7 +2265,8 @@ class ProxyClient:
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
         self.retry = retry
-        rate = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None else rate_per_minute
+        rate = (_env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None
+                else rate_per_minute)
         self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
         self._sleep = sleep
         self._transport = _Transport(ssl_context)
@@ -2418,7 +2426,7 @@ class ProxyClient:
 
 
 _undeclared_lock = threading.Lock()
-_undeclared_seen: "OrderedDict[Tuple[Any, ...], None]" = OrderedDict()
+_undeclared_seen: OrderedDict[Tuple[Any, ...], None] = OrderedDict()
 
 
 def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
@@ -2440,7 +2448,7 @@ def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
 _default_client = _Once(lambda: ProxyClient())
 
 
-def set_default_client(client: "ProxyClient") -> "ProxyClient":
+def set_default_client(client: ProxyClient) -> ProxyClient:
     """Make ``client`` the one :func:`proxy_call`, :func:`post_trace` and tools use when none is passed.
 
     The supported way to change how every call of the process goes out (a
@@ -2514,7 +2522,8 @@ class Actor:
 
     __slots__ = ("label", "_envelope", "_client")
 
-    def __init__(self, label: str, *, envelope: Optional[Envelope] = None, client: Optional[ProxyClient] = None) -> None:
+    def __init__(self, label: str, *, envelope: Optional[Envelope] = None,
+                 client: Optional[ProxyClient] = None) -> None:
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
@@ -2535,15 +2544,17 @@ class Actor:
         """:func:`aproxy_call` as this actor."""
         return await _in_thread(self.call, name, args, **options)
 
-    def trace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None, **options: Any) -> Optional[Dict[str, Any]]:
+    def trace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
+              **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`post_trace` as this actor."""
-        return post_trace(event_type, payload, envelope=self._envelope, actor=self.label, client=self._client, **options)
+        return post_trace(event_type, payload, envelope=self._envelope, actor=self.label, client=self._client,
+                          **options)
 
     def handoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`post_handoff` from this actor to ``to_sub_agent``."""
         return post_handoff(self.label, to_sub_agent, envelope=self._envelope, client=self._client, **options)
 
-    def actor(self, child: str) -> "Actor":
+    def actor(self, child: str) -> Actor:
         """A sub-actor one level down the call path (``parent/child``)."""
         return Actor(f"{self.label}/{child}", envelope=self._envelope, client=self._client)
 
@@ -2575,9 +2586,10 @@ def post_trace(
     )
 
 
-async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, **options: Any) -> Optional[Dict[str, Any]]:
+async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None,
+                      **options: Any) -> Optional[Dict[str, Any]]:
     """The asyncio form of :func:`post_trace`."""
-    return await _in_thread(post_trace, event_type, payload, **options)
+    return cast(Optional[Dict[str, Any]], await _in_thread(post_trace, event_type, payload, **options))
 
 
 def post_handoff(
@@ -2720,7 +2732,7 @@ class DispatchApp:
         no_auth: bool = False,
         max_body: int = DEFAULT_MAX_BODY_BYTES,
         run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-        tools_schema: Union[Sequence[Any], str, "os.PathLike[str]", None] = None,
+        tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
     ) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
@@ -2743,7 +2755,7 @@ class DispatchApp:
         if tools_schema is None or isinstance(tools_schema, (list, tuple)):
             tools = convert_tools(tools_schema, "platform") if tools_schema is not None else None
         else:
-            tools = load_tools_schema(tools_schema)
+            tools = load_tools_schema(cast("Union[str, os.PathLike[str]]", tools_schema))
         self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
                                  no_auth=no_auth, max_body=int(max_body), tools_schema=tools)
 
@@ -2768,7 +2780,8 @@ class DispatchApp:
         return cast(Optional[List[Dict[str, Any]]], self.endpoint.tools_schema)
 
     def __repr__(self) -> str:
-        return f"DispatchApp({getattr(self.agent, '__name__', self.agent)!r}, path={self.path!r}, auth={self.describe_auth()!r})"
+        name = getattr(self.agent, "__name__", self.agent)
+        return f"DispatchApp({name!r}, path={self.path!r}, auth={self.describe_auth()!r})"
 
     def describe_auth(self) -> str:
         """How auth is configured, for a start-up line (never the token)."""
@@ -2840,7 +2853,7 @@ class DispatchApp:
         """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code."""
         return json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
 
-    def run_agent(self, envelope: Envelope, stats: Optional["_DispatchStats"] = None) -> HttpReply:
+    def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
         """Run the agent on ``envelope`` within ``run_timeout_s``; the response envelope or the error reply."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
@@ -3049,7 +3062,7 @@ def _make_server_classes() -> Tuple[type, type]:
 
         @property
         def url(self) -> str:
-            host, port = self.server_address[:2]
+            host, port = str(self.server_address[0]), self.server_address[1]
             shown = f"[{host}]" if ":" in host else host
             return f"http://{shown}:{port}{self.app.path}"
 
@@ -3093,13 +3106,13 @@ def _make_server_classes() -> Tuple[type, type]:
         protocol_version = "HTTP/1.1"
         server_version = "pipelines-port/" + __version__
         sys_version = ""
-        server: DispatchServer
+        server: DispatchServer  # pyright: ignore[reportIncompatibleVariableOverride]
 
         wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
 
         def setup(self) -> None:
-            self.timeout = self.server.read_timeout_s  # slow or truncated clients cannot hold a worker forever
             super().setup()
+            self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def log_message(self, format: str, *args: Any) -> None:
@@ -3194,7 +3207,10 @@ def make_server(
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     **options: Any,
 ) -> Any:
-    """A bound, not yet serving ``DispatchServer`` (a ``ThreadingHTTPServer``); ``options`` as for :class:`DispatchApp`."""
+    """A bound, not yet serving ``DispatchServer`` (a ``ThreadingHTTPServer``).
+
+    ``options`` as for :class:`DispatchApp`.
+    """
     app = _as_app(agent, options)
     if app.no_auth:
         _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
@@ -3303,7 +3319,8 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
 
     run.__name__ = "run"
     run.__qualname__ = "run"
-    run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (built by pipelines_port.code_mode)."
+    name = getattr(agent, "__name__", "the agent")
+    run.__doc__ = f"Code-mode entrypoint for {name} (built by pipelines_port.code_mode)."
     run.agent = agent  # type: ignore[attr-defined]
     return run
 
@@ -3361,7 +3378,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
     out: List[Dict[str, Any]] = []
-    seen: set = set()
+    seen: Set[str] = set()
     for i, entry in enumerate(tools):
         name, description, schema = _tool_parts(entry, i)
         if name in seen:
@@ -3385,7 +3402,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
     return out
 
 
-def load_tools_schema(source: Union[str, "os.PathLike[str]", None] = None) -> List[Dict[str, Any]]:
+def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
     """The tool list in the platform's shape, from a JSON file or the environment (§3.6).
 
     ``source`` is a path to a JSON list (or ``{"tools": [...]}``); with no
@@ -3434,14 +3451,13 @@ def bound_output(text: Any, limit: int = 8000) -> str:
     The middle is replaced by a marker saying how many characters were cut, so
     a model sees both how a long tool result starts and how it ends.
     """
-    if not isinstance(text, str):
-        text = json.dumps(text, ensure_ascii=False, default=str)
-    if len(text) <= limit:
-        return text
+    shown: str = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+    if len(shown) <= limit:
+        return shown
     keep = max(limit - 40, 2)
     head, tail = keep - keep // 2, keep // 2
-    cut = len(text) - head - tail
-    return f"{text[:head]}\n...[{cut} characters truncated]...\n{text[len(text) - tail:]}"
+    cut = len(shown) - head - tail
+    return f"{shown[:head]}\n...[{cut} characters truncated]...\n{shown[len(shown) - tail:]}"
 
 
 def call_tools(
@@ -3548,7 +3564,8 @@ def post_json(
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
         error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
         if status in _MODEL_RETRY_STATUSES:
-            return ProxyOutcome("retry", error=error, retry_after=parse_retry_after(_lower_headers(reply_headers).get("retry-after")))
+            retry_after = parse_retry_after(_lower_headers(reply_headers).get("retry-after"))
+            return ProxyOutcome("retry", error=error, retry_after=retry_after)
         return ProxyOutcome("error", error=error)
 
     return _retry_loop(
@@ -3605,9 +3622,11 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        for key, ok, word in (("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
-                              ("exclusiveMinimum", lambda v, b: v > b, "more than"),
-                              ("exclusiveMaximum", lambda v, b: v < b, "less than")):
+        bounds: Tuple[Tuple[str, Callable[[float, float], bool], str], ...] = (
+            ("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
+            ("exclusiveMinimum", lambda v, b: v > b, "more than"),
+            ("exclusiveMaximum", lambda v, b: v < b, "less than"))
+        for key, ok, word in bounds:
             bound = schema.get(key)
             if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not ok(value, bound):
                 problems.append(f"{path}: {value} is not {word} {bound}")
@@ -3625,7 +3644,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
             for i, item in enumerate(value):
                 problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
     if isinstance(value, Mapping):
-        properties = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
         for name in schema.get("required") or ():
             if name not in value:
                 problems.append(f"{path}.{name}: required")
@@ -3886,13 +3905,15 @@ class McpShim:
             return _rpc_error(None, _RPC_INVALID_REQUEST, f"a message must be a JSON object, got {_json_type(message)}")
         has_id = "id" in message
         request_id = message.get("id")
-        if has_id and not (request_id is None or isinstance(request_id, (str, int)) and not isinstance(request_id, bool)):
+        valid_id = request_id is None or (isinstance(request_id, (str, int)) and not isinstance(request_id, bool))
+        if has_id and not valid_id:
             return _rpc_error(None, _RPC_INVALID_REQUEST, "id must be a string or a number")
         method = message.get("method")
         if method is None and ("result" in message or "error" in message):
             return None  # a response to something we never send: ignore
         if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
-            return _rpc_error(request_id, _RPC_INVALID_REQUEST, 'expected {"jsonrpc": "2.0", "method": ...}') if has_id else None
+            expected = 'expected {"jsonrpc": "2.0", "method": ...}'
+            return _rpc_error(request_id, _RPC_INVALID_REQUEST, expected) if has_id else None
         if not has_id:
             return None  # a notification (notifications/initialized, cancelled, ...): never answered
         params = message.get("params", {})
@@ -3904,7 +3925,8 @@ class McpShim:
             return _rpc_error(request_id, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             _log.exception("mcp: %s failed", method)
-            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, redact(describe_error(exc), self._envelope.run_token if self._envelope else None))
+            token = self._envelope.run_token if self._envelope else None
+            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, redact(describe_error(exc), token))
         return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -4088,7 +4110,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
         raise
     except SyntaxError as exc:
         raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: report it in one line
+    except (Exception, SystemExit) as exc:
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{_where_raised(exc)}") from exc
     target: Any = module
     for part in attr.split("."):
@@ -4100,7 +4122,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"{where}:{attr} is a {type(target).__name__}, not a function")
-    return target
+    return cast(Callable[..., Any], target)
 
 
 def _where_raised(exc: BaseException) -> str:
@@ -4197,8 +4219,8 @@ _KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
 
 def _prog_name() -> str:
     """How the user ran us: ``python3 -m pipelines_port`` or ``pipelines_port.py``."""
-    main_module = sys.modules.get("__main__")
-    if getattr(main_module, "__spec__", None) is not None and getattr(main_module.__spec__, "name", "") == "pipelines_port":
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is not None and getattr(main_spec, "name", "") == "pipelines_port":
         return "python3 -m pipelines_port"
     if os.path.basename(sys.argv[0] or "") == "pipelines_port.py":
         return "pipelines_port.py"
@@ -4218,7 +4240,8 @@ def _parser(prog: Optional[str] = None) -> Any:
         description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.",
     )
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
-    serve_.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve_.add_argument("--host", default="127.0.0.1",
+                        help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve_.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
     serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
     serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
@@ -4233,7 +4256,8 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
     serve_.add_argument("--tools-schema", metavar="FILE",
-                        help="tools list served at GET /tools_schema (default: tools_schema.json beside the agent file)")
+                        help="tools list served at GET /tools_schema "
+                             "(default: tools_schema.json beside the agent file)")
     serve_.add_argument("--debug", action="store_true",
                         help=f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)")
     serve_.set_defaults(run=_cmd_serve)
