@@ -86,3 +86,37 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert first == "python3 -m conformance demo"
     assert second == command
     assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+
+
+def test_the_module_imports_nothing_of_the_kit() -> None:
+    """The one file a user copies into a sandbox stands alone: no import of the kit, even lazily."""
+    tree = ast.parse((ROOT / "pipelines_port.py").read_text(encoding="utf-8"))
+    kit = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        kit += [n for n in names if n.split(".")[0] in ("conformance", "pipelines_port_kit", "tests", "bench")]
+    assert kit == []
+
+
+def test_the_contract_part_keeps_its_rules() -> None:
+    """Part 1 (the contract) comes first and does no I/O: no sockets, threads, logging, files or sleeping."""
+    lines = (ROOT / "pipelines_port.py").read_text(encoding="utf-8").splitlines()
+    starts = [next(i for i, line in enumerate(lines) if f"PART {n} - " in line) for n in (1, 2, 3)]
+    assert starts == sorted(starts)
+    contract = ast.parse("\n".join(lines[starts[0]:starts[1]]))
+    used = set()
+    for node in ast.walk(contract):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(ast.unparse(node))
+    forbidden = {"socket", "threading", "_log", "logging", "time.sleep", "open", "subprocess", "http", "select",
+                 "urlopen", "print"}
+    assert not used & forbidden, f"part 1 uses {sorted(used & forbidden)}"
+    # The one environment read: a caller that omits an environ mapping gets os.environ (the §5 constructors).
+    assert sum(1 for name in used if name == "os.environ") <= 1
+    defined = {n.name for n in contract.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for name in ("decide", "request_body_length", "interpret_reply", "retry_decision", "response_envelope",
+                 "validate_response", "error_reply", "Envelope", "check_credential", "is_ping", "RetryPolicy"):
+        assert name in defined, name
