@@ -32,9 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import pipelines_port as pp
-from conformance import vectorlib
-from conformance.dispatcher import Dispatcher, DispatchError, Reply, Run, envelope_body, envelope_headers
-from conformance.mock_proxy import MockProxy, ProxyRun
+
+from . import vectorlib
+from .cli import prog
+from .dispatcher import Dispatcher, DispatchError, Reply, Run, envelope_body, envelope_headers
+from .mock_proxy import MockProxy, ProxyRun
 
 __all__ = ["Case", "Result", "all_cases", "select", "run_cases", "main"]
 
@@ -1418,7 +1420,7 @@ def _patterns(text: Optional[str]) -> List[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python3 -m conformance check",
+        prog=prog("check"),
         description="Check a port's dispatch endpoint (serving the conformance agent) against CONTRACT.md.",
     )
     parser.add_argument("url", nargs="?", metavar="URL", help="the dispatch endpoint, e.g. http://127.0.0.1:8080/dispatch")
@@ -1468,7 +1470,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{c.id}\t{c.section}\t{c.title}")
         return 0
     if not args.url:
-        raise _UsageError("give the dispatch endpoint URL (python3 -m conformance check URL), or --list")
+        raise _UsageError(f"give the dispatch endpoint URL ({prog('check')} URL), or --list")
     if not cases:
         raise _UsageError("--only/--skip leave no case to run (see --list)")
     if not re.fullmatch(r"[A-Za-z0-9-]+", args.auth_header):

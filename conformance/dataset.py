@@ -46,7 +46,8 @@ import re
 import sys
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from conformance import engine
+from . import engine
+from .cli import prog
 
 __all__ = [
     "COLUMNS",
@@ -547,7 +548,7 @@ def summary(dataset: Dataset) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m conformance dataset",
+        prog=prog("dataset"),
         description="Check a task-seeding CSV against the dataset rules (CONTRACT §6). "
                     "Exit 1 when any error is found.",
     )

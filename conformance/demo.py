@@ -1,6 +1,6 @@
-"""``python3 -m conformance demo``: the bundled sample dataset against ``templates/minimal.py``.
+"""``pipelines-port demo`` (``python3 -m conformance demo``): the bundled sample dataset against the minimal template.
 
-Runs ``conformance/samples/orders.csv`` with its fixtures through the local
+Runs ``samples/orders.csv`` (beside this file) with its fixtures through the local
 simulator in code mode and prints the report: the quickest way to see a
 dataset, failure rules and the trace view working before writing any agent.
 ``--html OUT`` / ``--json OUT`` write the reports as ``simulate`` does.
@@ -13,13 +13,14 @@ import os
 import pathlib
 from typing import List, Optional
 
-from conformance import simulate
+from . import simulate
+from .cli import prog
+from .init import template_dir
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "conformance" / "samples"
+SAMPLES = pathlib.Path(__file__).resolve().parent / "samples"  # package data when installed
 DATASET = SAMPLES / "orders.csv"
 FIXTURES = SAMPLES / "orders_fixtures.json"
-AGENT = ROOT / "templates" / "minimal.py"
+AGENT = pathlib.Path(template_dir()) / "minimal.py"  # templates/minimal.py in a checkout
 
 
 def _shown(path: pathlib.Path) -> str:
@@ -33,9 +34,9 @@ def _shown(path: pathlib.Path) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m conformance demo",
-        description="Run the sample dataset (conformance/samples/orders.csv) against templates/minimal.py "
-                    "in code mode.",
+        prog=prog("demo"),
+        description="Run the bundled sample dataset (samples/orders.csv) against the minimal template "
+                    "(templates/minimal.py) in code mode.",
     )
     parser.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
     parser.add_argument("--html", metavar="OUT", help="also write the HTML report to OUT")

@@ -1,7 +1,8 @@
 """``pipelines-port doctor``: check an agent's setup before a platform run, one line per check.
 
-Kit tooling (it validates datasets with the kit's own validator), so it lives
-in the kit, not in the module a user copies into a sandbox.
+From a checkout: ``python3 -m conformance doctor``.  Kit tooling (it validates
+datasets with the kit's own validator), so it lives in the kit, not in the
+module a user copies into a sandbox.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 
 import pipelines_port as pp
 
+from .cli import prog
 from .init import UsageError
 
 
@@ -89,12 +91,10 @@ class _Doctor:
             agent = pp.load_agent(self.args.app)
         except ValueError as exc:
             return "fail", "agent imports", str(exc)
-        where = self.args.app.rpartition(":")[0]
-        beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
         try:
             app = agent if isinstance(agent, pp.DispatchApp) else pp.DispatchApp(
                 agent, token_env=self.args.token_env, auth_header=self.args.auth_header, no_auth=self.args.no_auth,
-                tools_schema=beside if where.endswith(".py") and os.path.isfile(beside) else None)
+                tools_schema=pp.tools_schema_beside(self.args.app))  # the look-up `serve` makes
             self.server = pp.start_server(app, host="127.0.0.1", port=0)
         except (ValueError, OSError) as exc:
             return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {pp.describe_error(exc, 300)}"
@@ -238,11 +238,11 @@ def add_parser(commands: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="pipelines-port")
+    parser = argparse.ArgumentParser(prog=prog())
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run(args)
     except UsageError as exc:
-        print(f"pipelines-port doctor: {exc}", file=sys.stderr)
+        print(f"{prog('doctor')}: {exc}", file=sys.stderr)
         return 2

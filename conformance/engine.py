@@ -92,7 +92,23 @@ import math
 import re
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from pipelines_port import _json_type as _kind  # the JSON type name of a value, for messages
+
+def _kind(value: Any) -> str:
+    """The JSON type name of ``value``, for messages ("an object", "a string", "null", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
 
 __all__ = [
     "TRIGGERS",

@@ -1,8 +1,8 @@
 """``pipelines-port init``: scaffold an agent project from a template.
 
-Kit tooling: it needs the templates shipped beside it (``templates/`` in a
-checkout, package data when installed), so it lives in the kit, not in the
-module a user copies into a sandbox.
+From a checkout: ``python3 -m conformance init``.  Kit tooling: it needs the
+templates shipped beside it (``templates/`` in a checkout, package data when
+installed), so it lives in the kit, not in the module a user copies into a sandbox.
 """
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 import pipelines_port as pp
+
+from .cli import installed, prog
 
 
 class UsageError(Exception):
@@ -24,26 +27,40 @@ class UsageError(Exception):
 _TEMPLATES_DIR = "templates"
 _INIT_README = """# {name}
 
-Scaffolded by `python3 pipelines_port.py init` from the `{template}` template.
+Scaffolded by `{init}` from the `{template}` template.
 
 - `agent.py` - your agent: edit it. `agent(envelope)` serves both ways below.
 - `tools_schema.json` - the tools it may call (register the same list on the platform).
-- `pipelines_port.py` - the kit (standard library only); keep it beside `agent.py`.
+- `pipelines_port.py` - the runtime module (standard library only); keep it beside `agent.py`.
 
-Run it as an HTTP dispatch endpoint:
+Run it as an HTTP dispatch endpoint, from this folder (`-m` finds the `pipelines_port.py` here):
 
     export AGENT_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
     python3 -m pipelines_port serve agent.py:agent --host 0.0.0.0 --port 8080
 
 Or upload this folder in code mode: the sandbox calls `agent.run(task_input, proxy_url=..., run_token=...)`.
 
-Check the setup before a platform run:
+Check the setup before a platform run, with the kit's `doctor` ({doctor_note}):
 
-    python3 pipelines_port.py doctor --app agent.py:agent --tools-schema tools_schema.json
+    {doctor} --app agent.py:agent --tools-schema tools_schema.json
 """
 
 
-def _template_dir() -> str:
+def _doctor_command() -> str:
+    """The doctor as the user can run it from the new project's folder."""
+    if installed():
+        return prog("doctor")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return f"PYTHONPATH={shlex.quote(checkout)} python3 -m conformance doctor"
+
+
+def _doctor_note() -> str:
+    if installed():
+        return "`pipelines-port` is the kit's command: `pipx install` or `pip install` the kit"
+    return "from the kit's checkout, which `PYTHONPATH` points to"
+
+
+def template_dir() -> str:
     """The templates: package data when installed, else the checkout's ``templates/`` beside this package."""
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (os.path.join(here, _TEMPLATES_DIR), os.path.join(os.path.dirname(here), _TEMPLATES_DIR)):
@@ -57,7 +74,7 @@ def available_templates() -> Dict[str, str]:
     import ast
 
     found: Dict[str, str] = {}
-    directory = _template_dir()
+    directory = template_dir()
     if not os.path.isdir(directory):
         return found
     for entry in sorted(os.listdir(directory)):
@@ -81,21 +98,22 @@ def init_project(directory: str, template: str = "minimal", *, force: bool = Fal
     """
     templates = available_templates()
     if not templates:
-        raise ValueError(f"no templates found in {_template_dir()}: init needs the kit's templates/ folder "
-                         "beside pipelines_port.py")
+        raise ValueError(f"no templates found in {template_dir()}: init needs the kit's templates "
+                         "(package data when installed, templates/ beside conformance/ in a checkout)")
     if template not in templates:
         raise ValueError(f"unknown template {template!r}: choose one of {', '.join(templates)}")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"{directory} exists and is not a directory")
     here = os.path.abspath(pp.__file__)
-    with open(os.path.join(_template_dir(), template + ".py"), encoding="utf-8") as f:
+    with open(os.path.join(template_dir(), template + ".py"), encoding="utf-8") as f:
         agent_source = f.read()
-    schema_path = os.path.join(_template_dir(), "tools_schema.json")
+    schema_path = os.path.join(template_dir(), "tools_schema.json")
     with open(schema_path, encoding="utf-8") as f:
         schema_source = f.read()
     with open(here, encoding="utf-8") as f:
         module_source = f.read()
-    readme = _INIT_README.format(name=os.path.basename(os.path.abspath(directory)), template=template)
+    readme = _INIT_README.format(name=os.path.basename(os.path.abspath(directory)), template=template,
+                                 init=prog("init"), doctor=_doctor_command(), doctor_note=_doctor_note())
     files = {"agent.py": agent_source, "tools_schema.json": schema_source, "README.md": readme,
              "pipelines_port.py": module_source}
     targets = {name: os.path.join(directory, name) for name in files}
@@ -129,7 +147,7 @@ def run(args: Any) -> int:
     if args.list:
         templates = available_templates()
         if not templates:
-            raise UsageError(f"no templates found in {_template_dir()}")
+            raise UsageError(f"no templates found in {template_dir()}")
         width = max(map(len, templates))
         for name, doc in templates.items():
             print(f"{name:<{width}}  {doc}")
@@ -142,7 +160,10 @@ def run(args: Any) -> int:
         raise UsageError(str(exc)) from None
     for path in written:
         print(f"wrote {path}")
-    print(f"next: cd {args.directory} && AGENT_TOKEN=... python3 pipelines_port.py serve agent.py:agent")
+    print(f"next: cd {shlex.quote(args.directory)} && export AGENT_TOKEN=...   (a long random secret: the platform "
+          "sends it as Bearer)")
+    print(f"      {_doctor_command()} --app agent.py:agent --tools-schema tools_schema.json")
+    print("      python3 -m pipelines_port serve agent.py:agent --port 8080")
     return 0
 
 
@@ -163,11 +184,11 @@ def add_parser(commands: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="pipelines-port")
+    parser = argparse.ArgumentParser(prog=prog())
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["init", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run(args)
     except UsageError as exc:
-        print(f"pipelines-port init: {exc}", file=sys.stderr)
+        print(f"{prog('init')}: {exc}", file=sys.stderr)
         return 2

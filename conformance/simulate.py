@@ -74,9 +74,11 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 from urllib.parse import urlsplit, urlunsplit
 
 import pipelines_port as pp
-from conformance import dataset as datasets
-from conformance import engine, report
-from conformance.mock_proxy import MockProxy, RecordedRequest
+
+from . import dataset as datasets
+from . import engine, report
+from .cli import prog
+from .mock_proxy import MockProxy, RecordedRequest
 
 __all__ = ["SetupError", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate", "main"]
 
@@ -624,12 +626,12 @@ def simulate(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python3 -m conformance simulate",
+        prog=prog("simulate"),
         description="Run every row of a task-seeding CSV against an agent through a local simulated proxy.",
         epilog="Exit status: 0 all rows ok, 1 some row errored, 2 nothing could run.",
     )
     parser.add_argument("--csv", required=True, metavar="FILE.csv",
-                        help="the dataset (checked as by `conformance dataset`)")
+                        help="the dataset (checked as by the `dataset` command)")
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--code", metavar="FILE.py[:run]",
                         help="a code-mode agent file and its entrypoint (default run)")

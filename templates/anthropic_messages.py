@@ -9,7 +9,7 @@ blocks show in the trace.  Edit SYSTEM_PROMPT and tools_schema.json (kept beside
 this file) for your agent.
 
 Run it (PATH is this file: templates/anthropic_messages.py in the kit, agent.py in a
-project made by ``python3 pipelines_port.py init DIR --template anthropic_messages``):
+project made by ``pipelines-port init DIR --template anthropic_messages``):
 
 - HTTP mode, the platform POSTs each run to your server (AGENT_TOKEN is the
   bearer it must send)::

@@ -9,7 +9,7 @@ several at once.  This file shows that shape with a tiny stand-in framework
 ``await pp.aproxy_call(name, args)``.
 
 Run it (PATH is this file: templates/async_framework.py in the kit, agent.py in a
-project made by ``python3 pipelines_port.py init DIR --template async_framework``):
+project made by ``pipelines-port init DIR --template async_framework``):
 
 - HTTP mode, the platform POSTs each run to your server (AGENT_TOKEN is the
   bearer it must send)::

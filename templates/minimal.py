@@ -7,7 +7,7 @@ the body of ``agent`` with your own logic; keep every tool call going through
 the proxy.
 
 Run it (PATH is this file: templates/minimal.py in the kit, agent.py in a
-project made by ``python3 pipelines_port.py init DIR --template minimal``):
+project made by ``pipelines-port init DIR --template minimal``):
 
 - HTTP mode, the platform POSTs each run to your server (AGENT_TOKEN is the
   bearer it must send)::

@@ -10,7 +10,7 @@ as thinking in the trace.  Edit SYSTEM_PROMPT and tools_schema.json (kept
 beside this file) for your agent.
 
 Run it (PATH is this file: templates/openai_chat.py in the kit, agent.py in a
-project made by ``python3 pipelines_port.py init DIR --template openai_chat``):
+project made by ``pipelines-port init DIR --template openai_chat``):
 
 - HTTP mode, the platform POSTs each run to your server (AGENT_TOKEN is the
   bearer it must send)::

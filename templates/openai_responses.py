@@ -7,7 +7,7 @@ until the model answers without calling a tool, or the turn limit is reached.
 Edit SYSTEM_PROMPT and tools_schema.json (kept beside this file) for your agent.
 
 Run it (PATH is this file: templates/openai_responses.py in the kit, agent.py in a
-project made by ``python3 pipelines_port.py init DIR --template openai_responses``):
+project made by ``pipelines-port init DIR --template openai_responses``):
 
 - HTTP mode, the platform POSTs each run to your server (AGENT_TOKEN is the
   bearer it must send)::

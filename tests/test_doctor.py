@@ -1,4 +1,4 @@
-"""`pipelines_port.py doctor`: one line per check, green or red, never a traceback."""
+"""`pipelines-port doctor` (`python3 -m conformance doctor`): one line per check, green or red, no traceback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`pipelines_port.py init`: scaffold a project, then serve the scaffolded copy and dispatch to it."""
+"""`pipelines-port init` (`python3 -m conformance init`): scaffold a project, serve the copy, dispatch to it."""
 
 from __future__ import annotations
 
