@@ -4098,7 +4098,8 @@ def load_agent(spec: str) -> Callable[..., Any]:
             module = importlib.util.module_from_spec(spec_)
             sys.modules[name] = module
             try:
-                spec_.loader.exec_module(module)
+                loader: Any = spec_.loader  # Loader.exec_module is missing from Python 3.9's stubs
+                loader.exec_module(module)
             except BaseException:
                 sys.modules.pop(name, None)
                 raise
