@@ -500,9 +500,18 @@ HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 
 
 class _LowerHeaders(Dict[str, str]):
-    """Headers whose names are already lower-cased: :func:`_lower_headers` returns them as they are."""
+    """Headers whose names are already lower-cased: :func:`_lower_headers` returns them as they are.
 
-    __slots__ = ()
+    ``repeats`` holds the further values of a name sent more than once (the
+    first value is the mapping's): a repeated credential or a conflicting
+    Content-Length is refused, never resolved by order.
+    """
+
+    __slots__ = ("repeats",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repeats: Dict[str, List[str]] = {}
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
@@ -523,8 +532,21 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
             name = name.decode("latin-1")
         if isinstance(value, bytes):
             value = value.decode("latin-1")
-        out.setdefault(str(name).lower(), str(value))
+        key, text = str(name).lower(), str(value)
+        if key in out:
+            out.repeats.setdefault(key, []).append(text)
+        else:
+            out[key] = text
     return out
+
+
+def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
+    """True when header ``name`` came more than once (with ``conflicting``: with a different value)."""
+    extra = getattr(headers, "repeats", {}).get(name, ())
+    if conflicting:
+        first = (headers.get(name) or "").strip()
+        return any(value.strip() != first for value in extra)
+    return bool(extra)
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -1059,11 +1081,12 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
     The Content-Length when it is a decimal number within ``max_body``; 0 when
     the request has no body headers at all; ``None`` when the body must not be
     read: chunked or any Transfer-Encoding (its framing could disagree with
-    Content-Length), an unreadable length, or one over the cap.  After a
+    Content-Length), Content-Length headers that disagree, an unreadable
+    length, or one over the cap.  After a
     ``None`` the adapter closes the connection once it has answered, rather
     than parse the unread body as the next request.
     """
-    if "transfer-encoding" in headers:
+    if "transfer-encoding" in headers or _repeated(headers, "content-length", conflicting=True):
         return None
     if "content-length" not in headers:
         return 0
@@ -1080,6 +1103,7 @@ class Endpoint(NamedTuple):
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
     tools_schema: Optional[Sequence[Any]] = None  # served at GET /tools_schema when set
+    proxy_hosts: Optional[Tuple[str, ...]] = None  # the proxy hosts dispatches may name; None: any
 
     def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
         """The methods routed at ``path``, or ``None`` for no route."""
@@ -1128,6 +1152,8 @@ def decide(
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
+    except RecursionError:  # a JSON body nested deeper than Python's parser (or our copy of it) goes
+        return Decision("reply", error_reply(RequestError("body is nested too deeply to handle")))
 
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
@@ -1144,14 +1170,19 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         if not (expected_token or "").strip():
             raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
                                      f"{endpoint.token_env}, which is not set")
+        if _repeated(headers, endpoint.auth_header.lower()):
+            raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
+                            bearer=endpoint.auth_header.lower() == "authorization")
         if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
             raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
                             bearer=endpoint.auth_header.lower() == "authorization")
     if path == TOOLS_SCHEMA_PATH:
-        return Decision("reply", json_reply(200, {"tools": endpoint.tools_schema}), what="tools schema")
+        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a "
                                   "Content-Length header")
+    if _repeated(headers, "content-length", conflicting=True):
+        raise RequestError("the request has Content-Length headers that disagree: send one (RFC 9112 §6.3)")
     length = _content_length(headers.get("content-length"))
     if length is None:
         raise LengthRequiredError("a Content-Length header with a decimal length is required: send the JSON "
@@ -1166,12 +1197,70 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
     if is_ping(payload):
+        json.loads(body, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {_json_type(payload)}")
     if payload.get("connectivity_check") is True:
-        return Decision("probe", proxy_url=connectivity_proxy_url(payload, headers), what="connectivity check")
-    return Decision("run", envelope=Envelope.from_dispatch(payload, headers), what="dispatch")
+        proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
+        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
+    envelope = Envelope.from_dispatch(payload, headers)
+    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
+    return Decision("run", envelope=envelope, what="dispatch")
+
+
+def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
+    """Whether a proxy URL's host is on an allow-list (``None``: no list, any host).
+
+    An entry is a host name or IP address matched exactly, or a suffix starting
+    with ``.`` matching that domain and every name under it (``.pipelines.tech``
+    matches ``pipelines.tech`` and ``api.pipelines.tech``).  Case-insensitive;
+    a trailing dot is ignored.
+    """
+    if allowed is None:
+        return True
+    host = (urlsplit(proxy_url).hostname or "").rstrip(".").lower()
+    for entry in allowed:
+        entry = entry.strip().rstrip(".").lower()
+        if entry.startswith("."):
+            if host == entry[1:] or host.endswith(entry):
+                return True
+        elif entry and host == entry.strip("[]"):
+            return True
+    return False
+
+
+def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """An allow-list from text (``"api.pipelines.tech, .example.com"``); ``None`` for none given."""
+    if text is None or not text.strip():
+        return None
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    for entry in entries:
+        with_port = entry.count(":") == 1 and not entry.startswith("[")  # host:port (an IPv6 address has more)
+        if "/" in entry or with_port or (entry.startswith("[") and not entry.endswith("]")):
+            raise ValueError(f"proxy host {entry!r} must be a host name, an IP address or a .suffix, "
+                             "without scheme, port or path")
+    return entries
+
+
+def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
+    if not proxy_host_allowed(proxy_url, allowed):
+        host = urlsplit(proxy_url).hostname
+        raise EnvelopeError(f"proxy URL host {_short(str(host), 100)!r} is not on this endpoint's allow-list of "
+                            f"proxy hosts ({', '.join(allowed or ())})")
+    return proxy_url
+
+
+def _unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    """A JSON object's ``object_pairs_hook`` refusing a key that appears twice (which one would count is a guess)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: Set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RequestError(f"body has the key {_short(key, 60)!r} twice: send each key once")
+            seen.add(key)
+    return obj
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
@@ -2639,6 +2728,7 @@ def build_response(
 # ---------------------------------------------------------------------------
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
+ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"  # the dispatch server's proxy host allow-list
 _PROBE_TOOL = "__reachability_probe__"
 
 
@@ -2711,6 +2801,8 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 class DispatchApp:
     """An agent function and its endpoint settings; :meth:`handle` answers every request (§2).
 
+    An instance is an ASGI3 application; :attr:`wsgi` is its WSGI application.
+
     ``agent(envelope)`` may be sync or ``async def`` and may return anything
     :func:`build_response` accepts.  Auth (step 1) uses ``token`` or, by
     default, the environment variable ``token_env`` read at each request; it is
@@ -2733,6 +2825,7 @@ class DispatchApp:
         max_body: int = DEFAULT_MAX_BODY_BYTES,
         run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
         tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
+        proxy_hosts: Union[Sequence[str], str, None] = None,
     ) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
@@ -2756,8 +2849,12 @@ class DispatchApp:
             tools = convert_tools(tools_schema, "platform") if tools_schema is not None else None
         else:
             tools = load_tools_schema(cast("Union[str, os.PathLike[str]]", tools_schema))
+        if proxy_hosts is None or isinstance(proxy_hosts, str):
+            hosts = parse_proxy_hosts(os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts)
+        else:
+            hosts = parse_proxy_hosts(",".join(proxy_hosts)) or ()
         self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
-                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools)
+                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools, proxy_hosts=hosts)
 
     @property
     def path(self) -> str:
@@ -2793,6 +2890,14 @@ class DispatchApp:
         if self.token_env and not os.environ.get(self.token_env):
             line += f"; {self.token_env} is NOT set: every request gets 503 until it is"
         return line
+
+    def describe_proxy_hosts(self) -> str:
+        """Which proxy hosts dispatches may name, for a start-up line."""
+        hosts = self.endpoint.proxy_hosts
+        if hosts is None:
+            return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production, or anyone "
+                    "holding the agent token can make this server call any address)")
+        return ", ".join(hosts) or "none"
 
     def expected_token(self) -> Optional[str]:
         """The agent token requests must carry, read now (``""`` when its variable is unset; ``None``: no auth)."""
@@ -2891,9 +2996,19 @@ class DispatchApp:
         """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
         return _wsgi(self, environ, start_response)
 
-    async def asgi(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        """The ASGI application (HTTP and lifespan): ``app = DispatchApp(agent).asgi`` for uvicorn & co."""
+    async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        """The app is itself an ASGI3 application (HTTP and lifespan): ``app = DispatchApp(agent)`` for uvicorn & co."""
         await _asgi(self, scope, receive, send)
+
+    @property
+    def asgi(self) -> Callable[..., Any]:
+        """The ASGI3 application as a plain ``async def`` function (servers' interface detection takes it as ASGI3)."""
+        app = self
+
+        async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+            await _asgi(app, scope, receive, send)
+
+        return asgi
 
 
 def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
@@ -3041,6 +3156,7 @@ DEFAULT_GRACE_S = 30.0
 def _make_server_classes() -> Tuple[type, type]:
     """The ``http.server`` classes, built on first use so import stays cheap."""
     import socket
+    from http import HTTPStatus
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class DispatchServer(ThreadingHTTPServer):
@@ -3095,9 +3211,8 @@ def _make_server_classes() -> Tuple[type, type]:
             self.draining.set()
             if self._thread is not None:
                 self.shutdown()
-            finished = self.drain(grace_s)
-            self.server_close()
-            return finished
+            self.server_close()  # new connections are refused at once, not queued until the grace period ends
+            return self.drain(grace_s)
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
@@ -3136,6 +3251,24 @@ def _make_server_classes() -> Tuple[type, type]:
 
         def do_HEAD(self) -> None:
             self._serve()
+
+        def do_OPTIONS(self) -> None:
+            self._serve()
+
+        def do_TRACE(self) -> None:
+            self._serve()
+
+        def do_CONNECT(self) -> None:
+            self._serve()
+
+        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+            """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
+            try:
+                phrase = HTTPStatus(code).phrase
+            except ValueError:
+                phrase = "Error"
+            detail = f"{phrase}: {message}" if message and message != phrase else phrase
+            self._send(json_reply(code, {"detail": detail}), close=True)
 
         def _serve(self) -> None:
             app = self.server.app
@@ -4187,6 +4320,7 @@ def _cmd_serve(args: Any) -> int:
             app = DispatchApp(
                 agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
                 max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
+                proxy_hosts=args.proxy_hosts,
             )
         except ValueError as exc:
             raise _UsageError(str(exc)) from None
@@ -4197,6 +4331,7 @@ def _cmd_serve(args: Any) -> int:
         if app.tools_schema is not None:
             print(f"pipelines_port serve: {len(app.tools_schema)} tools declared, served at GET /tools_schema",
                   flush=True)
+        print(f"pipelines_port serve: proxy hosts: {app.describe_proxy_hosts()}", flush=True)
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready)
@@ -4256,6 +4391,9 @@ def _parser(prog: Optional[str] = None) -> Any:
                         help="run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
     serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
+    serve_.add_argument("--proxy-hosts", metavar="HOSTS",
+                        help="comma-separated allow-list of proxy hosts dispatches may name: host names, IP addresses "
+                             f"or .suffixes (default: {ENV_PROXY_ALLOWED_HOSTS}, else any host)")
     serve_.add_argument("--tools-schema", metavar="FILE",
                         help="tools list served at GET /tools_schema "
                              "(default: tools_schema.json beside the agent file)")

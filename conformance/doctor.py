@@ -150,8 +150,9 @@ class _Doctor:
                 status, value = _http_exchange(f"{origin.scheme}://{origin.netloc}/tools_schema", "GET", self.auth, b"")
             except ValueError:
                 status, value = 0, None
-            if status == 200 and isinstance(value, dict) and isinstance(value.get("tools"), list):
-                self.app_tools = value["tools"]
+            served = value.get("tools_schema", value.get("tools")) if isinstance(value, dict) else None
+            if status == 200 and isinstance(served, list):  # {"tools_schema": [...]}; older kits said "tools"
+                self.app_tools = served
         if self.app_tools is None:
             if self.server is not None:
                 yield "fail", label, "the app declares no tools: put tools_schema.json beside the agent file"

@@ -238,7 +238,7 @@ def test_module_path_form_and_tools_schema_beside_the_file(tmp_path: Path) -> No
     served = start(["serve", f"{pkg / 'bot.py'}:agent", "--port", "0", "--no-auth"])
     try:
         with urllib.request.urlopen(served.url.replace("/dispatch", "/tools_schema"), timeout=10) as resp:
-            assert json.loads(resp.read())["tools"][0]["name"] == "get_order"
+            assert json.loads(resp.read())["tools_schema"][0]["name"] == "get_order"
     finally:
         served.stop()
 

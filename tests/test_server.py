@@ -240,7 +240,7 @@ def test_tools_schema_route_when_tools_are_declared(endpoints: Callable[..., End
     ep = endpoints(kind, tools_schema=tools)
     assert ep.call(method="GET", path="/tools_schema")[0] == 401
     status, _, body = ep.call(method="GET", path="/tools_schema", headers=AUTH)
-    assert status == 200 and json.loads(body) == {"tools": tools}
+    assert status == 200 and json.loads(body) == {"tools_schema": tools}
 
 
 def order_agent(env: pp.Envelope) -> Dict[str, Any]:
