@@ -127,7 +127,7 @@ class Script:
             return returned.value
         final = compact({"results": self.results})
         self.messages.append({"role": "assistant", "content": final})
-        runtime_ms = int(round((time.monotonic() - started) * 1000))
+        runtime_ms = round((time.monotonic() - started) * 1000)
         return {"final_response": final, "messages": self.messages,
                 "metadata": {"model": MODEL, "agent_runtime_ms": runtime_ms}}
 
@@ -170,7 +170,7 @@ class Script:
     def calls(self, calls: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         """Tool calls started together and awaited together; outcomes in the listed order."""
         ids = []
-        for call in calls:
+        for _call in calls:
             self.calls_made += 1
             ids.append(f"call_{self.calls_made}")
         if len(calls) == 1:

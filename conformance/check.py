@@ -71,7 +71,7 @@ class Case(NamedTuple):
     id: str
     section: str  # the CONTRACT section it checks (or the agent spec)
     title: str
-    run: Callable[["Check"], None]
+    run: Callable[[Check], None]
 
 
 class Result(NamedTuple):
@@ -489,7 +489,8 @@ def _(c: Check) -> None:
 @case("envelope.missing_proxy_url", "§2 step 5", "a dispatch without a proxy URL gets 400 naming it")
 def _(c: Check) -> None:
     run, proxy_run = c.new_run()
-    body = {"run_id": run.run_id, "input": {"user_instruction": compact({"steps": [{"call": "get_order", "args": {}}]})}}
+    steps = compact({"steps": [{"call": "get_order", "args": {}}]})
+    body = {"run_id": run.run_id, "input": {"user_instruction": steps}}
     reply = c.post(body, {"X-Pipelines-Run-Token": run.run_token, **c.credential()})
     if reply.status != 400 or "proxy" not in reply.text.lower():
         raise Failed("400 with a message naming the missing proxy URL", describe(reply))
@@ -715,7 +716,8 @@ def _(c: Check) -> None:
     expect_error(c.outcome(ran), "transport", None)
 
 
-@case("proxy.transport_dropped", "§3.3", "a connection dropped before the reply is a transport error; retries reuse the key")
+@case("proxy.transport_dropped", "§3.3",
+      "a connection dropped before the reply is a transport error; retries reuse the key")
 def _(c: Check) -> None:
     ran = c.script([{"call": "get_order", "args": {}}], setup=lambda p: p.script("get_order", [{"drop": True}]))
     expect_error(c.outcome(ran), "transport", None)
@@ -725,7 +727,8 @@ def _(c: Check) -> None:
     expect_same_key(requests, "transport retries are only safe with the same key")
 
 
-@case("proxy.transport_retry_same_key", "§3.3", "a dropped connection, then a success: no retry, or one with the same key")
+@case("proxy.transport_retry_same_key", "§3.3",
+      "a dropped connection, then a success: no retry, or one with the same key")
 def _(c: Check) -> None:
     ran = c.script([{"call": "get_order", "args": {}}], setup=lambda p: p.script(
         "get_order", [{"drop": True}, {"response": "after-retry"}]))
@@ -803,7 +806,8 @@ def _(c: Check) -> None:
 @case("trace.occurred_at_kept_on_retry", "§3.4", "__occurred_at is stamped once and kept across retries")
 def _(c: Check) -> None:
     ran = c.script([{"trace": "custom", "payload": {"n": 1}}], setup=lambda p: p.script(
-        "custom", [{"status": 503, "headers": RETRY_NOW, "error_class": "trace_sequence_contended", "message": "x"}, {}]))
+        "custom",
+        [{"status": 503, "headers": RETRY_NOW, "error_class": "trace_sequence_contended", "message": "x"}, {}]))
     expect_ok(c.outcome(ran), what="the trace post")
     first, second = expect_requests(ran.proxy, 2, "a transient 503, then the retry")
     if expect_stamped(first) != expect_stamped(second):
@@ -814,7 +818,8 @@ def _(c: Check) -> None:
 @case("trace.empty_reply", "§3.4", "an empty 200 reply (older platforms) is a success with value null")
 def _(c: Check) -> None:
     ran = c.script([{"trace": "thinking", "payload": {"text": "hmm"}}],
-                   setup=lambda p: p.script("thinking", [{"body": b"", "headers": {"Content-Type": "application/json"}}]))
+                   setup=lambda p: p.script("thinking",
+                                            [{"body": b"", "headers": {"Content-Type": "application/json"}}]))
     expect_ok(c.outcome(ran), None, "the trace post")
 
 
@@ -954,7 +959,7 @@ def _(c: Check) -> None:
 @case("secrets.agent_error_detail", "§2 step 8, §2 (run token: secret)",
       "a run token inside an agent's error never reaches the 500 body")
 def _(c: Check) -> None:
-    run, proxy_run = c.new_run()
+    run, _proxy_run = c.new_run()
     reply = c.dispatch(run, user_instruction=compact({"steps": [{"raise": f"cannot use {run.run_token} here"}]}))
     if reply.status != 500:
         raise Failed("500 for an agent that raises", describe(reply))
@@ -1346,7 +1351,7 @@ def select(cases: Sequence[Case], only: Sequence[str] = (), skip: Sequence[str] 
     A pattern is an id, a group (``proxy``, ``vectors.proxy_replies``) or a glob (``proxy.retry_*``).
     """
     def matches(case_id: str, pattern: str) -> bool:
-        return (case_id == pattern or case_id.startswith(pattern + ".") or case_id.startswith(pattern + ":")
+        return (case_id == pattern or case_id.startswith((pattern + ".", pattern + ":"))
                 or fnmatch.fnmatchcase(case_id, pattern))
 
     return [c for c in cases if (not only or any(matches(c.id, p) for p in only))
@@ -1432,7 +1437,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip", metavar="CASE[,CASE]", help="leave these cases out (ids, groups or globs)")
     parser.add_argument("--json", metavar="OUT|-", help="also write the results as JSON to OUT (- for stdout)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="per-request timeout (default 60)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="per-request timeout (default 60)")
     parser.add_argument("--workers", type=int, default=8, metavar="N", help="cases run at once (default 8)")
     return parser
 

@@ -83,7 +83,8 @@ class _Doctor:
             self.server.close(1)
 
     def _ping(self, headers: Dict[str, str]) -> Tuple[int, Any]:
-        return _http_exchange(self.url or "", "POST", {"Content-Type": "application/json", **headers}, b'{"ping": true}')
+        headers = {"Content-Type": "application/json", **headers}
+        return _http_exchange(self.url or "", "POST", headers, b'{"ping": true}')
 
     def agent_imports(self) -> _Check:
         """Load the agent and serve it here, on a private port, as ``serve`` would."""
@@ -97,7 +98,8 @@ class _Doctor:
                 tools_schema=pp.tools_schema_beside(self.args.app))  # the look-up `serve` makes
             self.server = pp.start_server(app, host="127.0.0.1", port=0)
         except (ValueError, OSError) as exc:
-            return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {pp.describe_error(exc, 300)}"
+            why = pp.describe_error(exc, 300)
+            return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {why}"
         self.url, self.app_tools = self.server.url, app.tools_schema
         return "ok", "agent imports", f"{self.args.app} ({type(agent).__name__})"
 
@@ -114,7 +116,8 @@ class _Doctor:
             return "fail", label, f"{self.url} unreachable: {exc}"
         if status == 200 and value == {"ok": True}:
             return "ok", label, f'{self.url} -> 200 {{"ok": true}}'
-        return "fail", label, f'{self.url} -> HTTP {status} {_short(json.dumps(value), 200)} (expected 200 {{"ok": true}})'
+        got = _short(json.dumps(value), 200)
+        return "fail", label, f'{self.url} -> HTTP {status} {got} (expected 200 {{"ok": true}})'
 
     def auth_before_ping(self) -> _Check:
         label = "auth runs before ping"
@@ -166,7 +169,8 @@ class _Doctor:
             return
         differ = sorted(n for n in set(mine) & set(served) if mine[n] != served[n])
         yield "fail", label, (f"only in the file: {sorted(set(mine) - set(served)) or 'none'}; only in the app: "
-                              f"{sorted(set(served) - set(mine)) or 'none'}; different input_schema: {differ or 'none'}")
+                              f"{sorted(set(served) - set(mine)) or 'none'}; "
+                              f"different input_schema: {differ or 'none'}")
 
     def proxy_reachable(self) -> _Check:
         """§3.7: a fake bearer; 401 means the proxy is reachable."""

@@ -306,12 +306,12 @@ def describe_rule(rule: Mapping[str, Any]) -> str:
 
 def task_seed(row: int, user_instruction: str) -> str:
     """The RNG seed of one task: sha256 of ``"{row}\\n{user_instruction}"`` (1-based data row), hex."""
-    return hashlib.sha256(f"{row}\n{user_instruction}".encode("utf-8")).hexdigest()
+    return hashlib.sha256(f"{row}\n{user_instruction}".encode()).hexdigest()
 
 
 def draw(seed: str, rule_index: int, call_number: int) -> float:
     """A uniform number in [0, 1) for the ``call_number``-th call a ``random`` rule sees."""
-    digest = hashlib.sha256(f"{seed}:{rule_index}:{call_number}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}:{rule_index}:{call_number}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
@@ -384,7 +384,7 @@ def _resolve(segments: Sequence[Segment], scope: Mapping[str, Any]) -> Any:
     """The value a parsed path names in ``scope``; raises :class:`Missing`."""
     keys = [_key(_resolve(s, scope)) if isinstance(s, list) else s for s in segments]
     if keys[0] not in _ROOTS:
-        keys = ["state"] + keys
+        keys = ["state", *keys]
     value: Any = scope
     for depth, key in enumerate(keys):
         if isinstance(value, dict) and key in value:

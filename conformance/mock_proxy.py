@@ -81,7 +81,7 @@ class RecordedRequest:
                  "run")
 
     def __init__(self, method: str, path: str, kind: str, name: str, headers: Dict[str, str], body: bytes,
-                 connection: int, run: Optional["ProxyRun"] = None) -> None:
+                 connection: int, run: Optional[ProxyRun] = None) -> None:
         self.method = method
         self.path = path
         self.kind = kind  # "tools", "traces" or "other"
@@ -127,7 +127,7 @@ class ProxyRun:
     Made by :meth:`MockProxy.new_run`; the :class:`MockProxy` itself is the default run.
     """
 
-    def __init__(self, owner: "MockProxy", base_path: str, tokens: Set[str]) -> None:
+    def __init__(self, owner: MockProxy, base_path: str, tokens: Set[str]) -> None:
         self._owner = owner
         self.base_path = base_path.rstrip("/")
         self.tokens = tokens
@@ -253,7 +253,7 @@ class MockProxy:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def start(self) -> "MockProxy":
+    def start(self) -> MockProxy:
         proxy = self
 
         class Handler(_Handler):
@@ -273,7 +273,7 @@ class MockProxy:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> "MockProxy":
+    def __enter__(self) -> MockProxy:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

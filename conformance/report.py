@@ -56,8 +56,8 @@ def progress_line(run: Mapping[str, Any]) -> str:
         return f"{_where(run)}: not run, the dataset check rejected it ({_plural(len(run['errors']), 'error')})"
     calls = run["tool_calls"]
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
-    head = f"{_where(run)}: {_STATUS_WORD[run['status']]}, {_plural(len(calls), 'tool call')}, {injected} injected, " \
-           f"{run.get('duration_ms', 0):.0f} ms"
+    head = (f"{_where(run)}: {_STATUS_WORD[run['status']]}, {_plural(len(calls), 'tool call')}, {injected} injected, "
+            f"{run.get('duration_ms', 0):.0f} ms")
     if run["errors"]:
         head += f": {_short(run['errors'][0], 160)}"
     return head
@@ -275,8 +275,8 @@ def _task_html(run: Mapping[str, Any]) -> str:
             f"<li>[{_e(r['index'])}] {_e(r['summary'])} {_fired_pill(r['fired'])}</li>" for r in rules)
         rows.append(("failure rules", f"<ul>{items}</ul>"))
     if run.get("initial_state"):
-        rows.append(("initial state", f"<details><summary>{_e(_short(run['initial_state'], 80))}</summary>"
-                                      f"{_pre(run['initial_state'])}</details>"))
+        rows.append(("initial state", (f"<details><summary>{_e(_short(run['initial_state'], 80))}</summary>"
+                                       f"{_pre(run['initial_state'])}</details>")))
     body = "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in rows)
     return f'<h3>Task</h3><dl class="task">{body}</dl>'
 
@@ -341,8 +341,8 @@ def _message_html(message: Any) -> str:
     if not isinstance(message, dict):
         return f'<div class="msg">{_pre(message)}</div>'
     role = message.get("role", "?")
-    parts = [f'<div class="msg"><div class="role">{_e(role)}'
-             f"{' · ' + _e(message['tool_call_id']) if message.get('tool_call_id') else ''}</div>"]
+    parts = [(f'<div class="msg"><div class="role">{_e(role)}'
+              f"{' · ' + _e(message['tool_call_id']) if message.get('tool_call_id') else ''}</div>")]
     content = message.get("content")
     if isinstance(content, str):
         parts.append(f'<div style="white-space:pre-wrap">{_e(content)}</div>')

@@ -170,7 +170,7 @@ class CodeAgent:
 
         try:
             result = asyncio.run(cell())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's agent is a row's outcome, reported
             cause = exc.__cause__ if isinstance(exc, pp.AgentError) and exc.__cause__ else exc
             text = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
             text = _scrub(text, [dispatch.run_token])[-6000:]  # scrubbed before cut: no half token survives
@@ -228,7 +228,7 @@ class UrlAgent:
                  timeout: float = DEFAULT_TIMEOUT_S) -> None:
         parts = urlsplit(url)
         try:
-            parts.port
+            parts.port  # noqa: B018 - reading it raises ValueError on a bad port
         except ValueError:
             raise SetupError(f"--url has an invalid port: {_safe_url(url)!r}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -360,7 +360,7 @@ class _Run:
                         "message": "tool arguments must be a JSON object"}
             try:
                 result = self.backend.call(request.name, request.json)
-            except Exception as exc:  # a simulator bug must not hang the agent: answer, and report it
+            except Exception as exc:  # noqa: BLE001 - a simulator bug must not hang the agent: answer, report it
                 self.problems.append(f"the simulator failed on {request.name}: {_describe(exc)}")
                 entry["http_status"] = 500
                 return {"status": 500, "error_class": "simulator_error", "message": _describe(exc)}
