@@ -1166,6 +1166,8 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
     if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
+    if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
+        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
     if not endpoint.no_auth:
         if not (expected_token or "").strip():
             raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
@@ -1176,8 +1178,6 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
             raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
                             bearer=endpoint.auth_header.lower() == "authorization")
-    if path == TOOLS_SCHEMA_PATH:
-        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a "
                                   "Content-Length header")
@@ -1497,15 +1497,19 @@ class RetryPolicy(NamedTuple):
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 
 
-def _final_text(value: Any, key: str) -> Optional[str]:
-    """The final response as a string; frameworks' non-string outputs become JSON or ``str()``."""
+def _final_text(value: Any, key: str, strict: bool = True) -> Optional[str]:
+    """The final response as a string; frameworks' non-string outputs become JSON or ``str()``.
+
+    A non-string ``final_response`` is refused in strict mode; otherwise it
+    becomes its JSON text (``42`` -> ``"42"``, an object -> ``'{"a": 1}'``).
+    """
     if value is None:
         return None
     if isinstance(value, str):
         return value
-    if key == "final_response":
+    if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {_json_type(value)}")
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(value, ensure_ascii=False, default=str)
     dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
     if callable(dump):
@@ -1513,7 +1517,7 @@ def _final_text(value: Any, key: str) -> Optional[str]:
     return str(value)
 
 
-def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+def _unpack_result(value: Any, strict: bool = True) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
     """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object.
 
     Only an envelope-shaped value (one with ``final_response``) contributes its
@@ -1526,7 +1530,7 @@ def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]
     if isinstance(value, Mapping):
         if "final_response" in value:
             extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
-            final = _final_text(value["final_response"], "final_response")
+            final = _final_text(value["final_response"], "final_response", strict)
             return final, value.get("messages"), value.get("metadata"), extra
         for key in _FINAL_KEYS[1:]:
             if value.get(key) is not None:
@@ -1538,12 +1542,25 @@ def _unpack_result(value: Any) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]
         attr = getattr(value, key, None)
         if attr is not None and not callable(attr):
             if key == "final_response":
-                return _final_text(attr, key), getattr(value, "messages", None), getattr(value, "metadata", None), {}
+                final = _final_text(attr, key, strict)
+                return final, getattr(value, "messages", None), getattr(value, "metadata", None), {}
             return _final_text(attr, key), None, None, {}
     raise ResponseError(
         f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
         "'final_response', or an object with final_response / final_output / output / message"
     )
+
+
+def _tool_call_name(call: Any) -> Optional[str]:
+    """The resolvable name of a tool call (flat ``name`` or nested ``function.name``), else ``None``."""
+    if not isinstance(call, Mapping):
+        return None
+    if isinstance(call.get("name"), str) and call["name"]:
+        return str(call["name"])
+    function = call.get("function")
+    if isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]:
+        return str(function["name"])
+    return None
 
 
 def _normalise_tool_call(call: Any) -> Any:
@@ -1570,11 +1587,81 @@ def _normalise_messages(messages: Any) -> Any:
     return out
 
 
+def _jsonable(value: Any, path: str, notes: List[str]) -> Any:
+    """A JSON-safe copy of ``value``: what JSON cannot carry is converted, each conversion noted with its path.
+
+    NaN and infinities become ``null`` (as FastAPI sends them); datetimes,
+    dates and times their ISO text; sets and tuples lists; bytes their UTF-8
+    text; other objects ``str(obj)``; non-string keys their text.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        notes.append(f"{path}: {value!r} is not JSON; sent as null")
+        return None
+    if isinstance(value, Mapping):
+        out: Dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                notes.append(f"{path}: key {_short(repr(key), 40)} is not a string; sent as its text")
+                key = str(key)
+            out[key] = _jsonable(item, f"{path}.{key}", notes)
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        if not isinstance(value, (list, tuple)):
+            notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
+            value = sorted(value, key=repr)
+        return [_jsonable(item, f"{path}[{i}]", notes) for i, item in enumerate(value)]
+    iso = getattr(value, "isoformat", None)
+    if callable(iso):
+        notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its ISO text")
+        return str(iso())
+    if isinstance(value, (bytes, bytearray)):
+        notes.append(f"{path}: bytes are not JSON; sent as UTF-8 text")
+        return bytes(value).decode("utf-8", "replace")
+    notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its text")
+    return str(value)
+
+
+def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """``body`` changed the way the platform treats what it cannot use (§4), and a note per change.
+
+    Values JSON cannot carry are converted (:func:`_jsonable`); tool calls with
+    no resolvable name are dropped; a ``messages`` or ``metadata`` value that
+    still breaks the schema or the pairing rule is dropped whole, as the
+    platform drops it to null.  ``final_response`` is never touched.
+    """
+    notes: List[str] = []
+    body = {key: (value if key == "final_response" else _jsonable(value, key, notes)) for key, value in body.items()}
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            if isinstance(calls, list):
+                kept = [c for c in calls if _tool_call_name(c) is not None]
+                for j in [j for j, c in enumerate(calls) if _tool_call_name(c) is None]:
+                    notes.append(f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped")
+                message["tool_calls"] = [_normalise_tool_call(c) for c in kept]
+    problems = _message_problems(messages)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        notes.append(f"{problems[0]}{more}; messages dropped, as the platform drops a malformed transcript")
+        del body["messages"]
+    problems = _metadata_problems(body.get("metadata"))
+    if problems:
+        notes.append(f"{problems[0]}; metadata dropped, as the platform drops it")
+        del body["metadata"]
+    return body, notes
+
+
 def response_envelope(
     value: Any,
     *,
     messages: Optional[Sequence[Mapping[str, Any]]] = None,
     metadata: Optional[Mapping[str, Any]] = None,
+    strict: bool = False,
 ) -> Tuple[Dict[str, Any], List[str]]:
     """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned.
 
@@ -1582,12 +1669,19 @@ def response_envelope(
     extra top-level keys, kept), or a result object exposing ``final_response``
     / ``final_output`` / ``output`` / ``message``.  ``messages`` and
     ``metadata`` override those found in ``value``.  Nested OpenAI tool calls
-    become the flat form.  Raises :class:`ResponseError` listing every problem
-    (an empty final response, bad roles, unpaired ``tool_call_id``, bad
-    metadata types) instead of returning a body the platform would drop.
-    ``warnings`` name what the platform only softens (a truncated final response).
+    become the flat form.
+
+    Lenient (the default): the body the platform would grade goes out.  A
+    non-string ``final_response`` becomes its JSON text; what the platform
+    would drop is dropped the same way (:func:`_as_the_platform_keeps`) and
+    named in ``warnings``, with the soft problems (a truncated or blank final
+    response, mistyped metadata).  Only a missing or empty ``final_response``
+    raises :class:`ResponseError`: there is nothing to grade.
+
+    ``strict=True`` refuses instead: :class:`ResponseError` lists every
+    problem, the soft ones too, except the truncation warning.
     """
-    final, found_messages, found_metadata, extra = _unpack_result(value)
+    final, found_messages, found_metadata, extra = _unpack_result(value, strict)
     if messages is None:
         messages = found_messages
     if metadata is None:
@@ -1598,11 +1692,17 @@ def response_envelope(
         body["messages"] = _normalise_messages(messages)
     if metadata is not None:
         body["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
+    notes: List[str] = []
+    if not strict:
+        body, notes = _as_the_platform_keeps(body)
     found = validate_response(body)
-    problems = [p for p in found if not p.startswith("warning:")]
-    if problems:
-        raise ResponseError(problems)
-    return body, [w[len("warning: "):] for w in found if w.startswith("warning:")]
+    errors = [p for p in found if not p.startswith("warning:")]
+    soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
+    if strict:
+        errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
+    if errors:
+        raise ResponseError(errors)
+    return body, notes + soft
 
 
 def build_turn_reply(
@@ -1616,7 +1716,7 @@ def build_turn_reply(
         raise ResponseError(f"session_done must be a boolean, got {_json_type(session_done)}")
     reply: Dict[str, Any] = {"message": text, "session_done": session_done}
     if metadata is not None:
-        problems = _metadata_problems(metadata)
+        problems = _metadata_problems(metadata) + [w[len("warning: "):] for w in _metadata_warnings(metadata)]
         if problems:
             raise ResponseError(problems)
         reply["metadata"] = dict(metadata)
@@ -1624,36 +1724,41 @@ def build_turn_reply(
 
 
 def _metadata_problems(metadata: Any) -> List[str]:
-    if metadata is None:
+    """Schema problems of ``metadata``: it must be an object or null (any keys)."""
+    if metadata is None or isinstance(metadata, Mapping):
         return []
+    return [f"metadata: must be an object or null, got {_json_type(metadata)} (the platform drops it)"]
+
+
+def _metadata_warnings(metadata: Any) -> List[str]:
+    """The first-class keys the platform renders, mistyped: the schema allows them, the renderer cannot use them."""
     if not isinstance(metadata, Mapping):
-        return [f"metadata: must be an object or null, got {_json_type(metadata)} (the platform drops it)"]
-    problems = []
+        return []
+    warnings = []
     for key in _METADATA_STR_KEYS:
         if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
-            problems.append(f"metadata.{key}: must be a string, got {_json_type(metadata[key])}")
+            warnings.append(f"warning: metadata.{key}: should be a string, got {_json_type(metadata[key])}")
     for key in _METADATA_INT_KEYS:
         v = metadata.get(key)
         if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            problems.append(f"metadata.{key}: must be a non-negative integer, got {_short(repr(v), 40)}")
+            warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got {_short(repr(v), 40)}")
     v = metadata.get("agent_runtime_ms")
     if "agent_runtime_ms" in metadata and v is not None and (
         isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
     ):
-        problems.append(f"metadata.agent_runtime_ms: must be a non-negative number, got {_short(repr(v), 40)}")
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        problems.append(f"metadata: is not JSON-serialisable: {exc}")
-    return problems
+        shown = _short(repr(v), 40)
+        warnings.append(f"warning: metadata.agent_runtime_ms: should be a non-negative number, got {shown}")
+    return warnings
 
 
-def _message_problems(messages: Any) -> List[str]:
+def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> List[str]:
+    """Schema and pairing problems of ``messages``; soft ones are appended to ``warnings`` when given."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
         return [f"messages: must be an array or null, got {_json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
+    soft: List[str] = [] if warnings is None else warnings
     seen_call_ids: Set[str] = set()
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
@@ -1664,19 +1769,20 @@ def _message_problems(messages: Any) -> List[str]:
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
         content = message.get("content")
-        if "content" in message and content is not None and not isinstance(content, (str, list, tuple)):
+        if content is not None and not isinstance(content, (str, list, tuple)):
             problems.append(f"{at}.content: must be a string, an array of parts or null, got {_json_type(content)}")
-        tool_calls = message.get("tool_calls")
-        if "tool_calls" in message and tool_calls is not None:
+        if "tool_calls" in message:
+            tool_calls = message["tool_calls"]
             if not isinstance(tool_calls, (list, tuple)):
                 problems.append(f"{at}.tool_calls: must be an array, got {_json_type(tool_calls)}")
             else:
                 if role != "assistant" and tool_calls:
-                    problems.append(f"{at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
+                    soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, "
+                                f"this one is {role!r}")
                 for j, call in enumerate(tool_calls):
-                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids))
-        thinking = message.get("thinking")
-        if "thinking" in message and thinking is not None:
+                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids, soft))
+        if "thinking" in message:
+            thinking = message["thinking"]
             if not isinstance(thinking, (list, tuple)):
                 problems.append(f"{at}.thinking: must be an array of objects, got {_json_type(thinking)}")
             else:
@@ -1684,7 +1790,7 @@ def _message_problems(messages: Any) -> List[str]:
                     if not isinstance(block, Mapping):
                         problems.append(f"{at}.thinking[{j}]: must be an object, got {_json_type(block)}")
         call_id = message.get("tool_call_id")
-        if "tool_call_id" in message and call_id is not None and not isinstance(call_id, str):
+        if "tool_call_id" in message and not isinstance(call_id, str):
             problems.append(f"{at}.tool_call_id: must be a string, got {_json_type(call_id)}")
         elif role == "tool":
             if not call_id:
@@ -1697,59 +1803,96 @@ def _message_problems(messages: Any) -> List[str]:
     return problems
 
 
-def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str]) -> List[str]:
+def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: List[str]) -> List[str]:
+    """A tool call against the schema's ``oneOf``: exactly one of the flat and the nested shape."""
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {_json_type(call)}"]
-    flat = _normalise_tool_call(call)
+    function = call.get("function")
+    flat = isinstance(call.get("name"), str)
+    nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
+        "type" not in call or call["type"] == "function")
+    if flat and nested:
+        return [f"{at}: has both 'name' and 'function': send one of the flat and the nested form"]
+    if not flat and not nested:
+        if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
+            return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
+        return [f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it"]
     problems = []
-    name = flat.get("name")
-    if not isinstance(name, str) or not name:
-        problems.append(f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); "
-                        "the platform drops it")
-    call_id = flat.get("id")
-    if "id" in flat and call_id is not None:
+    call_id = call.get("id")
+    if "id" in call:
         if not isinstance(call_id, str):
             problems.append(f"{at}.id: must be a string, got {_json_type(call_id)}")
         else:
             seen_call_ids.add(call_id)
-    arguments = flat.get("arguments")
+    arguments = call["arguments"] if flat and "arguments" in call else (
+        function.get("arguments") if nested and isinstance(function, Mapping) else None)
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        problems.append(f"{at}.arguments: must be an object or a JSON-encoded string, got {_json_type(arguments)}")
+        warnings.append(f"warning: {at}.arguments: should be an object or a JSON-encoded string, "
+                        f"got {_json_type(arguments)}")
     return problems
 
 
-def validate_response(body: Any) -> List[str]:
-    """Every problem the platform would reject, drop or truncate in a response body (§4).
+def _unencodable(value: Any, path: str) -> Optional[str]:
+    """The first place in ``value`` JSON cannot carry (NaN, infinity, a non-JSON type), or ``None``."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path}: {value!r} is not JSON"
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{path}: key {_short(repr(key), 40)} is not a string"
+            found = _unencodable(item, f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _unencodable(item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return f"{path}: {type(value).__name__} is not a JSON type"
 
-    Returns readable strings, each starting with the JSON path it concerns
-    (``final_response: ...``, ``messages[3].tool_call_id: ...``); warnings
-    that the platform only softens (truncation) start with ``warning:``.  An
-    empty list means the body is accepted as sent.
+
+def validate_response(body: Any) -> List[str]:
+    """Every problem of a response body against §4 and its JSON Schema, each starting with its JSON path.
+
+    Hard problems (no prefix) are what the schema rejects, the contract's
+    rules (a non-empty ``final_response``, ``tool_call_id`` pairing) and values
+    JSON cannot carry: the platform refuses the body or drops the part.  Soft
+    ones start with ``warning:``: a final response the platform truncates, a
+    blank one, mistyped first-class metadata, odd tool arguments.  An empty
+    list means the body is accepted as sent.
     """
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {_json_type(body)}"]
     problems: List[str] = []
+    warnings: List[str] = []
     final = body.get("final_response")
     if "final_response" not in body or final is None:
         problems.append("final_response: required, a non-empty string (the judge grades it)")
     elif not isinstance(final, str):
         problems.append(f"final_response: must be a string, got {_json_type(final)}")
+    elif not final:
+        problems.append("final_response: must not be empty (the judge has nothing to grade)")
     elif not final.strip():
-        problems.append("final_response: must not be empty or blank (the judge has nothing to grade)")
+        warnings.append("warning: final_response: blank (only whitespace): the judge has nothing to grade")
     elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
-        problems.append(
+        warnings.append(
             f"warning: final_response: {len(final)} characters; the platform truncates it at "
             f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning"
         )
-    problems.extend(_message_problems(body.get("messages")))
+    problems.extend(_message_problems(body.get("messages"), warnings))
     problems.extend(_metadata_problems(body.get("metadata")))
-    if not problems:
-        try:
-            json.dumps(body, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            problems.append(f"body: is not JSON-serialisable: {exc}")
-    # Warnings last, so callers can show the hard problems first.
-    return sorted(problems, key=lambda p: p.startswith("warning:"))
+    warnings.extend(_metadata_warnings(body.get("metadata")))
+    try:
+        unencodable = _unencodable(body, "body")
+    except RecursionError:
+        unencodable = "body: nested too deeply to encode"
+    if unencodable:
+        problems.append(unencodable[len("body."):] if unencodable.startswith("body.") else unencodable)
+    return problems + warnings
 
 
 # ---------------------------------------------------------------------------
@@ -2707,17 +2850,28 @@ def post_handoff(
     return post_trace("handoff", event, **options)
 
 
+ENV_STRICT = "PIPELINES_PORT_STRICT"  # "1": refuse responses the platform would only soften (see build_response)
+
+
+def _strict(strict: Optional[bool]) -> bool:
+    return _truthy(os.environ.get(ENV_STRICT)) if strict is None else strict
+
+
 def build_response(
     value: Any,
     *,
     messages: Optional[Sequence[Mapping[str, Any]]] = None,
     metadata: Optional[Mapping[str, Any]] = None,
+    strict: Optional[bool] = None,
 ) -> Dict[str, Any]:
-    """The v1 response envelope (§4) from what an agent returned: :func:`response_envelope`, warnings logged.
+    """The v1 response envelope (§4) from what an agent returned: :func:`response_envelope`, each warning logged.
 
-    Raises :class:`ResponseError` listing every problem.
+    Lenient by default: what the platform would drop is dropped the same way
+    and logged once as a warning naming its JSON path.  ``strict=True`` (or
+    ``PIPELINES_PORT_STRICT=1`` when ``strict`` is not given) raises
+    :class:`ResponseError` listing every problem instead.
     """
-    body, warnings = response_envelope(value, messages=messages, metadata=metadata)
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
     for warning in warnings:
         _log.warning("response: %s", warning)
     return body
@@ -2808,6 +2962,9 @@ class DispatchApp:
     default, the environment variable ``token_env`` read at each request; it is
     off only with ``no_auth=True``.  ``auth_header`` is ``Authorization``
     (``Bearer <token>``) or a custom header carrying the raw value.
+    ``strict`` as for :func:`build_response`; ``proxy_hosts`` (default
+    ``PIPELINES_PROXY_ALLOWED_HOSTS``) is the allow-list of proxy hosts a
+    dispatch may name (:func:`proxy_host_allowed`).
 
     Serve it with :func:`serve` / :func:`start_server`, under a WSGI server
     (:attr:`wsgi`) or an ASGI server (:attr:`asgi`): all three call :meth:`handle`.
@@ -2826,6 +2983,7 @@ class DispatchApp:
         run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
         tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
         proxy_hosts: Union[Sequence[str], str, None] = None,
+        strict: Optional[bool] = None,
     ) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
@@ -2845,10 +3003,14 @@ class DispatchApp:
         self.token = token
         self.token_env = None if token else token_env
         self.run_timeout_s = float(run_timeout_s)
+        self.strict = strict  # None: PIPELINES_PORT_STRICT decides at each response
+        # Validated here, served as given: the platform's tooling compares the entries field by field.
         if tools_schema is None or isinstance(tools_schema, (list, tuple)):
-            tools = convert_tools(tools_schema, "platform") if tools_schema is not None else None
+            tools = _thaw(list(tools_schema)) if tools_schema is not None else None
         else:
-            tools = load_tools_schema(cast("Union[str, os.PathLike[str]]", tools_schema))
+            tools = _read_tools_file(cast("Union[str, os.PathLike[str]]", tools_schema))
+        if tools is not None:
+            convert_tools(tools, "platform")  # raises ValueError naming the first bad entry
         if proxy_hosts is None or isinstance(proxy_hosts, str):
             hosts = parse_proxy_hosts(os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts)
         else:
@@ -2964,7 +3126,7 @@ class DispatchApp:
         bound = _dispatch_stats.set(stats)
         try:
             result = _on_fresh_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s)
-            body = build_response(result)
+            body = build_response(result, strict=self.strict)
         except _Overran as exc:
             stats.cancelled = True  # its further proxy calls are refused before each attempt
             _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
@@ -3427,7 +3589,7 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[E
     return _on_fresh_thread(call)
 
 
-def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]:
+def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None) -> Callable[..., Dict[str, Any]]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
 
     The same ``agent(envelope)`` function (sync or ``async def``) serves HTTP
@@ -3436,8 +3598,9 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
     a raising agent gives :class:`AgentError` (original exception chained), a
     :class:`PipelinesError` it raises (a stale run token, say) propagates as it
     is, and a result that cannot become a response gives :class:`ResponseError`,
-    never a half-built dict.  The run token is redacted from the returned body
-    and from error messages, as the server does.
+    never a half-built dict (``strict`` as for :func:`build_response`).  The run
+    token is redacted from the returned body and from error messages, as the
+    server does.
     """
 
     def run(task_input: Mapping[str, Any], *, proxy_url: str, run_token: str) -> Dict[str, Any]:
@@ -3448,7 +3611,7 @@ def code_mode(agent: Callable[[Envelope], Any]) -> Callable[..., Dict[str, Any]]
             raise
         except Exception as exc:
             raise AgentError(redact(f"agent raised {describe_error(exc)}", envelope.run_token)) from exc
-        return _without_run_token(build_response(result), envelope)
+        return _without_run_token(build_response(result, strict=strict), envelope)
 
     run.__name__ = "run"
     run.__qualname__ = "run"
@@ -3538,8 +3701,8 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
 def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
     """The tool list in the platform's shape, from a JSON file or the environment (§3.6).
 
-    ``source`` is a path to a JSON list (or ``{"tools": [...]}``); with no
-    source, ``PIPELINES_TOOLS_SCHEMA_B64`` or ``PIPELINES_TOOLS_SCHEMA_JSON``.
+    ``source`` is a path to a JSON list (or ``{"tools": [...]}`` / ``{"tools_schema": [...]}``);
+    with no source, ``PIPELINES_TOOLS_SCHEMA_B64`` or ``PIPELINES_TOOLS_SCHEMA_JSON``.
     Raises ``ValueError`` naming the file and the problem.
     """
     if source is None:
@@ -3549,21 +3712,28 @@ def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List
             raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
     else:
         where = os.fspath(source)
-        try:
-            with open(source, encoding="utf-8") as f:
-                tools = json.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read tools schema {where}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"tools schema {where} is not valid JSON: {exc}") from None
-        if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
-            tools = tools["tools"]
-        if not isinstance(tools, list):
-            raise ValueError(f"tools schema {where} must be a JSON list of tools, got {_json_type(tools)}")
+        tools = _read_tools_file(source)
     try:
         return convert_tools(tools, "platform")
     except ValueError as exc:
         raise ValueError(f"tools schema {where}: {exc}") from None
+
+
+def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
+    """The tool entries of a JSON file, as written; ``ValueError`` naming the file when it has none."""
+    where = os.fspath(source)
+    try:
+        with open(source, encoding="utf-8") as f:
+            tools = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read tools schema {where}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"tools schema {where} is not valid JSON: {exc}") from None
+    if isinstance(tools, dict):
+        tools = tools.get("tools_schema", tools.get("tools", tools))
+    if not isinstance(tools, list):
+        raise ValueError(f"tools schema {where} must be a JSON list of tools, got {_json_type(tools)}")
+    return tools
 
 
 def tools_schema_beside(agent_spec: str) -> Optional[str]:
@@ -4320,7 +4490,7 @@ def _cmd_serve(args: Any) -> int:
             app = DispatchApp(
                 agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
                 max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
-                proxy_hosts=args.proxy_hosts,
+                proxy_hosts=args.proxy_hosts, strict=True if args.strict else None,
             )
         except ValueError as exc:
             raise _UsageError(str(exc)) from None
@@ -4391,6 +4561,9 @@ def _parser(prog: Optional[str] = None) -> Any:
                         help="run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
     serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
+    serve_.add_argument("--strict", action="store_true",
+                        help="refuse (500) a response the platform would only soften or drop parts of, instead of "
+                             f"sending what it grades (also: {ENV_STRICT}=1)")
     serve_.add_argument("--proxy-hosts", metavar="HOSTS",
                         help="comma-separated allow-list of proxy hosts dispatches may name: host names, IP addresses "
                              f"or .suffixes (default: {ENV_PROXY_ALLOWED_HOSTS}, else any host)")

@@ -8,6 +8,8 @@ Servers, each a process of its own:
 - ``pipelines_port``: ``python3 pipelines_port.py serve bench/agents.py:three_calls
   --host 127.0.0.1 --port PORT --token-env BENCH_AGENT_TOKEN``;
 - ``pipelines_port_m`` (on request): the same started as ``python3 -m pipelines_port serve``;
+- ``pipelines_port_uvicorn`` (on request): ``DispatchApp`` as an ASGI app under uvicorn with its
+  default flags (bench/uvicorn_app.py), in the peers' venv;
 - ``reference``: bench/peer_app.py under uvicorn, shaped like the platform
   docs' reference wrapper (a synchronous ``httpx.post`` per tool call);
 - ``tuned``: the same app with one shared ``httpx.AsyncClient`` and an async agent.
@@ -59,8 +61,9 @@ VENV = os.path.join(benchlib.BENCH, ".venv")
 PEER_PACKAGES = ["fastapi", "uvicorn", "httpx"]
 OURS = "pipelines_port"
 OURS_MODULE = "pipelines_port_m"  # the same server started as `python3 -m pipelines_port serve`
+OURS_UVICORN = "pipelines_port_uvicorn"  # DispatchApp as an ASGI app under uvicorn, default flags (bench venv)
 PEERS = ("reference", "tuned")
-NAMES = (OURS, OURS_MODULE) + PEERS
+NAMES = (OURS, OURS_MODULE, OURS_UVICORN) + PEERS
 DEFAULT_NAMES = (OURS,) + PEERS
 TARGETS = {"ping_ratio_min": 1.5, "dispatch_ratio_min": 5.0, "idle_rss_ratio_max": 0.5}
 
@@ -142,6 +145,11 @@ def make_servers(names: List[str], python: Optional[str], pycache: str, access_l
             command = [sys.executable] + launch + ["serve", "bench/agents.py:three_calls", "--host", HOST,
                                                    "--port", str(port), "--token-env", "BENCH_AGENT_TOKEN"]
             env = dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN)
+        elif name == OURS_UVICORN:
+            assert python is not None
+            command = [python, "-m", "uvicorn", "uvicorn_app:app", "--app-dir", benchlib.BENCH, "--host", HOST,
+                       "--port", str(port)] + ([] if access_log else ["--no-access-log"])
+            env = dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN, PYTHONPATH=benchlib.ROOT)
         else:
             assert python is not None
             command = [python, "-m", "uvicorn", "peer_app:app", "--app-dir", benchlib.BENCH, "--host", HOST,
@@ -293,7 +301,7 @@ def summarise(runs: Dict[str, Any], rss: Dict[str, Dict[str, Optional[int]]]) ->
                 "errors": sum(r["errors"] for r in results),
             }
     comparisons: Dict[str, Any] = {}
-    for mine in (n for n in (OURS, OURS_MODULE) if n in figures):
+    for mine in (n for n in (OURS, OURS_MODULE, OURS_UVICORN) if n in figures):
         ours = figures[mine]
         for peer in (n for n in PEERS if n in figures):
             theirs = figures[peer]
@@ -373,7 +381,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if (OURS in names or OURS_MODULE in names) and not serve_available():
         print("note: `pipelines_port.py serve` is not available yet; measuring the peers only", flush=True)
         names = [n for n in names if n not in (OURS, OURS_MODULE)]
-    python = venv_python() if any(n in PEERS for n in names) else None
+    python = venv_python() if any(n in PEERS or n == OURS_UVICORN for n in names) else None
     versions = peer_versions(python) if python else {}
 
     proxy, proxy_url = benchlib.start_proxy(RUN_TOKEN, tls=False)

@@ -27,7 +27,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 DEFAULT_PROBE_PROXY_URL = "https://api.pipelines.tech/api/odyssey-proxy"
 
-_Check = Tuple[str, str, str]  # (state "ok" | "fail" | "skip", label, detail)
+_Check = Tuple[str, str, str]  # (state "ok" | "fail" | "skip" | "warn", label, detail)
 
 
 def _http_exchange(url: str, method: str, headers: Dict[str, str], body: bytes,
@@ -72,11 +72,24 @@ class _Doctor:
             yield self.agent_imports()
         yield self.answers_ping()
         yield self.auth_before_ping()
+        yield self.proxy_hosts()
         if self.args.tools_schema:
             yield from self.tools_schema()
         yield self.proxy_reachable()
         if self.args.csv:
             yield self.dataset()
+
+    def proxy_hosts(self) -> _Check:
+        """CONTRACT §7.1 kit-proxy-host-allow-list: without one, the agent token alone can aim the server anywhere."""
+        label = "proxy host allow-list"
+        app = getattr(self, "app", None)
+        if app is None:
+            return "skip", label, (f"cannot tell from outside: set {pp.ENV_PROXY_ALLOWED_HOSTS} (or serve "
+                                   "--proxy-hosts) on the server in production")
+        if app.endpoint.proxy_hosts is None:
+            return "warn", label, (f"not set: dispatches may name any proxy host; set {pp.ENV_PROXY_ALLOWED_HOSTS}="
+                                   ".pipelines.tech (or serve --proxy-hosts) in production")
+        return "ok", label, app.describe_proxy_hosts()
 
     def close(self) -> None:
         if self.server is not None:
@@ -95,12 +108,12 @@ class _Doctor:
         try:
             app = agent if isinstance(agent, pp.DispatchApp) else pp.DispatchApp(
                 agent, token_env=self.args.token_env, auth_header=self.args.auth_header, no_auth=self.args.no_auth,
-                tools_schema=pp.tools_schema_beside(self.args.app))  # the look-up `serve` makes
+                tools_schema=pp.tools_schema_beside(self.args.app), strict=True)  # the look-up `serve` makes
             self.server = pp.start_server(app, host="127.0.0.1", port=0)
         except (ValueError, OSError) as exc:
             why = pp.describe_error(exc, 300)
             return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {why}"
-        self.url, self.app_tools = self.server.url, app.tools_schema
+        self.url, self.app_tools, self.app = self.server.url, app.tools_schema, app
         return "ok", "agent imports", f"{self.args.app} ({type(agent).__name__})"
 
     def answers_ping(self) -> _Check:
@@ -202,7 +215,7 @@ def run(args: Any) -> int:
             except pp.EnvelopeError as exc:
                 raise UsageError(str(exc).replace("proxy URL ", "URL ", 1)) from None
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    marks = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33")}
+    marks = {"ok": ("✓", "32"), "fail": ("✗", "31"), "skip": ("-", "33"), "warn": ("!", "33")}
     doctor = _Doctor(args)
     red = 0
     try:

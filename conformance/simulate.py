@@ -646,6 +646,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="tool fixtures for the simulated backend (see conformance/engine.py)")
     parser.add_argument("--tools", metavar="TOOLS.json",
                         help="a tools schema to inline in each dispatch (tools_schema)")
+    parser.add_argument("--lenient", action="store_true",
+                        help="with --code, let the agent's response be built leniently as in production (by default "
+                             "a simulated run is strict: what the platform would drop or soften is reported as an "
+                             "error, PIPELINES_PORT_STRICT=1)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"per-row limit for the agent (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--json", metavar="OUT",
@@ -757,6 +761,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    previous = os.environ.get(pp.ENV_STRICT)
+    if getattr(args, "code", None) and not args.lenient:
+        os.environ[pp.ENV_STRICT] = "1"  # a simulation shows every problem: the agent's code_mode() builds strictly
     try:
         return run_cli(args)
     except SetupError as exc:
@@ -765,6 +772,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("simulate: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is None:
+            os.environ.pop(pp.ENV_STRICT, None)
+        else:
+            os.environ[pp.ENV_STRICT] = previous
 
 
 if __name__ == "__main__":

@@ -147,19 +147,28 @@ def test_a_stale_run_token_is_not_wrapped(proxy: MockProxy, token: str) -> None:
         in_running_loop(pp.code_mode(agent), TASK, proxy_url=proxy.url, run_token=token)
 
 
-@pytest.mark.parametrize("result,needle", [
-    (42, "cannot build a response from int"),
-    ("", "final_response"),
-    ("   ", "final_response"),
-    ({"final_response": 7}, "final_response must be a string"),
-    ({"final_response": "ok", "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
-    ({"final_response": "ok", "metadata": {"total_input_tokens": "many"}}, "total_input_tokens"),
+@pytest.mark.parametrize("result,needle,lenient", [
+    (42, "cannot build a response from int", None),
+    ("", "final_response", None),
+    ("   ", "final_response", {"final_response": "   "}),
+    ({"final_response": 7}, "final_response must be a string", {"final_response": "7"}),
+    ({"final_response": "ok", "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id",
+     {"final_response": "ok"}),
+    ({"final_response": "ok", "metadata": {"total_input_tokens": "many"}}, "total_input_tokens",
+     {"final_response": "ok", "metadata": {"total_input_tokens": "many"}}),
 ], ids=["int", "empty", "blank", "non-string", "orphan-tool-message", "bad-metadata"])
 def test_a_result_that_cannot_become_a_response_gives_response_error(
-        proxy: MockProxy, token: str, result: Any, needle: str) -> None:
-    run = pp.code_mode(lambda envelope: result)
+        proxy: MockProxy, token: str, result: Any, needle: str, lenient: Any) -> None:
+    """Strict mode refuses every problem; the default sends what the platform grades (None: refused in both)."""
     with pytest.raises(pp.ResponseError, match=needle):
-        in_running_loop(run, TASK, proxy_url=proxy.url, run_token=token)
+        in_running_loop(pp.code_mode(lambda envelope: result, strict=True), TASK, proxy_url=proxy.url,
+                        run_token=token)
+    run = pp.code_mode(lambda envelope: result)
+    if lenient is None:
+        with pytest.raises(pp.ResponseError, match=needle):
+            in_running_loop(run, TASK, proxy_url=proxy.url, run_token=token)
+    else:
+        assert in_running_loop(run, TASK, proxy_url=proxy.url, run_token=token) == lenient
 
 
 @pytest.mark.parametrize("task_input,proxy_url,run_token,needle", [

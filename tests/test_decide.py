@@ -107,7 +107,8 @@ def server_for(servers: Dict[str, Any], case: Dict[str, Any]) -> Any:
     key = json.dumps([endpoint, case["expected_token"]], sort_keys=True)
     if key not in servers:
         options: Dict[str, Any] = {"max_body": endpoint.get("max_body", pp.DEFAULT_MAX_BODY_BYTES),
-                                   "auth_header": endpoint.get("auth_header", "Authorization")}
+                                   "auth_header": endpoint.get("auth_header", "Authorization"),
+                                   "tools_schema": endpoint.get("tools_schema")}
         if case["expected_token"] is None:
             options["no_auth"] = True
         elif case["expected_token"] == "":

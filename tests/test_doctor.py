@@ -29,7 +29,7 @@ def doctor(args: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.
 
 def lines(out: subprocess.CompletedProcess) -> Dict[str, str]:
     """{check label: "ok"|"fail"|"skip"} from the report."""
-    states = {"✓": "ok", "✗": "fail", "-": "skip"}
+    states = {"✓": "ok", "✗": "fail", "-": "skip", "!": "warn"}
     found = {}
     for line in out.stdout.splitlines():
         if line[:1] in states and ": " in line:
@@ -54,11 +54,19 @@ def proxy() -> Iterator[MockProxy]:
 
 def test_all_green(project: Path, proxy: MockProxy) -> None:
     out = doctor(["--app", f"{project / 'agent.py'}:agent", "--tools-schema", str(project / "tools_schema.json"),
-                  "--csv", str(project / "good.csv"), "--proxy-url", proxy.url], env={"AGENT_TOKEN": "doc-token"})
+                  "--csv", str(project / "good.csv"), "--proxy-url", proxy.url],
+                 env={"AGENT_TOKEN": "doc-token", "PIPELINES_PROXY_ALLOWED_HOSTS": ".pipelines.tech"})
     assert lines(out) == {"agent imports": "ok", "server answers ping": "ok", "auth runs before ping": "ok",
-                          "tools_schema is valid": "ok", "tools_schema matches the app": "ok",
-                          "outbound proxy reachable": "ok", "dataset is valid": "ok"}, out.stdout + out.stderr
+                          "proxy host allow-list": "ok", "tools_schema is valid": "ok",
+                          "tools_schema matches the app": "ok", "outbound proxy reachable": "ok",
+                          "dataset is valid": "ok"}, out.stdout + out.stderr
     assert out.returncode == 0 and "doc-token" not in out.stdout + out.stderr
+
+
+def test_an_unset_allow_list_is_a_warning_not_a_failure(project: Path, proxy: MockProxy) -> None:
+    out = doctor(["--app", f"{project / 'agent.py'}:agent", "--proxy-url", proxy.url], env={"AGENT_TOKEN": "t"})
+    assert lines(out)["proxy host allow-list"] == "warn" and "PIPELINES_PROXY_ALLOWED_HOSTS" in out.stdout
+    assert out.returncode == 0
     assert proxy.requests[-1].name == "__reachability_probe__"
 
 

@@ -95,3 +95,19 @@ def test_init_usage_errors(tmp_path: Path, args: List[str], needle: str) -> None
     out = cli([a.format(dir=tmp_path / "new", file=a_file) for a in args])
     assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_init_never_follows_a_planted_temporary_file(tmp_path: Path) -> None:
+    """Temporary files are created exclusively (mkstemp in the target folder): a planted name or symlink is untouched."""
+    from conformance.init import init_project
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for name in ("agent.py", "README.md", "tools_schema.json", "pipelines_port.py"):  # the old fixed names
+        (project / f"{name}.{os.getpid()}.tmp").symlink_to(victim)
+    written = init_project(str(project), "minimal")
+    assert victim.read_text() == "keep me"
+    assert sorted(Path(p).name for p in written) == ["README.md", "agent.py", "pipelines_port.py", "tools_schema.json"]
+    assert not [p for p in project.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any, Dict, List, Optional
 
@@ -47,7 +48,7 @@ def test_unusable_values_name_the_problem() -> None:
     with pytest.raises(pp.ResponseError, match="cannot build a response from int"):
         pp.build_response(42)
     with pytest.raises(pp.ResponseError) as info:
-        pp.build_response({"final_response": "", "messages": [{"role": "bot"}]})
+        pp.build_response({"final_response": "", "messages": [{"role": "bot"}]}, strict=True)
     assert len(info.value.problems) == 2
     assert isinstance(info.value, ValueError)
 
@@ -70,7 +71,7 @@ def test_long_final_response_is_kept_with_a_logged_warning(caplog: pytest.LogCap
 
 def test_non_json_metadata_is_reported() -> None:
     problems = pp.validate_response({"final_response": "x", "metadata": {"when": object()}})
-    assert problems and problems[0].startswith("metadata:")
+    assert problems and problems[0].startswith("metadata.when:") and "not a JSON type" in problems[0]
 
 
 def test_turn_reply() -> None:
@@ -84,3 +85,34 @@ def test_turn_reply() -> None:
         pp.build_turn_reply("x", session_done="yes")  # type: ignore[arg-type]
     with pytest.raises(pp.ResponseError, match="metadata.total_input_tokens"):
         pp.build_turn_reply("x", metadata={"total_input_tokens": "many"})
+
+
+def test_values_json_cannot_carry_never_make_a_200_that_is_not_json(caplog: pytest.LogCaptureFixture) -> None:
+    """NaN, infinities, datetimes, sets, bytes, other objects: converted with a warning naming the path, or refused."""
+    import datetime
+
+    caplog.set_level(logging.WARNING, logger="pipelines_port")
+    value = {"final_response": "x" * 60_000, "extra": float("inf"),
+             "messages": [{"role": "assistant", "content": "hi", "when": datetime.datetime(2026, 1, 2, 3, 4, 5)}],
+             "metadata": {"score": float("nan"), "tags": {"b", "a"}, "raw": b"\xff", "obj": Exception("boom")}}
+    body = pp.build_response(value)
+    json.dumps(body, allow_nan=False)  # strict JSON, always
+    assert body["extra"] is None and body["messages"][0]["when"] == "2026-01-02T03:04:05"
+    assert body["metadata"]["score"] is None and body["metadata"]["tags"] == ["a", "b"]
+    assert body["metadata"]["raw"] == "\ufffd" and isinstance(body["metadata"]["obj"], str)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    for path in ("extra:", "messages[0].when:", "metadata.score:", "metadata.tags:", "metadata.raw:", "final_response:"):
+        assert path in logged, path
+    with pytest.raises(pp.ResponseError, match=r"extra: inf is not JSON"):
+        pp.build_response(value, strict=True)
+    with pytest.raises(pp.ResponseError, match=r"metadata.when: date is not a JSON type"):
+        pp.build_response({"final_response": "x", "metadata": {"when": datetime.date(2026, 1, 1)}}, strict=True)
+
+
+def test_strict_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    value = {"final_response": "x", "messages": [{"role": "bot"}]}
+    assert pp.build_response(value) == {"final_response": "x"}
+    monkeypatch.setenv("PIPELINES_PORT_STRICT", "1")
+    with pytest.raises(pp.ResponseError, match="messages\\[0\\].role"):
+        pp.build_response(value)
+    assert pp.build_response(value, strict=False) == {"final_response": "x"}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import textwrap
 import importlib.util
 import json
+import os
 import pathlib
 import socket
 import threading
@@ -270,7 +272,7 @@ def test_trajectory_errors_and_invalid_rows(capsys: pytest.CaptureFixture, tmp_p
     assert raised["errors"] == ["run() raised AgentError: agent raised ValueError: boom in the agent"]
     assert "ValueError: boom in the agent" in raised["traceback"]
     assert empty["errors"] == [  # pp.validate_response's problems, each one
-        "invalid response: final_response: must not be empty or blank (the judge has nothing to grade)",
+        "invalid response: final_response: must not be empty (the judge has nothing to grade)",
         "invalid response: messages: must be an array or null, got a string (the platform drops it)"]
     assert wrong_token["errors"] == [
         "the proxy rejected the agent's call to 'get_order' without this run's token (HTTP 401)",
@@ -612,3 +614,26 @@ def test_setup_errors_are_one_clear_line(capsys: pytest.CaptureFixture, tmp_path
     code, out, err = simulate_cli(capsys, "--csv", header_only, "--code", agent)
     assert code == 2 and "did you mean `user`?" in err and "fix them first" in err
     assert simulate_cli(capsys, "--csv", data)[0] == 2  # neither --code nor --url: argparse usage error
+
+
+def test_a_simulation_is_strict_unless_asked_to_be_lenient(capsys: pytest.CaptureFixture,
+                                                           tmp_path: pathlib.Path) -> None:
+    """simulate --code builds the agent's response strictly: what the platform would drop is an error to see."""
+    agent = tmp_path / "sloppy.py"
+    agent.write_text(textwrap.dedent('''
+        import pipelines_port as pp
+
+        def agent(envelope):
+            return {"final_response": "done", "messages": [{"role": "bot", "content": "?"}]}
+
+        run = pp.code_mode(agent)
+    '''))
+    data = write_csv(tmp_path / "one.csv", [{"user": "do it", "behavior": "", "state": "", "failure_rules": "",
+                                              "expected_outcome": ""}])
+    code, out, _ = simulate_cli(capsys, "--csv", data, "--code", agent, "--json", "-")
+    run = json.loads(out)["runs"][0]
+    assert code == 1 and run["status"] == "error" and "messages[0].role" in " ".join(run["errors"])
+    code, out, _ = simulate_cli(capsys, "--csv", data, "--code", agent, "--json", "-", "--lenient")
+    run = json.loads(out)["runs"][0]
+    assert code == 0 and run["status"] == "ok" and run.get("messages") in (None, [])
+    assert os.environ.get("PIPELINES_PORT_STRICT") is None  # the simulation leaves the environment as it found it

@@ -292,7 +292,7 @@ BUILD = vectorlib.cases("build_response")
 def test_build_response_vectors(case: Dict[str, Any]) -> None:
     inp = case["input"]
     value = types.SimpleNamespace(**inp["object"]) if "object" in inp else inp["value"]
-    kwargs = {k: inp[k] for k in ("messages", "metadata") if k in inp}
+    kwargs = {k: inp[k] for k in ("messages", "metadata", "strict") if k in inp}
     expect = case["expect"]
     if "error" in expect:
         with pytest.raises(pp.ResponseError) as info:
@@ -301,7 +301,8 @@ def test_build_response_vectors(case: Dict[str, Any]) -> None:
     else:
         body = pp.build_response(value, **kwargs)
         assert body == expect["body"]
-        assert pp.validate_response(body) == []
+        assert [p for p in pp.validate_response(body) if not p.startswith("warning:")] == []
+        json.dumps(body, allow_nan=False)  # always strict JSON
 
 
 VALIDATE = vectorlib.cases("validate_response")
@@ -330,7 +331,7 @@ def test_the_stricter_than_contract_marks_and_our_mentions_sit_on_error_cases_on
                 marked.setdefault(stem, []).append(case["name"])
             if "our_mentions" in expect:
                 assert is_error and expect["our_mentions"], case["name"]
-    assert marked["build_response"] == ["a blank string is an error"]
+    assert marked["build_response"] == ["strict: a blank string is refused"]
     assert marked["proxy_requests"] == ["an invalid tool name is refused", "a path-traversal tool name is refused",
                                         "arguments over the 1 MiB request cap are refused"]
     assert len(marked["tool_names"]) == sum(1 for c in vectorlib.cases("tool_names") if not c["valid"])

@@ -794,12 +794,23 @@ export async function postHandoff(fromSubAgent, toSubAgent, { reason = null, pay
 // Response envelope (§4)
 // ---------------------------------------------------------------------------
 
-/** The final response as a string; a framework's structured output becomes JSON text. */
-function finalText(value, key) {
+/**
+ * The final response as a string; a framework's structured output becomes JSON text.  A non-string
+ * `final_response` is refused in strict mode, and becomes its JSON text otherwise.
+ */
+function finalText(value, key, strict = true) {
   if (value === null || value === undefined) return null;
   if (typeof value === "string") return value;
-  if (key === "final_response") throw new ResponseError(`final_response must be a string, got ${jsonType(value)}`);
-  return typeof value === "object" ? JSON.stringify(value) : String(value);
+  if (key === "final_response" && strict) throw new ResponseError(`final_response must be a string, got ${jsonType(value)}`);
+  if (typeof value === "object" || typeof value === "number" || typeof value === "boolean") return spacedJson(value);
+  return String(value);
+}
+
+/** JSON text with Python's default separators (`, ` and `: `), so both ports give the same final_response. */
+function spacedJson(value) {
+  if (Array.isArray(value)) return `[${value.map(spacedJson).join(", ")}]`;
+  if (isObject(value)) return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${spacedJson(v)}`).join(", ")}}`;
+  return JSON.stringify(value) ?? "null";
 }
 
 /**
@@ -808,7 +819,7 @@ function finalText(value, key) {
  * its messages, metadata and extra top-level keys; a framework's result
  * (`final_output` / `output` / `message`) gives its text alone.
  */
-function unpackResult(value) {
+function unpackResult(value, strict = true) {
   if (typeof value === "string") return { final: value, extra: {} };
   if (value === null || value === undefined) return { final: null, extra: {} };
   if (!isObject(value)) {
@@ -817,10 +828,18 @@ function unpackResult(value) {
   }
   if ("final_response" in value) {
     const { final_response, messages, metadata, ...extra } = value;
-    return { final: finalText(final_response, "final_response"), messages, metadata, extra };
+    return { final: finalText(final_response, "final_response", strict), messages, metadata, extra };
   }
   const key = ["final_output", "output", "message"].find((k) => value[k] != null && typeof value[k] !== "function");
   return { final: key ? finalText(value[key], key) : null, extra: {} };
+}
+
+/** The resolvable name of a tool call (flat `name` or nested `function.name`), else null. */
+function toolCallName(call) {
+  if (!isObject(call)) return null;
+  if (typeof call.name === "string" && call.name) return call.name;
+  if (isObject(call.function) && typeof call.function.name === "string" && call.function.name) return call.function.name;
+  return null;
 }
 
 /** OpenAI nested `{type: "function", function: {name, arguments}}` -> flat `{id?, name, arguments?}`. */
@@ -840,64 +859,163 @@ function flatMessages(messages) {
 }
 
 /**
- * The v1 response envelope (§4) from what an agent returned.  `messages` and
- * `metadata` override those found in `value`; nested OpenAI tool calls become
- * the flat form.  Throws ResponseError listing every problem (an empty final
- * response, bad roles, unpaired tool_call_id, bad metadata types) instead of
- * returning a body the platform would drop.
+ * A JSON-safe copy of `value`: what JSON cannot carry is converted and noted with its path (NaN and
+ * infinities -> null, a Date -> its ISO text, a Set -> an array, a Map -> an object, a BigInt -> its text,
+ * functions, symbols and undefined -> null).
  */
-export function buildResponse(value, { messages = null, metadata = null } = {}) {
-  const found = unpackResult(value);
+function jsonable(value, path, notes) {
+  if (value === null || typeof value === "string" || typeof value === "boolean") return value;
+  if (typeof value === "number") {
+    if (Number.isFinite(value)) return value;
+    notes.push(`${path}: ${value} is not JSON; sent as null`);
+    return null;
+  }
+  if (typeof value === "bigint") {
+    notes.push(`${path}: bigint is not JSON; sent as its text`);
+    return value.toString();
+  }
+  if (value === undefined || typeof value === "function" || typeof value === "symbol") {
+    notes.push(`${path}: ${typeof value} is not JSON; sent as null`);
+    return null;
+  }
+  if (value instanceof Date) {
+    notes.push(`${path}: Date is not JSON; sent as its ISO text`);
+    return Number.isNaN(value.getTime()) ? null : value.toISOString();
+  }
+  if (value instanceof Set) {
+    notes.push(`${path}: Set is not JSON; sent as an array`);
+    value = [...value];
+  }
+  if (Array.isArray(value)) return value.map((item, i) => jsonable(item, `${path}[${i}]`, notes));
+  if (value instanceof Map) {
+    notes.push(`${path}: Map is not JSON; sent as an object`);
+    value = Object.fromEntries([...value].map(([k, v]) => [String(k), v]));
+  }
+  if (typeof value === "object") {
+    const out = {};
+    for (const [key, item] of Object.entries(value)) out[key] = jsonable(item, `${path}.${key}`, notes);
+    return out;
+  }
+  notes.push(`${path}: ${typeof value} is not JSON; sent as its text`);
+  return String(value);
+}
+
+/**
+ * `body` changed the way the platform treats what it cannot use (§4), and a note per change: values JSON
+ * cannot carry converted, tool calls with no resolvable name dropped, and `messages` / `metadata` that
+ * still break the schema or the pairing rule dropped whole.  `final_response` is never touched.
+ */
+function asThePlatformKeeps(body) {
+  const notes = [];
+  const out = {};
+  for (const [key, value] of Object.entries(body)) out[key] = key === "final_response" ? value : jsonable(value, key, notes);
+  if (Array.isArray(out.messages)) {
+    out.messages.forEach((message, i) => {
+      if (!isObject(message) || !Array.isArray(message.tool_calls)) return;
+      message.tool_calls.forEach((call, j) => {
+        if (toolCallName(call) === null) notes.push(`messages[${i}].tool_calls[${j}]: no resolvable tool name; dropped`);
+      });
+      message.tool_calls = message.tool_calls.filter((call) => toolCallName(call) !== null).map(flatToolCall);
+    });
+  }
+  const problems = messageProblems(out.messages, []);
+  if (problems.length) {
+    const more = problems.length > 1 ? ` (and ${problems.length - 1} more)` : "";
+    notes.push(`${problems[0]}${more}; messages dropped, as the platform drops a malformed transcript`);
+    delete out.messages;
+  }
+  const metadataIssues = metadataProblems(out.metadata);
+  if (metadataIssues.length) {
+    notes.push(`${metadataIssues[0]}; metadata dropped, as the platform drops it`);
+    delete out.metadata;
+  }
+  return { body: out, notes };
+}
+
+/** Strict mode from the option, else from PIPELINES_PORT_STRICT. */
+function strictMode(strict) {
+  if (strict !== null && strict !== undefined) return Boolean(strict);
+  return ["1", "true", "yes", "on"].includes(String(process.env.PIPELINES_PORT_STRICT || "").trim().toLowerCase());
+}
+
+/**
+ * The v1 response envelope (§4) from what an agent returned.  `messages` and `metadata` override those
+ * found in `value`; nested OpenAI tool calls become the flat form.
+ *
+ * Lenient by default: the body the platform would grade goes out, what it would drop is dropped the
+ * same way, and each change is logged once as a warning naming its JSON path; only a missing or empty
+ * final response throws.  `strict: true` (or PIPELINES_PORT_STRICT=1) throws ResponseError listing every
+ * problem instead, the soft ones too, except the truncation warning.
+ */
+export function buildResponse(value, { messages = null, metadata = null, strict = null } = {}) {
+  strict = strictMode(strict);
+  const found = unpackResult(value, strict);
   messages ??= found.messages ?? null;
   metadata ??= found.metadata ?? null;
-  const body = { ...found.extra, final_response: found.final };
+  let body = { ...found.extra, final_response: found.final };
   if (messages !== null) body.messages = flatMessages(messages);
   if (metadata !== null) body.metadata = isObject(metadata) ? { ...metadata } : metadata;
+  let notes = [];
+  if (!strict) ({ body, notes } = asThePlatformKeeps(body));
   const problems = validateResponse(body);
   const errors = problems.filter((p) => !p.startsWith("warning:"));
+  const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));
+  if (strict) errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
   if (errors.length) throw new ResponseError(errors);
-  problems.filter((p) => p.startsWith("warning:")).forEach((w) => log("warning", `response: ${w.slice("warning: ".length)}`));
+  [...notes, ...soft].forEach((w) => log("warning", `response: ${w}`));
   return body;
 }
 
+/** Schema problems of `metadata`: an object or null (any keys). */
 function metadataProblems(metadata) {
-  if (metadata === null || metadata === undefined) return [];
-  if (!isObject(metadata)) return [`metadata: must be an object or null, got ${jsonType(metadata)} (the platform drops it)`];
-  const problems = [];
+  if (metadata === null || metadata === undefined || isObject(metadata)) return [];
+  return [`metadata: must be an object or null, got ${jsonType(metadata)} (the platform drops it)`];
+}
+
+/** Mistyped first-class metadata: the schema allows it, the renderer cannot use it. */
+function metadataWarnings(metadata) {
+  if (!isObject(metadata)) return [];
+  const warnings = [];
   const has = (key) => metadata[key] !== undefined && metadata[key] !== null;
   for (const key of ["model", "system_prompt_id"]) {
-    if (has(key) && typeof metadata[key] !== "string") problems.push(`metadata.${key}: must be a string, got ${jsonType(metadata[key])}`);
+    if (has(key) && typeof metadata[key] !== "string") warnings.push(`warning: metadata.${key}: should be a string, got ${jsonType(metadata[key])}`);
   }
   for (const key of ["total_input_tokens", "total_output_tokens"]) {
     const v = metadata[key];
-    if (has(key) && !(Number.isInteger(v) && v >= 0)) problems.push(`metadata.${key}: must be a non-negative integer, got ${quoted(v, 40)}`);
+    if (has(key) && !(Number.isInteger(v) && v >= 0)) warnings.push(`warning: metadata.${key}: should be a non-negative integer, got ${quoted(v, 40)}`);
   }
   const runtime = metadata.agent_runtime_ms;
   if (has("agent_runtime_ms") && !(typeof runtime === "number" && Number.isFinite(runtime) && runtime >= 0)) {
-    problems.push(`metadata.agent_runtime_ms: must be a non-negative number, got ${quoted(runtime, 40)}`);
+    warnings.push(`warning: metadata.agent_runtime_ms: should be a non-negative number, got ${quoted(runtime, 40)}`);
   }
-  return problems;
+  return warnings;
 }
 
-function toolCallProblems(call, at, seenCallIds) {
+/** A tool call against the schema's oneOf: exactly one of the flat and the nested shape. */
+function toolCallProblems(call, at, seenCallIds, warnings) {
   if (!isObject(call)) return [`${at}: must be an object, got ${jsonType(call)}`];
-  const flat = flatToolCall(call);
+  const fn = call.function;
+  const flat = typeof call.name === "string";
+  const nested = isObject(fn) && typeof fn.name === "string" && (!("type" in call) || call.type === "function");
+  if (flat && nested) return [`${at}: has both 'name' and 'function': send one of the flat and the nested form`];
+  if (!flat && !nested) {
+    if ("type" in call && call.type !== "function" && isObject(fn)) return [`${at}.type: must be "function" in the nested form, got ${quoted(call.type, 40)}`];
+    return [`${at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it`];
+  }
   const problems = [];
-  if (typeof flat.name !== "string" || !flat.name) {
-    problems.push(`${at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it`);
+  if ("id" in call) {
+    if (typeof call.id !== "string") problems.push(`${at}.id: must be a string, got ${jsonType(call.id)}`);
+    else seenCallIds.add(call.id);
   }
-  if (flat.id !== undefined && flat.id !== null) {
-    if (typeof flat.id !== "string") problems.push(`${at}.id: must be a string, got ${jsonType(flat.id)}`);
-    else seenCallIds.add(flat.id);
-  }
-  const args = flat.arguments;
+  const args = flat ? call.arguments : fn.arguments;
   if (args !== undefined && args !== null && !isObject(args) && typeof args !== "string") {
-    problems.push(`${at}.arguments: must be an object or a JSON-encoded string, got ${jsonType(args)}`);
+    warnings.push(`warning: ${at}.arguments: should be an object or a JSON-encoded string, got ${jsonType(args)}`);
   }
   return problems;
 }
 
-function messageProblems(messages) {
+/** Schema and pairing problems of `messages`; soft ones are pushed onto `warnings`. */
+function messageProblems(messages, warnings) {
   if (messages === null || messages === undefined) return [];
   if (!Array.isArray(messages)) return [`messages: must be an array or null, got ${jsonType(messages)} (the platform drops it)`];
   const problems = [];
@@ -905,23 +1023,26 @@ function messageProblems(messages) {
   messages.forEach((message, i) => {
     const at = `messages[${i}]`;
     if (!isObject(message)) return problems.push(`${at}: must be an object, got ${jsonType(message)}`);
-    const { role, content, tool_calls: toolCalls, thinking, tool_call_id: callId } = message;
+    const { role, content } = message;
     if (!MESSAGE_ROLES.includes(role)) problems.push(`${at}.role: must be one of ${MESSAGE_ROLES.join(", ")}, got ${quoted(role, 40)}`);
     if (content !== undefined && content !== null && typeof content !== "string" && !Array.isArray(content)) {
       problems.push(`${at}.content: must be a string, an array of parts or null, got ${jsonType(content)}`);
     }
-    if (toolCalls !== undefined && toolCalls !== null) {
+    if ("tool_calls" in message) {
+      const toolCalls = message.tool_calls;
       if (!Array.isArray(toolCalls)) problems.push(`${at}.tool_calls: must be an array, got ${jsonType(toolCalls)}`);
       else {
-        if (role !== "assistant" && toolCalls.length) problems.push(`${at}.tool_calls: only assistant messages carry tool calls, this one is ${quoted(role)}`);
-        toolCalls.forEach((call, j) => problems.push(...toolCallProblems(call, `${at}.tool_calls[${j}]`, seenCallIds)));
+        if (role !== "assistant" && toolCalls.length) warnings.push(`warning: ${at}.tool_calls: only assistant messages carry tool calls, this one is ${quoted(role)}`);
+        toolCalls.forEach((call, j) => problems.push(...toolCallProblems(call, `${at}.tool_calls[${j}]`, seenCallIds, warnings)));
       }
     }
-    if (thinking !== undefined && thinking !== null) {
+    if ("thinking" in message) {
+      const thinking = message.thinking;
       if (!Array.isArray(thinking)) problems.push(`${at}.thinking: must be an array of objects, got ${jsonType(thinking)}`);
       else thinking.forEach((block, j) => isObject(block) || problems.push(`${at}.thinking[${j}]: must be an object, got ${jsonType(block)}`));
     }
-    if (callId !== undefined && callId !== null && typeof callId !== "string") {
+    const callId = message.tool_call_id;
+    if ("tool_call_id" in message && typeof callId !== "string") {
       problems.push(`${at}.tool_call_id: must be a string, got ${jsonType(callId)}`);
     } else if (role === "tool") {
       if (!callId) problems.push(`${at}.tool_call_id: required on role 'tool'`);
@@ -933,32 +1054,57 @@ function messageProblems(messages) {
   return problems;
 }
 
+/** The first place in `value` JSON cannot carry, or null. */
+function unencodable(value, path) {
+  if (value === null || typeof value === "string" || typeof value === "boolean") return null;
+  if (typeof value === "number") return Number.isFinite(value) ? null : `${path}: ${value} is not JSON`;
+  if (Array.isArray(value)) {
+    for (let i = 0; i < value.length; i++) {
+      const found = unencodable(value[i], `${path}[${i}]`);
+      if (found) return found;
+    }
+    return null;
+  }
+  if (isObject(value) && (Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null)) {
+    for (const [key, item] of Object.entries(value)) {
+      const found = unencodable(item, `${path}.${key}`);
+      if (found) return found;
+    }
+    return null;
+  }
+  const kind = value === undefined ? "undefined" : value?.constructor?.name ?? typeof value;
+  return `${path}: ${kind} is not a JSON type`;
+}
+
 /**
- * Every problem the platform would reject, drop or truncate in a response body
- * (§4), each starting with the JSON path it concerns (`final_response: ...`,
- * `messages[3].tool_call_id: ...`); soft warnings start with `warning:` and
- * come last.  An empty list means the body is accepted as sent.
+ * Every problem of a response body against §4 and its JSON Schema, each starting with its JSON path.
+ * Hard problems (no prefix): what the schema rejects, the contract's rules (a non-empty final_response,
+ * tool_call_id pairing) and values JSON cannot carry.  Soft ones start with `warning:` (a truncated or
+ * blank final response, mistyped first-class metadata, odd tool arguments).  Empty: accepted as sent.
  */
 export function validateResponse(body) {
   if (!isObject(body)) return [`body: must be a JSON object, got ${jsonType(body)}`];
   const problems = [];
+  const warnings = [];
   const final = body.final_response;
   if (final === undefined || final === null) problems.push("final_response: required, a non-empty string (the judge grades it)");
   else if (typeof final !== "string") problems.push(`final_response: must be a string, got ${jsonType(final)}`);
-  else if (!final.trim()) problems.push("final_response: must not be empty or blank (the judge has nothing to grade)");
+  else if (!final) problems.push("final_response: must not be empty (the judge has nothing to grade)");
+  else if (!final.trim()) warnings.push("warning: final_response: blank (only whitespace): the judge has nothing to grade");
   else if (final.length > FINAL_RESPONSE_SOFT_LIMIT && [...final].length > FINAL_RESPONSE_SOFT_LIMIT) {
-    problems.push(`warning: final_response: ${[...final].length} characters; the platform truncates it at ` +
+    warnings.push(`warning: final_response: ${[...final].length} characters; the platform truncates it at ` +
       `~${FINAL_RESPONSE_SOFT_LIMIT} with a soft warning`);
   }
-  problems.push(...messageProblems(body.messages), ...metadataProblems(body.metadata));
-  if (!problems.length) {
-    try {
-      JSON.stringify(body);
-    } catch (err) {
-      problems.push(`body: is not JSON-serialisable: ${err.message}`);
-    }
+  problems.push(...messageProblems(body.messages, warnings), ...metadataProblems(body.metadata));
+  warnings.push(...metadataWarnings(body.metadata));
+  let found;
+  try {
+    found = unencodable(body, "body");
+  } catch {
+    found = "body: nested too deeply to encode";
   }
-  return problems.sort((a, b) => a.startsWith("warning:") - b.startsWith("warning:"));
+  if (found) problems.push(found.startsWith("body.") ? found.slice("body.".length) : found);
+  return [...problems, ...warnings];
 }
 
 // ---------------------------------------------------------------------------
@@ -1013,7 +1159,7 @@ export async function probeProxy(proxyUrl, { timeout = 10 } = {}) {
 export class DispatchApp {
   constructor(agent, {
     path = DEFAULT_DISPATCH_PATH, token = null, tokenEnv = DEFAULT_TOKEN_ENV, authHeader = "Authorization",
-    noAuth = false, maxBody = DEFAULT_MAX_BODY_BYTES, runTimeoutS = DEFAULT_RUN_TIMEOUT_S,
+    noAuth = false, maxBody = DEFAULT_MAX_BODY_BYTES, runTimeoutS = DEFAULT_RUN_TIMEOUT_S, strict = null,
   } = {}) {
     if (typeof agent !== "function") throw new TypeError(`agent must be a function, got ${jsonType(agent)}`);
     if (!path.startsWith("/")) throw new RangeError(`path must start with '/', got ${quoted(path)}`);
@@ -1022,7 +1168,7 @@ export class DispatchApp {
     if (!(runTimeoutS > 0 && runTimeoutS <= MAX_RUN_TIMEOUT_S)) throw new RangeError(`runTimeoutS must be in (0, ${MAX_RUN_TIMEOUT_S}], got ${runTimeoutS}`);
     if (!(Number.isInteger(maxBody) && maxBody >= 1)) throw new RangeError(`maxBody must be a positive number of bytes, got ${maxBody}`);
     if (!/^[A-Za-z0-9-]+$/.test(authHeader)) throw new RangeError(`authHeader must be an HTTP header name, got ${quoted(authHeader)}`);
-    Object.assign(this, { agent, token, tokenEnv: token ? null : tokenEnv, authHeader, noAuth, maxBody, runTimeoutS });
+    Object.assign(this, { agent, token, tokenEnv: token ? null : tokenEnv, authHeader, noAuth, maxBody, runTimeoutS, strict });
     this.path = path.replace(/\/+$/, "") || "/";
     this.routes = { [this.path]: ["POST"], "/healthz": ["GET"] };
   }
@@ -1149,7 +1295,7 @@ export class DispatchApp {
     });
     try {
       const result = await Promise.race([dispatchContext.run(context, async () => this.agent(envelope)), deadline]);
-      const body = buildResponse(result);
+      const body = buildResponse(result, { strict: this.strict });
       if (JSON.stringify(body).includes(envelope.run_token)) {
         log("warning", "the agent's response contained the run token; it was redacted");
         return jsonReply(200, redact(body, envelope.run_token));

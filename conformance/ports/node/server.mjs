@@ -12,7 +12,7 @@ import { conformanceAgent } from "./conformance_agent.mjs";
 import { DEFAULT_DISPATCH_PATH, DEFAULT_TOKEN_ENV, DispatchApp, defaultClient, log, startServer } from "./pipelines_port.mjs";
 
 const USAGE = "usage: node server.mjs [--host HOST] [--port PORT] [--path /dispatch] [--token-env NAME] " +
-  "[--auth-header NAME] [--no-auth] [--max-body BYTES] [--timeout SECONDS] [--grace SECONDS]";
+  "[--auth-header NAME] [--no-auth] [--strict] [--max-body BYTES] [--timeout SECONDS] [--grace SECONDS]";
 
 class UsageError extends Error {}
 
@@ -34,6 +34,7 @@ const FLAGS = {
   "--token-env": ["tokenEnv", text],
   "--auth-header": ["authHeader", text],
   "--no-auth": ["noAuth", null],
+  "--strict": ["strict", null],
   "--max-body": ["maxBody", positiveInt],
   "--timeout": ["runTimeoutS", positive],
   "--grace": ["graceS", positive],
