@@ -248,3 +248,13 @@ def test_help_and_version() -> None:
     assert out.returncode == 0 and "--token-env" in out.stdout and "--auth-header" in out.stdout
     out = run_cli(["--version"])
     assert out.returncode == 0 and "pipelines_port" in out.stdout
+
+
+def test_the_command_line_names_itself_as_it_was_run() -> None:
+    as_module = subprocess.run([sys.executable, "-m", "pipelines_port", "--help"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30)
+    assert as_module.stdout.startswith("usage: python3 -m pipelines_port ")
+    as_script = run_cli(["--help"])
+    assert as_script.stdout.startswith("usage: pipelines_port.py ")
+    moved = run_cli(["init", "--list"])
+    assert moved.returncode == 2 and "pipelines-port init" in moved.stderr and "Traceback" not in moved.stderr
