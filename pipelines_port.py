@@ -106,6 +106,7 @@ __all__ = [
     # envelope
     "Envelope",
     "validate_proxy_url",
+    "json_type",
     # inbound decisions
     "check_credential",
     "is_ping",
@@ -841,7 +842,7 @@ class Envelope:
             except (ValueError, UnicodeDecodeError) as exc:
                 raise EnvelopeError(f"dispatch body is not valid JSON: {exc}") from None
         if not isinstance(body, Mapping):
-            raise EnvelopeError(f"dispatch body must be a JSON object, got {_json_type(body)}")
+            raise EnvelopeError(f"dispatch body must be a JSON object, got {json_type(body)}")
         h = _lower_headers(headers)
 
         missing: List[str] = []
@@ -901,7 +902,7 @@ class Envelope:
         if task_input is None:
             task_input = {}
         if not isinstance(task_input, Mapping):
-            raise EnvelopeError(f"task_input must be a mapping, got {_json_type(task_input)}")
+            raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
         run_token = _check_run_token(run_token, "the run_token argument")
@@ -951,7 +952,7 @@ class Envelope:
             except (ValueError, binascii.Error) as exc:
                 raise EnvelopeError(f"{ENV_TASK_INPUT_B64} is not base64-encoded JSON: {exc}") from None
         if not isinstance(task, Mapping):
-            raise EnvelopeError(f"the task input in the environment must be a JSON object, got {_json_type(task)}")
+            raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
@@ -983,7 +984,8 @@ def _title(lower_header: str) -> str:
     return "-".join(part.capitalize() for part in lower_header.split("-"))
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """The JSON type of ``value`` as messages name it: ``"an object"``, ``"a string"``, ``"null"``, ..."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -1015,7 +1017,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
         if isinstance(value, dict) and isinstance(value.get("tools"), list):
             value = value["tools"]
         if not isinstance(value, list):
-            raise EnvelopeError(f"{name} must hold a JSON list of tools, got {_json_type(value)}")
+            raise EnvelopeError(f"{name} must hold a JSON list of tools, got {json_type(value)}")
         return value
     return None
 
@@ -1200,7 +1202,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         json.loads(body, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
-        raise RequestError(f"body must be a JSON object, got {_json_type(payload)}")
+        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
     if payload.get("connectivity_check") is True:
         proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
         return Decision("probe", proxy_url=proxy_url, what="connectivity check")
@@ -1328,7 +1330,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
-        raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {_json_type(args)}", tool_name=name)
+        raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {json_type(args)}", tool_name=name)
     try:
         body = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
@@ -1508,7 +1510,7 @@ def _final_text(value: Any, key: str, strict: bool = True) -> Optional[str]:
     if isinstance(value, str):
         return value
     if key == "final_response" and strict:
-        raise ResponseError(f"final_response must be a string, got {_json_type(value)}")
+        raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(value, ensure_ascii=False, default=str)
     dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
@@ -1713,7 +1715,7 @@ def build_turn_reply(
     if not text or not text.strip():
         raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
     if not isinstance(session_done, bool):
-        raise ResponseError(f"session_done must be a boolean, got {_json_type(session_done)}")
+        raise ResponseError(f"session_done must be a boolean, got {json_type(session_done)}")
     reply: Dict[str, Any] = {"message": text, "session_done": session_done}
     if metadata is not None:
         problems = _metadata_problems(metadata) + [w[len("warning: "):] for w in _metadata_warnings(metadata)]
@@ -1727,7 +1729,7 @@ def _metadata_problems(metadata: Any) -> List[str]:
     """Schema problems of ``metadata``: it must be an object or null (any keys)."""
     if metadata is None or isinstance(metadata, Mapping):
         return []
-    return [f"metadata: must be an object or null, got {_json_type(metadata)} (the platform drops it)"]
+    return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
 
 
 def _metadata_warnings(metadata: Any) -> List[str]:
@@ -1737,7 +1739,7 @@ def _metadata_warnings(metadata: Any) -> List[str]:
     warnings = []
     for key in _METADATA_STR_KEYS:
         if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
-            warnings.append(f"warning: metadata.{key}: should be a string, got {_json_type(metadata[key])}")
+            warnings.append(f"warning: metadata.{key}: should be a string, got {json_type(metadata[key])}")
     for key in _METADATA_INT_KEYS:
         v = metadata.get(key)
         if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -1756,25 +1758,25 @@ def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> Li
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
-        return [f"messages: must be an array or null, got {_json_type(messages)} (the platform drops it)"]
+        return [f"messages: must be an array or null, got {json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
     soft: List[str] = [] if warnings is None else warnings
     seen_call_ids: Set[str] = set()
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(message, Mapping):
-            problems.append(f"{at}: must be an object, got {_json_type(message)}")
+            problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
         role = message.get("role")
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list, tuple)):
-            problems.append(f"{at}.content: must be a string, an array of parts or null, got {_json_type(content)}")
+            problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
         if "tool_calls" in message:
             tool_calls = message["tool_calls"]
             if not isinstance(tool_calls, (list, tuple)):
-                problems.append(f"{at}.tool_calls: must be an array, got {_json_type(tool_calls)}")
+                problems.append(f"{at}.tool_calls: must be an array, got {json_type(tool_calls)}")
             else:
                 if role != "assistant" and tool_calls:
                     soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, "
@@ -1784,14 +1786,14 @@ def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> Li
         if "thinking" in message:
             thinking = message["thinking"]
             if not isinstance(thinking, (list, tuple)):
-                problems.append(f"{at}.thinking: must be an array of objects, got {_json_type(thinking)}")
+                problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
             else:
                 for j, block in enumerate(thinking):
                     if not isinstance(block, Mapping):
-                        problems.append(f"{at}.thinking[{j}]: must be an object, got {_json_type(block)}")
+                        problems.append(f"{at}.thinking[{j}]: must be an object, got {json_type(block)}")
         call_id = message.get("tool_call_id")
         if "tool_call_id" in message and not isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: must be a string, got {_json_type(call_id)}")
+            problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
         elif role == "tool":
             if not call_id:
                 problems.append(f"{at}.tool_call_id: required on role 'tool'")
@@ -1806,7 +1808,7 @@ def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> Li
 def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: List[str]) -> List[str]:
     """A tool call against the schema's ``oneOf``: exactly one of the flat and the nested shape."""
     if not isinstance(call, Mapping):
-        return [f"{at}: must be an object, got {_json_type(call)}"]
+        return [f"{at}: must be an object, got {json_type(call)}"]
     function = call.get("function")
     flat = isinstance(call.get("name"), str)
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
@@ -1821,14 +1823,14 @@ def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: L
     call_id = call.get("id")
     if "id" in call:
         if not isinstance(call_id, str):
-            problems.append(f"{at}.id: must be a string, got {_json_type(call_id)}")
+            problems.append(f"{at}.id: must be a string, got {json_type(call_id)}")
         else:
             seen_call_ids.add(call_id)
     arguments = call["arguments"] if flat and "arguments" in call else (
         function.get("arguments") if nested and isinstance(function, Mapping) else None)
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a JSON-encoded string, "
-                        f"got {_json_type(arguments)}")
+                        f"got {json_type(arguments)}")
     return problems
 
 
@@ -1866,14 +1868,14 @@ def validate_response(body: Any) -> List[str]:
     list means the body is accepted as sent.
     """
     if not isinstance(body, Mapping):
-        return [f"body: must be a JSON object, got {_json_type(body)}"]
+        return [f"body: must be a JSON object, got {json_type(body)}"]
     problems: List[str] = []
     warnings: List[str] = []
     final = body.get("final_response")
     if "final_response" not in body or final is None:
         problems.append("final_response: required, a non-empty string (the judge grades it)")
     elif not isinstance(final, str):
-        problems.append(f"final_response: must be a string, got {_json_type(final)}")
+        problems.append(f"final_response: must be a string, got {json_type(final)}")
     elif not final:
         problems.append("final_response: must not be empty (the judge has nothing to grade)")
     elif not final.strip():
@@ -2569,7 +2571,7 @@ class ProxyClient:
             event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
             if not isinstance(event, dict):
                 raise ProxyRequestError(
-                    f"trace payload must be a JSON object, got {_json_type(payload)}", tool_name=event_type
+                    f"trace payload must be a JSON object, got {json_type(payload)}", tool_name=event_type
                 )
             event.setdefault("__occurred_at", _utc_now_iso())
             body = encode_args(event_type, event, what="trace payload")
@@ -3652,7 +3654,7 @@ def _tool_parts(entry: Any, index: int) -> Tuple[str, str, Dict[str, Any]]:
     if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping):
         entry = entry["function"]
     if not isinstance(entry, Mapping):
-        raise ValueError(f"tools[{index}]: must be an object, got {_json_type(entry)}")
+        raise ValueError(f"tools[{index}]: must be an object, got {json_type(entry)}")
     name = entry.get("name")
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
         raise ValueError(f"tools[{index}].name: {_short(repr(name), 60)} must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$")
@@ -3732,7 +3734,7 @@ def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
     if isinstance(tools, dict):
         tools = tools.get("tools_schema", tools.get("tools", tools))
     if not isinstance(tools, list):
-        raise ValueError(f"tools schema {where} must be a JSON list of tools, got {_json_type(tools)}")
+        raise ValueError(f"tools schema {where} must be a JSON list of tools, got {json_type(tools)}")
     return tools
 
 
@@ -3918,7 +3920,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds)
         if not any(_is_json_type(value, k) for k in kinds):
-            return [f"{path}: expected {' or '.join(kinds)}, got {_json_type(value)}"]
+            return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
     if "enum" in schema and value not in schema["enum"]:
         shown = ", ".join(json.dumps(v) for v in schema["enum"])
         problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
@@ -4205,7 +4207,7 @@ class McpShim:
         if isinstance(message, list):
             return _rpc_error(None, _RPC_INVALID_REQUEST, "batches are not supported: send one message per line")
         if not isinstance(message, dict):
-            return _rpc_error(None, _RPC_INVALID_REQUEST, f"a message must be a JSON object, got {_json_type(message)}")
+            return _rpc_error(None, _RPC_INVALID_REQUEST, f"a message must be a JSON object, got {json_type(message)}")
         has_id = "id" in message
         request_id = message.get("id")
         valid_id = request_id is None or (isinstance(request_id, (str, int)) and not isinstance(request_id, bool))

@@ -92,22 +92,10 @@ import math
 import re
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+import pipelines_port as pp
 
-def _kind(value: Any) -> str:
-    """The JSON type name of ``value``, for messages ("an object", "a string", "null", ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "an object"
-    return type(value).__name__
+
+_kind = pp.json_type  # the JSON type name of a value, for messages
 
 
 __all__ = [
