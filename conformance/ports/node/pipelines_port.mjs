@@ -802,15 +802,35 @@ function finalText(value, key, strict = true) {
   if (value === null || value === undefined) return null;
   if (typeof value === "string") return value;
   if (key === "final_response" && strict) throw new ResponseError(`final_response must be a string, got ${jsonType(value)}`);
-  if (typeof value === "object" || typeof value === "number" || typeof value === "boolean") return spacedJson(value);
+  if (typeof value === "object" || typeof value === "number" || typeof value === "boolean") return spacedJson(value, key);
   return String(value);
 }
 
-/** JSON text with Python's default separators (`, ` and `: `), so both ports give the same final_response. */
-function spacedJson(value) {
-  if (Array.isArray(value)) return `[${value.map(spacedJson).join(", ")}]`;
-  if (isObject(value)) return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${spacedJson(v)}`).join(", ")}}`;
-  return JSON.stringify(value) ?? "null";
+/**
+ * JSON text with Python's default separators (`, ` and `: `), so both ports give the same final_response.
+ * What JSON cannot carry goes as JSON.stringify sends it (a Date as its ISO text, NaN as null, undefined
+ * dropped), and as Python's `default=str` would otherwise: a BigInt as its text, a Set as an array, a Map as
+ * an object.  A circular value throws ResponseError.
+ */
+function spacedJson(value, key) {
+  const replacer = (_, v) => {
+    if (typeof v === "bigint") return v.toString();
+    if (v instanceof Set) return [...v];
+    if (v instanceof Map) return Object.fromEntries([...v].map(([k, item]) => [String(k), item]));
+    return v;
+  };
+  let plain;
+  try {
+    plain = JSON.parse(JSON.stringify(value, replacer) ?? "null");
+  } catch (err) {
+    throw new ResponseError(`${key}: cannot become JSON text: ${err.message}`);
+  }
+  const spaced = (v) => {
+    if (Array.isArray(v)) return `[${v.map(spaced).join(", ")}]`;
+    if (isObject(v)) return `{${Object.entries(v).map(([k, item]) => `${JSON.stringify(k)}: ${spaced(item)}`).join(", ")}}`;
+    return JSON.stringify(v);
+  };
+  return spaced(plain);
 }
 
 /**
@@ -858,12 +878,28 @@ function flatMessages(messages) {
     isObject(message) && Array.isArray(message.tool_calls) ? { ...message, tool_calls: message.tool_calls.map(flatToolCall) } : message);
 }
 
+const isPlainObject = (value) =>
+  isObject(value) && [Object.prototype, null].includes(Object.getPrototypeOf(value));
+
+/** A name for a value's type in a note: `Date`, `Set`, `bigint`, `function`, a class name. */
+const typeName = (value) => (value !== null && typeof value === "object" ? value.constructor?.name ?? "object" : typeof value);
+
 /**
- * A JSON-safe copy of `value`: what JSON cannot carry is converted and noted with its path (NaN and
- * infinities -> null, a Date -> its ISO text, a Set -> an array, a Map -> an object, a BigInt -> its text,
- * functions, symbols and undefined -> null).
+ * A JSON-safe copy of `value`: what JSON cannot carry is converted and noted with its path, the way
+ * JSON.stringify would send it where it can, else the way Python's `_jsonable` does:
+ *
+ * - NaN and infinities -> null; a BigInt -> its text;
+ * - an object property whose value is a function or a symbol is dropped, an array element null
+ *   (JSON.stringify's rule); an undefined element null; an undefined property is dropped silently, since
+ *   JSON.stringify never sends it (`{tool_calls: undefined}` is an absent key, not a null one);
+ * - an object with toJSON (a Date: its ISO text; an invalid Date: null) -> what toJSON returns;
+ * - a Set -> an array, a Map -> an object (keys as text), a Uint8Array / Buffer -> its UTF-8 text, another
+ *   typed array -> an array, an Error -> "Name: message", a boxed primitive -> the primitive, any other
+ *   class instance -> its enumerable fields.
+ *
+ * A circular value throws ResponseError naming where it loops.
  */
-function jsonable(value, path, notes) {
+function jsonable(value, path, notes, ancestors = new Set()) {
   if (value === null || typeof value === "string" || typeof value === "boolean") return value;
   if (typeof value === "number") {
     if (Number.isFinite(value)) return value;
@@ -874,30 +910,67 @@ function jsonable(value, path, notes) {
     notes.push(`${path}: bigint is not JSON; sent as its text`);
     return value.toString();
   }
-  if (value === undefined || typeof value === "function" || typeof value === "symbol") {
+  if (typeof value !== "object") { // undefined, a function or a symbol, as an array element or at the top
     notes.push(`${path}: ${typeof value} is not JSON; sent as null`);
     return null;
   }
-  if (value instanceof Date) {
-    notes.push(`${path}: Date is not JSON; sent as its ISO text`);
-    return Number.isNaN(value.getTime()) ? null : value.toISOString();
+  if (ancestors.has(value)) throw new ResponseError(`${path}: circular reference: JSON cannot carry it`);
+  ancestors.add(value);
+  try {
+    if (typeof value.toJSON === "function" || !(Array.isArray(value) || isPlainObject(value))) {
+      const [converted, how] = jsonLike(value);
+      notes.push(`${path}: ${typeName(value)} is not JSON; sent as ${how}`);
+      if (converted !== value) return jsonable(converted, path, notes, ancestors); // toJSON() may return `this`
+    }
+    if (Array.isArray(value)) return value.map((item, i) => jsonable(item, `${path}[${i}]`, notes, ancestors));
+    return jsonableFields(value, `${path}.`, notes, ancestors);
+  } finally {
+    ancestors.delete(value);
   }
-  if (value instanceof Set) {
-    notes.push(`${path}: Set is not JSON; sent as an array`);
-    value = [...value];
+}
+
+/** The fields of a plain object through `jsonable`, each path `prefix + key`; see there for what is dropped. */
+function jsonableFields(value, prefix, notes, ancestors = new Set()) {
+  const out = {};
+  for (const [key, item] of Object.entries(value)) {
+    if (item === undefined) continue;
+    if (typeof item === "function" || typeof item === "symbol") {
+      notes.push(`${prefix}${key}: ${typeof item} is not JSON; dropped, as JSON.stringify drops it`);
+      continue;
+    }
+    out[key] = jsonable(item, prefix + key, notes, ancestors);
   }
-  if (Array.isArray(value)) return value.map((item, i) => jsonable(item, `${path}[${i}]`, notes));
-  if (value instanceof Map) {
-    notes.push(`${path}: Map is not JSON; sent as an object`);
-    value = Object.fromEntries([...value].map(([k, v]) => [String(k), v]));
-  }
-  if (typeof value === "object") {
+  return out;
+}
+
+/**
+ * `value` with every undefined-valued property of its plain objects removed (in arrays too): JSON.stringify
+ * never sends such a property, so it is an absent key, not a problem.  Anything else is left as it is.
+ */
+function withoutUndefined(value, ancestors = new Set()) {
+  if (!(Array.isArray(value) || isPlainObject(value)) || ancestors.has(value)) return value;
+  ancestors.add(value);
+  try {
+    if (Array.isArray(value)) return value.map((item) => withoutUndefined(item, ancestors));
     const out = {};
-    for (const [key, item] of Object.entries(value)) out[key] = jsonable(item, `${path}.${key}`, notes);
+    for (const [key, item] of Object.entries(value)) if (item !== undefined) out[key] = withoutUndefined(item, ancestors);
     return out;
+  } finally {
+    ancestors.delete(value);
   }
-  notes.push(`${path}: ${typeof value} is not JSON; sent as its text`);
-  return String(value);
+}
+
+/** `[what JSON could carry instead, how the note names it]` for an object that is not a plain object or array. */
+function jsonLike(value) {
+  if (value instanceof Date) return Number.isNaN(value.getTime()) ? [null, "null (an invalid Date)"] : [value.toISOString(), "its ISO text"];
+  if (value instanceof Uint8Array) return [new TextDecoder("utf-8").decode(value), "its UTF-8 text"];
+  if (typeof value.toJSON === "function") return [value.toJSON(), "what its toJSON() returns"];
+  if (value instanceof Set) return [[...value], "an array"];
+  if (value instanceof Map) return [Object.fromEntries([...value].map(([k, v]) => [String(k), v])), "an object"];
+  if (ArrayBuffer.isView(value) && typeof value.length === "number") return [Array.from(value), "an array"];
+  if (value instanceof Error) return [describeError(value), "its text"];
+  if (value instanceof String || value instanceof Number || value instanceof Boolean) return [value.valueOf(), "its primitive value"];
+  return [{ ...value }, "its enumerable fields"];
 }
 
 /**
@@ -907,8 +980,8 @@ function jsonable(value, path, notes) {
  */
 function asThePlatformKeeps(body) {
   const notes = [];
-  const out = {};
-  for (const [key, value] of Object.entries(body)) out[key] = key === "final_response" ? value : jsonable(value, key, notes);
+  const { final_response, ...rest } = body;
+  const out = { final_response, ...jsonableFields(rest, "", notes) };
   if (Array.isArray(out.messages)) {
     out.messages.forEach((message, i) => {
       if (!isObject(message) || !Array.isArray(message.tool_calls)) return;
@@ -944,8 +1017,9 @@ function strictMode(strict) {
  *
  * Lenient by default: the body the platform would grade goes out, what it would drop is dropped the
  * same way, and each change is logged once as a warning naming its JSON path; only a missing or empty
- * final response throws.  `strict: true` (or PIPELINES_PORT_STRICT=1) throws ResponseError listing every
- * problem instead, the soft ones too, except the truncation warning.
+ * final response (or a circular or too deeply nested value) throws.  `strict: true` (or
+ * PIPELINES_PORT_STRICT=1) throws ResponseError listing every problem instead, the soft ones too, except
+ * the truncation warning.
  */
 export function buildResponse(value, { messages = null, metadata = null, strict = null } = {}) {
   strict = strictMode(strict);
@@ -954,9 +1028,15 @@ export function buildResponse(value, { messages = null, metadata = null, strict 
   metadata ??= found.metadata ?? null;
   let body = { ...found.extra, final_response: found.final };
   if (messages !== null) body.messages = flatMessages(messages);
-  if (metadata !== null) body.metadata = isObject(metadata) ? { ...metadata } : metadata;
+  if (metadata !== null) body.metadata = isPlainObject(metadata) ? { ...metadata } : metadata;
   let notes = [];
-  if (!strict) ({ body, notes } = asThePlatformKeeps(body));
+  try {
+    if (strict) body = withoutUndefined(body);
+    else ({ body, notes } = asThePlatformKeeps(body));
+  } catch (err) {
+    if (err instanceof RangeError) throw new ResponseError("body: nested too deeply to encode");
+    throw err;
+  }
   const problems = validateResponse(body);
   const errors = problems.filter((p) => !p.startsWith("warning:"));
   const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));

@@ -2,11 +2,14 @@
 // server.mjs: serve the conformance agent through this port's dispatch server.
 //
 //   node conformance/ports/node/server.mjs [--host 127.0.0.1] [--port 8080] [--path /dispatch]
-//       [--token-env AGENT_TOKEN] [--auth-header Authorization] [--no-auth]
+//       [--token-env AGENT_TOKEN] [--auth-header Authorization] [--no-auth] [--strict]
 //       [--max-body BYTES] [--timeout SECONDS] [--grace SECONDS]
 //
 // Prints "listening on http://HOST:PORT/PATH" once listening.  SIGTERM or
 // SIGINT: refuse new dispatches, let in-flight ones finish (up to --grace s).
+// Responses are built leniently (§4: what the platform would drop is dropped
+// the same way, each change logged); --strict, or PIPELINES_PORT_STRICT=1 read
+// at each response, answers 500 instead.
 
 import { conformanceAgent } from "./conformance_agent.mjs";
 import { DEFAULT_DISPATCH_PATH, DEFAULT_TOKEN_ENV, DispatchApp, defaultClient, log, startServer } from "./pipelines_port.mjs";
