@@ -2892,14 +2892,25 @@ class _Overran(RunTimeoutError):
     """Raised by :func:`_on_fresh_thread` when its deadline passes (the agent itself never raises this)."""
 
 
-def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+class _AgentRaised(Exception):
+    """Carries what the agent raised on its thread (``error``) to the waiting one, apart from what hits the waiter."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+
+def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None, *, wrap: bool = False) -> Any:
     """Run ``fn()`` in a copy of this context on a new daemon thread; its result, or its exception re-raised.
 
     The one way this module runs agent code off the caller's thread: the
     sandbox kernel's thread already runs an event loop (§5), and the server
     must be able to stop waiting.  With ``timeout_s``, :class:`RunTimeoutError`
     after that long; a Python thread cannot be killed, so the agent runs on in
-    the background (the caller refuses its further proxy calls).
+    the background (the caller refuses its further proxy calls).  With
+    ``wrap``, what ``fn`` raised comes as :class:`_AgentRaised`, so an
+    exception raised in the waiting thread itself (a server's worker abort,
+    a signal) is never taken for the agent's.
     """
     context = contextvars.copy_context()
     outcome: Dict[str, Any] = {}
@@ -2916,7 +2927,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -
     if worker.is_alive():
         raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
     if "error" in outcome:
-        raise outcome["error"]
+        raise _AgentRaised(outcome["error"]) if wrap else outcome["error"]
     return outcome.get("result")
 
 
@@ -3127,7 +3138,8 @@ class DispatchApp:
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
         try:
-            result = _on_fresh_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s)
+            result = _on_fresh_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s,
+                                      wrap=True)
             body = build_response(result, strict=self.strict)
         except _Overran as exc:
             stats.cancelled = True  # its further proxy calls are refused before each attempt
@@ -3137,12 +3149,13 @@ class DispatchApp:
         except ResponseError as exc:
             return error_reply(ResponseError(self.redact(
                 f"agent returned a value that cannot become a response: {exc}", envelope)))
-        except BaseException as exc:  # noqa: BLE001 - the agent is user code: SystemExit or CancelledError too
+        except (_AgentRaised, Exception) as failed:  # noqa: BLE001 - the agent's own SystemExit too, never ours
             import traceback
 
-            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            error = failed.error if isinstance(failed, _AgentRaised) else failed
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
-            return error_reply(AgentError(self.redact(describe_error(exc), envelope)))
+            return error_reply(AgentError(self.redact(describe_error(error), envelope)))
         finally:
             _dispatch_stats.reset(bound)
         reply = json_reply(200, body)

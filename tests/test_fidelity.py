@@ -216,3 +216,31 @@ def test_serve_prints_the_allow_list_or_warns_without_one(tmp_path: Path) -> Non
             proc.terminate()
             proc.communicate(timeout=10)
         assert any(needle in line for line in lines), lines
+
+
+def test_an_abort_in_the_waiting_thread_is_not_blamed_on_the_agent() -> None:
+    """A host aborting its worker (gunicorn's sync-worker timeout raises SystemExit in the thread waiting for
+    the agent) must end the request as the host intends, not as a 500 ``SystemExit: 1`` from the agent."""
+    import signal
+
+    release = threading.Event()
+    app = pp.DispatchApp(lambda env: release.wait(10) and "late", token=TOKEN, run_timeout_s=30)
+    body = json.dumps({"odyssey_proxy_url": "http://127.0.0.1:9/p", "input": {}}).encode()
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Length": str(len(body)), "X-Pipelines-Run-Token": "rt"}
+
+    def abort(signum: int, frame: Any) -> None:
+        raise SystemExit(1)
+
+    previous = signal.signal(signal.SIGALRM, abort)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(SystemExit):
+            app.handle("POST", "/dispatch", headers, body)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+    # The agent's own SystemExit is still the agent's: a 500 naming it.
+    reply = pp.DispatchApp(lambda env: (_ for _ in ()).throw(SystemExit(3)), token=TOKEN).handle(
+        "POST", "/dispatch", headers, body)
+    assert reply.status == 500 and json.loads(reply.body)["detail"].startswith("SystemExit")
