@@ -19,7 +19,7 @@ import json
 import socket
 import ssl
 import threading
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
 __all__ = ["Dispatcher", "DispatchError", "Reply", "Run", "envelope_body", "envelope_headers", "HEADER_FIELDS"]
@@ -178,19 +178,26 @@ class Dispatcher:
 
     # -- the wire ---------------------------------------------------------------------
 
-    def post(self, body: Any, *, headers: Optional[Mapping[str, str]] = None) -> Reply:
-        """POST ``body`` (bytes as is, anything else as JSON) with exactly ``headers`` plus the framing."""
+    def post(self, body: Any, *, headers: Optional[Mapping[str, str]] = None,
+             repeated: Sequence[Tuple[str, str]] = ()) -> Reply:
+        """POST ``body`` (bytes as is, anything else as JSON) with exactly ``headers`` plus the framing.
+
+        ``repeated`` adds header lines as they are, so a name may appear twice.
+        """
         raw = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
         sent = {"Content-Type": "application/json", "Accept": "application/json"}
         sent.update(headers or {})
         sent["Content-Length"] = str(len(raw))
-        return self._exchange("POST", sent, raw)
+        return self._exchange("POST", list(sent.items()) + list(repeated), raw)
 
-    def _exchange(self, method: str, headers: Dict[str, str], body: bytes) -> Reply:
+    def _exchange(self, method: str, headers: List[Tuple[str, str]], body: bytes) -> Reply:
         for attempt in (1, 2):
             conn, reused = self._connection()
             try:
-                conn.request(method, self.path, body=body, headers=headers)
+                conn.putrequest(method, self.path)
+                for name, value in headers:
+                    conn.putheader(name, value)
+                conn.endheaders(body)
                 response = conn.getresponse()
                 payload = response.read()
             except (OSError, http.client.HTTPException) as exc:

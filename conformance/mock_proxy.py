@@ -33,9 +33,9 @@ Before any script, a request is checked as the platform checks it, in this
 order: a path that is not ``/tools/{name}`` or ``/traces/{type}`` under a run's
 base path is 404; a run token that is not the run's is 401
 ``run_token_invalid`` (it may come as ``Authorization: Bearer <t>``, any case
-of ``Bearer``, or as ``X-Pipelines-Run-Token: <t>``; both at once must agree);
+of ``Bearer``, or as ``X-Pipelines-Run-Token: <t>``; both at once must agree; the refused request's ``refusal`` says why in words);
 a tool name (percent-decoded) outside §3.1's pattern is 404 ``unknown_tool``; a
-body over 1 MiB is 413 ``payload_too_large``; a body that is not a JSON object
+trace event type outside §3.4's list is 404 ``unknown_event_type``; a body over 1 MiB is 413 ``payload_too_large``; a body that is not a JSON object
 is 422 (FastAPI's validation shape); a malformed ``X-Pipelines-Actor-Id``
 (§3.5) is 400 ``actor_id_invalid``; with ``rate_limit=N``, the N+1st request
 of a token within 60 s is 429 ``rate_limited`` with ``Retry-After``.  Then a
@@ -72,13 +72,15 @@ CHUNKED_READ_LIMIT = MAX_BODY_BYTES + (64 << 10)  # a chunked body is read this 
 RUNS_PATH = "/api/odyssey-proxy/runs"
 _ACTOR_SEGMENT = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
+TRACE_EVENT_TYPES = frozenset({"assistant_message", "thinking", "system_prompt", "custom", "llm_payload", "handoff",
+                               "subagent_message", "subagent_final"})  # §3.4
 
 
 class RecordedRequest:
     """One request the proxy received."""
 
     __slots__ = ("method", "path", "kind", "name", "headers", "body", "json", "connection", "time", "reply_status",
-                 "run")
+                 "run", "refusal")
 
     def __init__(self, method: str, path: str, kind: str, name: str, headers: Dict[str, str], body: bytes,
                  connection: int, run: Optional[ProxyRun] = None) -> None:
@@ -96,6 +98,7 @@ class RecordedRequest:
         self.time = time.monotonic()
         self.reply_status: Optional[int] = None
         self.run = run  # the ProxyRun whose base path it reached, if any
+        self.refusal: Optional[str] = None  # why the run token was refused, in words (never the token)
 
     @property
     def bearer(self) -> Optional[str]:
@@ -173,10 +176,14 @@ class ProxyRun:
         token = request.run_token
         header = request.headers.get("x-pipelines-run-token")
         if token not in self.tokens or (request.bearer and header and header != request.bearer):
+            request.refusal = _token_refusal(request, self.tokens)
             return {"status": 401, "error_class": "run_token_invalid", "message": "unknown run token"}
         if request.kind == "tools" and not _TOOL_NAME.fullmatch(request.name):
             return {"status": 404, "error_class": "unknown_tool",
                     "message": "no such tool: a tool name matches ^[A-Za-z_][A-Za-z0-9_-]{0,127}$"}
+        if request.kind == "traces" and request.name not in TRACE_EVENT_TYPES:
+            return {"status": 404, "error_class": "unknown_event_type",
+                    "message": "no such trace event type: one of " + ", ".join(sorted(TRACE_EVENT_TYPES))}
         if len(request.body) > MAX_BODY_BYTES:
             return {"status": 413, "error_class": "payload_too_large",
                     "message": f"request body of {len(request.body)} bytes is over the {MAX_BODY_BYTES}-byte cap"}
@@ -215,6 +222,20 @@ class ProxyRun:
             with owner._lock:
                 self._replayed[key] = reply
         return reply
+
+
+def _token_refusal(request: RecordedRequest, tokens: Set[str]) -> str:
+    """Why a request's run token was refused, in words a port author can act on."""
+    auth = request.headers.get("authorization")
+    header = request.headers.get("x-pipelines-run-token")
+    if auth is None and header is None:
+        return "no run token: neither Authorization: Bearer <t> nor X-Pipelines-Run-Token was sent"
+    if auth is not None and request.bearer is None and header is None:
+        return "an Authorization header that is not 'Bearer <run token>'"
+    if request.bearer and header and header != request.bearer:
+        return ("two run-token headers that disagree: Authorization: Bearer and X-Pipelines-Run-Token carry "
+                "different values (send the run token in one header only)")
+    return "a run token this run did not issue (another run's token, or a changed one)"
 
 
 def _valid_actor_label(label: str) -> bool:

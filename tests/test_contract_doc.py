@@ -244,3 +244,28 @@ def test_references_to_other_documents_are_not_taken_for_contract_sections() -> 
     assert [r.section for r in refs_in("A chunked body (RFC 9112 §7.1), see §3.3")] == ["3.3"]
     assert [(r.section, r.steps) for r in refs_in("§2 steps 1-2, §2 step 8, §2 steps 1 and 3")] == [
         ("2", (1, 2)), ("2", (8,)), ("2", (1, 3))]
+
+
+def test_rules_json_is_the_contract_documents_rules() -> None:
+    """conformance/rules.json (what the installed kit reads) equals CONTRACT.md's rules: regenerate it with
+    ``python3 -m conformance.rules CONTRACT.md > conformance/rules.json``."""
+    from conformance import rules
+
+    parsed = rules.parse(CONTRACT.read_text(encoding="utf-8"))
+    assert (ROOT / "conformance" / "rules.json").read_text(encoding="utf-8") == rules.to_json(parsed)
+    assert rules.load() == parsed and len(parsed) == len(parse_contract().rules)
+    assert all(r.section.startswith("§") and r.text for r in parsed.values())
+
+
+def test_every_conformance_case_checks_rules_of_the_contract() -> None:
+    """Each case names the rules it checks; its level is the strongest of theirs, its profile set by the first."""
+    from conformance import check, rules
+
+    cases = check.all_cases()
+    for case in cases:
+        assert case.rules, case.id
+        for rule_id in case.rules:
+            rules.rule(rule_id)
+        assert case.level == rules.level_of(case.rules)
+        assert case.profile == ("api" if case.rules[0].startswith("kit-") else "wire")
+    assert {c.level for c in cases} == {"MUST", "SHOULD", "MAY"}

@@ -322,7 +322,7 @@ def test_validate_response_vectors(case: Dict[str, Any]) -> None:
 
 def test_the_stricter_than_contract_marks_and_our_mentions_sit_on_error_cases_only() -> None:
     marked = {}
-    for stem in ("tool_names", "proxy_requests", "build_response", "envelope"):
+    for stem in ("tool_names", "proxy_requests", "build_response", "envelope", "trace_events"):
         for case in vectorlib.cases(stem):
             expect = case.get("expect", {})
             is_error = "error" in expect or case.get("valid") is False
@@ -332,8 +332,25 @@ def test_the_stricter_than_contract_marks_and_our_mentions_sit_on_error_cases_on
             if "our_mentions" in expect:
                 assert is_error and expect["our_mentions"], case["name"]
     assert marked["build_response"] == ["strict: a blank string is refused"]
-    assert marked["proxy_requests"] == ["an invalid tool name is refused", "a path-traversal tool name is refused",
+    assert marked["proxy_requests"] == ["arguments that are an array are refused", "arguments that are a string are refused",
+                                        "an invalid tool name is refused", "a path-traversal tool name is refused",
                                         "arguments over the 1 MiB request cap are refused"]
+    assert marked["trace_events"] == ["an unknown event type is refused", "a path-like event type is refused",
+                                      "a payload that is not an object is refused"]
     assert len(marked["tool_names"]) == sum(1 for c in vectorlib.cases("tool_names") if not c["valid"])
     (missing_url,) = [c for c in ENVELOPE if c["name"] == "missing proxy URL is named"]
     assert missing_url["expect"]["mentions"] == ["proxy URL"]  # all the contract asks; the rest is ours
+
+
+def test_every_vector_names_a_rule_of_the_contract_and_so_a_level() -> None:
+    """Each case carries ``rule``: an id of CONTRACT.md (via conformance/rules.json), which gives its level."""
+    from conformance import rules
+
+    levels: Dict[str, int] = {}
+    for path in sorted(vectorlib.VECTORS_DIR.glob("*.json")):
+        for case in vectorlib.cases(path.stem):
+            rule = rules.rule(case["rule"])  # a KeyError naming it otherwise
+            levels[rule.level] = levels.get(rule.level, 0) + 1
+            if rule.id.startswith("kit-"):  # a kit choice: a port mirroring our API holds itself to it
+                assert rule.level == "MAY"
+    assert set(levels) == {"MUST", "SHOULD", "MAY"} and sum(levels.values()) > 250
