@@ -376,7 +376,7 @@ def run_check(node: NodeServer, *args: str) -> str:
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = done.stdout.strip().splitlines()[-1]
-    assert " 0 failed" in summary, summary
+    assert " 0 failed, 0 warned" in summary, summary
     return summary
 
 
@@ -384,14 +384,21 @@ def run_check(node: NodeServer, *args: str) -> str:
 def test_the_conformance_check_passes_every_case() -> None:
     node = NodeServer()
     try:
-        summary = run_check(node)
+        summary = run_check(node, "--strict")  # MUST and SHOULD
+        api = run_check(node, "--strict", "--profile", "api")  # and the kit's own choices, which it mirrors
     finally:
         assert node.stop() == 0
     passed = int(summary.split(" passed")[0])
-    assert passed > 200, summary
+    assert passed > 200 and int(api.split(" passed")[0]) > passed, summary
     # The cases that need a custom auth header, against a server registered with one.
     node = NodeServer("--auth-header", "X-API-Key")
     try:
         run_check(node, "--auth-header", "X-API-Key", "--only", "auth,ping,vectors.inbound")
+    finally:
+        assert node.stop() == 0
+    # The misconfigured mode: the token variable unset, every request a 503.
+    node = NodeServer(env={"AGENT_TOKEN": ""})
+    try:
+        assert run_check(node, "--misconfigured", "--strict").startswith("1 passed")
     finally:
         assert node.stop() == 0
