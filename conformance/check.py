@@ -436,11 +436,16 @@ def paths(proxy_run: ProxyRun, requests: Sequence[Any]) -> str:
     return ", ".join(shown) + (" …" if len(requests) > 6 else "")
 
 
-def expect_same_key(requests: Sequence[Any], why: str, rule: str = "idempotency-key-reuse") -> None:
+def expect_same_key(requests: Sequence[Any], why: str, rule: str = "idempotency-key-reuse",
+                    c: Optional[Check] = None) -> None:
+    """One Idempotency-Key on every attempt; given ``c``, a missing or changing key is noted and checking goes on."""
     keys = [r.idempotency_key for r in requests]
     if not keys[0] or len(set(keys)) != 1:
-        raise Failed(f"one Idempotency-Key on every attempt ({why})", f"keys {show(keys)}", rule,
-                     "make the key once per logical call, before the retry loop")
+        failure = Failed(f"one Idempotency-Key on every attempt ({why})", f"keys {show(keys)}", rule,
+                         "make the key once per logical call, before the retry loop")
+        if c is None:
+            raise failure
+        c.soft(failure.expected, failure.got, rule, failure.hint)
 
 
 def is_uuid(text: Optional[str]) -> bool:
@@ -1624,7 +1629,7 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
         if expect.get("retry"):
             expect_ok(outcome, "after-retry", "the call (retried, then a success)")
             first, second = expect_requests(ran.proxy, 2, "the reply, then one retry")
-            expect_same_key([first, second], "a retry reuses the key")
+            expect_same_key([first, second], "a retry reuses the key", c=c)
             wait, gap = expect.get("retry_after_s"), second.time - first.time
             if wait and gap < 0.9 * wait:
                 raise Failed(f"a retry after the Retry-After wait of {wait} s", f"a retry after {gap:.2f} s",
