@@ -9,7 +9,7 @@ bug breaks a MUST or a SHOULD rule).  ``correct`` patches nothing.  A *legal
 variation* (``fails`` is None) changes something the contract leaves open,
 where pipelines_port made one choice: the whole check must pass it, warnings
 included.  Together they are the Python half of the mutation set
-(``tests/node_mutants.py`` is the Node half): ``tests/test_conformance.py``
+(``tests/js_mutants.py`` is the Node half): ``tests/test_conformance.py``
 runs the whole check against each and reports the score.
 """
 

@@ -4,7 +4,7 @@
 
 Each *mutant* is a port with one realistic porting bug: the Python variants of
 ``tests/broken_ports.py`` (pipelines_port patched in its own process) and the
-JavaScript mutants of ``tests/node_mutants.py`` (a patched copy of
+JavaScript mutants of ``tests/js_mutants.py`` (a patched copy of
 ``conformance/ports/node``, skipped when ``node`` is missing).  Each is served on
 127.0.0.1 and checked with ``python3 -m conformance check URL --strict`` in full
 (``--misconfigured`` for a variant served with its token variable unset).  A
@@ -63,10 +63,9 @@ class Outcome(NamedTuple):
 def ports(only: Sequence[str] = ()) -> List[Port]:
     found = [Port(name, "python", v.fails is None, v.fails, v.mode) for name, v in VARIANTS.items() if name != "correct"]
     if shutil.which("node"):
-        with contextlib.suppress(ImportError):
-            from tests.node_mutants import MUTANTS
+        from tests.js_mutants import MUTANTS
 
-            found += [Port(f"node:{m.name}", "node", False, None, "normal", m.rule) for m in MUTANTS]
+        found += [Port(f"node:{m.name}", "node", False, None, m.mode, m.rule) for m in MUTANTS]
     return [p for p in found if not only or p.name in only]
 
 
@@ -77,13 +76,13 @@ def serving(port: Port, workdir: pathlib.Path) -> Iterator[str]:
     if port.language == "python":
         cmd = [sys.executable, str(ROOT / "tests" / "broken_ports.py"), port.name, "--port", "0", "--token", TOKEN]
     else:
-        from tests.node_mutants import MUTANTS, materialise
+        from tests.js_mutants import MUTANTS, materialise
 
         (mutant,) = [m for m in MUTANTS if f"node:{m.name}" == port.name]
         copy = workdir / "port"
         materialise(mutant, copy)
         cmd = ["node", str(copy / "server.mjs"), "--port", "0"]
-        env["AGENT_TOKEN"] = TOKEN
+        env["AGENT_TOKEN"] = "" if port.mode == "misconfigured" else TOKEN
     log = open(workdir / "server.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                             start_new_session=True)
