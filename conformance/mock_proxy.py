@@ -33,12 +33,14 @@ Before any script, a request is checked as the platform checks it, in this
 order: a path that is not ``/tools/{name}`` or ``/traces/{type}`` under a run's
 base path is 404; a run token that is not the run's is 401
 ``run_token_invalid`` (it may come as ``Authorization: Bearer <t>``, any case
-of ``Bearer``, or as ``X-Pipelines-Run-Token: <t>``; both at once must agree; the refused request's ``refusal`` says why in words);
-a tool name (percent-decoded) outside §3.1's pattern is 404 ``unknown_tool``; a
-trace event type outside §3.4's list is 404 ``unknown_event_type``; a body over 1 MiB is 413 ``payload_too_large``; a body that is not a JSON object
-is 422 (FastAPI's validation shape); a malformed ``X-Pipelines-Actor-Id``
-(§3.5) is 400 ``actor_id_invalid``; with ``rate_limit=N``, the N+1st request
-of a token within 60 s is 429 ``rate_limited`` with ``Retry-After``.  Then a
+of ``Bearer``, or as ``X-Pipelines-Run-Token: <t>``; both at once must agree;
+the refused request's ``refusal`` says why in words); a tool name
+(percent-decoded) outside §3.1's pattern is 404 ``unknown_tool``; a trace
+event type outside §3.4's list is 404 ``unknown_event_type``; a body over
+1 MiB is 413 ``payload_too_large``; a body that is not a JSON object is 422
+(FastAPI's validation shape); a malformed ``X-Pipelines-Actor-Id`` (§3.5) is
+400 ``actor_id_invalid``; with ``rate_limit=N``, the N+1st request of a token
+within 60 s is 429 ``rate_limited`` with ``Retry-After``.  Then a
 repeated ``Idempotency-Key`` replays its original reply.
 
 Request bodies may come with ``Content-Length`` or in chunked transfer coding.
