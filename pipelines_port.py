@@ -158,6 +158,7 @@ __all__ = [
     "start_server",
     "serve",
     "code_mode",
+    "check_run_timeout",
     "run_in_fresh_thread",
     "load_agent",
     "main",
@@ -608,6 +609,14 @@ def _native_id(value: Any) -> Optional[Id]:
     return None
 
 
+def _env_id(value: Optional[str]) -> Optional[Id]:
+    """An id from a ``PIPELINES_*`` variable: decimal digits become an int, as the task JSON carries ids."""
+    text = (value or "").strip()
+    if text.isascii() and text.isdigit() and len(text) <= 18:
+        return int(text)
+    return text or None
+
+
 def _first_id(*candidates: Any) -> Optional[Id]:
     for candidate in candidates:
         value = _native_id(candidate)
@@ -907,9 +916,9 @@ class Envelope:
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
         run_token = _check_run_token(run_token, "the run_token argument")
         task = dict(task_input)
-        run_id = _first_id(env.get(ENV_RUN_ID))
-        task_id = _first_id(task.get("task_id"), env.get(ENV_TASK_ID))
-        agent_id = _first_id(env.get(ENV_AGENT_ID))
+        run_id = _env_id(env.get(ENV_RUN_ID))
+        task_id = _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))
+        agent_id = _env_id(env.get(ENV_AGENT_ID))
         jti = (env.get(ENV_RUN_TOKEN_JTI) or "").strip() or None
         tools_schema = _tools_schema_from_env(env)
         raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
@@ -1034,6 +1043,14 @@ DEFAULT_TOKEN_ENV = "AGENT_TOKEN"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_RUN_TIMEOUT_S = 300.0
 MAX_RUN_TIMEOUT_S = 1800.0
+
+
+def check_run_timeout(run_timeout_s: Any) -> float:
+    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range); ``ValueError`` naming it otherwise."""
+    if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
+            0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
+        raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
+    return float(run_timeout_s)
 HEALTH_PATH = "/healthz"
 TOOLS_SCHEMA_PATH = "/tools_schema"
 
@@ -2029,14 +2046,22 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound to this context; :class:`EnvelopeError` when none is."""
+    """The envelope bound to this context; else the sandbox's run from its ``PIPELINES_*`` environment (§5).
+
+    The environment counts only when it carries a run token (a sandbox, or a child process given its run's
+    variables): a dispatch server's environment never does (§5 child-env-explicit).  :class:`EnvelopeError`
+    when neither is there.
+    """
     envelope = _current.get()
-    if envelope is None:
-        raise EnvelopeError(
-            "no dispatch envelope is bound to this context: call inside a dispatch, "
-            "wrap the code in `with bind_envelope(envelope):`, or pass envelope=..."
-        )
-    return envelope
+    if envelope is not None:
+        return envelope
+    if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
+        return Envelope.from_env()
+    raise EnvelopeError(
+        "no dispatch envelope is bound to this context and the environment has no run "
+        f"({ENV_RUN_TOKEN} is not set): call inside a dispatch or run(), "
+        "wrap the code in `with bind_envelope(envelope):`, or pass envelope=..."
+    )
 
 # ---------------------------------------------------------------------------
 # Transport: keep-alive connections, a whole-reply deadline, the retry loop
@@ -2931,6 +2956,82 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None, *
     return outcome.get("result")
 
 
+class _RedactedError(Exception):
+    """Stands in an exception chain for an exception whose text showed a secret and could not be cleaned."""
+
+
+def _scrub(value: Any, secrets: Sequence[str]) -> Any:
+    """``value`` with each secret replaced by ``[redacted]``: strings and bytes, inside lists, tuples and dicts."""
+    if isinstance(value, str):
+        return redact(value, *secrets)
+    if isinstance(value, (bytes, bytearray)):
+        for secret in secrets:
+            value = value.replace(secret.encode("utf-8"), _REDACTED.encode("ascii"))
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scrub(v, secrets) for v in value) if not hasattr(value, "_fields") else value
+    if isinstance(value, dict):
+        return {_scrub(k, secrets): _scrub(v, secrets) for k, v in value.items()}
+    return value
+
+
+def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
+    """``exc`` and its whole chain (``__cause__``, ``__context__``, group members) with no secret left in them.
+
+    Cleaned in place: ``args``, ``__notes__`` and string attributes (``OSError.filename`` too).  An exception
+    whose text still shows a secret (its class builds the text some other way) is replaced in the chain by a
+    ``_RedactedError`` naming its type, with its traceback.  Returns what stands for ``exc`` now.  IPython
+    prints the whole chain of what ``run()`` raises, and a log line formats it: no link may show the token.
+    """
+    wanted = [s for s in secrets if s]
+    seen: Dict[int, Optional[BaseException]] = {}
+
+    def text_of(error: BaseException) -> str:
+        try:
+            return f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
+        except Exception:  # noqa: BLE001 - a __str__ that fails shows nothing
+            return ""
+
+    def clean(error: Optional[BaseException]) -> Optional[BaseException]:
+        if error is None or not wanted:
+            return error
+        if id(error) in seen:
+            return seen[id(error)]
+        seen[id(error)] = error
+        with contextlib.suppress(Exception):
+            error.args = _scrub(error.args, wanted)
+        notes = getattr(error, "__notes__", None)
+        if isinstance(notes, list):
+            notes[:] = [_scrub(n, wanted) for n in notes]
+        for name, value in list(getattr(error, "__dict__", {}).items()):
+            if isinstance(value, (str, bytes, list, tuple, dict)) and name != "__notes__":
+                with contextlib.suppress(Exception):
+                    setattr(error, name, _scrub(value, wanted))
+        if isinstance(error, OSError):
+            for name in ("strerror", "filename", "filename2"):
+                with contextlib.suppress(Exception):
+                    setattr(error, name, _scrub(getattr(error, name), wanted))
+        for member in getattr(error, "exceptions", None) or ():  # an ExceptionGroup's members
+            if isinstance(member, BaseException):
+                clean(member)
+        error.__cause__ = clean(error.__cause__)
+        error.__context__ = clean(error.__context__)
+        if not any(secret in text_of(error) for secret in wanted):
+            return error
+        try:
+            message = redact(str(error), *wanted)
+        except Exception:  # noqa: BLE001
+            message = ""
+        stand_in = _RedactedError(f"{type(error).__name__}: {message}" if message
+                                  else f"{type(error).__name__} (its text showed a secret)")
+        stand_in.__cause__, stand_in.__context__ = error.__cause__, error.__context__
+        stand_in.__suppress_context__ = error.__suppress_context__
+        seen[id(error)] = stand_in.with_traceback(error.__traceback__)
+        return seen[id(error)]
+
+    return clean(exc)
+
+
 def _settle(result: Any) -> Any:
     """``result``, awaited with ``asyncio.run`` when it is awaitable (this thread must run no event loop)."""
     import inspect
@@ -3006,8 +3107,7 @@ class DispatchApp:
             raise ValueError("no_auth=True and a token contradict each other: choose one")
         if not no_auth and not token and not token_env:
             raise ValueError("auth needs a token or a token_env; pass no_auth=True to disable it explicitly")
-        if not (0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
-            raise ValueError(f"run_timeout_s must be in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
+        check_run_timeout(run_timeout_s)
         if max_body < 1:
             raise ValueError(f"max_body must be a positive number of bytes, got {max_body!r}")
         if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
@@ -3591,7 +3691,8 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[E
     calling thread (``asyncio.run`` raises there).  ``fn`` may be ``async def``:
     it gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the one
     bound here, if any) is bound inside the new thread.  An exception is
-    re-raised as is, traceback included.
+    re-raised with its traceback, the envelope's run token redacted from its
+    whole chain.
     """
     envelope = envelope if envelope is not None else _current.get()
 
@@ -3601,10 +3702,31 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[E
                 stack.enter_context(bind_envelope(envelope))
             return _settle(fn(*args, **kwargs))
 
-    return _on_fresh_thread(call)
+    try:
+        return _on_fresh_thread(call, wrap=True)
+    except _AgentRaised as raised:
+        error = raised.error
+    raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
 
 
-def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None) -> Callable[..., Dict[str, Any]]:
+def _code_mode_envelope(task_input: Any, proxy_url: Optional[str], run_token: Optional[str]) -> Envelope:
+    """The envelope of one ``run()`` call: its arguments, else the sandbox's environment (§5 code-mode-env)."""
+    if proxy_url is None and run_token is None and task_input is None:
+        return Envelope.from_env()  # the whole run from the environment: PIPELINES_* and the task variable
+    env = os.environ
+    if proxy_url is None:
+        proxy_url = env.get(ENV_PROXY_URL)
+        if not (proxy_url or "").strip():
+            raise EnvelopeError(f"run() got no proxy_url argument, and environment variable {ENV_PROXY_URL} is not set")
+    if run_token is None:
+        run_token = env.get(ENV_RUN_TOKEN)
+        if not (run_token or "").strip():
+            raise EnvelopeError(f"run() got no run_token argument, and environment variable {ENV_RUN_TOKEN} is not set")
+    return Envelope.from_run(task_input, proxy_url=cast(str, proxy_url), run_token=cast(str, run_token))
+
+
+def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
+              run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
 
     The same ``agent(envelope)`` function (sync or ``async def``) serves HTTP
@@ -3614,18 +3736,47 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
     :class:`PipelinesError` it raises (a stale run token, say) propagates as it
     is, and a result that cannot become a response gives :class:`ResponseError`,
     never a half-built dict (``strict`` as for :func:`build_response`).  The run
-    token is redacted from the returned body and from error messages, as the
-    server does.
-    """
+    token is redacted from the returned body, from error messages and from the
+    whole chain of a raised exception, as the server does.
 
-    def run(task_input: Mapping[str, Any], *, proxy_url: str, run_token: str) -> Dict[str, Any]:
-        envelope = Envelope.from_run(task_input, proxy_url=proxy_url, run_token=run_token)
+    An agent that overruns ``run_timeout_s`` (300 s by default, at most 1800 s,
+    as in HTTP mode) gives :class:`RunTimeoutError` naming the limit; so does a
+    kernel interrupt, by its own exception.  Either way the abandoned agent's
+    further proxy calls are refused, so it cannot act on a run that is over.
+    Missing ``proxy_url`` / ``run_token`` arguments are read from the sandbox's
+    ``PIPELINES_ODYSSEY_PROXY_URL`` / ``PIPELINES_RUN_TOKEN``; ``run()`` with no
+    argument at all reads the whole run from the environment (§7.8 kit-code-mode-env).
+    """
+    limit = check_run_timeout(run_timeout_s)
+
+    def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
+            run_token: Optional[str] = None) -> Dict[str, Any]:
+        envelope = _code_mode_envelope(task_input, proxy_url, run_token)
+        stats = _DispatchStats()
+        bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
+        failure: Optional[BaseException] = None
+        result: Any = None
         try:
-            result = _on_fresh_thread(functools.partial(_call_agent, agent, envelope))
-        except PipelinesError:
+            result = _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit, wrap=True)
+        except _Overran:
+            stats.cancelled = True
+            failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
+                                      "calls are refused (a thread cannot be stopped: it may still be running)")
+        except _AgentRaised as raised:
+            error = raised.error
+            cleaned = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
+            if isinstance(error, PipelinesError) or not isinstance(error, Exception):
+                failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
+            else:
+                failure = AgentError(redact(f"agent raised {describe_error(error)}", envelope.run_token))
+                failure.__cause__ = cleaned
+        except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
+            stats.cancelled = True
             raise
-        except Exception as exc:
-            raise AgentError(redact(f"agent raised {describe_error(exc)}", envelope.run_token)) from exc
+        finally:
+            _dispatch_stats.reset(bound)
+        if failure is not None:
+            raise failure  # outside the except clauses: no implicit context to show the original
         return _without_run_token(build_response(result, strict=strict), envelope)
 
     run.__name__ = "run"
@@ -4242,8 +4393,8 @@ class McpShim:
         except _RpcError as exc:
             return _rpc_error(request_id, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - never crash the shim
-            _log.exception("mcp: %s failed", method)
             token = self._envelope.run_token if self._envelope else None
+            _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
             return _rpc_error(request_id, _RPC_INTERNAL_ERROR, redact(describe_error(exc), token))
         return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
 
@@ -4517,6 +4668,9 @@ def _cmd_serve(args: Any) -> int:
             print(f"pipelines_port serve: {len(app.tools_schema)} tools declared, served at GET /tools_schema",
                   flush=True)
         print(f"pipelines_port serve: proxy hosts: {app.describe_proxy_hosts()}", flush=True)
+        if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit: a server's environment has no run
+            print(f"pipelines_port serve: WARNING: {ENV_RUN_TOKEN} is set in this server's environment: a proxy call "
+                  "made outside a dispatch would use that run; unset it", flush=True)
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready)

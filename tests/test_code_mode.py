@@ -266,3 +266,204 @@ def test_run_in_fresh_thread_reraises_as_is() -> None:
     with pytest.raises(Boom, match="kaput") as info:
         in_running_loop(pp.run_in_fresh_thread, explode)
     assert "explode" in [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+
+
+# -- issue: no token anywhere in the exception chain, a run timeout, the environment path ---------------------
+
+
+class HeadersError(Exception):
+    """A client error that builds its text from an attribute, as some HTTP libraries do (cleaned in place)."""
+
+    def __init__(self, headers: Dict[str, str]) -> None:
+        super().__init__("request failed")
+        self.headers = headers
+
+    def __str__(self) -> str:
+        return f"request failed, headers: {self.headers}"
+
+
+class RequestError(Exception):
+    """One whose text comes from an object the cleaning cannot reach: replaced in the chain by a stand-in."""
+
+    def __init__(self, token: str) -> None:
+        import types
+
+        super().__init__("request failed")
+        self.request = types.SimpleNamespace(headers={"Authorization": f"Bearer {token}"})
+
+    def __str__(self) -> str:
+        return f"request failed, headers: {self.request.headers}"
+
+
+def chain_of(error: BaseException) -> List[BaseException]:
+    seen: List[BaseException] = []
+    link: Any = error
+    while link is not None and link not in seen:
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    return seen
+
+
+def test_the_run_token_is_in_no_link_of_a_raised_exception_chain(proxy: MockProxy, token: str) -> None:
+    """IPython prints the whole chain of what run() raises: the cause, its context, their notes, any __str__."""
+    def agent(envelope: pp.Envelope) -> str:
+        try:
+            try:
+                try:
+                    raise OSError(2, f"cannot open cache for {envelope.run_token}", f"/tmp/{envelope.run_token}.json")
+                except OSError:
+                    raise HeadersError({"Authorization": f"Bearer {envelope.run_token}"})
+            except HeadersError:
+                raise RequestError(envelope.run_token)
+        except RequestError as exc:
+            error = ValueError(f"request failed, headers: Authorization: Bearer {envelope.run_token}", 7)
+            if hasattr(error, "add_note"):
+                error.add_note(f"retry with token {envelope.run_token}")
+            raise error from exc
+
+    with pytest.raises(pp.AgentError) as info:
+        in_running_loop(pp.code_mode(agent), TASK, proxy_url=proxy.url, run_token=token)
+    links = chain_of(info.value)
+    # AgentError, ValueError, a stand-in for RequestError, HeadersError (cleaned in place), OSError
+    assert len(links) == 5 and isinstance(links[1], ValueError)
+    assert "[redacted]" in str(links[1]) and links[1].args[1] == 7
+    assert type(links[2]).__name__ == "_RedactedError" and "RequestError" in str(links[2])
+    assert isinstance(links[3], HeadersError) and "[redacted]" in str(links[3])
+    assert isinstance(links[4], OSError) and links[4].errno == 2 and "[redacted]" in links[4].filename
+    printed = "".join(traceback.format_exception(type(info.value), info.value, info.value.__traceback__))
+    assert token not in printed and "Traceback" in printed and "agent" in printed  # frames kept, token gone
+    for link in links:
+        assert token not in f"{link}{link!r}{getattr(link, '__notes__', '')}{getattr(link, 'filename', '')}"
+
+
+def test_http_mode_logs_the_chain_without_the_token(caplog: pytest.LogCaptureFixture, proxy: MockProxy,
+                                                     token: str) -> None:
+    def agent(envelope: pp.Envelope) -> str:
+        try:
+            raise HeadersError({"Authorization": f"Bearer {envelope.run_token}"})
+        except HeadersError as exc:
+            raise RuntimeError("the model call failed") from exc
+
+    app = pp.DispatchApp(agent, no_auth=True)
+    envelope = pp.Envelope.from_run(TASK, proxy_url=proxy.url, run_token=token)
+    with caplog.at_level("ERROR", logger="pipelines_port"):
+        reply = app.run_agent(envelope)
+    assert reply.status == 500 and token.encode() not in reply.body
+    logged = "\n".join(record.getMessage() + (record.exc_text or "") for record in caplog.records)
+    assert "HeadersError" in logged and "the model call failed" in logged and token not in logged
+
+
+def test_run_in_fresh_thread_redacts_the_bound_runs_token(proxy: MockProxy, token: str) -> None:
+    envelope = pp.Envelope.from_run(TASK, proxy_url=proxy.url, run_token=token)
+
+    def leak() -> None:
+        raise KeyError(f"no cache entry for {token}")
+
+    with pytest.raises(KeyError) as info:
+        in_running_loop(pp.run_in_fresh_thread, leak, envelope=envelope)
+    assert token not in str(info.value) and "[redacted]" in str(info.value)
+
+
+def agent_threads() -> List[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pipelines-agent"]
+
+
+def looping_agent(calls: List[float]) -> Callable[[pp.Envelope], str]:
+    """An agent that never finishes on its own: a tool call every 50 ms until one fails."""
+    def agent(envelope: pp.Envelope) -> str:
+        import time
+
+        while True:
+            pp.proxy_call("poll", {})
+            calls.append(time.monotonic())
+            time.sleep(0.05)
+    return agent
+
+
+def test_run_times_out_naming_the_limit_and_the_abandoned_agent_is_refused(proxy: MockProxy, token: str) -> None:
+    import time
+
+    calls: List[float] = []
+    run = pp.code_mode(looping_agent(calls), run_timeout_s=0.5)
+    before = len(agent_threads())
+    with pytest.raises(pp.RunTimeoutError, match=r"run_timeout_s=0\.5 s") as info:
+        in_running_loop(run, TASK, proxy_url=proxy.url, run_token=token)
+    ended = time.monotonic()
+    assert info.value.http_status == 504 and calls
+    deadline = time.monotonic() + 5
+    while len(agent_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(agent_threads()) == before  # its next proxy call was refused, so it ended
+    late = [r for r in proxy.requests if r.time > ended + 0.01]
+    assert late == []  # nothing reached the proxy after run() gave up
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1800.5, "300", True])
+def test_code_mode_refuses_a_run_timeout_out_of_range(limit: Any) -> None:
+    with pytest.raises(ValueError, match="run_timeout_s"):
+        pp.code_mode(lambda envelope: "x", run_timeout_s=limit)
+
+
+def test_a_kernel_interrupt_while_run_waits_refuses_the_agents_further_calls(proxy: MockProxy, token: str) -> None:
+    """A kernel interrupt is a KeyboardInterrupt in the waiting (main) thread: the agent must not act on."""
+    import signal
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    calls: List[float] = []
+    run = pp.code_mode(looping_agent(calls))
+    before = len(agent_threads())
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.4)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(TASK, proxy_url=proxy.url, run_token=token)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    interrupted = time.monotonic()
+    deadline = interrupted + 5
+    while len(agent_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert calls and len(agent_threads()) == before
+    assert [r for r in proxy.requests if r.time > interrupted + 0.01] == []
+
+
+def test_run_reads_missing_arguments_from_the_sandbox_environment(proxy: MockProxy, token: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: List[pp.Envelope] = []
+
+    def agent(envelope: pp.Envelope) -> str:
+        seen.append(envelope)
+        return str(pp.proxy_call("get_order", {"order_id": "1"}))
+
+    run = pp.code_mode(agent)
+    monkeypatch.setenv("PIPELINES_ODYSSEY_PROXY_URL", proxy.url)
+    monkeypatch.setenv("PIPELINES_RUN_TOKEN", token)
+    monkeypatch.setenv("PIPELINES_TASK_ID", "77")
+    monkeypatch.setenv("PIPELINES_RUN_ID", "5")
+    in_running_loop(run, {"user_instruction": "hi", "task_id": 77})  # the arguments absent
+    monkeypatch.setenv("_PIPELINES_TASK_INPUT_JSON", '{"user_instruction": "from env", "input": {"k": 1}}')
+    in_running_loop(run)  # nothing at all: the whole run from the environment
+    assert [(e.user_instruction, e.task_id, e.run_id) for e in seen] == [("hi", 77, 5), ("from env", 77, 5)]
+    assert all(r.run_token == token for r in proxy.requests) and len(proxy.requests) == 2
+    monkeypatch.delenv("PIPELINES_RUN_TOKEN")
+    with pytest.raises(pp.EnvelopeError, match="PIPELINES_RUN_TOKEN"):
+        run({"user_instruction": "hi"}, proxy_url=proxy.url)
+
+
+def test_an_unbound_proxy_call_uses_the_environments_run_only_when_it_has_one(
+        proxy: MockProxy, token: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PIPELINES_RUN_TOKEN", raising=False)
+    with pytest.raises(pp.EnvelopeError, match="PIPELINES_RUN_TOKEN is not set"):
+        pp.proxy_call("get_order", {})
+    monkeypatch.setenv("PIPELINES_ODYSSEY_PROXY_URL", proxy.url)
+    monkeypatch.setenv("PIPELINES_RUN_TOKEN", token)
+    assert pp.proxy_call("get_order", {"order_id": "9"}) == {"tool": "get_order", "args": {"order_id": "9"}}
+    (request,) = proxy.requests
+    assert request.run_token == token
