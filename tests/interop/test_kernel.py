@@ -15,10 +15,8 @@ import json
 import os
 import queue
 import shutil
-import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
@@ -153,8 +151,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     (workdir / "leaky.py").write_text(LEAKY)
     (workdir / "looping.py").write_text(LOOPING)
     apis = {name: fake().start() for name, fake in LOOP_TEMPLATES.items()}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINES_", "_PIPELINES_", "OPENAI_", "ANTHROPIC_"))
-           and k not in ("PYTHONPATH", "AGENT_TOKEN")}
+    foreign = ("PIPELINES_", "_PIPELINES_", "OPENAI_", "ANTHROPIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(foreign) and k not in ("PYTHONPATH", "AGENT_TOKEN")}
     # The kernel's PYTHONPATH is its working directory only: the module it imports is the uploaded copy.
     env.update(OPENAI_MODEL="test-model-7", ANTHROPIC_MODEL="test-model-7", PYTHONUNBUFFERED="1")
     env.update(ANTHROPIC_BASE_URL=apis["anthropic_messages"].base_url,
