@@ -19,7 +19,7 @@ How the agent is run:
   ``task_input = {"task_id", "user_instruction", "input": {}}``, on a thread
   whose asyncio loop is already running (as in the sandbox's Jupyter kernel),
   with the ``PIPELINES_*`` variables set in ``os.environ`` for the duration of
-  the row (rows run one at a time).
+  the row when rows run one at a time (``--jobs 1``, the default).
 - ``--url URL`` (HTTP mode, CONTRACT §2): a ping first (``{"ping": true}``
   with the auth header), then one POST per row carrying exactly the
   platform's headers (``X-Pipelines-Run-Token``, ``X-Pipelines-Odyssey-Proxy-Url``,
@@ -63,6 +63,7 @@ import inspect
 import json
 import os
 import pathlib
+import queue
 import secrets
 import socket
 import sys
@@ -80,7 +81,8 @@ from . import engine, report
 from .cli import prog
 from .mock_proxy import MockProxy, RecordedRequest
 
-__all__ = ["SetupError", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate", "main"]
+__all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
+           "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
 _REDACTED = "[redacted]"
@@ -133,7 +135,7 @@ class CodeAgent:
 
     mode = "code"
 
-    def __init__(self, spec: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, spec: str, *, timeout: float = DEFAULT_TIMEOUT_S, set_environment: bool = True) -> None:
         path, sep, function = spec.rpartition(":")
         if not sep or not function.isidentifier() or not path:
             path, function = spec, "run"
@@ -141,6 +143,9 @@ class CodeAgent:
         self.function_name = function
         self.target = f"{path}:{function}"
         self.timeout = timeout
+        # The sandbox's PIPELINES_* variables live in the process-wide environment: they can be set for a row
+        # only while rows run one at a time (--jobs 1).  Concurrent rows get their run through run()'s arguments.
+        self.set_environment = set_environment
         self.function = self._load()
 
     def _load(self) -> Callable[..., Any]:
@@ -150,6 +155,8 @@ class CodeAgent:
             raise SetupError(f"--code: {exc}") from None
 
     def __call__(self, dispatch: Dispatch) -> Outcome:
+        if not self.set_environment:
+            return _call_with_timeout(self._call_like_the_kernel, dispatch, timeout=self.timeout)
         env = _code_mode_env(dispatch)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -565,6 +572,22 @@ def _invalid_run(row: int, problems: Sequence[datasets.Problem]) -> Dict[str, An
     }
 
 
+class Interrupted(Exception):
+    """Ctrl-C during a simulation: ``result`` holds the report of the rows that finished."""
+
+    def __init__(self, result: Dict[str, Any]) -> None:
+        super().__init__("interrupted")
+        self.result = result
+
+
+def _eta(done: int, total: int, elapsed: float) -> str:
+    """``12.3 rows/s, ETA 41 s`` after ``done`` of ``total`` rows in ``elapsed`` seconds."""
+    rate = done / elapsed if elapsed > 0 else 0.0
+    left = (total - done) / rate if rate > 0 else 0.0
+    eta = f"{left:.0f} s" if left < 120 else f"{left / 60:.1f} min"
+    return f"{rate:.1f} rows/s, ETA {eta}" if done < total else f"{rate:.1f} rows/s"
+
+
 def simulate(
     data: datasets.Dataset,
     agent: Callable[[Dispatch], Outcome],
@@ -574,12 +597,17 @@ def simulate(
     progress: Optional[Callable[[str], None]] = None,
     hidden: Sequence[str] = (),
     describe: Optional[Dict[str, Any]] = None,
+    jobs: int = 1,
 ) -> Dict[str, Any]:
     """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
 
     Rows the dataset check rejected are listed with status ``invalid`` and
     not run.  ``hidden`` strings (the agent token) are scrubbed from the report
     like each run token.  ``describe`` is merged into the report's header.
+    ``jobs`` rows run at once, each with its own proxy, backend and seed, so the
+    runs are the same as one at a time (timings aside), listed in row order.
+    Ctrl-C raises :class:`Interrupted` carrying the report of the finished rows
+    (running ones are abandoned: their threads are daemons).
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
@@ -589,15 +617,56 @@ def simulate(
         if p.row is not None and p.severity == "error":
             rejected.setdefault(p.row, []).append(p)
     rows = sorted(set(tasks) | set(rejected))
-    runs = []
-    for n, row in enumerate(rows, 1):
-        if row in tasks:
-            record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden)
-        else:
-            record = _invalid_run(row, rejected[row])
-        runs.append(record)
-        if progress is not None:
-            progress(f"[{n}/{len(rows)}] " + report.progress_line(record))
+    records: Dict[int, Dict[str, Any]] = {}
+    pending: queue.Queue[int] = queue.Queue()
+    for row in rows:
+        pending.put(row)
+    finished: queue.Queue[Tuple[int, Dict[str, Any]]] = queue.Queue()
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                row = pending.get_nowait()
+            except queue.Empty:
+                return
+            if row in tasks:
+                try:
+                    record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden)
+                except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
+                    record = _failed_run(tasks[row], f"the simulator failed on this row: {_describe(exc)}")
+            else:
+                record = _invalid_run(row, rejected[row])
+            finished.put((row, record))
+
+    count = max(1, min(jobs, len(rows)))
+    workers = [threading.Thread(target=work, name=f"simulate-{i}", daemon=True) for i in range(count)]
+    for worker in workers:
+        worker.start()
+    interrupted = False
+    try:
+        while len(records) < len(rows):
+            try:
+                row, record = finished.get(timeout=0.2)  # a timeout, so Ctrl-C reaches this thread
+            except queue.Empty:
+                if not any(w.is_alive() for w in workers) and finished.empty():
+                    break
+                continue
+            records[row] = record
+            if progress is not None:
+                done = len(records)
+                progress(f"[{done}/{len(rows)}] {_eta(done, len(rows), time.monotonic() - clock)} | "
+                         + report.progress_line(record))
+    except KeyboardInterrupt:
+        stop.set()
+        interrupted = True
+        while True:  # rows that finished meanwhile still count
+            try:
+                row, record = finished.get_nowait()
+            except queue.Empty:
+                break
+            records[row] = record
+    runs = [records[row] for row in rows if row in records]
     summary = {
         "runs": len(runs),
         "ok": sum(1 for r in runs if r["status"] == "ok"),
@@ -606,17 +675,31 @@ def simulate(
         "injected": sum(1 for r in runs for c in r["tool_calls"]
                         if c.get("source") == "injected" and not c.get("replayed")),
     }
+    if interrupted:
+        summary["not_run"] = len(rows) - len(runs)
     result: Dict[str, Any] = {
         "kind": "pipelines_port.simulation",
         "version": 1,
         "started_at": started_at,
         "duration_ms": round((time.monotonic() - clock) * 1000, 1),
+        "jobs": len(workers),
+        "interrupted": interrupted,
         "dataset": {"file": data.name, "rows": data.rows, "problems": [p.to_json() for p in data.problems]},
         "summary": summary,
         "runs": runs,
     }
     result.update(describe or {})
-    return _scrub(result, hidden)
+    result = _scrub(result, hidden)
+    if interrupted:
+        raise Interrupted(result)
+    return result
+
+
+def _failed_run(task: datasets.Task, error: str) -> Dict[str, Any]:
+    return {"row": task.row, "line": task.line, "task_id": task.row, "run_id": task.row, "status": "error",
+            "user_instruction": task.user_instruction, "expected_outcome": task.expected_outcome,
+            "expected_outcome_given": task.expected_outcome_given, "errors": [error], "warnings": [],
+            "tool_calls": [], "ledger_changes": [], "trace_events": [], "failure_rules": [], "notes": []}
 
 
 # ---------------------------------------------------------------------------
@@ -650,6 +733,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --code, let the agent's response be built leniently as in production (by default "
                              "a simulated run is strict: what the platform would drop or soften is reported as an "
                              "error, PIPELINES_PORT_STRICT=1)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="rows run at once (default 1); each row keeps its own proxy, backend and seed, so the "
+                             "results are those of --jobs 1. With --code and N > 1 the PIPELINES_* variables are not "
+                             "set (the process environment is shared): run() gets its run through its arguments")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"per-row limit for the agent (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--json", metavar="OUT",
@@ -707,6 +794,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise SetupError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not 1 <= args.jobs <= 256:
+        raise SetupError(f"--jobs must be between 1 and 256, got {args.jobs}")
     if args.code and (args.token or args.token_env):
         raise SetupError("--token/--token-env are for --url agents; a --code agent is called directly")
     data = datasets.load_dataset(args.csv)
@@ -730,7 +819,7 @@ def run_cli(args: argparse.Namespace) -> int:
     token = _agent_token(args)
     agent: Any
     if args.code:
-        agent = CodeAgent(args.code, timeout=args.timeout)
+        agent = CodeAgent(args.code, timeout=args.timeout, set_environment=args.jobs == 1)
     else:
         agent = UrlAgent(args.url, token=token, auth_header=args.auth_header, timeout=args.timeout)
         warning = agent.check()
@@ -739,8 +828,14 @@ def run_cli(args: argparse.Namespace) -> int:
     hidden = [token] if token else []
     describe = {"agent": {"mode": agent.mode, "target": agent.target},
                 "fixtures": args.responses, "tools_schema": args.tools}
-    result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say, hidden=hidden,
-                      describe=describe)
+    interrupted = False
+    try:
+        result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say, hidden=hidden,
+                          describe=describe, jobs=args.jobs)
+    except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
+        result, interrupted = stopped.result, True
+        say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
+            f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
 
     if args.json:
         text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
@@ -752,6 +847,8 @@ def run_cli(args: argparse.Namespace) -> int:
         _write(args.html, report.render_html(result))
     if args.json != "-":
         print(report.render_text(result))
+    if interrupted:
+        return 130
     return 0 if result["summary"]["errors"] == 0 else 1
 
 

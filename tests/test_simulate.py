@@ -637,3 +637,91 @@ def test_a_simulation_is_strict_unless_asked_to_be_lenient(capsys: pytest.Captur
     run = json.loads(out)["runs"][0]
     assert code == 0 and run["status"] == "ok" and run.get("messages") in (None, [])
     assert os.environ.get("PIPELINES_PORT_STRICT") is None  # the simulation leaves the environment as it found it
+
+
+# ---------------------------------------------------------------------------
+# Scale: --jobs, progress with rate and ETA, Ctrl-C
+# ---------------------------------------------------------------------------
+
+
+def many_rows(path: pathlib.Path, copies: int) -> pathlib.Path:
+    """The sample dataset's rows, ``copies`` times over (each copy its own row, so its own seed)."""
+    with open(SAMPLE, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return write_csv(path, [dict(row, user=f"{row['user']} (copy {n})") for n in range(copies) for row in rows])
+
+
+def without_timings(report: Dict[str, Any]) -> List[Dict[str, Any]]:
+    timing = {"duration_ms", "at_ms", "latency_ms"}
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in timing}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+    return strip(report["runs"])
+
+
+def test_jobs_give_the_runs_of_one_at_a_time(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    dataset = many_rows(tmp_path / "many.csv", 8)  # 40 rows, random and counted failure rules among them
+    reports = {}
+    for jobs in ("1", "8"):
+        out = tmp_path / f"jobs{jobs}.json"
+        code, _, err = simulate_cli(capsys, "--csv", dataset, "--code", MINIMAL, "--responses", FIXTURES,
+                                    "--jobs", jobs, "--json", out)
+        assert code == 0, err
+        reports[jobs] = json.loads(out.read_text(encoding="utf-8"))
+        progress = [line for line in err.splitlines() if line.startswith("[")]
+        assert len(progress) == 40 and all("rows/s" in line for line in progress)
+        assert "ETA" in progress[0] and "ETA" not in progress[-1]
+    assert reports["8"]["jobs"] == 8 and reports["1"]["jobs"] == 1
+    assert [r["row"] for r in reports["8"]["runs"]] == list(range(1, 41))  # row order, whatever finished first
+    assert without_timings(reports["8"]) == without_timings(reports["1"])
+    assert reports["8"]["summary"]["injected"] == reports["1"]["summary"]["injected"] > 8
+
+
+SLOW_AGENT = '''
+import time
+import pipelines_port as pp
+
+def agent(envelope):
+    time.sleep(0.3)
+    return "done: " + envelope.user_instruction
+
+run = pp.code_mode(agent)
+'''
+
+
+def test_ctrl_c_stops_cleanly_and_writes_the_reports_of_finished_rows(tmp_path: pathlib.Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    agent = tmp_path / "slow.py"
+    agent.write_text(SLOW_AGENT, encoding="utf-8")
+    dataset = many_rows(tmp_path / "many.csv", 10)  # 50 rows of 0.3 s at 2 at a time: about 8 s in all
+    out_json, out_html = tmp_path / "report.json", tmp_path / "report.html"
+    proc = subprocess.Popen([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
+                             str(agent), "--jobs", "2", "--json", str(out_json), "--html", str(out_html)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stderr is not None
+    seen = []
+    while len(seen) < 4:  # a few rows done, then Ctrl-C
+        line = proc.stderr.readline()
+        assert line, "the simulation ended before it was interrupted"
+        if line.startswith("["):
+            seen.append(line)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and time.monotonic() - started < 5
+    assert "interrupted" in err and "Traceback" not in err
+    report = json.loads(out_json.read_text(encoding="utf-8"))
+    assert report["interrupted"] is True
+    finished = report["summary"]["runs"]
+    assert 4 <= finished < 50 and report["summary"]["not_run"] == 50 - finished
+    assert all(r["status"] == "ok" for r in report["runs"])
+    assert f'id="row-{report["runs"][0]["row"]}"' in out_html.read_text(encoding="utf-8")
