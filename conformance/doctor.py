@@ -70,6 +70,7 @@ class _Doctor:
     def checks(self) -> Iterator[_Check]:
         if self.args.app:
             yield self.agent_imports()
+            yield from self.required_environment()
         yield self.answers_ping()
         yield self.auth_before_ping()
         yield self.proxy_hosts()
@@ -114,7 +115,21 @@ class _Doctor:
             why = pp.describe_error(exc, 300)
             return "fail", "agent imports", f"{self.args.app} imports but cannot be served: {why}"
         self.url, self.app_tools, self.app = self.server.url, app.tools_schema, app
+        self.module = sys.modules.get(getattr(getattr(app, "agent", agent), "__module__", "") or "")
         return "ok", "agent imports", f"{self.args.app} ({type(agent).__name__})"
+
+    def required_environment(self) -> Iterator[_Check]:
+        """The variables the agent's module lists in ``REQUIRED_ENV`` (the templates list their API keys)."""
+        names = getattr(getattr(self, "module", None), "REQUIRED_ENV", None)
+        if not isinstance(names, (list, tuple)):
+            return
+        for name in names:
+            label = f"{name} is set"
+            if (os.environ.get(str(name)) or "").strip():
+                yield "ok", label, "set (its value is not shown)"
+            else:
+                yield "fail", label, (f"not set: the agent needs it (export {name}=...; `simulate` can run without "
+                                      "it against a scripted model, see --model)")
 
     def answers_ping(self) -> _Check:
         label = "server answers ping"
@@ -186,7 +201,10 @@ class _Doctor:
                               f"different input_schema: {differ or 'none'}")
 
     def proxy_reachable(self) -> _Check:
-        """§3.7: a fake bearer; 401 means the proxy is reachable."""
+        """§3.7: a fake bearer; 401 means the proxy is reachable.  Only with --proxy-url: offline is no failure."""
+        if not self.args.proxy_url:
+            return "skip", "outbound proxy reachable", (f"not checked: give --proxy-url URL (e.g. "
+                                                        f"{DEFAULT_PROBE_PROXY_URL}) to check this machine's egress")
         probe = pp.probe_proxy(self.args.proxy_url)
         if probe["reachable"]:
             return "ok", "outbound proxy reachable", (f"{self.args.proxy_url} -> HTTP {probe['status_code']} "
@@ -249,8 +267,9 @@ def add_parser(commands: Any) -> None:
     doctor_.add_argument("--no-auth", action="store_true", help="the endpoint has no inbound auth")
     doctor_.add_argument("--tools-schema", metavar="FILE", help="tools list to validate and compare with the app's")
     doctor_.add_argument("--csv", metavar="FILE", help="a task-seeding dataset to validate (CONTRACT §6)")
-    doctor_.add_argument("--proxy-url", default=DEFAULT_PROBE_PROXY_URL, metavar="URL",
-                         help=f"proxy to probe for egress (default {DEFAULT_PROBE_PROXY_URL})")
+    doctor_.add_argument("--proxy-url", metavar="URL",
+                         help=f"a proxy to probe for egress, e.g. {DEFAULT_PROBE_PROXY_URL} (without it the check is "
+                              "skipped, so doctor passes offline)")
     doctor_.set_defaults(run=run)
 
 

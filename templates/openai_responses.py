@@ -162,4 +162,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
 
 
 # Code mode: the sandbox's entrypoint, the same agent unchanged.
+# What this agent needs in its environment (`pipelines-port doctor` checks each is set).
+REQUIRED_ENV = ("OPENAI_API_KEY",)
+
 run = pp.code_mode(agent)

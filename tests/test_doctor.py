@@ -136,3 +136,22 @@ def test_usage_errors_exit_2() -> None:
     assert out.returncode == 2 and "--app" in out.stderr and "Traceback" not in out.stderr
     out = doctor(["--app", "x.py:a", "--url", "http://127.0.0.1:1/"])
     assert out.returncode == 2 and "not allowed with" in out.stderr
+
+
+def test_offline_the_egress_probe_is_skipped_with_the_flag_that_enables_it(project: Path) -> None:
+    """Without --proxy-url nothing is probed: a user without network did nothing wrong."""
+    out = doctor(["--app", f"{project / 'agent.py'}:agent"], env={"AGENT_TOKEN": "t"})
+    assert lines(out)["outbound proxy reachable"] == "skip" and "--proxy-url" in out.stdout
+    assert out.returncode == 0, out.stdout
+
+
+def test_the_api_keys_a_template_needs_are_checked_never_shown(tmp_path: Path) -> None:
+    template = (ROOT / "templates" / "openai_chat.py").read_text()
+    (tmp_path / "agent.py").write_text(template)
+    (tmp_path / "pipelines_port.py").write_text((ROOT / "pipelines_port.py").read_text())
+    unset = doctor(["--app", f"{tmp_path / 'agent.py'}:agent"], env={"AGENT_TOKEN": "t", "OPENAI_API_KEY": ""})
+    assert lines(unset)["OPENAI_API_KEY is set"] == "fail" and "export OPENAI_API_KEY" in unset.stdout
+    assert unset.returncode == 1
+    given = doctor(["--app", f"{tmp_path / 'agent.py'}:agent"], env={"AGENT_TOKEN": "t", "OPENAI_API_KEY": "sk-secret-9"})
+    assert lines(given)["OPENAI_API_KEY is set"] == "ok" and "sk-secret-9" not in given.stdout + given.stderr
+    assert given.returncode == 0

@@ -1,0 +1,81 @@
+"""``simulate --jobs``: wall time of a 500-row dataset against an agent whose model call takes 1 s.
+
+    python3 bench/bench_simulate.py [--rows 500] [--jobs 1,32] [--model-s 1.0]
+
+Writes the dataset (the sample rows, repeated) and a code-mode agent that waits ``--model-s`` seconds (its
+"model call"), then calls one tool through the proxy, into a temporary folder; runs
+``python3 -m conformance simulate --csv ... --code ... --jobs N`` once per N, as its own process, and prints
+the wall time of each and the speed-up against the first.  Every run must succeed (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "conformance" / "samples" / "orders.csv"
+FIXTURES = ROOT / "conformance" / "samples" / "orders_fixtures.json"
+AGENT = '''
+import os, time
+import pipelines_port as pp
+
+def agent(envelope):
+    time.sleep(float(os.environ.get("BENCH_MODEL_S", "1")))  # the model thinking
+    result = pp.proxy_call("search_kb", {"query": envelope.user_instruction}, errors="return")
+    return "The knowledge base says: " + str(result)[:200]
+
+run = pp.code_mode(agent)
+'''
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=500)
+    parser.add_argument("--jobs", default="1,32")
+    parser.add_argument("--model-s", type=float, default=1.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp)
+        with open(SAMPLE, newline="", encoding="utf-8") as f:
+            sample = list(csv.DictReader(f))
+        rows = [dict(sample[i % len(sample)], user=f"{sample[i % len(sample)]['user']} (#{i})") for i in range(args.rows)]
+        dataset = folder / "tasks.csv"
+        with open(dataset, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(sample[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        agent = folder / "agent.py"
+        agent.write_text(AGENT, encoding="utf-8")
+        times = {}
+        for jobs in [int(j) for j in args.jobs.split(",")]:
+            out = folder / f"report-{jobs}.json"
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
+                                   str(agent), "--responses", str(FIXTURES), "--jobs", str(jobs), "--json", str(out)],
+                                  cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), "BENCH_MODEL_S": str(args.model_s)})
+            times[jobs] = time.monotonic() - started
+            summary = json.loads(out.read_text())["summary"]
+            if done.returncode != 0:
+                print(done.stderr[-2000:], file=sys.stderr)
+                return 1
+            print(f"--jobs {jobs:>3}: {times[jobs]:7.1f} s wall for {summary['runs']} rows "
+                  f"({summary['runs'] / times[jobs]:.1f} rows/s, {summary['tool_calls']} tool calls, "
+                  f"{summary['injected']} injected)", flush=True)
+        first = next(iter(times))
+        for jobs, seconds in times.items():
+            if jobs != first:
+                print(f"--jobs {jobs} is {times[first] / seconds:.1f}x faster than --jobs {first}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
