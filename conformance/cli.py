@@ -30,6 +30,7 @@ COMMANDS: Dict[str, Tuple[Optional[str], str]] = {
     "dataset": ("dataset", "validate a task-seeding CSV (CONTRACT §6)"),
     "simulate": ("simulate", "run every dataset row against an agent through a local proxy"),
     "demo": ("demo", "run the bundled sample dataset against the minimal template"),
+    "model": ("model", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
 }
 
 

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Mapping
 
 __all__ = ["progress_line", "render_text", "render_html"]
 
-_STATUS_WORD = {"ok": "ok", "error": "ERROR", "invalid": "INVALID"}
+# "ran": the run ended without error and its response is valid.  It is no verdict on the expected outcome.
+_STATUS_WORD = {"ok": "ran", "error": "ERROR", "invalid": "INVALID"}
 
 
 def _short(text: Any, limit: int = 100) -> str:
@@ -75,7 +76,11 @@ def render_text(result: Mapping[str, Any]) -> str:
             lines += [f"    dataset error: {e}" for e in run["errors"]]
             continue
         outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
-        lines.append(f"    expected outcome: {outcome}")
+        lines.append(f"    expected outcome: {outcome}: {outcome_word(run)}")
+        for flag in (run.get("outcome") or {}).get("flags") or []:
+            lines.append(f"    FLAGGED: {flag}")
+        for attempt in (run.get("outcome") or {}).get("attempted") or []:
+            lines.append(f"    note: {attempt}")
         if run.get("behavior_instructions"):
             lines.append(f"    behavior (not enforced): {_short(run['behavior_instructions'], 100)}")
         for rule in run["failure_rules"]:
@@ -98,9 +103,17 @@ def render_text(result: Mapping[str, Any]) -> str:
             lines.append(f"    final response: {_short(run['final_response'], 200)}")
     s = result["summary"]
     lines.append("")
-    lines.append(f"{_plural(s['runs'], 'run')}: {s['ok']} ok, {_plural(s['errors'], 'error')}; "
+    lines.append(f"{_plural(s['runs'], 'run')}: {s['ok']} ran without error, {_plural(s['errors'], 'error')}; "
                  f"{_plural(s['tool_calls'], 'tool call')}, {s['injected']} injected")
+    lines.append(f"expected outcomes: not judged (no judge runs here); {s.get('flagged', 0)} refusal row(s) flagged "
+                 "for an action carried out")
     return "\n".join(lines)
+
+
+def outcome_word(run: Mapping[str, Any]) -> str:
+    """How the expected outcome stands without a judge: flagged, or not judged."""
+    check = run.get("outcome") or {}
+    return "FLAGGED (see below)" if check.get("flags") else "not judged"
 
 
 def _change_text(change: Mapping[str, Any]) -> str:

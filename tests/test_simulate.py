@@ -140,7 +140,7 @@ def test_sample_dataset_end_to_end_in_code_mode(capsys: pytest.CaptureFixture, t
                                   "--json", out_json, "--html", out_html)
     assert code == 0, err
     report = json.loads(out_json.read_text(encoding="utf-8"))
-    assert report["summary"] == {"runs": 5, "ok": 5, "errors": 0, "tool_calls": 5, "injected": 2}
+    assert report["summary"] == {"runs": 5, "ok": 5, "errors": 0, "tool_calls": 5, "injected": 2, "flagged": 0}
     assert report["agent"] == {"mode": "code", "target": f"{MINIMAL}:run"}
     runs = report["runs"]
     assert [r["status"] for r in runs] == ["ok"] * 5
@@ -162,8 +162,11 @@ def test_sample_dataset_end_to_end_in_code_mode(capsys: pytest.CaptureFixture, t
     # a progress line per row on stderr, the text report on stdout
     progress = [line for line in err.splitlines() if line.startswith("[")]
     assert [line.split("]")[0] for line in progress] == ["[1/5", "[2/5", "[3/5", "[4/5", "[5/5"]
-    assert "row 2 (line 3): ok, 1 tool call, 1 injected" in progress[1]
-    assert out.rstrip().endswith("5 runs: 5 ok, 0 errors; 5 tool calls, 2 injected")
+    assert "row 2 (line 3): ran, 1 tool call, 1 injected" in progress[1]
+    assert "5 runs: 5 ran without error, 0 errors; 5 tool calls, 2 injected" in out
+    assert out.rstrip().endswith("expected outcomes: not judged (no judge runs here); 0 refusal row(s) flagged "
+                                 "for an action carried out")
+    assert out.count("expected outcome: completion") == 4 and "refusal: not judged" in out
     html_text = out_html.read_text(encoding="utf-8")
     for run in runs:
         assert f'id="row-{run["row"]}"' in html_text
