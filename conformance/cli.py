@@ -31,6 +31,7 @@ COMMANDS: Dict[str, Tuple[Optional[str], str]] = {
     "simulate": ("simulate", "run every dataset row against an agent through a local proxy"),
     "demo": ("demo", "run the bundled sample dataset against the minimal template"),
     "model": ("model", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
+    "proxy": ("mock_proxy", "a mock per-run proxy and a curl dispatch to paste, to try an agent by hand"),
 }
 
 

@@ -32,32 +32,64 @@ Scaffolded by `{init}` from the `{template}` template.
 - `agent.py` - your agent: edit it. `agent(envelope)` serves both ways below.
 - `tools_schema.json` - the tools it may call (register the same list on the platform).
 - `pipelines_port.py` - the runtime module (standard library only); keep it beside `agent.py`.
+- `tasks.csv`, `fixtures.json` - a sample dataset and its tool fixtures: replace them with yours.
+{keys}
+Every command below runs from this folder.
 
-Run it as an HTTP dispatch endpoint, from this folder (`-m` finds the `pipelines_port.py` here):
+1. Check the setup (`{doctor}` is the kit's `doctor`; {doctor_note}):
 
-    export AGENT_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
-    python3 -m pipelines_port serve agent.py:agent --host 0.0.0.0 --port 8080
+       export AGENT_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
+       {doctor} --app agent.py:agent --tools-schema tools_schema.json --csv tasks.csv
 
-Or upload this folder in code mode: the sandbox calls `agent.run(task_input, proxy_url=..., run_token=...)`.
+2. Simulate the agent against the dataset, every row through a local proxy, and open the report:
 
-Check the setup before a platform run, with the kit's `doctor` ({doctor_note}):
+       {simulate} --csv tasks.csv --code agent.py --responses fixtures.json --html report.html --jobs 4
 
-    {doctor} --app agent.py:agent --tools-schema tools_schema.json
+3. Serve it as an HTTP dispatch endpoint (`-m` finds the `pipelines_port.py` here):
+
+       python3 -m pipelines_port serve agent.py:agent --port 8080
+
+   and, in a second terminal, a mock proxy that prints a `curl` dispatch to paste:
+
+       {proxy} --csv tasks.csv --row 1 --responses fixtures.json
+
+4. Or upload this folder in code mode: the sandbox calls `agent.run(task_input, proxy_url=..., run_token=...)`.
+"""
+
+_KEYS_NOTE = """- The agent calls a model API: set {keys} before a platform run (`doctor` checks it). Without it,
+  `simulate` runs the agent against a scripted stand-in of the API (`--model real` to insist on the key).
 """
 
 
-def _doctor_command() -> str:
-    """The doctor as the user can run it from the new project's folder."""
+def _kit_command(command: str) -> str:
+    """A kit command as the user can run it from the new project's folder."""
     if installed():
-        return prog("doctor")
+        return prog(command)
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return f"PYTHONPATH={shlex.quote(checkout)} python3 -m conformance doctor"
+    return f"PYTHONPATH={shlex.quote(checkout)} python3 -m conformance {command}"
+
+
+def _doctor_command() -> str:
+    return _kit_command("doctor")
 
 
 def _doctor_note() -> str:
     if installed():
         return "`pipelines-port` is the kit's command: `pipx install` or `pip install` the kit"
     return "from the kit's checkout, which `PYTHONPATH` points to"
+
+
+def _required_env(source: str) -> List[str]:
+    """The names a template's ``REQUIRED_ENV = (...)`` lists, read without running it."""
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "REQUIRED_ENV" for t in node.targets):
+            with contextlib.suppress(ValueError):
+                value = ast.literal_eval(node.value)
+                if isinstance(value, (list, tuple)):
+                    return [str(v) for v in value]
+    return []
 
 
 def template_dir() -> str:
@@ -112,10 +144,18 @@ def init_project(directory: str, template: str = "minimal", *, force: bool = Fal
         schema_source = f.read()
     with open(here, encoding="utf-8") as f:
         module_source = f.read()
+    keys = _required_env(agent_source)
     readme = _INIT_README.format(name=os.path.basename(os.path.abspath(directory)), template=template,
-                                 init=prog("init"), doctor=_doctor_command(), doctor_note=_doctor_note())
+                                 init=prog("init"), doctor=_doctor_command(), doctor_note=_doctor_note(),
+                                 simulate=_kit_command("simulate"), proxy=_kit_command("proxy"),
+                                 keys=_KEYS_NOTE.format(keys=" and ".join(f"`{k}`" for k in keys)) if keys else "")
+    samples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples")
+    with open(os.path.join(samples, "orders.csv"), encoding="utf-8") as f:
+        tasks_source = f.read()
+    with open(os.path.join(samples, "orders_fixtures.json"), encoding="utf-8") as f:
+        fixtures_source = f.read()
     files = {"agent.py": agent_source, "tools_schema.json": schema_source, "README.md": readme,
-             "pipelines_port.py": module_source}
+             "pipelines_port.py": module_source, "tasks.csv": tasks_source, "fixtures.json": fixtures_source}
     targets = {name: os.path.join(directory, name) for name in files}
     existing = [name for name, path in targets.items() if os.path.exists(path)]
     if existing and not force:
@@ -162,8 +202,15 @@ def run(args: Any) -> int:
         print(f"wrote {path}")
     print(f"next: cd {shlex.quote(args.directory)} && export AGENT_TOKEN=...   (a long random secret: the platform "
           "sends it as Bearer)")
-    print(f"      {_doctor_command()} --app agent.py:agent --tools-schema tools_schema.json")
+    keys = _required_env(open(os.path.join(args.directory, "agent.py"), encoding="utf-8").read())
+    if keys:
+        print(f"      export {'=... '.join(keys)}=...   (the model API's key; without it simulate uses a scripted "
+              "model)")
+    print(f"      {_doctor_command()} --app agent.py:agent --tools-schema tools_schema.json --csv tasks.csv")
+    print(f"      {_kit_command('simulate')} --csv tasks.csv --code agent.py --responses fixtures.json "
+          "--html report.html")
     print("      python3 -m pipelines_port serve agent.py:agent --port 8080")
+    print("      README.md in the project says more")
     return 0
 
 
@@ -173,7 +220,8 @@ def add_parser(commands: Any) -> None:
     """The ``init`` sub-command on an ``argparse`` sub-parsers object."""
     init_ = commands.add_parser(
         "init", help="scaffold an agent project from a template",
-        description="Write agent.py (from a template), tools_schema.json, README.md and pipelines_port.py into DIR.",
+        description="Write agent.py (from a template), tools_schema.json, README.md, pipelines_port.py and a sample "
+                    "dataset (tasks.csv, fixtures.json) into DIR.",
     )
     init_.add_argument("directory", metavar="DIR", nargs="?", help="the project folder (created if missing)")
     init_.add_argument("--template", default="minimal", metavar="NAME", help="template to start from (default minimal)")

@@ -37,8 +37,8 @@ def test_scaffolded_project_serves_and_answers_a_dispatch(tmp_path: Path) -> Non
     project = tmp_path / "my-agent"
     out = cli(["init", str(project), "--template", "minimal"])
     assert out.returncode == 0, out.stderr
-    assert sorted(p.name for p in project.iterdir()) == ["README.md", "agent.py", "pipelines_port.py",
-                                                         "tools_schema.json"]
+    assert sorted(p.name for p in project.iterdir()) == ["README.md", "agent.py", "fixtures.json",
+        "pipelines_port.py", "tasks.csv", "tools_schema.json"]
     assert (project / "pipelines_port.py").read_text() == (ROOT / "pipelines_port.py").read_text()
     assert (project / "agent.py").read_text() == (ROOT / "templates" / "minimal.py").read_text()
     assert "serve agent.py:agent" in (project / "README.md").read_text()
@@ -109,5 +109,6 @@ def test_init_never_follows_a_planted_temporary_file(tmp_path: Path) -> None:
         (project / f"{name}.{os.getpid()}.tmp").symlink_to(victim)
     written = init_project(str(project), "minimal")
     assert victim.read_text() == "keep me"
-    assert sorted(Path(p).name for p in written) == ["README.md", "agent.py", "pipelines_port.py", "tools_schema.json"]
+    assert sorted(Path(p).name for p in written) == ["README.md", "agent.py", "fixtures.json", "pipelines_port.py",
+                                                     "tasks.csv", "tools_schema.json"]
     assert not [p for p in project.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]

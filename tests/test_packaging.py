@@ -26,7 +26,7 @@ import pipelines_port as pp
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-COMMANDS = ["serve", "init", "doctor", "mcp", "check", "dataset", "simulate", "demo", "model"]
+COMMANDS = ["serve", "init", "doctor", "mcp", "check", "dataset", "simulate", "demo", "model", "proxy"]
 
 
 def _project_version() -> str:
@@ -194,8 +194,8 @@ def test_init_list_and_init_from_a_checkout(tmp_path: Path) -> None:
     assert out.returncode == 0 and "minimal" in out.stdout
     out = checkout(["init", str(tmp_path / "proj")], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["README.md", "agent.py", "pipelines_port.py",
-                                                                     "tools_schema.json"]
+    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["README.md", "agent.py", "fixtures.json",
+        "pipelines_port.py", "tasks.csv", "tools_schema.json"]
     readme = (tmp_path / "proj" / "README.md").read_text()
     assert "python3 -m conformance doctor --app agent.py:agent" in readme and "pipelines_port.py init" not in readme
 
