@@ -103,8 +103,9 @@ class Script:
             return returned.value
         final = compact({"results": results})
         self.messages.append({"role": "assistant", "content": final})
+        runtime_ms = round((time.monotonic() - started) * 1000)
         return {"final_response": final, "messages": self.messages,
-                "metadata": {"model": "conformance-agent", "agent_runtime_ms": round((time.monotonic() - started) * 1000)}}
+                "metadata": {"model": "conformance-agent", "agent_runtime_ms": runtime_ms}}
 
     def step(self, index: int, step: Any) -> Any:
         kinds = [k for k in STEPS if isinstance(step, dict) and k in step]

@@ -94,7 +94,7 @@ def test_a_dispatch_by_hand_with_the_printed_curl(fresh: Dict[str, str]) -> None
             line = proxy.stdout.readline()
             assert line, "".join(printed)
             printed.append(line)
-        curl = "".join(printed[next(i for i, l in enumerate(printed) if l.startswith("curl")):-1])
+        curl = "".join(printed[next(i for i, text in enumerate(printed) if text.startswith("curl")):-1])
         deadline = time.monotonic() + 20
         while True:  # the agent server may still be starting
             done = subprocess.run(["bash", "-c", curl], cwd=project, env=env, capture_output=True, text=True,
