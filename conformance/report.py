@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import html
 import json
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 __all__ = ["progress_line", "render_text", "render_html"]
 
@@ -162,6 +162,32 @@ text-transform:uppercase;color:#5a6478}.final{border:2px solid #7aa2e3;border-ra
 white-space:pre-wrap;word-break:break-word;background:#fbfcff}.errors{background:#fdf0f0;border:1px solid #f2c4c4;
 border-radius:6px;padding:6px 12px}.warnings{background:#fff8ec;border:1px solid #f3ddb4;border-radius:6px;
 padding:6px 12px}.muted{color:#5a6478}ul{margin:4px 0;padding-left:20px}
+.flagged{background:#f9d0f0;color:#7a1465}.toolbar{display:flex;gap:8px;flex-wrap:wrap;align-items:center;
+margin:12px 0}.toolbar input{flex:1;min-width:200px;padding:5px 8px;border:1px solid #c9d0dc;border-radius:6px}
+.toolbar button,.toolbar select{padding:4px 10px;border:1px solid #c9d0dc;border-radius:6px;background:#fff}
+.turn{font-size:12px;color:#5a6478}.said{white-space:pre-wrap}
+"""
+
+# The page works without JavaScript (every run listed, <details> open and close natively); with it, a
+# toolbar filters and searches.  The state can come from the URL fragment too (#status=error&q=refund&open=all),
+# so a headless browser can check it without clicking.
+_SCRIPT = """
+(function(){
+var runs=[].slice.call(document.querySelectorAll('details.run'));
+var bar=document.getElementById('toolbar');bar.hidden=false;
+var q=document.getElementById('q'),st=document.getElementById('status'),shown=document.getElementById('shown');
+function apply(){var text=q.value.trim().toLowerCase(),want=st.value,n=0;
+runs.forEach(function(r){var ok=(!want||(' '+r.dataset.tags+' ').indexOf(' '+want+' ')>=0)&&
+(!text||r.textContent.toLowerCase().indexOf(text)>=0);r.hidden=!ok;if(ok)n++;});
+shown.textContent=n+' of '+runs.length+' shown';}
+function all(open){runs.forEach(function(r){if(!r.hidden)r.open=open;});}
+document.getElementById('expand').onclick=function(){all(true);};
+document.getElementById('collapse').onclick=function(){all(false);};
+q.oninput=apply;st.onchange=apply;
+var h=new URLSearchParams(location.hash.slice(1));
+if(h.get('q'))q.value=h.get('q');if(h.get('status'))st.value=h.get('status');
+apply();if(h.get('open')==='all')all(true);if(h.get('open')==='none')all(false);
+})();
 """
 
 
@@ -179,6 +205,19 @@ def _pre(value: Any) -> str:
 
 def _pill(text: str, css: str = "") -> str:
     return f'<span class="pill {css}">{_e(text)}</span>'
+
+
+_TOOLBAR = ('<div class="toolbar" id="toolbar" hidden><button id="expand" type="button">Expand all</button>'
+            '<button id="collapse" type="button">Collapse all</button>'
+            '<select id="status" aria-label="filter"><option value="">every run</option>'
+            '<option value="error">errors</option><option value="injected">with injected failures</option>'
+            '<option value="refusal">refusal rows</option><option value="flagged">flagged</option>'
+            '<option value="ran">ran without error</option></select>'
+            '<input id="q" type="search" placeholder="search instructions, calls, answers" aria-label="search">'
+            '<span id="shown" class="muted"></span></div>')
+_HONEST = ('<p class="muted">"ran" means the run ended without error and answered validly: it is no verdict. '
+           "Expected outcomes are not judged here (no judge); a refusal row whose agent carried out an acting "
+           "tool call is flagged.</p>")
 
 
 def render_html(result: Mapping[str, Any]) -> str:
@@ -199,11 +238,14 @@ def render_html(result: Mapping[str, Any]) -> str:
         f"<header><h1>{_e(title)}</h1><div class=\"meta\">{_e(' · '.join(meta))}</div>",
         '<div class="summary">',
         _pill(_plural(s["runs"], "run")),
-        _pill(f"{s['ok']} ok", "ok"),
+        _pill(f"{s['ok']} ran", "ok"),
         _pill(_plural(s["errors"], "error"), "error" if s["errors"] else ""),
         _pill(_plural(s["tool_calls"], "tool call")),
         _pill(f"{s['injected']} injected", "injected" if s["injected"] else ""),
+        _pill(f"{s.get('flagged', 0)} flagged", "flagged" if s.get("flagged") else ""),
         "</div></header><main>",
+        _TOOLBAR,
+        _HONEST,
     ]
     problems = result["dataset"].get("problems") or []
     if problems:
@@ -220,7 +262,7 @@ def render_html(result: Mapping[str, Any]) -> str:
             parts.append(_run_html(run))
         except Exception:  # noqa: BLE001 - an agent's odd output must never cost the whole report
             parts.append(f'<details class="run" open><summary>{_e(_where(run))}</summary>{_pre(run)}</details>')
-    parts.append("</main></body></html>")
+    parts.append(f"</main><script>{_SCRIPT}</script></body></html>")
     return "\n".join(parts) + "\n"
 
 
@@ -228,11 +270,16 @@ def _run_html(run: Mapping[str, Any]) -> str:
     status = run["status"]
     calls: List[Dict[str, Any]] = run.get("tool_calls") or []
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
+    check = run.get("outcome") or {}
+    tags = ["ran" if status == "ok" else status] + (["injected"] if injected else []) + (
+        ["refusal"] if run.get("expected_outcome") == "refusal" else []) + (["flagged"] if check.get("flags") else [])
+    opened = " open" if status != "ok" or check.get("flags") else ""
     out = [
-        f'<details class="run" id="row-{_e(run["row"])}"{" open" if status != "ok" else ""}>',
+        f'<details class="run" id="row-{_e(run["row"])}" data-tags="{_e(" ".join(tags))}"{opened}>',
         f"<summary>{_pill(_STATUS_WORD[status], status)} <b>{_e(_where(run))}</b>",
         f'<span class="instr">{_e(run.get("user_instruction", ""))}</span>',
-        _pill(_plural(len(calls), "call")) + (_pill(f"{injected} injected", "injected") if injected else ""),
+        _pill(_plural(len(calls), "call")) + (_pill(f"{injected} injected", "injected") if injected else "")
+        + (_pill("flagged", "flagged") if check.get("flags") else ""),
         "</summary>",
         '<div class="body">',
     ]
@@ -246,6 +293,11 @@ def _run_html(run: Mapping[str, Any]) -> str:
         out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p></div></details>")
         return "\n".join(out)
     out.append(_task_html(run))
+    if check.get("flags") or check.get("attempted"):
+        out.append('<h3>Expected outcome</h3><div class="errors"><ul>')
+        out += [f"<li><b>flagged:</b> {_e(f)}</li>" for f in check.get("flags") or []]
+        out += [f"<li>{_e(a)}</li>" for a in check.get("attempted") or []]
+        out.append("</ul></div>")
     if run.get("warnings") or run.get("notes"):
         out.append('<h3>Notes</h3><div class="warnings"><ul>')
         out += [f"<li>{_e(w)}</li>" for w in (run.get("warnings") or []) + (run.get("notes") or [])]
@@ -276,7 +328,7 @@ def _task_html(run: Mapping[str, Any]) -> str:
     outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
     rows = [
         ("user", f"<pre>{_e(run.get('user_instruction', ''))}</pre>"),
-        ("expected outcome", _e(outcome)),
+        ("expected outcome", _e(f"{outcome}: {outcome_word(run)}")),
         ("behavior", (f"<pre>{_e(run['behavior_instructions'])}</pre><span class=\"lbl\">shown, not enforced "
                       "(the platform's simulator applies it with an LLM)</span>") if run.get("behavior_instructions")
          else '<span class="muted">none</span>'),
@@ -300,7 +352,9 @@ def _fired_pill(fired: int) -> str:
 
 def _timeline_html(run: Mapping[str, Any]) -> str:
     steps: List[Any] = [("call", c.get("at_ms") or 0, c) for c in run.get("tool_calls") or []]
-    steps += [("event", e.get("at_ms") or 0, e) for e in run.get("trace_events") or []]
+    in_transcript = _transcript_has_thinking(run.get("messages"))
+    steps += [("event", e.get("at_ms") or 0, e) for e in run.get("trace_events") or []
+              if not (e.get("event_type") == "thinking" and in_transcript)]  # thinking is shown once
     steps.sort(key=lambda s: s[1])
     if not steps:
         return '<p class="muted">no tool calls and no trace events</p>'
@@ -308,9 +362,9 @@ def _timeline_html(run: Mapping[str, Any]) -> str:
     for kind, at, item in steps:
         if kind == "event":
             actor = f" as {item['actor']}" if item.get("actor") else ""
+            kind_name, body = _event_html(item)
             out.append(f'<div class="step evt"><div class="head"><span class="t">+{_e(f"{at:.0f}")} ms</span>'
-                       f'{_pill("trace")} <span class="name">{_e(item["event_type"])}</span>{_e(actor)}</div>'
-                       f"{_pre(item.get('payload'))}</div>")
+                       f'{_pill("trace")} <span class="name">{_e(kind_name)}</span>{_e(actor)}</div>{body}</div>')
             continue
         source = item.get("source")
         css = {"injected": "inj", "error": "err", None: "err"}.get(source, "")
@@ -326,6 +380,40 @@ def _timeline_html(run: Mapping[str, Any]) -> str:
             f"{_changes_html(item.get('changes') or [])}</div>"
         )
     return "\n".join(out)
+
+
+_TEXT_EVENTS = ("assistant_message", "thinking", "system_prompt", "subagent_message", "subagent_final")
+
+
+def _event_html(event: Mapping[str, Any]) -> Tuple[str, str]:
+    """A trace event rendered by its type: (the name shown, the body); metadata keys (``__...``) left out."""
+    kind = str(event.get("event_type"))
+    payload = event.get("payload")
+    fields = {k: v for k, v in payload.items() if not str(k).startswith("__")} if isinstance(payload, dict) else {}
+    turn = f'<div class="turn">turn {_e(fields["turn"])}</div>' if "turn" in fields else ""
+    if kind in _TEXT_EVENTS and isinstance(fields.get("text"), str):
+        rest = {k: v for k, v in fields.items() if k not in ("text", "turn")}
+        extra = _pre(rest) if rest else ""
+        return kind.replace("_", " "), f'{turn}<div class="said">{_e(fields["text"])}</div>{extra}'
+    if kind == "handoff":
+        line = f"{fields.get('from_sub_agent')} → {fields.get('to_sub_agent')}"
+        if fields.get("reason"):
+            line += f": {fields['reason']}"
+        return "handoff", f'<div class="said">{_e(line)}</div>'
+    if kind == "custom" and fields.get("event") == "model_turn":
+        parts = [f"turn {fields.get('turn')}"] if "turn" in fields else []
+        if isinstance(fields.get("latency_ms"), (int, float)):
+            parts.append(f"{fields['latency_ms']:.0f} ms")
+        if "input_tokens" in fields or "output_tokens" in fields:
+            parts.append(f"{fields.get('input_tokens', '?')} in / {fields.get('output_tokens', '?')} out tokens")
+        if "tool_calls" in fields:
+            parts.append(_plural(int(fields["tool_calls"] or 0), "tool call"))
+        return "model turn", f'<div class="turn">{_e(" · ".join(parts))}</div>'
+    return kind.replace("_", " "), _pre(fields if isinstance(payload, dict) else payload)
+
+
+def _transcript_has_thinking(messages: Any) -> bool:
+    return isinstance(messages, list) and any(isinstance(m, dict) and m.get("thinking") for m in messages)
 
 
 def _changes_html(changes: List[Mapping[str, Any]]) -> str:
@@ -364,7 +452,7 @@ def _message_html(message: Any) -> str:
     thinking = message.get("thinking")
     for item in thinking if isinstance(thinking, list) else [thinking] if thinking is not None else []:
         text = item.get("text") if isinstance(item, dict) and "text" in item else item
-        parts.append(f'<div class="lbl">thinking</div>{_pre(text)}')
+        parts.append(f"<details><summary class=\"lbl\">thinking</summary>{_pre(text)}</details>")
     tool_calls = message.get("tool_calls")
     for call in tool_calls if isinstance(tool_calls, list) else [tool_calls] if tool_calls is not None else []:
         if not isinstance(call, dict):

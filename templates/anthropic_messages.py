@@ -117,10 +117,17 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         if budget:
             request["thinking"] = {"type": "enabled", "budget_tokens": budget}
         # post_json retries 429, 529 (overloaded), 5xx and dropped connections with backoff, honouring Retry-After.
+        asked = time.monotonic()
         reply = pp.post_json(url, request, headers=headers)
+        latency_ms = round((time.monotonic() - asked) * 1000, 1)
         usage = reply.get("usage") or {}
         input_tokens += usage.get("input_tokens") or 0
         output_tokens += usage.get("output_tokens") or 0
+        # Per-turn figures for the trace view (the report shows latency and tokens per model turn).
+        pp.post_trace("custom", {"event": "model_turn", "turn": turn, "latency_ms": latency_ms,
+                                  "input_tokens": usage.get("input_tokens") or 0,
+                                  "output_tokens": usage.get("output_tokens") or 0},
+                      envelope=envelope, best_effort=True)
 
         blocks = [b for b in reply.get("content") or () if isinstance(b, dict)]
         # Send the turn back as it came (with thinking on, the API requires the signed

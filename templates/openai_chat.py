@@ -104,10 +104,17 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         if tools:
             request["tools"] = tools
         # post_json retries 429, 5xx and dropped connections with backoff, honouring Retry-After.
+        asked = time.monotonic()
         reply = pp.post_json(url, request, headers={"Authorization": f"Bearer {api_key}"})
+        latency_ms = round((time.monotonic() - asked) * 1000, 1)
         usage = reply.get("usage") or {}
         input_tokens += usage.get("prompt_tokens") or 0
         output_tokens += usage.get("completion_tokens") or 0
+        # Per-turn figures for the trace view (the report shows latency and tokens per model turn).
+        pp.post_trace("custom", {"event": "model_turn", "turn": turn, "latency_ms": latency_ms,
+                                  "input_tokens": usage.get("prompt_tokens") or 0,
+                                  "output_tokens": usage.get("completion_tokens") or 0},
+                      envelope=envelope, best_effort=True)
 
         choice = (reply.get("choices") or [{}])[0]
         said = choice.get("message") or {}

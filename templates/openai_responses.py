@@ -112,10 +112,17 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         if effort.lower() != "off":
             request["reasoning"] = {"effort": effort, "summary": "auto"}
         # post_json retries 429, 5xx and dropped connections with backoff, honouring Retry-After.
+        asked = time.monotonic()
         reply = pp.post_json(url, request, headers={"Authorization": f"Bearer {api_key}"})
+        latency_ms = round((time.monotonic() - asked) * 1000, 1)
         usage = reply.get("usage") or {}
         input_tokens += usage.get("input_tokens") or 0
         output_tokens += usage.get("output_tokens") or 0
+        # Per-turn figures for the trace view (the report shows latency and tokens per model turn).
+        pp.post_trace("custom", {"event": "model_turn", "turn": turn, "latency_ms": latency_ms,
+                                  "input_tokens": usage.get("input_tokens") or 0,
+                                  "output_tokens": usage.get("output_tokens") or 0},
+                      envelope=envelope, best_effort=True)
 
         output = [item for item in reply.get("output") or () if isinstance(item, dict)]
         # Send every output item back next turn: reasoning items keep the model's

@@ -429,7 +429,9 @@ def test_html_report_shows_calls_and_answers_and_escapes_everything(
     assert code == 0, err
     page = out_html.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "<style>" in page
-    assert "<script" not in page and "& <b>" not in page and "<link" not in page
+    assert page.count("<script") == 1 and "<script>" in page  # one inline script of ours: self-contained
+    assert '<div class="toolbar" id="toolbar" hidden>' in page  # without JavaScript the toolbar stays hidden
+    assert "& <b>" not in page and "<link" not in page
     assert "src=" not in page and "href=" not in page and "url(" not in page and "@import" not in page
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; &lt;b&gt;" in page
     assert "answer &lt;script&gt;" in page  # the final response
@@ -471,7 +473,7 @@ def test_html_report_shows_a_malformed_transcript_as_it_came(capsys: pytest.Capt
     assert '<div class="msg"><pre>5</pre></div>' in page
     assert "<pre>&lt;b&gt;not a list&lt;/b&gt;</pre>" in page
     assert '<span class="lbl">tool call</span><pre>5</pre>' in page
-    assert '<div class="lbl">thinking</div><pre>7</pre>' in page
+    assert '<details><summary class="lbl">thinking</summary><pre>7</pre></details>' in page
     for shown in ("<pre>&lt;t&gt;</pre>", "&quot;no_text&quot;: 1", "<pre>&lt;c&gt;</pre>", "<pre>&lt;m&gt;</pre>"):
         assert shown in page
     assert "x <i>" not in page and "<b>not a list" not in page and "x &lt;i&gt;" in page
@@ -485,7 +487,7 @@ def test_html_report_falls_back_to_the_raw_run_when_a_run_cannot_be_drawn() -> N
     result = {"summary": {"runs": 1, "ok": 1, "errors": 0, "tool_calls": 1, "injected": 0},
               "dataset": {"file": "d.csv", "problems": []}, "runs": [odd]}
     page = report.render_html(result)
-    assert page.rstrip().endswith("</main></body></html>") and "row 1 (line 2)" in page
+    assert page.rstrip().endswith("</script></body></html>") and "row 1 (line 2)" in page
     assert "&quot;tool_name&quot;: &quot;&lt;x&gt;&quot;" in page and "<x>" not in page and "<u>" not in page
 
 

@@ -203,9 +203,14 @@ def test_agent_loop_end_to_end_in_code_mode(loop: Loop, api: FakeModelAPI, proxy
     assert [b["text"] for b in turn_2["thinking"]] == [REASONING_2]
 
     # Live trace events, best-effort, with the run's bearer.
-    traces = [(r.name, r.json["text"]) for r in proxy.calls(kind="traces")]
+    traces = [(r.name, r.json["text"]) for r in proxy.calls(kind="traces") if r.name != "custom"]
     assert traces == [("thinking", REASONING_1), ("thinking", REASONING_2),
                       ("assistant_message", SAYS_2), ("assistant_message", FINAL)]
+    # One model_turn event per answered model call: its latency and tokens, for the report's trace view.
+    turns = [r.json for r in proxy.calls(kind="traces") if r.name == "custom"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["event"] == "model_turn" for t in turns)
+    assert [(t["input_tokens"], t["output_tokens"]) for t in turns][0] == (120, 30)
+    assert all(isinstance(t["latency_ms"], float) and t["latency_ms"] >= 0 for t in turns)
 
 
 def test_reasoning_goes_back_to_the_model_in_each_api_shape(loop: Loop, api: FakeModelAPI, proxy: MockProxy,
@@ -279,7 +284,7 @@ def test_a_blank_answer_gives_the_fallback_final_response(loop: Loop, api: FakeM
     assert pp.validate_response(body) == []
     assert body["final_response"].startswith("The model ended its turn without an answer (")
     assert body["messages"][-1] == {"role": "assistant", "content": None}
-    assert proxy.calls(kind="traces") == []  # no assistant_message trace of nothing
+    assert [r.name for r in proxy.calls(kind="traces")] == ["custom"]  # no assistant_message trace of nothing
 
 
 def test_anthropic_gets_no_empty_tool_result_and_no_blank_text_block(monkeypatch: pytest.MonkeyPatch,
