@@ -31,9 +31,10 @@ STATS_TOOL = "__bench_stats__"
 class CountingProxy(MockProxy):
     """A MockProxy that echoes every tool for a family of run tokens and counts requests instead of keeping them."""
 
-    def __init__(self, token_prefix: str, **kwargs: Any) -> None:
+    def __init__(self, token_prefix: str, latency_s: float = 0.0, **kwargs: Any) -> None:
         super().__init__(tokens=[token_prefix], **kwargs)
         self.token_prefix = token_prefix
+        self.latency_s = latency_s  # each tool call answered this late (a simulated tool takes seconds)
         self.count = 0
 
     def _decide(self, request: RecordedRequest) -> Dict[str, Any]:
@@ -43,6 +44,10 @@ class CountingProxy(MockProxy):
         if request.name == STATS_TOOL:
             with self._lock:
                 return {"response": {"connections": self.connections, "requests": self.count}}
+        if self.latency_s:
+            import time
+
+            time.sleep(self.latency_s)
         return {"response": {"tool": request.name, "args": request.json}}
 
     def _record(self, request: RecordedRequest) -> None:
@@ -53,12 +58,13 @@ class CountingProxy(MockProxy):
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tls", action="store_true", help="serve https with tests/data/test_cert.pem")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds before each tool call is answered")
     args = parser.parse_args(argv)
     token = os.environ.get("BENCH_RUN_TOKEN")
     if not token:
         print("error: set BENCH_RUN_TOKEN to the run token the proxy should accept", file=sys.stderr)
         return 2
-    proxy = CountingProxy(token, tls=benchlib.server_tls() if args.tls else None).start()
+    proxy = CountingProxy(token, latency_s=args.latency, tls=benchlib.server_tls() if args.tls else None).start()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
