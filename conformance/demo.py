@@ -1,9 +1,13 @@
-"""``pipelines-port demo`` (``python3 -m conformance demo``): the bundled sample dataset against the minimal template.
+"""``pipelines-port demo`` (``python3 -m conformance demo``): the bundled sample dataset against a template.
 
 Runs ``samples/orders.csv`` (beside this file) with its fixtures through the local
 simulator in code mode and prints the report: the quickest way to see a
 dataset, failure rules and the trace view working before writing any agent.
-``--html OUT`` / ``--json OUT`` write the reports as ``simulate`` does.
+The default template, ``openai_chat``, is a whole agent loop (model turns, tool
+calls, injected failures, ledger changes); its model is the scripted stand-in
+(``pipelines-port model``), so the demo needs no key and no network
+(``--model real`` uses the real API and your key).  ``--html OUT`` / ``--json
+OUT`` write the reports as ``simulate`` does.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import sys
 from typing import List, Optional
 
 from . import simulate
@@ -20,7 +25,7 @@ from .init import template_dir
 SAMPLES = pathlib.Path(__file__).resolve().parent / "samples"  # package data when installed
 DATASET = SAMPLES / "orders.csv"
 FIXTURES = SAMPLES / "orders_fixtures.json"
-AGENT = pathlib.Path(template_dir()) / "minimal.py"  # templates/minimal.py in a checkout
+TEMPLATES = pathlib.Path(template_dir())  # templates/ in a checkout
 
 
 def _shown(path: pathlib.Path) -> str:
@@ -35,16 +40,26 @@ def _shown(path: pathlib.Path) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog=prog("demo"),
-        description="Run the bundled sample dataset (samples/orders.csv) against the minimal template "
-                    "(templates/minimal.py) in code mode.",
+        description="Run the bundled sample dataset (samples/orders.csv) against a template in code mode, "
+                    "offline.",
     )
+    parser.add_argument("--template", default="openai_chat", metavar="NAME",
+                        help="the template to run (default openai_chat: a model-API agent loop; minimal: one call)")
+    parser.add_argument("--model", choices=("scripted", "real"), default="scripted",
+                        help="scripted (default): the model is a local stand-in; real: the API with your key")
     parser.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
     parser.add_argument("--html", metavar="OUT", help="also write the HTML report to OUT")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    forwarded = ["--csv", _shown(DATASET), "--code", _shown(AGENT) + ":run", "--responses", _shown(FIXTURES)]
+    agent = TEMPLATES / f"{args.template}.py"
+    if not agent.is_file():
+        names = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.py") if not p.stem.startswith("_")))
+        print(f"{prog('demo')}: no template {args.template!r}: choose one of {names}", file=sys.stderr)
+        return 2
+    forwarded = ["--csv", _shown(DATASET), "--code", _shown(agent) + ":run", "--responses", _shown(FIXTURES),
+                 "--model", args.model]
     if args.json:
         forwarded += ["--json", args.json]
     if args.html:
