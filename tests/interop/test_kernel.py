@@ -188,6 +188,17 @@ def call_cell(module: str) -> str:
             "print(json.dumps(result))")
 
 
+def agent_threads_left(world: World) -> int:
+    """The kernel's ``pipelines-agent`` threads still alive after up to 5 s."""
+    return int(world.kernel.value("""
+        import time
+        deadline = time.monotonic() + 5
+        while any(t.name == "pipelines-agent" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(json.dumps(sum(t.name == "pipelines-agent" for t in threading.enumerate())))
+    """))
+
+
 def tokens_in_iopub(world: World) -> List[str]:
     """Every run token an iopub message showed: stdout, stderr, results, tracebacks (inputs echoed aside)."""
     text = json.dumps([m["content"] for m in world.kernel.messages if m["msg_type"] != "execute_input"])
@@ -287,13 +298,7 @@ def test_a_run_that_overruns_its_timeout_raises_and_leaves_no_thread_behind(worl
     assert cell.error is not None and cell.error["ename"] == "RunTimeoutError"
     assert "run_timeout_s=1 s" in cell.error["evalue"]
     ended = time.monotonic()
-    left = world.kernel.value("""
-        import time
-        deadline = time.monotonic() + 5
-        while any(t.name == "pipelines-agent" for t in threading.enumerate()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        print(json.dumps(sum(t.name == "pipelines-agent" for t in threading.enumerate())))
-    """)
+    left = agent_threads_left(world)
     assert left == 0 and run.requests
     assert [r for r in run.requests if r.time > ended] == []
 
@@ -304,13 +309,7 @@ def test_an_interrupted_run_leaves_no_thread_behind(world: World) -> None:
     cell = world.kernel.interrupt_during("from looping import run\nrun({}, proxy_url=RUN_URL, run_token=RUN_TOKEN)",
                                          after_s=1.0)
     assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
-    left = world.kernel.value("""
-        import time
-        deadline = time.monotonic() + 5
-        while any(t.name == "pipelines-agent" for t in threading.enumerate()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        print(json.dumps(sum(t.name == "pipelines-agent" for t in threading.enumerate())))
-    """)
+    left = agent_threads_left(world)
     assert left == 0 and run.requests
 
 
