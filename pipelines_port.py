@@ -1380,6 +1380,20 @@ class ProxyOutcome(NamedTuple):
     retry_after: Optional[float] = None
 
 
+def _model_retry_after(headers: Any) -> Optional[float]:
+    """The wait a model API asks for: ``retry-after-ms`` (OpenAI, milliseconds) first, else ``Retry-After``."""
+    lowered = _lower_headers(headers)
+    millis = (lowered.get("retry-after-ms") or "").strip()
+    if millis:
+        try:
+            value = float(millis) / 1000
+        except ValueError:
+            value = float("nan")
+        if value == value and value >= 0:  # not NaN
+            return value
+    return parse_retry_after(lowered.get("retry-after"))
+
+
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
     if value is None or not value.strip():
@@ -3857,7 +3871,10 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         elif to == "openai_chat":
             tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
         elif to == "openai_responses":
-            tool = {"type": "function", "name": name, "description": description, "parameters": schema}
+            # strict false said out loud: the Responses API defaults function tools to strict mode, which
+            # rewrites the schema so every property is required (the model could no longer omit one).
+            tool = {"type": "function", "name": name, "description": description, "parameters": schema,
+                    "strict": False}
         else:
             tool = {"name": name, "description": description, "input_schema": schema}
         out.append(tool)
@@ -4033,8 +4050,7 @@ def post_json(
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
         error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
         if status in _MODEL_RETRY_STATUSES:
-            retry_after = parse_retry_after(_lower_headers(reply_headers).get("retry-after"))
-            return ProxyOutcome("retry", error=error, retry_after=retry_after)
+            return ProxyOutcome("retry", error=error, retry_after=_model_retry_after(reply_headers))
         return ProxyOutcome("error", error=error)
 
     return _retry_loop(

@@ -90,6 +90,11 @@ def run_tools(envelope: pp.Envelope, calls: Sequence[Tuple[str, Any]]) -> List[T
             for value in results]
 
 
+# A turn cut off by the output limit is never taken for a whole answer, and its tool calls never run.
+TRUNCATED = ("[The answer was cut off ({reason}): the model reached its output token limit before it "
+             "finished. Its tool calls, if any, were not run.]")
+
+
 def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     """Run the Messages API tool loop for one dispatch; return the response envelope."""
     started = time.monotonic()
@@ -109,6 +114,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     transcript: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
     input_tokens = output_tokens = 0
     final = ""
+    stopped = None  # why the model stopped early, when it did
     for turn in range(1, max_turns + 1):
         request: Dict[str, Any] = {"model": model, "max_tokens": max_tokens, "system": SYSTEM_PROMPT,
                                    "messages": messages}
@@ -153,8 +159,15 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
             message["tool_calls"] = [{"id": u["id"], "name": u["name"], "arguments": u.get("input") or {}}
                                      for u in uses]
         transcript.append(message)
+        reason = reply.get("stop_reason")
+        if reason == "pause_turn":  # a long turn the API paused: send it back as it is and let the model go on
+            continue
+        if reason == "max_tokens":  # cut off by max_tokens: a tool_use in it may be cut too, so none runs
+            stopped = reason
+            final = (text + "\n\n" if text else "") + TRUNCATED.format(reason="stop_reason 'max_tokens'")
+            break
         if not uses:
-            final = text or f"The model ended its turn without an answer (stop_reason {reply.get('stop_reason')!r})."
+            final = text or f"The model ended its turn without an answer (stop_reason {reason!r})."
             break
 
         results = run_tools(envelope, [(u["name"], u.get("input", {})) for u in uses])
@@ -178,6 +191,8 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         "total_output_tokens": output_tokens,
         "agent_runtime_ms": int((time.monotonic() - started) * 1000),
     }
+    if stopped:
+        metadata["stop_reason"] = stopped
     return pp.build_response(final, messages=transcript, metadata=metadata)
 
 

@@ -86,6 +86,11 @@ def run_tools(envelope: pp.Envelope, calls: Sequence[Tuple[str, str]]) -> List[s
     return [pp.bound_output(value, TOOL_OUTPUT_LIMIT) for value in results]
 
 
+# A turn cut off by the output limit is never taken for a whole answer, and its tool calls never run.
+TRUNCATED = ("[The answer was cut off ({reason}): the model reached its output token limit before it "
+             "finished. Its tool calls, if any, were not run.]")
+
+
 def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     """Run the Chat Completions tool loop for one dispatch; return the response envelope."""
     started = time.monotonic()
@@ -99,6 +104,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     transcript: List[Dict[str, Any]] = list(messages)
     input_tokens = output_tokens = 0
     final = ""
+    stopped = None  # why the model stopped early, when it did
     for turn in range(1, max_turns + 1):
         request: Dict[str, Any] = {"model": model, "messages": messages}
         if tools:
@@ -141,8 +147,12 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
                 for c in calls
             ]
         transcript.append(message)
+        reason = choice.get("finish_reason")
+        if reason == "length":  # cut off by the output limit: its tool calls may be cut too, so none runs
+            stopped = reason
+            final = (text + "\n\n" if text else "") + TRUNCATED.format(reason="finish_reason 'length'")
+            break
         if not calls:
-            reason = choice.get("finish_reason")
             final = text or f"The model ended its turn without an answer (finish_reason {reason!r})."
             break
 
@@ -162,6 +172,8 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         "total_output_tokens": output_tokens,
         "agent_runtime_ms": int((time.monotonic() - started) * 1000),
     }
+    if stopped:
+        metadata["stop_reason"] = stopped
     return pp.build_response(final, messages=transcript, metadata=metadata)
 
 

@@ -91,6 +91,11 @@ def output_text(item: Dict[str, Any]) -> str:
     return "".join(parts)
 
 
+# A turn cut off by the output limit is never taken for a whole answer, and its tool calls never run.
+TRUNCATED = ("[The answer was cut off ({reason}): the model reached its output token limit before it "
+             "finished. Its tool calls, if any, were not run.]")
+
+
 def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     """Run the Responses API tool loop for one dispatch; return the response envelope."""
     started = time.monotonic()
@@ -105,8 +110,12 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     transcript: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, *inputs]
     input_tokens = output_tokens = 0
     final = ""
+    stopped = None  # why the model stopped early, when it did
     for turn in range(1, max_turns + 1):
-        request: Dict[str, Any] = {"model": model, "instructions": SYSTEM_PROMPT, "input": inputs}
+        # store false: nothing of the run is kept at OpenAI, so zero-data-retention organisations work too;
+        # reasoning then comes back encrypted, and goes back whole (below) to keep the chain of thought.
+        request: Dict[str, Any] = {"model": model, "instructions": SYSTEM_PROMPT, "input": inputs, "store": False,
+                                   "include": ["reasoning.encrypted_content"]}
         if tools:
             request["tools"] = tools
         if effort.lower() != "off":
@@ -125,9 +134,7 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
                       envelope=envelope, best_effort=True)
 
         output = [item for item in reply.get("output") or () if isinstance(item, dict)]
-        # Send every output item back next turn: reasoning items keep the model's
-        # chain of thought (they refer to stored responses; with "store": false,
-        # request "include": ["reasoning.encrypted_content"] instead).
+        # Send every output item back next turn, whole: reasoning items carry their encrypted content.
         inputs.extend(output)
         thinking = [s["text"] for item in output if item.get("type") == "reasoning"
                     for s in item.get("summary") or () if isinstance(s, dict) and s.get("text")]
@@ -146,6 +153,10 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
             message["tool_calls"] = [{"id": c["call_id"], "name": c["name"], "arguments": c.get("arguments") or "{}"}
                                      for c in calls]
         transcript.append(message)
+        if reply.get("status") == "incomplete":  # cut off (output limit, content filter): no tool call runs
+            stopped = (reply.get("incomplete_details") or {}).get("reason") or "incomplete"
+            final = (text + "\n\n" if text else "") + TRUNCATED.format(reason=f"status incomplete, {stopped}")
+            break
         if not calls:
             final = text or f"The model ended its turn without an answer (status {reply.get('status')!r})."
             break
@@ -165,6 +176,8 @@ def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         "total_output_tokens": output_tokens,
         "agent_runtime_ms": int((time.monotonic() - started) * 1000),
     }
+    if stopped:
+        metadata["stop_reason"] = stopped
     return pp.build_response(final, messages=transcript, metadata=metadata)
 
 

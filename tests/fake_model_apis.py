@@ -46,6 +46,7 @@ class Turn(NamedTuple):
     reasoning: str = ""
     input_tokens: int = 100
     output_tokens: int = 20
+    stop: str = ""  # "" (a normal end), "max_tokens" (cut off by the output limit) or "pause_turn" (Anthropic)
 
 
 class RateLimited(NamedTuple):
@@ -220,6 +221,7 @@ class FakeResponsesAPI(FakeModelAPI):
     def __init__(self, api_key: str = "sk-test-key-0123") -> None:
         super().__init__(api_key)
         self.reasoning_ids: set = set()
+        self.encrypted: set = set()
 
     def _check_request(self, body: Dict[str, Any]) -> None:
         _require(isinstance(body.get("model"), str), "model: required")
@@ -242,7 +244,10 @@ class FakeResponsesAPI(FakeModelAPI):
                 _require(isinstance(item.get("output"), str), "function_call_output.output must be a string")
                 outputs.append(item["call_id"])
             elif kind == "reasoning":
-                if item.get("id") not in self.reasoning_ids:
+                if body.get("store") is False:  # nothing is stored: the item must carry its encrypted content
+                    _require(item.get("encrypted_content") in self.encrypted,
+                             "Reasoning items must include encrypted_content when store is false.")
+                elif item.get("id") not in self.reasoning_ids:
                     raise _Reject(404, "invalid_request_error", f"Item with id '{item.get('id')}' not found.")
             elif kind in (None, "message"):
                 _require(item.get("role") in ("user", "assistant", "system", "developer"), f"bad input item {item!r}")
@@ -254,18 +259,27 @@ class FakeResponsesAPI(FakeModelAPI):
         if turn.reasoning:
             summary_asked = bool((body.get("reasoning") or {}).get("summary"))
             summary = [{"type": "summary_text", "text": turn.reasoning}] if summary_asked else []
-            output.append({"type": "reasoning", "id": f"rs_{number}", "summary": summary})
+            item = {"type": "reasoning", "id": f"rs_{number}", "summary": summary}
+            if "reasoning.encrypted_content" in (body.get("include") or ()):
+                item["encrypted_content"] = f"gAAAA-encrypted-{number}"
+            output.append(item)
             with self._lock:
                 self.reasoning_ids.add(f"rs_{number}")
+                self.encrypted.add(f"gAAAA-encrypted-{number}")
         for i, (name, args) in enumerate(turn.tool_calls, 1):
             output.append({"type": "function_call", "id": f"fc_{number}_{i}", "call_id": f"call_{number}_{i}",
                            "name": name, "arguments": _arguments(args), "status": "completed"})
         if turn.text:
             output.append({"type": "message", "id": f"msg_{number}", "status": "completed", "role": "assistant",
                            "content": [{"type": "output_text", "text": turn.text, "annotations": []}]})
+        cut = turn.stop == "max_tokens"
         return {
-            "id": f"resp_{number}", "object": "response", "created_at": 1700000000 + number, "status": "completed",
-            "model": body["model"], "output": output,
+            "id": f"resp_{number}", "object": "response", "created_at": 1700000000 + number,
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "model": body["model"], "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "store": body.get("store", True), "error": None,
             "usage": {"input_tokens": turn.input_tokens, "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens": turn.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": turn.input_tokens + turn.output_tokens},
@@ -320,7 +334,8 @@ class FakeChatAPI(FakeModelAPI):
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": 1700000000 + number,
             "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": "tool_calls" if turn.tool_calls else "stop"}],
+                         "finish_reason": "length" if turn.stop == "max_tokens"
+                         else "tool_calls" if turn.tool_calls else "stop"}],
             "usage": {"prompt_tokens": turn.input_tokens, "completion_tokens": turn.output_tokens,
                       "total_tokens": turn.input_tokens + turn.output_tokens},
         }
@@ -403,6 +418,6 @@ class FakeAnthropicAPI(FakeModelAPI):
             content.append({"type": "tool_use", "id": f"toolu_{number}_{i}", "name": name, "input": dict(args)})
         return {
             "id": f"msg_{number}", "type": "message", "role": "assistant", "model": body["model"], "content": content,
-            "stop_reason": "tool_use" if turn.tool_calls else "end_turn", "stop_sequence": None,
+            "stop_reason": turn.stop or ("tool_use" if turn.tool_calls else "end_turn"), "stop_sequence": None,
             "usage": {"input_tokens": turn.input_tokens, "output_tokens": turn.output_tokens},
         }

@@ -30,8 +30,9 @@ def test_convert_tools_to_every_format_from_every_shape() -> None:
     for shape in shapes:
         assert pp.convert_tools([shape], "openai_chat") == [
             {"type": "function", "function": {"name": "get_order", "description": "Look up an order.", "parameters": schema}}]
-        assert pp.convert_tools([shape], "openai_responses") == [
-            {"type": "function", "name": "get_order", "description": "Look up an order.", "parameters": schema}]
+        assert pp.convert_tools([shape], "openai_responses") == [  # strict off: optional fields stay optional
+            {"type": "function", "name": "get_order", "description": "Look up an order.", "parameters": schema,
+             "strict": False}]
         assert pp.convert_tools([shape], "anthropic") == [
             {"name": "get_order", "description": "Look up an order.", "input_schema": schema}]
     assert pp.convert_tools([PLATFORM_TOOL], "platform") == [PLATFORM_TOOL]
@@ -190,3 +191,37 @@ def test_model_apis_get_tool_names_of_at_most_64_characters() -> None:
         with pytest.raises(ValueError, match="at most 64"):
             pp.convert_tools([{"name": long_name}], fmt)
     assert pp.convert_tools([{"name": "y" * 64}], "anthropic")[0]["name"] == "y" * 64
+
+
+@pytest.mark.parametrize("headers,wait", [
+    ({"retry-after-ms": "250", "Retry-After": "7"}, 0.25),  # OpenAI's milliseconds first
+    ({"Retry-After": "2"}, 2.0),
+    ({"retry-after-ms": "soon", "Retry-After": "3"}, 3.0),  # an unreadable one falls back
+])
+def test_post_json_honours_retry_after_ms_then_retry_after(headers: Dict[str, str], wait: float) -> None:
+    """A 429 from a model API: the wait it asks for, in either header, replaces the computed backoff."""
+    answers = [(429, headers, {"error": {"message": "slow down"}}), (200, {}, {"ok": True})]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, extra, body = answers.pop(0)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            for name, value in extra.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    waits: List[float] = []
+    try:
+        reply = pp.post_json(f"http://127.0.0.1:{server.server_address[1]}/v1/x", {"a": 1}, sleep=waits.append)
+    finally:
+        server.shutdown()
+    assert reply == {"ok": True} and waits == [wait]

@@ -221,7 +221,13 @@ def test_reasoning_goes_back_to_the_model_in_each_api_shape(loop: Loop, api: Fak
     first, second = (r.json for r in api.answered())
     if loop.name == "openai_responses":
         assert first["reasoning"] == {"effort": "low", "summary": "auto"}
-        assert [i["id"] for i in second["input"] if i.get("type") == "reasoning"] == ["rs_1"]
+        # Nothing stored at OpenAI (zero data retention works): the reasoning goes back whole, encrypted content
+        # included (the fake refuses a reasoning item without it when store is false).
+        assert first["store"] is False and first["include"] == ["reasoning.encrypted_content"]
+        (reasoning,) = [i for i in second["input"] if i.get("type") == "reasoning"]
+        assert reasoning["id"] == "rs_1" and reasoning["encrypted_content"] == "gAAAA-encrypted-1"
+        # strict off, said out loud: otherwise the API makes every property required
+        assert first["tools"] and all(tool["strict"] is False for tool in first["tools"])
     elif loop.name == "anthropic_messages":
         assert first["thinking"] == {"type": "enabled", "budget_tokens": 2048} and first["max_tokens"] == 8192
         assistant = second["messages"][1]
@@ -457,3 +463,31 @@ def test_a_template_served_by_the_command_line(proxy: MockProxy, token: str) -> 
     assert sorted(r.name for r in proxy.calls()) == ["get_order", "search_kb"]
     assert {r.bearer for r in proxy.calls()} == {token}
     assert token not in "".join(output)
+
+
+def test_a_turn_cut_off_by_the_output_limit_is_marked_and_its_tool_calls_never_run(
+        loop: Loop, api: FakeModelAPI, proxy: MockProxy, token: str) -> None:
+    """finish_reason length / status incomplete / stop_reason max_tokens: the cut answer is marked as cut, and a
+    tool call in that turn (its arguments may be cut mid-JSON) is not executed."""
+    api.script([Turn(text="Refunding order 4521 now", tool_calls=[("refund_order", {"order_id": "4521"})],
+                     stop="max_tokens")])
+    body = template(loop.name).run(TASK, proxy_url=proxy.url, run_token=token)
+    assert body["final_response"].startswith("Refunding order 4521 now\n\n[The answer was cut off (")
+    assert "were not run" in body["final_response"]
+    assert body["metadata"]["stop_reason"] in ("length", "max_output_tokens", "max_tokens")
+    assert proxy.calls() == []  # refund_order never reached the proxy
+    assert len(api.answered()) == 1
+
+
+def test_anthropic_pause_turn_continues_the_turn(monkeypatch: pytest.MonkeyPatch, proxy: MockProxy,
+                                                 token: str) -> None:
+    with FakeAnthropicAPI() as api:
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", api.base_url)
+        monkeypatch.setenv("ANTHROPIC_API_KEY", api.api_key)
+        monkeypatch.setenv("ANTHROPIC_MODEL", MODEL)
+        api.script([Turn(text="Still searching", stop="pause_turn"), Turn(text="Order 4521 is on its way.")])
+        body = template("anthropic_messages").run(TASK, proxy_url=proxy.url, run_token=token)
+        first, second = (r.json for r in api.answered())
+    assert body["final_response"] == "Order 4521 is on its way."  # not the paused turn's text
+    assert second["messages"][-1]["role"] == "assistant"  # the paused turn sent back as it was, to go on
+    assert second["messages"][-1]["content"][-1] == {"type": "text", "text": "Still searching"}
