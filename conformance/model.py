@@ -193,7 +193,7 @@ def _responses(body: Dict[str, Any], number: int) -> Dict[str, Any]:
     return {"id": f"resp_{number}", "object": "response", "created_at": 1700000000 + number, "status": "completed",
             "model": body.get("model") or MODEL_NAME, "output": output, "parallel_tool_calls": True,
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "usage": {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": tokens_out, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": tokens_in + tokens_out}}
 

@@ -67,6 +67,7 @@ class Recorded:
         self.headers = headers  # lower-case names
         self.json = body
         self.status: Optional[int] = None
+        self.reply: Any = None  # what the fake answered
 
     def __repr__(self) -> str:
         return f"Recorded(POST {self.path} -> {self.status})"
@@ -184,6 +185,7 @@ class FakeModelAPI:
             recorded.status = reject.status
             return reject.status, {}, self._error(reject.kind, str(reject))
         recorded.status = 200
+        recorded.reply = reply
         return 200, {}, reply
 
     # What each API defines.
@@ -280,7 +282,7 @@ class FakeResponsesAPI(FakeModelAPI):
             "model": body["model"], "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "store": body.get("store", True), "error": None,
-            "usage": {"input_tokens": turn.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": turn.input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": turn.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": turn.input_tokens + turn.output_tokens},
         }
