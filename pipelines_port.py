@@ -177,6 +177,9 @@ __all__ = [
     "schema_for_type",
     "validate_args",
     "McpShim",
+    "tools_schema_from",
+    "proxied_tools",
+    "response_from",
     "MCP_PROTOCOL_VERSIONS",
 ]
 
@@ -4346,6 +4349,249 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     """The tool list for registration or a model API: ``Tool`` objects and/or tools_schema entries
     in ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic`` shape."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
+
+# ---------------------------------------------------------------------------
+# Framework bridges (the porting guide's steps 1 and 2): the tools_schema of a
+# framework's tools, the same tools with their bodies going through the proxy,
+# and a framework's run result as the response envelope.  Duck-typed on each
+# framework's public objects: nothing is imported here unless the caller's
+# objects come from that framework (the caller has it installed).
+# ---------------------------------------------------------------------------
+
+
+def _framework_tool_parts(tool: Any) -> Optional[Tuple[str, str, Dict[str, Any]]]:
+    """``(name, description, JSON Schema)`` of one framework tool object, or ``None`` for a mapping."""
+    if isinstance(tool, Mapping):
+        return None
+    name = getattr(tool, "name", None)
+    if isinstance(getattr(tool, "params_json_schema", None), Mapping):  # OpenAI Agents SDK FunctionTool
+        return str(name), str(getattr(tool, "description", "") or ""), dict(tool.params_json_schema)
+    spec = getattr(tool, "tool_spec", None)
+    if isinstance(spec, Mapping):  # Strands: {"name", "description", "inputSchema": {"json": schema}}
+        schema = spec.get("inputSchema") or {}
+        schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
+        return str(spec.get("name")), str(spec.get("description") or ""), dict(schema)
+    if isinstance(getattr(tool, "inputSchema", None), Mapping):  # an MCP Tool
+        return str(name), str(getattr(tool, "description", "") or ""), dict(tool.inputSchema)
+    if hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain BaseTool
+        args_schema = getattr(tool, "args_schema", None)
+        if isinstance(args_schema, Mapping):
+            schema = dict(args_schema)
+        else:
+            model = getattr(tool, "tool_call_schema", None) or tool.get_input_schema()
+            schema = model.model_json_schema() if hasattr(model, "model_json_schema") else model.schema()
+        schema.pop("title", None)
+        schema.pop("description", None)
+        return str(name), str(getattr(tool, "description", "") or ""), schema
+    raise TypeError(f"not a tool this module knows: {type(tool).__name__} (an OpenAI Agents FunctionTool, a "
+                    "LangChain tool, a Strands tool, an MCP Tool or a tools_schema mapping)")
+
+
+def _tools_of(source: Any) -> List[Any]:
+    """The tools of an agent object (``.tools``), or the items of a list of tools."""
+    if isinstance(source, (list, tuple)):
+        return list(source)
+    tools = getattr(source, "tools", None)
+    if isinstance(tools, (list, tuple)):
+        return list(tools)
+    raise TypeError(f"give a list of tools or an agent with .tools, got {type(source).__name__}")
+
+
+def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
+    """The platform ``tools_schema`` (§3.6) of a framework's tools or of an agent holding them (``.tools``).
+
+    Reads OpenAI Agents SDK ``FunctionTool`` (``params_json_schema``), LangChain and LangGraph tools
+    (``args_schema``), Strands tools (``tool_spec``), MCP ``Tool`` objects (``inputSchema``) and tools_schema
+    mappings in any shape :func:`convert_tools` reads.  Entries get ``default_execution_mode: sandbox``.
+    """
+    entries: List[Any] = []
+    for tool in _tools_of(source):
+        parts = _framework_tool_parts(tool)
+        if parts is None:
+            entries.append(tool)
+        else:
+            name, description, schema = parts
+            entries.append({"name": name, "description": description, "input_schema": schema,
+                            "default_execution_mode": "sandbox"})
+    return convert_tools(entries, "platform")
+
+
+def _as_tool_output(value: Any) -> str:
+    """A tool result as the text a framework hands its model: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
+    """The same tools, of the same framework types, whose bodies call the per-run proxy (the guide's step 2).
+
+    Names, descriptions and argument schemas stay as they were, so the framework and its planner behave as
+    before; only the body changes: ``proxy_call(name, args, actor=actor, errors="return")`` with the envelope
+    bound where the framework calls the tool (a dispatch, ``run()``, or ``bind_envelope``).  A failed call
+    reaches the model as ``{"error": ...}``.  Supported: OpenAI Agents SDK ``FunctionTool`` (async body) and
+    LangChain/LangGraph tools (``StructuredTool`` with a sync and an async body).
+    """
+    out: List[Any] = []
+    for tool in _tools_of(source):
+        if isinstance(getattr(tool, "params_json_schema", None), Mapping) and hasattr(tool, "on_invoke_tool"):
+            out.append(_proxied_function_tool(tool, actor))
+        elif hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
+            out.append(_proxied_langchain_tool(tool, actor))
+        else:
+            raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools or "
+                            "LangChain tools (for others, call proxy_call in the tool's body)")
+    return out
+
+
+def _proxied_function_tool(tool: Any, actor: Optional[str]) -> Any:
+    import asyncio
+    import dataclasses
+
+    name = tool.name
+
+    async def on_invoke_tool(context: Any, arguments: str) -> str:
+        args = json.loads(arguments) if arguments and arguments.strip() else {}
+        # A thread of its own (the proxy client blocks), with this context copied: the envelope is there.
+        result = await asyncio.to_thread(proxy_call, name, args, actor=actor, errors="return")
+        return _as_tool_output(result)
+
+    return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
+
+
+def _proxied_langchain_tool(tool: Any, actor: Optional[str]) -> Any:
+    import asyncio
+
+    name = tool.name
+    # The caller's LangChain is loaded already (the tool is one of its objects): take its class from there.
+    structured_tool = getattr(sys.modules.get("langchain_core.tools"), "StructuredTool", None)
+    if structured_tool is None:
+        raise TypeError(f"cannot proxy {name!r}: langchain_core.tools is not loaded")
+
+    def call(**kwargs: Any) -> str:
+        return _as_tool_output(proxy_call(name, _jsonable_args(kwargs), actor=actor, errors="return"))
+
+    async def acall(**kwargs: Any) -> str:
+        return await asyncio.to_thread(call, **kwargs)
+
+    args_schema = tool.args_schema if tool.args_schema is not None else tool.get_input_schema()
+    return structured_tool.from_function(func=call, coroutine=acall, name=name, description=tool.description,
+                                         args_schema=args_schema, return_direct=getattr(tool, "return_direct", False))
+
+
+def _jsonable_args(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """Tool arguments as JSON values (a framework may hand over pydantic models)."""
+    def plain(value: Any) -> Any:
+        if hasattr(value, "model_dump"):
+            return value.model_dump(mode="json")
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return {str(k): plain(v) for k, v in kwargs.items()}
+
+
+def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
+    """A framework's run result as the v1 response envelope (§4): the answer, a transcript, model and tokens.
+
+    Reads an OpenAI Agents SDK ``RunResult`` (``final_output``, ``new_items``, ``raw_responses``), a LangChain
+    or LangGraph message list (or a LangGraph state with ``messages``), and a list of Anthropic-style message
+    dicts; anything else goes to :func:`build_response` as it is.  ``fields`` (``messages``, ``metadata``,
+    ``strict``) are passed to :func:`build_response` and win over what was read.
+    """
+    if hasattr(result, "new_items") and hasattr(result, "final_output"):
+        final, messages, metadata = _from_agents_run(result)
+    else:
+        messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
+        if isinstance(messages_in, (list, tuple)) and messages_in and all(
+                hasattr(m, "type") and hasattr(m, "content") for m in messages_in):
+            final, messages, metadata = _from_langchain(list(messages_in))
+        else:
+            return build_response(result, **fields)
+    strict = fields.pop("strict", None)
+    return build_response(final, **{"messages": messages, "metadata": metadata, **fields}, strict=strict)
+
+
+def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    messages: List[Dict[str, Any]] = []
+    first = result.input
+    if isinstance(first, str):
+        messages.append({"role": "user", "content": first})
+    thinking: List[Dict[str, Any]] = []
+    for item in result.new_items:
+        kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
+
+        def get(key: str, raw: Any = raw) -> Any:
+            return raw.get(key) if isinstance(raw, Mapping) else getattr(raw, key, None)
+
+        if kind == "reasoning_item":
+            thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in get("summary") or ()]
+        elif kind == "tool_call_item":
+            message: Dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": get("call_id") or get("id"), "name": get("name"), "arguments": get("arguments") or "{}"}]}
+            if thinking:
+                message["thinking"], thinking = thinking, []
+            messages.append(message)
+        elif kind == "tool_call_output_item":
+            messages.append({"role": "tool", "tool_call_id": get("call_id"), "content": _as_tool_output(
+                getattr(item, "output", None))})
+        elif kind == "message_output_item":
+            text = "".join(getattr(part, "text", "") or "" for part in get("content") or ())
+            message = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"], thinking = thinking, []
+            messages.append(message)
+        elif kind in ("handoff_call_item", "handoff_output_item"):
+            messages.append({"role": "assistant", "content": f"[{kind.replace('_', ' ')}]"})
+    usage = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
+    metadata: Dict[str, Any] = {
+        "total_input_tokens": sum(getattr(u, "input_tokens", 0) or 0 for u in usage if u is not None),
+        "total_output_tokens": sum(getattr(u, "output_tokens", 0) or 0 for u in usage if u is not None),
+    }
+    agent = getattr(result, "last_agent", None)
+    model = getattr(agent, "model", None)
+    if isinstance(model, str):
+        metadata["model"] = model
+    elif model is not None and isinstance(getattr(model, "model", None), str):
+        metadata["model"] = model.model
+    final = result.final_output
+    return final, messages, metadata
+
+
+def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    messages: List[Dict[str, Any]] = []
+    roles = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+    inputs = outputs = 0
+    model = None
+    final: Any = ""
+    for item in items:
+        role = roles.get(getattr(item, "type", ""), "assistant")
+        content = item.content
+        text = content if isinstance(content, str) else "".join(
+            b.get("text", "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
+        message: Dict[str, Any] = {"role": role, "content": text or None if role == "assistant" else text}
+        if role == "assistant":
+            calls = getattr(item, "tool_calls", None) or []
+            if calls:
+                message["tool_calls"] = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
+                                         for c in calls]
+            thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
+                        and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
+            if thoughts:
+                message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
+            usage = getattr(item, "usage_metadata", None) or {}
+            inputs += int(usage.get("input_tokens") or 0)
+            outputs += int(usage.get("output_tokens") or 0)
+            model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
+            if text and not calls:
+                final = text
+        elif role == "tool":
+            message["tool_call_id"] = getattr(item, "tool_call_id", None)
+        messages.append(message)
+    metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
+    if model:
+        metadata["model"] = model
+    return final, messages, metadata
+
 
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy

@@ -1,0 +1,148 @@
+"""The framework bridges against the real frameworks: tools_schema, proxied tools ("swap the body, keep the tool")
+and the run result as the response envelope.
+
+- OpenAI Agents SDK: a real ``Agent`` with a ``@function_tool`` runs under ``Runner.run_sync`` against the fake
+  Responses API, served by pipelines_port's dispatch server and dispatched to as the platform does: model →
+  tool call → the proxied tool → the MockProxy → model → answer.  The original tool body never runs.
+- LangChain / LangGraph: a real ``@tool`` proxied, invoked sync and async and through LangGraph's own
+  ``ToolNode``, and a LangGraph-style message state turned into the response envelope.
+
+Skipped when the framework is missing (``.ci/run`` installs them in the interop venv).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+import pipelines_port as pp
+from conformance.dispatcher import Dispatcher, Run
+from conformance.mock_proxy import MockProxy
+from tests.fake_model_apis import FakeResponsesAPI, Turn
+
+TOKEN = "framework-run-token-0123456789"
+
+
+@pytest.fixture
+def proxy() -> Iterator[MockProxy]:
+    with MockProxy(tokens=[TOKEN]) as p:
+        p.script("get_order", [{"response": {"id": "4521", "status": "shipped"}}])
+        yield p
+
+
+# -- OpenAI Agents SDK -------------------------------------------------------------------------------------------
+
+
+def test_openai_agents_sdk_agent_runs_through_the_proxy_in_a_dispatch(proxy: MockProxy) -> None:
+    agents = pytest.importorskip("agents", reason="needs openai-agents")
+    openai = pytest.importorskip("openai", reason="needs openai")
+    agents.set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
+    ran_locally: List[str] = []
+
+    @agents.function_tool
+    def get_order(order_id: str) -> Dict[str, Any]:
+        """Look up an order by its id."""
+        ran_locally.append(order_id)  # the original body: must never run once proxied
+        return {"id": order_id, "status": "local"}
+
+    with FakeResponsesAPI() as fake:
+        fake.script([Turn(tool_calls=[("get_order", {"order_id": "4521"})]), Turn(text="Order 4521 has shipped.")])
+        model = agents.OpenAIResponsesModel(model="test-model-7", openai_client=openai.AsyncOpenAI(
+            base_url=fake.base_url, api_key=fake.api_key, max_retries=0))
+        agent = agents.Agent(name="support", instructions="Answer with the tools.", tools=[get_order], model=model)
+
+        (entry,) = pp.tools_schema_from(agent)  # step 1: the tools list to register
+        assert entry["name"] == "get_order" and entry["description"] == "Look up an order by its id."
+        assert entry["input_schema"]["required"] == ["order_id"] and entry["default_execution_mode"] == "sandbox"
+
+        proxied = agent.clone(tools=pp.proxied_tools(agent))  # step 2: same tool, body through the proxy
+        (tool,) = proxied.tools
+        assert (tool.name, tool.description, tool.params_json_schema) == (
+            get_order.name, get_order.description, get_order.params_json_schema)
+
+        def dispatch_agent(envelope: pp.Envelope) -> Dict[str, Any]:
+            result = agents.Runner.run_sync(proxied, envelope.user_instruction)
+            return pp.response_from(result)
+
+        server = pp.start_server(dispatch_agent, no_auth=True)
+        dispatcher = Dispatcher(server.url, timeout=30)
+        try:
+            reply = dispatcher.dispatch(Run(run_token=TOKEN, proxy_url=proxy.url, run_id=1, task_id=2),
+                                        user_instruction="Where is order 4521?")
+        finally:
+            dispatcher.close()
+            server.close(1)
+    assert reply.status == 200, reply.text
+    body = reply.json
+    assert body["final_response"] == "Order 4521 has shipped." and pp.validate_response(body) == []
+    (call,) = proxy.calls("get_order")
+    assert call.json == {"order_id": "4521"} and call.run_token == TOKEN
+    assert ran_locally == []
+    roles = [m["role"] for m in body["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert body["messages"][1]["tool_calls"][0]["name"] == "get_order"
+    assert '"status": "shipped"' in body["messages"][2]["content"]
+    assert body["metadata"]["total_input_tokens"] == 200 and body["metadata"]["model"] == "test-model-7"
+
+
+# -- LangChain and LangGraph -----------------------------------------------------------------------------------
+
+
+def test_langchain_tools_are_proxied_sync_async_and_through_langgraph(proxy: MockProxy) -> None:
+    tools = pytest.importorskip("langchain_core.tools", reason="needs langchain-core")
+    messages = pytest.importorskip("langchain_core.messages", reason="needs langchain-core")
+    prebuilt = pytest.importorskip("langgraph.prebuilt", reason="needs langgraph")
+    graphs = pytest.importorskip("langgraph.graph", reason="needs langgraph")
+    ran_locally: List[str] = []
+
+    @tools.tool
+    def get_order(order_id: str) -> str:
+        """Look up an order by its id."""
+        ran_locally.append(order_id)
+        return "local"
+
+    (entry,) = pp.tools_schema_from([get_order])
+    assert entry["name"] == "get_order" and entry["input_schema"]["properties"]["order_id"]["type"] == "string"
+    assert entry["input_schema"]["required"] == ["order_id"]
+    (tool,) = pp.proxied_tools([get_order])
+    assert type(tool).__name__ == "StructuredTool" and tool.name == "get_order"
+    assert tool.description == get_order.description and tool.args == get_order.args
+
+    envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url, run_token=TOKEN)
+    proxy.script("get_order", [{"response": {"id": "4521", "status": "shipped"}}])
+    with pp.bind_envelope(envelope):
+        sync = tool.invoke({"order_id": "4521"})
+        asynchronous = asyncio.run(tool.ainvoke({"order_id": "4522"}))
+        graph = graphs.StateGraph(graphs.MessagesState)  # LangGraph runs the tool in its own ToolNode
+        graph.add_node("tools", prebuilt.ToolNode([tool]))
+        graph.add_edge(graphs.START, "tools")
+        graph.add_edge("tools", graphs.END)
+        asked = messages.AIMessage(content="", tool_calls=[{"id": "call_1", "name": "get_order",
+                                                             "args": {"order_id": "4523"}}])
+        state = graph.compile().invoke({"messages": [asked]})
+    assert '"status": "shipped"' in sync and '"status": "shipped"' in asynchronous
+    answer = state["messages"][-1]
+    assert answer.tool_call_id == "call_1" and '"shipped"' in answer.content
+    assert [c.json for c in proxy.calls("get_order")] == [{"order_id": "4521"}, {"order_id": "4522"},
+                                                         {"order_id": "4523"}]
+    assert all(c.run_token == TOKEN for c in proxy.calls()) and ran_locally == []
+
+    conversation = {"messages": [messages.HumanMessage(content="Where is order 4523?"), asked, answer,
+                                 messages.AIMessage(content="It has shipped.", usage_metadata={
+                                     "input_tokens": 30, "output_tokens": 5, "total_tokens": 35},
+                                     response_metadata={"model_name": "test-model-7"})]}
+    body = pp.response_from(conversation)
+    assert body["final_response"] == "It has shipped." and pp.validate_response(body) == []
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert body["messages"][1]["tool_calls"] == [{"id": "call_1", "name": "get_order",
+                                                  "arguments": {"order_id": "4523"}}]
+    assert body["metadata"] == {"total_input_tokens": 30, "total_output_tokens": 5, "model": "test-model-7"}
+
+
+def test_an_unknown_tool_object_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="not a tool this module knows"):
+        pp.tools_schema_from([object()])
+    with pytest.raises(TypeError, match="cannot proxy"):
+        pp.proxied_tools([{"name": "get_order"}])
