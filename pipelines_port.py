@@ -4525,23 +4525,21 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
 
         if kind == "reasoning_item":
             thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in get("summary") or ()]
-        elif kind == "tool_call_item":
+        elif kind in ("tool_call_item", "handoff_call_item"):  # a handoff is the model calling transfer_to_X
             message: Dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
                 {"id": get("call_id") or get("id"), "name": get("name"), "arguments": get("arguments") or "{}"}]}
             if thinking:
                 message["thinking"], thinking = thinking, []
             messages.append(message)
-        elif kind == "tool_call_output_item":
-            messages.append({"role": "tool", "tool_call_id": get("call_id"), "content": _as_tool_output(
-                getattr(item, "output", None))})
+        elif kind in ("tool_call_output_item", "handoff_output_item"):
+            output = getattr(item, "output", None) if kind == "tool_call_output_item" else get("output")
+            messages.append({"role": "tool", "tool_call_id": get("call_id"), "content": _as_tool_output(output)})
         elif kind == "message_output_item":
             text = "".join(getattr(part, "text", "") or "" for part in get("content") or ())
             message = {"role": "assistant", "content": text}
             if thinking:
                 message["thinking"], thinking = thinking, []
             messages.append(message)
-        elif kind in ("handoff_call_item", "handoff_output_item"):
-            messages.append({"role": "assistant", "content": f"[{kind.replace('_', ' ')}]"})
     usage = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     metadata: Dict[str, Any] = {
         "total_input_tokens": sum(getattr(u, "input_tokens", 0) or 0 for u in usage if u is not None),
