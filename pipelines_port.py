@@ -4494,8 +4494,9 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """A framework's run result as the v1 response envelope (§4): the answer, a transcript, model and tokens.
 
     Reads an OpenAI Agents SDK ``RunResult`` (``final_output``, ``new_items``, ``raw_responses``), a LangChain
-    or LangGraph message list (or a LangGraph state with ``messages``), and a list of Anthropic-style message
-    dicts; anything else goes to :func:`build_response` as it is.  ``fields`` (``messages``, ``metadata``,
+    or LangGraph message list (or a LangGraph state with ``messages``), and an Anthropic Messages conversation
+    (dicts or the SDK's ``Message`` objects, with ``tool_use`` / ``tool_result`` / ``thinking`` blocks);
+    anything else goes to :func:`build_response` as it is.  ``fields`` (``messages``, ``metadata``,
     ``strict``) are passed to :func:`build_response` and win over what was read.
     """
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
@@ -4503,8 +4504,12 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     else:
         messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if isinstance(messages_in, (list, tuple)) and messages_in and all(
-                hasattr(m, "type") and hasattr(m, "content") for m in messages_in):
+                hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in messages_in):
             final, messages, metadata = _from_langchain(list(messages_in))
+        elif isinstance(messages_in, (list, tuple)) and messages_in and all(
+                _anthropic_message(m) is not None for m in messages_in):
+            final, messages, metadata = _from_anthropic([cast(Dict[str, Any], _anthropic_message(m))
+                                                         for m in messages_in])
         else:
             return build_response(result, **fields)
     strict = fields.pop("strict", None)
@@ -4552,6 +4557,59 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
     elif model is not None and isinstance(getattr(model, "model", None), str):
         metadata["model"] = model.model
     final = result.final_output
+    return final, messages, metadata
+
+
+def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
+    """An Anthropic Messages API message (a dict, or the SDK's ``Message`` object) as a dict; else ``None``."""
+    if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
+        item = item.model_dump()
+    if isinstance(item, Mapping) and item.get("role") in ("user", "assistant") and isinstance(
+            item.get("content"), (str, list)):
+        return dict(item)
+    return None
+
+
+def _from_anthropic(items: List[Dict[str, Any]]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """Anthropic messages (text, tool_use, tool_result and thinking blocks) as the v1 transcript."""
+    messages: List[Dict[str, Any]] = []
+    final: Any = ""
+    inputs = outputs = 0
+    model = None
+    for item in items:
+        content = item["content"]
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
+            b for b in content if isinstance(b, Mapping)]
+        text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
+        if item["role"] == "assistant":
+            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+            uses = [b for b in blocks if b.get("type") == "tool_use"]
+            if uses:
+                message["tool_calls"] = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}}
+                                         for b in uses]
+            thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
+            if thoughts:
+                message["thinking"] = [{"type": "thinking", "text": t} for t in thoughts]
+            messages.append(message)
+            if text and not uses:
+                final = text
+            usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
+            inputs += int(usage.get("input_tokens") or 0)
+            outputs += int(usage.get("output_tokens") or 0)
+            model = item.get("model") or model
+            continue
+        results = [b for b in blocks if b.get("type") == "tool_result"]
+        for block in results:
+            output = block.get("content")
+            if isinstance(output, list):
+                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
+            messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                             "content": _as_tool_output(output)})
+        if text or not results:
+            messages.append({"role": "user", "content": text})
+    metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
+    if isinstance(model, str):
+        metadata["model"] = model
     return final, messages, metadata
 
 

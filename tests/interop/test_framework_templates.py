@@ -66,3 +66,34 @@ def test_the_agents_template_hands_off_and_calls_tools_through_the_proxy_with_ac
     names = [c["name"] for m in body["messages"] for c in m.get("tool_calls") or []]
     assert names == ["transfer_to_refunds", "get_order", "refund_order"]
     assert all(r.run_token == TOKEN for r in proxy.requests)
+
+
+def test_the_langgraph_template_runs_a_react_agent_through_the_proxy(proxy: MockProxy,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("langgraph.prebuilt", reason="needs langgraph")
+    pytest.importorskip("langchain_openai", reason="needs langchain-openai")
+    from tests.fake_model_apis import FakeChatAPI
+
+    spec = importlib.util.spec_from_file_location("template_langgraph", ROOT / "templates" / "frameworks" /
+                                                  "langgraph_agent.py")
+    assert spec is not None and spec.loader is not None
+    template = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(template)
+    assert sorted(e["name"] for e in template.tools_schema()) == ["get_order", "refund_order"]
+    with FakeChatAPI() as fake:
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", fake.api_key)
+        monkeypatch.setenv("OPENAI_MODEL", "test-model-7")
+        fake.script([Turn(tool_calls=[("get_order", {"order_id": "4521"})]),
+                     Turn(tool_calls=[("refund_order", {"order_id": "4521", "reason": "damaged"})]),
+                     Turn(text="Order 4521 is refunded.")])
+        body = template.run({"user_instruction": "Refund order 4521, it arrived damaged.", "input": {},
+                             "task_id": 7}, proxy_url=proxy.url, run_token=TOKEN)
+        model_turns = len(fake.answered())
+    assert body["final_response"] == "Order 4521 is refunded." and pp.validate_response(body) == []
+    assert [(r.name, r.actor, r.json) for r in proxy.calls()] == [
+        ("get_order", "support", {"order_id": "4521"}),
+        ("refund_order", "support", {"order_id": "4521", "reason": "damaged"})]
+    assert model_turns == 3 and [m["role"] for m in body["messages"]] == [
+        "user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert body["metadata"]["total_input_tokens"] == 300 and body["metadata"]["model"] == "test-model-7"

@@ -141,8 +141,23 @@ def test_langchain_tools_are_proxied_sync_async_and_through_langgraph(proxy: Moc
     assert body["metadata"] == {"total_input_tokens": 30, "total_output_tokens": 5, "model": "test-model-7"}
 
 
-def test_an_unknown_tool_object_is_a_clear_error() -> None:
-    with pytest.raises(TypeError, match="not a tool this module knows"):
-        pp.tools_schema_from([object()])
-    with pytest.raises(TypeError, match="cannot proxy"):
-        pp.proxied_tools([{"name": "get_order"}])
+# -- the Anthropic SDK's own Message objects -------------------------------------------------------------------
+
+
+def test_anthropic_sdk_messages_become_the_response_envelope() -> None:
+    types = pytest.importorskip("anthropic.types", reason="needs anthropic")
+    usage = {"input_tokens": 50, "output_tokens": 9}
+    asked = types.Message.model_validate({
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test", "stop_reason": "tool_use",
+        "stop_sequence": None, "usage": usage,
+        "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_order", "input": {"order_id": "4521"}}]})
+    answered = types.Message.model_validate({
+        "id": "msg_2", "type": "message", "role": "assistant", "model": "claude-test", "stop_reason": "end_turn",
+        "stop_sequence": None, "usage": usage, "content": [{"type": "text", "text": "It has shipped."}]})
+    conversation = [{"role": "user", "content": "Where is order 4521?"}, asked,
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                  "content": '{"status": "shipped"}'}]}, answered]
+    body = pp.response_from(conversation)
+    assert body["final_response"] == "It has shipped." and pp.validate_response(body) == []
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert body["metadata"] == {"total_input_tokens": 100, "total_output_tokens": 18, "model": "claude-test"}

@@ -1,0 +1,51 @@
+"""Framework bridges that need no framework: an Anthropic Messages conversation (plain dicts, the API's own
+shape) as the response envelope, and clear errors for objects no bridge knows.  The bridges against the real
+frameworks are tests/interop/test_frameworks.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipelines_port as pp
+
+CONVERSATION = [
+    {"role": "user", "content": "Refund order 4521, it arrived damaged."},
+    {"role": "assistant", "model": "claude-test", "usage": {"input_tokens": 120, "output_tokens": 30},
+     "content": [{"type": "thinking", "thinking": "Look it up first.", "signature": "sig"},
+                 {"type": "text", "text": "Let me check."},
+                 {"type": "tool_use", "id": "toolu_1", "name": "get_order", "input": {"order_id": "4521"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                  "content": [{"type": "text", "text": '{"status": "shipped"}'}]}]},
+    {"role": "assistant", "model": "claude-test", "usage": {"input_tokens": 200, "output_tokens": 12},
+     "content": [{"type": "text", "text": "Order 4521 has shipped; refunding it."}]},
+]
+
+
+def test_an_anthropic_conversation_becomes_the_response_envelope() -> None:
+    body = pp.response_from(CONVERSATION)
+    assert pp.validate_response(body) == []
+    assert body["final_response"] == "Order 4521 has shipped; refunding it."
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    call = body["messages"][1]
+    assert call["tool_calls"] == [{"id": "toolu_1", "name": "get_order", "arguments": {"order_id": "4521"}}]
+    assert call["content"] == "Let me check." and call["thinking"] == [{"type": "thinking",
+                                                                        "text": "Look it up first."}]
+    assert body["messages"][2] == {"role": "tool", "tool_call_id": "toolu_1", "content": '{"status": "shipped"}'}
+    assert body["metadata"] == {"total_input_tokens": 320, "total_output_tokens": 42, "model": "claude-test"}
+
+
+def test_overrides_win_and_other_values_go_to_build_response() -> None:
+    body = pp.response_from(CONVERSATION, metadata={"model": "mine"})
+    assert body["metadata"] == {"model": "mine"}
+    assert pp.response_from("plain answer") == {"final_response": "plain answer"}
+    assert pp.response_from({"final_response": "ok", "extra": 1})["final_response"] == "ok"
+
+
+def test_objects_no_bridge_knows_are_clear_errors() -> None:
+    with pytest.raises(TypeError, match="not a tool this module knows"):
+        pp.tools_schema_from([object()])
+    with pytest.raises(TypeError, match="cannot proxy"):
+        pp.proxied_tools([{"name": "get_order"}])
+    with pytest.raises(TypeError, match="list of tools or an agent"):
+        pp.tools_schema_from(42)
+    assert pp.tools_schema_from([{"name": "get_order", "parameters": {"type": "object"}}])[0]["name"] == "get_order"
