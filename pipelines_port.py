@@ -4427,37 +4427,52 @@ def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
     Names, descriptions and argument schemas stay as they were, so the framework and its planner behave as
     before; only the body changes: ``proxy_call(name, args, actor=actor, errors="return")`` with the envelope
     bound where the framework calls the tool (a dispatch, ``run()``, or ``bind_envelope``).  A failed call
-    reaches the model as ``{"error": ...}``.  Supported: OpenAI Agents SDK ``FunctionTool`` (async body) and
-    LangChain/LangGraph tools (``StructuredTool`` with a sync and an async body).
+    reaches the model as ``{"error": ...}``.  Supported: OpenAI Agents SDK ``FunctionTool`` (async body),
+    LangChain/LangGraph tools (``StructuredTool`` with a sync and an async body) and Strands tools
+    (``PythonAgentTool``).  The envelope bound where ``proxied_tools`` is called (in a dispatch or ``run()``)
+    goes with the tools, so a framework running tools on threads of its own still reaches this run.
     """
+    # The envelope bound here (proxied inside a dispatch or run()) goes with the tools: a framework that runs
+    # tools on threads of its own, without copying the context, still reaches this run.  Else: at call time.
+    envelope = _current.get()
     out: List[Any] = []
     for tool in _tools_of(source):
+        parts = _framework_tool_parts(tool)
+        if parts is None:
+            raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
+                            "tools or Strands tools (for a tools_schema entry, call proxy_call in the tool's body)")
+        call = functools.partial(_bridge_call, tool_name=parts[0], actor=actor, envelope=envelope)
         if isinstance(getattr(tool, "params_json_schema", None), Mapping) and hasattr(tool, "on_invoke_tool"):
-            out.append(_proxied_function_tool(tool, actor))
+            out.append(_proxied_function_tool(tool, call))
         elif hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
-            out.append(_proxied_langchain_tool(tool, actor))
+            out.append(_proxied_langchain_tool(tool, call))
+        elif isinstance(getattr(tool, "tool_spec", None), Mapping) and hasattr(tool, "stream"):
+            out.append(_proxied_strands_tool(tool, call))
         else:
-            raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools or "
-                            "LangChain tools (for others, call proxy_call in the tool's body)")
+            raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
+                            "tools or Strands tools (for others, call proxy_call in the tool's body)")
     return out
 
 
-def _proxied_function_tool(tool: Any, actor: Optional[str]) -> Any:
+def _bridge_call(args: Mapping[str, Any], *, tool_name: str, actor: Optional[str],
+                 envelope: Optional[Envelope]) -> Any:
+    """One proxied tool call: the tool's name, the JSON arguments; a failure comes back as ``{"error": ...}``."""
+    return proxy_call(tool_name, dict(args), actor=actor, errors="return", envelope=envelope)
+
+
+def _proxied_function_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -> Any:
     import asyncio
     import dataclasses
-
-    name = tool.name
 
     async def on_invoke_tool(context: Any, arguments: str) -> str:
         args = json.loads(arguments) if arguments and arguments.strip() else {}
         # A thread of its own (the proxy client blocks), with this context copied: the envelope is there.
-        result = await asyncio.to_thread(proxy_call, name, args, actor=actor, errors="return")
-        return _as_tool_output(result)
+        return _as_tool_output(await asyncio.to_thread(call, args))
 
     return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
 
 
-def _proxied_langchain_tool(tool: Any, actor: Optional[str]) -> Any:
+def _proxied_langchain_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -> Any:
     import asyncio
 
     name = tool.name
@@ -4466,15 +4481,30 @@ def _proxied_langchain_tool(tool: Any, actor: Optional[str]) -> Any:
     if structured_tool is None:
         raise TypeError(f"cannot proxy {name!r}: langchain_core.tools is not loaded")
 
-    def call(**kwargs: Any) -> str:
-        return _as_tool_output(proxy_call(name, _jsonable_args(kwargs), actor=actor, errors="return"))
+    def sync_body(**kwargs: Any) -> str:
+        return _as_tool_output(call(_jsonable_args(kwargs)))
 
     async def acall(**kwargs: Any) -> str:
-        return await asyncio.to_thread(call, **kwargs)
+        return await asyncio.to_thread(sync_body, **kwargs)
 
     args_schema = tool.args_schema if tool.args_schema is not None else tool.get_input_schema()
-    return structured_tool.from_function(func=call, coroutine=acall, name=name, description=tool.description,
+    return structured_tool.from_function(func=sync_body, coroutine=acall, name=name, description=tool.description,
                                          args_schema=args_schema, return_direct=getattr(tool, "return_direct", False))
+
+
+def _proxied_strands_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -> Any:
+    # The caller's Strands is loaded already (the tool is one of its objects): take its class from there.
+    python_agent_tool = getattr(sys.modules.get("strands.tools.tools"), "PythonAgentTool", None)
+    if python_agent_tool is None:
+        raise TypeError(f"cannot proxy {tool.tool_name!r}: strands.tools.tools is not loaded")
+
+    def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
+        result = call(tool_use.get("input") or {})
+        failed = isinstance(result, Mapping) and "error" in result
+        return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
+                "content": [{"text": _as_tool_output(result)}]}
+
+    return python_agent_tool(tool.tool_name, dict(tool.tool_spec), tool_func)
 
 
 def _jsonable_args(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
@@ -4493,7 +4523,8 @@ def _jsonable_args(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """A framework's run result as the v1 response envelope (§4): the answer, a transcript, model and tokens.
 
-    Reads an OpenAI Agents SDK ``RunResult`` (``final_output``, ``new_items``, ``raw_responses``), a LangChain
+    Reads an OpenAI Agents SDK ``RunResult`` (``final_output``, ``new_items``, ``raw_responses``), a Strands
+    ``Agent`` after its run (its ``messages``, Bedrock Converse blocks), a LangChain
     or LangGraph message list (or a LangGraph state with ``messages``), and an Anthropic Messages conversation
     (dicts or the SDK's ``Message`` objects, with ``tool_use`` / ``tool_result`` / ``thinking`` blocks);
     anything else goes to :func:`build_response` as it is.  ``fields`` (``messages``, ``metadata``,
@@ -4501,6 +4532,8 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
+    elif _is_strands_agent(result):
+        final, messages, metadata = _from_bedrock(list(result.messages))
     else:
         messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if isinstance(messages_in, (list, tuple)) and messages_in and all(
@@ -4558,6 +4591,44 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
         metadata["model"] = model.model
     final = result.final_output
     return final, messages, metadata
+
+
+def _is_strands_agent(value: Any) -> bool:
+    """A Strands ``Agent`` after a run: its conversation in ``messages`` (Bedrock Converse blocks)."""
+    messages = getattr(value, "messages", None)
+    return hasattr(value, "tool_registry") and isinstance(messages, list)
+
+
+def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """Bedrock Converse messages (Strands): ``text``, ``toolUse``, ``toolResult``, ``reasoningContent`` blocks."""
+    messages: List[Dict[str, Any]] = []
+    final: Any = ""
+    for item in items:
+        blocks = [b for b in item.get("content") or () if isinstance(b, Mapping)]
+        text = "".join(str(b["text"]) for b in blocks if isinstance(b.get("text"), str))
+        if item.get("role") == "assistant":
+            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+            uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
+            if uses:
+                message["tool_calls"] = [{"id": u.get("toolUseId"), "name": u.get("name"),
+                                          "arguments": u.get("input") or {}} for u in uses]
+            thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
+                        for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
+            if any(thoughts):
+                message["thinking"] = [{"type": "text", "text": x} for x in thoughts if x]
+            messages.append(message)
+            if text and not uses:
+                final = text
+            continue
+        results = [b["toolResult"] for b in blocks if isinstance(b.get("toolResult"), Mapping)]
+        for result in results:
+            parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
+                     for p in result.get("content") or () if isinstance(p, Mapping)]
+            messages.append({"role": "tool", "tool_call_id": result.get("toolUseId"),
+                             "content": "".join(str(p) for p in parts)})
+        if text or not results:
+            messages.append({"role": "user", "content": text})
+    return final, messages, {}
 
 
 def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:

@@ -112,9 +112,13 @@ class FakeModelAPI:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 status, extra_headers, payload = fake._handle(self.path, headers, raw)
-                data = json.dumps(payload).encode()
+                events = payload.pop("__sse__", None) if isinstance(payload, dict) else None
+                if events is not None:  # a streamed reply: server-sent events, then [DONE]
+                    data = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+                else:
+                    data = json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/event-stream" if events is not None else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 for name, value in extra_headers.items():
                     self.send_header(name, value)
@@ -332,6 +336,8 @@ class FakeChatAPI(FakeModelAPI):
                  "function": {"name": name, "arguments": _arguments(args)}}
                 for i, (name, args) in enumerate(turn.tool_calls, 1)
             ]
+        if body.get("stream"):  # what a streaming client (Strands, say) asks for: the same turn as chunks
+            return {"__sse__": _chat_chunks(turn, number, body)}
         return {
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": 1700000000 + number,
             "model": body["model"],
@@ -341,6 +347,29 @@ class FakeChatAPI(FakeModelAPI):
             "usage": {"prompt_tokens": turn.input_tokens, "completion_tokens": turn.output_tokens,
                       "total_tokens": turn.input_tokens + turn.output_tokens},
         }
+
+
+def _chat_chunks(turn: Turn, number: int, body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One Chat Completions turn as ``chat.completion.chunk`` events (role, text, tool calls, finish, usage)."""
+    head = {"id": f"chatcmpl-{number}", "object": "chat.completion.chunk", "created": 1700000000 + number,
+            "model": body["model"]}
+
+    def chunk(delta: Dict[str, Any], finish: Optional[str] = None) -> Dict[str, Any]:
+        return dict(head, choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    if turn.text:
+        events.append(chunk({"content": turn.text}))
+    for i, (name, args) in enumerate(turn.tool_calls):
+        events.append(chunk({"tool_calls": [{"index": i, "id": f"call_{number}_{i + 1}", "type": "function",
+                                             "function": {"name": name, "arguments": _arguments(args)}}]}))
+    finish = "length" if turn.stop == "max_tokens" else "tool_calls" if turn.tool_calls else "stop"
+    events.append(chunk({}, finish))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append(dict(head, choices=[], usage={"prompt_tokens": turn.input_tokens,
+                                                    "completion_tokens": turn.output_tokens,
+                                                    "total_tokens": turn.input_tokens + turn.output_tokens}))
+    return events
 
 
 class FakeAnthropicAPI(FakeModelAPI):

@@ -161,3 +161,41 @@ def test_anthropic_sdk_messages_become_the_response_envelope() -> None:
     assert body["final_response"] == "It has shipped." and pp.validate_response(body) == []
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert body["metadata"] == {"total_input_tokens": 100, "total_output_tokens": 18, "model": "claude-test"}
+
+
+# -- Strands ----------------------------------------------------------------------------------------------------
+
+
+def test_a_strands_agent_runs_through_the_proxy(proxy: MockProxy) -> None:
+    strands = pytest.importorskip("strands", reason="needs strands-agents")
+    models = pytest.importorskip("strands.models.openai", reason="needs strands-agents' OpenAI provider")
+    from tests.fake_model_apis import FakeChatAPI
+
+    ran_locally: List[str] = []
+
+    @strands.tool
+    def get_order(order_id: str) -> Dict[str, Any]:
+        """Look up an order by its id."""
+        ran_locally.append(order_id)
+        return {"status": "local"}
+
+    (entry,) = pp.tools_schema_from([get_order])
+    assert entry["name"] == "get_order" and entry["input_schema"]["required"] == ["order_id"]
+    envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url, run_token=TOKEN)
+    with FakeChatAPI() as fake:
+        fake.script([Turn(tool_calls=[("get_order", {"order_id": "4521"})]), Turn(text="Order 4521 has shipped.")])
+        model = models.OpenAIModel(client_args={"base_url": fake.base_url, "api_key": fake.api_key},
+                                   model_id="test-model-7")
+        with pp.bind_envelope(envelope):  # as in a dispatch: the proxied tools take this run with them
+            tools = pp.proxied_tools([get_order], actor="support")
+            agent = strands.Agent(model=model, tools=tools, callback_handler=None)
+            result = agent("Where is order 4521?")
+    assert "shipped" in str(result)
+    (call,) = proxy.calls("get_order")
+    assert (call.json, call.actor, call.run_token) == ({"order_id": "4521"}, "support", TOKEN)
+    assert ran_locally == []
+    body = pp.response_from(agent)
+    assert body["final_response"] == "Order 4521 has shipped." and pp.validate_response(body) == []
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert body["messages"][1]["tool_calls"][0]["name"] == "get_order"
+    assert '"status": "shipped"' in body["messages"][2]["content"]
