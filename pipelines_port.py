@@ -180,6 +180,7 @@ __all__ = [
     "tools_schema_from",
     "proxied_tools",
     "response_from",
+    "Handoffs",
     "MCP_PROTOCOL_VERSIONS",
 ]
 
@@ -4505,6 +4506,59 @@ def _proxied_strands_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -
                 "content": [{"text": _as_tool_output(result)}]}
 
     return python_agent_tool(tool.tool_name, dict(tool.tool_spec), tool_func)
+
+
+class Handoffs:
+    """``handoff`` trace events (§3.4) from a framework's own control flow, each transfer once.
+
+    ``enter(label)`` marks the sub-agent now acting: when it differs from the one before, a handoff from that
+    one is posted (best-effort: tracing never ends a run).  ``node(label, fn)`` wraps a LangGraph node (sync
+    or async) so entering it is such a transfer; ``agents_hooks()`` gives OpenAI Agents SDK ``RunHooks`` that
+    post the SDK's own handoffs.  The envelope bound where the object is made goes with it.  One per run.
+    """
+
+    def __init__(self, first: Optional[str] = None, *, envelope: Optional[Envelope] = None) -> None:
+        self.current = validate_actor_label(first) if first else None
+        self._envelope = envelope if envelope is not None else _current.get()
+        self._lock = threading.Lock()
+
+    def enter(self, label: str, reason: Optional[str] = None) -> None:
+        """``label`` acts from now on; a handoff from the sub-agent before it is posted."""
+        label = cast(str, validate_actor_label(label))
+        with self._lock:
+            previous, self.current = self.current, label
+        if previous and previous != label:
+            post_handoff(previous, label, reason=reason, envelope=self._envelope, best_effort=True)
+
+    def node(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a graph node), entering ``label`` before each call."""
+        import inspect
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def async_node(*args: Any, **kwargs: Any) -> Any:
+                await _in_thread(self.enter, label)
+                return await fn(*args, **kwargs)
+            return async_node
+
+        @functools.wraps(fn)
+        def sync_node(*args: Any, **kwargs: Any) -> Any:
+            self.enter(label)
+            return fn(*args, **kwargs)
+        return sync_node
+
+    def agents_hooks(self) -> Any:
+        """OpenAI Agents SDK ``RunHooks`` posting each handoff between agents (by their names)."""
+        run_hooks = getattr(sys.modules.get("agents"), "RunHooks", None)
+        if run_hooks is None:
+            raise TypeError("agents_hooks() needs the OpenAI Agents SDK (the `agents` package) imported")
+        handoffs = self
+
+        class _Hooks(run_hooks):  # type: ignore[misc, valid-type]
+            async def on_agent_start(self, context: Any, agent: Any) -> None:
+                await _in_thread(handoffs.enter, agent.name)
+
+        return _Hooks()
 
 
 def _jsonable_args(kwargs: Mapping[str, Any]) -> Dict[str, Any]:

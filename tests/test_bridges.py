@@ -49,3 +49,21 @@ def test_objects_no_bridge_knows_are_clear_errors() -> None:
     with pytest.raises(TypeError, match="list of tools or an agent"):
         pp.tools_schema_from(42)
     assert pp.tools_schema_from([{"name": "get_order", "parameters": {"type": "object"}}])[0]["name"] == "get_order"
+
+
+def test_handoffs_post_each_transfer_once_and_never_end_the_run() -> None:
+    from conformance.mock_proxy import MockProxy
+
+    token = "handoffs-run-token-0123456789"
+    with MockProxy(tokens=[token]) as proxy:
+        envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url, run_token=token)
+        handoffs = pp.Handoffs(envelope=envelope)
+        for label in ("triage", "triage", "refunds", " refunds ", "triage"):
+            handoffs.enter(label)
+        proxy.script("handoff", [{"status": 500, "error_class": "internal", "message": "down"}])
+        handoffs.enter("billing")  # a failed post is logged, not raised: tracing never ends a run
+        moves = [(r.json["from_sub_agent"], r.json["to_sub_agent"]) for r in proxy.calls(kind="traces")]
+    assert moves == [("triage", "refunds"), ("refunds", "triage"), ("triage", "billing")]
+    assert handoffs.current == "billing"
+    with pytest.raises(pp.ProxyRequestError):
+        handoffs.enter("a//b")  # a malformed label is the caller's mistake, said at once

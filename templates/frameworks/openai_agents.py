@@ -8,7 +8,7 @@ platform-specific lines are marked PLATFORM:
 - the tools list for registration comes from the agents (``pp.tools_schema_from``);
 - each agent's tools are swapped for proxied ones, names, descriptions and schemas kept, each labelled with
   its agent as the acting sub-agent (``X-Pipelines-Actor-Id``);
-- a control transfer between agents is posted as a ``handoff`` trace event (a ``RunHooks``);
+- a control transfer between agents is posted as a ``handoff`` trace event (``pp.Handoffs().agents_hooks()``);
 - the run's result becomes the response envelope (``pp.response_from``): answer, transcript, model, tokens.
 
 Settings (environment):
@@ -26,7 +26,7 @@ import os
 from typing import Any, Dict, List
 
 import pipelines_port as pp
-from agents import Agent, RunHooks, Runner, function_tool, set_tracing_disabled
+from agents import Agent, Runner, function_tool, set_tracing_disabled
 
 set_tracing_disabled(True)  # PLATFORM: the platform records the run; no trace export to OpenAI
 
@@ -67,16 +67,6 @@ def proxied(agent: Agent, seen: Dict[str, Agent]) -> Agent:
     return seen[agent.name]
 
 
-class Handoffs(RunHooks):
-    """Each control transfer between agents, as the platform's handoff trace event."""
-
-    async def on_handoff(self, context: Any, from_agent: Agent, to_agent: Agent) -> None:
-        import asyncio
-
-        await asyncio.to_thread(pp.post_handoff, from_agent.name, to_agent.name, reason="handoff",
-                                best_effort=True)
-
-
 def tools_schema() -> List[Dict[str, Any]]:
     """The tools to register: every agent's, once each."""
     entry = build_agents()
@@ -88,7 +78,8 @@ def tools_schema() -> List[Dict[str, Any]]:
 def agent(envelope: pp.Envelope) -> Dict[str, Any]:
     """Run the agents on the dispatch's instruction; the response envelope."""
     entry = proxied(build_agents(), {})
-    result = Runner.run_sync(entry, envelope.user_instruction or "(no instruction)", hooks=Handoffs())
+    hooks = pp.Handoffs().agents_hooks()  # PLATFORM: each control transfer as a handoff trace event
+    result = Runner.run_sync(entry, envelope.user_instruction or "(no instruction)", hooks=hooks)
     return pp.response_from(result)
 
 

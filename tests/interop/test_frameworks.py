@@ -141,6 +141,33 @@ def test_langchain_tools_are_proxied_sync_async_and_through_langgraph(proxy: Moc
     assert body["metadata"] == {"total_input_tokens": 30, "total_output_tokens": 5, "model": "test-model-7"}
 
 
+def test_langgraph_nodes_post_a_handoff_when_control_moves(proxy: MockProxy) -> None:
+    graphs = pytest.importorskip("langgraph.graph", reason="needs langgraph")
+    envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url, run_token=TOKEN)
+    visited: List[str] = []
+
+    def triage(state: Dict[str, Any]) -> Dict[str, Any]:
+        visited.append("triage")
+        return {"messages": [("ai", "a refund: over to refunds")]}
+
+    async def refunds(state: Dict[str, Any]) -> Dict[str, Any]:
+        visited.append("refunds")
+        return {"messages": [("ai", "refunded")]}
+
+    with pp.bind_envelope(envelope):
+        handoffs = pp.Handoffs()
+        graph = graphs.StateGraph(graphs.MessagesState)
+        graph.add_node("triage", handoffs.node("triage", triage))
+        graph.add_node("refunds", handoffs.node("refunds", refunds))
+        graph.add_edge(graphs.START, "triage")
+        graph.add_edge("triage", "refunds")
+        graph.add_edge("refunds", graphs.END)
+        asyncio.run(graph.compile().ainvoke({"messages": [("user", "Refund order 4521")]}))
+    assert visited == ["triage", "refunds"]
+    (event,) = [r.json for r in proxy.calls(kind="traces")]
+    assert (event["from_sub_agent"], event["to_sub_agent"]) == ("triage", "refunds")
+
+
 # -- the Anthropic SDK's own Message objects -------------------------------------------------------------------
 
 
