@@ -4588,6 +4588,13 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         final, messages, metadata = _from_agents_run(result)
     elif _is_strands_agent(result):
         final, messages, metadata = _from_bedrock(list(result.messages))
+        usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
+        if isinstance(usage, Mapping):
+            metadata = {"total_input_tokens": int(usage.get("inputTokens") or 0),
+                        "total_output_tokens": int(usage.get("outputTokens") or 0), **metadata}
+        model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
+        if isinstance(model_id, str):
+            metadata["model"] = model_id
     else:
         messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if isinstance(messages_in, (list, tuple)) and messages_in and all(

@@ -383,9 +383,10 @@ class FakeAnthropicAPI(FakeModelAPI):
         self.signatures: set = set()
 
     def _check_auth(self, headers: Dict[str, str]) -> None:
-        if headers.get("x-api-key") != self.api_key:
+        # The API takes the key as x-api-key or (newer SDKs) as a bearer token, and needs a version header.
+        if self.api_key not in (headers.get("x-api-key"), (headers.get("authorization") or "")[len("Bearer "):]):
             raise _Reject(401, "authentication_error", "invalid x-api-key")
-        _require(headers.get("anthropic-version") == "2023-06-01", "anthropic-version: header required")
+        _require(bool(headers.get("anthropic-version")), "anthropic-version: header required")
 
     def _error(self, kind: str, message: str) -> Dict[str, Any]:
         return {"type": "error", "error": {"type": kind, "message": message}}

@@ -229,6 +229,8 @@ def test_reasoning_goes_back_to_the_model_in_each_api_shape(loop: Loop, api: Fak
         # strict off, said out loud: otherwise the API makes every property required
         assert first["tools"] and all(tool["strict"] is False for tool in first["tools"])
     elif loop.name == "anthropic_messages":
+        headers = api.answered()[0].headers  # the key and the API version the template sends
+        assert headers["x-api-key"] == api.api_key and headers["anthropic-version"] == "2023-06-01"
         assert first["thinking"] == {"type": "enabled", "budget_tokens": 2048} and first["max_tokens"] == 8192
         assistant = second["messages"][1]
         assert assistant["role"] == "assistant" and assistant["content"][0]["type"] == "thinking"

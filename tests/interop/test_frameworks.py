@@ -13,6 +13,7 @@ Skipped when the framework is missing (``.ci/run`` installs them in the interop 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -226,3 +227,39 @@ def test_a_strands_agent_runs_through_the_proxy(proxy: MockProxy) -> None:
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert body["messages"][1]["tool_calls"][0]["name"] == "get_order"
     assert '"status": "shipped"' in body["messages"][2]["content"]
+    assert body["metadata"]["total_input_tokens"] == 200 and body["metadata"]["model"] == "test-model-7"
+
+
+# -- the Anthropic SDK's own client, in a hand-written loop -------------------------------------------------------
+
+
+def test_an_anthropic_sdk_loop_runs_through_the_proxy(proxy: MockProxy) -> None:
+    anthropic = pytest.importorskip("anthropic", reason="needs anthropic")
+    from tests.fake_model_apis import FakeAnthropicAPI
+
+    tools = [{"name": "get_order", "description": "Look up an order by its id.",
+              "input_schema": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                               "required": ["order_id"]}}]
+    assert pp.tools_schema_from(tools)[0]["name"] == "get_order"  # the same array messages.create takes
+    envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url, run_token=TOKEN)
+    with FakeAnthropicAPI() as fake:
+        fake.script([Turn(tool_calls=[("get_order", {"order_id": "4521"})]), Turn(text="Order 4521 has shipped.")])
+        client = anthropic.Anthropic(base_url=fake.base_url, api_key=fake.api_key, max_retries=0)
+        conversation: List[Any] = [{"role": "user", "content": "Where is order 4521?"}]
+        with pp.bind_envelope(envelope):
+            while True:
+                message = client.messages.create(model="test-model-7", max_tokens=1024, tools=tools,
+                                                 messages=conversation)
+                conversation.append(message)  # the SDK's own Message object
+                uses = [b for b in message.content if b.type == "tool_use"]
+                if not uses:
+                    break
+                conversation.append({"role": "user", "content": [  # step 2: the tool body is a proxy call
+                    {"type": "tool_result", "tool_use_id": u.id,
+                     "content": json.dumps(pp.proxy_call(u.name, u.input, errors="return"))} for u in uses]})
+    body = pp.response_from(conversation)
+    assert body["final_response"] == "Order 4521 has shipped." and pp.validate_response(body) == []
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    (call,) = proxy.calls("get_order")
+    assert call.json == {"order_id": "4521"} and call.run_token == TOKEN
+    assert body["metadata"]["model"] == "test-model-7" and body["metadata"]["total_input_tokens"] == 200
