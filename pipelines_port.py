@@ -4372,8 +4372,10 @@ def _framework_tool_parts(tool: Any) -> Optional[Tuple[str, str, Dict[str, Any]]
         schema = spec.get("inputSchema") or {}
         schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
         return str(spec.get("name")), str(spec.get("description") or ""), dict(schema)
-    if isinstance(getattr(tool, "inputSchema", None), Mapping):  # an MCP Tool
-        return str(name), str(getattr(tool, "description", "") or ""), dict(tool.inputSchema)
+    for attribute in ("inputSchema", "input_schema"):  # an MCP Tool (input_schema in the newer SDKs)
+        schema = getattr(tool, attribute, None)
+        if isinstance(schema, Mapping):
+            return str(name), str(getattr(tool, "description", "") or ""), dict(schema)
     if hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain BaseTool
         args_schema = getattr(tool, "args_schema", None)
         if isinstance(args_schema, Mapping):

@@ -263,3 +263,13 @@ def test_an_anthropic_sdk_loop_runs_through_the_proxy(proxy: MockProxy) -> None:
     (call,) = proxy.calls("get_order")
     assert call.json == {"order_id": "4521"} and call.run_token == TOKEN
     assert body["metadata"]["model"] == "test-model-7" and body["metadata"]["total_input_tokens"] == 200
+
+
+def test_an_mcp_tool_list_is_a_tools_schema() -> None:
+    types = pytest.importorskip("mcp.types", reason="needs mcp")
+    listed = [types.Tool(name="get_order", description="Look up an order.",
+                         inputSchema={"type": "object", "properties": {"order_id": {"type": "string"}},
+                                      "required": ["order_id"]})]
+    assert pp.tools_schema_from(listed) == [{
+        "name": "get_order", "description": "Look up an order.", "default_execution_mode": "sandbox",
+        "input_schema": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}]
