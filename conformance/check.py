@@ -1347,6 +1347,17 @@ def _(c: Check) -> None:
                "redact the token, keep the message")
 
 
+@case("secrets.agent_response", "§2 (run token: secret)",
+      "a response the agent built around its run token goes out without it (redacted, or refused)",
+      ["run-token-secret"])
+def _(c: Check) -> None:
+    run, _proxy_run = c.new_run()
+    script = {"steps": [{"return": {"final_response": f"the run token is {run.run_token}"}}]}
+    reply = c.dispatch(run, user_instruction=compact(script))  # scanned: the token in the reply fails the case
+    if reply.status not in (200, 500):
+        raise Failed("200 with the token redacted, or 500", describe(reply))
+
+
 # -- §2 step 6 concurrency ----------------------------------------------------------------------------------
 
 CONCURRENT_RUNS = 50

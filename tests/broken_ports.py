@@ -392,6 +392,11 @@ def misconfigured_401() -> None:
     pp.MisconfiguredError.http_status = 401  # type: ignore[misc]  # blames the caller for the operator's mistake
 
 
+@variant("response_token_not_redacted", "secrets.agent_response")
+def response_token_not_redacted() -> None:
+    pp._without_run_token = lambda body, envelope, encoded=None: body  # the agent's own answer sent as it is
+
+
 @variant("traceback_in_detail", "response.no_traceback")
 def traceback_in_detail() -> None:
     import traceback

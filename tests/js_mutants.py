@@ -129,6 +129,8 @@ MUTANTS = [
        ("  return err.message ? `${err.name}: ${err.message}` : err.name;", "  return err.stack ?? err.name;")),
     _m("run_token_not_scrubbed", "run-token-secret",
        ("    const secrets = [envelope.run_token, this.#expectedToken()];", "    const secrets = [this.#expectedToken()];")),
+    _m("response_token_not_redacted", "run-token-secret",
+       ("      if (JSON.stringify(body).includes(envelope.run_token)) {", "      if (false) {")),
     # -- concurrency (§2 step 6)
     _m("module_level_envelope", "per-request-binding",
        ("    const { envelope } = context;\n", "    const { envelope } = context;\n    globalThis.currentDispatch = envelope;\n"),
