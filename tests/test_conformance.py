@@ -213,7 +213,8 @@ def test_failures_with_one_cause_are_reported_once(outcomes: Dict[str, Outcome])
 def test_a_leaked_token_fails_the_final_scan_too(outcomes: Dict[str, Outcome]) -> None:
     code, report, _ = outcomes["leak scan"]
     assert code == 1
-    assert statuses(report) == {"secrets.agent_error_detail": "fail", "secrets.no_token_in_any_body": "fail"}
+    assert statuses(report) == {"secrets.agent_error_detail": "fail", "secrets.agent_response": "pass",
+                                "secrets.no_token_in_any_body": "fail"}
     assert "secrets.agent_error_detail: HTTP 500 showed a run token" in report["cases"][-1]["got"]
 
 
