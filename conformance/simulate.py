@@ -158,17 +158,8 @@ class CodeAgent:
     def __call__(self, dispatch: Dispatch) -> Outcome:
         if not self.set_environment:
             return _call_with_timeout(self._call_like_the_kernel, dispatch, timeout=self.timeout)
-        env = _code_mode_env(dispatch)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _environment(_code_mode_env(dispatch)):
             return _call_with_timeout(self._call_like_the_kernel, dispatch, timeout=self.timeout)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     def _call_like_the_kernel(self, dispatch: Dispatch) -> Outcome:
         """Call ``run()`` from inside a running event loop, as the sandbox's Jupyter kernel does (§5)."""
@@ -207,6 +198,21 @@ def _code_mode_env(dispatch: Dispatch) -> Dict[str, str]:
         encoded = json.dumps(dispatch.tools_schema).encode("utf-8")
         env[pp.ENV_TOOLS_SCHEMA_B64] = base64.b64encode(encoded).decode("ascii")
     return env
+
+
+@contextlib.contextmanager
+def _environment(settings: Mapping[str, str]) -> Iterator[None]:
+    """``settings`` in ``os.environ`` for the block, then every variable as it was (unset ones unset again)."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _call_with_timeout(fn: Callable[..., Outcome], *args: Any, timeout: float) -> Outcome:
@@ -923,18 +929,10 @@ def _scripted_model(agent: Any, say: Callable[[str], None]) -> Iterator[None]:
         for name in _required_env(agent):
             if not os.environ.get(name, "").strip():
                 settings[name] = "scripted-model-accepts-any-key"
-        saved = {name: os.environ.get(name) for name in settings}
-        os.environ.update(settings)
         say(f"simulate: the agent's model is the scripted stand-in at {model.origin} (no API key, no network: it "
             "plans tool calls from each task and the tools; --model real to use the real API)")
-        try:
+        with _environment(settings):
             yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 def main(argv: Optional[List[str]] = None) -> int:
