@@ -4,8 +4,11 @@
 
 Each *mutant* is a port with one realistic porting bug: the Python variants of
 ``tests/broken_ports.py`` (pipelines_port patched in its own process) and the
-JavaScript mutants of ``tests/js_mutants.py`` (a patched copy of
-``conformance/ports/node``, skipped when ``node`` is missing).  Each is served on
+TypeScript mutants of ``tests/ts_mutants.py`` (a patched copy of
+``conformance/ports/typescript``, compiled with its ``tsc``) and the Go mutants
+of ``tests/go_mutants.py`` (a patched copy of ``conformance/ports/go``, built
+with ``go build``).  A language whose toolchain is missing is left out, and
+said so; ``--require typescript,go`` makes that an error.  Each is served on
 127.0.0.1 and checked with ``python3 -m conformance check URL --strict`` in full
 (``--misconfigured`` for a variant served with its token variable unset).  A
 mutant is *caught* when the check fails (exit 1); a Python variant must also
@@ -45,7 +48,7 @@ TARGET_SCORE = 0.95
 
 class Port(NamedTuple):
     name: str
-    language: str  # "python" | "node"
+    language: str  # "python" | "typescript" | "go"
     legal: bool  # a legal variation: must pass everything
     fails: Optional[str]  # the case a Python variant must fail
     mode: str  # "normal" | "misconfigured"
@@ -60,13 +63,41 @@ class Outcome(NamedTuple):
     error: Optional[str] = None
 
 
+def toolchains() -> Dict[str, Optional[str]]:
+    """Each port language's toolchain problem, or None when it can build and run that language's mutants."""
+    from tests.ts_mutants import TSC
+
+    return {
+        "typescript": None if shutil.which("node") and TSC.exists() else f"node or {TSC} is missing (npm ci)",
+        "go": None if shutil.which("go") else "go is not on PATH",
+    }
+
+
 def ports(only: Sequence[str] = ()) -> List[Port]:
     found = [Port(name, "python", v.fails is None, v.fails, v.mode) for name, v in VARIANTS.items() if name != "correct"]
-    if shutil.which("node"):
-        from tests.js_mutants import MUTANTS
+    missing = toolchains()
+    if missing["typescript"] is None:
+        from tests.ts_mutants import MUTANTS as TS_MUTANTS
 
-        found += [Port(f"node:{m.name}", "node", False, None, m.mode, m.rule) for m in MUTANTS]
+        found += [Port(f"typescript:{m.name}", "typescript", False, None, m.mode, m.rule) for m in TS_MUTANTS]
+    if missing["go"] is None:
+        from tests.go_mutants import MUTANTS as GO_MUTANTS
+
+        found += [Port(f"go:{m.name}", "go", False, None, m.mode, m.rule) for m in GO_MUTANTS]
     return [p for p in found if not only or p.name in only]
+
+
+def build_mutant(port: Port, workdir: pathlib.Path) -> List[str]:
+    """Materialise and build a TypeScript or Go mutant in ``workdir``; the command that serves it."""
+    if port.language == "typescript":
+        from tests import ts_mutants
+
+        (mutant,) = [m for m in ts_mutants.MUTANTS if f"typescript:{m.name}" == port.name]
+        return ["node", str(ts_mutants.build(ts_mutants.materialise(mutant, workdir / "port"))), "--port", "0"]
+    from tests import go_mutants
+
+    (go_mutant,) = [m for m in go_mutants.MUTANTS if f"go:{m.name}" == port.name]
+    return [str(go_mutants.build(go_mutants.materialise(go_mutant, workdir / "port"), workdir / "server")), "--port", "0"]
 
 
 @contextlib.contextmanager
@@ -76,12 +107,7 @@ def serving(port: Port, workdir: pathlib.Path) -> Iterator[str]:
     if port.language == "python":
         cmd = [sys.executable, str(ROOT / "tests" / "broken_ports.py"), port.name, "--port", "0", "--token", TOKEN]
     else:
-        from tests.js_mutants import MUTANTS, materialise
-
-        (mutant,) = [m for m in MUTANTS if f"node:{m.name}" == port.name]
-        copy = workdir / "port"
-        materialise(mutant, copy)
-        cmd = ["node", str(copy / "server.mjs"), "--port", "0"]
+        cmd = build_mutant(port, workdir)
         env["AGENT_TOKEN"] = "" if port.mode == "misconfigured" else TOKEN
     log = open(workdir / "server.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
@@ -138,9 +164,18 @@ def check(port: Port) -> Outcome:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mutation_score.py", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=4, help="ports checked at once (default 4)")
-    parser.add_argument("--only", help="these ports only (names, comma-separated; node mutants as node:NAME)")
+    parser.add_argument("--only", help="these ports only (names, comma-separated; typescript:NAME, go:NAME)")
+    parser.add_argument("--require", default="", help="languages whose toolchain must be present (e.g. typescript,go)")
     parser.add_argument("--json", metavar="OUT", help="also write the outcomes as JSON")
     args = parser.parse_args(argv)
+    missing = toolchains()
+    for language, problem in missing.items():
+        if problem is not None:
+            required = language in [r.strip() for r in args.require.split(",")]
+            print(f"mutation_score: {'ERROR' if required else 'note'}: the {language} mutants are left out: {problem}",
+                  file=sys.stderr)
+            if required:
+                return 2
     chosen = ports([n.strip() for n in (args.only or "").split(",") if n.strip()])
     if not chosen:
         print("mutation_score: no port to check", file=sys.stderr)
@@ -155,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shown = ", ".join(outcome.flagged[:4]) + (f" (+{len(outcome.flagged) - 4})" if len(outcome.flagged) > 4 else "")
             print(f"{word:<13} {p.name:<40} {outcome.seconds:5.1f}s  {outcome.error or shown}", flush=True)
     lines = []
-    for language in ("python", "node"):
+    for language in ("python", "typescript", "go"):
         mutants = [o for o in outcomes if o.port.language == language and not o.port.legal]
         if mutants:
             caught = sum(o.ok for o in mutants)

@@ -118,7 +118,7 @@ def test_wheel_holds_the_module_the_kit_and_its_data(wheel: Path, wheel_files: L
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"pipelines_port.py", "pipelines_port_kit", "pipelines_port-stubs",
                     f"pipelines_port-{pp.__version__}.dist-info"}  # no conformance/, tests/, bench/, templates/
-    assert not [n for n in names if "/ports/" in n or n.endswith((".pyc", ".mjs"))]
+    assert not [n for n in names if "/ports/" in n or n.endswith((".pyc", ".js", ".ts", ".go"))]
 
 
 def test_wheel_metadata_entry_point_and_markers(wheel: Path, wheel_files: List[str]) -> None:

@@ -1,23 +1,149 @@
-// pipelines_port.mjs: the Pipelines agent wire contract in plain JavaScript.
+// pipelines_port.ts: the Pipelines agent wire contract in strict TypeScript.
 //
-// Node 18+ built-ins only, no npm packages.  A port of pipelines_port.py's
+// Node 18+ built-ins only, no runtime npm packages.  A port of pipelines_port.py's
 // contract logic; section numbers (§2, §3.3, ...) point into CONTRACT.md.
 // The file reads top to bottom in the order a request flows:
 //
-//   constants -> errors -> small helpers -> envelope (§2) -> dispatch context
+//   types -> constants -> errors -> small helpers -> envelope (§2) -> dispatch context
 //   -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
 //   -> response envelope (§4) -> dispatch core and server (§2)
 //
 // Naming: data that is on the wire keeps the contract's snake_case words
 // (envelope.proxy_url, envelope.user_instruction, body.final_response);
-// functions, classes and options are ordinary JavaScript camelCase.
+// functions, classes and options are ordinary TypeScript camelCase.
+// `dist/pipelines_port.js` is this file compiled by `tsc`: the plain JavaScript port.
 
 import { AsyncLocalStorage } from "node:async_hooks";
 import { createHash, randomUUID, timingSafeEqual } from "node:crypto";
 import http from "node:http";
+import type { Agent as HttpAgent, IncomingHttpHeaders, IncomingMessage, Server, ServerResponse } from "node:http";
 import https from "node:https";
+import type { Agent as HttpsAgent } from "node:https";
 
 export const VERSION = "0.1.0";
+
+// ---------------------------------------------------------------------------
+// Types: what crosses the wire
+// ---------------------------------------------------------------------------
+
+/** Any JSON value. */
+export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
+/** A JSON object. */
+export type JsonObject = { [key: string]: Json };
+/** An id as the dispatch carries it (§2): a number stays a number, a string a string. */
+export type Id = number | string | null;
+
+/**
+ * One run's dispatch context (§2), read-only.  `run_token` is a secret: it is
+ * not enumerable, so JSON.stringify and console.log leave it out.
+ */
+export interface Envelope {
+  readonly proxy_url: string;
+  readonly run_token: string;
+  readonly run_id: Id;
+  readonly task_id: Id;
+  readonly agent_id: Id;
+  readonly run_token_jti: string | null;
+  readonly user_instruction: string;
+  readonly task_input: Readonly<JsonObject>;
+  readonly latest_user_prompt: string | null;
+  readonly session_id: Id;
+  readonly turn_id: Json;
+  readonly messages: readonly Json[] | null;
+  readonly scenario_state: Readonly<JsonObject> | null;
+  readonly workspace: Readonly<JsonObject> | null;
+  readonly tools_schema: readonly Json[] | null;
+  /** The declared sub-agent labels (§2 `sub_agents`), normalised as §3.5. */
+  readonly sub_agents: readonly string[];
+  /** Origin of the proxy URL (`scheme://host[:port]`, PIPELINES_API_URL in code mode, §5). */
+  readonly api_url: string;
+  /** The whole dispatch body as received, unknown fields included. */
+  readonly raw: Readonly<JsonObject>;
+}
+
+/** Request headers: a Node header object, or name/value pairs; names are matched case-insensitively. */
+export type HeadersInit = IncomingHttpHeaders | Readonly<Record<string, string | undefined>> | ReadonlyArray<readonly [string, string]>;
+
+/** The reserved live trace event types (§3.4). */
+export type TraceEventType =
+  | "assistant_message" | "thinking" | "system_prompt" | "custom"
+  | "llm_payload" | "handoff" | "subagent_message" | "subagent_final";
+
+/** A live trace event body as posted to `{proxy_url}/traces/{type}` (§3.4): the payload, stamped once. */
+export interface TraceEvent extends JsonObject {
+  __occurred_at: string;
+}
+
+/** The proxy's answer to a trace post. */
+export interface TraceReply {
+  accepted: boolean;
+  sequence: number;
+  [extra: string]: Json;
+}
+
+/** A `handoff` event's payload (§3.4). */
+export interface HandoffEvent {
+  from_sub_agent: string;
+  to_sub_agent: string;
+  reason?: Json;
+  payload_preview?: Json;
+}
+
+/** A tool call in a transcript, flat form (§4); the nested OpenAI form is flattened by buildResponse. */
+export interface ToolCall {
+  id?: string;
+  name: string;
+  arguments?: JsonObject | string | null;
+  [extra: string]: unknown;
+}
+
+/** A transcript message (§4). */
+export interface Message {
+  role: "system" | "user" | "assistant" | "tool";
+  content?: string | Json[] | null;
+  tool_calls?: ToolCall[];
+  tool_call_id?: string;
+  thinking?: JsonObject[];
+  [extra: string]: unknown;
+}
+
+/** First-class metadata the platform renders (§4); any other key is kept. */
+export interface ResponseMetadata {
+  model?: string;
+  system_prompt_id?: string;
+  total_input_tokens?: number;
+  total_output_tokens?: number;
+  agent_runtime_ms?: number;
+  [extra: string]: unknown;
+}
+
+/** The v1 response envelope (§4): what a dispatch answers with 200. */
+export interface ResponseEnvelope {
+  final_response: string;
+  messages?: Message[] | null;
+  metadata?: ResponseMetadata | null;
+  [extra: string]: unknown;
+}
+
+/** What an agent may return: text, a response envelope, or a framework's result object (§4). */
+export type AgentResult = string | ResponseEnvelope | { final_output?: unknown; output?: unknown; message?: unknown } | object | null | undefined;
+
+/** An agent: the envelope in, a result out (sync or async). */
+export type Agent = (envelope: Envelope) => AgentResult | Promise<AgentResult>;
+
+/** The retry policy of tool calls and trace posts (§3.3). */
+export interface RetryPolicy {
+  /** Attempts for 429 / transient 503, counting the first try. */
+  readonly maxAttempts: number;
+  /** The first backoff in seconds; doubles on each retry, ±jitter. */
+  readonly baseDelayS: number;
+  readonly maxDelayS: number;
+  readonly jitter: number;
+  /** A Retry-After header replaces the computed wait, capped here. */
+  readonly maxRetryAfterS: number;
+  /** Timeouts, refused or reset connections: retried with the same Idempotency-Key. */
+  readonly transportRetries: number;
+}
 
 // ---------------------------------------------------------------------------
 // Constants: the contract's names and numbers
@@ -47,29 +173,31 @@ const ACTOR_MAX_LENGTH = 256;
 const MAX_REQUEST_BYTES = 1 << 20;
 const MAX_REPLY_BYTES = 1 << 20;
 const DEFAULT_PROXY_TIMEOUT_S = 120;
+// §3.1 rate limit: the proxy answers 429 beyond 60 requests per minute per run token.
+const RATE_LIMIT_PER_MINUTE = 60;
 
 // §3.3 retry classification and policy.
-const TRANSIENT_503_CLASSES = new Set(["lock_contention", "context_store_unavailable", "trace_sequence_contended"]);
-const STALE_TOKEN_CLASSES = new Set(["run_token_expired", "run_token_invalid", "run_token_rejected"]);
+const TRANSIENT_503_CLASSES: ReadonlySet<string> = new Set(["lock_contention", "context_store_unavailable", "trace_sequence_contended"]);
+const STALE_TOKEN_CLASSES: ReadonlySet<string> = new Set(["run_token_expired", "run_token_invalid", "run_token_rejected"]);
 
 /** The one retry policy of tool calls and trace posts (§3.3). */
-export const RETRY_POLICY = Object.freeze({
-  maxAttempts: 4, // counts the first try (429 / transient 503)
-  baseDelayS: 0.5, // doubles on each retry, ±jitter
+export const RETRY_POLICY: RetryPolicy = Object.freeze({
+  maxAttempts: 4,
+  baseDelayS: 0.5,
   maxDelayS: 4,
   jitter: 0.25,
-  maxRetryAfterS: 60, // a Retry-After header replaces the computed wait, capped here
-  transportRetries: 2, // timeouts, refused or reset connections: same Idempotency-Key
+  maxRetryAfterS: 60,
+  transportRetries: 2,
 });
 
 // §3.4 reserved trace event types.
-export const TRACE_EVENT_TYPES = new Set([
+export const TRACE_EVENT_TYPES: ReadonlySet<TraceEventType> = new Set<TraceEventType>([
   "assistant_message", "thinking", "system_prompt", "custom",
   "llm_payload", "handoff", "subagent_message", "subagent_final",
 ]);
 
 // §4 response envelope.
-const MESSAGE_ROLES = ["system", "user", "assistant", "tool"];
+const MESSAGE_ROLES: readonly string[] = ["system", "user", "assistant", "tool"];
 const FINAL_RESPONSE_SOFT_LIMIT = 50_000;
 
 // §2 dispatch server defaults.
@@ -82,7 +210,7 @@ const DETAIL_LIMIT = 500;
 const PROBE_TOOL = "__reachability_probe__";
 
 const REDACTED = "[redacted]";
-const USER_AGENT = `pipelines-port-node/${VERSION}`;
+const USER_AGENT = `pipelines-port-typescript/${VERSION}`;
 
 // ---------------------------------------------------------------------------
 // Errors
@@ -90,7 +218,7 @@ const USER_AGENT = `pipelines-port-node/${VERSION}`;
 
 /** Base class of every error this module throws on purpose. */
 export class PipelinesError extends Error {
-  constructor(message) {
+  constructor(message: string) {
     super(message);
     this.name = new.target.name;
   }
@@ -101,11 +229,29 @@ export class EnvelopeError extends PipelinesError {}
 
 /** A value cannot become a valid response envelope (§4); `problems` lists each one. */
 export class ResponseError extends PipelinesError {
-  constructor(problems) {
+  readonly problems: readonly string[];
+
+  constructor(problems: string | readonly string[]) {
     const list = typeof problems === "string" ? [problems] : [...problems];
     super(list.join("; "));
     this.problems = list;
   }
+}
+
+/** The fields a ProxyError carries besides its message. */
+export interface ProxyErrorFields {
+  statusCode?: number | null;
+  errorClass?: string | null;
+  body?: Json;
+  toolName?: string | null;
+  retryAfter?: number | null;
+}
+
+/** A failure as the `{"error": ...}` tool result a model can read. */
+export interface ToolErrorValue {
+  error: string;
+  error_class?: string;
+  status_code?: number;
 }
 
 /**
@@ -115,14 +261,24 @@ export class ResponseError extends PipelinesError {
  * characters when not JSON).  Messages never contain the run token.
  */
 export class ProxyError extends PipelinesError {
-  constructor(message, { statusCode = null, errorClass = null, body = null, toolName = null, retryAfter = null } = {}) {
+  readonly statusCode: number | null;
+  readonly errorClass: string | null;
+  readonly body: Json;
+  readonly toolName: string | null;
+  readonly retryAfter: number | null;
+
+  constructor(message: string, { statusCode = null, errorClass = null, body = null, toolName = null, retryAfter = null }: ProxyErrorFields = {}) {
     super(message);
-    Object.assign(this, { statusCode, errorClass, body, toolName, retryAfter });
+    this.statusCode = statusCode;
+    this.errorClass = errorClass;
+    this.body = body;
+    this.toolName = toolName;
+    this.retryAfter = retryAfter;
   }
 
   /** The failure as an `{"error": ...}` tool result a model can read. */
-  toValue() {
-    const value = { error: this.message };
+  toValue(): ToolErrorValue {
+    const value: ToolErrorValue = { error: this.message };
     if (this.errorClass) value.error_class = this.errorClass;
     if (this.statusCode !== null) value.status_code = this.statusCode;
     return value;
@@ -142,25 +298,29 @@ export class StaleRunTokenError extends ProxyError {}
 // Small helpers
 // ---------------------------------------------------------------------------
 
-const isObject = (value) => value !== null && typeof value === "object" && !Array.isArray(value);
+/** A plain JSON-like object (not null, not an array). */
+function isObject(value: unknown): value is Record<string, unknown> {
+  return value !== null && typeof value === "object" && !Array.isArray(value);
+}
 
-function jsonType(value) {
+function jsonType(value: unknown): string {
   if (value === null || value === undefined) return "null";
   if (Array.isArray(value)) return "an array";
-  return { boolean: "a boolean", number: "a number", string: "a string", object: "an object" }[typeof value] ?? typeof value;
+  const names: Record<string, string> = { boolean: "a boolean", number: "a number", string: "a string", object: "an object" };
+  return names[typeof value] ?? typeof value;
 }
 
 /** At most `limit` characters of `text`, with an ellipsis when cut. */
-function short(text, limit = 200) {
+function short(text: string, limit = 200): string {
   return text.length <= limit ? text : text.slice(0, limit) + "…";
 }
 
 /** A value as it may appear in a message: JSON-quoted, shortened. */
-function quoted(value, limit = 80) {
+function quoted(value: unknown, limit = 80): string {
   return JSON.stringify(typeof value === "string" ? short(value, limit) : value) ?? String(value);
 }
 
-function deepFreeze(value) {
+function deepFreeze<T>(value: T): T {
   if (value !== null && typeof value === "object" && !Object.isFrozen(value)) {
     Object.values(value).forEach(deepFreeze);
     Object.freeze(value);
@@ -169,18 +329,20 @@ function deepFreeze(value) {
 }
 
 /** `secret` replaced everywhere in the strings of a JSON value (keys included). */
-function redact(value, secret) {
+function redact<T>(value: T, secret: string | null): T;
+function redact(value: unknown, secret: string | null): unknown {
   if (!secret) return value;
   if (typeof value === "string") return value.split(secret).join(REDACTED);
-  if (Array.isArray(value)) return value.map((v) => redact(v, secret));
+  if (Array.isArray(value)) return value.map((v: unknown) => redact(v, secret));
   if (isObject(value)) return Object.fromEntries(Object.entries(value).map(([k, v]) => [redact(k, secret), redact(v, secret)]));
   return value;
 }
 
 /** Header names lower-cased (§2: case-insensitive); the first value of a repeated name wins. */
-function lowerHeaders(headers) {
-  const out = {};
-  const pairs = headers == null ? [] : Array.isArray(headers) ? headers : Object.entries(headers);
+function lowerHeaders(headers: HeadersInit | null | undefined): Record<string, string> {
+  const out: Record<string, string> = {};
+  const pairs: ReadonlyArray<readonly [string, unknown]> = headers == null ? []
+    : Array.isArray(headers) ? headers as ReadonlyArray<readonly [string, string]> : Object.entries(headers);
   for (const [name, value] of pairs) {
     const key = String(name).toLowerCase();
     if (!(key in out) && value != null) out[key] = String(Array.isArray(value) ? value[0] : value);
@@ -189,15 +351,15 @@ function lowerHeaders(headers) {
 }
 
 /** A header's trimmed value, or null when absent or blank. */
-function header(lowered, name) {
+function header(lowered: Readonly<Record<string, string>>, name: string): string | null {
   const value = (lowered[name.toLowerCase()] ?? "").trim();
   return value || null;
 }
 
-const sleepSeconds = (seconds) => new Promise((resolve) => setTimeout(resolve, seconds * 1000));
+const sleepSeconds = (seconds: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, seconds * 1000));
 
 /** One line to stderr; callers never pass a secret. */
-export function log(level, message) {
+export function log(level: "info" | "warning" | "error", message: string): void {
   process.stderr.write(`${new Date().toISOString()} ${level.toUpperCase()} pipelines_port: ${message}\n`);
 }
 
@@ -206,54 +368,54 @@ export function log(level, message) {
 // ---------------------------------------------------------------------------
 
 /** The proxy base URL without its trailing `/`: http(s) with a host, no query or fragment. */
-function checkProxyUrl(url, where) {
+function checkProxyUrl(url: unknown, where: string): string {
   if (typeof url !== "string" || !url.trim()) {
     throw new EnvelopeError(`proxy URL from ${where} must be a non-empty string`);
   }
-  url = url.trim().replace(/\/+$/, "");
-  const parts = /^([A-Za-z][A-Za-z0-9+.-]*):\/\/([^/?#]*)([^?#]*)(\?[^#]*)?(#.*)?$/.exec(url);
-  const scheme = parts ? parts[1].toLowerCase() : "";
-  const hostPort = parts ? parts[2].replace(/^.*@/, "") : "";
+  const trimmed = url.trim().replace(/\/+$/, "");
+  const parts = /^([A-Za-z][A-Za-z0-9+.-]*):\/\/([^/?#]*)([^?#]*)(\?[^#]*)?(#.*)?$/.exec(trimmed);
+  const scheme = parts ? (parts[1] ?? "").toLowerCase() : "";
+  const hostPort = parts ? (parts[2] ?? "").replace(/^.*@/, "") : "";
   const port = /:(\d*)$/.exec(hostPort)?.[1];
-  if (!["http", "https"].includes(scheme) || !hostPort.replace(/:\d*$/, "")) {
-    throw new EnvelopeError(`proxy URL ${quoted(url, 200)} from ${where} must be an http:// or https:// URL with a host`);
+  if (!parts || !["http", "https"].includes(scheme) || !hostPort.replace(/:\d*$/, "")) {
+    throw new EnvelopeError(`proxy URL ${quoted(trimmed, 200)} from ${where} must be an http:// or https:// URL with a host`);
   }
   if (port && Number(port) > 65535) {
-    throw new EnvelopeError(`proxy URL ${quoted(url, 200)} from ${where} is not a valid URL: port out of range`);
+    throw new EnvelopeError(`proxy URL ${quoted(trimmed, 200)} from ${where} is not a valid URL: port out of range`);
   }
   if (parts[4] || parts[5]) {
-    throw new EnvelopeError(`proxy URL ${quoted(url, 200)} from ${where} must not carry a query or fragment`);
+    throw new EnvelopeError(`proxy URL ${quoted(trimmed, 200)} from ${where} must not carry a query or fragment`);
   }
-  if (/[\x00-\x20\x7f]/.test(url)) {
+  if (/[\x00-\x20\x7f]/.test(trimmed)) {
     throw new EnvelopeError(`proxy URL from ${where} contains whitespace or control characters`);
   }
-  return url;
+  return trimmed;
 }
 
-function checkRunToken(token, where) {
+function checkRunToken(token: unknown, where: string): string {
   if (typeof token !== "string" || !token.trim()) throw new EnvelopeError(`run token from ${where} must be a non-empty string`);
-  token = token.trim();
+  const trimmed = token.trim();
   // Never echo it: it is a secret.
-  if (/[\x00-\x1f\x7f]/.test(token)) throw new EnvelopeError(`run token from ${where} contains control characters`);
-  return token;
+  if (/[\x00-\x1f\x7f]/.test(trimmed)) throw new EnvelopeError(`run token from ${where} contains control characters`);
+  return trimmed;
 }
 
 /** An id as the body carries it (integer or string); anything else counts as absent. */
-function nativeId(value) {
-  if (Number.isInteger(value)) return value;
+function nativeId(value: unknown): Id {
+  if (typeof value === "number" && Number.isInteger(value)) return value;
   if (typeof value === "string" && value.trim()) return value.trim();
   return null;
 }
 
-const firstId = (...candidates) => candidates.map(nativeId).find((id) => id !== null) ?? null;
+const firstId = (...candidates: unknown[]): Id => candidates.map(nativeId).find((id) => id !== null) ?? null;
 
 /** §2 `sub_agents`: strings or `{"actor_id": ...}`; malformed entries and repeats skipped. */
-function subAgentCatalog(value) {
-  const labels = [];
-  for (const entry of Array.isArray(value) ? value : []) {
-    const raw = isObject(entry) ? entry.actor_id : entry;
+function subAgentCatalog(value: unknown): string[] {
+  const labels: string[] = [];
+  for (const entry of Array.isArray(value) ? value as unknown[] : []) {
+    const raw = isObject(entry) ? entry["actor_id"] : entry;
     if (typeof raw !== "string") continue;
-    let label;
+    let label: string | null;
     try {
       label = validateActorLabel(raw);
     } catch {
@@ -272,78 +434,90 @@ function subAgentCatalog(value) {
  * whose `run_token` is not enumerable (JSON.stringify and console.log skip it).
  * Throws EnvelopeError naming what is missing and where it was looked for.
  */
-export function envelopeFromDispatch(body, headers = {}) {
+export function envelopeFromDispatch(body: unknown, headers: HeadersInit = {}): Envelope {
+  let parsed: unknown = body;
   if (typeof body === "string" || body instanceof Uint8Array) {
     try {
-      body = JSON.parse(typeof body === "string" ? body : new TextDecoder("utf-8", { fatal: true }).decode(body));
+      parsed = JSON.parse(typeof body === "string" ? body : new TextDecoder("utf-8", { fatal: true }).decode(body));
     } catch (err) {
-      throw new EnvelopeError(`dispatch body is not valid JSON: ${err.message}`);
+      throw new EnvelopeError(`dispatch body is not valid JSON: ${err instanceof Error ? err.message : String(err)}`);
     }
   }
-  if (!isObject(body)) throw new EnvelopeError(`dispatch body must be a JSON object, got ${jsonType(body)}`);
-  body = structuredClone(body); // frozen below: the caller's object stays theirs
+  if (!isObject(parsed)) throw new EnvelopeError(`dispatch body must be a JSON object, got ${jsonType(parsed)}`);
+  const raw = structuredClone(parsed) as JsonObject; // frozen below: the caller's object stays theirs
   const h = lowerHeaders(headers);
 
-  let url = null;
-  let where = null;
+  let url: string | null = null;
+  let where = "";
   for (const field of [PROXY_URL_FIELD, PROXY_URL_FIELD_LEGACY]) {
-    if (url === null && typeof body[field] === "string" && body[field].trim()) [url, where] = [body[field], `body field '${field}'`];
+    const value = raw[field];
+    if (url === null && typeof value === "string" && value.trim()) [url, where] = [value, `body field '${field}'`];
   }
   for (const name of [PROXY_URL_HEADER, PROXY_URL_HEADER_LEGACY]) {
-    if (url === null && header(h, name)) [url, where] = [header(h, name), `header ${name}`];
+    const value = header(h, name);
+    if (url === null && value) [url, where] = [value, `header ${name}`];
   }
   const token = header(h, RUN_TOKEN_HEADER);
-  const missing = [];
+  const missing: string[] = [];
   if (url === null) {
     missing.push(`proxy URL (looked for body field '${PROXY_URL_FIELD}', legacy '${PROXY_URL_FIELD_LEGACY}', ` +
       `and headers ${PROXY_URL_HEADER}, legacy ${PROXY_URL_HEADER_LEGACY})`);
   }
   if (token === null) missing.push(`run token (looked for header ${RUN_TOKEN_HEADER})`);
-  if (missing.length) throw new EnvelopeError(`dispatch is missing ${missing.join(" and ")}`);
+  if (url === null || token === null) throw new EnvelopeError(`dispatch is missing ${missing.join(" and ")}`);
 
-  const task = isObject(body.input) ? body.input : {};
-  const typed = (key, check) => (check(task[key]) ? task[key] : null);
-  const jti = typeof body.run_token_jti === "string" && body.run_token_jti.trim() ? body.run_token_jti.trim() : null;
+  const task: JsonObject = isObject(raw["input"]) ? raw["input"] as JsonObject : {};
+  const str = (v: Json | undefined): string | null => (typeof v === "string" ? v : null);
+  const obj = (v: Json | undefined): JsonObject | null => (isObject(v) ? v as JsonObject : null);
+  const list = (v: Json | undefined): Json[] | null => (Array.isArray(v) ? v : null);
+  const jti = str(raw["run_token_jti"])?.trim() || null;
   const proxy_url = checkProxyUrl(url, where);
   const envelope = {
     proxy_url,
-    run_id: firstId(body.run_id, header(h, RUN_ID_HEADER)),
-    task_id: firstId(body.task_id, task.task_id, header(h, TASK_ID_HEADER)),
-    agent_id: firstId(body.agent_id),
+    run_id: firstId(raw["run_id"], header(h, RUN_ID_HEADER)),
+    task_id: firstId(raw["task_id"], task["task_id"], header(h, TASK_ID_HEADER)),
+    agent_id: firstId(raw["agent_id"]),
     run_token_jti: jti ?? header(h, RUN_TOKEN_JTI_HEADER),
-    user_instruction: typed("user_instruction", (v) => typeof v === "string") ?? "",
-    task_input: typed("input", isObject) ?? {},
-    latest_user_prompt: typed("latest_user_prompt", (v) => typeof v === "string"),
-    session_id: nativeId(task.session_id),
-    turn_id: task.turn_id ?? null,
-    messages: typed("messages", Array.isArray),
-    scenario_state: typed("scenario_state", isObject),
-    workspace: typed("workspace", isObject),
-    tools_schema: Array.isArray(body.tools_schema) ? body.tools_schema : null,
-    sub_agents: subAgentCatalog(body.sub_agents),
-    raw: body,
-    // Origin of the proxy URL (PIPELINES_API_URL in code mode, §5).
-    api_url: /^[^:]+:\/\/[^/]*/.exec(proxy_url)[0],
+    user_instruction: str(task["user_instruction"]) ?? "",
+    task_input: obj(task["input"]) ?? {},
+    latest_user_prompt: str(task["latest_user_prompt"]),
+    session_id: nativeId(task["session_id"]),
+    turn_id: task["turn_id"] ?? null,
+    messages: list(task["messages"]),
+    scenario_state: obj(task["scenario_state"]),
+    workspace: obj(task["workspace"]),
+    tools_schema: list(raw["tools_schema"]),
+    sub_agents: subAgentCatalog(raw["sub_agents"]),
+    raw,
+    api_url: (/^[^:]+:\/\/[^/]*/.exec(proxy_url) ?? [proxy_url])[0],
   };
   Object.defineProperty(envelope, "run_token", { value: checkRunToken(token, `header ${RUN_TOKEN_HEADER}`), enumerable: false });
-  return deepFreeze(envelope);
+  return deepFreeze(envelope as typeof envelope & { run_token: string });
 }
 
 // ---------------------------------------------------------------------------
 // Dispatch context: the envelope of the dispatch running in this async context
 // ---------------------------------------------------------------------------
 
+/** What one dispatch's async context carries. */
+interface DispatchState {
+  envelope: Envelope | null;
+  /** Set when the dispatch overran its run timeout: further proxy calls fail fast. */
+  cancelled: boolean;
+  proxyCalls: number;
+}
+
 // Each dispatch runs inside its own store: concurrent dispatches never see
 // each other's envelope (and so never each other's run token).
-const dispatchContext = new AsyncLocalStorage();
+const dispatchContext = new AsyncLocalStorage<DispatchState>();
 
 /** Run `fn` with `envelope` bound: proxyCall / postTrace inside it need no envelope argument. */
-export function bindEnvelope(envelope, fn) {
+export function bindEnvelope<R>(envelope: Envelope, fn: () => R): R {
   return dispatchContext.run({ envelope, cancelled: false, proxyCalls: 0 }, fn);
 }
 
 /** The envelope bound to this async context; EnvelopeError when none is. */
-export function currentEnvelope() {
+export function currentEnvelope(): Envelope {
   const envelope = dispatchContext.getStore()?.envelope;
   if (!envelope) {
     throw new EnvelopeError("no dispatch envelope is bound to this context: call inside a dispatch, " +
@@ -357,8 +531,8 @@ export function currentEnvelope() {
 // ---------------------------------------------------------------------------
 
 /** Equal strings, compared in constant time whatever their lengths (SHA-256 both, then compare). */
-function constantTimeEqual(a, b) {
-  const digest = (s) => createHash("sha256").update(s, "utf8").digest();
+function constantTimeEqual(a: string, b: string): boolean {
+  const digest = (s: string): Buffer => createHash("sha256").update(s, "utf8").digest();
   return timingSafeEqual(digest(a), digest(b));
 }
 
@@ -368,7 +542,7 @@ function constantTimeEqual(a, b) {
  * (scheme case-insensitive); a custom header (e.g. X-API-Key) carries the raw
  * value.  An empty `expected` never matches.
  */
-export function checkCredential(headers, expected, headerName = "Authorization") {
+export function checkCredential(headers: HeadersInit, expected: string, headerName = "Authorization"): boolean {
   if (!expected) return false;
   let received = lowerHeaders(headers)[headerName.toLowerCase()];
   if (received === undefined) return false;
@@ -386,8 +560,8 @@ export function checkCredential(headers, expected, headerName = "Authorization")
 }
 
 /** True only for a body that is exactly `{"ping": true}`: one key, the boolean true (§2 step 3). */
-export function isPing(body) {
-  return isObject(body) && Object.keys(body).length === 1 && body.ping === true;
+export function isPing(body: unknown): boolean {
+  return isObject(body) && Object.keys(body).length === 1 && body["ping"] === true;
 }
 
 // ---------------------------------------------------------------------------
@@ -395,7 +569,7 @@ export function isPing(body) {
 // ---------------------------------------------------------------------------
 
 /** `name` when it matches ^[A-Za-z_][A-Za-z0-9_-]{0,127}$ (§3.1); ProxyRequestError otherwise. */
-export function validateToolName(name) {
+export function validateToolName(name: unknown): string {
   if (typeof name !== "string" || !TOOL_NAME_RE.test(name)) {
     throw new ProxyRequestError(`invalid tool name ${quoted(name)}: must match ^[A-Za-z_][A-Za-z0-9_-]{0,127}$`,
       { toolName: typeof name === "string" ? name : null });
@@ -408,154 +582,184 @@ export function validateToolName(name) {
  * 8 `/`-separated segments of 1-64 characters from [A-Za-z0-9_.:-], at most 256
  * characters in all.  ProxyRequestError with errorClass "actor_id_invalid" otherwise.
  */
-export function validateActorLabel(label) {
+export function validateActorLabel(label: unknown): string | null {
   if (label === null || label === undefined) return null;
-  const invalid = (problem) => new ProxyRequestError(problem, { errorClass: "actor_id_invalid" });
+  const invalid = (problem: string): ProxyRequestError => new ProxyRequestError(problem, { errorClass: "actor_id_invalid" });
   if (typeof label !== "string") throw invalid(`actor label must be a string, got ${jsonType(label)}`);
-  label = label.trim();
-  if (!label) return null;
-  const segments = label.split("/");
-  let problem = null;
-  if (label.length > ACTOR_MAX_LENGTH) problem = `is ${label.length} characters long (at most ${ACTOR_MAX_LENGTH})`;
+  const trimmed = label.trim();
+  if (!trimmed) return null;
+  const segments = trimmed.split("/");
+  let problem: string | null = null;
+  if (trimmed.length > ACTOR_MAX_LENGTH) problem = `is ${trimmed.length} characters long (at most ${ACTOR_MAX_LENGTH})`;
   else if (segments.length > ACTOR_MAX_SEGMENTS) problem = `has ${segments.length} segments (at most ${ACTOR_MAX_SEGMENTS})`;
   else {
     const bad = segments.find((segment) => !ACTOR_SEGMENT_RE.test(segment));
     if (bad !== undefined) problem = `has segment ${quoted(bad)}: each segment is 1-64 characters from [A-Za-z0-9_.:-]`;
   }
-  if (problem) throw invalid(`invalid actor label ${quoted(label)}: ${problem}`);
-  return label;
+  if (problem) throw invalid(`invalid actor label ${quoted(trimmed)}: ${problem}`);
+  return trimmed;
 }
 
 /** Seconds from a Retry-After header (delta-seconds or HTTP-date); null when absent or unreadable. */
-function parseRetryAfter(value, now = Date.now()) {
-  if (value === undefined || value === null || !String(value).trim()) return null;
-  value = String(value).trim();
-  let seconds = /^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/.test(value) ? Number(value) : (Date.parse(value) - now) / 1000;
+function parseRetryAfter(value: string | undefined, now = Date.now()): number | null {
+  if (value === undefined || !value.trim()) return null;
+  const text = value.trim();
+  const seconds = /^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/.test(text) ? Number(text) : (Date.parse(text) - now) / 1000;
   if (Number.isNaN(seconds)) return null;
   return Math.max(0, seconds);
 }
 
 /** [errorClass, message] from the three error body shapes (§3.3). */
-function errorFields(body) {
-  const str = (v) => (typeof v === "string" ? v : null);
+function errorFields(body: Json): [string | null, string | null] {
+  const str = (v: unknown): string | null => (typeof v === "string" ? v : null);
   if (!isObject(body)) return [null, null];
-  const detail = body.detail;
-  if (isObject(detail)) return [str(detail.error_class), str(detail.message || detail.detail)];
-  if (typeof detail === "string") return [str(body.error_class), detail];
-  let message = body.message || body.error;
+  const detail = body["detail"];
+  if (isObject(detail)) return [str(detail["error_class"]), str(detail["message"] || detail["detail"])];
+  if (typeof detail === "string") return [str(body["error_class"]), detail];
+  let message: Json | undefined = body["message"] || body["error"];
   if (detail !== undefined && detail !== null && (message === undefined || message === null)) message = JSON.stringify(detail).slice(0, 200);
-  return [str(body.error_class), str(message)];
+  return [str(body["error_class"]), str(message)];
 }
 
-/** { value, isJson }: the parsed JSON, or the text when the body is not JSON. */
-function decodeBody(bytes) {
+/** The parsed JSON, or the text when the body is not JSON. */
+function decodeBody(bytes: Uint8Array): { value: Json; isJson: boolean } {
   if (!bytes.length) return { value: null, isJson: false };
   const text = new TextDecoder("utf-8").decode(bytes);
   try {
-    return { value: JSON.parse(text), isJson: true };
+    return { value: JSON.parse(text) as Json, isJson: true };
   } catch {
     return { value: text, isJson: false };
   }
 }
 
+/** What one proxy reply means (§3.2, §3.3). */
+export type ReplyOutcome =
+  | { kind: "value"; value: Json }
+  | { kind: "retry"; error: ProxyError; retryAfter: number | null }
+  | { kind: "error"; error: ProxyError };
+
 /**
- * What one proxy reply means, with no I/O (§3.2, §3.3): `{kind: "value", value}`,
- * `{kind: "retry", error, retryAfter}` or `{kind: "error", error}`.
+ * What one proxy reply means, with no I/O (§3.2, §3.3).
  *
  * 2xx: the unwrapped `response` (a legacy body without it whole, non-JSON text
  * as the string, never decoded twice).  429 and the transient 503 classes:
  * retry.  401 with a stale-token class: StaleRunTokenError.  Anything else:
  * ProxyError.  `runToken` is scrubbed from error bodies and messages.
  */
-export function interpretReply(status, headers, bytes, { toolName, runToken = null }) {
-  let { value, isJson } = decodeBody(bytes);
+export function interpretReply(status: number, headers: HeadersInit | null, bytes: Uint8Array,
+  { toolName, runToken = null }: { toolName: string; runToken?: string | null }): ReplyOutcome {
+  const decoded = decodeBody(bytes);
+  const isJson = decoded.isJson;
   if (status >= 200 && status < 300) {
-    return { kind: "value", value: isJson && isObject(value) && "response" in value ? value.response : value };
+    const value = decoded.value;
+    return { kind: "value", value: isJson && isObject(value) && "response" in value ? value["response"] ?? null : value };
   }
-  value = redact(value, runToken); // an error body is kept and shown: scrub the token from it
+  const value = redact(decoded.value, runToken); // an error body is kept and shown: scrub the token from it
   let [errorClass, message] = isJson ? errorFields(value) : [null, null];
   if (message === null) message = short(typeof value === "string" ? value : value === null ? "" : JSON.stringify(value), 200);
   const retryAfter = parseRetryAfter(lowerHeaders(headers)["retry-after"]);
   let text = `proxy call ${quoted(toolName)} failed: HTTP ${status}`;
   if (errorClass) text += ` ${errorClass}`;
   if (message) text += `: ${message}`;
-  const fields = { statusCode: status, errorClass, body: isJson || value === null ? value : short(value, 200), toolName, retryAfter };
-  if (status === 429 || (status === 503 && TRANSIENT_503_CLASSES.has(errorClass))) {
+  const fields: ProxyErrorFields = {
+    statusCode: status, errorClass, body: isJson || value === null ? value : short(String(value), 200), toolName, retryAfter,
+  };
+  if (status === 429 || (status === 503 && errorClass !== null && TRANSIENT_503_CLASSES.has(errorClass))) {
     return { kind: "retry", error: new ProxyError(text, fields), retryAfter };
   }
-  if (status === 401 && STALE_TOKEN_CLASSES.has(errorClass)) {
+  if (status === 401 && errorClass !== null && STALE_TOKEN_CLASSES.has(errorClass)) {
     return { kind: "error", error: new StaleRunTokenError(`${text} (the run is over)`, fields) };
   }
   return { kind: "error", error: new ProxyError(text, fields) };
 }
 
 /** Seconds to wait before retry number `retry` (1 for the first): Retry-After, else backoff with jitter. */
-export function retryDelay(policy, retry, retryAfter = null) {
+export function retryDelay(policy: RetryPolicy, retry: number, retryAfter: number | null = null): number {
   if (retryAfter !== null) return Math.min(retryAfter, policy.maxRetryAfterS);
   const wait = policy.baseDelayS * 2 ** (retry - 1) * (1 - policy.jitter + Math.random() * 2 * policy.jitter);
   return Math.max(0, Math.min(wait, policy.maxDelayS));
 }
 
-/** No usable reply arrived; `cause` is the socket error, `reusedSocket` says whether it came on a pooled connection. */
+/** A socket-level error as Node reports it. */
+type SystemError = Error & { code?: string };
+
+/** No usable reply arrived; `failure` is the socket error, `reusedSocket` says whether it came on a pooled connection. */
 class TransportFailure extends Error {
-  constructor(cause, reusedSocket) {
-    super(cause.message);
-    Object.assign(this, { cause, reusedSocket });
+  constructor(readonly failure: SystemError, readonly reusedSocket: boolean) {
+    super(failure.message);
   }
 }
 
 /** A reply body over the cap, refused without reading it all. */
 class ReplyTooLarge extends Error {
-  constructor(status, cap, length) {
+  constructor(readonly status: number, cap: number, length: number | null) {
     super(length !== null ? `is ${length} bytes, over the ${cap}-byte cap` : `exceeds the ${cap}-byte cap`);
-    this.status = status;
   }
 }
 
 // A keep-alive connection the server closed while it sat idle in the pool.
-const STALE_CONNECTION_CODES = new Set(["ECONNRESET", "EPIPE", "ECONNABORTED"]);
+const STALE_CONNECTION_CODES: ReadonlySet<string> = new Set(["ECONNRESET", "EPIPE", "ECONNABORTED"]);
 
 /** Retry timeouts and refused, reset or dropped connections; never DNS or certificate failures. */
-function isRetryableTransport(cause) {
-  const code = String(cause?.code ?? "");
+function isRetryableTransport(failure: SystemError): boolean {
+  const code = String(failure.code ?? "");
   return !/^(ENOTFOUND|EAI_)/.test(code) && !/CERT|UNABLE_TO_|SELF_SIGNED/.test(code);
 }
 
+/** One HTTP reply, read whole. */
+interface Exchanged {
+  status: number;
+  headers: IncomingHttpHeaders;
+  body: Buffer;
+}
+
+interface ExchangeOptions {
+  url: URL;
+  headers: Record<string, string>;
+  body: string | Uint8Array;
+  timeoutS: number;
+  maxReply?: number;
+  agent: HttpAgent | false;
+}
+
 /**
- * One HTTP exchange: resolves `{status, headers, body}`; rejects with
- * TransportFailure or ReplyTooLarge.  `timeoutS` bounds the whole exchange.
+ * One HTTP POST exchange: resolves the reply; rejects with TransportFailure or
+ * ReplyTooLarge.  `timeoutS` bounds the whole exchange.
  */
-function exchange({ url, method = "POST", headers, body, timeoutS, maxReply = MAX_REPLY_BYTES, agent }) {
+function exchange({ url, headers, body, timeoutS, maxReply = MAX_REPLY_BYTES, agent }: ExchangeOptions): Promise<Exchanged> {
   return new Promise((resolve, reject) => {
     const transport = url.protocol === "https:" ? https : http;
-    const request = transport.request(url, { method, headers, agent });
+    const request = transport.request(url, { method: "POST", headers, agent });
     let settled = false;
-    const settle = (fn, value) => {
-      if (settled) return;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const settle = (): boolean => {
+      if (settled) return false;
       settled = true;
       clearTimeout(timer);
-      fn(value);
+      return true;
     };
-    const fail = (err) => {
+    const fail = (err: Error): void => {
       if (settled) return; // e.g. the "close" that follows a complete reply
       request.destroy();
-      settle(reject, err instanceof ReplyTooLarge ? err : new TransportFailure(err, Boolean(request.reusedSocket)));
+      if (settle()) reject(err instanceof ReplyTooLarge ? err : new TransportFailure(err, Boolean(request.reusedSocket)));
     };
-    const timer = setTimeout(() => fail(Object.assign(new Error(`timed out after ${timeoutS} s`), { code: "ETIMEDOUT" })),
+    timer = setTimeout(() => fail(Object.assign(new Error(`timed out after ${timeoutS} s`), { code: "ETIMEDOUT" })),
       timeoutS * 1000);
     request.on("error", fail);
-    request.on("response", (response) => {
-      const status = response.statusCode;
+    request.on("response", (response: IncomingMessage) => {
+      const status = response.statusCode ?? 0;
       const length = Number(response.headers["content-length"]);
       if (length > maxReply) return fail(new ReplyTooLarge(status, maxReply, length));
-      const chunks = [];
+      const chunks: Buffer[] = [];
       let size = 0;
-      response.on("data", (chunk) => {
+      response.on("data", (chunk: Buffer) => {
         size += chunk.length;
         if (size > maxReply) fail(new ReplyTooLarge(status, maxReply, null));
         else chunks.push(chunk);
       });
-      response.on("end", () => settle(resolve, { status, headers: response.headers, body: Buffer.concat(chunks) }));
+      response.on("end", () => {
+        if (settle()) resolve({ status, headers: response.headers, body: Buffer.concat(chunks) });
+      });
       response.on("error", fail);
       response.on("close", () => fail(new Error("connection closed before the reply was complete")));
     });
@@ -563,7 +767,7 @@ function exchange({ url, method = "POST", headers, body, timeoutS, maxReply = MA
   });
 }
 
-function envNumber(name, fallback) {
+function envNumber(name: string, fallback: number): number {
   const text = (process.env[name] ?? "").trim();
   if (!text) return fallback;
   const value = Number(text);
@@ -574,16 +778,17 @@ function envNumber(name, fallback) {
 }
 
 /** Compact JSON for a request body: a JSON object under the 1 MiB cap (§3.1). */
-function encodeObject(name, value, what) {
-  if (value === null || value === undefined) value = {};
-  if (!isObject(value)) {
-    throw new ProxyRequestError(`${what} for ${quoted(name)} must be a JSON object, got ${jsonType(value)}`, { toolName: name });
+function encodeObject(name: string, value: unknown, what: string): Buffer {
+  const object = value === null || value === undefined ? {} : value;
+  if (!isObject(object)) {
+    throw new ProxyRequestError(`${what} for ${quoted(name)} must be a JSON object, got ${jsonType(object)}`, { toolName: name });
   }
-  let body;
+  let body: Buffer;
   try {
-    body = Buffer.from(JSON.stringify(value), "utf8");
+    body = Buffer.from(JSON.stringify(object), "utf8");
   } catch (err) {
-    throw new ProxyRequestError(`${what} for ${quoted(name)} are not JSON-serialisable: ${err.message}`, { toolName: name });
+    const reason = err instanceof Error ? err.message : String(err);
+    throw new ProxyRequestError(`${what} for ${quoted(name)} are not JSON-serialisable: ${reason}`, { toolName: name });
   }
   if (body.length > MAX_REQUEST_BYTES) {
     throw new ProxyRequestError(`${what} for ${quoted(name)} are ${body.length} bytes as JSON, over the ` +
@@ -592,29 +797,111 @@ function encodeObject(name, value, what) {
   return body;
 }
 
-const undeclaredSeen = new Set(); // bounded below: one warning per run and label
+const undeclaredSeen = new Set<string>(); // bounded below: one warning per run and label
 
 /** §3.5: a label off the declared catalog is accepted (shown as undeclared); warn once per run and label. */
-function warnIfUndeclared(envelope, label) {
-  const catalog = envelope.sub_agents ?? [];
-  if (!catalog.length || catalog.includes(label) || catalog.includes(label.split("/").pop())) return;
+function warnIfUndeclared(envelope: Envelope, label: string): void {
+  const catalog = envelope.sub_agents;
+  if (!catalog.length || catalog.includes(label) || catalog.includes(label.split("/").pop() ?? label)) return;
   const key = JSON.stringify([envelope.run_id, envelope.run_token_jti, envelope.proxy_url, label]);
   if (undeclaredSeen.has(key)) return;
-  if (undeclaredSeen.size >= 4096) undeclaredSeen.delete(undeclaredSeen.values().next().value);
+  if (undeclaredSeen.size >= 4096) {
+    const oldest = undeclaredSeen.values().next();
+    if (!oldest.done) undeclaredSeen.delete(oldest.value);
+  }
   undeclaredSeen.add(key);
   log("warning", `actor label ${quoted(label)} is not in this run's declared sub_agents ${JSON.stringify(catalog)}; ` +
     "the platform will show it as undeclared");
 }
 
 /**
- * Calls the per-run proxy (§3): validation, keep-alive, retries.  One instance
- * serves any number of concurrent runs.  Options: `timeout` (seconds per
- * attempt; default PIPELINES_PROXY_TIMEOUT_S or 120), `retry` (overrides of
- * RETRY_POLICY), `sleep` (async seconds => void; tests pass a fake).
+ * Client-side pacing (§3.1 rate limit): at most `limit` requests per run token in
+ * any `windowS` seconds.  A sliding log per token; a caller over the limit is told
+ * how long to wait for its reserved slot, so a burst is spread out instead of
+ * collecting 429s.  At most `maxTokens` runs are remembered (the oldest forgotten).
+ */
+export class Pacer {
+  private readonly slots = new Map<string, number[]>();
+
+  constructor(readonly limit: number, readonly windowS = 60, private readonly maxTokens = 4096) {
+    if (!(Number.isInteger(limit) && limit >= 1)) throw new RangeError(`pacing limit must be a positive integer, got ${limit}`);
+  }
+
+  /** Reserve the next slot for `key`; the seconds to wait for it.  `now` is in seconds (performance.now() / 1000). */
+  reserve(key: string, now = performance.now() / 1000): number {
+    let log = this.slots.get(key);
+    if (log === undefined) {
+      log = [];
+      if (this.slots.size >= this.maxTokens) {
+        const oldest = this.slots.keys().next();
+        if (!oldest.done) this.slots.delete(oldest.value);
+      }
+    } else {
+      this.slots.delete(key); // re-inserted below: the Map's order is least recently used first
+    }
+    this.slots.set(key, log);
+    const first = log[0];
+    const slot = log.length < this.limit || first === undefined ? now : Math.max(now, first + this.windowS);
+    log.push(slot);
+    if (log.length > this.limit) log.shift();
+    return slot - now;
+  }
+}
+
+/** Options of ProxyClient. */
+export interface ProxyClientOptions {
+  /** Seconds per attempt; default PIPELINES_PROXY_TIMEOUT_S or 120. */
+  timeout?: number;
+  /** Client-side pacing per run token; default PIPELINES_PROXY_RATE_PER_MINUTE or 60; 0 turns it off. */
+  ratePerMinute?: number;
+  /** Overrides of RETRY_POLICY. */
+  retry?: Partial<RetryPolicy>;
+  /** How to wait `seconds` between attempts (tests pass a fake). */
+  sleep?: (seconds: number) => Promise<void>;
+}
+
+/** Options of one tool call. */
+export interface CallOptions {
+  /** The sub-agent label sent as X-Pipelines-Actor-Id (§3.5). */
+  actor?: string | null;
+  /** Seconds per attempt, instead of the client's. */
+  timeout?: number | null;
+  /** The key of this logical call; a fresh UUID by default. */
+  idempotencyKey?: string | null;
+  /** "return": a failure becomes an `{"error": ...}` value for the model (a stale run token still throws). */
+  errors?: "raise" | "return";
+}
+
+/** Options of one trace post. */
+export interface TraceOptions {
+  actor?: string | null;
+  timeout?: number | null;
+  /** Log a failure and resolve null instead of throwing. */
+  bestEffort?: boolean;
+}
+
+interface RequestSettings {
+  label: string | null;
+  timeout: number | null | undefined;
+  idempotencyKey?: string | null | undefined;
+}
+
+/**
+ * Calls the per-run proxy (§3): validation, keep-alive, pacing, retries.  One
+ * instance serves any number of concurrent runs.
  */
 export class ProxyClient {
-  constructor({ timeout, retry = {}, sleep = sleepSeconds } = {}) {
+  readonly timeout: number;
+  readonly retry: RetryPolicy;
+  private readonly pacer: Pacer | null;
+  private readonly sleep: (seconds: number) => Promise<void>;
+  private readonly agents: { readonly "http:": HttpAgent; readonly "https:": HttpsAgent };
+
+  constructor({ timeout, ratePerMinute, retry = {}, sleep = sleepSeconds }: ProxyClientOptions = {}) {
     this.timeout = timeout ?? envNumber("PIPELINES_PROXY_TIMEOUT_S", DEFAULT_PROXY_TIMEOUT_S);
+    if (!(this.timeout > 0)) throw new PipelinesError(`the proxy timeout must be a positive number of seconds, got ${this.timeout}`);
+    const rate = ratePerMinute ?? envNumber("PIPELINES_PROXY_RATE_PER_MINUTE", RATE_LIMIT_PER_MINUTE);
+    this.pacer = rate >= 1 ? new Pacer(Math.floor(rate)) : null;
     this.retry = { ...RETRY_POLICY, ...retry };
     this.sleep = sleep;
     this.agents = { "http:": new http.Agent({ keepAlive: true }), "https:": new https.Agent({ keepAlive: true }) };
@@ -625,13 +912,16 @@ export class ProxyClient {
    * `errors: "return"` turns a failure into an `{"error": ...}` value for the
    * model instead of a rejection; a stale run token still rejects (the run is over).
    */
-  async call(envelope, name, args, { actor = null, timeout = null, idempotencyKey = null, errors = "raise" } = {}) {
+  async call(envelope: Envelope, name: string, args: unknown, options?: CallOptions & { errors?: "raise" }): Promise<Json>;
+  async call(envelope: Envelope, name: string, args: unknown, options: CallOptions & { errors: "return" }): Promise<Json | ToolErrorValue>;
+  async call(envelope: Envelope, name: string, args: unknown,
+    { actor = null, timeout = null, idempotencyKey = null, errors = "raise" }: CallOptions = {}): Promise<Json | ToolErrorValue> {
     try {
       validateToolName(name);
       const label = validateActorLabel(actor);
       if (label) warnIfUndeclared(envelope, label);
       const body = encodeObject(name, args, "tool arguments");
-      return await this.#request(envelope, "tools", name, body, { label, timeout, idempotencyKey });
+      return await this.request(envelope, "tools", name, body, { label, timeout, idempotencyKey });
     } catch (err) {
       if (errors === "return" && err instanceof ProxyError && !(err instanceof StaleRunTokenError)) {
         log("info", `tool ${quoted(name)} failed, returning the error to the agent: ${err.message}`);
@@ -647,9 +937,10 @@ export class ProxyClient {
    * body).  `__occurred_at` is stamped once, before the first attempt.  With
    * `bestEffort` a failure is logged and null returned.
    */
-  async trace(envelope, eventType, payload = null, { actor = null, timeout = null, bestEffort = false } = {}) {
+  async trace(envelope: Envelope, eventType: TraceEventType | string, payload: unknown = null,
+    { actor = null, timeout = null, bestEffort = false }: TraceOptions = {}): Promise<TraceReply | null> {
     try {
-      if (!TRACE_EVENT_TYPES.has(eventType)) {
+      if (!TRACE_EVENT_TYPES.has(eventType as TraceEventType)) {
         throw new ProxyRequestError(`unknown trace event type ${quoted(eventType, 60)}: expected one of ` +
           [...TRACE_EVENT_TYPES].sort().join(", "), { toolName: String(eventType) });
       }
@@ -657,11 +948,11 @@ export class ProxyClient {
       if (payload !== null && payload !== undefined && !isObject(payload)) {
         throw new ProxyRequestError(`trace payload must be a JSON object, got ${jsonType(payload)}`, { toolName: eventType });
       }
-      const event = { ...payload };
-      if (!Object.hasOwn(event, "__occurred_at")) event.__occurred_at = new Date().toISOString();
+      const event: Record<string, unknown> = { ...payload };
+      if (!Object.hasOwn(event, "__occurred_at")) event["__occurred_at"] = new Date().toISOString();
       const body = encodeObject(eventType, event, "trace payload");
-      const reply = await this.#request(envelope, "traces", eventType, body, { label, timeout });
-      return isObject(reply) ? reply : null;
+      const reply = await this.request(envelope, "traces", eventType, body, { label, timeout });
+      return isObject(reply) ? reply as TraceReply : null;
     } catch (err) {
       if (bestEffort && err instanceof ProxyError) {
         log("warning", `trace event ${quoted(eventType)} not recorded: ${err.message}`);
@@ -672,23 +963,21 @@ export class ProxyClient {
   }
 
   /** Close idle keep-alive connections. */
-  close() {
-    Object.values(this.agents).forEach((agent) => agent.destroy());
+  close(): void {
+    this.agents["http:"].destroy();
+    this.agents["https:"].destroy();
   }
 
   /** One logical call: the retry loop of §3.3 around one exchange, one Idempotency-Key throughout. */
-  async #request(envelope, kind, name, body, { label, timeout, idempotencyKey = null }) {
+  private async request(envelope: Envelope, kind: "tools" | "traces", name: string, body: Buffer,
+    { label, timeout, idempotencyKey = null }: RequestSettings): Promise<Json> {
     if (typeof envelope?.proxy_url !== "string" || typeof envelope.run_token !== "string") {
       throw new TypeError("envelope must be a dispatch envelope (envelopeFromDispatch)");
     }
     const context = dispatchContext.getStore();
-    if (context?.cancelled) {
-      throw new ProxyError(`proxy call ${quoted(name)} refused: this dispatch overran its run timeout and was ` +
-        "answered already", { toolName: name });
-    }
     if (context) context.proxyCalls += 1;
     const url = new URL(`${envelope.proxy_url}/${kind}/${encodeURIComponent(name)}`);
-    const headers = {
+    const headers: Record<string, string> = {
       "Content-Type": "application/json",
       "Content-Length": String(body.length),
       Accept: "application/json",
@@ -699,10 +988,24 @@ export class ProxyClient {
     if (label) headers[ACTOR_ID_HEADER] = label;
     const timeoutS = timeout ?? this.timeout;
     const policy = this.retry;
+    const agent = url.protocol === "https:" ? this.agents["https:"] : this.agents["http:"];
 
-    const send = async () => {
+    // Before every attempt, retries included: an overrun dispatch runs no tool late, and pacing counts each one.
+    const beforeAttempt = async (): Promise<void> => {
+      if (context?.cancelled) {
+        throw new ProxyError(`proxy call ${quoted(name)} refused: this dispatch overran its run timeout and was ` +
+          "answered already", { toolName: name });
+      }
+      const wait = this.pacer?.reserve(envelope.run_token) ?? 0;
+      if (wait > 0) {
+        log("info", `pacing proxy calls under ${this.pacer?.limit}/min: waiting ${wait.toFixed(2)} s`);
+        await this.sleep(wait);
+      }
+    };
+    const send = async (): Promise<Exchanged> => {
+      await beforeAttempt();
       try {
-        return await exchange({ url, headers, body, timeoutS, agent: this.agents[url.protocol] });
+        return await exchange({ url, headers, body, timeoutS, agent });
       } catch (err) {
         if (!(err instanceof ReplyTooLarge)) throw err;
         throw new ProxyError(`proxy reply to ${quoted(name)} ${err.message}`, { statusCode: err.status, toolName: name });
@@ -711,18 +1014,19 @@ export class ProxyClient {
 
     let transportFailures = 0;
     for (let attempt = 1; ; attempt++) {
-      let reply;
+      let reply: Exchanged;
       try {
         reply = await send();
       } catch (err) {
         if (!(err instanceof TransportFailure)) throw err;
-        const cause = err.cause;
+        const failure = err.failure;
         const error = new ProxyTransportError(`proxy call ${quoted(name)} failed before a reply arrived: ` +
-          `${cause.code ?? cause.name}: ${short(cause.message || String(cause), 200)}`, { toolName: name });
+          `${failure.code ?? failure.name}: ${short(failure.message || String(failure), 200)}`, { toolName: name });
         transportFailures += 1;
-        if (!isRetryableTransport(cause) || transportFailures > policy.transportRetries) throw error;
+        if (!isRetryableTransport(failure) || transportFailures > policy.transportRetries) throw error;
         // A pooled connection the proxy closed while idle fails at once: retry it without waiting.
-        const wait = err.reusedSocket && STALE_CONNECTION_CODES.has(cause.code) ? 0 : retryDelay(policy, transportFailures);
+        const stale = err.reusedSocket && STALE_CONNECTION_CODES.has(failure.code ?? "");
+        const wait = stale ? 0 : retryDelay(policy, transportFailures);
         log("warning", `${error.message}; retrying in ${wait.toFixed(2)} s`);
         await this.sleep(wait);
         continue;
@@ -740,21 +1044,32 @@ export class ProxyClient {
   }
 }
 
-let sharedClient = null;
+let sharedClient: ProxyClient | null = null;
 
 /** The client behind proxyCall / postTrace, created on first use. */
-export function defaultClient() {
+export function defaultClient(): ProxyClient {
   sharedClient ??= new ProxyClient();
   return sharedClient;
 }
 
+/** Where a call runs: an explicit envelope and client, or the bound envelope and the default client. */
+export interface Target {
+  envelope?: Envelope | null;
+  client?: ProxyClient | null;
+}
+
 /**
  * Call tool `name` through the per-run proxy; resolves the unwrapped `response` (§3).
- * Uses `options.envelope` or the one bound to this context.  Options as for
- * ProxyClient.call, plus `client`.
+ * Uses `options.envelope` or the one bound to this context.
  */
-export async function proxyCall(name, args = null, { envelope = null, client = null, ...options } = {}) {
-  return (client ?? defaultClient()).call(envelope ?? currentEnvelope(), name, args, options);
+export async function proxyCall(name: string, args?: unknown, options?: CallOptions & Target & { errors?: "raise" }): Promise<Json>;
+export async function proxyCall(name: string, args: unknown, options: CallOptions & Target & { errors: "return" }): Promise<Json | ToolErrorValue>;
+export async function proxyCall(name: string, args: unknown = null,
+  { envelope = null, client = null, ...options }: CallOptions & Target = {}): Promise<Json | ToolErrorValue> {
+  const target = envelope ?? currentEnvelope();
+  const using = client ?? defaultClient();
+  return options.errors === "return" ? using.call(target, name, args, { ...options, errors: "return" })
+    : using.call(target, name, args, { ...options, errors: "raise" });
 }
 
 // ---------------------------------------------------------------------------
@@ -762,7 +1077,8 @@ export async function proxyCall(name, args = null, { envelope = null, client = n
 // ---------------------------------------------------------------------------
 
 /** Post a live trace event for the bound run; see ProxyClient.trace. */
-export async function postTrace(eventType, payload = null, { envelope = null, client = null, ...options } = {}) {
+export async function postTrace(eventType: TraceEventType | string, payload: unknown = null,
+  { envelope = null, client = null, ...options }: TraceOptions & Target = {}): Promise<TraceReply | null> {
   if (!envelope && options.bestEffort && !dispatchContext.getStore()) {
     log("warning", `trace event ${quoted(eventType)} not recorded: no dispatch envelope is bound`);
     return null;
@@ -770,11 +1086,18 @@ export async function postTrace(eventType, payload = null, { envelope = null, cl
   return (client ?? defaultClient()).trace(envelope ?? currentEnvelope(), eventType, payload, options);
 }
 
+/** Options of postHandoff. */
+export interface HandoffOptions extends TraceOptions, Target {
+  reason?: Json;
+  payload_preview?: Json;
+}
+
 /**
  * Record a control transfer between sub-agents as a `handoff` event (§3.4).
  * Both labels are validated as §3.5; a self-handoff is dropped (resolves null, nothing sent).
  */
-export async function postHandoff(fromSubAgent, toSubAgent, { reason = null, payload_preview = null, ...options } = {}) {
+export async function postHandoff(fromSubAgent: string, toSubAgent: string,
+  { reason = null, payload_preview = null, ...options }: HandoffOptions = {}): Promise<TraceReply | null> {
   const source = validateActorLabel(fromSubAgent);
   const target = validateActorLabel(toSubAgent);
   if (!source || !target) {
@@ -784,7 +1107,7 @@ export async function postHandoff(fromSubAgent, toSubAgent, { reason = null, pay
     log("info", `dropping self-handoff ${quoted(source)} -> ${quoted(target)}`);
     return null;
   }
-  const event = { from_sub_agent: source, to_sub_agent: target };
+  const event: HandoffEvent = { from_sub_agent: source, to_sub_agent: target };
   if (reason !== null) event.reason = reason;
   if (payload_preview !== null) event.payload_preview = payload_preview;
   return postTrace("handoff", event, options);
@@ -794,11 +1117,14 @@ export async function postHandoff(fromSubAgent, toSubAgent, { reason = null, pay
 // Response envelope (§4)
 // ---------------------------------------------------------------------------
 
+/** A response body while it is being built: any keys, checked by validateResponse. */
+type Body = Record<string, unknown>;
+
 /**
  * The final response as a string; a framework's structured output becomes JSON text.  A non-string
  * `final_response` is refused in strict mode, and becomes its JSON text otherwise.
  */
-function finalText(value, key, strict = true) {
+function finalText(value: unknown, key: string, strict = true): string | null {
   if (value === null || value === undefined) return null;
   if (typeof value === "string") return value;
   if (key === "final_response" && strict) throw new ResponseError(`final_response must be a string, got ${jsonType(value)}`);
@@ -812,20 +1138,20 @@ function finalText(value, key, strict = true) {
  * dropped), and as Python's `default=str` would otherwise: a BigInt as its text, a Set as an array, a Map as
  * an object.  A circular value throws ResponseError.
  */
-function spacedJson(value, key) {
-  const replacer = (_, v) => {
+function spacedJson(value: unknown, key: string): string {
+  const replacer = (_: string, v: unknown): unknown => {
     if (typeof v === "bigint") return v.toString();
     if (v instanceof Set) return [...v];
     if (v instanceof Map) return Object.fromEntries([...v].map(([k, item]) => [String(k), item]));
     return v;
   };
-  let plain;
+  let plain: Json;
   try {
-    plain = JSON.parse(JSON.stringify(value, replacer) ?? "null");
+    plain = JSON.parse(JSON.stringify(value, replacer) ?? "null") as Json;
   } catch (err) {
-    throw new ResponseError(`${key}: cannot become JSON text: ${err.message}`);
+    throw new ResponseError(`${key}: cannot become JSON text: ${err instanceof Error ? err.message : String(err)}`);
   }
-  const spaced = (v) => {
+  const spaced = (v: Json): string => {
     if (Array.isArray(v)) return `[${v.map(spaced).join(", ")}]`;
     if (isObject(v)) return `{${Object.entries(v).map(([k, item]) => `${JSON.stringify(k)}: ${spaced(item)}`).join(", ")}}`;
     return JSON.stringify(v);
@@ -833,13 +1159,19 @@ function spacedJson(value, key) {
   return spaced(plain);
 }
 
+interface Unpacked {
+  final: string | null;
+  messages?: unknown;
+  metadata?: unknown;
+  extra: Body;
+}
+
 /**
- * `{final, messages, metadata, extra}` from what an agent returned: a string,
- * or an object.  Only an envelope-shaped object (with `final_response`) gives
- * its messages, metadata and extra top-level keys; a framework's result
+ * What an agent returned, unpacked: a string, or an object.  Only an envelope-shaped object (with
+ * `final_response`) gives its messages, metadata and extra top-level keys; a framework's result
  * (`final_output` / `output` / `message`) gives its text alone.
  */
-function unpackResult(value, strict = true) {
+function unpackResult(value: unknown, strict = true): Unpacked {
   if (typeof value === "string") return { final: value, extra: {} };
   if (value === null || value === undefined) return { final: null, extra: {} };
   if (!isObject(value)) {
@@ -855,34 +1187,41 @@ function unpackResult(value, strict = true) {
 }
 
 /** The resolvable name of a tool call (flat `name` or nested `function.name`), else null. */
-function toolCallName(call) {
+function toolCallName(call: unknown): string | null {
   if (!isObject(call)) return null;
-  if (typeof call.name === "string" && call.name) return call.name;
-  if (isObject(call.function) && typeof call.function.name === "string" && call.function.name) return call.function.name;
+  if (typeof call["name"] === "string" && call["name"]) return call["name"];
+  const fn = call["function"];
+  if (isObject(fn) && typeof fn["name"] === "string" && fn["name"]) return fn["name"];
   return null;
 }
 
 /** OpenAI nested `{type: "function", function: {name, arguments}}` -> flat `{id?, name, arguments?}`. */
-function flatToolCall(call) {
+function flatToolCall(call: unknown): unknown {
   if (!isObject(call)) return call;
-  if ("name" in call || !isObject(call.function)) return { ...call };
-  const { function: fn, type, ...flat } = call;
-  flat.name = fn.name;
-  if ("arguments" in fn) flat.arguments = fn.arguments;
+  const fn = call["function"];
+  if ("name" in call || !isObject(fn)) return { ...call };
+  const { function: _fn, type: _type, ...flat } = call;
+  flat["name"] = fn["name"];
+  if ("arguments" in fn) flat["arguments"] = fn["arguments"];
   return flat;
 }
 
-function flatMessages(messages) {
+function flatMessages(messages: unknown): unknown {
   if (!Array.isArray(messages)) return messages;
-  return messages.map((message) =>
-    isObject(message) && Array.isArray(message.tool_calls) ? { ...message, tool_calls: message.tool_calls.map(flatToolCall) } : message);
+  return messages.map((message: unknown) =>
+    isObject(message) && Array.isArray(message["tool_calls"])
+      ? { ...message, tool_calls: (message["tool_calls"] as unknown[]).map(flatToolCall) } : message);
 }
 
-const isPlainObject = (value) =>
-  isObject(value) && [Object.prototype, null].includes(Object.getPrototypeOf(value));
+const isPlainObject = (value: unknown): value is Record<string, unknown> =>
+  isObject(value) && [Object.prototype, null].includes(Object.getPrototypeOf(value) as object | null);
 
 /** A name for a value's type in a note: `Date`, `Set`, `bigint`, `function`, a class name. */
-const typeName = (value) => (value !== null && typeof value === "object" ? value.constructor?.name ?? "object" : typeof value);
+function typeName(value: unknown): string {
+  if (value === null || typeof value !== "object") return typeof value;
+  const constructor = (value as { constructor?: { name?: string } }).constructor;
+  return constructor?.name ?? "object";
+}
 
 /**
  * A JSON-safe copy of `value`: what JSON cannot carry is converted and noted with its path, the way
@@ -899,7 +1238,7 @@ const typeName = (value) => (value !== null && typeof value === "object" ? value
  *
  * A circular value throws ResponseError naming where it loops.
  */
-function jsonable(value, path, notes, ancestors = new Set()) {
+function jsonable(value: unknown, path: string, notes: string[], ancestors = new Set<object>()): Json {
   if (value === null || typeof value === "string" || typeof value === "boolean") return value;
   if (typeof value === "number") {
     if (Number.isFinite(value)) return value;
@@ -917,21 +1256,22 @@ function jsonable(value, path, notes, ancestors = new Set()) {
   if (ancestors.has(value)) throw new ResponseError(`${path}: circular reference: JSON cannot carry it`);
   ancestors.add(value);
   try {
-    if (typeof value.toJSON === "function" || !(Array.isArray(value) || isPlainObject(value))) {
+    const hasToJSON = typeof (value as { toJSON?: unknown }).toJSON === "function";
+    if (hasToJSON || !(Array.isArray(value) || isPlainObject(value))) {
       const [converted, how] = jsonLike(value);
       notes.push(`${path}: ${typeName(value)} is not JSON; sent as ${how}`);
       if (converted !== value) return jsonable(converted, path, notes, ancestors); // toJSON() may return `this`
     }
-    if (Array.isArray(value)) return value.map((item, i) => jsonable(item, `${path}[${i}]`, notes, ancestors));
-    return jsonableFields(value, `${path}.`, notes, ancestors);
+    if (Array.isArray(value)) return value.map((item: unknown, i) => jsonable(item, `${path}[${i}]`, notes, ancestors));
+    return jsonableFields(value as Record<string, unknown>, `${path}.`, notes, ancestors);
   } finally {
     ancestors.delete(value);
   }
 }
 
 /** The fields of a plain object through `jsonable`, each path `prefix + key`; see there for what is dropped. */
-function jsonableFields(value, prefix, notes, ancestors = new Set()) {
-  const out = {};
+function jsonableFields(value: Record<string, unknown>, prefix: string, notes: string[], ancestors = new Set<object>()): JsonObject {
+  const out: JsonObject = {};
   for (const [key, item] of Object.entries(value)) {
     if (item === undefined) continue;
     if (typeof item === "function" || typeof item === "symbol") {
@@ -947,12 +1287,12 @@ function jsonableFields(value, prefix, notes, ancestors = new Set()) {
  * `value` with every undefined-valued property of its plain objects removed (in arrays too): JSON.stringify
  * never sends such a property, so it is an absent key, not a problem.  Anything else is left as it is.
  */
-function withoutUndefined(value, ancestors = new Set()) {
+function withoutUndefined(value: unknown, ancestors = new Set<object>()): unknown {
   if (!(Array.isArray(value) || isPlainObject(value)) || ancestors.has(value)) return value;
   ancestors.add(value);
   try {
-    if (Array.isArray(value)) return value.map((item) => withoutUndefined(item, ancestors));
-    const out = {};
+    if (Array.isArray(value)) return value.map((item: unknown) => withoutUndefined(item, ancestors));
+    const out: Body = {};
     for (const [key, item] of Object.entries(value)) if (item !== undefined) out[key] = withoutUndefined(item, ancestors);
     return out;
   } finally {
@@ -961,13 +1301,16 @@ function withoutUndefined(value, ancestors = new Set()) {
 }
 
 /** `[what JSON could carry instead, how the note names it]` for an object that is not a plain object or array. */
-function jsonLike(value) {
+function jsonLike(value: object): [unknown, string] {
   if (value instanceof Date) return Number.isNaN(value.getTime()) ? [null, "null (an invalid Date)"] : [value.toISOString(), "its ISO text"];
   if (value instanceof Uint8Array) return [new TextDecoder("utf-8").decode(value), "its UTF-8 text"];
-  if (typeof value.toJSON === "function") return [value.toJSON(), "what its toJSON() returns"];
+  const toJSON = (value as { toJSON?: unknown }).toJSON;
+  if (typeof toJSON === "function") return [(toJSON as () => unknown).call(value), "what its toJSON() returns"];
   if (value instanceof Set) return [[...value], "an array"];
   if (value instanceof Map) return [Object.fromEntries([...value].map(([k, v]) => [String(k), v])), "an object"];
-  if (ArrayBuffer.isView(value) && typeof value.length === "number") return [Array.from(value), "an array"];
+  if (ArrayBuffer.isView(value) && typeof (value as { length?: unknown }).length === "number") {
+    return [Array.from(value as unknown as ArrayLike<number>), "an array"];
+  }
   if (value instanceof Error) return [describeError(value), "its text"];
   if (value instanceof String || value instanceof Number || value instanceof Boolean) return [value.valueOf(), "its primitive value"];
   return [{ ...value }, "its enumerable fields"];
@@ -978,37 +1321,49 @@ function jsonLike(value) {
  * cannot carry converted, tool calls with no resolvable name dropped, and `messages` / `metadata` that
  * still break the schema or the pairing rule dropped whole.  `final_response` is never touched.
  */
-function asThePlatformKeeps(body) {
-  const notes = [];
+function asThePlatformKeeps(body: Body): { body: Body; notes: string[] } {
+  const notes: string[] = [];
   const { final_response, ...rest } = body;
-  const out = { final_response, ...jsonableFields(rest, "", notes) };
-  if (Array.isArray(out.messages)) {
-    out.messages.forEach((message, i) => {
-      if (!isObject(message) || !Array.isArray(message.tool_calls)) return;
-      message.tool_calls.forEach((call, j) => {
+  const out: Body = { final_response, ...jsonableFields(rest, "", notes) };
+  const messages = out["messages"];
+  if (Array.isArray(messages)) {
+    messages.forEach((message: unknown, i) => {
+      if (!isObject(message) || !Array.isArray(message["tool_calls"])) return;
+      const calls = message["tool_calls"] as unknown[];
+      calls.forEach((call, j) => {
         if (toolCallName(call) === null) notes.push(`messages[${i}].tool_calls[${j}]: no resolvable tool name; dropped`);
       });
-      message.tool_calls = message.tool_calls.filter((call) => toolCallName(call) !== null).map(flatToolCall);
+      message["tool_calls"] = calls.filter((call) => toolCallName(call) !== null).map(flatToolCall);
     });
   }
-  const problems = messageProblems(out.messages, []);
+  const problems = messageProblems(out["messages"], []);
   if (problems.length) {
     const more = problems.length > 1 ? ` (and ${problems.length - 1} more)` : "";
     notes.push(`${problems[0]}${more}; messages dropped, as the platform drops a malformed transcript`);
-    delete out.messages;
+    delete out["messages"];
   }
-  const metadataIssues = metadataProblems(out.metadata);
+  const metadataIssues = metadataProblems(out["metadata"]);
   if (metadataIssues.length) {
     notes.push(`${metadataIssues[0]}; metadata dropped, as the platform drops it`);
-    delete out.metadata;
+    delete out["metadata"];
   }
   return { body: out, notes };
 }
 
 /** Strict mode from the option, else from PIPELINES_PORT_STRICT. */
-function strictMode(strict) {
+function strictMode(strict: boolean | null | undefined): boolean {
   if (strict !== null && strict !== undefined) return Boolean(strict);
-  return ["1", "true", "yes", "on"].includes(String(process.env.PIPELINES_PORT_STRICT || "").trim().toLowerCase());
+  return ["1", "true", "yes", "on"].includes(String(process.env["PIPELINES_PORT_STRICT"] || "").trim().toLowerCase());
+}
+
+/** Options of buildResponse. */
+export interface BuildOptions {
+  /** Override the transcript found in the value. */
+  messages?: unknown;
+  /** Override the metadata found in the value. */
+  metadata?: unknown;
+  /** Refuse what the platform would drop or soften; default PIPELINES_PORT_STRICT. */
+  strict?: boolean | null;
 }
 
 /**
@@ -1021,17 +1376,17 @@ function strictMode(strict) {
  * PIPELINES_PORT_STRICT=1) throws ResponseError listing every problem instead, the soft ones too, except
  * the truncation warning.
  */
-export function buildResponse(value, { messages = null, metadata = null, strict = null } = {}) {
-  strict = strictMode(strict);
-  const found = unpackResult(value, strict);
-  messages ??= found.messages ?? null;
-  metadata ??= found.metadata ?? null;
-  let body = { ...found.extra, final_response: found.final };
-  if (messages !== null) body.messages = flatMessages(messages);
-  if (metadata !== null) body.metadata = isPlainObject(metadata) ? { ...metadata } : metadata;
-  let notes = [];
+export function buildResponse(value: unknown, { messages = null, metadata = null, strict = null }: BuildOptions = {}): ResponseEnvelope {
+  const isStrict = strictMode(strict);
+  const found = unpackResult(value, isStrict);
+  const transcript = messages ?? found.messages ?? null;
+  const meta = metadata ?? found.metadata ?? null;
+  let body: Body = { ...found.extra, final_response: found.final };
+  if (transcript !== null) body["messages"] = flatMessages(transcript);
+  if (meta !== null) body["metadata"] = isPlainObject(meta) ? { ...meta } : meta;
+  let notes: string[] = [];
   try {
-    if (strict) body = withoutUndefined(body);
+    if (isStrict) body = withoutUndefined(body) as Body;
     else ({ body, notes } = asThePlatformKeeps(body));
   } catch (err) {
     if (err instanceof RangeError) throw new ResponseError("body: nested too deeply to encode");
@@ -1040,31 +1395,33 @@ export function buildResponse(value, { messages = null, metadata = null, strict 
   const problems = validateResponse(body);
   const errors = problems.filter((p) => !p.startsWith("warning:"));
   const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));
-  if (strict) errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
+  if (isStrict) errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
   if (errors.length) throw new ResponseError(errors);
   [...notes, ...soft].forEach((w) => log("warning", `response: ${w}`));
-  return body;
+  return body as ResponseEnvelope; // validateResponse found no hard problem: it has the envelope's shape
 }
 
 /** Schema problems of `metadata`: an object or null (any keys). */
-function metadataProblems(metadata) {
+function metadataProblems(metadata: unknown): string[] {
   if (metadata === null || metadata === undefined || isObject(metadata)) return [];
   return [`metadata: must be an object or null, got ${jsonType(metadata)} (the platform drops it)`];
 }
 
 /** Mistyped first-class metadata: the schema allows it, the renderer cannot use it. */
-function metadataWarnings(metadata) {
+function metadataWarnings(metadata: unknown): string[] {
   if (!isObject(metadata)) return [];
-  const warnings = [];
-  const has = (key) => metadata[key] !== undefined && metadata[key] !== null;
+  const warnings: string[] = [];
+  const has = (key: string): boolean => metadata[key] !== undefined && metadata[key] !== null;
   for (const key of ["model", "system_prompt_id"]) {
     if (has(key) && typeof metadata[key] !== "string") warnings.push(`warning: metadata.${key}: should be a string, got ${jsonType(metadata[key])}`);
   }
   for (const key of ["total_input_tokens", "total_output_tokens"]) {
     const v = metadata[key];
-    if (has(key) && !(Number.isInteger(v) && v >= 0)) warnings.push(`warning: metadata.${key}: should be a non-negative integer, got ${quoted(v, 40)}`);
+    if (has(key) && !(typeof v === "number" && Number.isInteger(v) && v >= 0)) {
+      warnings.push(`warning: metadata.${key}: should be a non-negative integer, got ${quoted(v, 40)}`);
+    }
   }
-  const runtime = metadata.agent_runtime_ms;
+  const runtime = metadata["agent_runtime_ms"];
   if (has("agent_runtime_ms") && !(typeof runtime === "number" && Number.isFinite(runtime) && runtime >= 0)) {
     warnings.push(`warning: metadata.agent_runtime_ms: should be a non-negative number, got ${quoted(runtime, 40)}`);
   }
@@ -1072,22 +1429,22 @@ function metadataWarnings(metadata) {
 }
 
 /** A tool call against the schema's oneOf: exactly one of the flat and the nested shape. */
-function toolCallProblems(call, at, seenCallIds, warnings) {
+function toolCallProblems(call: unknown, at: string, seenCallIds: Set<string>, warnings: string[]): string[] {
   if (!isObject(call)) return [`${at}: must be an object, got ${jsonType(call)}`];
-  const fn = call.function;
-  const flat = typeof call.name === "string";
-  const nested = isObject(fn) && typeof fn.name === "string" && (!("type" in call) || call.type === "function");
+  const fn = call["function"];
+  const flat = typeof call["name"] === "string";
+  const nested = isObject(fn) && typeof fn["name"] === "string" && (!("type" in call) || call["type"] === "function");
   if (flat && nested) return [`${at}: has both 'name' and 'function': send one of the flat and the nested form`];
   if (!flat && !nested) {
-    if ("type" in call && call.type !== "function" && isObject(fn)) return [`${at}.type: must be "function" in the nested form, got ${quoted(call.type, 40)}`];
+    if ("type" in call && call["type"] !== "function" && isObject(fn)) return [`${at}.type: must be "function" in the nested form, got ${quoted(call["type"], 40)}`];
     return [`${at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it`];
   }
-  const problems = [];
+  const problems: string[] = [];
   if ("id" in call) {
-    if (typeof call.id !== "string") problems.push(`${at}.id: must be a string, got ${jsonType(call.id)}`);
-    else seenCallIds.add(call.id);
+    if (typeof call["id"] !== "string") problems.push(`${at}.id: must be a string, got ${jsonType(call["id"])}`);
+    else seenCallIds.add(call["id"]);
   }
-  const args = flat ? call.arguments : fn.arguments;
+  const args = flat ? call["arguments"] : isObject(fn) ? fn["arguments"] : undefined;
   if (args !== undefined && args !== null && !isObject(args) && typeof args !== "string") {
     warnings.push(`warning: ${at}.arguments: should be an object or a JSON-encoded string, got ${jsonType(args)}`);
   }
@@ -1095,37 +1452,41 @@ function toolCallProblems(call, at, seenCallIds, warnings) {
 }
 
 /** Schema and pairing problems of `messages`; soft ones are pushed onto `warnings`. */
-function messageProblems(messages, warnings) {
+function messageProblems(messages: unknown, warnings: string[]): string[] {
   if (messages === null || messages === undefined) return [];
   if (!Array.isArray(messages)) return [`messages: must be an array or null, got ${jsonType(messages)} (the platform drops it)`];
-  const problems = [];
-  const seenCallIds = new Set();
-  messages.forEach((message, i) => {
+  const problems: string[] = [];
+  const seenCallIds = new Set<string>();
+  messages.forEach((message: unknown, i) => {
     const at = `messages[${i}]`;
-    if (!isObject(message)) return problems.push(`${at}: must be an object, got ${jsonType(message)}`);
-    const { role, content } = message;
-    if (!MESSAGE_ROLES.includes(role)) problems.push(`${at}.role: must be one of ${MESSAGE_ROLES.join(", ")}, got ${quoted(role, 40)}`);
+    if (!isObject(message)) {
+      problems.push(`${at}: must be an object, got ${jsonType(message)}`);
+      return;
+    }
+    const role = message["role"];
+    const content = message["content"];
+    if (typeof role !== "string" || !MESSAGE_ROLES.includes(role)) problems.push(`${at}.role: must be one of ${MESSAGE_ROLES.join(", ")}, got ${quoted(role, 40)}`);
     if (content !== undefined && content !== null && typeof content !== "string" && !Array.isArray(content)) {
       problems.push(`${at}.content: must be a string, an array of parts or null, got ${jsonType(content)}`);
     }
     if ("tool_calls" in message) {
-      const toolCalls = message.tool_calls;
+      const toolCalls = message["tool_calls"];
       if (!Array.isArray(toolCalls)) problems.push(`${at}.tool_calls: must be an array, got ${jsonType(toolCalls)}`);
       else {
         if (role !== "assistant" && toolCalls.length) warnings.push(`warning: ${at}.tool_calls: only assistant messages carry tool calls, this one is ${quoted(role)}`);
-        toolCalls.forEach((call, j) => problems.push(...toolCallProblems(call, `${at}.tool_calls[${j}]`, seenCallIds, warnings)));
+        toolCalls.forEach((call: unknown, j) => problems.push(...toolCallProblems(call, `${at}.tool_calls[${j}]`, seenCallIds, warnings)));
       }
     }
     if ("thinking" in message) {
-      const thinking = message.thinking;
+      const thinking = message["thinking"];
       if (!Array.isArray(thinking)) problems.push(`${at}.thinking: must be an array of objects, got ${jsonType(thinking)}`);
-      else thinking.forEach((block, j) => isObject(block) || problems.push(`${at}.thinking[${j}]: must be an object, got ${jsonType(block)}`));
+      else thinking.forEach((block: unknown, j) => isObject(block) || problems.push(`${at}.thinking[${j}]: must be an object, got ${jsonType(block)}`));
     }
-    const callId = message.tool_call_id;
+    const callId = message["tool_call_id"];
     if ("tool_call_id" in message && typeof callId !== "string") {
       problems.push(`${at}.tool_call_id: must be a string, got ${jsonType(callId)}`);
     } else if (role === "tool") {
-      if (!callId) problems.push(`${at}.tool_call_id: required on role 'tool'`);
+      if (typeof callId !== "string" || !callId) problems.push(`${at}.tool_call_id: required on role 'tool'`);
       else if (!seenCallIds.has(callId)) {
         problems.push(`${at}.tool_call_id: ${quoted(callId, 60)} does not match the id of an earlier assistant tool_calls entry`);
       }
@@ -1135,7 +1496,7 @@ function messageProblems(messages, warnings) {
 }
 
 /** The first place in `value` JSON cannot carry, or null. */
-function unencodable(value, path) {
+function unencodable(value: unknown, path: string): string | null {
   if (value === null || typeof value === "string" || typeof value === "boolean") return null;
   if (typeof value === "number") return Number.isFinite(value) ? null : `${path}: ${value} is not JSON`;
   if (Array.isArray(value)) {
@@ -1145,14 +1506,14 @@ function unencodable(value, path) {
     }
     return null;
   }
-  if (isObject(value) && (Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null)) {
+  if (isPlainObject(value)) {
     for (const [key, item] of Object.entries(value)) {
       const found = unencodable(item, `${path}.${key}`);
       if (found) return found;
     }
     return null;
   }
-  const kind = value === undefined ? "undefined" : value?.constructor?.name ?? typeof value;
+  const kind = value === undefined ? "undefined" : typeof value === "object" ? typeName(value) : typeof value;
   return `${path}: ${kind} is not a JSON type`;
 }
 
@@ -1162,11 +1523,11 @@ function unencodable(value, path) {
  * tool_call_id pairing) and values JSON cannot carry.  Soft ones start with `warning:` (a truncated or
  * blank final response, mistyped first-class metadata, odd tool arguments).  Empty: accepted as sent.
  */
-export function validateResponse(body) {
+export function validateResponse(body: unknown): string[] {
   if (!isObject(body)) return [`body: must be a JSON object, got ${jsonType(body)}`];
-  const problems = [];
-  const warnings = [];
-  const final = body.final_response;
+  const problems: string[] = [];
+  const warnings: string[] = [];
+  const final = body["final_response"];
   if (final === undefined || final === null) problems.push("final_response: required, a non-empty string (the judge grades it)");
   else if (typeof final !== "string") problems.push(`final_response: must be a string, got ${jsonType(final)}`);
   else if (!final) problems.push("final_response: must not be empty (the judge has nothing to grade)");
@@ -1175,9 +1536,9 @@ export function validateResponse(body) {
     warnings.push(`warning: final_response: ${[...final].length} characters; the platform truncates it at ` +
       `~${FINAL_RESPONSE_SOFT_LIMIT} with a soft warning`);
   }
-  problems.push(...messageProblems(body.messages, warnings), ...metadataProblems(body.metadata));
-  warnings.push(...metadataWarnings(body.metadata));
-  let found;
+  problems.push(...messageProblems(body["messages"], warnings), ...metadataProblems(body["metadata"]));
+  warnings.push(...metadataWarnings(body["metadata"]));
+  let found: string | null;
   try {
     found = unencodable(body, "body");
   } catch {
@@ -1191,30 +1552,45 @@ export function validateResponse(body) {
 // Dispatch core (§2): one method decides what every request returns
 // ---------------------------------------------------------------------------
 
-function jsonReply(status, payload, extraHeaders = []) {
+/** A reply decided by the dispatch core: status, header pairs, body bytes. */
+export interface Reply {
+  status: number;
+  headers: Array<[string, string]>;
+  body: Buffer;
+}
+
+function jsonReply(status: number, payload: unknown, extraHeaders: Array<[string, string]> = []): Reply {
   const body = Buffer.from(JSON.stringify(payload), "utf8");
   return { status, headers: [["Content-Type", "application/json"], ["Content-Length", String(body.length)], ...extraHeaders], body };
 }
 
-const errorReply = (status, detail, extraHeaders = []) => jsonReply(status, { detail }, extraHeaders);
+const errorReply = (status: number, detail: string, extraHeaders: Array<[string, string]> = []): Reply =>
+  jsonReply(status, { detail }, extraHeaders);
 
 /** `"ErrorName: message"` of what an agent threw: what the platform is shown. */
-function describeError(err) {
+function describeError(err: unknown): string {
   if (!(err instanceof Error)) return `thrown value: ${short(String(err), 200)}`;
   return err.message ? `${err.name}: ${err.message}` : err.name;
 }
 
 class DeadlineExceeded extends Error {}
 
+/** The §3.7 reachability probe's result. */
+export interface ProbeResult {
+  reachable: boolean;
+  status_code: number | null;
+  latency_ms: number;
+  error: string | null;
+}
+
 /**
- * §3.7 reachability probe: `{reachable, status_code, latency_ms, error}`.
- * POSTs `{}` to `{proxy_url}/tools/__reachability_probe__` with a fake bearer:
- * 401/403 (or 2xx) means reachable; a connection or DNS error means egress is
- * blocked.  Never rejects.
+ * §3.7 reachability probe.  POSTs `{}` to `{proxy_url}/tools/__reachability_probe__`
+ * with a fake bearer: 401/403 (or 2xx) means reachable; a connection or DNS
+ * error means egress is blocked.  Never rejects.
  */
-export async function probeProxy(proxyUrl, { timeout = 10 } = {}) {
+export async function probeProxy(proxyUrl: string, { timeout = 10 }: { timeout?: number } = {}): Promise<ProbeResult> {
   const started = performance.now();
-  const elapsed = () => Math.round((performance.now() - started) * 10) / 10;
+  const elapsed = (): number => Math.round((performance.now() - started) * 10) / 10;
   try {
     const url = new URL(`${checkProxyUrl(proxyUrl, "the probe")}/tools/${PROBE_TOOL}`);
     const headers = { "Content-Type": "application/json", "Content-Length": "2", Authorization: "Bearer fake-token", "User-Agent": USER_AGENT };
@@ -1222,10 +1598,33 @@ export async function probeProxy(proxyUrl, { timeout = 10 } = {}) {
     const reachable = status === 401 || status === 403 || (status >= 200 && status < 300);
     return { reachable, status_code: status, latency_ms: elapsed(), error: reachable ? null : `unexpected HTTP ${status} from the proxy` };
   } catch (err) {
-    const cause = err instanceof TransportFailure ? err.cause : err;
-    return { reachable: false, status_code: err.status ?? null, latency_ms: elapsed(), error: short(describeError(cause), 200) };
+    const cause = err instanceof TransportFailure ? err.failure : err;
+    const status = err instanceof ReplyTooLarge ? err.status : null;
+    return { reachable: false, status_code: status, latency_ms: elapsed(), error: short(describeError(cause), 200) };
   }
 }
+
+/** Options of DispatchApp (and startServer). */
+export interface DispatchOptions {
+  /** The dispatch path; default /dispatch. */
+  path?: string;
+  /** The agent token itself; by default it is read from `tokenEnv` at each request. */
+  token?: string | null;
+  /** The environment variable holding the agent token; default AGENT_TOKEN. */
+  tokenEnv?: string | null;
+  /** "Authorization" (`Bearer <token>`) or a custom header carrying the raw value. */
+  authHeader?: string;
+  /** Turn auth off: an explicit choice, logged loudly. */
+  noAuth?: boolean;
+  /** Bodies over this many bytes get 413; default 8 MiB. */
+  maxBody?: number;
+  /** The run timeout in seconds, in (0, 1800]; default 300. */
+  runTimeoutS?: number;
+  /** Strict response building (see buildResponse); default PIPELINES_PORT_STRICT. */
+  strict?: boolean | null;
+}
+
+type Decided = { reply: Reply; what: "rejected" | "health" | "ping" | "connectivity check" | "dispatch" };
 
 /**
  * An agent function and its endpoint settings; `handle` decides every reply (§2).
@@ -1233,14 +1632,23 @@ export async function probeProxy(proxyUrl, { timeout = 10 } = {}) {
  * `agent(envelope)` may be sync or async and may return anything
  * buildResponse accepts.  Auth uses `token` or, by default, the environment
  * variable `tokenEnv` read at each request; it is off only with `noAuth: true`.
- * `authHeader` is "Authorization" (`Bearer <token>`) or a custom header
- * carrying the raw value.
  */
 export class DispatchApp {
-  constructor(agent, {
+  readonly agent: Agent;
+  readonly path: string;
+  readonly token: string | null;
+  readonly tokenEnv: string | null;
+  readonly authHeader: string;
+  readonly noAuth: boolean;
+  readonly maxBody: number;
+  readonly runTimeoutS: number;
+  readonly strict: boolean | null;
+  private readonly routes: Readonly<Record<string, readonly string[]>>;
+
+  constructor(agent: Agent, {
     path = DEFAULT_DISPATCH_PATH, token = null, tokenEnv = DEFAULT_TOKEN_ENV, authHeader = "Authorization",
     noAuth = false, maxBody = DEFAULT_MAX_BODY_BYTES, runTimeoutS = DEFAULT_RUN_TIMEOUT_S, strict = null,
-  } = {}) {
+  }: DispatchOptions = {}) {
     if (typeof agent !== "function") throw new TypeError(`agent must be a function, got ${jsonType(agent)}`);
     if (!path.startsWith("/")) throw new RangeError(`path must start with '/', got ${quoted(path)}`);
     if (noAuth && token) throw new RangeError("noAuth and a token contradict each other: choose one");
@@ -1248,13 +1656,20 @@ export class DispatchApp {
     if (!(runTimeoutS > 0 && runTimeoutS <= MAX_RUN_TIMEOUT_S)) throw new RangeError(`runTimeoutS must be in (0, ${MAX_RUN_TIMEOUT_S}], got ${runTimeoutS}`);
     if (!(Number.isInteger(maxBody) && maxBody >= 1)) throw new RangeError(`maxBody must be a positive number of bytes, got ${maxBody}`);
     if (!/^[A-Za-z0-9-]+$/.test(authHeader)) throw new RangeError(`authHeader must be an HTTP header name, got ${quoted(authHeader)}`);
-    Object.assign(this, { agent, token, tokenEnv: token ? null : tokenEnv, authHeader, noAuth, maxBody, runTimeoutS, strict });
+    this.agent = agent;
+    this.token = token;
+    this.tokenEnv = token ? null : tokenEnv;
+    this.authHeader = authHeader;
+    this.noAuth = noAuth;
+    this.maxBody = maxBody;
+    this.runTimeoutS = runTimeoutS;
+    this.strict = strict;
     this.path = path.replace(/\/+$/, "") || "/";
     this.routes = { [this.path]: ["POST"], "/healthz": ["GET"] };
   }
 
   /** How auth is configured, for a start-up line (never the token). */
-  describeAuth() {
+  describeAuth(): string {
     if (this.noAuth) return "DISABLED (--no-auth): anyone who can reach this endpoint can dispatch";
     const value = this.authHeader.toLowerCase() === "authorization" ? "Bearer <token>" : "<token>";
     let line = `${this.authHeader}: ${value} (token from ${this.token ? "the configured token" : `$${this.tokenEnv}`})`;
@@ -1263,7 +1678,7 @@ export class DispatchApp {
   }
 
   /** The agent token, or "" (read per request, so a rotated env var takes effect). */
-  #expectedToken() {
+  private expectedToken(): string {
     return this.token || process.env[this.tokenEnv ?? ""] || "";
   }
 
@@ -1272,18 +1687,18 @@ export class DispatchApp {
    * `handle`: routing (404, 405), auth (503, 401), then the body's framing
    * (411 for a chunked or length-less body, 413 over maxBody).
    */
-  precheck(method, target, headers) {
+  precheck(method: string, target: string, headers: HeadersInit): Reply | null {
     const path = routePath(target);
     const allowed = this.routes[path];
-    method = method.toUpperCase();
+    const verb = method.toUpperCase();
     if (!allowed) return errorReply(404, `no route for ${short(path, 100)}: dispatches go to POST ${this.path}`);
-    if (!allowed.includes(method)) {
-      return errorReply(405, `${method} is not allowed on ${path}: use ${allowed.join(" or ")}`, [["Allow", allowed.join(", ")]]);
+    if (!allowed.includes(verb)) {
+      return errorReply(405, `${verb} is not allowed on ${path}: use ${allowed.join(" or ")}`, [["Allow", allowed.join(", ")]]);
     }
     if (path === "/healthz") return null;
     const h = lowerHeaders(headers);
     if (!this.noAuth) {
-      const expected = this.#expectedToken();
+      const expected = this.expectedToken();
       if (!expected) {
         return errorReply(503, `this agent's wrapper is misconfigured: auth reads environment variable ${this.tokenEnv}, which is not set`);
       }
@@ -1309,68 +1724,68 @@ export class DispatchApp {
    * JSON `detail` naming it.  Writes one log line per request to the
    * dispatch path: ids, status, duration, proxy calls (never a token).
    */
-  async handle(method, target, headers, body) {
+  async handle(method: string, target: string, headers: HeadersInit, body: Uint8Array): Promise<Reply> {
     const started = performance.now();
-    const context = { envelope: null, cancelled: false, proxyCalls: 0 };
-    const { reply, what } = await this.#decide(method, target, headers, body, context);
+    const context: DispatchState = { envelope: null, cancelled: false, proxyCalls: 0 };
+    const { reply, what } = await this.decide(method, target, headers, body, context);
     if (what === "health") return reply;
     const h = lowerHeaders(headers);
     const env = context.envelope;
     const ids = env ? [env.run_id, env.task_id, env.run_token_jti]
       : [header(h, RUN_ID_HEADER), header(h, TASK_ID_HEADER), header(h, RUN_TOKEN_JTI_HEADER)];
-    const note = what === "dispatch" ? "" : reply.status >= 400 ? ` (rejected: ${short(JSON.parse(reply.body).detail, 200)})` : ` (${what})`;
+    const detail = reply.status >= 400 ? String((JSON.parse(reply.body.toString("utf8")) as { detail?: unknown }).detail) : "";
+    const note = what === "dispatch" ? "" : reply.status >= 400 ? ` (rejected: ${short(detail, 200)})` : ` (${what})`;
     log("info", `${method} ${routePath(target)} status=${reply.status} run_id=${ids[0]} task_id=${ids[1]} jti=${ids[2]} ` +
       `duration_ms=${(performance.now() - started).toFixed(1)} proxy_calls=${context.proxyCalls}${note}`);
     return reply;
   }
 
-  async #decide(method, target, headers, body, context) {
+  private async decide(method: string, target: string, headers: HeadersInit, body: Uint8Array, context: DispatchState): Promise<Decided> {
     const early = this.precheck(method, target, headers);
     if (early) return { reply: early, what: "rejected" };
     if (routePath(target) === "/healthz") return { reply: jsonReply(200, { ok: true, version: VERSION }), what: "health" };
     if (body.length > this.maxBody) {
       return { reply: errorReply(413, `request body of ${body.length} bytes is over this endpoint's ${this.maxBody}-byte cap`), what: "rejected" };
     }
-    let payload;
+    let payload: unknown;
     try {
       payload = JSON.parse(new TextDecoder("utf-8", { fatal: true }).decode(body));
     } catch (err) {
-      return { reply: errorReply(400, `body is not valid JSON: ${short(err.message, 200)}`), what: "rejected" };
+      return { reply: errorReply(400, `body is not valid JSON: ${short(err instanceof Error ? err.message : String(err), 200)}`), what: "rejected" };
     }
     if (isPing(payload)) return { reply: jsonReply(200, { ok: true }), what: "ping" };
     if (!isObject(payload)) return { reply: errorReply(400, `body must be a JSON object, got ${jsonType(payload)}`), what: "rejected" };
-    if (payload.connectivity_check === true) return { reply: await this.#connectivityCheck(payload, headers), what: "connectivity check" };
+    if (payload["connectivity_check"] === true) return { reply: await this.connectivityCheck(payload, headers), what: "connectivity check" };
     try {
       context.envelope = envelopeFromDispatch(payload, headers);
     } catch (err) {
       if (!(err instanceof EnvelopeError)) throw err;
       return { reply: errorReply(400, err.message), what: "rejected" };
     }
-    return { reply: await this.#runAgent(context), what: "dispatch" };
+    return { reply: await this.runAgent(context, context.envelope), what: "dispatch" };
   }
 
   /** §2 step 4: probe the proxy with a fake bearer; never runs user code. */
-  async #connectivityCheck(payload, headers) {
+  private async connectivityCheck(payload: Record<string, unknown>, headers: HeadersInit): Promise<Reply> {
     const url = payload[PROXY_URL_FIELD] || payload[PROXY_URL_FIELD_LEGACY] || header(lowerHeaders(headers), PROXY_URL_HEADER);
     if (!url) {
       return errorReply(400, `connectivity_check needs a proxy URL: body field '${PROXY_URL_FIELD}' or header ${PROXY_URL_HEADER}`);
     }
-    let proxyUrl;
+    let proxyUrl: string;
     try {
       proxyUrl = checkProxyUrl(url, "the connectivity check");
     } catch (err) {
-      return errorReply(400, err.message);
+      return errorReply(400, err instanceof Error ? err.message : String(err));
     }
     return jsonReply(200, { ok: true, outbound: await probeProxy(proxyUrl) });
   }
 
   /** §2 steps 6-8: the agent with its envelope bound, within runTimeoutS; 500 on any failure. */
-  async #runAgent(context) {
-    const { envelope } = context;
-    const secrets = [envelope.run_token, this.#expectedToken()];
-    const scrub = (text) => secrets.reduce((t, secret) => (secret ? t.split(secret).join(REDACTED) : t), text);
-    let timer;
-    const deadline = new Promise((_, reject) => {
+  private async runAgent(context: DispatchState, envelope: Envelope): Promise<Reply> {
+    const secrets = [envelope.run_token, this.expectedToken()];
+    const scrub = (text: string): string => secrets.reduce((t, secret) => (secret ? t.split(secret).join(REDACTED) : t), text);
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const deadline = new Promise<never>((_, reject) => {
       timer = setTimeout(() => reject(new DeadlineExceeded()), this.runTimeoutS * 1000);
     });
     try {
@@ -1390,7 +1805,7 @@ export class DispatchApp {
       if (err instanceof ResponseError) {
         return errorReply(500, short(scrub(`agent returned a value that cannot become a response: ${err.message}`), DETAIL_LIMIT - 1));
       }
-      log("error", `run ${envelope.run_id}: the agent threw:\n${scrub(err instanceof Error ? err.stack : String(err))}`);
+      log("error", `run ${envelope.run_id}: the agent threw:\n${scrub(err instanceof Error ? err.stack ?? describeError(err) : String(err))}`);
       return errorReply(500, short(scrub(describeError(err)), DETAIL_LIMIT - 1));
     } finally {
       clearTimeout(timer);
@@ -1399,41 +1814,59 @@ export class DispatchApp {
 }
 
 /** The path of a request target, query dropped, trailing `/` stripped. */
-function routePath(target) {
-  return target.split(/[?#]/)[0].replace(/\/+$/, "") || "/";
+function routePath(target: string): string {
+  return (target.split(/[?#]/)[0] ?? "").replace(/\/+$/, "") || "/";
 }
 
 // ---------------------------------------------------------------------------
 // Server: node:http, keep-alive, graceful shutdown
 // ---------------------------------------------------------------------------
 
+/** A running dispatch server. */
+export interface RunningServer {
+  server: Server;
+  /** The dispatch URL, `http://HOST:PORT/PATH`. */
+  url: string;
+  app: DispatchApp;
+  /** Refuse new dispatches, let in-flight ones finish within graceS seconds; true when all did. */
+  close(graceS?: number): Promise<boolean>;
+}
+
+/** Options of startServer: where to listen, plus DispatchApp's options when given an agent. */
+export interface ServerOptions extends DispatchOptions {
+  host?: string;
+  /** 0 picks a free port. */
+  port?: number;
+  /** How long a client may take to send one request, in seconds. */
+  readTimeoutS?: number;
+}
+
 /**
  * Serve a DispatchApp (or an agent function plus DispatchApp options) over
- * HTTP/1.1 with keep-alive.  Resolves once listening with `{server, url,
- * close(graceS)}`; `close` refuses new dispatches, lets in-flight ones finish
- * within graceS seconds and resolves true when all did.
+ * HTTP/1.1 with keep-alive.  Resolves once listening.
  */
-export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, readTimeoutS = 30, ...options } = {}) {
+export async function startServer(agentOrApp: Agent | DispatchApp,
+  { host = "127.0.0.1", port = 0, readTimeoutS = 30, ...options }: ServerOptions = {}): Promise<RunningServer> {
   const app = agentOrApp instanceof DispatchApp ? agentOrApp : new DispatchApp(agentOrApp, options);
   if (app.noAuth) log("warning", "auth is DISABLED: anyone who can reach this endpoint can dispatch");
   let inFlight = 0;
   let draining = false;
-  let idle = () => {};
+  let idle = (): void => {};
 
-  const server = http.createServer({ requestTimeout: readTimeoutS * 1000, headersTimeout: readTimeoutS * 1000 }, async (req, res) => {
+  const server = http.createServer({ requestTimeout: readTimeoutS * 1000, headersTimeout: readTimeoutS * 1000 }, (req, res) => {
     inFlight += 1;
-    try {
-      await serveOne(app, req, res, () => draining);
-    } catch (err) {
-      log("error", `request failed inside the server: ${err?.stack ?? err}`);
-      if (!res.headersSent) send(res, errorReply(500, "internal error in the dispatch server"), true);
-    } finally {
-      inFlight -= 1;
-      if (inFlight === 0) idle();
-    }
+    serveOne(app, req, res, () => draining)
+      .catch((err: unknown) => {
+        log("error", `request failed inside the server: ${err instanceof Error ? err.stack ?? err.message : String(err)}`);
+        if (!res.headersSent) send(res, errorReply(500, "internal error in the dispatch server"), true);
+      })
+      .finally(() => {
+        inFlight -= 1;
+        if (inFlight === 0) idle();
+      });
   });
   server.on("connection", (socket) => socket.setNoDelay(true));
-  await new Promise((resolve, reject) => {
+  await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
     server.listen(port, host, () => {
       server.off("error", reject);
@@ -1441,21 +1874,22 @@ export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, re
     });
   });
   const address = server.address();
+  if (address === null || typeof address === "string") throw new PipelinesError(`unexpected listening address ${quoted(address)}`);
   const shownHost = address.address.includes(":") ? `[${address.address}]` : address.address;
   const url = `http://${shownHost}:${address.port}${app.path}`;
 
-  async function close(graceS = 5) {
+  async function close(graceS = 5): Promise<boolean> {
     draining = true;
     server.close();
-    server.closeIdleConnections?.(); // Node 18.2+: idle keep-alive sockets would hold close() open
-    const finished = inFlight === 0 || await new Promise((resolve) => {
+    server.closeIdleConnections(); // idle keep-alive sockets would hold close() open
+    const finished = inFlight === 0 || await new Promise<boolean>((resolve) => {
       const timer = setTimeout(() => resolve(false), graceS * 1000);
       idle = () => {
         clearTimeout(timer);
         resolve(true);
       };
     });
-    server.closeAllConnections?.();
+    server.closeAllConnections();
     return finished;
   }
 
@@ -1463,17 +1897,20 @@ export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, re
 }
 
 /** Read one request's body (only when it is small enough), decide, answer. */
-async function serveOne(app, req, res, isDraining) {
+async function serveOne(app: DispatchApp, req: IncomingMessage, res: ServerResponse, isDraining: () => boolean): Promise<void> {
   if (isDraining()) return send(res, errorReply(503, "server is shutting down: retry on another instance"), true);
-  const refused = app.precheck(req.method, req.url, req.headers) !== null;
-  const length = (req.headers["content-length"] ?? "").trim();
+  const method = req.method ?? "GET";
+  const target = req.url ?? "/";
+  const refused = app.precheck(method, target, req.headers) !== null;
+  const lengthHeader = req.headers["content-length"];
+  const length = (typeof lengthHeader === "string" ? lengthHeader : "").trim();
   // A refused request's body is read (and dropped) only when small, to keep the
   // connection; otherwise the connection closes instead of reading it.
   const readable = /^\d+$/.test(length) && Number(length) <= app.maxBody;
-  const close = refused && !readable && req.method !== "GET";
+  const close = refused && !readable && method !== "GET";
   let body = Buffer.alloc(0);
   if (readable) {
-    const chunks = [];
+    const chunks: Buffer[] = [];
     try {
       for await (const chunk of req) chunks.push(chunk);
     } catch {
@@ -1481,11 +1918,11 @@ async function serveOne(app, req, res, isDraining) {
     }
     body = Buffer.concat(chunks);
   }
-  const reply = await app.handle(req.method, req.url, req.headers, body);
+  const reply = await app.handle(method, target, req.headers, body);
   send(res, reply, close || isDraining()); // a dispatch that finishes while draining closes its connection
 }
 
-function send(res, reply, close = false) {
+function send(res: ServerResponse, reply: Reply, close = false): void {
   const headers = [...reply.headers];
   if (close) headers.push(["Connection", "close"]);
   res.writeHead(reply.status, headers.flat());

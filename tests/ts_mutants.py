@@ -1,27 +1,33 @@
-"""Realistic porting bugs in the JavaScript port: the Node half of the conformance check's mutation set.
+"""Realistic porting bugs in the TypeScript port: its half of the conformance check's mutation set.
 
-Each mutant is one bug a JavaScript or TypeScript engineer could make translating
-the contract: a few exact text edits to a copy of ``conformance/ports/node``
-(each ``old`` must occur exactly once), the CONTRACT rule it breaks, and the
-mode the check runs in.  ``tests/mutation_score.py`` serves each mutated copy
-and runs the whole check at ``--strict`` against it; ``tests/test_js_mutants.py``
-makes sure every edit still applies to the port as it is today.
+Each mutant is one bug a TypeScript engineer could make translating the
+contract: a few exact text edits to ``src/pipelines_port.ts`` in a copy of
+``conformance/ports/typescript`` (each ``old`` must occur exactly once), the
+CONTRACT rule it breaks, and the mode the check runs in.  Every mutant still
+type-checks in strict mode: ``build`` compiles the copy with the port's own
+``tsc`` (unused-name checks off, since an edit may leave a helper unused) and
+fails when it does not.  ``tests/mutation_score.py`` serves each build and runs
+the whole check at ``--strict`` against it; ``tests/test_ts_mutants.py`` makes
+sure every edit still applies to the port as it is today.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import subprocess
 from typing import NamedTuple, Tuple
 
-PORT = pathlib.Path(__file__).resolve().parent.parent / "conformance" / "ports" / "node"
-MODULE = "pipelines_port.mjs"
+PORT = pathlib.Path(__file__).resolve().parent.parent / "conformance" / "ports" / "typescript"
+MODULE = "src/pipelines_port.ts"
+TSC = PORT / "node_modules" / ".bin" / "tsc"
 
 
 class Mutant(NamedTuple):
     name: str
     rule: str  # the CONTRACT rule the bug breaks
-    edits: Tuple[Tuple[str, str], ...]  # (old, new) in pipelines_port.mjs, each old found exactly once
+    edits: Tuple[Tuple[str, str], ...]  # (old, new) in src/pipelines_port.ts, each old found exactly once
     mode: str = "normal"  # "misconfigured": served with its token variable unset, checked with --misconfigured
 
 
@@ -30,6 +36,9 @@ def _m(name: str, rule: str, *edits: Tuple[str, str], mode: str = "normal") -> M
 
 
 CREDENTIAL = "  return constantTimeEqual(received, expected);\n}"
+RETRYABLE = "if (status === 429 || (status === 503 && errorClass !== null && TRANSIENT_503_CLASSES.has(errorClass))) {"
+UNWRAP = 'value: isJson && isObject(value) && "response" in value ? value["response"] ?? null : value'
+STAMP = '      if (!Object.hasOwn(event, "__occurred_at")) event["__occurred_at"] = new Date().toISOString();'
 
 MUTANTS = [
     # -- inbound auth (§2 step 1)
@@ -43,7 +52,7 @@ MUTANTS = [
        (CREDENTIAL, '  return constantTimeEqual(received.replace(/\\s+/g, ""), expected);\n}')),
     _m("ping_before_auth", "auth-first",
        ("    const early = this.precheck(method, target, headers);\n",
-        "    if (isPing((() => { try { return JSON.parse(body.toString()); } catch { return null; } })())) {\n"
+        '    if (isPing((() => { try { return JSON.parse(new TextDecoder("utf-8").decode(body)) as unknown; } catch { return null; } })())) {\n'
         '      return { reply: jsonReply(200, { ok: true }), what: "ping" };\n    }\n'
         "    const early = this.precheck(method, target, headers);\n")),
     _m("misconfigured_runs_open", "auth-first",
@@ -54,33 +63,29 @@ MUTANTS = [
        mode="misconfigured"),
     # -- ping and the 400s (§2 steps 2-5)
     _m("truthy_ping", "ping-strict",
-       ("return isObject(body) && Object.keys(body).length === 1 && body.ping === true;",
-        "return isObject(body) && Boolean(body.ping);")),
+       ('return isObject(body) && Object.keys(body).length === 1 && body["ping"] === true;',
+        'return isObject(body) && Boolean(body["ping"]);')),
     _m("non_object_body_crashes", "non-object-body-400",
        ("    if (!isObject(payload)) return { reply: errorReply(400, `body must be a JSON object, got ${jsonType(payload)}`), what: \"rejected\" };",
         "    if (!isObject(payload)) return { reply: errorReply(500, \"TypeError: Cannot read properties of null (reading 'input')\"), what: \"rejected\" };")),
     # -- the envelope (§2.2)
-    _m("task_input_not_nested", "task-input-nesting", ('task_input: typed("input", isObject) ?? {},', "task_input: task,")),
-    _m("proxy_url_slash_kept", "proxy-url-source", ('url = url.trim().replace(/\\/+$/, "");', "url = url.trim();")),
+    _m("task_input_not_nested", "task-input-nesting", ('task_input: obj(task["input"]) ?? {},', "task_input: task,")),
+    _m("proxy_url_slash_kept", "proxy-url-source", ('const trimmed = url.trim().replace(/\\/+$/, "");', "const trimmed = url.trim();")),
     _m("no_proxy_url_header_fallback", "proxy-url-source",
-       ("for (const name of [PROXY_URL_HEADER, PROXY_URL_HEADER_LEGACY]) {", "for (const name of []) {")),
+       ("for (const name of [PROXY_URL_HEADER, PROXY_URL_HEADER_LEGACY]) {", "for (const name of [] as string[]) {")),
     _m("header_ids_as_numbers", "native-id-types",
        ('if (typeof value === "string" && value.trim()) return value.trim();',
         'if (typeof value === "string" && value.trim()) return Number(value.trim());')),
-    _m("sub_agents_untrimmed", "actor-label-trim", ("label = validateActorLabel(raw);", "label = validateActorLabel(raw) && raw;")),
+    _m("sub_agents_untrimmed", "actor-label-trim", ("      label = validateActorLabel(raw);", "      label = validateActorLabel(raw) && raw;")),
     # -- the proxy client (§3.1-§3.3)
-    _m("envelope_not_unwrapped", "unwrap-response",
-       ('value: isJson && isObject(value) && "response" in value ? value.response : value', "value: value")),
+    _m("envelope_not_unwrapped", "unwrap-response", (UNWRAP, "value: value")),
     _m("string_decoded_twice", "no-double-decode",
-       ('value: isJson && isObject(value) && "response" in value ? value.response : value',
-        'value: isJson && isObject(value) && "response" in value ? (typeof value.response === "string" ? '
-        "(() => { try { return JSON.parse(value.response); } catch { return value.response; } })() : value.response) : value")),
+       (UNWRAP, 'value: isJson && isObject(value) && "response" in value ? (typeof value["response"] === "string" ? '
+                '(() => { try { return JSON.parse(value["response"] as string) as Json; } catch { return value["response"] ?? null; } })() '
+                ': value["response"] ?? null) : value')),
     _m("no_retry_429", "retry-transient",
-       ("if (status === 429 || (status === 503 && TRANSIENT_503_CLASSES.has(errorClass))) {",
-        "if (status === 503 && TRANSIENT_503_CLASSES.has(errorClass)) {")),
-    _m("retries_every_5xx", "terminal-no-retry",
-       ("if (status === 429 || (status === 503 && TRANSIENT_503_CLASSES.has(errorClass))) {",
-        "if (status === 429 || status >= 500) {")),
+       (RETRYABLE, "if (status === 503 && errorClass !== null && TRANSIENT_503_CLASSES.has(errorClass)) {")),
+    _m("retries_every_5xx", "terminal-no-retry", (RETRYABLE, "if (status === 429 || status >= 500) {")),
     _m("new_key_per_attempt", "idempotency-key-reuse",
        ("        reply = await send();\n", '        headers["Idempotency-Key"] = randomUUID();\n        reply = await send();\n')),
     _m("retry_after_ignored", "honour-retry-after",
@@ -90,7 +95,7 @@ MUTANTS = [
         "  const wait = 0;")),
     _m("retries_unbounded", "bounded-backoff", ("  maxAttempts: 4,", "  maxAttempts: 40,")),
     _m("stale_token_not_distinct", "stale-token-distinct",
-       ("if (status === 401 && STALE_TOKEN_CLASSES.has(errorClass)) {", "if (false) {")),
+       ("if (status === 401 && errorClass !== null && STALE_TOKEN_CLASSES.has(errorClass)) {", "if (false) {")),
     _m("jti_sent_as_run_token", "run-token-auth",
        ("      Authorization: `Bearer ${envelope.run_token}`,\n",
         "      Authorization: `Bearer ${envelope.run_token}`,\n"
@@ -99,7 +104,8 @@ MUTANTS = [
        ("      validateToolName(name);\n", ""),
        ("${kind}/${encodeURIComponent(name)}`", "${kind}/${name}`")),
     # -- actor labels (§3.5)
-    _m("actor_not_trimmed", "actor-label-trim", ("  label = label.trim();\n  if (!label) return null;", "  if (!label.trim()) return null;")),
+    _m("actor_not_trimmed", "actor-label-trim",
+       ("  const trimmed = label.trim();\n  if (!trimmed) return null;", "  const trimmed = label;\n  if (!trimmed.trim()) return null;")),
     _m("actor_header_when_empty", "actor-absent-no-header",
        ("    if (label) headers[ACTOR_ID_HEADER] = label;", '    headers[ACTOR_ID_HEADER] = label ?? "";')),
     _m("actor_not_validated", "actor-validate-locally",
@@ -109,38 +115,41 @@ MUTANTS = [
         "      if (label && envelope.sub_agents.length && !envelope.sub_agents.includes(label)) "
         "throw new ProxyRequestError(`undeclared actor ${label}`);")),
     # -- trace events (§3.4)
-    _m("no_occurred_at", "trace-occurred-at",
-       ('      if (!Object.hasOwn(event, "__occurred_at")) event.__occurred_at = new Date().toISOString();\n', "")),
-    _m("occurred_at_overwritten", "trace-occurred-at",
-       ('      if (!Object.hasOwn(event, "__occurred_at")) event.__occurred_at = new Date().toISOString();',
-        "      event.__occurred_at = new Date().toISOString();")),
+    _m("no_occurred_at", "trace-occurred-at", (STAMP + "\n", "")),
+    _m("occurred_at_overwritten", "trace-occurred-at", (STAMP, '      event["__occurred_at"] = new Date().toISOString();')),
     _m("self_handoff_sent", "self-handoff-dropped", ("  if (source === target) {", "  if (false) {")),
     _m("handoff_wrong_keys", "handoff-shape",
-       ("  const event = { from_sub_agent: source, to_sub_agent: target };", "  const event = { from: source, to: target };")),
+       ("  const event: HandoffEvent = { from_sub_agent: source, to_sub_agent: target };",
+        "  const event: Record<string, unknown> = { from: source, to: target };")),
     # -- the response and errors (§2 step 8, §4)
     _m("empty_final_response_sent", "final-response-required",
        ("  if (errors.length) throw new ResponseError(errors);",
-        '  if (errors.length && body.final_response !== "") throw new ResponseError(errors);')),
-    _m("transcript_dropped", "response-as-built", ("  if (messages !== null) body.messages = flatMessages(messages);\n", "")),
+        '  if (errors.length && body["final_response"] !== "") throw new ResponseError(errors);')),
+    _m("transcript_dropped", "response-as-built", ('  if (transcript !== null) body["messages"] = flatMessages(transcript);\n', "")),
     _m("agent_error_200", "agent-error-500",
        ("      return errorReply(500, short(scrub(describeError(err)), DETAIL_LIMIT - 1));",
         "      return jsonReply(200, { final_response: `The agent failed: ${scrub(describeError(err))}` });")),
     _m("stack_in_detail", "no-traceback-in-body",
        ("  return err.message ? `${err.name}: ${err.message}` : err.name;", "  return err.stack ?? err.name;")),
     _m("run_token_not_scrubbed", "run-token-secret",
-       ("    const secrets = [envelope.run_token, this.#expectedToken()];", "    const secrets = [this.#expectedToken()];")),
+       ("    const secrets = [envelope.run_token, this.expectedToken()];", "    const secrets = [this.expectedToken()];")),
     _m("response_token_not_redacted", "run-token-secret",
        ("      if (JSON.stringify(body).includes(envelope.run_token)) {", "      if (false) {")),
     # -- concurrency (§2 step 6)
     _m("module_level_envelope", "per-request-binding",
-       ("    const { envelope } = context;\n", "    const { envelope } = context;\n    globalThis.currentDispatch = envelope;\n"),
-       ("  const envelope = dispatchContext.getStore()?.envelope;", "  const envelope = globalThis.currentDispatch;")),
+       ("    const secrets = [envelope.run_token, this.expectedToken()];\n",
+        "    const secrets = [envelope.run_token, this.expectedToken()];\n"
+        "    (globalThis as unknown as { currentDispatch?: Envelope }).currentDispatch = envelope;\n"),
+       ("  const envelope = dispatchContext.getStore()?.envelope;",
+        "  const envelope = (globalThis as unknown as { currentDispatch?: Envelope }).currentDispatch;")),
 ]
 
 
 def materialise(mutant: Mutant, dest: pathlib.Path) -> pathlib.Path:
-    """A copy of the Node port in ``dest`` with the mutant's edits applied; ValueError when one does not apply."""
-    shutil.copytree(PORT, dest)
+    """A copy of the port's sources in ``dest`` with the mutant's edits applied; ValueError when one does not apply."""
+    shutil.copytree(PORT, dest, ignore=shutil.ignore_patterns("node_modules", "dist"))
+    if (PORT / "node_modules").is_dir():
+        os.symlink(PORT / "node_modules", dest / "node_modules")
     path = dest / MODULE
     text = path.read_text(encoding="utf-8")
     for old, new in mutant.edits:
@@ -150,3 +159,14 @@ def materialise(mutant: Mutant, dest: pathlib.Path) -> pathlib.Path:
         text = text.replace(old, new)
     path.write_text(text, encoding="utf-8")
     return dest
+
+
+def build(copy: pathlib.Path) -> pathlib.Path:
+    """Compile a materialised copy with the port's tsc; the path of its server.  RuntimeError when it does not type-check."""
+    if not TSC.exists():
+        raise RuntimeError(f"{TSC} is missing: run `npm ci` in {PORT}")
+    done = subprocess.run([str(TSC), "-p", str(copy), "--noUnusedLocals", "false", "--noUnusedParameters", "false"],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"the mutant does not type-check: {(done.stdout + done.stderr)[-1500:]}")
+    return copy / "dist" / "server.js"

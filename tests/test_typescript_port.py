@@ -1,7 +1,10 @@
-"""The JavaScript port (conformance/ports/node/): its vectors, and its dispatch server over 127.0.0.1.
+"""The TypeScript port (conformance/ports/typescript/): its build, its vectors, and its dispatch server over 127.0.0.1.
 
-The server runs as a subprocess serving the conformance agent; the agent's
-tool calls go to a MockProxy.  Skipped when ``node`` is not on PATH.
+``dist/`` is the port compiled by ``tsc`` and committed, so these tests need only
+``node``: the server runs as a subprocess serving the conformance agent, whose
+tool calls go to a MockProxy.  Skipped when ``node`` is not on PATH.  The tests
+that need the compiler (dist/ is exactly tsc's output of src/) run when
+``npm ci`` has installed it in the port (``.ci/run`` does).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 import pathlib
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -27,21 +31,23 @@ import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PORT_DIR = ROOT / "conformance" / "ports" / "node"
+PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
+SERVER = PORT_DIR / "dist" / "server.js"
 NODE = shutil.which("node")
+TSC = PORT_DIR / "node_modules" / ".bin" / "tsc"
 AGENT_TOKEN = "node-agent-token-7e7e7e"
 RUN_TOKEN = "node-run-token-3c3c3c3c"
 
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not on PATH: the JavaScript port cannot run")
+pytestmark = pytest.mark.skipif(NODE is None, reason="node is not on PATH: the TypeScript port cannot run")
 
 
 class NodeServer:
-    """``node server.mjs --port 0 ...`` as a subprocess; ``url`` is its dispatch URL."""
+    """``node dist/server.js --port 0 ...`` as a subprocess; ``url`` is its dispatch URL."""
 
     def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [NODE, str(PORT_DIR / "server.mjs"), "--port", "0", *args],
+            [NODE, str(SERVER), "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN, **(env or {})},
         )
@@ -129,14 +135,74 @@ def raw_request(server: NodeServer, data: bytes) -> bytes:
             chunks.append(chunk)
 
 
-# -- the vectors, in JavaScript ----------------------------------------------------------
+# -- the build and the vectors, in the port's own test runner ----------------------------------------------
 
 
-def test_the_port_passes_every_json_vector() -> None:
-    done = subprocess.run([NODE, str(PORT_DIR / "vectors.mjs")], capture_output=True, text=True, timeout=60)
+def test_the_port_passes_every_json_vector_under_node_test() -> None:
+    done = subprocess.run([NODE, "--test", "dist/"], cwd=PORT_DIR, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counts = dict(line[2:].split(" ", 1) for line in done.stdout.splitlines() if line.startswith("# ") and " " in line[2:])
+    assert int(counts["pass"]) > 200 and counts["fail"] == "0" and int(counts["skipped"]) <= 12, counts
+
+
+@pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)")
+def test_dist_is_exactly_what_tsc_makes_of_src(tmp_path: pathlib.Path) -> None:
+    """One source of truth: the committed JavaScript is the TypeScript compiled, nothing edited by hand."""
+    done = subprocess.run([str(TSC), "-p", str(PORT_DIR), "--outDir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr  # strict mode: a type error fails here
+    made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    committed = sorted(p.relative_to(PORT_DIR / "dist").as_posix() for p in (PORT_DIR / "dist").rglob("*") if p.is_file())
+    assert made == committed
+    stale = [name for name in made if (tmp_path / name).read_bytes() != (PORT_DIR / "dist" / name).read_bytes()]
+    assert not stale, f"dist/ is out of date for {stale}: run `npm run build` in {PORT_DIR}"
+
+
+@pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)")
+def test_the_readme_quick_start_type_checks_and_serves(tmp_path: pathlib.Path) -> None:
+    """The README's TypeScript quick start, as printed, compiles against the port in strict mode and serves."""
+    readme = (PORT_DIR / "README.md").read_text()
+    quick = re.search(r"## Quick start\n\n```ts\n(.*?)```", readme, re.S)
+    assert quick is not None and len(quick.group(1).splitlines()) <= 30
+    (tmp_path / "src").mkdir()
+    for name in ("pipelines_port.ts", "node-builtins.d.ts"):
+        shutil.copy(PORT_DIR / "src" / name, tmp_path / "src" / name)
+    shutil.copy(PORT_DIR / "tsconfig.json", tmp_path)
+    shutil.copy(PORT_DIR / "package.json", tmp_path)
+    (tmp_path / "src" / "agent.ts").write_text(quick.group(1).replace("port: 8080", "port: 0"))
+    done = subprocess.run([str(TSC), "-p", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    passed, failed = done.stdout.split(" passed, ")
-    assert int(passed) > 150 and failed.startswith("0 failed"), done.stdout
+    proc = subprocess.Popen([NODE, str(tmp_path / "dist" / "agent.js")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("dispatch URL: http://0.0.0.0:") and line.rstrip().endswith("/dispatch"), line
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/dispatch", body=b'{"ping": true}', headers={**AUTH, "Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_the_public_api_has_no_any() -> None:
+    """The declarations tsc emits for the library name no `any`: every exported type is a real one."""
+    declarations = (PORT_DIR / "dist" / "pipelines_port.d.ts").read_text()
+    assert "export declare function buildResponse" in declarations and "export interface Envelope" in declarations
+    words = re.findall(r"\bany\b", re.sub(r"/\*.*?\*/|//[^\n]*", "", declarations, flags=re.S))
+    assert words == []
+
+
+def test_typescript_is_the_only_dependency_and_it_is_pinned() -> None:
+    package = json.loads((PORT_DIR / "package.json").read_text())
+    assert "dependencies" not in package and list(package["devDependencies"]) == ["typescript"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", package["devDependencies"]["typescript"])  # exact, no range
+    lock = json.loads((PORT_DIR / "package-lock.json").read_text())
+    assert lock["packages"][""]["devDependencies"] == package["devDependencies"]
+    assert lock["packages"]["node_modules/typescript"]["version"] == package["devDependencies"]["typescript"]
 
 
 # -- §2: the order of handling ---------------------------------------------------------------
@@ -187,10 +253,10 @@ def test_routes_methods_framing_and_keep_alive(server: NodeServer) -> None:
 
 
 def test_unset_token_env_is_503_and_a_custom_auth_header_carries_the_raw_value() -> None:
-    node = NodeServer("--token-env", "NODE_PORT_UNSET_TOKEN", env={"NODE_PORT_UNSET_TOKEN": ""})
+    node = NodeServer("--token-env", "TS_PORT_UNSET_TOKEN", env={"TS_PORT_UNSET_TOKEN": ""})
     try:
         status, _, body = post(node, {"ping": True}, AUTH)
-        assert status == 503 and "NODE_PORT_UNSET_TOKEN" in json.loads(body)["detail"]
+        assert status == 503 and "TS_PORT_UNSET_TOKEN" in json.loads(body)["detail"]
     finally:
         assert node.stop() == 0
     node = NodeServer("--auth-header", "X-API-Key")
@@ -346,7 +412,7 @@ def test_connectivity_check_probes_without_running_the_agent(server: NodeServer,
 
 def test_bad_arguments_are_one_clear_line() -> None:
     for args, needle in ((["--port", "abc"], "--port"), (["--bogus"], "--bogus"), (["--path", "nope"], "path")):
-        done = subprocess.run([NODE, str(PORT_DIR / "server.mjs"), *args], capture_output=True, text=True, timeout=30)
+        done = subprocess.run([NODE, str(SERVER), *args], capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and needle in done.stderr and "    at " not in done.stderr, done.stderr
 
 
