@@ -1608,7 +1608,7 @@ export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, re
     async function close(graceS = 5) {
         draining = true;
         server.close();
-        server.closeIdleConnections(); // idle keep-alive sockets would hold close() open
+        server.closeIdleConnections?.(); // idle keep-alive sockets would hold close() open
         const finished = inFlight === 0 || await new Promise((resolve) => {
             const timer = setTimeout(() => resolve(false), graceS * 1000);
             idle = () => {
@@ -1616,7 +1616,7 @@ export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, re
                 resolve(true);
             };
         });
-        server.closeAllConnections();
+        server.closeAllConnections?.();
         return finished;
     }
     return { server, url, app, close };

@@ -29,7 +29,7 @@ async function echoProxy(delayMs = 0) {
         seen,
         close: () => new Promise((resolve) => {
             server.close(() => resolve());
-            server.closeAllConnections();
+            server.closeAllConnections?.();
         }),
     };
 }

@@ -112,7 +112,7 @@ class RecordingProxy {
     async close() {
         await new Promise((resolve) => {
             this.server.close(() => resolve());
-            this.server.closeAllConnections();
+            this.server.closeAllConnections?.();
         });
     }
 }

@@ -129,8 +129,9 @@ declare module "node:http" {
     listen(port: number, host: string, callback: () => void): Server;
     address(): AddressInfo | string | null;
     close(callback?: (err?: Error) => void): Server;
-    closeIdleConnections(): void;
-    closeAllConnections(): void;
+    /** Node 18.2+: optional, so the port still runs (and closes) on 18.0 and 18.1. */
+    closeIdleConnections?(): void;
+    closeAllConnections?(): void;
     on(event: "connection", listener: (socket: Socket) => void): Server;
     once(event: "error", listener: (err: Error) => void): Server;
     off(event: "error", listener: (err: Error) => void): Server;

@@ -1881,7 +1881,7 @@ export async function startServer(agentOrApp: Agent | DispatchApp,
   async function close(graceS = 5): Promise<boolean> {
     draining = true;
     server.close();
-    server.closeIdleConnections(); // idle keep-alive sockets would hold close() open
+    server.closeIdleConnections?.(); // idle keep-alive sockets would hold close() open
     const finished = inFlight === 0 || await new Promise<boolean>((resolve) => {
       const timer = setTimeout(() => resolve(false), graceS * 1000);
       idle = () => {
@@ -1889,7 +1889,7 @@ export async function startServer(agentOrApp: Agent | DispatchApp,
         resolve(true);
       };
     });
-    server.closeAllConnections();
+    server.closeAllConnections?.();
     return finished;
   }
 

@@ -35,7 +35,7 @@ async function echoProxy(delayMs = 0): Promise<{ url: string; seen: string[]; cl
     seen,
     close: () => new Promise<void>((resolve) => {
       server.close(() => resolve());
-      server.closeAllConnections();
+      server.closeAllConnections?.();
     }),
   };
 }

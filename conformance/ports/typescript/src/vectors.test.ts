@@ -144,7 +144,7 @@ class RecordingProxy {
   async close(): Promise<void> {
     await new Promise<void>((resolve) => {
       this.server.close(() => resolve());
-      this.server.closeAllConnections();
+      this.server.closeAllConnections?.();
     });
   }
 }
