@@ -1,0 +1,3 @@
+module pipelinesport
+
+go 1.19
