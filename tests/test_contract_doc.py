@@ -1,7 +1,7 @@
 """CONTRACT.md is what every section reference in the repository points into.
 
 Every ``§N`` / ``§N.M`` cited by the module, the README, the conformance kit
-(code, docs, the Node port, the JSON vectors' ``contract`` fields, the
+(code, docs, the TypeScript and Go reference ports, the JSON vectors' ``contract`` fields, the
 ``section`` of every conformance case), the templates and the tests must land
 on a ``§N`` heading of CONTRACT.md; ``§2 step N`` must land on a step of §2.
 CONTRACT.md's own rules must be well formed: ``- **rule-id** (LEVEL): ...``
@@ -121,7 +121,7 @@ def unresolved(ref: Ref, contract: Contract) -> str:
 def sources() -> List[pathlib.Path]:
     """Every file whose § references must resolve (CONTRACT.md and this test excluded)."""
     found = [ROOT / "pipelines_port.py", ROOT / "README.md"]
-    for pattern in ("*.py", "*.md", "*.mjs"):
+    for pattern in ("*.py", "*.md", "*.ts", "*.go"):
         found += (ROOT / "conformance").rglob(pattern)
     found += (ROOT / "conformance" / "vectors").glob("*.json")
     found += (ROOT / "templates").glob("*.py")
