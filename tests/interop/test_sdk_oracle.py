@@ -15,7 +15,9 @@ nothing of it is copied here.  These tests install it (see
    in process (its design: ``--app module:attr`` under Starlette's TestClient)
    and against the app served by uvicorn on 127.0.0.1 (through a relay), plus
    ``odyssey sync --from-app URL --dry-run``, the SDK's only reader of a
-   running app's URL.
+   running app's URL;
+4. the same doctor against the TypeScript and Go reference ports
+   (``conformance/ports``), served as their own processes.
 
 Everything skips when the SDK, FastAPI or httpx is missing.  Network: 127.0.0.1
 only; every loop is bounded; every server is stopped by its fixture.
@@ -36,6 +38,7 @@ import os
 import pathlib
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -1040,3 +1043,57 @@ def test_sdk_sync_reads_our_tools_schema_from_the_running_app(tmp_path: pathlib.
     report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-2000:]}"
     assert proc.returncode == 0, report
     assert f"Fetched {len(names)} tool(s) from {server.url}: {names}" in proc.stdout, report
+
+
+# ---------------------------------------------------------------------------
+# 4. The SDK's doctor against the reference ports (conformance/ports)
+# ---------------------------------------------------------------------------
+
+
+def _port_server_command(port: str, tmp_path: pathlib.Path) -> List[str]:
+    """The command that serves a reference port's conformance agent; skip when its toolchain is missing."""
+    ports = ROOT / "conformance" / "ports"
+    if port == "typescript":
+        node = shutil.which("node")
+        if node is None:
+            pytest.skip("node is not on PATH")
+        return [node, str(ports / "typescript" / "dist" / "server.js")]
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("go is not on PATH")
+    exe = tmp_path / "conformance-server"
+    done = subprocess.run([go, "build", "-o", str(exe), "./cmd/conformance-server"], cwd=str(ports / "go"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return [str(exe)]
+
+
+@pytest.mark.parametrize("port", ["typescript", "go"])
+def test_sdk_doctor_against_the_reference_ports(tmp_path: pathlib.Path, port: str) -> None:
+    """``odyssey doctor`` (through the relay) finds each port's wrapper booting, answering ping, auth first.
+
+    The ports do not serve ``GET /tools_schema`` (their READMEs say so), which the doctor reports as a warning.
+    """
+    cmd = _port_server_command(port, tmp_path) + ["--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        match = re.search(r"listening on (http://[^/\s]+)", first)
+        assert match, first
+        tools = _write_tools(tmp_path, sorted(TOOLS_VARIANTS)[0])
+        (tmp_path / "pp_interop_relay.py").write_text(_RELAY_APP, encoding="utf-8")
+        doctor = _run_odyssey(tmp_path, ["doctor", "--app", "pp_interop_relay:app", "--tools-schema", str(tools),
+                                         "--no-network"], _cli_env(tmp_path, PP_INTEROP_UPSTREAM=match.group(1)))
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    report = f"exit {doctor.returncode}\n--- stdout\n{doctor.stdout}\n--- stderr\n{doctor.stderr[-3000:]}"
+    lines = _doctor_lines(doctor.stdout)
+    assert lines.get("Wrapper boots + ping 2xx", ("?",))[0] == "PASS", report
+    assert lines.get("Auth runs before ping", ("?",))[0] == "PASS", report
+    assert not {k: v for k, v in lines.items() if v[0] == "FAIL"}, report
+    schema = lines.get("tools_schema valid + matches app", ("?", ""))
+    assert schema[0] == "WARN" and "no GET /tools_schema" in schema[1], report
+    assert doctor.returncode == 0, report
