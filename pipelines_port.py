@@ -5156,14 +5156,25 @@ def _prog_name() -> str:
 
 def _parser(prog: Optional[str] = None) -> Any:
     argparse = _argparse()
+
+    class RefuseTokenFlag(argparse.Action):  # type: ignore[misc,name-defined]
+        """``--token VALUE``: refused without echoing VALUE, which would be the agent token itself."""
+
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+            parser.error("--token is not accepted: the agent token is read from an environment variable, so it never "
+                         "shows in a process list or a log: set AGENT_TOKEN, or name another with --token-env NAME")
+
+    # allow_abbrev=False: a prefix must not stand for an option (`--token SECRET` read as `--token-env SECRET`
+    # would print the secret as a variable name).
     parser = argparse.ArgumentParser(
         prog=prog or _prog_name(),
         description="Put an agent under test on the Pipelines platform, standard library only.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_ = commands.add_parser(
-        "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)",
+        "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
         description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.",
     )
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
@@ -5173,6 +5184,7 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
     serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
                         help="environment variable holding the agent token (default AGENT_TOKEN)")
+    serve_.add_argument("--token", action=RefuseTokenFlag, help=argparse.SUPPRESS)
     serve_.add_argument("--auth-header", default="Authorization", metavar="NAME",
                         help="header carrying it: Authorization (Bearer <token>) or a custom name with the raw value")
     serve_.add_argument("--no-auth", action="store_true", help="disable inbound auth (anyone can dispatch)")
@@ -5196,7 +5208,7 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.set_defaults(run=_cmd_serve)
 
     mcp_ = commands.add_parser(
-        "mcp", help="a stdio MCP server whose tools go through the per-run proxy",
+        "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
         description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
                     f"{ENV_TOOLS_SCHEMA_B64} or the platform, tools/call through the proxy of the run in "
                     f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.",

@@ -218,6 +218,19 @@ def test_wrong_usage_is_one_clear_line_and_a_nonzero_exit(agent_file: Path, tmp_
         assert "NameError" in out.stderr and "line 2" in out.stderr
 
 
+@pytest.mark.parametrize("args", [["--token", "s3cret-agent-token-9f9f"], ["--token=s3cret-agent-token-9f9f"],
+                                  ["--token-e", "s3cret-agent-token-9f9f"]])
+def test_a_token_on_the_command_line_is_refused_without_echoing_it(agent_file: Path, args: List[str]) -> None:
+    """``--token X`` is not an abbreviation of ``--token-env``: it is refused, and X shows nowhere."""
+    out = run_cli(["serve", f"{agent_file}:agent", "--port", "0", *args], env={"AGENT_TOKEN": "t"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "listening" not in out.stdout
+    if args[0] == "--token-e":  # no prefix stands for an option
+        assert "unrecognized arguments: --token-e" in out.stderr
+    else:
+        assert "--token is not accepted" in out.stderr and "--token-env NAME" in out.stderr
+        assert "s3cret-agent-token-9f9f" not in out.stderr + out.stdout
+
+
 def test_port_in_use_is_one_clear_line(agent_file: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
