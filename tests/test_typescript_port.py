@@ -41,7 +41,7 @@ RUN_TOKEN = "node-run-token-3c3c3c3c"
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not on PATH: the TypeScript port cannot run")
 
 
-class NodeServer:
+class TsServer:
     """``node dist/server.js --port 0 ...`` as a subprocess; ``url`` is its dispatch URL."""
 
     def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
@@ -80,8 +80,8 @@ class NodeServer:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[NodeServer]:
-    node = NodeServer()
+def server() -> Iterator[TsServer]:
+    node = TsServer()
     yield node
     assert node.stop() == 0
 
@@ -96,7 +96,7 @@ Reply = Tuple[int, Dict[str, str], bytes]
 AUTH = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 
 
-def post(server: NodeServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
+def post(server: TsServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
          path: str = "/dispatch") -> Reply:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
@@ -109,7 +109,7 @@ def post(server: NodeServer, body: Any, headers: Optional[Dict[str, str]] = None
         conn.close()
 
 
-def dispatch(server: NodeServer, proxy: MockProxy, instruction: Any, *, token: str = RUN_TOKEN,
+def dispatch(server: TsServer, proxy: MockProxy, instruction: Any, *, token: str = RUN_TOKEN,
              **body: Any) -> Tuple[int, Dict[str, Any]]:
     """One dispatch as the platform sends it; ``instruction`` (a script when not a string) becomes user_instruction."""
     text = instruction if isinstance(instruction, str) else json.dumps(instruction)
@@ -124,7 +124,7 @@ def results(reply: Dict[str, Any]) -> List[Any]:
     return json.loads(reply["final_response"])["results"]
 
 
-def raw_request(server: NodeServer, data: bytes) -> bytes:
+def raw_request(server: TsServer, data: bytes) -> bytes:
     with socket.create_connection((server.host, server.port), timeout=10) as s:
         s.sendall(data)
         chunks = []
@@ -208,7 +208,7 @@ def test_typescript_is_the_only_dependency_and_it_is_pinned() -> None:
 # -- §2: the order of handling ---------------------------------------------------------------
 
 
-def test_auth_before_a_strict_ping_and_the_400s(server: NodeServer) -> None:
+def test_auth_before_a_strict_ping_and_the_400s(server: TsServer) -> None:
     assert post(server, {"ping": True})[0] == 401
     status, headers, body = post(server, {"ping": True}, {"Authorization": "Bearer guess-123"})
     assert status == 401 and b"guess-123" not in body and headers["www-authenticate"] == "Bearer"
@@ -225,7 +225,7 @@ def test_auth_before_a_strict_ping_and_the_400s(server: NodeServer) -> None:
     assert status == 400 and "JSON object" in json.loads(body)["detail"]
 
 
-def test_routes_methods_framing_and_keep_alive(server: NodeServer) -> None:
+def test_routes_methods_framing_and_keep_alive(server: TsServer) -> None:
     status, headers, body = post(server, b"", AUTH, method="GET")
     assert status == 405 and headers["allow"] == "POST"
     status, _, body = post(server, {"ping": True}, AUTH, path="/elsewhere")
@@ -253,13 +253,13 @@ def test_routes_methods_framing_and_keep_alive(server: NodeServer) -> None:
 
 
 def test_unset_token_env_is_503_and_a_custom_auth_header_carries_the_raw_value() -> None:
-    node = NodeServer("--token-env", "TS_PORT_UNSET_TOKEN", env={"TS_PORT_UNSET_TOKEN": ""})
+    node = TsServer("--token-env", "TS_PORT_UNSET_TOKEN", env={"TS_PORT_UNSET_TOKEN": ""})
     try:
         status, _, body = post(node, {"ping": True}, AUTH)
         assert status == 503 and "TS_PORT_UNSET_TOKEN" in json.loads(body)["detail"]
     finally:
         assert node.stop() == 0
-    node = NodeServer("--auth-header", "X-API-Key")
+    node = TsServer("--auth-header", "X-API-Key")
     try:
         assert post(node, {"ping": True}, {"X-API-Key": AGENT_TOKEN})[0] == 200
         assert post(node, {"ping": True}, {"X-API-Key": f"Bearer {AGENT_TOKEN}"})[0] == 401
@@ -271,7 +271,7 @@ def test_unset_token_env_is_503_and_a_custom_auth_header_carries_the_raw_value()
 # -- the conformance agent: echo mode -------------------------------------------------------------
 
 
-def test_echo_mode_shows_the_envelope_with_header_fallbacks(server: NodeServer, proxy: MockProxy) -> None:
+def test_echo_mode_shows_the_envelope_with_header_fallbacks(server: TsServer, proxy: MockProxy) -> None:
     body = {"input": {"user_instruction": "hello", "session_id": "s-1"}, "future_field": {"kept": True},
             "sub_agents": [{"actor_id": "triage"}, "refunds", 7, "bad label!"]}
     headers = {**AUTH, "X-Pipelines-Run-Token": RUN_TOKEN, "X-Pipelines-Odyssey-Proxy-Url": proxy.url + "/",
@@ -293,7 +293,7 @@ def test_echo_mode_shows_the_envelope_with_header_fallbacks(server: NodeServer, 
 # -- the conformance agent: script mode through the proxy shim -----------------------------------------
 
 
-def test_script_calls_retries_errors_and_traces(server: NodeServer, proxy: MockProxy) -> None:
+def test_script_calls_retries_errors_and_traces(server: TsServer, proxy: MockProxy) -> None:
     proxy.script("get_order", [{"response": {"status": "shipped"}}])
     proxy.script("flaky", [{"status": 429, "headers": {"Retry-After": "0"}, "error_class": "rate_limited"},
                            {"response": "{\"a\": 1}"}])
@@ -351,7 +351,7 @@ def test_script_calls_retries_errors_and_traces(server: NodeServer, proxy: MockP
     assert reply["metadata"]["model"] == "conformance-agent" and reply["metadata"]["agent_runtime_ms"] >= 0
 
 
-def test_parallel_calls_overlap_and_keep_their_order(server: NodeServer, proxy: MockProxy) -> None:
+def test_parallel_calls_overlap_and_keep_their_order(server: TsServer, proxy: MockProxy) -> None:
     proxy.script("*", lambda r: {"response": {"name": r.name}, "delay_s": 0.2})
     status, reply = dispatch(server, proxy, {"steps": [{"parallel": [{"call": n, "args": {}} for n in "abc"]}]})
     assert status == 200
@@ -360,7 +360,7 @@ def test_parallel_calls_overlap_and_keep_their_order(server: NodeServer, proxy: 
     assert [m["tool_calls"][0]["id"] for m in reply["messages"][1:-1:2]] == ["call_1", "call_2", "call_3"]
 
 
-def test_concurrent_dispatches_never_cross_run_tokens(server: NodeServer, proxy: MockProxy) -> None:
+def test_concurrent_dispatches_never_cross_run_tokens(server: TsServer, proxy: MockProxy) -> None:
     proxy.script("whoami", lambda r: {"response": {"bearer_sha": hashlib.sha256(r.bearer.encode()).hexdigest()},
                                       "delay_s": 0.05})
     script = {"steps": [{"call": "whoami", "args": {}}, {"call": "whoami", "args": {}}]}
@@ -381,7 +381,7 @@ def test_concurrent_dispatches_never_cross_run_tokens(server: NodeServer, proxy:
     assert len(proxy.calls("whoami")) == 40 and proxy.max_in_flight > 5
 
 
-def test_agent_errors_and_unusable_results_are_500s(server: NodeServer, proxy: MockProxy) -> None:
+def test_agent_errors_and_unusable_results_are_500s(server: TsServer, proxy: MockProxy) -> None:
     status, reply = dispatch(server, proxy, {"steps": [{"raise": f"boom with {RUN_TOKEN} and {AGENT_TOKEN}"}]})
     assert status == 500 and reply["detail"].startswith("Error: boom with [redacted]") and AGENT_TOKEN not in reply["detail"]
     status, reply = dispatch(server, proxy, {"steps": [{"raise": "x" * 2000}]})
@@ -398,7 +398,7 @@ def test_agent_errors_and_unusable_results_are_500s(server: NodeServer, proxy: M
     assert status == 200 and "[redacted]" in reply["final_response"]
 
 
-def test_connectivity_check_probes_without_running_the_agent(server: NodeServer, proxy: MockProxy) -> None:
+def test_connectivity_check_probes_without_running_the_agent(server: TsServer, proxy: MockProxy) -> None:
     status, _, body = post(server, {"connectivity_check": True, "odyssey_proxy_url": proxy.url}, AUTH)
     out = json.loads(body)["outbound"]
     assert status == 200 and out["reachable"] is True and out["status_code"] == 401
@@ -417,7 +417,7 @@ def test_bad_arguments_are_one_clear_line() -> None:
 
 
 def test_sigterm_lets_an_in_flight_dispatch_finish(proxy: MockProxy) -> None:
-    node = NodeServer()
+    node = TsServer()
     outcome: List[Tuple[int, Dict[str, Any]]] = []
     script = {"steps": [{"call": "started", "args": {}}, {"sleep_ms": 400}]}
     worker = threading.Thread(target=lambda: outcome.append(dispatch(node, proxy, script)))
@@ -437,7 +437,7 @@ def test_sigterm_lets_an_in_flight_dispatch_finish(proxy: MockProxy) -> None:
 # -- the conformance checker -------------------------------------------------------------------------------
 
 
-def run_check(node: NodeServer, *args: str) -> str:
+def run_check(node: TsServer, *args: str) -> str:
     done = subprocess.run([sys.executable, "-m", "conformance", "check", node.url, "--token", AGENT_TOKEN, *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -448,7 +448,7 @@ def run_check(node: NodeServer, *args: str) -> str:
 
 @pytest.mark.skipif(not (ROOT / "conformance" / "check.py").exists(), reason="conformance/check.py has not landed yet")
 def test_the_conformance_check_passes_every_case() -> None:
-    node = NodeServer()
+    node = TsServer()
     try:
         summary = run_check(node, "--strict")  # MUST and SHOULD
         api = run_check(node, "--strict", "--profile", "api")  # and the kit's own choices, which it mirrors
@@ -457,13 +457,13 @@ def test_the_conformance_check_passes_every_case() -> None:
     passed = int(summary.split(" passed")[0])
     assert passed > 200 and int(api.split(" passed")[0]) > passed, summary
     # The cases that need a custom auth header, against a server registered with one.
-    node = NodeServer("--auth-header", "X-API-Key")
+    node = TsServer("--auth-header", "X-API-Key")
     try:
         run_check(node, "--auth-header", "X-API-Key", "--only", "auth,ping,vectors.inbound")
     finally:
         assert node.stop() == 0
     # The misconfigured mode: the token variable unset, every request a 503.
-    node = NodeServer(env={"AGENT_TOKEN": ""})
+    node = TsServer(env={"AGENT_TOKEN": ""})
     try:
         assert run_check(node, "--misconfigured", "--strict").startswith("1 passed")
     finally:
