@@ -1966,10 +1966,13 @@ def error_reply(exc: BaseException) -> HttpReply:
     return json_reply(500, {"detail": describe_error(exc)})
 
 
-def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT) -> str:
-    """``"TypeName: message"`` of an exception, one line of at most ``limit`` characters: what the platform shows."""
+def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Optional[str]) -> str:
+    """``"TypeName: message"`` of an exception, one line of at most ``limit`` characters: what the platform shows.
+
+    Each of ``secrets`` is redacted from the whole text before it is shortened: a cut must never leave part
+    of a token that redaction would no longer recognise (§7.6 kit-error-detail-shape)."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return _short(" ".join(text.split()), limit)
+    return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit)
 
 
 def redact(value: Any, *secrets: Optional[str]) -> Any:
@@ -3273,17 +3276,21 @@ class DispatchApp:
             error = failed.error if isinstance(failed, _AgentRaised) else failed
             trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
-            return error_reply(AgentError(self.redact(describe_error(error), envelope)))
+            return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *self.secrets(envelope))))
         finally:
             _dispatch_stats.reset(bound)
         reply = json_reply(200, body)
         clean = _without_run_token(body, envelope, reply.body)
         return reply if clean is body else json_reply(200, clean)
 
+    def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
+        """The run token and the agent token: what no reply or log line may show."""
+        return (envelope.run_token if envelope is not None else None,
+                self.token or os.environ.get(self.token_env or ""))
+
     def redact(self, text: str, envelope: Optional[Envelope]) -> str:
         """``text`` without the run token or the agent token (an agent's error may quote either)."""
-        return cast(str, redact(text, envelope.run_token if envelope is not None else None,
-                                self.token or os.environ.get(self.token_env or "")))
+        return cast(str, redact(text, *self.secrets(envelope)))
 
     # -- adapters (below: the server adapters section) ------------------------------
 
@@ -3786,7 +3793,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
             if isinstance(error, PipelinesError) or not isinstance(error, Exception):
                 failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
             else:
-                failure = AgentError(redact(f"agent raised {describe_error(error)}", envelope.run_token))
+                failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
                 failure.__cause__ = cleaned
         except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
             stats.cancelled = True
@@ -4847,7 +4854,7 @@ class McpShim:
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             token = self._envelope.run_token if self._envelope else None
             _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
-            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, redact(describe_error(exc), token))
+            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, describe_error(exc, DETAIL_LIMIT, token))
         return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Dict[str, Any]) -> Dict[str, Any]:

@@ -54,6 +54,8 @@ __all__ = ["Case", "Finding", "Result", "Options", "all_cases", "select", "run_c
 
 ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|\+00:00)")
 MIN_BACKOFF_S = 0.1  # the least wait that still counts as a backoff (§3.3)
+MAX_BACKOFF_S = 5.0  # the SDK caps each computed wait at 4 s, +25 % jitter at most
+RETRY_SLACK_S = 2.0  # what a loaded machine may add to a wait before a retry counts as late
 ENVELOPE_KEYS = ("tool_name", "source", "latency_ms", "matched_rule_index", "validation")
 AGENT_SPEC = "README: the conformance agent"
 RETRY_NOW = {"Retry-After": "0"}  # keeps the suite fast; the vectors check real waits
@@ -213,6 +215,13 @@ def sha256(text: str) -> str:
 # ---------------------------------------------------------------------------
 
 
+# A run token's random part is hex (the mock proxy's tokens): this many of its characters in a row, found in a
+# reply, are a leak.  Twelve hex characters are 48 random bits: the hashes and ids a reply carries do not share
+# them by chance (a 64-character hash against a whole check's tokens: about 1 in 10^8).
+TOKEN_PART = 12
+_HEX_RUN = re.compile(f"[0-9a-fA-F]{{{TOKEN_PART},}}")
+
+
 class Platform:
     """What the checker shares between cases: the mock proxy, the dispatcher and the secrets."""
 
@@ -223,6 +232,7 @@ class Platform:
         self.agent_token = agent_token
         self.options = options
         self._secrets: List[Tuple[str, str]] = [("the agent token", agent_token)] if agent_token else []
+        self._token_parts: Dict[str, str] = {}  # every TOKEN_PART-long run of a run token's random part
         self._lock = threading.Lock()
         self._ids = iter(range(1000, 10 ** 9))
         self.bodies_seen = 0
@@ -231,22 +241,44 @@ class Platform:
     def new_run(self, **body_ids: Any) -> Tuple[Run, ProxyRun]:
         """A fresh run on the mock proxy, its run token registered as a secret."""
         proxy_run = self.proxy.new_run()
+        random_part = proxy_run.token.rsplit("-", 1)[-1]
         with self._lock:
             number = next(self._ids)
             self._secrets.append(("a run token", proxy_run.token))
+            for start in range(len(random_part) - TOKEN_PART + 1):
+                self._token_parts[random_part[start:start + TOKEN_PART].lower()] = proxy_run.token
         ids = {"run_id": number, "task_id": number + 1, "agent_id": 8, "run_token_jti": uuid.uuid4().hex}
         ids.update(body_ids)
         return Run(run_token=proxy_run.token, proxy_url=proxy_run.url, **ids), proxy_run
 
     def leak_in(self, reply: Reply, case_id: str) -> Optional[str]:
-        """Which secret ``reply`` shows in its body or headers, if any (remembered for the final scan)."""
+        """Which secret ``reply`` shows in its body or headers, if any (remembered for the final scan).
+
+        A run token shows when the whole of it does, or any ``TOKEN_PART`` characters of its random part (a
+        token cut in two by a length limit still leaks)."""
         headers = "\n".join(reply.headers.values()).encode("utf-8", "replace")
+        text = reply.body.decode("latin-1") + "\n" + headers.decode("latin-1")
         with self._lock:
             self.bodies_seen += 1
-            for what, secret in self._secrets:
-                if secret.encode() in reply.body or secret.encode() in headers:
-                    self.leaks.append(f"{case_id}: HTTP {reply.status} showed {what}")
-                    return what
+            found = next((what for what, secret in self._secrets
+                          if secret.encode() in reply.body or secret.encode() in headers), None)
+            if found is None and self._token_part(text):
+                found = "a part of a run token"
+            if found:
+                self.leaks.append(f"{case_id}: HTTP {reply.status} showed {found}")
+            return found
+
+    def token_part_in(self, text: str) -> Optional[str]:
+        """The first ``TOKEN_PART`` characters of a run token's random part that ``text`` shows, or None."""
+        with self._lock:
+            return self._token_part(text)
+
+    def _token_part(self, text: str) -> Optional[str]:
+        for match in _HEX_RUN.finditer(text):
+            run = match.group(0).lower()
+            for start in range(len(run) - TOKEN_PART + 1):
+                if run[start:start + TOKEN_PART] in self._token_parts:
+                    return run[start:start + TOKEN_PART]
         return None
 
     def redact(self, text: str) -> str:
@@ -554,17 +586,34 @@ def keywords_in(text: str, words: str) -> bool:
 # -- §2 inbound: auth, ping, the 400s ---------------------------------------------------------
 
 
+# Letters that are neither hex digits nor vowels: no id, hash or English word in a reply contains five in a row.
+_ECHO_ALPHABET = "ghjkmnpqrstvwxz"
+ECHO_WINDOW = 5
+
+
+def echoed_part(sent: str, text: str) -> Optional[str]:
+    """A run of ``ECHO_WINDOW`` characters of ``sent`` that ``text`` shows, or None."""
+    for start in range(len(sent) - ECHO_WINDOW + 1):
+        if sent[start:start + ECHO_WINDOW] in text:
+            return sent[start:start + ECHO_WINDOW]
+    return None
+
+
 @case("auth.ping_wrong_credential", "§2 step 1", "a ping with a wrong or missing credential gets 401, before the ping",
       ["auth-first", "auth-401-no-echo"])
 def _(c: Check) -> None:
     c.need_token()
-    wrong = "wrong-" + secrets.token_hex(8)
+    wrong = "".join(secrets.choice(_ECHO_ALPHABET) for _ in range(32))
     for label, headers in (("a wrong credential", c.credential(wrong)), ("no credential", {})):
         reply = c.post({"ping": True}, headers)
         if reply.status != 401:
             raise Failed(f"401 for a ping with {label} (auth comes first)", describe(reply))
-        if wrong in reply.text:
-            raise Failed("a 401 body that never echoes the credential received", describe(reply), "auth-401-no-echo")
+        shown = echoed_part(wrong, reply.text)
+        if shown:
+            raise Failed("a 401 body that never echoes the credential received, not even a part of it",
+                         f"{describe(reply)} (shows {shown!r} of the credential sent)", "auth-401-no-echo",
+                         hint="say which header was wrong, never what it held: a part of a near miss is a part of "
+                              "the real token")
 
 
 def credential_variants(token: str, header: str) -> List[Tuple[str, Dict[str, str]]]:
@@ -952,6 +1001,33 @@ for _class in sorted(pp.TRANSIENT_503_CLASSES):
                 f"503 {error_class}")
     case(f"proxy.retry_503_{_class}", "§3.3", f"503 {_class} is transient: retried",
          ["retry-transient", "idempotency-key-reuse"])(_transient)
+
+
+JITTER_CALLS = 10  # with the SDK's ±25 % on 0.5 s, ten waits all within 20 ms of each other: 4 in a million
+MIN_JITTER_SPREAD_S = 0.02
+
+
+@case("proxy.backoff_jitter", "§3.3",
+      f"{JITTER_CALLS} calls meeting a 429 at once do not all retry after the same wait", ["bounded-backoff"])
+def _(c: Check) -> None:
+    names = [f"busy_{n}" for n in range(JITTER_CALLS)]
+
+    def setup(proxy_run: ProxyRun) -> None:
+        for name in names:
+            proxy_run.script(name, [{"status": 429, "error_class": "rate_limited", "message": "slow down"},
+                                    {"response": "after-retry"}])
+
+    ran = c.script([{"parallel": [{"call": name, "args": {}} for name in names]}], setup=setup)
+    gaps = []
+    for name in names:
+        attempts = [r for r in ran.proxy.requests if r.name == name]
+        if len(attempts) != 2:
+            raise Failed(f"{name}: the 429, then one retry", f"{len(attempts)} request(s)", "retry-transient")
+        gaps.append(attempts[1].time - attempts[0].time)
+    if max(gaps) - min(gaps) < MIN_JITTER_SPREAD_S:
+        raise Failed(f"retry waits spread by jitter (the SDK: 0.5 s ±25 %), at least {MIN_JITTER_SPREAD_S * 1000:g} ms "
+                     "apart", "waits of " + ", ".join(f"{g:.3f} s" for g in sorted(gaps)),
+                     hint="without jitter, clients that met the same 429 retry together and meet it again")
 
 
 @case("proxy.retry_bounded", "§3.3", "a 429 that never clears ends in an error after a few attempts",
@@ -1345,6 +1421,22 @@ def _(c: Check) -> None:
     if "cannot use" not in reply.text:
         c.soft("a detail keeping the rest of the message", describe(reply), "agent-error-detail",
                "redact the token, keep the message")
+    # The agent token is as secret as the run token (every reply is scanned for both).
+    if c.platform.agent_token:
+        reply = c.dispatch(run, user_instruction=compact({"steps": [{"raise": f"auth {c.platform.agent_token}"}]}))
+        if reply.status != 500:
+            raise Failed("500 for an agent that raises", describe(reply), "agent-error-500")
+    # A token where the detail is cut (at most 500 characters, §7): redacted before the cut, no part of it shows.
+    # Three offsets 14 characters apart: whatever the port's prefix, one cuts a 42-character copy at least 28 in,
+    # past its "run-token-" and TOKEN_PART characters of its random part.
+    for offset in (0, 14, 28):
+        message = "x" * (440 + offset) + run.run_token * 4
+        reply = c.dispatch(run, user_instruction=compact({"steps": [{"raise": message}]}))
+        shown = c.platform.token_part_in(reply.text)
+        if shown:
+            raise Failed("no part of a run token in the 500 detail, wherever the detail is cut",
+                         f"HTTP {reply.status} showing {shown!r} of the run token", "run-token-secret",
+                         hint="redact the whole message first, then shorten it")
 
 
 @case("secrets.agent_response", "§2 (run token: secret)",
@@ -1352,10 +1444,17 @@ def _(c: Check) -> None:
       ["run-token-secret"])
 def _(c: Check) -> None:
     run, _proxy_run = c.new_run()
-    script = {"steps": [{"return": {"final_response": f"the run token is {run.run_token}"}}]}
-    reply = c.dispatch(run, user_instruction=compact(script))  # scanned: the token in the reply fails the case
-    if reply.status not in (200, 500):
-        raise Failed("200 with the token redacted, or 500", describe(reply))
+    token = run.run_token
+    for where, value in (
+        ("final_response", {"final_response": f"the run token is {token}"}),
+        ("messages", {"final_response": "done", "messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": f"token {token}"}]}),
+        ("metadata", {"final_response": "done", "metadata": {"model": "m", "note": f"token {token}"}}),
+        ("an extra top-level key", {"final_response": "done", "debug": {"headers": [f"Bearer {token}"]}}),
+    ):
+        reply = c.dispatch(run, user_instruction=compact({"steps": [{"return": value}]}))  # scanned
+        if reply.status not in (200, 500):
+            raise Failed(f"200 with the token in {where} redacted, or 500", describe(reply))
 
 
 # -- §2 step 6 concurrency ----------------------------------------------------------------------------------
@@ -1656,6 +1755,13 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
             if wait is None and gap < MIN_BACKOFF_S:
                 raise Failed(f"a retry after a backoff wait of at least {MIN_BACKOFF_S} s (§3.3: retry with backoff)",
                              f"a retry after {gap:.3f} s", "bounded-backoff")
+            longest = (MAX_BACKOFF_S if wait is None else wait) + RETRY_SLACK_S
+            if gap > longest:
+                raise Failed(f"a retry within {longest:g} s ({'Retry-After' if wait is not None else 'the backoff cap'}"
+                             f" plus {RETRY_SLACK_S:g} s)", f"a retry after {gap:.2f} s",
+                             "honour-retry-after" if wait is not None else "bounded-backoff",
+                             hint="a Retry-After date in the past means retry now (a date minus now, not now minus "
+                                  "a date)" if wait == 0 else None)
         elif "value" in expect:
             expect_ok(outcome, expect["value"])
             expect_requests(ran.proxy, 1, "a success is not retried")

@@ -123,7 +123,7 @@ def string_decoded_twice() -> None:
 
 @variant("token_in_error_detail", "secrets.agent_error_detail")
 def token_in_error_detail() -> None:
-    pp.DispatchApp.redact = lambda self, text, envelope: text  # type: ignore[method-assign]
+    pp.DispatchApp.secrets = lambda self, envelope: (None, None)  # type: ignore[method-assign]
 
 
 @variant("empty_final_response", "response.empty_final_response")
@@ -245,7 +245,7 @@ def json_before_auth() -> None:
 
 @variant("untyped_error_detail", "response.agent_error")
 def untyped_error_detail() -> None:
-    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT: str(exc)[:limit]  # the message without the exception type
+    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT, *secrets: pp.redact(str(exc), *secrets)[:limit]  # no type
 
 
 # -- legal variations: what the contract leaves open ------------------------------------------
@@ -401,8 +401,8 @@ def response_token_not_redacted() -> None:
 def traceback_in_detail() -> None:
     import traceback
 
-    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT: "".join(
-        traceback.format_exception(type(exc), exc, exc.__traceback__))
+    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT, *secrets: pp.redact("".join(
+        traceback.format_exception(type(exc), exc, exc.__traceback__)), *secrets)
 
 
 @variant("agent_error_200", "response.agent_error")
@@ -594,8 +594,8 @@ def other_error_wording() -> None:
 def sdk_style_error_detail() -> None:
     """The 500 detail as the SDK words it: a prefix, then ``Type: message``."""
     original = pp.describe_error
-    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT: "unhandled exception in dispatch handler: " + original(
-        exc, limit)
+    pp.describe_error = lambda exc, limit=pp.DETAIL_LIMIT, *secrets: (
+        "unhandled exception in dispatch handler: " + original(exc, limit, *secrets))
 
 
 @variant("other_jitter", None)
