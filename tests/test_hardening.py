@@ -357,3 +357,12 @@ def test_the_watchdog_forgets_finished_exchanges() -> None:
         for entry in entries:
             assert watchdog.done(entry) is False
     assert len(watchdog._heap) <= 64 and watchdog._watched == 0
+
+
+def test_a_token_where_the_500_detail_is_cut_is_redacted_before_the_cut() -> None:
+    """describe_error redacts the whole text, then shortens it: no part of a token survives the cut."""
+    token = "run-token-" + "0123456789abcdef" * 2
+    for filler in range(430, 500, 7):
+        detail = pp.describe_error(RuntimeError("x" * filler + token * 3), pp.DETAIL_LIMIT, token)
+        assert len(detail) <= pp.DETAIL_LIMIT and detail.startswith("RuntimeError: xxx")
+        assert not any(token[i:i + 8] in detail for i in range(10, len(token) - 7)), detail[-60:]
