@@ -1962,7 +1962,7 @@ def error_reply(exc: BaseException) -> HttpReply:
     ``Type: message`` (§2 step 8).  At most :data:`DETAIL_LIMIT` characters.
     """
     if isinstance(exc, PipelinesError):
-        return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT)}, exc.headers)
+        return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
@@ -1972,7 +1972,7 @@ def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Opti
     Each of ``secrets`` is redacted from the whole text before it is shortened: a cut must never leave part
     of a token that redaction would no longer recognise (§7.6 kit-error-detail-shape)."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit)
+    return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: Optional[str]) -> Any:
