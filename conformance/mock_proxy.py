@@ -82,7 +82,7 @@ class RecordedRequest:
     """One request the proxy received."""
 
     __slots__ = ("method", "path", "kind", "name", "headers", "body", "json", "connection", "time", "reply_status",
-                 "run", "refusal")
+                 "replied", "run", "refusal")
 
     def __init__(self, method: str, path: str, kind: str, name: str, headers: Dict[str, str], body: bytes,
                  connection: int, run: Optional[ProxyRun] = None) -> None:
@@ -97,8 +97,9 @@ class RecordedRequest:
         except ValueError:
             self.json = None
         self.connection = connection
-        self.time = time.monotonic()
+        self.time = time.monotonic()  # when the request had arrived, body included
         self.reply_status: Optional[int] = None
+        self.replied: Optional[float] = None  # when its reply had been written (None: not answered)
         self.run = run  # the ProxyRun whose base path it reached, if any
         self.refusal: Optional[str] = None  # why the run token was refused, in words (never the token)
 
@@ -541,6 +542,7 @@ class _Handler(BaseHTTPRequestHandler):
         status, reply_headers, payload = _render(reply, request)
         request.reply_status = status
         self._send(status, reply_headers, payload, chunked=bool(reply.get("chunked")))
+        request.replied = time.monotonic()
         if reply.get("close_after"):
             self.close_connection = True
 

@@ -161,6 +161,13 @@ MUTANTS = [
        (ENVELOPE, "\tstate, _ := ctx.Value(dispatchKey{}).(*dispatchState)\n",
         "\tstate, _ := ctx.Value(dispatchKey{}).(*dispatchState)\n\tif current != nil {\n\t\tstate = current\n\t}\n"),
        (SERVER, "\tenv := state.envelope\n\tscrub :=", "\tcurrent = state\n\tenv := state.envelope\n\tscrub :=")),
+    # -- from an independent set, written without this file: what the check missed until it grew a case
+    _m('legacy_header_first', 'legacy-proxy-url-names', (ENVELOPE, '[]string{HeaderProxyURL, HeaderProxyURLLegacy}', '[]string{HeaderProxyURLLegacy, HeaderProxyURL}')),
+    _m('retry_after_date_sign', 'honour-retry-after', (CLIENT, '\t\tseconds = when.Sub(now).Seconds()', '\t\tseconds = now.Sub(when).Seconds()')),
+    _m('retry_after_429_only', 'honour-retry-after', (CLIENT, '\tretryAfter := ParseRetryAfter(header.Get("Retry-After"), time.Now())', '\tvar retryAfter *time.Duration\n\tif status == http.StatusTooManyRequests { // Retry-After comes with 429 (RFC 6585)\n\t\tretryAfter = ParseRetryAfter(header.Get("Retry-After"), time.Now())\n\t}')),
+    _m('no_jitter', 'bounded-backoff', (CLIENT, ' * math.Pow(2, float64(retry-1)) * (1 - p.Jitter + jitterFactor()*2*p.Jitter)', ' * math.Pow(2, float64(retry-1))')),
+    _m('self_handoff_raw', 'self-handoff-dropped', (CLIENT, '\tif source == target {', '\tif h.From == h.To {')),
+    _m('scrub_after_cut', 'run-token-secret', (SERVER, '\t\tdetail := scrub(DescribeError(result.err))', '\t\tdetail := DescribeError(result.err)'), (SERVER, '\t\treturn refuse(http.StatusInternalServerError, oneLine(detail, detailLimit))', '\t\treturn refuse(http.StatusInternalServerError, scrub(oneLine(detail, detailLimit)))')),
 ]
 
 

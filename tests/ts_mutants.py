@@ -142,6 +142,14 @@ MUTANTS = [
         "    (globalThis as unknown as { currentDispatch?: Envelope }).currentDispatch = envelope;\n"),
        ("  const envelope = dispatchContext.getStore()?.envelope;",
         "  const envelope = (globalThis as unknown as { currentDispatch?: Envelope }).currentDispatch;")),
+    # -- from an independent set, written without this file: what the check missed until it grew a case
+    _m('401_echo_prefix', 'auth-401-no-echo', ('return errorReply(401, `missing or invalid credential in the ${this.authHeader} header`,', 'return errorReply(401, `missing or invalid credential in the ${this.authHeader} header (got ${quoted(h[this.authHeader.toLowerCase()] ?? "", 12)})`,')),
+    _m('zero_id_falsy', 'native-id-types', ('candidates.map(nativeId).find((id) => id !== null) ?? null;', 'candidates.map(nativeId).find((id) => id) ?? null;')),
+    _m('jti_header_first', 'ids-body-then-headers', ('run_token_jti: jti ?? header(h, RUN_TOKEN_JTI_HEADER),', 'run_token_jti: header(h, RUN_TOKEN_JTI_HEADER) ?? jti,')),
+    _m('task_id_input_first', 'ids-body-then-headers', ('task_id: firstId(raw["task_id"], task["task_id"], header(h, TASK_ID_HEADER)),', 'task_id: firstId(task["task_id"], raw["task_id"], header(h, TASK_ID_HEADER)),')),
+    _m('redact_final_only', 'run-token-secret', ('      if (JSON.stringify(body).includes(envelope.run_token)) {\n        log("warning", "the agent\'s response contained the run token; it was redacted");\n        return jsonReply(200, redact(body, envelope.run_token));\n      }', '      if (body.final_response.includes(envelope.run_token)) {\n        log("warning", "the agent\'s response contained the run token; it was redacted");\n        return jsonReply(200, { ...body, final_response: redact(body.final_response, envelope.run_token) });\n      }')),
+    _m('scrub_run_token_only', 'run-token-secret', ('const secrets = [envelope.run_token, this.expectedToken()];', 'const secrets = [envelope.run_token];')),
+    _m('self_handoff_raw', 'self-handoff-dropped', ('  if (source === target) {', '  if (fromSubAgent === toSubAgent) {')),
 ]
 
 
