@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -128,7 +129,32 @@ func firstID(candidates ...any) any {
 
 // headerValue is a header's trimmed first value ("" when absent or blank); names are case-insensitive.
 func headerValue(h http.Header, name string) string {
-	return strings.TrimSpace(h.Get(name))
+	values := headerValues(h, name)
+	if len(values) == 0 {
+		return ""
+	}
+	return strings.TrimSpace(values[0])
+}
+
+// headerValues are every value of a header, its name matched case-insensitively (§2.1). net/http
+// canonicalises the names it parses, but a hand-built http.Header (a serverless event's lower-case
+// header map, say) need not be canonical, and Get looks up the canonical key only.
+func headerValues(h http.Header, name string) []string {
+	if values, ok := h[http.CanonicalHeaderKey(name)]; ok {
+		return values
+	}
+	var keys []string
+	for key := range h {
+		if strings.EqualFold(key, name) {
+			keys = append(keys, key)
+		}
+	}
+	sort.Strings(keys) // a name sent in two spellings: the same order every time
+	var found []string
+	for _, key := range keys {
+		found = append(found, h[key]...)
+	}
+	return found
 }
 
 // subAgentCatalog reads §2.2 sub_agents: label strings or {"actor_id": label}; malformed entries and repeats skipped.

@@ -26,7 +26,7 @@ func CheckCredential(headers http.Header, expected, headerName string) bool {
 	if expected == "" {
 		return false
 	}
-	values := headers.Values(headerName)
+	values := headerValues(headers, headerName)
 	if len(values) != 1 {
 		return false
 	}

@@ -290,3 +290,42 @@ func TestClientPacesEveryAttemptUnderTheRate(t *testing.T) {
 		t.Fatal("pacing is on by default, at the proxy's limit")
 	}
 }
+
+// A hand-built http.Header need not be canonical: names are looked up case-insensitively (§2.1).
+func TestHeaderNamesInAnyCaseInAHandBuiltHeader(t *testing.T) {
+	headers := http.Header{
+		"x-pipelines-run-token":         {"run-token-lower-1"},
+		"X-PIPELINES-ODYSSEY-PROXY-URL": {"http://127.0.0.1:9/p"},
+		"x-pipelines-run-id":            {"17"},
+	}
+	env, err := pp.EnvelopeFromDispatch(map[string]any{}, headers)
+	if err != nil {
+		t.Fatalf("a non-canonical header map: %v", err)
+	}
+	if env.RunToken != "run-token-lower-1" || env.ProxyURL != "http://127.0.0.1:9/p" || env.RunID != "17" {
+		t.Fatalf("got run id %v, proxy URL %q", env.RunID, env.ProxyURL)
+	}
+}
+
+// __occurred_at is UTC whatever the machine's zone (§3.4 trace-occurred-at).
+func TestOccurredAtIsUTCInAnyLocalZone(t *testing.T) {
+	saved := time.Local
+	time.Local = time.FixedZone("UTC-5", -5*3600)
+	defer func() { time.Local = saved }()
+	var body map[string]any
+	server := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"accepted": true, "sequence": 1}`)
+	}))
+	defer server.Close()
+	if _, err := pp.NewClient().Trace(runContext(t, server.URL+"/runs/r", "run-token-zone-1"), pp.TraceAssistantMessage,
+		map[string]any{"text": "hi"}); err != nil {
+		t.Fatal(err)
+	}
+	stamp, _ := body["__occurred_at"].(string)
+	when, err := time.Parse(time.RFC3339Nano, stamp)
+	if err != nil || !strings.HasSuffix(stamp, "Z") || time.Since(when).Abs() > time.Minute {
+		t.Fatalf("__occurred_at %q is not the UTC time now (%v)", stamp, err)
+	}
+}
