@@ -12,19 +12,17 @@ import http.client
 import json
 import os
 import pathlib
-import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
 from conformance.mock_proxy import MockProxy
+from tests.port_process import PortServer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "go"
@@ -54,41 +52,11 @@ def binary(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return exe
 
 
-class GoServer:
+class GoServer(PortServer):
     """The built conformance server as a subprocess on a free port; ``url`` is its dispatch URL."""
 
     def __init__(self, exe: pathlib.Path, *args: str, env: Optional[Dict[str, str]] = None) -> None:
-        self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [str(exe), "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-            env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN, **(env or {})},
-        )
-        lines: "queue.Queue[str]" = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        try:
-            first = lines.get(timeout=15)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"go server did not start: {self.log()}") from None
-        assert "listening on http://" in first, first
-        self.url = first.split("listening on ", 1)[1].strip()
-        self.host, rest = self.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-        self.port = int(rest)
-
-    def log(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode("utf-8", "replace")
-
-    def stop(self) -> int:
-        """SIGTERM, then the exit status (the server lets in-flight dispatches finish first)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(15)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.stderr.close()
+        super().__init__([str(exe)], *args, agent_token=AGENT_TOKEN, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,11 @@ import http.client
 import json
 import os
 import pathlib
-import queue
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -29,6 +26,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
+from tests.port_process import PortServer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
@@ -41,42 +39,11 @@ RUN_TOKEN = "node-run-token-3c3c3c3c"
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not on PATH: the TypeScript port cannot run")
 
 
-class TsServer:
+class TsServer(PortServer):
     """``node dist/server.js --port 0 ...`` as a subprocess; ``url`` is its dispatch URL."""
 
     def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
-        self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [NODE, str(SERVER), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-            env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN, **(env or {})},
-        )
-        lines: "queue.Queue[str]" = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        try:
-            first = lines.get(timeout=15)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"node server did not start: {self.log()}") from None
-        assert "listening on http://" in first, first
-        self.url = first.split("listening on ", 1)[1].strip()
-        self.host, rest = self.url.split("//", 1)[1].split("/", 1)[0].split(":")
-        self.port = int(rest)
-
-    def log(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode("utf-8", "replace")
-
-    def stop(self) -> int:
-        """SIGTERM, then the exit status (the server drains in-flight dispatches first)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(15)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.stderr.close()
+        super().__init__([str(NODE), str(SERVER)], *args, agent_token=AGENT_TOKEN, env=env)
 
 
 @pytest.fixture(scope="module")
