@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import queue
 import signal
 import subprocess
 import tempfile
 import threading
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+Reply = Tuple[int, Dict[str, str], bytes]
 
 
 class PortServer:
@@ -50,3 +54,17 @@ class PortServer:
             if self.proc.poll() is None:
                 self.proc.kill()
             self.stderr.close()
+
+
+def post(server: PortServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
+         path: str = "/dispatch") -> Reply:
+    """One request on a fresh connection: status, lower-cased headers, body (``body`` bytes as they are, else JSON)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request(method, path, body=raw if method == "POST" else None,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()

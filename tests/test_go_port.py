@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 from conformance.mock_proxy import MockProxy
-from tests.port_process import PortServer
+from tests.port_process import PortServer, post
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "go"
@@ -74,21 +74,7 @@ def proxy() -> Iterator[MockProxy]:
         yield p
 
 
-Reply = Tuple[int, Dict[str, str], bytes]
 AUTH = {"Authorization": f"Bearer {AGENT_TOKEN}"}
-
-
-def post(server: GoServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
-         path: str = "/dispatch") -> Reply:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    try:
-        conn.request(method, path, body=raw if method == "POST" else None,
-                     headers={"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
 
 
 def dispatch(server: GoServer, proxy: MockProxy, instruction: Any, **body: Any) -> Tuple[int, Dict[str, Any]]:

@@ -26,7 +26,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.port_process import PortServer
+from tests.port_process import PortServer, post
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
@@ -59,21 +59,7 @@ def proxy() -> Iterator[MockProxy]:
         yield p
 
 
-Reply = Tuple[int, Dict[str, str], bytes]
 AUTH = {"Authorization": f"Bearer {AGENT_TOKEN}"}
-
-
-def post(server: TsServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
-         path: str = "/dispatch") -> Reply:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    try:
-        conn.request(method, path, body=raw if method == "POST" else None,
-                     headers={"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
 
 
 def dispatch(server: TsServer, proxy: MockProxy, instruction: Any, *, token: str = RUN_TOKEN,
