@@ -52,7 +52,9 @@ from collections import OrderedDict, deque
 from typing import (
     TYPE_CHECKING,
     Any,
+    Awaitable,
     Callable,
+    Coroutine,
     Deque,
     Dict,
     FrozenSet,
@@ -91,11 +93,19 @@ __all__ = [
     "EnvelopeError",
     "NotFoundError",
     "MethodNotAllowedError",
+    "UnknownMethodError",
     "LengthRequiredError",
     "BodyTooLargeError",
+    "UnsupportedTransferCodingError",
+    "FramingError",
+    "TargetTooLongError",
+    "HeadersTooLargeError",
+    "VersionNotSupportedError",
     "AuthError",
     "MisconfiguredError",
     "ShuttingDownError",
+    "OverloadedError",
+    "RequestTimeoutError",
     "RunTimeoutError",
     "AgentError",
     "ResponseError",
@@ -111,6 +121,8 @@ __all__ = [
     "check_credential",
     "is_ping",
     "request_body_length",
+    "RequestHead",
+    "parse_request_head",
     "connectivity_proxy_url",
     "Endpoint",
     "Decision",
@@ -119,6 +131,11 @@ __all__ = [
     "validate_tool_name",
     "validate_actor_label",
     "encode_args",
+    "ProxyRequest",
+    "proxy_request",
+    "tool_call_request",
+    "trace_request",
+    "handoff_event",
     # reply interpretation and the retry decision
     "ProxyOutcome",
     "parse_retry_after",
@@ -127,6 +144,8 @@ __all__ = [
     "RETRY_TABLE",
     "retry_decision",
     "RetryPolicy",
+    "RetryStep",
+    "RetryState",
     "TRACE_EVENT_TYPES",
     # response envelope
     "response_envelope",
@@ -149,12 +168,16 @@ __all__ = [
     "post_trace",
     "apost_trace",
     "post_handoff",
+    "apost_handoff",
     "build_response",
     "DispatchApp",
     "probe_proxy",
+    "aprobe_proxy",
     "wsgi_app",
     "asgi_app",
     "make_server",
+    "AsyncDispatchServer",
+    "default_max_connections",
     "start_server",
     "serve",
     "code_mode",
@@ -328,6 +351,12 @@ class MethodNotAllowedError(RequestError):
         self.headers = (("Allow", ", ".join(allowed)),)
 
 
+class UnknownMethodError(RequestError):
+    """A request method HTTP does not define (RFC 9110 §9): 501, as an origin server answers one it does not know."""
+
+    http_status = 501
+
+
 class LengthRequiredError(RequestError):
     """A POST without a usable Content-Length (chunked, absent or not a decimal number)."""
 
@@ -338,6 +367,41 @@ class BodyTooLargeError(RequestError):
     """A request body over the endpoint's cap, refused before it is read."""
 
     http_status = 413
+
+
+class UnsupportedTransferCodingError(RequestError):
+    """A ``Transfer-Encoding`` other than chunked (which gets 411): not a coding this endpoint reads (RFC 9112 §6.1)."""
+
+    http_status = 501
+
+
+class FramingError(RequestError):
+    """A request head that breaks RFC 9112's grammar (§7.1 kit-strict-framing): where this request ends is
+    uncertain, so the connection closes after the reply; nothing after it is read as another request."""
+
+
+class TargetTooLongError(FramingError):
+    """A request line over :data:`MAX_REQUEST_LINE_BYTES`."""
+
+    http_status = 414
+
+
+class HeadersTooLargeError(FramingError):
+    """A request head over :data:`MAX_REQUEST_HEAD_BYTES` or with more than :data:`MAX_REQUEST_FIELDS` fields."""
+
+    http_status = 431
+
+
+class VersionNotSupportedError(FramingError):
+    """A well-formed HTTP version other than 1.x (``HTTP/2.0`` on a cleartext HTTP/1 connection, ``HTTP/9.9``)."""
+
+    http_status = 505
+
+
+class RequestTimeoutError(RequestError):
+    """A request's head and body did not arrive within the server's ``read_timeout_s`` of its first byte."""
+
+    http_status = 408
 
 
 class AuthError(PipelinesError):
@@ -358,6 +422,12 @@ class MisconfiguredError(PipelinesError):
 
 class ShuttingDownError(PipelinesError):
     """The server is draining after SIGTERM and takes no new requests."""
+
+    http_status = 503
+
+
+class OverloadedError(PipelinesError):
+    """The server is at its limit of open connections (``max_connections``): retry shortly or elsewhere."""
 
     http_status = 503
 
@@ -1055,6 +1125,7 @@ def check_run_timeout(run_timeout_s: Any) -> float:
             0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
         raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
     return float(run_timeout_s)
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 HEALTH_PATH = "/healthz"
 TOOLS_SCHEMA_PATH = "/tools_schema"
 
@@ -1115,6 +1186,96 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
         return 0
     length = _content_length(headers["content-length"])
     return length if length is not None and length <= max_body else None
+
+
+MAX_REQUEST_LINE_BYTES = 8 << 10
+MAX_REQUEST_HEAD_BYTES = 64 << 10
+MAX_REQUEST_FIELDS = 100
+_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE_BAD_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB
+_TARGET_BAD_RE = re.compile(rb"[\x00-\x20\x7f-\xff]")
+_VERSION_RE = re.compile(rb"HTTP/([0-9])\.([0-9])")
+
+
+class RequestHead(NamedTuple):
+    """A request line and its header fields, as :func:`parse_request_head` read them."""
+
+    method: str
+    target: str
+    version: str  # "HTTP/1.1" or "HTTP/1.0"
+    headers: List[Tuple[str, str]]  # in order, names as sent
+
+    def keep_alive(self) -> bool:
+        """Whether the connection may carry another request after this one (RFC 9112 §9.3)."""
+        tokens = {t.strip().lower() for v in _all_values(self.headers, "connection") for t in v.split(",")}
+        return "close" not in tokens if self.version == "HTTP/1.1" else "keep-alive" in tokens
+
+
+def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
+    return [v for k, v in headers if k.lower() == name]
+
+
+def parse_request_head(head: bytes) -> RequestHead:
+    """Read a request's head strictly (RFC 9112): the bytes before the empty line that ends it.
+
+    A request a front end could frame differently is refused, never guessed at: every line ends in CRLF (a
+    bare CR or LF is a 400), a field name is a token right before its colon (``Content-Length : 5`` is a
+    400), no line folding, no control character in a value, one Host (HTTP/1.1), a Content-Length that is
+    one decimal number, and not both Content-Length and Transfer-Encoding.  Empty lines before the request
+    line are skipped (§2.2).  Raises :class:`FramingError` (400), :class:`TargetTooLongError` (414),
+    :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505).
+    """
+    while head.startswith(b"\r\n"):
+        head = head[2:]
+    line_end = head.find(b"\r\n")
+    if (line_end if line_end >= 0 else len(head)) > MAX_REQUEST_LINE_BYTES:
+        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
+    if len(head) > MAX_REQUEST_HEAD_BYTES:
+        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
+    lines = head.split(b"\r\n")
+    if len(lines) - 1 > MAX_REQUEST_FIELDS:
+        raise HeadersTooLargeError(f"request has {len(lines) - 1} header fields, over {MAX_REQUEST_FIELDS}")
+    for number, line in enumerate(lines):
+        if b"\r" in line or b"\n" in line:
+            where = "the request line" if number == 0 else f"header line {number}"
+            raise FramingError(f"{where} has a bare CR or LF: every line must end in CRLF (RFC 9112 §2.2)")
+    request_line = lines[0]
+    parts = request_line.split(b" ")
+    if len(parts) != 3 or not _TOKEN_RE.fullmatch(parts[0]) or not parts[1] or _TARGET_BAD_RE.search(parts[1]):
+        raise FramingError(f"malformed request line {_short(repr(request_line), 100)}: expected "
+                           "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
+    version = _VERSION_RE.fullmatch(parts[2])
+    if version is None:
+        raise FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)}: expected HTTP/1.1 (RFC 9112 §2.3)")
+    if version.group(1) != b"1":
+        raise VersionNotSupportedError(f"HTTP/{version.group(1).decode()}.{version.group(2).decode()} is not "
+                                       "supported here: send HTTP/1.1")
+    headers: List[Tuple[str, str]] = []
+    for line in lines[1:]:
+        if line[:1] in (b" ", b"\t"):
+            raise FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
+        name, colon, value = line.partition(b":")
+        if not colon:
+            raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
+        if not _TOKEN_RE.fullmatch(name):
+            raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
+                               "colon (RFC 9112 §5.1)")
+        value = value.strip(b" \t")
+        if _FIELD_VALUE_BAD_RE.search(value):
+            raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
+        headers.append((name.decode("ascii"), value.decode("latin-1")))
+    http_version = "HTTP/1.0" if version.group(2) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
+    if http_version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
+        raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
+    lengths = [v.strip() for value in _all_values(headers, "content-length") for v in value.split(",")]
+    if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
+        raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
+                           "(RFC 9112 §6.3)")
+    codings = _all_values(headers, "transfer-encoding")
+    if codings and (lengths or http_version == "HTTP/1.0"):
+        raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be "
+                           "HTTP/1.0 (RFC 9112 §6.1)")
+    return RequestHead(parts[0].decode("ascii"), parts[1].decode("ascii"), http_version, headers)
 
 
 class Endpoint(NamedTuple):
@@ -1181,6 +1342,8 @@ def decide(
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
+    if method not in HTTP_METHODS:
+        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
@@ -1201,15 +1364,24 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
             raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
                             bearer=endpoint.auth_header.lower() == "authorization")
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a "
-                                  "Content-Length header")
+    coding = headers.get("transfer-encoding")
+    if coding is not None:
+        if coding.strip().lower() == "chunked":
+            raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a "
+                                      "Content-Length header")
+        raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported: send the "
+                                             "JSON body as it is, with a Content-Length header")
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("the request has Content-Length headers that disagree: send one (RFC 9112 §6.3)")
-    length = _content_length(headers.get("content-length"))
+    declared = headers.get("content-length")
+    if declared is None:
+        raise LengthRequiredError("a Content-Length header is required: send the JSON body with its length")
+    length = _content_length(declared)
     if length is None:
-        raise LengthRequiredError("a Content-Length header with a decimal length is required: send the JSON "
-                                  "body with its length")
+        if declared.strip().isascii() and declared.strip().isdigit():
+            raise BodyTooLargeError(f"request body of {len(declared.strip())}-digit length is over this "
+                                    f"endpoint's {endpoint.max_body}-byte cap")
+        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number (RFC 9112 §6.3)")
     if length > endpoint.max_body or (body is not None and len(body) > endpoint.max_body):
         raise BodyTooLargeError(f"request body of {max(length, len(body or b''))} bytes is over this endpoint's "
                                 f"{endpoint.max_body}-byte cap")
@@ -1371,17 +1543,99 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
                     "a secret); check where it comes from, e.g. a trailing newline in an environment variable")
     return None
 
+
+class ProxyRequest(NamedTuple):
+    """One proxy request as it goes on the wire (§3.1, §3.4); every retry of the logical call sends it unchanged."""
+
+    kind: str  # "tools" | "traces"
+    name: str  # the tool, or the trace event type
+    url: Any  # the split proxy URL (urllib.parse.SplitResult): scheme, host and port to connect to
+    path: str
+    headers: Dict[str, str]
+    body: bytes
+
+
+def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
+                  actor: Optional[str] = None, idempotency_key: Optional[str] = None) -> ProxyRequest:
+    """``POST {proxy_url}/{kind}/{name}`` with the run token as bearer and one Idempotency-Key (§3.1).
+
+    ``name`` is percent-encoded, so no name can move the request to another path; ``actor`` (validated)
+    goes in ``X-Pipelines-Actor-Id``.  A fresh key unless ``idempotency_key`` is given.
+    """
+    url = urlsplit(proxy_url)
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+        "Authorization": "Bearer " + run_token,
+        "Idempotency-Key": idempotency_key or str(uuid.uuid4()),
+        "User-Agent": _USER_AGENT,
+    }
+    if actor:
+        headers[HEADER_ACTOR_ID] = actor
+    return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quote(name, safe='')}", headers, body)
+
+
+def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
+                      idempotency_key: Optional[str] = None) -> ProxyRequest:
+    """A tool call, checked before anything is sent: the name pattern, the actor label, a JSON object of
+    arguments under the 1 MiB cap (§3.1, §3.5, §7.5); :class:`ProxyRequestError` naming the problem."""
+    validate_tool_name(name)
+    label = validate_actor_label(actor)
+    return proxy_request(proxy_url, run_token, "tools", name, encode_args(name, args), actor=label,
+                         idempotency_key=idempotency_key)
+
+
+def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
+                  occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
+    """A live trace event (§3.4): a known event type, a JSON object payload, ``__occurred_at`` stamped once
+    (kept when the payload has one, so every retry carries the same time)."""
+    if event_type not in TRACE_EVENT_TYPES:
+        raise ProxyRequestError(
+            f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
+            + ", ".join(sorted(TRACE_EVENT_TYPES)),
+            tool_name=str(event_type),
+        )
+    label = validate_actor_label(actor)
+    event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
+    if not isinstance(event, dict):
+        raise ProxyRequestError(f"trace payload must be a JSON object, got {json_type(payload)}", tool_name=event_type)
+    event.setdefault("__occurred_at", occurred_at)
+    return proxy_request(proxy_url, run_token, "traces", event_type,
+                         encode_args(event_type, event, what="trace payload"), actor=label)
+
+def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
+                  payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """The payload of a ``handoff`` trace event (§3.4): both labels validated as §3.5; ``None`` for a
+    self-handoff (equal once trimmed), which is dropped rather than sent."""
+    source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
+    if not source or not target:
+        raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
+    if source == target:
+        return None
+    event: Dict[str, Any] = {"from_sub_agent": source, "to_sub_agent": target}
+    if reason is not None:
+        event["reason"] = reason
+    if payload_preview is not None:
+        event["payload_preview"] = payload_preview
+    return event
+
 # ---------------------------------------------------------------------------
 # Reply interpretation (§3.2, §3.3) and the retry decision
 # ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one proxy reply means (§3.2, §3.3): ``kind`` is ``"value"``, ``"error"`` or ``"retry"``."""
+    """What one attempt came to (§3.2, §3.3): ``kind`` is ``"value"``, ``"error"``, ``"retry"`` or ``"transport"``.
 
-    kind: str  # "value" | "error" | "retry"
+    ``"transport"``: no usable reply, and a failure worth retrying with the same Idempotency-Key (a timeout,
+    a refused or dropped connection); ``stale`` marks a pooled keep-alive connection the server had closed,
+    retried at once.  A transport failure not worth retrying (a certificate or DNS failure) is an ``"error"``.
+    """
+
+    kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: Optional[PipelinesError] = None  # ProxyError for proxy replies; post_json's HTTPStatusError
     retry_after: Optional[float] = None
+    stale: bool = False
 
 
 def _model_retry_after(headers: Any) -> Optional[float]:
@@ -1526,6 +1780,57 @@ class RetryPolicy(NamedTuple):
         wait = self.base_delay_s * (2 ** (retry_number - 1))
         wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
         return float(max(0.0, min(wait, self.max_delay_s)))
+
+
+class RetryStep(NamedTuple):
+    """What a driver does after one attempt: ``"return"`` ``value``, ``"raise"`` ``error``, or ``"retry"``
+    after waiting ``wait_s`` seconds (``None``: at once) with the same request, its Idempotency-Key included."""
+
+    action: str  # "return" | "raise" | "retry"
+    value: Any = None
+    error: Optional[PipelinesError] = None
+    wait_s: Optional[float] = None
+
+
+class RetryState:
+    """One logical call's way through the retry policy (§3.3): every driver loops over :meth:`step`.
+
+    A driver (blocking or asyncio here; each port has its own) makes an attempt, turns what came back into
+    a :class:`ProxyOutcome` (:func:`interpret_reply`, or ``"transport"`` when no reply arrived), and does
+    what ``step`` answers::
+
+        state = RetryState(policy)
+        while True:
+            (refuse if the dispatch is over; wait for a pacing slot)
+            step = state.step(outcome of one attempt)
+            "return" -> step.value;  "raise" -> step.error;  "retry" -> wait step.wait_s, loop
+
+    ``attempts`` counts every attempt, transport failures included; ``max_attempts`` bounds the 429 and
+    transient-503 retries, ``transport_retries`` the transport ones (a stale pooled connection is retried
+    without a wait, but counts).
+    """
+
+    __slots__ = ("policy", "attempts", "transport_failures")
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.attempts = 0
+        self.transport_failures = 0
+
+    def step(self, outcome: ProxyOutcome) -> RetryStep:
+        """The next step after an attempt that came to ``outcome``."""
+        self.attempts += 1
+        if outcome.kind == "value":
+            return RetryStep("return", outcome.value)
+        if outcome.kind == "transport":
+            self.transport_failures += 1
+            if self.transport_failures > self.policy.transport_retries:
+                return RetryStep("raise", error=outcome.error)
+            wait = None if outcome.stale else self.policy.delay(self.transport_failures)
+            return RetryStep("retry", error=outcome.error, wait_s=wait)
+        if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
+            return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
+        return RetryStep("raise", error=outcome.error)
 
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation
@@ -2400,6 +2705,423 @@ class _Transport:
         raise AssertionError("unreachable")
 
 
+class _ReplyReader:
+    """One HTTP/1.1 reply, read from bytes as they arrive (sans-IO): the asyncio driver's parser.
+
+    The status line and headers (1xx interim replies skipped), then the body framed by Content-Length,
+    by chunked coding, or by the end of the connection; at most ``max_reply`` body bytes
+    (:class:`_ReplyTooLarge`, from Content-Length before any is read).  A malformed reply raises
+    ``ConnectionError``.  ``done`` once the reply is whole; ``keep_alive`` when the connection may
+    carry the next request.
+    """
+
+    MAX_HEAD = 64 << 10
+
+    __slots__ = ("max_reply", "status", "headers", "keep_alive", "done", "_buffer", "_body", "_mode", "_left")
+
+    def __init__(self, max_reply: int) -> None:
+        self.max_reply = max_reply
+        self.status = 0
+        self.headers: List[Tuple[str, str]] = []
+        self.keep_alive = False
+        self.done = False
+        self._buffer = bytearray()
+        self._body = bytearray()
+        self._mode = "head"  # head | length | chunk-size | chunk-data | chunk-end | trailers | eof
+        self._left = 0
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self._body)
+
+    def feed(self, data: bytes) -> None:
+        """Take the next bytes of the connection."""
+        buffer = self._buffer
+        buffer += data
+        while buffer and not self.done:
+            mode = self._mode
+            if mode == "head":
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buffer) > self.MAX_HEAD:
+                        raise ConnectionError(f"malformed HTTP reply: no end of headers within {self.MAX_HEAD} bytes")
+                    return
+                head = bytes(buffer[:end])
+                del buffer[:end + 4]
+                self._start(head)
+            elif mode == "length" or mode == "chunk-data":
+                take = min(self._left, len(buffer))
+                self._body += buffer[:take]
+                del buffer[:take]
+                self._left -= take
+                if self._left == 0:
+                    self._mode = "chunk-end" if mode == "chunk-data" else "done"
+                    self.done = mode == "length"
+            elif mode == "eof":
+                self._take_body(len(buffer))
+                self._body += buffer
+                buffer.clear()
+            else:  # chunk-size, chunk-end, trailers: one line each
+                end = buffer.find(b"\r\n")
+                if end < 0:
+                    if len(buffer) > 4096:
+                        raise ConnectionError("malformed HTTP reply: a chunk line over 4096 bytes")
+                    return
+                line = bytes(buffer[:end])
+                del buffer[:end + 2]
+                self._chunk_line(mode, line)
+        if self.done and buffer:  # bytes past the end of the reply: nothing asked for them
+            self.keep_alive = False
+
+    def feed_eof(self) -> None:
+        """The peer closed the connection: the end of a body framed by it, or a reply cut short."""
+        if self._mode == "eof":
+            self.done = True
+        elif not self.done:
+            raise ConnectionError("the proxy closed the connection before the reply was complete")
+
+    def _take_body(self, size: int) -> None:
+        if len(self._body) + size > self.max_reply:
+            raise _ReplyTooLarge(self.status, self.max_reply, None)
+
+    def _start(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        version, _, rest = lines[0].partition(b" ")
+        code = rest[:3]
+        if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+            raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
+        status = int(code)
+        headers: List[Tuple[str, str]] = []
+        for line in lines[1:]:
+            if line[:1] in (b" ", b"\t") and headers:  # obs-fold: a continuation of the header before
+                headers[-1] = (headers[-1][0], headers[-1][1] + " " + line.strip().decode("latin-1"))
+                continue
+            name, colon, value = line.partition(b":")
+            if not colon or not name.strip():
+                raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
+            headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
+        if 100 <= status < 200 and status != 101:
+            return  # an interim reply (100 Continue, 103 Early Hints): the real one follows
+        if status == 101:
+            raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
+        self.status, self.headers = status, headers
+        lowered = _lower_headers(headers)
+        connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
+        self.keep_alive = ("close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection)
+        coding = lowered.get("transfer-encoding")
+        if status in (204, 304):
+            self._mode, self.done = "done", True
+        elif coding is not None:
+            if coding.split(",")[-1].strip().lower() != "chunked":  # RFC 9112 §6.3: the body ends with the connection
+                self._mode, self.keep_alive = "eof", False
+            else:
+                self._mode = "chunk-size"
+        elif "content-length" in lowered:
+            length = _content_length(lowered["content-length"])
+            if length is None or _repeated(lowered, "content-length", conflicting=True):
+                raise ConnectionError(f"malformed HTTP reply: Content-Length {_short(lowered['content-length'], 40)!r}")
+            if length > self.max_reply:
+                raise _ReplyTooLarge(status, self.max_reply, length)
+            self._mode, self._left = "length", length
+            self.done = length == 0
+        else:
+            self._mode, self.keep_alive = "eof", False
+
+    def _chunk_line(self, mode: str, line: bytes) -> None:
+        if mode == "chunk-end":
+            if line:
+                raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
+            self._mode = "chunk-size"
+        elif mode == "trailers":
+            if not line:
+                self._mode, self.done = "done", True
+        else:
+            size_text = line.split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16) if size_text and size_text.isalnum() else -1
+            except ValueError:
+                size = -1
+            if size < 0:
+                raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
+            self._take_body(size)
+            self._mode, self._left = ("trailers", 0) if size == 0 else ("chunk-data", size)
+
+
+class _ClientConnection:
+    """One keep-alive connection to a proxy origin, as an asyncio protocol: one exchange at a time.
+
+    :meth:`exchange` writes a request and waits for :class:`_ReplyReader` to have the whole reply, the
+    deadline to pass (``TimeoutError``) or the connection to drop.  A cancelled exchange leaves the
+    connection unusable: the caller aborts it.
+    """
+
+    __slots__ = ("loop", "transport", "closed", "received", "idle_since", "_reader", "_waiter")
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.transport: Any = None
+        self.closed = False
+        self.received = False  # a byte of the current reply arrived (so a drop is no stale connection)
+        self.idle_since = 0.0
+        self._reader: Optional[_ReplyReader] = None
+        self._waiter: Any = None
+
+    async def exchange(self, request: bytes, max_reply: int, deadline: float, timeout: float) -> _ReplyReader:
+        reader = self._reader = _ReplyReader(max_reply)
+        self.received = False
+        waiter = self._waiter = self.loop.create_future()
+        timer = self.loop.call_at(deadline, self._settle, TimeoutError(f"timed out: no complete reply within "
+                                                                        f"{timeout:g} s"))
+        try:
+            self.transport.write(request)
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        return reader
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once (mid-exchange: nothing more of it can be trusted)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _settle(self, error: Optional[BaseException]) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+
+    # -- the asyncio protocol ------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        if reader is None or reader.done or self._waiter is None:  # bytes no request asked for
+            self.abort()
+            return
+        self.received = True
+        try:
+            reader.feed(data)
+        except (ConnectionError, _ReplyTooLarge) as exc:
+            self._settle(exc)
+            return
+        if reader.done:
+            self._settle(None)
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        reader = self._reader
+        if reader is not None and self._waiter is not None and not reader.done:
+            try:
+                reader.feed_eof()
+            except ConnectionError as exc:
+                self._settle(exc if self.received else ConnectionResetError("the proxy closed the connection "
+                                                                            "before replying"))
+                return False
+            self._settle(None)
+        return False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self.closed = True
+        self._settle(exc or ConnectionResetError("the connection to the proxy closed before a complete reply"))
+
+    def pause_writing(self) -> None:  # requests are at most 1 MiB: the transport buffers them whole
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+
+class _AsyncPool:
+    """The idle keep-alive connections of one event loop, per (scheme, host, port).
+
+    At most ``max_idle`` per origin; one idle over ``idle_s`` seconds is closed, by a housekeeping task that
+    lives while the pool holds any and closes them all when its loop shuts down (``asyncio.run`` cancels it).
+    """
+
+    def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
+        self._loop = loop
+        self._max_idle = max_idle
+        self._idle_s = idle_s
+        self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}
+        self._reaper: Any = None
+
+    def take(self, key: Tuple[str, str, int]) -> Optional[_ClientConnection]:
+        """The most recently used live idle connection for ``key``, or ``None``."""
+        idle = self._idle.get(key)
+        now = self._loop.time()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self._idle_s:
+                return conn
+            conn.close()
+        return None
+
+    def give(self, key: Tuple[str, str, int], conn: _ClientConnection) -> None:
+        idle = self._idle.setdefault(key, [])
+        if conn.closed or len(idle) >= self._max_idle:
+            conn.close()
+            return
+        conn.idle_since = self._loop.time()
+        idle.append(conn)
+        if self._reaper is None:  # in a context of its own: it must not keep a dispatch's envelope alive
+            self._reaper = contextvars.Context().run(self._loop.create_task, self._reap())
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+    async def _reap(self) -> None:
+        import asyncio
+
+        try:
+            while any(self._idle.values()):
+                await asyncio.sleep(self._idle_s / 2)
+                cutoff = self._loop.time() - self._idle_s
+                for conns in self._idle.values():
+                    for conn in [c for c in conns if c.closed or c.idle_since <= cutoff]:
+                        conns.remove(conn)
+                        conn.close()
+        except asyncio.CancelledError:
+            self.close()  # the loop is shutting down (or the client closing): leave no socket open
+            raise
+        finally:
+            self._reaper = None
+
+
+class _AsyncTransport:
+    """HTTP(S) exchanges on asyncio: the twin of :class:`_Transport`, same arguments, results and failures.
+
+    Keep-alive connections are pooled per event loop and origin (:class:`_AsyncPool`); the ``timeout``
+    bounds the whole attempt, connecting included; a cancelled exchange closes the connection it used.
+    """
+
+    MAX_IDLE_PER_ORIGIN = 512
+    IDLE_TIMEOUT_S = 5.0  # below the usual keep-alive of servers (uvicorn 5 s, httpx 5 s, nginx 75 s)
+
+    def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
+        import weakref
+
+        self._ssl_context = ssl_context
+        self._pools: weakref.WeakKeyDictionary[Any, _AsyncPool] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def _pool(self, loop: Any) -> _AsyncPool:
+        pool = self._pools.get(loop)
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get(loop)
+                if pool is None:
+                    pool = self._pools[loop] = _AsyncPool(loop, self.MAX_IDLE_PER_ORIGIN, self.IDLE_TIMEOUT_S)
+        return pool
+
+    def close(self) -> None:
+        """Close the idle connections of the running loop's pool (other loops' are closed on their shutdown)."""
+        import asyncio
+
+        with contextlib.suppress(RuntimeError):
+            pool = self._pools.pop(asyncio.get_running_loop(), None)
+            if pool is not None:
+                pool.close()
+
+    async def exchange(
+        self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float, max_reply: int
+    ) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """``(status, headers, body)`` of one request; raises :class:`_TransportFailure` or :class:`_ReplyTooLarge`.
+
+        A reused connection that drops before any byte of the reply is a ``stale`` failure (the retry
+        policy re-sends at once, with the same Idempotency-Key).
+        """
+        import asyncio
+
+        problem = _header_problem(headers)
+        if problem:
+            raise ValueError(problem)
+        loop = asyncio.get_running_loop()
+        scheme = base.scheme.lower()
+        port = base.port or (443 if scheme == "https" else 80)
+        key = (scheme, base.hostname, port)
+        started = loop.time()
+        deadline = started + timeout
+        pool = self._pool(loop)
+        debug = _log.isEnabledFor(logging.DEBUG)
+        where = f"{base.hostname}:{port}{_loggable_path(path)}"
+        if debug:
+            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
+        try:
+            request = _request_bytes(method, path, base.hostname, port, scheme, headers, body)
+        except UnicodeError as exc:
+            raise _TransportFailure() from exc
+        conn = pool.take(key)
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect(loop, scheme, base.hostname, port, deadline, timeout)
+        try:
+            reader = await conn.exchange(request, max_reply, deadline, timeout)
+        except _ReplyTooLarge:
+            conn.abort()
+            raise
+        except OSError as exc:  # TimeoutError and ConnectionError included
+            conn.abort()
+            raise _TransportFailure(stale=reused and not conn.received and not isinstance(exc, TimeoutError)) from exc
+        except BaseException:  # cancelled mid-exchange: what is left of the reply must not meet the next request
+            conn.abort()
+            raise
+        if reader.keep_alive and not conn.closed:
+            pool.give(key, conn)
+        else:
+            conn.close()
+        if debug:
+            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, reader.status, len(reader._body),
+                       (loop.time() - started) * 1000)
+        return reader.status, reader.headers, reader.body
+
+    async def _connect(self, loop: Any, scheme: str, host: str, port: int, deadline: float,
+                       timeout: float) -> _ClientConnection:
+        import asyncio
+
+        context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _ClientConnection(loop), host, port, ssl=context,
+                                       server_hostname=host if context is not None else None),
+                max(deadline - loop.time(), 0.001))
+        except asyncio.TimeoutError:
+            raise _TransportFailure() from TimeoutError(f"timed out: no connection within {timeout:g} s")
+        except (OSError, UnicodeError) as exc:
+            raise _TransportFailure() from exc
+        return cast(_ClientConnection, conn)
+
+
+def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],
+                   body: bytes) -> bytes:
+    """An HTTP/1.1 request as bytes, with Host and Content-Length (``UnicodeError`` for what cannot be sent)."""
+    try:
+        host.encode("ascii")
+    except UnicodeEncodeError:
+        host = host.encode("idna").decode("ascii")
+    shown = f"[{host}]" if ":" in host else host
+    if port != (443 if scheme == "https" else 80):
+        shown = f"{shown}:{port}"
+    head = f"{method} {path} HTTP/1.1\r\nHost: {shown}\r\n".encode("ascii")
+    fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return head + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
 
 
@@ -2413,50 +3135,90 @@ def _debug_headers(headers: Mapping[str, str]) -> str:
     return (", " + ", ".join(shown)) if shown else ""
 
 
+_Reply = Tuple[int, List[Tuple[str, str]], bytes]
+
+
 def _retry_loop(
-    send: Callable[[], Tuple[int, List[Tuple[str, str]], bytes]],
+    send: Callable[[], _Reply],
     interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
     *,
     policy: RetryPolicy,
-    sleep: Callable[[float], None],
+    sleep: Callable[[float], Any],
     transport_error: Callable[[BaseException], PipelinesError],
-    before_attempt: Optional[Callable[[], None]] = None,
+    before_attempt: Optional[Callable[[], float]] = None,
 ) -> Any:
-    """The one retry loop (§3.3): ``interpret`` decides value / retry / error, ``policy`` how long and how often.
+    """The blocking driver of :class:`RetryState` (§3.3); :func:`_aretry_loop` is its asyncio twin, line for line.
 
-    Transport failures are retried ``policy.transport_retries`` times (the
-    caller's request must be safe to repeat, e.g. by an Idempotency-Key).
+    ``before_attempt`` runs before every attempt, retries included (it may refuse the call) and returns the
+    seconds to wait for a pacing slot.  ``send`` makes one exchange, ``interpret`` says what its reply means,
+    and ``transport_error`` builds the error for an exchange that got no usable reply.
     """
-    attempt, transport_failures = 0, 0
+    state = RetryState(policy)
     while True:
-        attempt += 1
-        if before_attempt is not None:
-            before_attempt()
+        wait = before_attempt() if before_attempt is not None else 0.0
+        if wait > 0:
+            sleep(wait)
         try:
-            status, reply_headers, reply = send()
+            outcome = interpret(*send())
         except _TransportFailure as failure:
-            cause = failure.__cause__ or failure
-            error = transport_error(cause)
-            transport_failures += 1
-            if not _is_retryable_transport(cause) or transport_failures > policy.transport_retries:
-                raise error from cause
-            if failure.stale:  # a keep-alive connection the server had closed: no reason to wait
-                _log.info("%s (a stale keep-alive connection); retrying at once", error)
-                continue
-            wait = policy.delay(transport_failures)
-            _log.warning("%s; retrying in %.2f s", error, wait)
-            sleep(wait)
-            continue
-        outcome = interpret(status, reply_headers, reply)
-        if outcome.kind == "value":
-            return outcome.value
-        if outcome.kind == "retry" and attempt < policy.max_attempts:
-            wait = policy.delay(attempt, outcome.retry_after)
-            _log.warning("%s; retry %d in %.2f s", outcome.error, attempt, wait)
-            sleep(wait)
-            continue
-        assert outcome.error is not None
-        raise outcome.error
+            outcome = _transport_outcome(failure, transport_error)
+        step = state.step(outcome)
+        if step.action == "return":
+            return step.value
+        if step.action == "raise":
+            raise cast(PipelinesError, step.error)
+        _log_retry(step, outcome, state)
+        if step.wait_s is not None:
+            sleep(step.wait_s)
+
+
+async def _aretry_loop(
+    send: Callable[[], Awaitable[_Reply]],
+    interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+    *,
+    policy: RetryPolicy,
+    sleep: Callable[[float], Awaitable[Any]],
+    transport_error: Callable[[BaseException], PipelinesError],
+    before_attempt: Optional[Callable[[], float]] = None,
+) -> Any:
+    """The asyncio driver of :class:`RetryState` (§3.3): :func:`_retry_loop` with ``await`` at each wait and send."""
+    state = RetryState(policy)
+    while True:
+        wait = before_attempt() if before_attempt is not None else 0.0
+        if wait > 0:
+            await sleep(wait)
+        try:
+            outcome = interpret(*(await send()))
+        except _TransportFailure as failure:
+            outcome = _transport_outcome(failure, transport_error)
+        step = state.step(outcome)
+        if step.action == "return":
+            return step.value
+        if step.action == "raise":
+            raise cast(PipelinesError, step.error)
+        _log_retry(step, outcome, state)
+        if step.wait_s is not None:
+            await sleep(step.wait_s)
+
+
+def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
+                       ) -> ProxyOutcome:
+    """What an exchange without a usable reply comes to: ``"transport"`` (retry with the same key) or ``"error"``."""
+    cause = failure.__cause__ or failure
+    error = transport_error(cause)
+    error.__cause__, error.__suppress_context__ = cause, True
+    if not _is_retryable_transport(cause):
+        return ProxyOutcome("error", error=error)
+    return ProxyOutcome("transport", error=error, stale=failure.stale)
+
+
+def _log_retry(step: RetryStep, outcome: ProxyOutcome, state: RetryState) -> None:
+    if outcome.kind != "transport":
+        _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
+    elif outcome.stale:
+        _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
+    else:
+        _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
 
 
 def _make_http_classes() -> Tuple[type, type]:
@@ -2511,6 +3273,7 @@ def _utc_now_iso() -> str:
 
 
 _shared_transport = _Once(lambda: _Transport())  # probes and model-API calls; each ProxyClient has its own
+_shared_atransport = _Once(lambda: _AsyncTransport())
 
 
 # ---------------------------------------------------------------------------
@@ -2518,17 +3281,19 @@ _shared_transport = _Once(lambda: _Transport())  # probes and model-API calls; e
 # ---------------------------------------------------------------------------
 
 class ProxyClient:
-    """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries.
+    """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries; blocking and asyncio alike.
 
-    One instance is safe to share between threads and asyncio tasks; the
-    module functions use a shared default.  Knobs:
+    :meth:`call` and :meth:`trace` block (``http.client``); :meth:`acall` and :meth:`atrace` are their
+    asyncio twins (``asyncio`` streams on the running loop: no thread per call), with the same arguments,
+    results, errors and redaction.  Both run part 1's one policy (:class:`RetryState`).  One instance is safe
+    to share between threads, event loops and tasks; the module functions use a shared default.  Knobs:
 
     - ``timeout``: seconds per attempt (default ``PIPELINES_PROXY_TIMEOUT_S`` or 120).
     - ``retry``: a :class:`RetryPolicy`.
     - ``rate_per_minute``: client-side pacing per run token (default
       ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0 turns pacing off).
     - ``ssl_context``: for https proxies (default: the system CAs).
-    - ``sleep``: how to wait between attempts (tests pass a fake).
+    - ``sleep``: how to wait between attempts (tests pass a fake; the asyncio forms await what it returns).
     """
 
     def __init__(
@@ -2538,7 +3303,7 @@ class ProxyClient:
         retry: RetryPolicy = RetryPolicy(),
         rate_per_minute: Optional[float] = None,
         ssl_context: Optional[ssl.SSLContext] = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Optional[Callable[[float], Any]] = None,
     ) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
         if not self.timeout > 0:  # 0 would make every socket non-blocking and every call fail
@@ -2550,6 +3315,7 @@ class ProxyClient:
         self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
         self._sleep = sleep
         self._transport = _Transport(ssl_context)
+        self._atransport = _AsyncTransport(ssl_context)
 
     # -- public ---------------------------------------------------------------
 
@@ -2570,24 +3336,37 @@ class ProxyClient:
         value for the model to read instead of an exception; a stale run token
         still raises, because the run is over.
         """
-        if errors not in ("raise", "return"):
-            raise ValueError("errors must be 'raise' or 'return'")
+        _check_errors_mode(errors)
         try:
-            validate_tool_name(name)
-            label = validate_actor_label(actor)
-            if label:
-                _warn_if_undeclared(envelope, label)
-            body = encode_args(name, args)
-            return self._request(
-                envelope, "tools", name, body, label=label, timeout=timeout, idempotency_key=idempotency_key
-            )
-        except StaleRunTokenError:
-            raise
+            request = self._tool_call(envelope, name, args, actor, idempotency_key)
+            return _retry_loop(self._send(request, timeout), sleep=self._sleep or time.sleep,
+                               **self._policy(envelope, request))
         except ProxyError as exc:
-            if errors == "return":
-                _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
-                return exc.to_value()
-            raise
+            if errors == "raise" or isinstance(exc, StaleRunTokenError):
+                raise
+            return _error_value(exc, name)
+
+    async def acall(
+        self,
+        envelope: Envelope,
+        name: str,
+        args: Optional[Mapping[str, Any]] = None,
+        *,
+        actor: Optional[str] = None,
+        timeout: Optional[float] = None,
+        idempotency_key: Optional[str] = None,
+        errors: str = "raise",
+    ) -> Any:
+        """The asyncio form of :meth:`call`: the same request, policy, result and errors, awaited on this loop."""
+        _check_errors_mode(errors)
+        try:
+            request = self._tool_call(envelope, name, args, actor, idempotency_key)
+            return await _aretry_loop(self._asend(request, timeout), sleep=self._asleep,
+                                      **self._policy(envelope, request))
+        except ProxyError as exc:
+            if errors == "raise" or isinstance(exc, StaleRunTokenError):
+                raise
+            return _error_value(exc, name)
 
     def trace(
         self,
@@ -2607,31 +3386,46 @@ class ProxyClient:
         failure is logged as a warning and ``None`` returned.
         """
         try:
-            if event_type not in TRACE_EVENT_TYPES:
-                raise ProxyRequestError(
-                    f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
-                    + ", ".join(sorted(TRACE_EVENT_TYPES)),
-                    tool_name=str(event_type),
-                )
-            label = validate_actor_label(actor)
-            event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
-            if not isinstance(event, dict):
-                raise ProxyRequestError(
-                    f"trace payload must be a JSON object, got {json_type(payload)}", tool_name=event_type
-                )
-            event.setdefault("__occurred_at", _utc_now_iso())
-            body = encode_args(event_type, event, what="trace payload")
-            result = self._request(envelope, "traces", event_type, body, label=label, timeout=timeout)
+            request = self._trace(envelope, event_type, payload, actor)
+            result = _retry_loop(self._send(request, timeout), sleep=self._sleep or time.sleep,
+                                 **self._policy(envelope, request))
             return result if isinstance(result, dict) else None
         except ProxyError as exc:
-            if best_effort:
-                _log.warning("trace event %r not recorded: %s", event_type, exc)
-                return None
-            raise
+            if not best_effort:
+                raise
+            _log.warning("trace event %r not recorded: %s", event_type, exc)
+            return None
+
+    async def atrace(
+        self,
+        envelope: Envelope,
+        event_type: str,
+        payload: Optional[Mapping[str, Any]] = None,
+        *,
+        actor: Optional[str] = None,
+        timeout: Optional[float] = None,
+        best_effort: bool = False,
+    ) -> Optional[Dict[str, Any]]:
+        """The asyncio form of :meth:`trace`."""
+        try:
+            request = self._trace(envelope, event_type, payload, actor)
+            result = await _aretry_loop(self._asend(request, timeout), sleep=self._asleep,
+                                        **self._policy(envelope, request))
+            return result if isinstance(result, dict) else None
+        except ProxyError as exc:
+            if not best_effort:
+                raise
+            _log.warning("trace event %r not recorded: %s", event_type, exc)
+            return None
 
     def close(self) -> None:
-        """Close the idle keep-alive connections."""
+        """Close the idle keep-alive connections (of the blocking driver, and of the running loop if any)."""
         self._transport.close()
+        self._atransport.close()
+
+    async def aclose(self) -> None:
+        """Close the idle keep-alive connections of both drivers, the running loop's included."""
+        self.close()
 
     # -- seams: override in a subclass to observe or change the wire (tests, broken ports) ----
 
@@ -2640,69 +3434,114 @@ class ProxyClient:
         """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL)."""
         return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
 
+    async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
+                        timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """The asyncio form of :meth:`exchange`."""
+        return await self._atransport.exchange(base, method, path, headers, body, timeout, max_reply)
+
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                   run_token: Optional[str] = None) -> ProxyOutcome:
-        """What one proxy reply means: :func:`interpret_reply`."""
+        """What one proxy reply means: :func:`interpret_reply` (both drivers)."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # -- internals ------------------------------------------------------------
+    # -- internals: what both drivers share ----------------------------------
 
-    def _request(
-        self,
-        envelope: Envelope,
-        kind: str,
-        name: str,
-        body: bytes,
-        *,
-        label: Optional[str],
-        timeout: Optional[float],
-        idempotency_key: Optional[str] = None,
-    ) -> Any:
-        """One logical call: pacing and the retry loop around one transport exchange."""
-        if not isinstance(envelope, Envelope):
-            raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
-        base = urlsplit(envelope.proxy_url)
-        path = f"{base.path.rstrip('/')}/{kind}/{quote(name, safe='')}"
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-            "Authorization": "Bearer " + envelope.run_token,
-            "Idempotency-Key": idempotency_key or str(uuid.uuid4()),
-            "User-Agent": _USER_AGENT,
-        }
+    def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
+                   idempotency_key: Optional[str]) -> ProxyRequest:
+        _check_envelope(envelope)
+        request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
+                                    idempotency_key=idempotency_key)
+        label = request.headers.get(HEADER_ACTOR_ID)
         if label:
-            headers[HEADER_ACTOR_ID] = label
-        timeout = self.timeout if timeout is None else float(timeout)
+            _warn_if_undeclared(envelope, label)
+        return request
+
+    def _trace(self, envelope: Envelope, event_type: str, payload: Optional[Mapping[str, Any]],
+               actor: Optional[str]) -> ProxyRequest:
+        _check_envelope(envelope)
+        return trace_request(envelope.proxy_url, envelope.run_token, event_type, payload,
+                             occurred_at=_utc_now_iso(), actor=actor)
+
+    def _policy(self, envelope: Envelope, request: ProxyRequest) -> Dict[str, Any]:
+        """The arguments both retry loops take but ``send`` and ``sleep``: interpretation, errors, pacing."""
+        name = request.name
         stats = _dispatch_stats.get()
         if stats is not None:
             stats.count()
 
-        def before_attempt() -> None:
+        def before_attempt() -> float:
             if stats is not None and stats.cancelled:  # checked before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
                                  "answered already", tool_name=name)
-            if self._pacer is not None:
-                wait = self._pacer.reserve(envelope.run_token)
-                if wait > 0:
-                    _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
-                    self._sleep(wait)
+            if self._pacer is None:
+                return 0.0
+            wait = self._pacer.reserve(envelope.run_token)
+            if wait > 0:
+                _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
+            return wait
 
-        def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
-            try:
-                return self.exchange(base, "POST", path, headers, body, timeout, MAX_REPLY_BYTES)
-            except _ReplyTooLarge as big:
-                raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
-
-        return _retry_loop(
-            send,
-            lambda status, reply_headers, reply: self.interpret(
+        return {
+            "interpret": lambda status, reply_headers, reply: self.interpret(
                 status, reply_headers, reply, tool_name=name, run_token=envelope.run_token),
-            policy=self.retry,
-            sleep=self._sleep,
-            transport_error=lambda cause: ProxyTransportError(
+            "policy": self.retry,
+            "transport_error": lambda cause: ProxyTransportError(
                 _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name),
-            before_attempt=before_attempt,
-        )
+            "before_attempt": before_attempt,
+        }
+
+    def _send(self, request: ProxyRequest, timeout: Optional[float]) -> Callable[[], _Reply]:
+        seconds = self.timeout if timeout is None else float(timeout)
+
+        def send() -> _Reply:
+            try:
+                return self.exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                                     MAX_REPLY_BYTES)
+            except _ReplyTooLarge as big:
+                raise _reply_too_large(big, request.name) from None
+
+        return send
+
+    def _asend(self, request: ProxyRequest, timeout: Optional[float]) -> Callable[[], Awaitable[_Reply]]:
+        seconds = self.timeout if timeout is None else float(timeout)
+
+        async def send() -> _Reply:
+            try:
+                return await self.aexchange(request.url, "POST", request.path, request.headers, request.body,
+                                            seconds, MAX_REPLY_BYTES)
+            except _ReplyTooLarge as big:
+                raise _reply_too_large(big, request.name) from None
+
+        return send
+
+    async def _asleep(self, seconds: float) -> None:
+        if self._sleep is None:
+            import asyncio
+
+            await asyncio.sleep(seconds)
+            return
+        result = self._sleep(seconds)
+        if result is not None and hasattr(result, "__await__"):
+            await result
+
+
+def _check_envelope(envelope: Any) -> None:
+    if not isinstance(envelope, Envelope):
+        raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+
+
+def _check_errors_mode(errors: str) -> None:
+    if errors not in ("raise", "return"):
+        raise ValueError("errors must be 'raise' or 'return'")
+
+
+def _error_value(exc: ProxyError, name: str) -> Dict[str, Any]:
+    """A failed tool call as the ``{"error": ...}`` value the model reads (``errors="return"``)."""
+    _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
+    return exc.to_value()
+
+
+def _reply_too_large(big: _ReplyTooLarge, name: str) -> ProxyError:
+    return ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name)
 
 
 _undeclared_lock = threading.Lock()
@@ -2766,31 +3605,22 @@ def proxy_call(
     )
 
 
-def _make_executor() -> Any:
-    """A thread pool for the asyncio forms; wider than asyncio's default so tool calls overlap."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=64, thread_name_prefix="pipelines-proxy")
-
-
-_executor = _Once(_make_executor)
-
-
-async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    import asyncio
-
-    context = contextvars.copy_context()
-    call = functools.partial(context.run, fn, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(_executor(), call)
-
-
 async def aproxy_call(
     name: str,
     args: Optional[Mapping[str, Any]] = None,
-    **options: Any,
+    *,
+    envelope: Optional[Envelope] = None,
+    actor: Optional[str] = None,
+    timeout: Optional[float] = None,
+    idempotency_key: Optional[str] = None,
+    errors: str = "raise",
+    client: Optional[ProxyClient] = None,
 ) -> Any:
-    """The asyncio form of :func:`proxy_call` (same options); never blocks the event loop."""
-    return await _in_thread(proxy_call, name, args, **options)
+    """The asyncio form of :func:`proxy_call`: same arguments, result and errors, awaited on the running loop."""
+    return await (client or _default_client()).acall(
+        envelope or current_envelope(), name, args,
+        actor=actor, timeout=timeout, idempotency_key=idempotency_key, errors=errors,
+    )
 
 
 class Actor:
@@ -2822,7 +3652,8 @@ class Actor:
 
     async def acall(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
         """:func:`aproxy_call` as this actor."""
-        return await _in_thread(self.call, name, args, **options)
+        return await aproxy_call(name, args, envelope=self._envelope, actor=self.label, client=self._client,
+                                 **options)
 
     def trace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
               **options: Any) -> Optional[Dict[str, Any]]:
@@ -2830,9 +3661,20 @@ class Actor:
         return post_trace(event_type, payload, envelope=self._envelope, actor=self.label, client=self._client,
                           **options)
 
+    async def atrace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
+                     **options: Any) -> Optional[Dict[str, Any]]:
+        """:func:`apost_trace` as this actor."""
+        return await apost_trace(event_type, payload, envelope=self._envelope, actor=self.label,
+                                 client=self._client, **options)
+
     def handoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`post_handoff` from this actor to ``to_sub_agent``."""
         return post_handoff(self.label, to_sub_agent, envelope=self._envelope, client=self._client, **options)
+
+    async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
+        """:func:`apost_handoff` from this actor to ``to_sub_agent``."""
+        return await apost_handoff(self.label, to_sub_agent, envelope=self._envelope, client=self._client,
+                                   **options)
 
     def actor(self, child: str) -> Actor:
         """A sub-actor one level down the call path (``parent/child``)."""
@@ -2855,21 +3697,42 @@ def post_trace(
     client: Optional[ProxyClient] = None,
 ) -> Optional[Dict[str, Any]]:
     """Post a live trace event for the bound run (§3.4); see :meth:`ProxyClient.trace`."""
-    if best_effort:
-        try:
-            envelope = envelope or current_envelope()
-        except EnvelopeError as exc:
-            _log.warning("trace event %r not recorded: %s", event_type, exc)
-            return None
-    return (client or _default_client()).trace(
-        envelope or current_envelope(), event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort
-    )
+    envelope = _trace_envelope(envelope, event_type, best_effort)
+    if envelope is None:
+        return None
+    return (client or _default_client()).trace(envelope, event_type, payload, actor=actor, timeout=timeout,
+                                               best_effort=best_effort)
 
 
-async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None,
-                      **options: Any) -> Optional[Dict[str, Any]]:
+async def apost_trace(
+    event_type: str,
+    payload: Optional[Mapping[str, Any]] = None,
+    *,
+    envelope: Optional[Envelope] = None,
+    actor: Optional[str] = None,
+    timeout: Optional[float] = None,
+    best_effort: bool = False,
+    client: Optional[ProxyClient] = None,
+) -> Optional[Dict[str, Any]]:
     """The asyncio form of :func:`post_trace`."""
-    return cast(Optional[Dict[str, Any]], await _in_thread(post_trace, event_type, payload, **options))
+    envelope = _trace_envelope(envelope, event_type, best_effort)
+    if envelope is None:
+        return None
+    return await (client or _default_client()).atrace(envelope, event_type, payload, actor=actor, timeout=timeout,
+                                                      best_effort=best_effort)
+
+
+def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: bool) -> Optional[Envelope]:
+    """The envelope a trace event goes to; ``None`` (logged) for a best-effort event with none bound."""
+    if envelope is not None:
+        return envelope
+    if not best_effort:
+        return current_envelope()
+    try:
+        return current_envelope()
+    except EnvelopeError as exc:
+        _log.warning("trace event %r not recorded: %s", event_type, exc)
+        return None
 
 
 def post_handoff(
@@ -2882,20 +3745,32 @@ def post_handoff(
 ) -> Optional[Dict[str, Any]]:
     """Record a control transfer between sub-agents as a ``handoff`` event (§3.4).
 
-    Both labels are validated as §3.5; a self-handoff is dropped (logged, not sent).
+    Both labels are validated as §3.5; a self-handoff is dropped (logged, not sent).  ``options`` as for
+    :func:`post_trace`.
     """
-    source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
-    if not source or not target:
-        raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
-    if source == target:
+    event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
+    return None if event is None else post_trace("handoff", event, **options)
+
+
+async def apost_handoff(
+    from_sub_agent: str,
+    to_sub_agent: str,
+    *,
+    reason: Optional[str] = None,
+    payload_preview: Optional[str] = None,
+    **options: Any,
+) -> Optional[Dict[str, Any]]:
+    """The asyncio form of :func:`post_handoff`."""
+    event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
+    return None if event is None else await apost_trace("handoff", event, **options)
+
+
+def _handoff(source: str, target: str, reason: Optional[str], payload_preview: Optional[str]
+             ) -> Optional[Dict[str, Any]]:
+    event = handoff_event(source, target, reason=reason, payload_preview=payload_preview)
+    if event is None:
         _log.info("dropping self-handoff %r -> %r", source, target)
-        return None
-    event: Dict[str, Any] = {"from_sub_agent": source, "to_sub_agent": target}
-    if reason is not None:
-        event["reason"] = reason
-    if payload_preview is not None:
-        event["payload_preview"] = payload_preview
-    return post_trace("handoff", event, **options)
+    return event
 
 
 ENV_STRICT = "PIPELINES_PORT_STRICT"  # "1": refuse responses the platform would only soften (see build_response)
@@ -3073,6 +3948,97 @@ def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
         return _settle(agent(envelope))
 
 
+async def _acall_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
+    """Call an agent with the envelope bound, on the running loop; every task it starts sees the envelope too."""
+    import inspect
+
+    with bind_envelope(envelope):
+        result = agent(envelope)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+
+def _is_async_callable(fn: Any) -> bool:
+    """``async def`` functions, partials of them and objects whose ``__call__`` is one."""
+    import inspect
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
+
+
+async def _await_task(start: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float) -> Any:
+    """:func:`_on_fresh_thread` for a coroutine: run ``start()`` as a task of this loop (in a copy of this context),
+    wait up to ``timeout_s``; its result, :class:`_AgentRaised` with what it raised, or :class:`_Overran` (the
+    task cancelled).  Cancelling the waiter cancels the task too."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    task: asyncio.Task[Any] = loop.create_task(start())
+    waiter = loop.create_future()
+
+    def wake(_: Any = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(wake)
+    timer = loop.call_later(timeout_s, wake)
+    try:
+        await waiter
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        timer.cancel()
+    if not task.done():
+        task.cancel()
+        raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
+    if task.cancelled():
+        raise _AgentRaised(asyncio.CancelledError())
+    error = task.exception()
+    if error is not None:
+        raise _AgentRaised(error)
+    return task.result()
+
+
+async def _await_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+    """:func:`_on_fresh_thread` awaited: ``fn()`` on a new daemon thread in a copy of this context; its result,
+    :class:`_AgentRaised` with what it raised, or :class:`_Overran` after ``timeout_s`` (it runs on)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if waiter.done():  # timed out, or the awaiting task was cancelled
+            return
+        if error is None:
+            waiter.set_result(result)
+        else:
+            waiter.set_exception(error)
+
+    def target() -> None:
+        try:
+            outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            outcome = (None, _AgentRaised(exc))
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=target, name="pipelines-agent", daemon=True).start()
+    timer = None
+    if timeout_s is not None:
+        timer = loop.call_later(timeout_s, settle, None,
+                                _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
+    try:
+        return await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
     """The response body with the run token redacted, should the agent have echoed it (logged once)."""
     encoded = json.dumps(body, ensure_ascii=False).encode("utf-8") if encoded is None else encoded
@@ -3209,10 +4175,18 @@ class DispatchApp:
         ``body`` is what :func:`request_body_length` allowed the adapter to read
         (``None``: nothing).  Writes one log line per request (ids, status,
         duration, proxy calls; never a token); health probes and pings at DEBUG.
+        The agent runs on a thread of its own (an ``async def`` one on a loop of its own there).
         """
         started = time.monotonic()
         headers = _lower_headers(headers)
         return self.carry_out(self.decide(method, target, headers, body), method, target, headers, started)
+
+    async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
+        """The asyncio form of :meth:`handle`: an ``async def`` agent runs on the running loop, a sync one on a
+        thread of its own; the probe uses the asyncio driver."""
+        started = time.monotonic()
+        headers = _lower_headers(headers)
+        return await self.acarry_out(self.decide(method, target, headers, body), method, target, headers, started)
 
     def decide(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> Decision:
         """:func:`decide` with this app's endpoint and its token as configured now."""
@@ -3231,12 +4205,33 @@ class DispatchApp:
         else:
             assert decision.reply is not None
             reply = decision.reply
+        self._log_request(decision, reply, method, target, headers, started, stats)
+        return reply
+
+    async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
+                         started: float) -> HttpReply:
+        """The asyncio form of :meth:`carry_out`."""
+        stats = _DispatchStats()
+        if decision.action == "run":
+            assert decision.envelope is not None
+            reply = await self.arun_agent(decision.envelope, stats)
+        elif decision.action == "probe":
+            assert decision.proxy_url is not None
+            reply = await self.aconnectivity_check(decision.proxy_url)
+        else:
+            assert decision.reply is not None
+            reply = decision.reply
+        self._log_request(decision, reply, method, target, headers, started, stats)
+        return reply
+
+    def _log_request(self, decision: Decision, reply: HttpReply, method: str, target: str,
+                     headers: Mapping[str, str], started: float, stats: _DispatchStats) -> None:
         what = decision.what
         # Health probes and accepted pings come often and mean little: DEBUG, so they neither
         # flood the log nor queue every handler thread on the log's lock.
         level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
         if not _log.isEnabledFor(level):
-            return reply
+            return
         envelope = decision.envelope
         if envelope is not None:
             ids: Tuple[Any, ...] = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
@@ -3248,40 +4243,86 @@ class DispatchApp:
         _log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
                  method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
                  stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
-        return reply
 
     def connectivity_check(self, proxy_url: str) -> HttpReply:
         """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code."""
         return json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
 
+    async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
+        """The asyncio form of :meth:`connectivity_check`."""
+        return json_reply(200, {"ok": True, "outbound": await aprobe_proxy(proxy_url)})
+
+    @property
+    def agent_is_async(self) -> bool:
+        """Whether the agent is an ``async def`` function (or a callable whose ``__call__`` is one)."""
+        return _is_async_callable(self.agent)
+
     def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
-        """Run the agent on ``envelope`` within ``run_timeout_s``; the response envelope or the error reply."""
+        """Run the agent on ``envelope`` within ``run_timeout_s`` on a thread of its own; the response envelope
+        or the error reply.  An ``async def`` agent gets an event loop of its own on that thread."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
         try:
             result = _on_fresh_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s,
                                       wrap=True)
-            body = build_response(result, strict=self.strict)
-        except _Overran as exc:
-            stats.cancelled = True  # its further proxy calls are refused before each attempt
-            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
-                       "further proxy calls", envelope.run_id, self.run_timeout_s)
-            return error_reply(exc)
-        except ResponseError as exc:
-            return error_reply(ResponseError(self.redact(
-                f"agent returned a value that cannot become a response: {exc}", envelope)))
-        except (_AgentRaised, Exception) as failed:  # noqa: BLE001 - the agent's own SystemExit too, never ours
-            import traceback
-
-            error = failed.error if isinstance(failed, _AgentRaised) else failed
-            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
-            return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *self.secrets(envelope))))
+        except (_Overran, _AgentRaised, ResponseError) as failed:
+            return self._failed(failed, envelope, stats)
         finally:
             _dispatch_stats.reset(bound)
+        return self._respond(result, envelope)
+
+    async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
+        """The asyncio form of :meth:`run_agent`: an ``async def`` agent runs as a task on this loop (every dispatch
+        on the one loop, so clients a framework shares across runs work), a sync one on a thread of its own.
+
+        Cancelled (a server shutting down), the run is cut: the agent's task is cancelled with it, its further
+        proxy calls refused, and the cut logged.
+        """
+        stats = _DispatchStats() if stats is None else stats
+        bound = _dispatch_stats.set(stats)
+        try:
+            if self.agent_is_async:
+                result = await _await_task(functools.partial(_acall_agent, self.agent, envelope), self.run_timeout_s)
+            else:
+                result = await _await_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s)
+        except (_Overran, _AgentRaised) as failed:
+            return self._failed(failed, envelope, stats)
+        except BaseException:  # this dispatch itself was cancelled: the run is cut short
+            stats.cancelled = True
+            _log.warning("run %s (jti %s) was cut before it finished: the server is shutting down; its further "
+                         "proxy calls are refused", envelope.run_id, envelope.run_token_jti)
+            raise
+        finally:
+            _dispatch_stats.reset(bound)
+        return self._respond(result, envelope)
+
+    def _respond(self, result: Any, envelope: Envelope) -> HttpReply:
+        """The 200 reply for what the agent returned, its run token redacted; 500 when it cannot become one."""
+        try:
+            body = build_response(result, strict=self.strict)
+        except Exception as exc:  # noqa: BLE001 - a result that cannot become a response is a 500, never a crash
+            return self._failed(exc, envelope, None)
         reply = json_reply(200, body)
         clean = _without_run_token(body, envelope, reply.body)
         return reply if clean is body else json_reply(200, clean)
+
+    def _failed(self, failed: BaseException, envelope: Envelope, stats: Optional[_DispatchStats]) -> HttpReply:
+        """The one error path of a run: 504 for an overrun, 500 for an unbuildable result or a raising agent."""
+        if isinstance(failed, _Overran):
+            if stats is not None:
+                stats.cancelled = True  # its further proxy calls are refused before each attempt
+            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
+                       "further proxy calls", envelope.run_id, self.run_timeout_s)
+            return error_reply(failed)
+        if isinstance(failed, ResponseError):
+            return error_reply(ResponseError(self.redact(
+                f"agent returned a value that cannot become a response: {failed}", envelope)))
+        import traceback
+
+        error = failed.error if isinstance(failed, _AgentRaised) else failed
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
+        return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *self.secrets(envelope))))
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
         """The run token and the agent token: what no reply or log line may show."""
@@ -3322,20 +4363,42 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """
     started = time.monotonic()
     try:
-        base = urlsplit(validate_proxy_url(proxy_url, "the probe"))
-        path = f"{base.path.rstrip('/')}/tools/{_PROBE_TOOL}"
-        headers = {"Content-Type": "application/json", "Authorization": "Bearer fake-token", "User-Agent": _USER_AGENT}
-        status, _, _ = _shared_transport().exchange(base, "POST", path, headers, b"{}", timeout, 64 << 10)
-    except _TransportFailure as failure:
-        cause = failure.__cause__ or failure
-        return {"reachable": False, "status_code": None, "latency_ms": round((time.monotonic() - started) * 1000, 1),
-                "error": describe_error(cause, 200)}
-    except (EnvelopeError, _ReplyTooLarge) as exc:
-        return {"reachable": False, "status_code": getattr(exc, "status", None),
-                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(exc, 200)}
+        request = _probe_request(proxy_url)
+        status, _, _ = _shared_transport().exchange(request.url, "POST", request.path, request.headers, request.body,
+                                                    timeout, 64 << 10)
+    except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
+        return _probe_failed(failure, started)
+    return _probe_result(status, started)
+
+
+async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
+    """The asyncio form of :func:`probe_proxy`."""
+    started = time.monotonic()
+    try:
+        request = _probe_request(proxy_url)
+        status, _, _ = await _shared_atransport().exchange(request.url, "POST", request.path, request.headers,
+                                                           request.body, timeout, 64 << 10)
+    except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
+        return _probe_failed(failure, started)
+    return _probe_result(status, started)
+
+
+def _probe_request(proxy_url: str) -> ProxyRequest:
+    request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools", _PROBE_TOOL, b"{}")
+    del request.headers["Idempotency-Key"], request.headers["Accept"]
+    return request
+
+
+def _probe_result(status: int, started: float) -> Dict[str, Any]:
     reachable = status in (401, 403) or 200 <= status < 300
     return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
             "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
+
+
+def _probe_failed(failure: BaseException, started: float) -> Dict[str, Any]:
+    cause = (failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure
+    return {"reachable": False, "status_code": getattr(failure, "status", None),
+            "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(cause, 200)}
 
 
 def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
@@ -3366,7 +4429,9 @@ def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
     return b"".join(chunks)
 
 
+@functools.lru_cache(maxsize=64)
 def _reason(status: int) -> str:
+    """The reason phrase for ``status`` (``Unknown`` for codes outside the registry)."""
     from http import HTTPStatus
 
     try:
@@ -3389,9 +4454,8 @@ def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..
 
 
 async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """HTTP and lifespan scopes.  The core runs on a thread of its own per request, so a slow agent never
-    blocks the event loop, and never on the pool ``aproxy_call`` uses (with both on one pool, enough
-    concurrent dispatches would wait forever for their own proxy calls)."""
+    """HTTP and lifespan scopes, on the host's own loop: an ``async def`` agent runs there as a task (no thread,
+    no loop of its own), a sync one on a thread of its own, so a slow agent never blocks the loop."""
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -3417,42 +4481,15 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
             more = message.get("more_body", False)
         body = b"".join(chunks)
     started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
-    decision = app.decide(method, target, headers, body)
-    if decision.action == "reply":  # decided already: answer on the loop, no thread
-        reply = app.carry_out(decision, method, target, headers, started)
-    else:
-        reply = await _on_own_thread(app.carry_out, decision, method, target, headers, started)
+    reply = await app.acarry_out(app.decide(method, target, headers, body), method, target, headers, started)
     await send({"type": "http.response.start", "status": reply.status,
                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]})
     await send({"type": "http.response.body", "body": reply.body})
 
 
-async def _on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Await ``fn(*args)`` run on a new daemon thread in a copy of this context."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-    context = contextvars.copy_context()
-
-    def settle(method: str, value: Any) -> None:
-        if not future.done():  # the awaiting task may have been cancelled meanwhile
-            getattr(future, method)(value)
-
-    def target() -> None:
-        try:
-            result = context.run(fn, *args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(settle, "set_exception", exc)
-        else:
-            loop.call_soon_threadsafe(settle, "set_result", result)
-
-    threading.Thread(target=target, name="pipelines-dispatch", daemon=True).start()
-    return await future
-
-
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_GRACE_S = 30.0
+DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, so a reused connection is still open
 
 
 def _make_server_classes() -> Tuple[type, type]:
@@ -3483,6 +4520,11 @@ def _make_server_classes() -> Tuple[type, type]:
             host, port = str(self.server_address[0]), self.server_address[1]
             shown = f"[{host}]" if ":" in host else host
             return f"http://{shown}:{port}{self.app.path}"
+
+        @property
+        def in_flight(self) -> int:
+            """Requests being handled now."""
+            return self._in_flight
 
         def enter(self) -> bool:
             with self._idle:
@@ -3626,6 +4668,390 @@ def _make_server_classes() -> Tuple[type, type]:
 _server_classes = _Once(_make_server_classes)
 
 
+
+
+def default_max_connections() -> int:
+    """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
+    (every dispatch needs its inbound connection and its proxy connections)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        return 1000
+    if soft == resource.RLIM_INFINITY:
+        return 10_000
+    return max(16, min(10_000, (soft - 32) // 2))
+
+
+def _raise_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (at most 65536), as servers do."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, OSError, ValueError):
+        pass
+
+
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+@functools.lru_cache(maxsize=4)
+def _http_date_at(second: int) -> str:
+    """The ``Date`` header value (RFC 9110 §5.6.7) for one second since the epoch."""
+    t = time.gmtime(second)
+    return (f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year} "
+            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT")
+
+
+def _reply_bytes(reply: HttpReply, *, close: bool, keep_alive: bool = False, head_only: bool = False) -> bytes:
+    """``reply`` as HTTP/1.1 bytes: status line, ``Server``, ``Date``, its headers, ``Connection`` when it matters."""
+    reason = _reason(reply.status)
+    lines = [f"HTTP/1.1 {reply.status} {reason}\r\nServer: pipelines-port/{__version__}\r\n",
+             f"Date: {_http_date_at(int(time.time()))}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
+    if close:
+        lines.append("Connection: close\r\n")
+    elif keep_alive:
+        lines.append("Connection: keep-alive\r\n")
+    lines.append("\r\n")
+    head = "".join(lines).encode("latin-1")
+    return head if head_only else head + reply.body
+
+
+def _fallback_reply(exc: BaseException) -> HttpReply:
+    """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
+    name = type(exc).__name__.encode("ascii", "replace")
+    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
+    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+
+
+class _ServerConnection:
+    """One client connection of :class:`AsyncDispatchServer`, as an asyncio protocol.
+
+    One request at a time: its head (:func:`parse_request_head`), then the body :func:`request_body_length`
+    allows, all within ``read_timeout_s`` of its first byte.  A decided refusal is answered at once; a dispatch
+    or probe runs as a task, reading paused meanwhile.  The connection closes after a framing refusal, on
+    ``Connection: close``, after ``keepalive_s`` idle, and when the server drains.
+    """
+
+    __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof")
+
+    def __init__(self, server: AsyncDispatchServer) -> None:
+        self.server = server
+        self.transport: Any = None
+        self.buffer = bytearray()
+        self.head: Optional[RequestHead] = None
+        self.headers: Dict[str, str] = {}
+        self.length: Optional[int] = 0
+        self.task: Any = None
+        self.timer: Any = None
+        self.closing = False
+        self.eof = False
+
+    # -- the asyncio protocol ------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        server = self.server
+        server.connections.add(self)
+        if len(server.connections) > server.max_connections:
+            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
+                                                   "connections: retry shortly")), close=True)
+            return
+        self._arm(server.read_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.buffer += data
+        if self.task is None:
+            self._advance()
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined bytes while a dispatch runs: enough for now
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        # The client sent all it will send: a running dispatch still gets its reply, a body cut short gets its
+        # 400 (decide names the truncation), then the connection closes.
+        self.eof = True
+        if self.task is None and self.head is not None and not self.closing:
+            head, self.head = self.head, None
+            body = None if self.length is None else bytes(self.buffer[:self.length])
+            self.buffer.clear()
+            self._start(head, body)
+        if self.task is not None:
+            return True
+        self.closing = True
+        return False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self.closing = True
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        # A running dispatch finishes (a thread cannot be stopped, and the run's tool calls are real); its reply
+        # has nowhere to go.
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- reading requests ------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Read as far as the buffer goes; start at most one request."""
+        buffer = self.buffer
+        while self.task is None and not self.closing:
+            if self.head is None:
+                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
+                    del buffer[:2]
+                if not buffer:
+                    return
+                if self.timer is None or self.timer.when() > self.server.loop.time() + self.server.read_timeout_s:
+                    self._arm(self.server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buffer) > MAX_REQUEST_LINE_BYTES and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0:
+                        self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
+                    elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
+                        self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
+                    return
+                raw = bytes(buffer[:end])
+                del buffer[:end + 4]
+                try:
+                    self.head = head = parse_request_head(raw)
+                except PipelinesError as exc:
+                    self._refuse(exc)
+                    return
+                self.headers = _lower_headers(head.headers)
+                self.length = request_body_length(self.headers, self.server.app.max_body)
+                if (self.length and len(buffer) < self.length
+                        and self.headers.get("expect", "").lower() == "100-continue"):
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            need = self.length or 0
+            if len(buffer) < need:
+                return
+            body = None if self.length is None else bytes(buffer[:need])
+            del buffer[:need]
+            head, self.head = self.head, None
+            self._start(head, body)
+
+    def _start(self, head: RequestHead, body: Optional[bytes]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        server = self.server
+        close = self.length is None or not head.keep_alive() or self.eof  # an unread body is no next request
+        if server.draining:
+            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
+                       close=True)
+            return
+        self.transport.pause_reading()
+        self.task = server.loop.create_task(self._run(head, body, close))
+        server.tasks.add(self.task)
+
+    async def _run(self, head: RequestHead, body: Optional[bytes], close: bool) -> None:
+        import asyncio
+
+        try:
+            reply = await self.server.app.ahandle(head.method, head.target, self.headers, body)
+        except asyncio.CancelledError:
+            if not self.server.cutting:
+                raise
+            reply, close = error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
+                                                         "retry it")), True
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+            _log.exception("building the reply failed")
+            reply = _fallback_reply(exc)
+        finally:
+            self.server.tasks.discard(asyncio.current_task())
+            self.task = None
+        self._send(reply, close=close or self.server.draining or self.eof, head=head)
+        if not self.closing:
+            self.transport.resume_reading()
+            self._advance()
+
+    # -- replying ---------------------------------------------------------------
+
+    def _refuse(self, exc: PipelinesError) -> None:
+        """A framing refusal: the reply, then the connection closes (what follows cannot be framed)."""
+        _log.info("refused a request from %s: %s", self._peer(), exc)
+        self._send(error_reply(exc), close=True)
+
+    def _send(self, reply: HttpReply, *, close: bool, head: Optional[RequestHead] = None) -> None:
+        if self.closing or self.transport.is_closing():
+            self.closing = True
+            return
+        keep_alive = head is not None and head.version == "HTTP/1.0" and not close
+        try:
+            data = _reply_bytes(reply, close=close, keep_alive=keep_alive,
+                                head_only=head is not None and head.method == "HEAD")
+        except Exception as exc:  # noqa: BLE001 - a header that cannot be sent: still a JSON reply
+            data, close = _reply_bytes(_fallback_reply(exc), close=True), True
+        self.transport.write(data)
+        if close:
+            self.closing = True
+            self.transport.close()  # after what was written has gone out
+        elif not self.buffer:
+            self._arm(self.server.keepalive_s)
+
+    def _arm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.server.loop.call_later(seconds, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.task is not None or self.closing:
+            return
+        if self.buffer or self.head is not None:  # a request begun and not finished within read_timeout_s
+            self._send(error_reply(RequestTimeoutError(
+                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), close=True)
+        else:  # idle: the keep-alive period is over
+            self.closing = True
+            self.transport.close()
+
+    def cut(self) -> None:
+        """Close now if idle or mid-read (draining); a running dispatch is left to the server's grace period."""
+        if self.task is None and not self.closing:
+            self.closing = True
+            self.transport.close()
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return str(peer[0]) if isinstance(peer, tuple) else "a client"
+
+
+class AsyncDispatchServer:
+    """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
+
+    Every connection is a :class:`_ServerConnection`.  An ``async def`` agent runs as a task on the server's
+    loop, so every dispatch shares one loop (and what a framework shares across runs); a sync agent runs on a
+    thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves on the calling thread until
+    :meth:`close`, which drains: no new requests, running dispatches get ``grace_s``, and those still running
+    then are answered 503 (retryable) before their connections close.
+
+    Limits (§7.1 kit-server-timeouts): a request's head and body must arrive within ``read_timeout_s`` of its
+    first byte (408 after); an idle keep-alive connection closes after ``keepalive_s``; past
+    ``max_connections`` open connections a new one is answered 503 and closed.
+    """
+
+    def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 max_connections: Optional[int] = None, backlog: int = 1024) -> None:
+        import socket
+
+        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.app = app
+        self.read_timeout_s = float(read_timeout_s)
+        self.keepalive_s = float(keepalive_s)
+        self.max_connections = max_connections or default_max_connections()
+        self.connections: Set[_ServerConnection] = set()
+        self.tasks: Set[Any] = set()
+        self.draining = False
+        self.cutting = False
+        self.loop: Any = None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
+        self._backlog = backlog
+        self._listener: Any = None
+        self._stopped: Any = None
+        self._serving = threading.Event()
+        self._finished = threading.Event()
+        self._result: Optional[bool] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        host, port = str(self.server_address[0]), self.server_address[1]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}{self.app.path}"
+
+    @property
+    def in_flight(self) -> int:
+        """Dispatches and probes running now."""
+        return len(self.tasks)
+
+    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
+        """Serve on this thread (on an event loop of its own) until :meth:`close`."""
+        import asyncio
+
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self.socket.close()
+            self._finished.set()
+
+    async def _serve(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
+                                                       backlog=self._backlog)
+        self._serving.set()
+        await self._stopped.wait()
+
+    def close(self, grace_s: float = 5.0) -> bool:
+        """Drain and stop (from any thread but the server's own): True when every running dispatch finished
+        within ``grace_s``; those that did not were answered 503 and are logged."""
+        import asyncio
+
+        if self._result is None:
+            if self._serving.is_set() and not self._finished.is_set():
+                future = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop)
+                self._result = future.result()
+                self._finished.wait(10)
+            else:
+                self._result = True
+                self.socket.close()
+        if self._thread is not None:
+            self._thread.join(10)
+        return self._result
+
+    def shutdown(self) -> None:
+        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
+        self.close(0)
+
+    def server_close(self) -> None:
+        self.close(0)
+
+    async def aclose(self, grace_s: float = 5.0) -> bool:
+        """:meth:`close` from the server's own loop."""
+        import asyncio
+
+        self.draining = True
+        self._listener.close()  # new connections are refused at once, not queued for the grace period
+        for conn in list(self.connections):
+            conn.cut()
+        finished = True
+        if self.tasks:
+            _done, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
+            if pending:
+                finished = False
+                self.cutting = True
+                _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                             grace_s, len(pending))
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=5)
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        self._stopped.set()
+        return finished
+
+
 def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
     if isinstance(agent, DispatchApp):
         if options:
@@ -3634,28 +5060,43 @@ def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[
     return DispatchApp(agent, **options)
 
 
+SERVERS = ("asyncio", "threads")
+
+
 def make_server(
     agent: Union[DispatchApp, Callable[[Envelope], Any]],
     *,
     host: str = "127.0.0.1",
     port: int = 8080,
+    server: str = "asyncio",
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    max_connections: Optional[int] = None,
     **options: Any,
 ) -> Any:
-    """A bound, not yet serving ``DispatchServer`` (a ``ThreadingHTTPServer``).
+    """A bound, not yet serving dispatch server; ``options`` as for :class:`DispatchApp`.
 
-    ``options`` as for :class:`DispatchApp`.
+    ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop.
+    ``server="threads"``: ``http.server``'s ``ThreadingHTTPServer``, a thread per connection.  Both have
+    ``.url``, ``.server_address``, ``.serve_forever()`` and ``.close(grace_s)``.
     """
     app = _as_app(agent, options)
     if app.no_auth:
         _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
-    server_class, _ = _server_classes()
-    return server_class((host, port), app, read_timeout_s)
+    if server == "asyncio":
+        return AsyncDispatchServer(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s,
+                                   max_connections=max_connections)
+    if server == "threads":
+        server_class, _ = _server_classes()
+        return server_class((host, port), app, read_timeout_s)
+    raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
 
 
 def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
                  **options: Any) -> Any:
-    """Serve on a background thread (tests, notebooks); returns the server: ``.url``, ``.close(grace_s)``."""
+    """Serve on a background thread (tests, notebooks); returns the server: ``.url``, ``.close(grace_s)``.
+
+    ``options`` as for :func:`make_server`."""
     server = make_server(agent, host=host, port=port, **options)
     server._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                                       name="pipelines-server", daemon=True)
@@ -3679,6 +5120,7 @@ def serve(
     """
     import signal
 
+    _raise_file_limit()  # a thousand dispatches at once need more than the usual 1024 open files
     server = make_server(agent, host=host, port=port, **options)
     stop = threading.Event()
 
@@ -4451,40 +5893,46 @@ def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
         if parts is None:
             raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
                             "tools or Strands tools (for a tools_schema entry, call proxy_call in the tool's body)")
-        call = functools.partial(_bridge_call, tool_name=parts[0], actor=actor, envelope=envelope)
+        bridge = _BridgeCall(parts[0], actor, envelope)
         if isinstance(getattr(tool, "params_json_schema", None), Mapping) and hasattr(tool, "on_invoke_tool"):
-            out.append(_proxied_function_tool(tool, call))
+            out.append(_proxied_function_tool(tool, bridge))
         elif hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
-            out.append(_proxied_langchain_tool(tool, call))
+            out.append(_proxied_langchain_tool(tool, bridge))
         elif isinstance(getattr(tool, "tool_spec", None), Mapping) and hasattr(tool, "stream"):
-            out.append(_proxied_strands_tool(tool, call))
+            out.append(_proxied_strands_tool(tool, bridge))
         else:
             raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
                             "tools or Strands tools (for others, call proxy_call in the tool's body)")
     return out
 
 
-def _bridge_call(args: Mapping[str, Any], *, tool_name: str, actor: Optional[str],
-                 envelope: Optional[Envelope]) -> Any:
-    """One proxied tool call: the tool's name, the JSON arguments; a failure comes back as ``{"error": ...}``."""
-    return proxy_call(tool_name, dict(args), actor=actor, errors="return", envelope=envelope)
+class _BridgeCall(NamedTuple):
+    """One proxied tool's body, blocking (:meth:`call`) and awaitable (:meth:`acall`): the tool's name, the JSON
+    arguments; a failure comes back as ``{"error": ...}``."""
+
+    tool_name: str
+    actor: Optional[str]
+    envelope: Optional[Envelope]
+
+    def call(self, args: Mapping[str, Any]) -> Any:
+        return proxy_call(self.tool_name, dict(args), actor=self.actor, errors="return", envelope=self.envelope)
+
+    async def acall(self, args: Mapping[str, Any]) -> Any:
+        return await aproxy_call(self.tool_name, dict(args), actor=self.actor, errors="return",
+                                 envelope=self.envelope)
 
 
-def _proxied_function_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -> Any:
-    import asyncio
+def _proxied_function_tool(tool: Any, bridge: _BridgeCall) -> Any:
     import dataclasses
 
     async def on_invoke_tool(context: Any, arguments: str) -> str:
         args = json.loads(arguments) if arguments and arguments.strip() else {}
-        # A thread of its own (the proxy client blocks), with this context copied: the envelope is there.
-        return _as_tool_output(await asyncio.to_thread(call, args))
+        return _as_tool_output(await bridge.acall(args))
 
     return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
 
 
-def _proxied_langchain_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -> Any:
-    import asyncio
-
+def _proxied_langchain_tool(tool: Any, bridge: _BridgeCall) -> Any:
     name = tool.name
     # The caller's LangChain is loaded already (the tool is one of its objects): take its class from there.
     structured_tool = getattr(sys.modules.get("langchain_core.tools"), "StructuredTool", None)
@@ -4492,24 +5940,24 @@ def _proxied_langchain_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any])
         raise TypeError(f"cannot proxy {name!r}: langchain_core.tools is not loaded")
 
     def sync_body(**kwargs: Any) -> str:
-        return _as_tool_output(call(_jsonable_args(kwargs)))
+        return _as_tool_output(bridge.call(_jsonable_args(kwargs)))
 
     async def acall(**kwargs: Any) -> str:
-        return await asyncio.to_thread(sync_body, **kwargs)
+        return _as_tool_output(await bridge.acall(_jsonable_args(kwargs)))
 
     args_schema = tool.args_schema if tool.args_schema is not None else tool.get_input_schema()
     return structured_tool.from_function(func=sync_body, coroutine=acall, name=name, description=tool.description,
                                          args_schema=args_schema, return_direct=getattr(tool, "return_direct", False))
 
 
-def _proxied_strands_tool(tool: Any, call: Callable[[Mapping[str, Any]], Any]) -> Any:
+def _proxied_strands_tool(tool: Any, bridge: _BridgeCall) -> Any:
     # The caller's Strands is loaded already (the tool is one of its objects): take its class from there.
     python_agent_tool = getattr(sys.modules.get("strands.tools.tools"), "PythonAgentTool", None)
     if python_agent_tool is None:
         raise TypeError(f"cannot proxy {tool.tool_name!r}: strands.tools.tools is not loaded")
 
-    def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
-        result = call(tool_use.get("input") or {})
+    async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
+        result = await bridge.acall(tool_use.get("input") or {})
         failed = isinstance(result, Mapping) and "error" in result
         return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
                 "content": [{"text": _as_tool_output(result)}]}
@@ -4533,11 +5981,22 @@ class Handoffs:
 
     def enter(self, label: str, reason: Optional[str] = None) -> None:
         """``label`` acts from now on; a handoff from the sub-agent before it is posted."""
+        moved = self._move_to(label)
+        if moved:
+            post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
+
+    async def aenter(self, label: str, reason: Optional[str] = None) -> None:
+        """The asyncio form of :meth:`enter`."""
+        moved = self._move_to(label)
+        if moved:
+            await apost_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
+
+    def _move_to(self, label: str) -> Optional[Tuple[str, str]]:
+        """Make ``label`` current; ``(from, to)`` when control moved, else ``None``."""
         label = cast(str, validate_actor_label(label))
         with self._lock:
             previous, self.current = self.current, label
-        if previous and previous != label:
-            post_handoff(previous, label, reason=reason, envelope=self._envelope, best_effort=True)
+        return (previous, label) if previous and previous != label else None
 
     def node(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a graph node), entering ``label`` before each call."""
@@ -4546,7 +6005,7 @@ class Handoffs:
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_node(*args: Any, **kwargs: Any) -> Any:
-                await _in_thread(self.enter, label)
+                await self.aenter(label)
                 return await fn(*args, **kwargs)
             return async_node
 
@@ -4565,7 +6024,7 @@ class Handoffs:
 
         class _Hooks(run_hooks):  # type: ignore[misc, valid-type]
             async def on_agent_start(self, context: Any, agent: Any) -> None:
-                await _in_thread(handoffs.enter, agent.name)
+                await handoffs.aenter(agent.name)
 
         return _Hooks()
 

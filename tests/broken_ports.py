@@ -659,7 +659,8 @@ def main(argv: Optional[list] = None) -> int:
     auth.update(overrides)
     logging.basicConfig()
     logging.getLogger("pipelines_port").setLevel("ERROR")
-    return pp.serve(agent, host=args.host, port=args.port, grace_s=2.0,
+    # The threaded server: its one entry per request is DispatchApp.handle, the seam several variants patch.
+    return pp.serve(agent, host=args.host, port=args.port, grace_s=2.0, server="threads",
                     ready=lambda server: print(f"listening on {server.url}", flush=True), **auth)
 
 

@@ -97,3 +97,88 @@ def envelope_for(proxy: MockProxy, token: str = TOKEN, **body: object) -> pp.Env
     payload = {"odyssey_proxy_url": proxy.url, "run_id": 1, "task_id": 2, "input": {"user_instruction": "hi"}}
     payload.update(body)
     return pp.Envelope.from_dispatch(payload, {"X-Pipelines-Run-Token": token})
+
+
+class Driver:
+    """One of the proxy client's two drivers, called alike: ``blocking`` (``call``) or ``asyncio`` (``acall``).
+
+    The asyncio driver runs every call on one event loop in a thread of its own, as a server's loop does
+    (keep-alive connections live on across calls), in a copy of the caller's context (its bound envelope).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._loop: Any = None
+        self._thread: Any = None
+
+    def __repr__(self) -> str:
+        return self.name
+
+    @property
+    def loop(self) -> Any:
+        import asyncio
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="driver-loop", daemon=True)
+            self._thread.start()
+        return self._loop
+
+    def run(self, coroutine: Any, timeout: float = 60) -> Any:
+        """Run ``coroutine`` on the driver's loop, in a copy of this context; its result or exception."""
+        import concurrent.futures
+        import contextvars
+
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        context = contextvars.copy_context()
+
+        def start() -> None:
+            task = context.run(self.loop.create_task, coroutine)
+            task.add_done_callback(lambda t: done.set_exception(t.exception()) if t.exception() is not None
+                                   else done.set_result(t.result()))
+
+        self.loop.call_soon_threadsafe(start)
+        return done.result(timeout)
+
+    def stop(self) -> None:
+        """Cancel what is left on the loop (the pools close their connections), then stop it."""
+        import asyncio
+
+        if self._loop is None:
+            return
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+        self._loop = None
+
+    def _call(self, sync: Callable[..., Any], asynchronous: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.name == "blocking":
+            return sync(*args, **kwargs)
+        return self.run(asynchronous(*args, **kwargs))
+
+    def call(self, client: pp.ProxyClient, *args: Any, **kwargs: Any) -> Any:
+        return self._call(client.call, client.acall, *args, **kwargs)
+
+    def trace(self, client: pp.ProxyClient, *args: Any, **kwargs: Any) -> Any:
+        return self._call(client.trace, client.atrace, *args, **kwargs)
+
+    def handoff(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(pp.post_handoff, pp.apost_handoff, *args, **kwargs)
+
+    def proxy_call(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(pp.proxy_call, pp.aproxy_call, *args, **kwargs)
+
+
+@pytest.fixture(params=["blocking", "asyncio"])
+def driver(request: Any) -> Iterator[Driver]:
+    d = Driver(request.param)
+    yield d
+    d.stop()

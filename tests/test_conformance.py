@@ -336,6 +336,11 @@ def test_a_port_without_the_connectivity_extension_is_skipped_not_failed(capsys:
                                                                          quick_client: None) -> None:
     app = pp.DispatchApp(conformance_agent.agent, no_auth=True)
     app.connectivity_check = lambda proxy_url: pp.error_reply(pp.EnvelopeError("dispatch is missing run token"))  # type: ignore[method-assign]
+
+    async def no_extension(proxy_url: str) -> pp.HttpReply:
+        return app.connectivity_check(proxy_url)
+
+    app.aconnectivity_check = no_extension  # type: ignore[method-assign]
     server = pp.start_server(app)
     try:
         code = check.main([server.url, "--only", "connectivity", "--json", "-"])

@@ -13,33 +13,33 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.conftest import TOKEN, FakeSleep, Together, envelope_for
+from tests.conftest import TOKEN, Driver, FakeSleep, Together, envelope_for
 
 FAST = pp.RetryPolicy(base_delay_s=0.001, max_delay_s=0.002)
 
 
-def test_unwraps_over_tls_and_reuses_one_connection(tls_proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_unwraps_over_tls_and_reuses_one_connection(tls_proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(tls_proxy)
     tls_proxy.script("get_order", [{"response": {"status": "shipped"}}])
     for _ in range(20):
-        assert client.call(env, "get_order", {"order_id": "1"}) == {"status": "shipped"}
+        assert driver.call(client, env, "get_order", {"order_id": "1"}) == {"status": "shipped"}
     assert tls_proxy.connections == 1
     assert {r.connection for r in tls_proxy.requests} == {1}
 
 
-def test_reuses_one_connection_over_plain_http(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_reuses_one_connection_over_plain_http(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(proxy)
     for i in range(20):
-        assert client.call(env, "echo", {"i": i}) == {"tool": "echo", "args": {"i": i}}
+        assert driver.call(client, env, "echo", {"i": i}) == {"tool": "echo", "args": {"i": i}}
     assert proxy.connections == 1
 
 
-def test_tls_refuses_an_untrusted_certificate_without_retrying(tls_proxy: MockProxy, fake_sleep: FakeSleep) -> None:
+def test_tls_refuses_an_untrusted_certificate_without_retrying(tls_proxy: MockProxy, fake_sleep: FakeSleep, driver: Driver) -> None:
     import ssl
 
     client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep, ssl_context=ssl.create_default_context())
     with pytest.raises(pp.ProxyTransportError) as info:
-        client.call(envelope_for(tls_proxy), "get_order", {})
+        driver.call(client, envelope_for(tls_proxy), "get_order", {})
     assert info.value.status_code is None and "certificate" in str(info.value).lower()
     assert fake_sleep.waits == []  # a certificate failure is not transient
 
@@ -48,14 +48,14 @@ def test_tls_refuses_an_untrusted_certificate_without_retrying(tls_proxy: MockPr
 
 
 def test_429_retried_with_retry_after_and_one_idempotency_key(proxy: MockProxy, client: pp.ProxyClient,
-                                                               fake_sleep: FakeSleep) -> None:
+                                                               fake_sleep: FakeSleep, driver: Driver) -> None:
     proxy.script("refund", [
         {"status": 429, "headers": {"Retry-After": "2"}},
         {"status": 429, "headers": {"Retry-After": "1"}},
         {"status": 503, "error_class": "lock_contention"},
         {"response": {"refunded": True}},
     ])
-    assert client.call(envelope_for(proxy), "refund", {"order_id": "1"}) == {"refunded": True}
+    assert driver.call(client, envelope_for(proxy), "refund", {"order_id": "1"}) == {"refunded": True}
     calls = proxy.calls("refund")
     assert len(calls) == 4
     assert len({c.idempotency_key for c in calls}) == 1
@@ -63,23 +63,23 @@ def test_429_retried_with_retry_after_and_one_idempotency_key(proxy: MockProxy, 
     assert 0.5 * 4 * 0.75 <= fake_sleep.waits[2] <= 4.0  # third retry: backoff 2 s ±25 %, capped at 4 s
 
 
-def test_retries_stop_after_max_attempts(proxy: MockProxy, client: pp.ProxyClient, fake_sleep: FakeSleep) -> None:
+def test_retries_stop_after_max_attempts(proxy: MockProxy, client: pp.ProxyClient, fake_sleep: FakeSleep, driver: Driver) -> None:
     proxy.script("busy", [{"status": 503, "error_class": "trace_sequence_contended", "message": "busy"}])
     with pytest.raises(pp.ProxyError) as info:
-        client.call(envelope_for(proxy), "busy", {})
+        driver.call(client, envelope_for(proxy), "busy", {})
     assert info.value.status_code == 503 and info.value.error_class == "trace_sequence_contended"
     assert len(proxy.calls("busy")) == 4 and len(fake_sleep.waits) == 3
 
 
-def test_every_knob_of_the_retry_policy_is_honoured(proxy: MockProxy, fake_sleep: FakeSleep) -> None:
+def test_every_knob_of_the_retry_policy_is_honoured(proxy: MockProxy, fake_sleep: FakeSleep, driver: Driver) -> None:
     policy = pp.RetryPolicy(max_attempts=2, base_delay_s=0.1, max_delay_s=0.1, jitter=0.0, max_retry_after_s=5)
     client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep, retry=policy)
     proxy.script("a", [{"status": 429}])
     with pytest.raises(pp.ProxyError):
-        client.call(envelope_for(proxy), "a", {})
+        driver.call(client, envelope_for(proxy), "a", {})
     assert len(proxy.calls("a")) == 2 and fake_sleep.waits == [0.1]
     proxy.script("b", [{"status": 429, "headers": {"Retry-After": "3600"}}, {"response": 1}])
-    assert client.call(envelope_for(proxy), "b", {}) == 1
+    assert driver.call(client, envelope_for(proxy), "b", {}) == 1
     assert fake_sleep.waits[-1] == 5  # Retry-After capped by max_retry_after_s
 
 
@@ -99,25 +99,25 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
     (401, "run_token_expired", pp.StaleRunTokenError),
 ])
 def test_terminal_errors_raise_at_once(proxy: MockProxy, client: pp.ProxyClient, fake_sleep: FakeSleep,
-                                       status: int, error_class: Any, kind: type) -> None:
+                                       status: int, error_class: Any, kind: type, driver: Driver) -> None:
     proxy.script("t", [{"status": status, "error_class": error_class, "message": "nope"}])
     with pytest.raises(kind) as info:
-        client.call(envelope_for(proxy), "t", {"x": 1})
+        driver.call(client, envelope_for(proxy), "t", {"x": 1})
     assert info.value.status_code == status and info.value.error_class == error_class
     assert info.value.tool_name == "t" and isinstance(info.value.body, dict)
     assert len(proxy.calls("t")) == 1 and fake_sleep.waits == []
 
 
-def test_a_fresh_idempotency_key_per_logical_call(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_a_fresh_idempotency_key_per_logical_call(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(proxy)
     for _ in range(5):
-        client.call(env, "t", {})
-    client.call(env, "t", {}, idempotency_key="my-key-1")
+        driver.call(client, env, "t", {})
+    driver.call(client, env, "t", {}, idempotency_key="my-key-1")
     keys = [c.idempotency_key for c in proxy.calls("t")]
     assert len(set(keys[:5])) == 5 and keys[5] == "my-key-1"
 
 
-def test_a_retry_after_a_processed_call_is_replayed_not_rerun(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_a_retry_after_a_processed_call_is_replayed_not_rerun(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     counter = {"n": 0}
 
     def mutate(request: Any) -> Dict[str, Any]:
@@ -126,8 +126,8 @@ def test_a_retry_after_a_processed_call_is_replayed_not_rerun(proxy: MockProxy, 
 
     proxy.script("debit", mutate)
     env = envelope_for(proxy)
-    first = client.call(env, "debit", {}, idempotency_key="k-1")
-    again = client.call(env, "debit", {}, idempotency_key="k-1")
+    first = driver.call(client, env, "debit", {}, idempotency_key="k-1")
+    again = driver.call(client, env, "debit", {}, idempotency_key="k-1")
     assert first == again == {"balance": 90} and counter["n"] == 1
 
 
@@ -135,36 +135,36 @@ def test_a_retry_after_a_processed_call_is_replayed_not_rerun(proxy: MockProxy, 
 
 
 def test_dropped_connections_are_retried_with_the_same_key(proxy: MockProxy, client: pp.ProxyClient,
-                                                           fake_sleep: FakeSleep) -> None:
+                                                           fake_sleep: FakeSleep, driver: Driver) -> None:
     proxy.script("flaky", [{"drop": True}, {"drop": True}, {"response": "made it"}])
-    assert client.call(envelope_for(proxy), "flaky", {}) == "made it"
+    assert driver.call(client, envelope_for(proxy), "flaky", {}) == "made it"
     calls = proxy.calls("flaky")
     assert len(calls) == 3 and len({c.idempotency_key for c in calls}) == 1
     assert len(fake_sleep.waits) == 2
 
 
-def test_transport_retries_are_bounded(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_transport_retries_are_bounded(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     proxy.script("gone", [{"drop": True}])
     with pytest.raises(pp.ProxyTransportError) as info:
-        client.call(envelope_for(proxy), "gone", {})
+        driver.call(client, envelope_for(proxy), "gone", {})
     assert info.value.status_code is None and isinstance(info.value, pp.ProxyError)
     assert len(proxy.calls("gone")) == 3  # first try + 2 transport retries
 
 
-def test_refused_connection_is_a_transport_error(fake_sleep: FakeSleep) -> None:
+def test_refused_connection_is_a_transport_error(fake_sleep: FakeSleep, driver: Driver) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     env = pp.Envelope.from_dispatch({"odyssey_proxy_url": f"http://127.0.0.1:{port}/p"}, {"X-Pipelines-Run-Token": TOKEN})
     client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep, retry=pp.RetryPolicy(transport_retries=1))
     with pytest.raises(pp.ProxyTransportError) as info:
-        client.call(env, "t", {})
+        driver.call(client, env, "t", {})
     assert "Connection" in str(info.value) and TOKEN not in str(info.value)
     assert len(fake_sleep.waits) == 1
 
 
 def test_timeout_default_env_and_per_call_override(proxy: MockProxy, fake_sleep: FakeSleep,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   monkeypatch: pytest.MonkeyPatch, driver: Driver) -> None:
     assert pp.ProxyClient().timeout == 120.0
     monkeypatch.setenv("PIPELINES_PROXY_TIMEOUT_S", "7.5")
     assert pp.ProxyClient().timeout == 7.5
@@ -175,15 +175,15 @@ def test_timeout_default_env_and_per_call_override(proxy: MockProxy, fake_sleep:
     client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep, retry=pp.RetryPolicy(transport_retries=0))
     proxy.script("slow", [{"response": "late", "delay_s": 1.0}])
     with pytest.raises(pp.ProxyTransportError, match="timed out"):
-        client.call(envelope_for(proxy), "slow", {}, timeout=0.2)
-    assert client.call(envelope_for(proxy), "slow", {}, timeout=10) == "late"
+        driver.call(client, envelope_for(proxy), "slow", {}, timeout=0.2)
+    assert driver.call(client, envelope_for(proxy), "slow", {}, timeout=10) == "late"
 
 
-def test_stale_pooled_connection_is_replaced(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_stale_pooled_connection_is_replaced(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(proxy)
     proxy.script("t", [{"response": 1, "close_after": True}, {"response": 2}])
-    assert client.call(env, "t", {}) == 1
-    assert client.call(env, "t", {}) == 2
+    assert driver.call(client, env, "t", {}) == 1
+    assert driver.call(client, env, "t", {}) == 2
     assert proxy.connections == 2 and len(proxy.calls("t")) == 2
 
 
@@ -198,32 +198,32 @@ def test_stale_connection_caught_mid_request_is_retried_once_on_a_fresh_one(
     assert len(proxy.calls("t")) == 2 and fake_sleep.waits == []  # retried at once, no backoff
 
 
-def test_a_drop_on_a_reused_connection_counts_as_a_transport_retry(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_a_drop_on_a_reused_connection_counts_as_a_transport_retry(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(proxy)
-    client.call(env, "warm_up", {})  # the next call reuses this keep-alive connection
+    driver.call(client, env, "warm_up", {})  # the next call reuses this keep-alive connection
     proxy.script("gone", [{"drop": True}])
     with pytest.raises(pp.ProxyTransportError):
-        client.call(env, "gone", {})
+        driver.call(client, env, "gone", {})
     assert len(proxy.calls("gone")) == 3  # first try + 2 transport retries, never more
 
 
 # -- caps (§3.1) ---------------------------------------------------------------------------
 
 
-def test_reply_at_the_cap_is_read_and_over_it_refused(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_reply_at_the_cap_is_read_and_over_it_refused(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(proxy)
     proxy.script("exact", [{"body": "x" * pp.MAX_REPLY_BYTES}])
-    assert len(client.call(env, "exact", {})) == pp.MAX_REPLY_BYTES
+    assert len(driver.call(client, env, "exact", {})) == pp.MAX_REPLY_BYTES
     proxy.script("big", [{"body": "x" * (pp.MAX_REPLY_BYTES + 1)}])
     with pytest.raises(pp.ProxyError, match="cap"):
-        client.call(env, "big", {})
+        driver.call(client, env, "big", {})
     proxy.script("chunked", [{"body": "y" * (pp.MAX_REPLY_BYTES + 10), "chunked": True}])
     with pytest.raises(pp.ProxyError, match="cap"):
-        client.call(env, "chunked", {})
-    assert client.call(env, "after", {}) == {"tool": "after", "args": {}}  # the client still works
+        driver.call(client, env, "chunked", {})
+    assert driver.call(client, env, "after", {}) == {"tool": "after", "args": {}}  # the client still works
 
 
-def test_oversized_reply_refused_from_content_length_without_reading_it() -> None:
+def test_oversized_reply_refused_from_content_length_without_reading_it(driver: Driver) -> None:
     """A server announces 2 MiB, sends a little and waits: the client must refuse at once,
     not wait for bytes that never come (that would end in a timeout instead)."""
     listener = socket.socket()
@@ -252,7 +252,7 @@ def test_oversized_reply_refused_from_content_length_without_reading_it() -> Non
     env = pp.Envelope.from_dispatch({"odyssey_proxy_url": f"http://127.0.0.1:{port}/p"}, {"X-Pipelines-Run-Token": TOKEN})
     client = pp.ProxyClient(rate_per_minute=0, timeout=8)
     with pytest.raises(pp.ProxyError) as info:
-        client.call(env, "big", {})
+        driver.call(client, env, "big", {})
     assert not isinstance(info.value, pp.ProxyTransportError)
     assert "2097152" in str(info.value)
     assert client_closed.wait(5)
@@ -375,23 +375,23 @@ def test_actor_labels_are_validated_when_the_handle_is_made() -> None:
 # -- errors as values and secrecy ------------------------------------------------------------------
 
 
-def test_errors_return_mode_gives_the_model_an_error_value(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_errors_return_mode_gives_the_model_an_error_value(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     env = envelope_for(proxy)
     proxy.script("bad", [{"status": 422, "error_class": "schema_mismatch", "message": "order_id required"}])
-    got = client.call(env, "bad", {}, errors="return")
+    got = driver.call(client, env, "bad", {}, errors="return")
     assert set(got) == {"error", "error_class", "status_code"}
     assert got["error_class"] == "schema_mismatch" and got["status_code"] == 422
     assert "order_id required" in got["error"]
-    assert "error" in client.call(env, "no such tool!", {}, errors="return")
+    assert "error" in driver.call(client, env, "no such tool!", {}, errors="return")
     proxy.script("gone", [{"drop": True}])
-    assert client.call(env, "gone", {}, errors="return")["error"].startswith("proxy call 'gone' failed before")
+    assert driver.call(client, env, "gone", {}, errors="return")["error"].startswith("proxy call 'gone' failed before")
     proxy.script("stale", [{"status": 401, "error_class": "run_token_rejected"}])
     with pytest.raises(pp.StaleRunTokenError):
-        client.call(env, "stale", {}, errors="return")  # the run is over: never a value
+        driver.call(client, env, "stale", {}, errors="return")  # the run is over: never a value
 
 
 def test_no_message_or_log_line_ever_contains_the_run_token(proxy: MockProxy, client: pp.ProxyClient,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+                                                            caplog: pytest.LogCaptureFixture, driver: Driver) -> None:
     caplog.set_level(logging.DEBUG, logger="pipelines_port")
     env = envelope_for(proxy)
     proxy.script("echo_token", [
@@ -400,59 +400,59 @@ def test_no_message_or_log_line_ever_contains_the_run_token(proxy: MockProxy, cl
         {"status": 400, "json": {"detail": {"error_class": "bad", "message": f"token {TOKEN} refused"}}},
     ])
     with pytest.raises(pp.ProxyError) as info:
-        client.call(env, "echo_token", {})
+        driver.call(client, env, "echo_token", {})
     assert TOKEN not in str(info.value) and TOKEN not in json.dumps(info.value.body)
     assert "[redacted]" in str(info.value)
     assert caplog.records and all(TOKEN not in r.getMessage() for r in caplog.records)
 
 
-def test_successful_results_are_never_scrubbed(fake_sleep: FakeSleep) -> None:
+def test_successful_results_are_never_scrubbed(fake_sleep: FakeSleep, driver: Driver) -> None:
     with MockProxy(tokens=["t"]) as proxy:  # a token that occurs in ordinary text
         env = pp.Envelope.from_dispatch({"odyssey_proxy_url": proxy.url}, {"X-Pipelines-Run-Token": "t"})
         proxy.script("get_text", [{"response": "the total is ten"}])
         client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep)
-        assert client.call(env, "get_text", {}) == "the total is ten"
+        assert driver.call(client, env, "get_text", {}) == "the total is ten"
 
 
-def test_dispatch_stats_count_calls_of_the_bound_dispatch(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_dispatch_stats_count_calls_of_the_bound_dispatch(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     stats = pp._DispatchStats()
     token = pp._dispatch_stats.set(stats)
     try:
         env = envelope_for(proxy)
-        client.call(env, "a", {})
-        client.trace(env, "custom", {})
+        driver.call(client, env, "a", {})
+        driver.trace(client, env, "custom", {})
     finally:
         pp._dispatch_stats.reset(token)
-    client.call(env, "b", {})
+    driver.call(client, env, "b", {})
     assert stats.proxy_calls == 2
 
 
 # -- trace events (§3.4) ---------------------------------------------------------------------------
 
 
-def test_trace_retries_keep_one_timestamp_and_key(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_trace_retries_keep_one_timestamp_and_key(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     proxy.script("thinking", [{"status": 503, "error_class": "trace_sequence_contended"},
                               {"json": {"accepted": True, "sequence": 7}}])
-    assert client.trace(envelope_for(proxy), "thinking", {"text": "hmm"}) == {"accepted": True, "sequence": 7}
+    assert driver.trace(client, envelope_for(proxy), "thinking", {"text": "hmm"}) == {"accepted": True, "sequence": 7}
     first, second = proxy.calls("thinking", kind="traces")
     assert first.json == second.json and first.idempotency_key == second.idempotency_key
 
 
-def test_trace_from_an_older_platform_with_an_empty_body(proxy: MockProxy, client: pp.ProxyClient) -> None:
+def test_trace_from_an_older_platform_with_an_empty_body(proxy: MockProxy, client: pp.ProxyClient, driver: Driver) -> None:
     proxy.script("custom", [{"body": b"", "headers": {"Content-Type": "application/json"}}])
-    assert client.trace(envelope_for(proxy), "custom", {"a": 1}) is None
+    assert driver.trace(client, envelope_for(proxy), "custom", {"a": 1}) is None
 
 
 def test_best_effort_trace_logs_instead_of_raising(proxy: MockProxy, client: pp.ProxyClient,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+                                                   caplog: pytest.LogCaptureFixture, driver: Driver) -> None:
     caplog.set_level(logging.WARNING, logger="pipelines_port")
     proxy.script("custom", [{"status": 500, "error_class": "internal", "message": "boom"}])
     env = envelope_for(proxy)
     with pytest.raises(pp.ProxyError):
-        client.trace(env, "custom", {})
-    assert client.trace(env, "custom", {}, best_effort=True) is None
+        driver.trace(client, env, "custom", {})
+    assert driver.trace(client, env, "custom", {}, best_effort=True) is None
     assert pp.post_trace("custom", {}, best_effort=True) is None  # no envelope bound: logged, not raised
-    assert client.trace(env, "not_a_type", {}, best_effort=True) is None
+    assert driver.trace(client, env, "not_a_type", {}, best_effort=True) is None
     messages = " | ".join(r.getMessage() for r in caplog.records)
     assert "boom" in messages and "no dispatch envelope" in messages and "not_a_type" in messages
 

@@ -16,7 +16,7 @@ import pytest
 import pipelines_port as pp
 from conformance import vectorlib
 from conformance.mock_proxy import MockProxy
-from tests.conftest import FakeSleep
+from tests.conftest import Driver, FakeSleep
 
 ERROR_KINDS = {
     "envelope": pp.EnvelopeError,
@@ -127,7 +127,7 @@ def test_inbound_vectors(case: Dict[str, Any]) -> None:
         assert got is case["expect"]["ok"]
 
 
-# -- proxy replies (§3.2, §3.3): pure decision, then the same over a socket ------------
+# -- proxy replies (§3.2, §3.3): pure decision, then the same over a socket through each driver ------------
 
 REPLIES_DOC = vectorlib.load("proxy_replies")
 REPLIES = REPLIES_DOC["cases"]
@@ -172,7 +172,7 @@ def test_proxy_reply_vectors_pure(case: Dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("case", REPLIES, ids=ids(REPLIES))
-def test_proxy_reply_vectors_over_socket(case: Dict[str, Any], fake_sleep: FakeSleep) -> None:
+def test_proxy_reply_vectors_over_socket(case: Dict[str, Any], fake_sleep: FakeSleep, driver: Driver) -> None:
     token = REPLIES_DOC["run_token"]
     client = pp.ProxyClient(timeout=10, rate_per_minute=0, sleep=fake_sleep)
     with MockProxy(tokens=[token]) as proxy:
@@ -180,19 +180,19 @@ def test_proxy_reply_vectors_over_socket(case: Dict[str, Any], fake_sleep: FakeS
         proxy.script(REPLIES_DOC["tool_name"], [reply_spec(case), {"response": "after-retry"}])
         expect = case["expect"]
         if expect.get("retry"):
-            assert client.call(env, REPLIES_DOC["tool_name"], {}) == "after-retry"
+            assert driver.call(client, env, REPLIES_DOC["tool_name"], {}) == "after-retry"
             calls = proxy.calls()
             assert len(calls) == 2
             assert calls[0].idempotency_key == calls[1].idempotency_key
             if expect["retry_after_s"] is not None:
                 assert fake_sleep.waits == [pytest.approx(expect["retry_after_s"], abs=0.01)]
         elif "value" in expect:
-            got = client.call(env, REPLIES_DOC["tool_name"], {})
+            got = driver.call(client, env, REPLIES_DOC["tool_name"], {})
             assert same_json(got, expect["value"])
             assert len(proxy.calls()) == 1
         else:
             with pytest.raises(pp.ProxyError) as info:
-                client.call(env, REPLIES_DOC["tool_name"], {})
+                driver.call(client, env, REPLIES_DOC["tool_name"], {})
             check_error(info.value, expect)
             assert len(proxy.calls()) == 1, "terminal errors must not be retried"
     client.close()
@@ -226,7 +226,7 @@ def check_request(recorded: Any, proxy: MockProxy, expect: Dict[str, Any], token
 
 
 @pytest.mark.parametrize("case", REQUESTS, ids=ids(REQUESTS))
-def test_proxy_request_vectors(case: Dict[str, Any], fake_sleep: FakeSleep) -> None:
+def test_proxy_request_vectors(case: Dict[str, Any], fake_sleep: FakeSleep, driver: Driver) -> None:
     token = REQUESTS_DOC["run_token"]
     client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep)
     with MockProxy(tokens=[token]) as proxy:
@@ -234,11 +234,11 @@ def test_proxy_request_vectors(case: Dict[str, Any], fake_sleep: FakeSleep) -> N
         expect = case["expect"]
         if "error" in expect:
             with pytest.raises(pp.ProxyRequestError) as info:
-                client.call(env, case["tool_name"], case["args"], actor=case.get("actor"))
+                driver.call(client, env, case["tool_name"], case["args"], actor=case.get("actor"))
             check_error(info.value, expect)
             assert proxy.requests == [], "a refused call must send nothing"
         else:
-            client.call(env, case["tool_name"], case["args"], actor=case.get("actor"))
+            driver.call(client, env, case["tool_name"], case["args"], actor=case.get("actor"))
             (recorded,) = proxy.requests
             check_request(recorded, proxy, expect, token)
     client.close()
@@ -250,7 +250,7 @@ ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|\+00:00)")
 
 
 @pytest.mark.parametrize("case", TRACES, ids=ids(TRACES))
-def test_trace_event_vectors(case: Dict[str, Any], fake_sleep: FakeSleep) -> None:
+def test_trace_event_vectors(case: Dict[str, Any], fake_sleep: FakeSleep, driver: Driver) -> None:
     token = TRACES_DOC["run_token"]
     client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep)
     with MockProxy(tokens=[token]) as proxy:
@@ -258,9 +258,9 @@ def test_trace_event_vectors(case: Dict[str, Any], fake_sleep: FakeSleep) -> Non
 
         def post() -> Any:
             if case["kind"] == "trace":
-                return client.trace(env, case["event_type"], case["payload"])
+                return driver.trace(client, env, case["event_type"], case["payload"])
             extra = {k: case[k] for k in ("reason", "payload_preview") if k in case}
-            return pp.post_handoff(case["from"], case["to"], envelope=env, client=client, **extra)
+            return driver.handoff(case["from"], case["to"], envelope=env, client=client, **extra)
 
         expect = case["expect"]
         if "error" in expect:
