@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 __all__ = ["Turn", "RateLimited", "RATE_LIMITED", "Recorded", "FakeResponsesAPI", "FakeChatAPI", "FakeAnthropicAPI"]
 
@@ -82,6 +82,10 @@ class _Reject(Exception):
         self.kind = kind
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # hundreds of concurrent conversations connect at once
+
+
 class FakeModelAPI:
     """The shared server: scripting, recording, routing.  Subclasses speak one API."""
 
@@ -93,6 +97,7 @@ class FakeModelAPI:
         self.requests: List[Recorded] = []
         self.model_turns = 0  # successful replies so far
         self._script: List[Step] = [Turn(text="(unscripted)")]
+        self._policy: Optional[Callable[[Dict[str, Any]], Step]] = None
         self._lock = threading.Lock()
         self._server: Optional[ThreadingHTTPServer] = None
 
@@ -125,7 +130,7 @@ class FakeModelAPI:
                 self.end_headers()
                 self.wfile.write(data)
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server = _Server(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
         self._server = server
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -155,6 +160,12 @@ class FakeModelAPI:
         with self._lock:
             self._script = list(steps)
 
+    def answer_by(self, policy: Callable[[Dict[str, Any]], Step]) -> None:
+        """Answer each request with ``policy(request body)`` instead of the script: for concurrent
+        conversations, where a shared script's order would mix them up."""
+        with self._lock:
+            self._policy = policy
+
     def answered(self) -> List[Recorded]:
         """The requests that got a model reply (not a 429 or a rejection)."""
         return [r for r in self.requests if r.status == 200]
@@ -177,7 +188,12 @@ class FakeModelAPI:
                 raise _Reject(400, "invalid_request_error", "the body must be a JSON object")
             self._check_request(body)
             with self._lock:
-                step = self._script.pop(0) if len(self._script) > 1 else self._script[0]
+                policy = self._policy
+                if policy is None:
+                    step = self._script.pop(0) if len(self._script) > 1 else self._script[0]
+            if policy is not None:
+                step = policy(body)
+            with self._lock:
                 if isinstance(step, Turn):
                     self.model_turns += 1
                     number = self.model_turns

@@ -1,0 +1,227 @@
+"""The asyncio driver and the asyncio server under load and at their edges, over real sockets on 127.0.0.1.
+
+- 1,000 concurrent dispatches of an ``async def`` agent (each fanning out two proxy calls as tasks of its own)
+  through :class:`AsyncDispatchServer`, distinct run tokens, zero crossings; the load comes from an asyncio
+  client so the test itself needs no thousand threads.
+- A drain whose grace period runs out answers every dispatch still running 503 (retryable), with
+  ``Connection: close``, and logs which runs were cut.
+- Cancelling an ``acall`` closes the connection it was using and leaves no task behind; each event loop has
+  a pool of its own, so one client serves several loops (sequential ``asyncio.run``\\ s and concurrent ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+
+import pipelines_port as pp
+from conformance.mock_proxy import MockProxy
+
+AGENT_TOKEN = "agent-token-async-0123456789"
+
+
+def _file_limit() -> int:
+    try:
+        import resource
+    except ImportError:  # not on POSIX: the default is generous enough
+        return 8192
+    pp._raise_file_limit()
+    return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+# Four sockets per dispatch in this one process (client, server, proxy client, proxy server) and headroom.
+DISPATCHES = max(100, min(1000, (_file_limit() - 400) // 4))
+
+
+async def post(port: int, body: Dict[str, Any], headers: Dict[str, str]) -> Tuple[int, Dict[str, str], bytes]:
+    """One HTTP/1.1 POST /dispatch on a connection of its own; status, headers (lower-case) and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    raw = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Content-Length": str(len(raw)),
+                                                  "Content-Type": "application/json", "Host": "127.0.0.1",
+                                                  "Connection": "close"}.items())
+    writer.write(f"POST /dispatch HTTP/1.1\r\n{head}\r\n".encode() + raw)
+    data = await reader.read()
+    writer.close()
+    head_bytes, _, payload = data.partition(b"\r\n\r\n")
+    status_line, *lines = head_bytes.decode("latin-1").split("\r\n")
+    fields = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    return int(status_line.split()[1]), fields, payload
+
+
+def dispatch(proxy: MockProxy, run_id: int, token: str) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    body = {"run_id": run_id, "task_id": 42, "odyssey_proxy_url": proxy.url,
+            "input": {"user_instruction": f"run {run_id}", "input": {}}}
+    return body, {"Authorization": f"Bearer {AGENT_TOKEN}", "X-Pipelines-Run-Token": token}
+
+
+@pytest.fixture(autouse=True)
+def quick_client() -> Iterator[None]:
+    previous = pp.set_default_client(pp.ProxyClient(rate_per_minute=0, timeout=60))
+    yield
+    pp.set_default_client(previous)
+
+
+def test_a_thousand_concurrent_async_dispatches_never_cross(caplog: pytest.LogCaptureFixture) -> None:
+    tokens = {i: f"run-token-{i:04d}-async-xxxxxxxx" for i in range(DISPATCHES)}
+    loops: List[Any] = []
+
+    async def agent(env: pp.Envelope) -> str:
+        loops.append(asyncio.get_running_loop())
+
+        async def step(n: int) -> Any:  # a task of the agent's own: the envelope must follow it there
+            return await pp.aproxy_call("whoami", {"run_id": env.run_id, "step": n})
+
+        got = await asyncio.gather(step(0), step(1))
+        assert [g["args"] for g in got] == [{"run_id": env.run_id, "step": 0}, {"run_id": env.run_id, "step": 1}]
+        assert pp.current_envelope() is env
+        return f"run {env.run_id} done"
+
+    with MockProxy(tokens=list(tokens.values())) as proxy:
+        proxy.script("whoami", lambda r: {"response": {"args": r.json}, "delay_s": 0.3})
+        server = pp.start_server(agent, token=AGENT_TOKEN)
+        assert isinstance(server, pp.AsyncDispatchServer)
+        port = server.server_address[1]
+
+        async def load() -> List[Tuple[int, Dict[str, str], bytes]]:
+            return await asyncio.gather(*(post(port, *dispatch(proxy, i, tokens[i])) for i in range(DISPATCHES)))
+
+        try:
+            replies = asyncio.run(load())
+        finally:
+            server.close(5)
+        calls = proxy.calls("whoami")
+        max_in_flight = proxy.max_in_flight
+    bad = [(i, s, b[:200]) for i, (s, _, b) in enumerate(replies) if s != 200
+           or json.loads(b) != {"final_response": f"run {i} done"}]
+    assert not bad, f"{len(bad)} of {DISPATCHES} dispatches went wrong, e.g. {bad[:3]}"
+    assert len(calls) == 2 * DISPATCHES
+    assert all(c.bearer == tokens[c.json["run_id"]] for c in calls)  # every call carried its own run's token
+    assert sorted((c.json["run_id"], c.json["step"]) for c in calls) == [
+        (i, n) for i in range(DISPATCHES) for n in (0, 1)]
+    assert len(set(loops)) == 1 and len(loops) == DISPATCHES  # one event loop ran every dispatch
+    assert max_in_flight >= 50  # they really overlapped
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async agent", "sync agent"])
+def test_when_the_grace_period_runs_out_each_running_dispatch_gets_a_503(
+        asynchronous: bool, caplog: pytest.LogCaptureFixture) -> None:
+    started = threading.Semaphore(0)
+    release = threading.Event()
+
+    async def slow_async(env: pp.Envelope) -> str:
+        started.release()
+        await asyncio.sleep(30)
+        return "too late"
+
+    def slow_sync(env: pp.Envelope) -> str:
+        started.release()
+        release.wait(30)
+        return "too late"
+
+    caplog.set_level(logging.WARNING, logger="pipelines_port")
+    with MockProxy(tokens=["run-token-cut-1-xxxxxxxx", "run-token-cut-2-xxxxxxxx"]) as proxy:
+        server = pp.start_server(slow_async if asynchronous else slow_sync, token=AGENT_TOKEN)
+        port = server.server_address[1]
+        replies: List[Any] = []
+
+        def client(run_id: int) -> None:
+            replies.append(asyncio.run(post(port, *dispatch(proxy, run_id, f"run-token-cut-{run_id}-xxxxxxxx"))))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in (1, 2)]
+        for t in threads:
+            t.start()
+        assert started.acquire(timeout=10) and started.acquire(timeout=10)
+        finished = server.close(grace_s=0.3)
+        release.set()
+        for t in threads:
+            t.join(10)
+    assert finished is False and len(replies) == 2
+    for status, headers, body in replies:
+        assert status == 503 and headers["connection"] == "close"
+        assert "shut down before this dispatch finished" in json.loads(body)["detail"]
+    text = caplog.text
+    assert "grace period of 0.3 s over with 2 dispatches still running" in text
+    if asynchronous:
+        assert "run 1 " in text and "run 2 " in text and "was cut" in text
+    assert "run-token-cut" not in text
+
+
+def test_cancelling_a_call_closes_its_connection_and_leaves_no_task() -> None:
+    """A proxy that reads the request and never answers: after the cancel, it must see the client's EOF."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    seen: Dict[str, Any] = {}
+    got_request = threading.Event()
+
+    def silent_proxy() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            seen["request"] = conn.recv(65536)
+            got_request.set()
+            try:
+                seen["after"] = conn.recv(65536)  # b"" once the client closes its side
+            except OSError as exc:
+                seen["after"] = exc
+
+    thread = threading.Thread(target=silent_proxy, daemon=True)
+    thread.start()
+    client = pp.ProxyClient(rate_per_minute=0, timeout=30)
+    envelope = pp.Envelope.from_run({"user_instruction": "x"}, run_token="run-token-cancel-xxxxxxxx",
+                                    proxy_url=f"http://127.0.0.1:{listener.getsockname()[1]}/api/odyssey-proxy/runs/1")
+
+    async def main() -> Tuple[int, List[Any]]:
+        call = asyncio.ensure_future(client.acall(envelope, "slow", {}))
+        while not got_request.is_set():
+            await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        pooled = sum(len(c) for c in client._atransport._pool(asyncio.get_running_loop())._idle.values())
+        return pooled, left
+
+    try:
+        pooled, left = asyncio.run(main())
+        thread.join(10)
+    finally:
+        listener.close()
+    assert seen["request"].startswith(b"POST /api/odyssey-proxy/runs/1/tools/slow HTTP/1.1")
+    assert seen["after"] == b""  # the interrupted connection was closed, not left open or pooled
+    assert (pooled, left) == (0, [])
+
+
+def test_one_client_serves_many_event_loops_each_with_its_own_pool() -> None:
+    with MockProxy(tokens=["run-token-loops-xxxxxxxx"]) as proxy:
+        client = pp.ProxyClient(rate_per_minute=0, timeout=30)
+        envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url,
+                                        run_token="run-token-loops-xxxxxxxx")
+
+        async def calls(n: int) -> List[Any]:
+            return [await client.acall(envelope, "echo", {"n": i}) for i in range(n)]
+
+        first = asyncio.run(calls(3))  # a loop that ends: its pool's connection is closed with it
+        second = asyncio.run(calls(3))  # a new loop: a fresh pool, no connection of the dead loop reused
+        results: Dict[int, Any] = {}
+
+        def in_thread(k: int) -> None:
+            results[k] = asyncio.run(calls(5))
+
+        threads = [threading.Thread(target=in_thread, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        connections = proxy.connections
+    assert first == second == [{"tool": "echo", "args": {"n": i}} for i in range(3)]
+    assert all(results[k] == [{"tool": "echo", "args": {"n": i}} for i in range(5)] for k in range(4))
+    assert connections == 6  # one kept-alive connection per loop: 2 sequential loops + 4 concurrent ones
