@@ -6591,7 +6591,9 @@ def _cmd_serve(args: Any) -> int:
                   "made outside a dispatch would use that run; unset it", flush=True)
 
     try:
-        status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready)
+        status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
+                       read_timeout_s=args.read_timeout, keepalive_s=args.keepalive,
+                       max_connections=args.max_connections)
     except OSError as exc:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     if status != 0:  # dispatches still running after the grace period: leave without waiting for their threads
@@ -6660,6 +6662,18 @@ def _parser(prog: Optional[str] = None) -> Any:
                         help="run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
     serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
+    serve_.add_argument("--server", choices=SERVERS, default="asyncio",
+                        help="asyncio (default): one event loop, async agents on it, sync ones on a thread each; "
+                             "threads: http.server, a thread per connection")
+    serve_.add_argument("--read-timeout", type=_positive_float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                        help=f"a request's head and body must arrive within this (default {DEFAULT_READ_TIMEOUT_S:g}; "
+                             "408 after)")
+    serve_.add_argument("--keepalive", type=_positive_float, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
+                        help=f"close an idle keep-alive connection after this (default {DEFAULT_KEEPALIVE_S:g}; "
+                             "asyncio server)")
+    serve_.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
+                        help="open connections beyond this get 503 (default: from the open-file limit; asyncio "
+                             "server)")
     serve_.add_argument("--strict", action="store_true",
                         help="refuse (500) a response the platform would only soften or drop parts of, instead of "
                              f"sending what it grades (also: {ENV_STRICT}=1)")

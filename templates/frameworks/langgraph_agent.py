@@ -51,11 +51,17 @@ def tools_schema() -> List[Dict[str, Any]]:
     return pp.tools_schema_from(TOOLS)
 
 
-def agent(envelope: pp.Envelope) -> Dict[str, Any]:
-    """Run the graph on the dispatch's instruction; the response envelope."""
+async def agent(envelope: pp.Envelope) -> Dict[str, Any]:
+    """Run the graph on the dispatch's instruction; the response envelope.
+
+    ``async def`` with ``await graph.ainvoke``: the kit's server (and uvicorn, hypercorn) runs every dispatch
+    on one event loop, so a model built once and shared across runs works; the proxied tools await the
+    kit's asyncio driver.  A sync agent (``graph.invoke``) runs on a thread per dispatch: keep what it
+    builds per call, as here.
+    """
     model = ChatOpenAI(model=os.environ.get("OPENAI_MODEL") or "gpt-4.1", max_retries=2)
     graph = create_react_agent(model, pp.proxied_tools(TOOLS, actor="support"), prompt=SYSTEM_PROMPT)  # PLATFORM
-    state = graph.invoke({"messages": [("user", envelope.user_instruction or "(no instruction)")]})
+    state = await graph.ainvoke({"messages": [("user", envelope.user_instruction or "(no instruction)")]})
     return pp.response_from(state)  # PLATFORM
 
 

@@ -75,16 +75,23 @@ def tools_schema() -> List[Dict[str, Any]]:
     return pp.tools_schema_from(list(unique.values()))
 
 
-def agent(envelope: pp.Envelope) -> Dict[str, Any]:
-    """Run the agents on the dispatch's instruction; the response envelope."""
+async def agent(envelope: pp.Envelope) -> Dict[str, Any]:
+    """Run the agents on the dispatch's instruction; the response envelope.
+
+    ``async def`` with ``await Runner.run``: the kit's server (and uvicorn, hypercorn) runs every dispatch on
+    one event loop, where the SDK's shared OpenAI client lives.  A sync agent calling ``Runner.run_sync``
+    gets a loop of its own per dispatch: it must then build everything that holds a client (an
+    ``OpenAIResponsesModel(openai_client=AsyncOpenAI())`` passed as each agent's ``model``) inside the call,
+    or concurrent dispatches fail with "bound to a different event loop".
+    """
     entry = proxied(build_agents(), {})
     hooks = pp.Handoffs().agents_hooks()  # PLATFORM: each control transfer as a handoff trace event
-    result = Runner.run_sync(entry, envelope.user_instruction or "(no instruction)", hooks=hooks)
+    result = await Runner.run(entry, envelope.user_instruction or "(no instruction)", hooks=hooks)
     return pp.response_from(result)
 
 
 # What this agent needs in its environment (`pipelines-port doctor` checks each is set).
 REQUIRED_ENV = ("OPENAI_API_KEY",)
 
-# Code mode: the sandbox's entrypoint, the same agent unchanged.
+# Code mode: the sandbox's entrypoint, the same agent unchanged (run on an event loop of its own).
 run = pp.code_mode(agent)
