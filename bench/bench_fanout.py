@@ -1,151 +1,241 @@
-"""Fan-out: the platform dispatches many runs at once.  How long until all are answered, and at what memory?
+"""Fan-out: the platform dispatches many runs at once.  How long until all are answered, at what CPU and memory?
 
-    python3 bench/bench_fanout.py [--dispatches 300] [--latency 1.0] [--cap 120]
-                                  [--servers pipelines_port,pipelines_port_uvicorn,pipelines_port_gunicorn,reference,tuned]
+    python3 bench/bench_fanout.py [--dispatches 300,1000,2000] [--latency 1.0] [--repeat 3] [--cap 120]
+                                  [--servers sync,async,async_uvicorn,aiohttp,tuned] [--proxy lean|mock]
 
-Each server (a process of its own, as in bench_server.py) serves an agent making three proxy calls one after
-another; the proxy (bench/proxy_process.py, its own process) answers each after ``--latency`` seconds, as a
-simulated tool does.  ``--dispatches`` dispatches are sent at once, each on a connection of its own with a run
-token of its own; measured per server, all in the same run:
+Each server (a process of its own) serves an agent making three proxy calls one after another; the proxy (a
+process of its own: ``lean``, bench/lean_proxy.py, asyncio, or ``mock``, the threaded MockProxy of
+bench/proxy_process.py) answers each after ``--latency`` seconds, as a simulated tool does.  For each count of
+``--dispatches``, that many dispatches are sent at once by an asyncio load generator (each on a connection
+of its own with a run token of its own), ``--repeat`` times per server, the servers taking turns; measured
+per server, all in the same run:
 
-- the time until the last one is answered (3 × latency at best), and how many were answered 200;
-- the server's peak resident memory (VmHWM, of the process and its children for gunicorn).
+- the time until the last one is answered, as a multiple of the agent's own time (3 × latency), and how
+  many were answered 200;
+- the server's CPU time per dispatch (user + system, of the process and its children, from /proc);
+- the server's peak resident memory (VmHWM, of the process and its children).
 
-Servers: ``pipelines_port`` (http.server, ``python3 -m pipelines_port serve``), ``pipelines_port_uvicorn``
-(the ASGI app under uvicorn), ``pipelines_port_gunicorn`` (the WSGI app under gunicorn, gthread, one worker,
-``--threads`` threads: the README's recipe), ``reference`` (FastAPI + uvicorn shaped like the platform docs'
-wrapper: a synchronous ``httpx.post`` per tool call) and ``tuned`` (one shared ``httpx.AsyncClient``).  A
-server that has not answered every dispatch within ``--cap`` seconds is reported with how many it had.
+Servers: ``sync`` (``python3 -m pipelines_port serve`` with a sync agent: a thread per dispatch, its calls
+on the blocking driver), ``async`` (the same server, an ``async def`` agent awaiting ``pp.aproxy_call``:
+every dispatch on one event loop), ``async_uvicorn`` (the ASGI app with the async agent under uvicorn),
+``threads`` (the sync agent under ``serve --server threads``: http.server), ``aiohttp`` (an aiohttp server and
+one ``ClientSession``, the same agent: bench/aiohttp_peer.py), ``tuned`` (FastAPI + uvicorn with one
+``httpx.AsyncClient``), ``reference`` (FastAPI with a synchronous ``httpx.post`` per call, as the platform
+docs' wrapper) and ``pipelines_port_gunicorn`` (the WSGI app under gunicorn gthread).  The peers run in
+bench/.venv (made on first use).  A server that has not answered every dispatch within ``--cap`` seconds is
+reported with how many it had.  Medians over the repeats go to bench/results/fanout.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import benchlib
 from bench_server import AGENT_TOKEN, HOST, PATH, RUN_TOKEN, Server, make_servers, venv_python
 
-OURS_GUNICORN = "pipelines_port_gunicorn"
-DEFAULT = ["pipelines_port", "pipelines_port_uvicorn", OURS_GUNICORN, "reference", "tuned"]
+DEFAULT = ["sync", "async", "async_uvicorn", "aiohttp", "tuned"]
+OURS = {"sync": ["bench/agents.py:three_calls"], "async": ["bench/agents.py:three_calls_async"],
+        "threads": ["bench/agents.py:three_calls", "--server", "threads"]}
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def rss_peak_kib(pid: int) -> int:
-    """VmHWM of ``pid`` plus that of its children (gunicorn's worker)."""
-    total = 0
+def _family(pid: int) -> List[int]:
+    """``pid`` and its children (gunicorn's and uvicorn's workers)."""
     pids = [pid]
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             pids += [int(p) for p in f.read().split()]
     except OSError:
         pass
-    for p in pids:
+    return pids
+
+
+def rss_peak_kib(pid: int) -> int:
+    """VmHWM of ``pid`` plus that of its children."""
+    total = 0
+    for p in _family(pid):
         try:
             with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        total += int(line.split()[1])
-        except OSError:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
             pass
     return total
 
 
-def dispatch(port: int, proxy_url: str, number: int, timeout: float) -> int:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its children so far."""
+    total = 0
+    for p in _family(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / CLK_TCK
+
+
+def request_bytes(proxy_url: str, number: int) -> bytes:
     body = json.dumps({"task_id": number, "run_id": number, "odyssey_proxy_url": proxy_url,
                        "input": {"task_id": number, "user_instruction": "Refund order #4521.",
                                  "input": {"customer_id": "cust_99", "order_id": "4521"}}}).encode()
-    headers = {"Authorization": f"Bearer {AGENT_TOKEN}", "Content-Type": "application/json",
-               "X-Pipelines-Run-Token": f"{RUN_TOKEN}-{number:08d}", "X-Pipelines-Odyssey-Proxy-Url": proxy_url}
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    head = (f"POST {PATH} HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"X-Pipelines-Run-Token: {RUN_TOKEN}-{number:08d}\r\nX-Pipelines-Odyssey-Proxy-Url: {proxy_url}\r\n"
+            "Connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+async def _one(port: int, data: bytes, started: float, cap: float) -> Tuple[int, float]:
+    """Status and completion time of one dispatch on a connection of its own (0: no reply)."""
     try:
-        conn.request("POST", PATH, body=body, headers=headers)
-        reply = conn.getresponse()
-        reply.read()
-        return reply.status
-    except OSError:
-        return 0
-    finally:
-        conn.close()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), cap)
+        writer.write(data)
+        reply = await asyncio.wait_for(reader.read(), cap)
+        writer.close()
+        return int(reply.split(b" ", 2)[1]), time.monotonic() - started
+    except (OSError, asyncio.TimeoutError, IndexError, ValueError):
+        return 0, time.monotonic() - started
 
 
-def fan_out(server: Server, proxy_url: str, count: int, cap: float) -> Dict[str, Any]:
-    answered: List[float] = []
-    statuses: Dict[int, int] = {}
-    lock = threading.Lock()
+async def _fan_out(port: int, proxy_url: str, count: int, cap: float, first: int) -> List[Tuple[int, float]]:
+    requests = [request_bytes(proxy_url, first + i) for i in range(count)]
     started = time.monotonic()
+    return await asyncio.gather(*(_one(port, data, started, cap) for data in requests))
 
-    def one(number: int) -> None:
-        status = dispatch(server.port, proxy_url, number, cap)
-        with lock:
-            statuses[status] = statuses.get(status, 0) + 1
-            if status == 200:
-                answered.append(time.monotonic() - started)
 
-    pool = ThreadPoolExecutor(max_workers=count)
-    for number in range(1, count + 1):
-        pool.submit(one, number)
-    pool.shutdown(wait=True)
-    within = [t for t in answered if t <= cap]
-    return {"ok": len(within), "statuses": statuses, "all_done_s": max(answered) if len(within) == count else None,
-            "median_s": sorted(answered)[len(answered) // 2] if answered else None,
-            "peak_rss_mib": round(rss_peak_kib(server.pid) / 1024, 1)}
+def fan_out(server: Server, proxy_url: str, count: int, cap: float, first: int) -> Dict[str, Any]:
+    cpu_before = cpu_seconds(server.pid)
+    results = asyncio.run(_fan_out(server.port, proxy_url, count, cap, first))
+    cpu = cpu_seconds(server.pid) - cpu_before
+    statuses: Dict[int, int] = {}
+    for status, _ in results:
+        statuses[status] = statuses.get(status, 0) + 1
+    answered = sorted(t for status, t in results if status == 200 and t <= cap)
+    return {"ok": len(answered), "statuses": statuses,
+            "all_done_s": answered[-1] if len(answered) == count else None,
+            "cpu_ms_per_dispatch": 1000 * cpu / count, "peak_rss_mib": round(rss_peak_kib(server.pid) / 1024, 1)}
+
+
+def build_servers(names: List[str], python: Optional[str], pycache: str, threads: int) -> List[Server]:
+    dropped = ("AGENT_TOKEN", "BENCH_AGENT_TOKEN", "PEER_STYLE", "PYTHONDONTWRITEBYTECODE", "BENCH_AGENT_ASYNC")
+    base = {k: v for k, v in os.environ.items() if k not in dropped}
+    base.update(PYTHONPYCACHEPREFIX=pycache)
+    servers = []
+    for name in names:
+        port = benchlib.free_port()
+        if name in OURS:
+            command = [sys.executable, "-m", "pipelines_port", "serve", *OURS[name], "--host", HOST, "--port",
+                       str(port), "--token-env", "BENCH_AGENT_TOKEN"]
+            servers.append(Server(name, command, dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN), port))
+        elif name == "async_uvicorn":
+            assert python is not None
+            command = [python, "-m", "uvicorn", "uvicorn_app:app", "--app-dir", benchlib.BENCH, "--host", HOST,
+                       "--port", str(port), "--no-access-log", "--backlog", "4096"]
+            env = dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN, BENCH_AGENT_ASYNC="1", PYTHONPATH=benchlib.ROOT)
+            servers.append(Server(name, command, env, port))
+        elif name == "aiohttp":
+            assert python is not None
+            command = [python, os.path.join(benchlib.BENCH, "aiohttp_peer.py"), "--port", str(port)]
+            servers.append(Server(name, command, dict(base, AGENT_TOKEN=AGENT_TOKEN), port))
+        elif name == "pipelines_port_gunicorn":
+            assert python is not None
+            env = dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN, PYTHONPATH=benchlib.ROOT)
+            servers.append(Server(name, [python, "-m", "gunicorn", "wsgi_app:application", "--chdir",
+                                         benchlib.BENCH, "-k", "gthread", "--threads", str(threads),
+                                         "--timeout", "330", "--bind", f"{HOST}:{port}"], env, port))
+        elif name in ("reference", "tuned"):
+            servers.extend(make_servers([name], python, pycache, access_log=False))
+        else:
+            benchlib.fail(f"unknown server {name!r}")
+    return servers
+
+
+def start_proxy(kind: str, latency: float) -> Tuple[subprocess.Popen, str]:
+    script = "lean_proxy.py" if kind == "lean" else "proxy_process.py"
+    proxy = subprocess.Popen([sys.executable, os.path.join(benchlib.BENCH, script), "--latency", str(latency)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, BENCH_RUN_TOKEN=RUN_TOKEN))
+    assert proxy.stdout is not None
+    return proxy, json.loads(proxy.stdout.readline())["url"]
+
+
+def _raise_file_limit() -> None:
+    try:
+        import resource
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))  # inherited by the servers and the proxy
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dispatches", type=int, default=300)
+    parser.add_argument("--dispatches", default="300,1000,2000", help="comma-separated counts (default 300,1000,2000)")
     parser.add_argument("--latency", type=float, default=1.0)
-    parser.add_argument("--cap", type=float, default=120.0, help="seconds a server gets for the whole fan-out")
+    parser.add_argument("--repeat", type=int, default=3, help="fan-outs per server and count; medians reported")
+    parser.add_argument("--cap", type=float, default=120.0, help="seconds a server gets for one fan-out")
     parser.add_argument("--threads", type=int, default=64, help="gunicorn gthread threads (default 64)")
     parser.add_argument("--servers", default=",".join(DEFAULT))
+    parser.add_argument("--proxy", choices=("lean", "mock"), default="lean")
     args = parser.parse_args(argv)
     names = [n for n in args.servers.split(",") if n]
-    python = venv_python() if any(n != "pipelines_port" for n in names) else None
-    proxy = subprocess.Popen([sys.executable, os.path.join(benchlib.BENCH, "proxy_process.py"), "--latency",
-                              str(args.latency)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, BENCH_RUN_TOKEN=RUN_TOKEN))
-    assert proxy.stdout is not None
-    proxy_url = json.loads(proxy.stdout.readline())["url"]
-    results: Dict[str, Any] = {}
+    counts = [int(c) for c in args.dispatches.split(",") if c]
+    _raise_file_limit()
+    python = venv_python() if any(n not in OURS for n in names) else None
+    proxy, proxy_url = start_proxy(args.proxy, args.latency)
+    agent_s = 3 * args.latency
+    runs: Dict[str, Dict[int, List[Dict[str, Any]]]] = {n: {c: [] for c in counts} for n in names}
+    summary: Dict[str, Dict[str, Any]] = {}
+    first = 1
     with tempfile.TemporaryDirectory() as pycache:
-        plain = [n for n in names if n != OURS_GUNICORN]
-        servers = make_servers(plain, python, pycache, access_log=False)
-        if OURS_GUNICORN in names:
-            assert python is not None
-            port = benchlib.free_port()
-            env = {k: v for k, v in os.environ.items() if k not in ("AGENT_TOKEN",)}
-            env.update(BENCH_AGENT_TOKEN=AGENT_TOKEN, PYTHONPATH=benchlib.ROOT, PYTHONPYCACHEPREFIX=pycache)
-            servers.append(Server(OURS_GUNICORN, [python, "-m", "gunicorn", "wsgi_app:application", "--chdir",
-                                                  benchlib.BENCH, "-k", "gthread", "--threads", str(args.threads),
-                                                  "--timeout", "330", "--bind", f"{HOST}:{port}"], env, port))
+        servers = build_servers(names, python, pycache, args.threads)
         try:
             for server in servers:
                 server.start()
-                try:
-                    dispatch(server.port, proxy_url, 0, 30)  # warm: imports, connections
-                    results[server.name] = fan_out(server, proxy_url, args.dispatches, args.cap)
-                finally:
-                    server.stop()
-                r = results[server.name]
-                done = f"{r['all_done_s']:.1f} s" if r["all_done_s"] is not None else f"not all within {args.cap:g} s"
-                print(f"{server.name:<26} {r['ok']:>4}/{args.dispatches} answered 200, all done: {done:<22} "
-                      f"median {r['median_s'] or 0:.1f} s, peak RSS {r['peak_rss_mib']} MiB", flush=True)
+            for server in servers:
+                asyncio.run(_fan_out(server.port, proxy_url, 20, 30, 0))  # warm: imports, pools
+            for count in counts:
+                for _ in range(args.repeat):
+                    for server in servers:  # taking turns, so drift on the machine hits every server alike
+                        runs[server.name][count].append(fan_out(server, proxy_url, count, args.cap, first))
+                        first += count
+                for server in servers:
+                    done = [r["all_done_s"] for r in runs[server.name][count]]
+                    complete = [d for d in done if d is not None]
+                    median = statistics.median(complete) if len(complete) == len(done) else None
+                    cpu = statistics.median(r["cpu_ms_per_dispatch"] for r in runs[server.name][count])
+                    rss = max(r["peak_rss_mib"] for r in runs[server.name][count])
+                    ok = min(r["ok"] for r in runs[server.name][count])
+                    summary.setdefault(server.name, {})[str(count)] = {
+                        "all_done_median_s": median, "multiple_of_agent_time": median and median / agent_s,
+                        "cpu_ms_per_dispatch_median": cpu, "peak_rss_mib": rss, "min_ok": ok,
+                        "runs": runs[server.name][count]}
+                    shown = f"{median:6.2f} s = {median / agent_s:4.2f}x" if median else f"not all within {args.cap:g} s"
+                    print(f"{count:>5} at once  {server.name:<16} {ok:>5}/{count} ok  all done {shown:<22} "
+                          f"CPU {cpu:5.2f} ms/dispatch  peak RSS {rss} MiB", flush=True)
         finally:
-            proxy.stdin.close()  # type: ignore[union-attr]
+            for server in servers:
+                server.stop()
+            assert proxy.stdin is not None
+            proxy.stdin.close()
             proxy.wait(timeout=10)
     os.makedirs(benchlib.RESULTS, exist_ok=True)
     out = os.path.join(benchlib.RESULTS, "fanout.json")
     with open(out, "w") as f:
-        json.dump({"dispatches": args.dispatches, "latency_s": args.latency, "results": results}, f, indent=1)
+        json.dump({"dispatches": counts, "latency_s": args.latency, "repeat": args.repeat, "proxy": args.proxy,
+                   "cpus": os.cpu_count(), "results": summary}, f, indent=1)
     print(f"written {out}")
     return 0
 

@@ -58,7 +58,7 @@ PATH = "/dispatch"
 AGENT_TOKEN = "bench-agent-token-not-a-secret"
 RUN_TOKEN = "bench-run-token-not-a-secret"
 VENV = os.path.join(benchlib.BENCH, ".venv")
-PEER_PACKAGES = ["fastapi", "uvicorn", "httpx"]
+PEER_PACKAGES = ["fastapi", "uvicorn", "httpx", "aiohttp"]
 OURS = "pipelines_port"
 OURS_MODULE = "pipelines_port_m"  # the same server started as `python3 -m pipelines_port serve`
 OURS_UVICORN = "pipelines_port_uvicorn"  # DispatchApp as an ASGI app under uvicorn, default flags (bench venv)
@@ -74,7 +74,7 @@ TARGETS = {"ping_ratio_min": 1.5, "dispatch_ratio_min": 5.0, "idle_rss_ratio_max
 def venv_python() -> str:
     """The Python of bench/.venv, created and filled with the peer packages if needed."""
     python = os.path.join(VENV, "bin", "python")
-    probe = [python, "-c", "import fastapi, uvicorn, httpx"]
+    probe = [python, "-c", "import fastapi, uvicorn, httpx, aiohttp"]
     if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
     print(f"creating {os.path.relpath(VENV, benchlib.ROOT)} with {', '.join(PEER_PACKAGES)} ...", flush=True)
