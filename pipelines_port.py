@@ -1405,37 +1405,84 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
-    """Whether a proxy URL's host is on an allow-list (``None``: no list, any host).
+    """Whether a proxy URL's host (and port) is on an allow-list (``None``: no list, any host).
 
-    An entry is a host name or IP address matched exactly, or a suffix starting
-    with ``.`` matching that domain and every name under it (``.pipelines.tech``
-    matches ``pipelines.tech`` and ``api.pipelines.tech``).  Case-insensitive;
-    a trailing dot is ignored.
+    An entry (as :func:`parse_proxy_hosts` leaves it) is a host name or IP address matched exactly, or a
+    suffix starting with ``.`` matching that domain and every name under it (``.pipelines.tech`` matches
+    ``pipelines.tech`` and ``api.pipelines.tech``), either with ``:port`` (that port only; the URL's
+    default port counts: 80 for http, 443 for https) or without (any port).  Case-insensitive; a
+    trailing dot is ignored.
     """
     if allowed is None:
         return True
-    host = (urlsplit(proxy_url).hostname or "").rstrip(".").lower()
+    parts = urlsplit(proxy_url)
+    host = (parts.hostname or "").rstrip(".").lower()
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
     for entry in allowed:
-        entry = entry.strip().rstrip(".").lower()
-        if entry.startswith("."):
-            if host == entry[1:] or host.endswith(entry):
+        name, entry_port = _split_host_entry(entry)
+        if entry_port is not None and entry_port != port:
+            continue
+        if name.startswith("."):
+            if host == name[1:] or host.endswith(name):
                 return True
-        elif entry and host == entry.strip("[]"):
+        elif name and host == name:
             return True
     return False
 
 
+_HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
+                         r"(?::(?P<port>[0-9]{1,5}))?")
+
+
+def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
+    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` as ``("::1", None)``."""
+    entry = entry.strip().lower()
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address: no port possible
+        return entry, None
+    match = _HOST_ENTRY.fullmatch(entry)
+    if match is None:
+        return entry, None
+    port = match.group("port")
+    return match.group("name").strip("[]").rstrip("."), int(port) if port else None
+
+
 def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """An allow-list from text (``"api.pipelines.tech, .example.com"``); ``None`` for none given."""
-    if text is None or not text.strip():
+    """An allow-list from text (``"api.pipelines.tech, .example.com, 127.0.0.1:8080"``); ``None`` for none given.
+
+    An entry is a host name, an IP address (IPv6 in brackets when it carries a port), or a ``.suffix``
+    (``*.example.com`` is taken as ``.example.com``), each optionally with ``:port``.  Text with no entry
+    at all (``""``, ``" , "``) is refused: an allow-list that is set but empty is a mistake, and neither
+    guess (any host, no host) is safe to make silently.
+    """
+    if text is None:
         return None
     entries = tuple(e.strip() for e in text.split(",") if e.strip())
-    for entry in entries:
-        with_port = entry.count(":") == 1 and not entry.startswith("[")  # host:port (an IPv6 address has more)
-        if "/" in entry or with_port or (entry.startswith("[") and not entry.endswith("]")):
-            raise ValueError(f"proxy host {entry!r} must be a host name, an IP address or a .suffix, "
-                             "without scheme, port or path")
-    return entries
+    if not entries:
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
+                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
+    return tuple(_normal_host_entry(entry) for entry in entries)
+
+
+def _normal_host_entry(entry: str) -> str:
+    shown = _short(entry, 100)
+    if entry.startswith("*."):
+        entry = entry[1:]
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
+        import ipaddress
+
+        try:
+            return str(ipaddress.IPv6Address(entry))
+        except ValueError:
+            pass
+    elif _HOST_ENTRY.fullmatch(entry):
+        port = _split_host_entry(entry)[1]
+        if port is None or 0 < port < 65536:
+            return entry.lower()
+    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
+                     "optionally with :port, without scheme, path or other wildcards")
 
 
 def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
@@ -4111,10 +4158,15 @@ class DispatchApp:
             tools = _read_tools_file(cast("Union[str, os.PathLike[str]]", tools_schema))
         if tools is not None:
             convert_tools(tools, "platform")  # raises ValueError naming the first bad entry
-        if proxy_hosts is None or isinstance(proxy_hosts, str):
-            hosts = parse_proxy_hosts(os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts)
-        else:
-            hosts = parse_proxy_hosts(",".join(proxy_hosts)) or ()
+        try:
+            if proxy_hosts is None or isinstance(proxy_hosts, str):
+                hosts = parse_proxy_hosts(os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None
+                                          else proxy_hosts)
+            else:
+                hosts = parse_proxy_hosts(",".join(proxy_hosts))
+        except ValueError as exc:
+            source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
+            raise ValueError(f"{source}: {exc}") from None
         self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
                                  no_auth=no_auth, max_body=int(max_body), tools_schema=tools, proxy_hosts=hosts)
 
@@ -4245,12 +4297,22 @@ class DispatchApp:
                  stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
 
     def connectivity_check(self, proxy_url: str) -> HttpReply:
-        """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code."""
-        return json_reply(200, {"ok": True, "outbound": probe_proxy(proxy_url)})
+        """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code.
+
+        Without a proxy-host allow-list the answer says only whether a proxy answered (§7.1
+        kit-proxy-host-allow-list): what else a probe met (a refused port, another service's status) would
+        let a token holder map the server's network."""
+        return json_reply(200, {"ok": True, "outbound": self._outbound(probe_proxy(proxy_url))})
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """The asyncio form of :meth:`connectivity_check`."""
-        return json_reply(200, {"ok": True, "outbound": await aprobe_proxy(proxy_url)})
+        return json_reply(200, {"ok": True, "outbound": self._outbound(await aprobe_proxy(proxy_url))})
+
+    def _outbound(self, probe: Dict[str, Any]) -> Dict[str, Any]:
+        if self.endpoint.proxy_hosts is not None or probe["reachable"]:
+            return probe
+        return {"reachable": False, "status_code": None, "latency_ms": None,
+                "error": "no proxy answered at this URL (details are given only with a proxy-host allow-list)"}
 
     @property
     def agent_is_async(self) -> bool:
@@ -4448,9 +4510,23 @@ def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..
     headers = _lower_headers(pairs)
     length = request_body_length(headers, app.max_body)
     body = _read_exactly(environ["wsgi.input"].read, length) if length else (b"" if length == 0 else None)
-    reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", "/") or "/", headers, body)
+    started, method, target = time.monotonic(), environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/"
+    decision = app.decide(method, target, headers, body)
+    reply = app.carry_out(decision, method, target, headers, started)
+    # No Connection header here: PEP 3333 forbids hop-by-hop headers from a WSGI app (wsgiref refuses them);
+    # the WSGI host frames and drains the body itself (gunicorn refuses obs-fold on its own).
     start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
     return [reply.body]
+
+
+def _host_reply_headers(reply: HttpReply, decision: Decision, length: Optional[int]) -> List[Tuple[str, str]]:
+    """``reply``'s headers for an ASGI host, with ``Connection: close`` when the body was not read or the request
+    was refused before any agent ran: the host's framing may differ from what a front end meant (uvicorn and
+    hypercorn unfold obs-fold, losing a folded Content-Length), so what it would read next on that connection
+    is not trusted to be a request (kit-strict-request-head)."""
+    if length is None or (decision.action == "reply" and reply.status >= 400):
+        return [*reply.headers, ("Connection", "close")]
+    return list(reply.headers)
 
 
 async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -4481,9 +4557,11 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
             more = message.get("more_body", False)
         body = b"".join(chunks)
     started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
-    reply = await app.acarry_out(app.decide(method, target, headers, body), method, target, headers, started)
+    decision = app.decide(method, target, headers, body)
+    reply = await app.acarry_out(decision, method, target, headers, started)
     await send({"type": "http.response.start", "status": reply.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]})
+                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in _host_reply_headers(reply, decision, length)]})
     await send({"type": "http.response.body", "body": reply.body})
 
 
@@ -4494,6 +4572,7 @@ DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, 
 
 def _make_server_classes() -> Tuple[type, type]:
     """The ``http.server`` classes, built on first use so import stays cheap."""
+    import email.message
     import socket
     from http import HTTPStatus
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -4511,6 +4590,7 @@ def _make_server_classes() -> Tuple[type, type]:
             self.read_timeout_s = read_timeout_s
             self.draining = threading.Event()
             self._in_flight = 0
+            self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
             self._idle = threading.Condition()
             self._thread: Optional[threading.Thread] = None
             super().__init__(address, DispatchHandler)
@@ -4526,29 +4606,41 @@ def _make_server_classes() -> Tuple[type, type]:
             """Requests being handled now."""
             return self._in_flight
 
-        def enter(self) -> bool:
+        def enter(self, handler: Any) -> bool:
             with self._idle:
                 if self.draining.is_set():
                     return False
                 self._in_flight += 1
+                self._handlers.add(handler)
                 return True
 
-        def leave(self) -> None:
+        def leave(self, handler: Any) -> None:
             with self._idle:
                 self._in_flight -= 1
+                self._handlers.discard(handler)
                 self._idle.notify_all()
 
         def drain(self, grace_s: float) -> bool:
-            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished."""
+            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
+            still running then are answered 503 (retryable) and their connections closed."""
             self.draining.set()
             deadline = time.monotonic() + grace_s
             with self._idle:
                 while self._in_flight > 0:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        return False
+                        break
                     self._idle.wait(left)
-            return True
+                cut = list(self._handlers)
+            if not cut:
+                return True
+            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                         grace_s, len(cut))
+            for handler in cut:
+                _log.warning("%s was cut before it finished: the server is shutting down",
+                             _run_label(*handler.request_info))
+                handler.cut()
+            return False
 
         def close(self, grace_s: float = 5.0) -> bool:
             """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
@@ -4563,13 +4655,54 @@ def _make_server_classes() -> Tuple[type, type]:
 
     class DispatchHandler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
         server_version = "pipelines-port/" + __version__
         sys_version = ""
         server: DispatchServer  # pyright: ignore[reportIncompatibleVariableOverride]
+        run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
+        _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
+
+        def parse_request(self) -> bool:
+            """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
+            lenient parser: a refusal is a JSON reply with ``Connection: close``."""
+            self.command, self.request_version = "", self.default_request_version
+            line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
+            self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
+            lines, size = [line], len(line)
+            started = bool(line.strip(b"\r\n"))
+            try:
+                while not started or line.strip(b"\r\n"):  # up to the empty line after the request line
+                    line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
+                    size += len(line)
+                    if not line:  # the client went away mid-head
+                        self.close_connection = True
+                        return False
+                    if size > MAX_REQUEST_HEAD_BYTES:
+                        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
+                    started = started or bool(line.strip(b"\r\n"))
+                    lines.append(line)
+                if line != b"\r\n":
+                    raise FramingError("the request head ends in a bare LF: every line must end in CRLF "
+                                       "(RFC 9112 §2.2)")
+                head = parse_request_head(b"".join(lines)[:-4])
+            except PipelinesError as exc:
+                self._send(error_reply(exc), close=True)
+                return False
+            self.command, self.path, self.request_version = head.method, head.target, head.version
+            self.requestline = f"{head.method} {head.target} {head.version}"
+            self.headers = email.message.Message()
+            for name, value in head.headers:
+                self.headers[name] = value
+            self.close_connection = not head.keep_alive()
+            if self.headers.get("Expect", "").lower() == "100-continue":
+                return self.handle_expect_100()
+            return True
 
         wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
 
         def setup(self) -> None:
+            self.reply_lock = threading.Lock()
+            self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
             super().setup()
             self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -4616,7 +4749,7 @@ def _make_server_classes() -> Tuple[type, type]:
 
         def _serve(self) -> None:
             app = self.server.app
-            if not self.server.enter():
+            if not self.server.enter(self):
                 self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
                            close=True)
                 return
@@ -4638,9 +4771,10 @@ def _make_server_classes() -> Tuple[type, type]:
                         if _watchdog().done(watch):
                             self.close_connection = True
                     close = close or len(body) < length
+                self.request_info = (headers, body)
                 self._send(app.handle(self.command, self.path, headers, body), close=close)
             finally:
-                self.server.leave()
+                self.server.leave(self)
 
         def handle_expect_100(self) -> bool:
             super().handle_expect_100()
@@ -4648,6 +4782,22 @@ def _make_server_classes() -> Tuple[type, type]:
             return True
 
         def _send(self, reply: HttpReply, *, close: bool = False) -> None:
+            with self.reply_lock:
+                if not self._cut:
+                    self._write(reply, close)
+
+        def cut(self) -> None:
+            """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
+            with self.reply_lock:
+                if self._cut:
+                    return
+                self._cut = True
+                self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
+                                                          "retry it")), True)
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
+        def _write(self, reply: HttpReply, close: bool) -> None:
             self.send_response(reply.status)
             for name, value in reply.headers:
                 self.send_header(name, value)
@@ -4666,6 +4816,18 @@ def _make_server_classes() -> Tuple[type, type]:
 
 
 _server_classes = _Once(_make_server_classes)
+
+
+def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
+    """``run 17`` for the log, from a dispatch's body or its ``X-Pipelines-Run-Id``; ``a request`` otherwise."""
+    try:
+        payload = json.loads(body) if body else None
+    except ValueError:
+        payload = None
+    run_id = payload.get("run_id") if isinstance(payload, dict) else None
+    if run_id is None:
+        run_id = headers.get(HEADER_RUN_ID)
+    return f"run {_short(str(run_id), 40)}" if run_id is not None else "a request"
 
 
 
@@ -4818,7 +4980,11 @@ class _ServerConnection:
                     self._arm(self.server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
-                    if len(buffer) > MAX_REQUEST_LINE_BYTES and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0:
+                    if b"\n\n" in buffer:  # lines ended by a bare LF: refused now, not left to the read timeout
+                        self._refuse(FramingError("a line of the request head ends in a bare LF: every line must "
+                                                  "end in CRLF (RFC 9112 §2.2)"))
+                    elif (len(buffer) > MAX_REQUEST_LINE_BYTES
+                          and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0):
                         self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
                     elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
                         self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
@@ -6679,7 +6845,8 @@ def _parser(prog: Optional[str] = None) -> Any:
                              f"sending what it grades (also: {ENV_STRICT}=1)")
     serve_.add_argument("--proxy-hosts", metavar="HOSTS",
                         help="comma-separated allow-list of proxy hosts dispatches may name: host names, IP addresses "
-                             f"or .suffixes (default: {ENV_PROXY_ALLOWED_HOSTS}, else any host)")
+                             "or .suffixes (*.suffix too), each optionally with :port (default: "
+                             f"{ENV_PROXY_ALLOWED_HOSTS}, else any host; set but empty is an error)")
     serve_.add_argument("--tools-schema", metavar="FILE",
                         help="tools list served at GET /tools_schema "
                              "(default: tools_schema.json beside the agent file)")
