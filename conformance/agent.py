@@ -13,16 +13,17 @@ so the checker sees exactly what the port does.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Awaitable, Dict, List, Mapping, Optional, Tuple
 
 import pipelines_port as pp
 
-__all__ = ["agent", "ScriptError", "echo", "outcome_of_error"]
+__all__ = ["agent", "agent_async", "ScriptError", "echo", "outcome_of_error"]
 
 MODEL = "conformance-agent"
 STEP_KINDS = ("call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return")
@@ -38,6 +39,14 @@ def agent(envelope: pp.Envelope) -> Any:
     if steps is None:
         return compact({"envelope": echo(envelope)})
     return Script(envelope.user_instruction).run(steps)
+
+
+async def agent_async(envelope: pp.Envelope) -> Any:
+    """The same agent as ``async def``: its calls on the asyncio driver, on the serving event loop."""
+    steps = _script_steps(envelope.user_instruction)
+    if steps is None:
+        return compact({"envelope": echo(envelope)})
+    return await Script(envelope.user_instruction).arun(steps)
 
 
 def compact(value: Any) -> str:
@@ -111,82 +120,116 @@ class _Return(Exception):
 
 
 class Script:
-    """One script run: its results and its transcript."""
+    """One script run: its results and its transcript.  :meth:`run` is the sync agent's, :meth:`arun` the
+    ``async def`` agent's; both read each step with :meth:`plan`, so they differ only in how they wait."""
 
     def __init__(self, instruction: str) -> None:
         self.results: List[Any] = []
         self.messages: List[Dict[str, Any]] = [{"role": "user", "content": instruction}]
         self.calls_made = 0
+        self.started = time.monotonic()
 
     def run(self, steps: List[Any]) -> Any:
-        started = time.monotonic()
         try:
             for index, step in enumerate(steps):
-                self.results.append(self.step(index, step))
+                self.results.append(self.step(*self.plan(index, step)))
         except _Return as returned:
             return returned.value
+        return self.finish()
+
+    async def arun(self, steps: List[Any]) -> Any:
+        try:
+            for index, step in enumerate(steps):
+                self.results.append(await self.astep(*self.plan(index, step)))
+        except _Return as returned:
+            return returned.value
+        return self.finish()
+
+    def finish(self) -> Dict[str, Any]:
         final = compact({"results": self.results})
         self.messages.append({"role": "assistant", "content": final})
-        runtime_ms = round((time.monotonic() - started) * 1000)
+        runtime_ms = round((time.monotonic() - self.started) * 1000)
         return {"final_response": final, "messages": self.messages,
                 "metadata": {"model": MODEL, "agent_runtime_ms": runtime_ms}}
 
-    def step(self, index: int, step: Any) -> Any:
-        """Run one step and give its result; ``raise`` and ``return`` steps end the run."""
+    def plan(self, index: int, step: Any) -> Tuple[str, Any]:
+        """What one step asks for, checked: ``(kind, what)``; ``raise`` and ``return`` steps end the run here."""
         where = f"steps[{index}]"
         kinds = [k for k in STEP_KINDS if isinstance(step, dict) and k in step]
         if len(kinds) != 1:
             raise ScriptError(f"{where}: a step is an object with exactly one of {', '.join(STEP_KINDS)}")
         kind = kinds[0]
         if kind == "call":
-            return self.calls([_call_step(step, where)])[0]
+            return "call", [_call_step(step, where)]
         if kind == "parallel":
             calls = step["parallel"]
             if not isinstance(calls, list):
                 raise ScriptError(f"{where}.parallel: must be an array of call steps")
-            return {"parallel": self.calls([_call_step(c, f"{where}.parallel[{i}]") for i, c in enumerate(calls)])}
+            return "parallel", [_call_step(c, f"{where}.parallel[{i}]") for i, c in enumerate(calls)]
         if kind == "trace":
             if "payload" not in step:
                 raise ScriptError(f"{where}: a trace step needs 'payload'")
-            return _attempt(lambda: pp.post_trace(step["trace"], step["payload"], actor=step.get("actor")))
+            return "trace", step
         if kind == "handoff":
             handoff = step["handoff"]
             if not isinstance(handoff, dict) or "from" not in handoff or "to" not in handoff:
                 raise ScriptError(f"{where}.handoff: must be an object with 'from' and 'to'")
-            return _attempt(lambda: pp.post_handoff(handoff["from"], handoff["to"], reason=handoff.get("reason"),
-                                                    payload_preview=handoff.get("payload_preview")))
+            return "handoff", handoff
         if kind == "sleep_ms":
             millis = step["sleep_ms"]
             if isinstance(millis, bool) or not isinstance(millis, (int, float)) or millis < 0:
                 raise ScriptError(f"{where}.sleep_ms: must be a non-negative number")
-            time.sleep(millis / 1000)
-            return _ok(None)
+            return "sleep", millis / 1000
         if kind == "raise":
             if not isinstance(step["raise"], str):
                 raise ScriptError(f"{where}.raise: must be a string")
             raise RuntimeError(step["raise"])
         raise _Return(step["return"])
 
+    def step(self, kind: str, what: Any) -> Any:
+        """Carry one planned step out, blocking."""
+        if kind in ("call", "parallel"):
+            outcomes = self.record(what, self.calls(what))
+            return outcomes[0] if kind == "call" else {"parallel": outcomes}
+        if kind == "trace":
+            return _attempt(lambda: pp.post_trace(what["trace"], what["payload"], actor=what.get("actor")))
+        if kind == "handoff":
+            return _attempt(lambda: pp.post_handoff(what["from"], what["to"], reason=what.get("reason"),
+                                                    payload_preview=what.get("payload_preview")))
+        time.sleep(what)
+        return _ok(None)
+
+    async def astep(self, kind: str, what: Any) -> Any:
+        """Carry one planned step out on the event loop (the asyncio driver; parallel calls as tasks)."""
+        if kind in ("call", "parallel"):
+            outcomes = self.record(what, await asyncio.gather(*(_atool_call(c) for c in what)))
+            return outcomes[0] if kind == "call" else {"parallel": outcomes}
+        if kind == "trace":
+            return await _aattempt(pp.apost_trace(what["trace"], what["payload"], actor=what.get("actor")))
+        if kind == "handoff":
+            return await _aattempt(pp.apost_handoff(what["from"], what["to"], reason=what.get("reason"),
+                                                    payload_preview=what.get("payload_preview")))
+        await asyncio.sleep(what)
+        return _ok(None)
+
     def calls(self, calls: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         """Tool calls started together and awaited together; outcomes in the listed order."""
-        ids = []
-        for _call in calls:
+        if len(calls) <= 1:
+            return [_tool_call(c) for c in calls]
+        with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="conformance-call") as pool:
+            futures = [pool.submit(contextvars.copy_context().run, _tool_call, c) for c in calls]
+            return [f.result() for f in futures]
+
+    def record(self, calls: List[Mapping[str, Any]], outcomes: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Add the calls and their outcomes to the transcript, in the listed order."""
+        for call, outcome in zip(calls, outcomes):
             self.calls_made += 1
-            ids.append(f"call_{self.calls_made}")
-        if len(calls) == 1:
-            outcomes = [_tool_call(calls[0])]
-        elif calls:
-            with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="conformance-call") as pool:
-                futures = [pool.submit(contextvars.copy_context().run, _tool_call, c) for c in calls]
-                outcomes = [f.result() for f in futures]
-        else:
-            outcomes = []
-        for call_id, call, outcome in zip(ids, calls, outcomes):
+            call_id = f"call_{self.calls_made}"
             self.messages.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": call_id, "name": _transcript_name(call["call"]),
                  "arguments": call["args"] if isinstance(call["args"], dict) else compact(call["args"])}]})
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": compact(outcome)})
-        return outcomes
+        return list(outcomes)
 
 
 def _call_step(step: Any, where: str) -> Mapping[str, Any]:
@@ -197,6 +240,17 @@ def _call_step(step: Any, where: str) -> Mapping[str, Any]:
 
 def _tool_call(call: Mapping[str, Any]) -> Dict[str, Any]:
     return _attempt(lambda: pp.proxy_call(call["call"], call["args"], actor=call.get("actor")))
+
+
+async def _atool_call(call: Mapping[str, Any]) -> Dict[str, Any]:
+    return await _aattempt(pp.aproxy_call(call["call"], call["args"], actor=call.get("actor")))
+
+
+async def _aattempt(pending: Awaitable[Any]) -> Dict[str, Any]:
+    try:
+        return _ok(await pending)
+    except pp.ProxyError as exc:
+        return outcome_of_error(exc)
 
 
 def _attempt(fn: Any) -> Dict[str, Any]:

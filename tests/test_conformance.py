@@ -91,6 +91,7 @@ def statuses(report: Dict[str, Any]) -> Dict[str, str]:
 BROKEN = sorted(name for name, variant in VARIANTS.items() if variant.fails)
 LEGAL = sorted(name for name, variant in VARIANTS.items() if not variant.fails and name != "correct")
 OUR_PORT = [str(ROOT / "pipelines_port.py"), "serve", "conformance/agent.py:agent", "--port", "0"]
+OUR_ASYNC_PORT = [str(ROOT / "pipelines_port.py"), "serve", "conformance/agent.py:agent_async", "--port", "0"]
 Outcome = Tuple[int, Dict[str, Any], str]
 
 
@@ -114,6 +115,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Outcome]:
     guarded = sorted({VARIANTS[v].fails for v in BROKEN if VARIANTS[v].mode == "normal"})
     jobs = {"our port": (OUR_PORT, {"AGENT_TOKEN": AGENT_TOKEN}, "--strict"),
             "our port, api profile": (OUR_PORT, {"AGENT_TOKEN": AGENT_TOKEN}, "--strict", "--profile", "api"),
+            "our port, async agent": (OUR_ASYNC_PORT, {"AGENT_TOKEN": AGENT_TOKEN}, "--strict", "--profile", "api"),
             "correct variant": (broken("correct"), None, "--strict", "--only", ",".join(guarded)),
             "leak scan": (broken("token_in_error_detail"), None, "--only", "secrets"),
             "should, not strict": (broken("no_key_on_tool_calls"), None, "--only", "proxy.idempotency_fresh"),
@@ -132,6 +134,14 @@ SKIPPED_HERE = {  # only the auth vectors written for another header (and for an
     "vectors.inbound:auth-custom-header-raw-value", "vectors.inbound:auth-custom-header-does-not-take-a-bearer-prefix",
     "vectors.inbound:auth-credential-in-the-wrong-header", "vectors.inbound:auth-empty-expected-token-never-matches",
 }
+
+
+def test_our_async_agent_on_the_asyncio_driver_passes_every_case_too(outcomes: Dict[str, Outcome]) -> None:
+    """The conformance agent as ``async def`` (its calls on the asyncio driver, on the server's one loop)."""
+    code, report, stderr = outcomes["our port, async agent"]
+    bad = [c for c in report["cases"] if c["status"] not in ("pass", "skip")]
+    assert code == 0 and bad == [], bad
+    assert statuses(report) == statuses(outcomes["our port, api profile"][1])  # the same cases ran and passed
 
 
 def test_our_port_passes_every_case_must_and_should(outcomes: Dict[str, Outcome]) -> None:
