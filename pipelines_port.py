@@ -376,7 +376,7 @@ class UnsupportedTransferCodingError(RequestError):
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112's grammar (§7.1 kit-strict-framing): where this request ends is
+    """A request head that breaks RFC 9112's grammar (§7.1 kit-strict-request-head): where this request ends is
     uncertain, so the connection closes after the reply; nothing after it is read as another request."""
 
 
