@@ -94,6 +94,12 @@ def served(request: pytest.FixtureRequest, framework: Tuple[str, FakeModelAPI],
     host = request.param
     if host == "serve":
         agent = concurrent_agents.FRAMEWORKS[name](fake.base_url, fake.api_key)
+
+        def blocking_call(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("an async framework's proxied tool used the blocking driver")
+
+        monkeypatch = request.getfixturevalue("monkeypatch")  # the bridges must await the asyncio driver
+        monkeypatch.setattr(pp.ProxyClient, "call", blocking_call)
         server = pp.start_server(agent, no_auth=True)
         try:
             yield f"http://127.0.0.1:{server.server_address[1]}"
