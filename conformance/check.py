@@ -41,6 +41,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
 
 import pipelines_port as pp
 
@@ -719,6 +720,55 @@ def _(c: Check) -> None:
         reply = c.dispatch(run, json.dumps(body).encode())
         if reply.status != 400:
             raise Failed(f"400 for the JSON body {show(body)}", describe(reply))
+
+
+# Request heads a front end and a lenient parser could frame differently (RFC 9112 sections 2.2, 5.1, 5.2, 6.1, 6.3):
+# each is sent with a whole second dispatch as its body, which must never run.
+SMUGGLING_HEADS: List[Tuple[str, List[str]]] = [
+    ("whitespace before a colon", ["Content-Length : {n}"]),
+    ("a tab before a colon", ["Content-Length: {n}", "Transfer-Encoding\t: chunked"]),
+    ("a field line without a colon", ["NoColonHere", "Content-Length: {n}"]),
+    ("a bare CR in a value", ["X-Note: a\rContent-Length: {n}"]),
+    ("obs-fold", ["X-Note: a", " Content-Length: {n}"]),
+    ("Transfer-Encoding with Content-Length", ["Content-Length: {n}", "Transfer-Encoding: chunked"]),
+    ("two different Content-Lengths", ["Content-Length: {n}", "Content-Length: 0"]),
+]
+
+
+@case("http.no_smuggling", "§2.3 step 0", "a head a front end could frame differently gets a whole refusal and a "
+      "close; the request hidden in its body never runs", ["no-request-smuggling"])
+def _(c: Check) -> None:
+    dispatcher = c.platform.dispatcher
+    host = f"Host: {urlsplit(dispatcher.url).netloc}"
+    credential = [f"{k}: {v}" for k, v in c.credential().items()]
+    problems: List[str] = []
+    for what, fields in SMUGGLING_HEADS:
+        run, proxy_run = c.new_run()
+        body = json.dumps(envelope_body(run, user_instruction=compact({"steps": [
+            {"call": "smuggled", "args": {}}]}))).encode()
+        inner_lines = [f"POST {dispatcher.path} HTTP/1.1", host, *credential, "Content-Type: application/json",
+                       *(f"{k}: {v}" for k, v in envelope_headers(run).items()), f"Content-Length: {len(body)}"]
+        inner = ("\r\n".join(inner_lines) + "\r\n\r\n").encode("latin-1") + body
+        outer = [f"POST {dispatcher.path} HTTP/1.1", host, *credential, *(f.replace("{n}", str(len(inner)))
+                                                                         for f in fields)]
+        reply = dispatcher.raw(("\r\n".join(outer) + "\r\n\r\n").encode("latin-1") + inner)
+        for _ in range(10):  # a hidden request parsed after the reply runs a moment later
+            if proxy_run.calls():
+                break
+            time.sleep(0.05)
+        if proxy_run.calls():
+            problems.append(f"{what}: the dispatch hidden in its body ran (its run reached the proxy)")
+        elif reply.status == 0:
+            problems.append(f"{what}: " + (f"a reply without a status line ({reply.data[:40]!r})" if reply.data
+                                             else "no reply at all"))
+        elif not 400 <= reply.status < 600:
+            problems.append(f"{what}: answered {reply.status}, not a refusal")
+        elif not reply.closed:
+            problems.append(f"{what}: {reply.status}, and the connection stayed open for more requests")
+    if problems:
+        raise Failed("each refused (400, 411 or 501) with a status line, then the connection closed",
+                     "; ".join(problems),
+                     hint="use a strict HTTP/1.1 parser (Node's and Go's servers refuse these by default)")
 
 
 @case("envelope.missing_proxy_url", "§2 step 5", "a dispatch without a proxy URL gets 400 naming it",

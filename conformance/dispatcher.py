@@ -109,6 +109,14 @@ def envelope_headers(run: Run) -> Dict[str, str]:
     return headers
 
 
+class RawReply(NamedTuple):
+    """What :meth:`Dispatcher.raw` read: the status (0: no status line), the bytes, whether the peer closed."""
+
+    status: int
+    data: bytes
+    closed: bool
+
+
 class Dispatcher:
     """Sends requests to one endpoint URL; safe to share between threads.
 
@@ -177,6 +185,37 @@ class Dispatcher:
         return self.post(body, headers=self.credential())
 
     # -- the wire ---------------------------------------------------------------------
+
+    def raw(self, data: bytes, wait_s: float = 5.0) -> RawReply:
+        """Send ``data`` as is on a connection of its own and read until the endpoint closes it or ``wait_s``
+        pass with nothing more after a whole reply; what came back, and whether the endpoint closed."""
+        import time
+
+        conn: Any = socket.create_connection((self._host, self._port), timeout=wait_s)
+        if self._scheme == "https":
+            conn = (self._ssl_context or ssl.create_default_context()).wrap_socket(conn, server_hostname=self._host)
+        received, closed = b"", False
+        deadline = time.monotonic() + wait_s
+        with conn:
+            conn.sendall(data)
+            while time.monotonic() < deadline:
+                try:
+                    chunk = conn.recv(65536)
+                except socket.timeout:
+                    break
+                except OSError:  # reset: closed, if rudely
+                    closed = True
+                    break
+                if not chunk:
+                    closed = True
+                    break
+                received += chunk
+                if b"\r\n\r\n" in received:
+                    conn.settimeout(1.0)  # a whole head is in: a closing endpoint closes at once
+        status = 0
+        if received.startswith(b"HTTP/1.") and received[8:9] == b" " and received[9:12].isdigit():
+            status = int(received[9:12])
+        return RawReply(status, received, closed)
 
     def post(self, body: Any, *, headers: Optional[Mapping[str, str]] = None,
              repeated: Sequence[Tuple[str, str]] = ()) -> Reply:

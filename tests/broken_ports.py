@@ -598,6 +598,16 @@ def sdk_style_error_detail() -> None:
         "unhandled exception in dispatch handler: " + original(exc, limit, *secrets))
 
 
+@variant("lenient_request_heads", "http.no_smuggling")
+def lenient_request_heads() -> None:
+    """http.server's own lenient head parser instead of the strict one: whitespace before a colon, obs-fold and
+    the like pass, so a request hidden in a body can be read as the next one."""
+    from http.server import BaseHTTPRequestHandler
+
+    _, handler = pp._server_classes()
+    handler.parse_request = BaseHTTPRequestHandler.parse_request  # type: ignore[attr-defined]
+
+
 @variant("other_jitter", None)
 def other_jitter() -> None:
     """Another backoff: 0.3 s × 2ⁿ ±50 %, at most 3 attempts."""
