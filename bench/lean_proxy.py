@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from typing import Any, List, Optional
 
 BASE = "/api/odyssey-proxy/runs/bench"
@@ -82,7 +83,8 @@ async def _serve(token_prefix: str, latency_s: float) -> None:
     port = server.sockets[0].getsockname()[1]
     done = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, done.set)
-    loop.add_reader(sys.stdin.fileno(), lambda: None if sys.stdin.readline() else done.set())
+    # stdin may be a pipe, a file or /dev/null (which epoll cannot watch): a thread waits for its end
+    threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(done.set)), daemon=True).start()
     print(json.dumps({"url": f"http://127.0.0.1:{port}{BASE}", "pid": os.getpid()}), flush=True)
     await done.wait()
     server.close()
