@@ -1886,7 +1886,7 @@ class RetryState:
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 
 
-def _final_text(value: Any, key: str, strict: bool = True) -> Optional[str]:
+def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
     """The final response as a string; frameworks' non-string outputs become JSON or ``str()``.
 
     A non-string ``final_response`` is refused in strict mode; otherwise it
@@ -1899,14 +1899,15 @@ def _final_text(value: Any, key: str, strict: bool = True) -> Optional[str]:
     if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
-        return json.dumps(value, ensure_ascii=False, default=str)
+        return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
     dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
     if callable(dump):
-        return str(dump())
-    return str(value)
+        return _called_text(dump, value)
+    return _safe_text(value)
 
 
-def _unpack_result(value: Any, strict: bool = True) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+def _unpack_result(value: Any, strict: bool = True,
+                   notes: Optional[List[str]] = None) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
     """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object.
 
     Only an envelope-shaped value (one with ``final_response``) contributes its
@@ -1919,11 +1920,11 @@ def _unpack_result(value: Any, strict: bool = True) -> Tuple[Optional[str], Any,
     if isinstance(value, Mapping):
         if "final_response" in value:
             extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
-            final = _final_text(value["final_response"], "final_response", strict)
+            final = _final_text(value["final_response"], "final_response", strict, notes)
             return final, value.get("messages"), value.get("metadata"), extra
         for key in _FINAL_KEYS[1:]:
             if value.get(key) is not None:
-                return _final_text(value[key], key), None, None, {}
+                return _final_text(value[key], key, notes=notes), None, None, {}
         return None, None, None, {}
     if value is None:
         return None, None, None, {}
@@ -1931,9 +1932,9 @@ def _unpack_result(value: Any, strict: bool = True) -> Tuple[Optional[str], Any,
         attr = getattr(value, key, None)
         if attr is not None and not callable(attr):
             if key == "final_response":
-                final = _final_text(attr, key, strict)
+                final = _final_text(attr, key, strict, notes)
                 return final, getattr(value, "messages", None), getattr(value, "metadata", None), {}
-            return _final_text(attr, key), None, None, {}
+            return _final_text(attr, key, notes=notes), None, None, {}
     raise ResponseError(
         f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
         "'final_response', or an object with final_response / final_output / output / message"
@@ -1976,42 +1977,144 @@ def _normalise_messages(messages: Any) -> Any:
     return out
 
 
-def _jsonable(value: Any, path: str, notes: List[str]) -> Any:
-    """A JSON-safe copy of ``value``: what JSON cannot carry is converted, each conversion noted with its path.
+MAX_JSON_DEPTH = 100  # nesting the builder keeps; deeper is cut (§7.7 kit-json-safe-response)
+MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits: the platform's JSON parser reads no longer integer
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
-    NaN and infinities become ``null`` (as FastAPI sends them); datetimes,
-    dates and times their ISO text; sets and tuples lists; bytes their UTF-8
-    text; other objects ``str(obj)``; non-string keys their text.
+
+def _jsonable(value: Any, path: str, notes: List[str], depth: int = 0,
+              active: Optional[Set[int]] = None) -> Any:
+    """A JSON-safe copy of ``value``: what JSON (or UTF-8) cannot carry is converted, each change noted with its
+    path, nothing dropped silently (§7.7 kit-json-safe-response).
+
+    NaN and infinities become ``null`` (as FastAPI sends them); lone surrogates U+FFFD (a pair split into two
+    code points is joined); integers of more than :data:`MAX_INT_DIGITS` digits their decimal text; datetimes,
+    dates and times their ISO text; sets and tuples lists; bytes their UTF-8 text; other objects their text
+    (``repr``, then the type name, when ``str`` raises); non-string keys their text, renamed ``"1 (int)"`` when
+    that text is taken; a value containing itself, or nested deeper than :data:`MAX_JSON_DEPTH`, is cut to a
+    marker string.
     """
-    if value is None or isinstance(value, (str, bool, int)):
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        if _SURROGATE_RE.search(value) is None:
+            return value
+        notes.append(f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8; sent as U+FFFD "
+                     "(a pair split into two code points joined)")
+        return _well_formed(value)
+    if isinstance(value, int):
+        if value.bit_length() < 14_000 or abs(value) < _int_limit():  # 10**4300 has 14,284 bits
+            return int(value)
+        notes.append(f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers read; "
+                     "sent as its decimal text")
+        return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
             return value
         notes.append(f"{path}: {value!r} is not JSON; sent as null")
         return None
-    if isinstance(value, Mapping):
-        out: Dict[str, Any] = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                notes.append(f"{path}: key {_short(repr(key), 40)} is not a string; sent as its text")
-                key = str(key)
-            out[key] = _jsonable(item, f"{path}.{key}", notes)
-        return out
-    if isinstance(value, (list, tuple, set, frozenset)):
-        if not isinstance(value, (list, tuple)):
-            notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
-            value = sorted(value, key=repr)
-        return [_jsonable(item, f"{path}[{i}]", notes) for i, item in enumerate(value)]
+    container = isinstance(value, (Mapping, list, tuple, set, frozenset))
+    if container:
+        active = set() if active is None else active
+        if id(value) in active:
+            notes.append(f"{_short(path, 200)}: contains itself (a cycle); cut there")
+            return "[cycle]"
+        if depth >= MAX_JSON_DEPTH:
+            notes.append(f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels; cut there")
+            return "[nested too deeply]"
+        active.add(id(value))
+        try:
+            if isinstance(value, Mapping):
+                return _jsonable_object(value, path, notes, depth, active)
+            if not isinstance(value, (list, tuple)):
+                notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
+                value = sorted(value, key=_safe_repr)
+            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+        finally:
+            active.discard(id(value))
     iso = getattr(value, "isoformat", None)
     if callable(iso):
         notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its ISO text")
-        return str(iso())
-    if isinstance(value, (bytes, bytearray)):
+        return _jsonable(_called_text(iso, value), path, notes, depth, active)
+    if isinstance(value, (bytes, bytearray, memoryview)):
         notes.append(f"{path}: bytes are not JSON; sent as UTF-8 text")
         return bytes(value).decode("utf-8", "replace")
     notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its text")
-    return str(value)
+    return _jsonable(_safe_text(value), path, notes, depth, active)
+
+
+def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str], depth: int,
+                     active: Set[int]) -> Dict[str, Any]:
+    """:func:`_jsonable` of a mapping: every key a string, none lost to a collision."""
+    out: Dict[str, Any] = {}
+    taken = {k for k in value if isinstance(k, str)}
+    for key, item in value.items():
+        name = _jsonable(key, f"{path}: key", notes) if isinstance(key, str) else _key_text(key)
+        if not isinstance(key, str):
+            shown = _short(_safe_repr(key), 40)
+            if name in taken or name in out:
+                base, n = f"{name} ({type(key).__name__})", 2
+                name = base
+                while name in taken or name in out:
+                    name, n = f"{base} {n}", n + 1
+                notes.append(f"{path}: key {shown} is not a string and its text is taken; sent as {name!r}")
+            else:
+                notes.append(f"{path}: key {shown} is not a string; sent as its text")
+        out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
+    return out
+
+
+def _well_formed(text: str) -> str:
+    """``text`` as valid Unicode: surrogate pairs joined, lone surrogates replaced by U+FFFD."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+@functools.lru_cache(maxsize=1)
+def _int_limit() -> int:
+    return int(10 ** MAX_INT_DIGITS)
+
+
+def _int_text(number: int) -> str:
+    """The decimal text of any integer, without ``str()``'s digit limit (divide and conquer)."""
+    if number < 0:
+        return "-" + _int_text(-number)
+    if number.bit_length() < 3000:  # well under any int_max_str_digits a process may set (640 at the least)
+        return str(number)
+    half = number.bit_length() * 30103 // 200000  # about half its decimal digits
+    high, low = divmod(number, 10 ** half)
+    return _int_text(high) + _int_text(low).zfill(half)
+
+
+def _key_text(key: Any) -> str:
+    """A non-string key's text, as ``json.dumps`` writes the ones it knows (``true``, ``null``, ``1``)."""
+    if key is None or isinstance(key, bool):
+        return json.dumps(key)
+    if isinstance(key, (int, float)):
+        return json.dumps(_jsonable(key, "key", []))
+    return _well_formed(_safe_text(key))
+
+
+def _safe_text(value: Any) -> str:
+    """``str(value)``, else ``repr``, else ``<TypeName>``: never raises."""
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - an object whose __str__ raises still gets a text
+        return _safe_repr(value)
+
+
+def _called_text(method: Callable[[], Any], value: Any) -> str:
+    """The text of ``method()`` (``isoformat``, ``model_dump_json``), else :func:`_safe_text` of ``value``."""
+    try:
+        return str(method())
+    except Exception:  # noqa: BLE001
+        return _safe_text(value)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__}>"
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -2023,7 +2126,8 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
     platform drops it to null.  ``final_response`` is never touched.
     """
     notes: List[str] = []
-    body = {key: (value if key == "final_response" else _jsonable(value, key, notes)) for key, value in body.items()}
+    body = _jsonable_object(body, "body", notes, 0, set())
+    notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
     messages = body.get("messages")
     if isinstance(messages, list):
         for i, message in enumerate(messages):
@@ -2070,7 +2174,8 @@ def response_envelope(
     ``strict=True`` refuses instead: :class:`ResponseError` lists every
     problem, the soft ones too, except the truncation warning.
     """
-    final, found_messages, found_metadata, extra = _unpack_result(value, strict)
+    unpacked: List[str] = []
+    final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
     if messages is None:
         messages = found_messages
     if metadata is None:
@@ -2081,9 +2186,10 @@ def response_envelope(
         body["messages"] = _normalise_messages(messages)
     if metadata is not None:
         body["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
-    notes: List[str] = []
+    notes: List[str] = unpacked
     if not strict:
-        body, notes = _as_the_platform_keeps(body)
+        body, kept = _as_the_platform_keeps(body)
+        notes = notes + kept
     found = validate_response(body)
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
@@ -2221,27 +2327,51 @@ def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: L
     return problems
 
 
-def _unencodable(value: Any, path: str) -> Optional[str]:
-    """The first place in ``value`` JSON cannot carry (NaN, infinity, a non-JSON type), or ``None``."""
-    if value is None or isinstance(value, (str, bool, int)):
+def _unencodable(value: Any, path: str, depth: int = 0, active: Optional[Set[int]] = None) -> Optional[str]:
+    """The first place in ``value`` that JSON (or the platform's parser, or UTF-8) cannot carry, with the fix,
+    or ``None``: NaN, infinity, a non-JSON type, a non-string key, a lone surrogate, an integer of more than
+    :data:`MAX_INT_DIGITS` digits, a value containing itself, nesting deeper than :data:`MAX_JSON_DEPTH`."""
+    if value is None or isinstance(value, bool):
         return None
+    if isinstance(value, str):
+        surrogate = _SURROGATE_RE.search(value)
+        if surrogate is None:
+            return None
+        return (f"{path}: a lone surrogate (U+{ord(surrogate.group()):04X}) at character {surrogate.start()} is "
+                "not valid UTF-8 (text cut mid-character?): replace it, e.g. text.encode('utf-16', 'surrogatepass')"
+                ".decode('utf-16', 'replace')")
+    if isinstance(value, int):
+        if value.bit_length() < 14_000 or abs(value) < _int_limit():
+            return None
+        return (f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers (the platform's "
+                "included) read: send it as a string")
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path}: {value!r} is not JSON"
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{path}: key {_short(repr(key), 40)} is not a string"
-            found = _unencodable(item, f"{path}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(value, (list, tuple)):
+        return None if math.isfinite(value) else f"{path}: {value!r} is not JSON: send null or a string"
+    if not isinstance(value, (Mapping, list, tuple)):
+        return f"{path}: {type(value).__name__} is not a JSON type: convert it (to a string, a list or an object)"
+    active = set() if active is None else active
+    if id(value) in active:
+        return f"{path}: contains itself (a cycle), which JSON cannot carry: send a copy without the back-reference"
+    if depth >= MAX_JSON_DEPTH:
+        return f"{path}: nested more than {MAX_JSON_DEPTH} levels: flatten it or send that part as text"
+    active.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    return f"{path}: key {_short(_safe_repr(key), 40)} is not a string: use string keys"
+                found_key = _unencodable(key, f"{path}: key", depth, active)
+                found = found_key or _unencodable(item, f"{path}.{key}", depth + 1, active)
+                if found:
+                    return found
+            return None
         for i, item in enumerate(value):
-            found = _unencodable(item, f"{path}[{i}]")
+            found = _unencodable(item, f"{path}[{i}]", depth + 1, active)
             if found:
                 return found
         return None
-    return f"{path}: {type(value).__name__} is not a JSON type"
+    finally:
+        active.discard(id(value))
 
 
 def validate_response(body: Any) -> List[str]:
@@ -2275,10 +2405,7 @@ def validate_response(body: Any) -> List[str]:
     problems.extend(_message_problems(body.get("messages"), warnings))
     problems.extend(_metadata_problems(body.get("metadata")))
     warnings.extend(_metadata_warnings(body.get("metadata")))
-    try:
-        unencodable = _unencodable(body, "body")
-    except RecursionError:
-        unencodable = "body: nested too deeply to encode"
+    unencodable = _unencodable(body, "body")
     if unencodable:
         problems.append(unencodable[len("body."):] if unencodable.startswith("body.") else unencodable)
     return problems + warnings
@@ -2300,8 +2427,12 @@ class HttpReply(NamedTuple):
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """A reply with ``payload`` as compact JSON and its Content-Length."""
-    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """A reply with ``payload`` as compact JSON (valid UTF-8: a lone surrogate goes as U+FFFD) and its
+    Content-Length."""
+    try:
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        body = json.dumps(_jsonable(payload, "reply", []), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
     headers.extend(extra_headers)
     return HttpReply(status, headers, body)
@@ -2323,7 +2454,8 @@ def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Opti
 
     Each of ``secrets`` is redacted from the whole text before it is shortened: a cut must never leave part
     of a token that redaction would no longer recognise (§7.6 kit-error-detail-shape)."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    message = _safe_text(exc)
+    text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
@@ -4362,11 +4494,11 @@ class DispatchApp:
         """The 200 reply for what the agent returned, its run token redacted; 500 when it cannot become one."""
         try:
             body = build_response(result, strict=self.strict)
+            reply = json_reply(200, body)
+            clean = _without_run_token(body, envelope, reply.body)
+            return reply if clean is body else json_reply(200, clean)
         except Exception as exc:  # noqa: BLE001 - a result that cannot become a response is a 500, never a crash
             return self._failed(exc, envelope, None)
-        reply = json_reply(200, body)
-        clean = _without_run_token(body, envelope, reply.body)
-        return reply if clean is body else json_reply(200, clean)
 
     def _failed(self, failed: BaseException, envelope: Envelope, stats: Optional[_DispatchStats]) -> HttpReply:
         """The one error path of a run: 504 for an overrun, 500 for an unbuildable result or a raising agent."""
@@ -4511,8 +4643,11 @@ def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..
     length = request_body_length(headers, app.max_body)
     body = _read_exactly(environ["wsgi.input"].read, length) if length else (b"" if length == 0 else None)
     started, method, target = time.monotonic(), environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/"
-    decision = app.decide(method, target, headers, body)
-    reply = app.carry_out(decision, method, target, headers, started)
+    try:
+        reply = app.carry_out(app.decide(method, target, headers, body), method, target, headers, started)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
+        _log.exception("building the reply failed")
+        reply = _fallback_reply(exc)
     # No Connection header here: PEP 3333 forbids hop-by-hop headers from a WSGI app (wsgiref refuses them);
     # the WSGI host frames and drains the body itself (gunicorn refuses obs-fold on its own).
     start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
@@ -4558,7 +4693,11 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
         body = b"".join(chunks)
     started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
     decision = app.decide(method, target, headers, body)
-    reply = await app.acarry_out(decision, method, target, headers, started)
+    try:
+        reply = await app.acarry_out(decision, method, target, headers, started)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
+        _log.exception("building the reply failed")
+        reply = _fallback_reply(exc)
     await send({"type": "http.response.start", "status": reply.status,
                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
                             for k, v in _host_reply_headers(reply, decision, length)]})
@@ -4772,7 +4911,12 @@ def _make_server_classes() -> Tuple[type, type]:
                             self.close_connection = True
                     close = close or len(body) < length
                 self.request_info = (headers, body)
-                self._send(app.handle(self.command, self.path, headers, body), close=close)
+                try:
+                    reply = app.handle(self.command, self.path, headers, body)
+                except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+                    _log.exception("building the reply failed")
+                    reply, close = _fallback_reply(exc), True
+                self._send(reply, close=close)
             finally:
                 self.server.leave(self)
 
@@ -5410,7 +5554,12 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
             _dispatch_stats.reset(bound)
         if failure is not None:
             raise failure  # outside the except clauses: no implicit context to show the original
-        return _without_run_token(build_response(result, strict=strict), envelope)
+        body = _without_run_token(build_response(result, strict=strict), envelope)
+        try:  # the sandbox serialises what run() returns: it must be JSON and UTF-8, or a clear error
+            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise ResponseError(f"the response cannot be sent as JSON: {describe_error(exc)}") from None
+        return body
 
     run.__name__ = "run"
     run.__qualname__ = "run"

@@ -332,6 +332,8 @@ export interface HandoffOptions extends TraceOptions, Target {
  * Both labels are validated as §3.5; a self-handoff is dropped (resolves null, nothing sent).
  */
 export declare function postHandoff(fromSubAgent: string, toSubAgent: string, { reason, payload_preview, ...options }?: HandoffOptions): Promise<TraceReply | null>;
+/** `text` as valid Unicode: each lone surrogate (a model's text cut mid-emoji) replaced by U+FFFD. */
+export declare function wellFormed(text: string): string;
 /** Options of buildResponse. */
 export interface BuildOptions {
     /** Override the transcript found in the value. */

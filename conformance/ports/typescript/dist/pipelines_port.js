@@ -986,8 +986,22 @@ function typeName(value) {
  *
  * A circular value throws ResponseError naming where it loops.
  */
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g;
+/** `text` as valid Unicode: each lone surrogate (a model's text cut mid-emoji) replaced by U+FFFD. */
+export function wellFormed(text) {
+    return text.replace(LONE_SURROGATE, "\uFFFD");
+}
+/** `text` made well-formed, the change noted with its path (§7.7 kit-json-safe-response). */
+function wellFormedNoted(text, path, notes) {
+    const fixed = wellFormed(text);
+    if (fixed !== text)
+        notes.push(`${path}: lone surrogates (text cut mid-character?) are not valid UTF-8; sent as U+FFFD`);
+    return fixed;
+}
 function jsonable(value, path, notes, ancestors = new Set()) {
-    if (value === null || typeof value === "string" || typeof value === "boolean")
+    if (typeof value === "string")
+        return wellFormedNoted(value, path, notes);
+    if (value === null || typeof value === "boolean")
         return value;
     if (typeof value === "number") {
         if (Number.isFinite(value))
@@ -1032,7 +1046,8 @@ function jsonableFields(value, prefix, notes, ancestors = new Set()) {
             notes.push(`${prefix}${key}: ${typeof item} is not JSON; dropped, as JSON.stringify drops it`);
             continue;
         }
-        out[key] = jsonable(item, prefix + key, notes, ancestors);
+        const name = wellFormedNoted(key, `${prefix || "body."}key`, notes);
+        out[name] = jsonable(item, prefix + name, notes, ancestors);
     }
     return out;
 }
@@ -1087,7 +1102,8 @@ function jsonLike(value) {
 function asThePlatformKeeps(body) {
     const notes = [];
     const { final_response, ...rest } = body;
-    const out = { final_response, ...jsonableFields(rest, "", notes) };
+    const final = typeof final_response === "string" ? wellFormedNoted(final_response, "final_response", notes) : final_response;
+    const out = { final_response: final, ...jsonableFields(rest, "", notes) };
     const messages = out["messages"];
     if (Array.isArray(messages)) {
         messages.forEach((message, i) => {
@@ -1332,7 +1348,9 @@ export function validateResponse(body) {
     return [...problems, ...warnings];
 }
 function jsonReply(status, payload, extraHeaders = []) {
-    const body = Buffer.from(JSON.stringify(payload), "utf8");
+    // Valid UTF-8 whatever a string holds: JSON.stringify would escape a lone surrogate, which the platform
+    // then parses back into text no UTF-8 store accepts.
+    const body = Buffer.from(JSON.stringify(payload, (_key, v) => (typeof v === "string" ? wellFormed(v) : v)), "utf8");
     return { status, headers: [["Content-Type", "application/json"], ["Content-Length", String(body.length)], ...extraHeaders], body };
 }
 const errorReply = (status, detail, extraHeaders = []) => jsonReply(status, { detail }, extraHeaders);
@@ -1646,7 +1664,14 @@ async function serveOne(app, req, res, isDraining) {
         }
         body = Buffer.concat(chunks);
     }
-    const reply = await app.handle(method, target, req.headers, body);
+    let reply;
+    try {
+        reply = await app.handle(method, target, req.headers, body);
+    }
+    catch (err) { // the last line of defence: a JSON 500, never a dropped connection or a text page
+        log("error", `building the reply failed: ${err instanceof Error ? err.name : typeof err}`);
+        reply = errorReply(500, `internal error while building the reply: ${err instanceof Error ? err.name : "Error"}`);
+    }
     send(res, reply, close || isDraining()); // a dispatch that finishes while draining closes its connection
 }
 function send(res, reply, close = false) {

@@ -1238,8 +1238,23 @@ function typeName(value: unknown): string {
  *
  * A circular value throws ResponseError naming where it loops.
  */
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g;
+
+/** `text` as valid Unicode: each lone surrogate (a model's text cut mid-emoji) replaced by U+FFFD. */
+export function wellFormed(text: string): string {
+  return text.replace(LONE_SURROGATE, "\uFFFD");
+}
+
+/** `text` made well-formed, the change noted with its path (§7.7 kit-json-safe-response). */
+function wellFormedNoted(text: string, path: string, notes: string[]): string {
+  const fixed = wellFormed(text);
+  if (fixed !== text) notes.push(`${path}: lone surrogates (text cut mid-character?) are not valid UTF-8; sent as U+FFFD`);
+  return fixed;
+}
+
 function jsonable(value: unknown, path: string, notes: string[], ancestors = new Set<object>()): Json {
-  if (value === null || typeof value === "string" || typeof value === "boolean") return value;
+  if (typeof value === "string") return wellFormedNoted(value, path, notes);
+  if (value === null || typeof value === "boolean") return value;
   if (typeof value === "number") {
     if (Number.isFinite(value)) return value;
     notes.push(`${path}: ${value} is not JSON; sent as null`);
@@ -1278,7 +1293,8 @@ function jsonableFields(value: Record<string, unknown>, prefix: string, notes: s
       notes.push(`${prefix}${key}: ${typeof item} is not JSON; dropped, as JSON.stringify drops it`);
       continue;
     }
-    out[key] = jsonable(item, prefix + key, notes, ancestors);
+    const name = wellFormedNoted(key, `${prefix || "body."}key`, notes);
+    out[name] = jsonable(item, prefix + name, notes, ancestors);
   }
   return out;
 }
@@ -1324,7 +1340,8 @@ function jsonLike(value: object): [unknown, string] {
 function asThePlatformKeeps(body: Body): { body: Body; notes: string[] } {
   const notes: string[] = [];
   const { final_response, ...rest } = body;
-  const out: Body = { final_response, ...jsonableFields(rest, "", notes) };
+  const final = typeof final_response === "string" ? wellFormedNoted(final_response, "final_response", notes) : final_response;
+  const out: Body = { final_response: final, ...jsonableFields(rest, "", notes) };
   const messages = out["messages"];
   if (Array.isArray(messages)) {
     messages.forEach((message: unknown, i) => {
@@ -1560,7 +1577,9 @@ export interface Reply {
 }
 
 function jsonReply(status: number, payload: unknown, extraHeaders: Array<[string, string]> = []): Reply {
-  const body = Buffer.from(JSON.stringify(payload), "utf8");
+  // Valid UTF-8 whatever a string holds: JSON.stringify would escape a lone surrogate, which the platform
+  // then parses back into text no UTF-8 store accepts.
+  const body = Buffer.from(JSON.stringify(payload, (_key, v: unknown) => (typeof v === "string" ? wellFormed(v) : v)), "utf8");
   return { status, headers: [["Content-Type", "application/json"], ["Content-Length", String(body.length)], ...extraHeaders], body };
 }
 
@@ -1918,7 +1937,13 @@ async function serveOne(app: DispatchApp, req: IncomingMessage, res: ServerRespo
     }
     body = Buffer.concat(chunks);
   }
-  const reply = await app.handle(method, target, req.headers, body);
+  let reply: Reply;
+  try {
+    reply = await app.handle(method, target, req.headers, body);
+  } catch (err) { // the last line of defence: a JSON 500, never a dropped connection or a text page
+    log("error", `building the reply failed: ${err instanceof Error ? err.name : typeof err}`);
+    reply = errorReply(500, `internal error while building the reply: ${err instanceof Error ? err.name : "Error"}`);
+  }
   send(res, reply, close || isDraining()); // a dispatch that finishes while draining closes its connection
 }
 
