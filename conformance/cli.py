@@ -29,6 +29,7 @@ COMMANDS: Dict[str, Tuple[Optional[str], str]] = {
     "check": ("check", "check a port's dispatch endpoint against the contract"),
     "dataset": ("dataset", "validate a task-seeding CSV (CONTRACT §6)"),
     "simulate": ("simulate", "run every dataset row against an agent through a local proxy"),
+    "merge": ("shards", "merge simulate --jsonl result files (one per shard) into one report"),
     "demo": ("demo", "run the bundled sample dataset against the minimal template"),
     "model": ("model", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
     "proxy": ("mock_proxy", "a mock per-run proxy and a curl dispatch to paste, to try an agent by hand"),

@@ -78,7 +78,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pipelines_port as pp
 
 from . import dataset as datasets
-from . import engine, report
+from . import engine, report, shards
 from .cli import prog
 from .mock_proxy import MockProxy, RecordedRequest
 
@@ -634,6 +634,10 @@ def simulate(
     hidden: Sequence[str] = (),
     describe: Optional[Dict[str, Any]] = None,
     jobs: int = 1,
+    only_rows: Optional[Sequence[int]] = None,
+    done: Optional[Mapping[int, Dict[str, Any]]] = None,
+    on_record: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+    label: str = "",
 ) -> Dict[str, Any]:
     """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
 
@@ -644,6 +648,10 @@ def simulate(
     runs are the same as one at a time (timings aside), listed in row order.
     Ctrl-C raises :class:`Interrupted` carrying the report of the finished rows
     (running ones are abandoned: their threads are daemons).
+
+    ``only_rows`` limits the run to those rows (a shard); ``done`` holds records of rows already run (a resumed
+    result file), which are reported and not run again; ``on_record(row, record)`` gets each new record, scrubbed,
+    as it finishes (the result file's writer); ``label`` prefixes each progress line (``[shard 2/3] ``).
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
@@ -653,10 +661,14 @@ def simulate(
         if p.row is not None and p.severity == "error":
             rejected.setdefault(p.row, []).append(p)
     rows = sorted(set(tasks) | set(rejected))
-    records: Dict[int, Dict[str, Any]] = {}
+    if only_rows is not None:
+        wanted = set(only_rows)
+        rows = [row for row in rows if row in wanted]
+    records: Dict[int, Dict[str, Any]] = {row: record for row, record in (done or {}).items() if row in rows}
     pending: queue.Queue[int] = queue.Queue()
     for row in rows:
-        pending.put(row)
+        if row not in records:
+            pending.put(row)
     finished: queue.Queue[Tuple[int, Dict[str, Any]]] = queue.Queue()
     stop = threading.Event()
 
@@ -675,11 +687,12 @@ def simulate(
                 record = _invalid_run(row, rejected[row])
             finished.put((row, record))
 
-    count = max(1, min(jobs, len(rows)))
+    count = max(1, min(jobs, len(rows) - len(records)))
     workers = [threading.Thread(target=work, name=f"simulate-{i}", daemon=True) for i in range(count)]
     for worker in workers:
         worker.start()
     interrupted = False
+    resumed = len(records)
     try:
         while len(records) < len(rows):
             try:
@@ -689,10 +702,12 @@ def simulate(
                     break
                 continue
             records[row] = record
+            if on_record is not None:
+                on_record(row, _scrub(record, hidden))
             if progress is not None:
-                done = len(records)
-                progress(f"[{done}/{len(rows)}] {_eta(done, len(rows), time.monotonic() - clock)} | "
-                         + report.progress_line(record))
+                count_done = len(records)
+                rate = _eta(count_done - resumed, len(rows) - resumed, time.monotonic() - clock)
+                progress(f"{label}[{count_done}/{len(rows)}] {rate} | " + report.progress_line(record))
     except KeyboardInterrupt:
         stop.set()
         interrupted = True
@@ -702,16 +717,10 @@ def simulate(
             except queue.Empty:
                 break
             records[row] = record
+            if on_record is not None:
+                on_record(row, _scrub(record, hidden))
     runs = [records[row] for row in rows if row in records]
-    summary = {
-        "runs": len(runs),
-        "ok": sum(1 for r in runs if r["status"] == "ok"),
-        "errors": sum(1 for r in runs if r["status"] != "ok"),
-        "tool_calls": sum(len(r["tool_calls"]) for r in runs),
-        "injected": sum(1 for r in runs for c in r["tool_calls"]
-                        if c.get("source") == "injected" and not c.get("replayed")),
-        "flagged": sum(1 for r in runs if (r.get("outcome") or {}).get("flags")),
-    }
+    summary = shards.summarise(runs)
     if interrupted:
         summary["not_run"] = len(rows) - len(runs)
     result: Dict[str, Any] = {
@@ -781,6 +790,14 @@ def _parser() -> argparse.ArgumentParser:
                              "set (the process environment is shared): run() gets its run through its arguments")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"per-row limit for the agent (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--shard", metavar="K/N",
+                        help="run only the K-th of N shards of the dataset (rows K, K+N, K+2N, ... in file order; "
+                             "JOB_COMPLETION_INDEX+1 in a Kubernetes indexed Job)")
+    parser.add_argument("--jsonl", metavar="OUT.jsonl",
+                        help="append each finished row to OUT.jsonl at once (a header record first): a crash loses "
+                             f"only the rows in flight; merge shards' files with {prog('merge')}")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --jsonl: skip the rows OUT.jsonl already holds and append the rest")
     parser.add_argument("--json", metavar="OUT",
                         help="write the JSON report to OUT ('-' for stdout instead of the text report)")
     parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML report to OUT")
@@ -840,6 +857,12 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SetupError(f"--jobs must be between 1 and 256, got {args.jobs}")
     if args.code and (args.token or args.token_env):
         raise SetupError("--token/--token-env are for --url agents; a --code agent is called directly")
+    if args.resume and not args.jsonl:
+        raise SetupError("--resume continues a --jsonl result file: give --jsonl OUT.jsonl")
+    try:
+        shard = shards.parse_shard(args.shard) if args.shard is not None else None
+    except shards.ShardError as exc:
+        raise SetupError(str(exc)) from None
     data = datasets.load_dataset(args.csv)
     for line in datasets.format_problems(data):
         say(line)
@@ -871,17 +894,51 @@ def run_cli(args: argparse.Namespace) -> int:
     model = _choose_model(args, agent)
     describe = {"agent": {"mode": agent.mode, "target": agent.target},
                 "fixtures": args.responses, "tools_schema": args.tools, "model": model}
-    interrupted = False
-    with contextlib.ExitStack() as stack:
-        if model == "scripted":
-            stack.enter_context(_scripted_model(agent, say))
+    all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
+                                                     if p.row is not None and p.severity == "error"})
+    shard_rows = shards.shard_rows(all_rows, shard)
+    label = f"[shard {shard}] " if shard else ""
+    if shard:
+        say(f"simulate: shard {shard}: {len(shard_rows)} of {len(all_rows)} rows")
+    result_file: Optional[shards.ResultFile] = None
+    if args.jsonl:
+        header = shards.header_record(
+            dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
+                     "problems": [p.to_json() for p in data.problems]},
+            agent=_agent_identity(agent), options=_option_identity(args, model), shard=shard, rows=shard_rows,
+            all_rows=all_rows)
+        header["describe"] = _scrub(describe, hidden)
+        header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
-            result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say, hidden=hidden,
-                              describe=describe, jobs=args.jobs)
-        except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
-            result, interrupted = stopped.result, True
-            say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
-                f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
+            result_file = shards.ResultFile(args.jsonl, header, resume=args.resume)
+        except OSError as exc:
+            raise SetupError(f"--jsonl: cannot write {args.jsonl}: {exc.strerror or exc}") from None
+        except shards.ShardError as exc:
+            raise SetupError(str(exc)) from None
+        if result_file.done:
+            say(f"simulate: --resume: {len(result_file.done)} row(s) already in {args.jsonl}, "
+                f"{len([r for r in shard_rows if r not in result_file.done])} to run")
+        if result_file.dropped_partial:
+            say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its row runs again")
+    interrupted = False
+    try:
+        with contextlib.ExitStack() as stack:
+            if model == "scripted":
+                stack.enter_context(_scripted_model(agent, say))
+            try:
+                result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say,
+                                  hidden=hidden, describe=describe, jobs=args.jobs, only_rows=shard_rows,
+                                  done=result_file.done if result_file else None,
+                                  on_record=result_file.add if result_file else None, label=label)
+            except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
+                result, interrupted = stopped.result, True
+                say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
+                    f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
+    finally:
+        if result_file is not None:
+            result_file.close()
+    if shard:
+        result["shard"] = str(shard)
 
     if args.json:
         text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
@@ -896,6 +953,29 @@ def run_cli(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 0 if result["summary"]["errors"] == 0 else 1
+
+
+def _file_identity(path: Optional[str]) -> Optional[Dict[str, str]]:
+    """A file as a result file's header names it: its base name and content hash (paths differ between machines)."""
+    if not path:
+        return None
+    try:
+        return {"name": os.path.basename(path), "sha256": shards.file_sha256(path)}
+    except OSError:
+        return {"name": os.path.basename(path), "sha256": ""}
+
+
+def _agent_identity(agent: Any) -> Dict[str, Any]:
+    """What makes two runs' agents the same: a --code agent's file content and entry, a --url agent's URL."""
+    if isinstance(agent, CodeAgent):
+        return {"mode": "code", "file": _file_identity(str(agent.path)), "entry": agent.function_name}
+    return {"mode": agent.mode, "target": agent.target}
+
+
+def _option_identity(args: argparse.Namespace, model: Optional[str]) -> Dict[str, Any]:
+    """The options that change what a row's run gives (so shards of one simulation must share them)."""
+    return {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
+            "model": model, "strict": bool(args.code) and not args.lenient}
 
 
 def _required_env(agent: Any) -> List[str]:

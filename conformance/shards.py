@@ -1,0 +1,315 @@
+"""Simulations beyond one machine: shards of a dataset, a streamed result file, resume, merge.
+
+``simulate --shard K/N`` runs the K-th of N shards; ``--jsonl OUT.jsonl`` appends every finished row to OUT as
+one JSON record, flushed at once, after a header record (dataset, agent, options, shard); ``--resume`` skips
+the rows OUT already holds; ``merge A.jsonl B.jsonl ... --json ALL.json --html report.html``
+makes the report of the whole dataset from the shards' files (``pipelines-port merge``, or
+``python3 -m conformance merge`` in a checkout).
+
+The split: the dataset's rows in file order, row number ``i`` (counting from 0 in that order) going to shard
+``i % N + 1``.  It depends only on the dataset, so every job of an N-way split computes the same shards with no
+coordination, re-runs give the same rows, and the shards differ in size by one row at most.
+
+A record is one line: its JSON, then ``\\n``, written by one ``write`` and flushed.  A crash can leave at most
+the last line cut short; ``--resume`` drops such a line (its row runs again) and ``merge`` names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from typing import Any, Dict, IO, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from . import report
+from .cli import prog
+
+__all__ = ["Shard", "parse_shard", "shard_rows", "ResultFile", "ShardFile", "read_result_file", "merge_files",
+           "summarise", "main"]
+
+HEADER_KIND = "pipelines_port.simulation.header"
+RUN_KIND = "pipelines_port.simulation.run"
+VERSION = 1
+
+
+class ShardError(Exception):
+    """Bad input to a shard, a result file or a merge: one line that names the problem."""
+
+
+class Shard(NamedTuple):
+    index: int  # K, from 1
+    count: int  # N
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+_SHARD_RE = re.compile(r"\s*(\d{1,6})\s*/\s*(\d{1,6})\s*")
+
+
+def parse_shard(text: str) -> Shard:
+    """``"2/3"`` as ``Shard(2, 3)``; anything else (``0/3``, ``4/3``, ``x/y``) raises :class:`ShardError`."""
+    match = _SHARD_RE.fullmatch(text or "")
+    if match is None:
+        raise ShardError(f"--shard: expected K/N, the K-th of N shards (e.g. 2/3), got {text!r}")
+    index, count = int(match.group(1)), int(match.group(2))
+    if count < 1 or not 1 <= index <= count:
+        raise ShardError(f"--shard: K must be between 1 and N (shards are counted from 1), got {index}/{count}")
+    return Shard(index, count)
+
+
+def shard_rows(rows: Sequence[int], shard: Optional[Shard]) -> List[int]:
+    """The rows of ``shard`` (all of them without one): every N-th row in file order, starting at the K-th."""
+    ordered = sorted(rows)
+    if shard is None:
+        return ordered
+    return [row for i, row in enumerate(ordered) if i % shard.count == shard.index - 1]
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 16), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# The result file: a header line, then one line per finished row
+# ---------------------------------------------------------------------------
+
+
+class ShardFile(NamedTuple):
+    """What a result file holds: its header, its runs by row, and whether its last line was cut short."""
+
+    path: str
+    header: Dict[str, Any]
+    runs: Dict[int, Dict[str, Any]]
+    partial_line: Optional[int]  # the line number of a cut-short last record, if any
+    good_bytes: int  # the length of the file up to its last whole record
+
+
+def read_result_file(path: str) -> ShardFile:
+    """Read a result file; a cut-short last line is reported, not fatal; anything else malformed raises."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ShardError(f"cannot read {path}: {exc.strerror or exc}") from None
+    lines = data.split(b"\n")
+    last_complete = data.endswith(b"\n")
+    header: Optional[Dict[str, Any]] = None
+    runs: Dict[int, Dict[str, Any]] = {}
+    partial: Optional[int] = None
+    good = 0
+    for number, raw in enumerate(lines, 1):
+        if number == len(lines):  # after the last "\n": empty, or a line cut short by a crash
+            if raw.strip():
+                partial = number
+            break
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            if number == len(lines) - 1 and not last_complete:
+                partial = number
+                break
+            raise ShardError(f"{path}:{number}: not a JSON record: the file is damaged (only its last line can "
+                             "be cut short by a crash)") from None
+        if not isinstance(record, dict):
+            raise ShardError(f"{path}:{number}: not a JSON object")
+        if number == 1:
+            if record.get("kind") != HEADER_KIND:
+                raise ShardError(f"{path}: not a simulate --jsonl result file (its first line is no header record)")
+            if record.get("version") != VERSION:
+                raise ShardError(f"{path}: result file version {record.get('version')!r}; this kit reads {VERSION}")
+            header = record
+        elif record.get("kind") == RUN_KIND and isinstance(record.get("row"), int) and isinstance(record.get("run"),
+                                                                                                    dict):
+            row = record["row"]
+            if row in runs:
+                raise ShardError(f"{path}:{number}: row {row} is recorded twice")
+            runs[row] = record["run"]
+        else:
+            raise ShardError(f"{path}:{number}: not a run record")
+        good += len(raw) + 1
+    if header is None:
+        raise ShardError(f"{path}: empty: no header record (was the simulation killed before it started?)")
+    return ShardFile(path, header, runs, partial, good)
+
+
+def _same_run(header: Mapping[str, Any], other: Mapping[str, Any]) -> List[str]:
+    """What differs between two headers of one simulation (dataset, agent, options): empty when they agree."""
+    differences = []
+    if header.get("dataset", {}).get("sha256") != other.get("dataset", {}).get("sha256"):
+        differences.append(f"the dataset (sha256 {str(header.get('dataset', {}).get('sha256'))[:12]} vs "
+                           f"{str(other.get('dataset', {}).get('sha256'))[:12]})")
+    for key in ("agent", "options"):
+        if header.get(key) != other.get(key):
+            differences.append(f"the {key} ({json.dumps(header.get(key))} vs {json.dumps(other.get(key))})")
+    return differences
+
+
+class ResultFile:
+    """A ``--jsonl`` file being written: its header first, then one flushed line per finished row."""
+
+    def __init__(self, path: str, header: Dict[str, Any], *, resume: bool) -> None:
+        self.path = path
+        self.done: Dict[int, Dict[str, Any]] = {}
+        self.dropped_partial = False
+        exists = os.path.exists(path) and os.path.getsize(path) > 0
+        if exists and not resume:
+            raise ShardError(f"--jsonl: {path} exists: add --resume to continue it, or remove it to start over")
+        if exists:
+            found = read_result_file(path)
+            differences = _same_run(found.header, header)
+            if found.header.get("shard") != header.get("shard"):
+                differences.append(f"the shard ({found.header.get('shard')} vs {header.get('shard')})")
+            if differences:
+                raise ShardError(f"--resume: {path} was written for another simulation: " + "; ".join(differences))
+            self.done = found.runs
+            if found.partial_line is not None:  # a crash cut the last record short: that row runs again
+                with open(path, "r+b") as f:
+                    f.truncate(found.good_bytes)
+                self.dropped_partial = True
+            self._file: IO[str] = open(path, "a", encoding="utf-8")
+        else:
+            self._file = open(path, "w", encoding="utf-8")
+            self._write(header)
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")  # one write: one whole line
+        self._file.flush()
+
+    def add(self, row: int, run: Mapping[str, Any]) -> None:
+        self._write({"kind": RUN_KIND, "row": row, "run": run})
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def header_record(*, dataset: Mapping[str, Any], agent: Any, options: Mapping[str, Any],
+                  shard: Optional[Shard], rows: Sequence[int], all_rows: Sequence[int]) -> Dict[str, Any]:
+    return {"kind": HEADER_KIND, "version": VERSION, "dataset": dict(dataset), "agent": agent,
+            "options": dict(options), "shard": str(shard) if shard else None, "rows": list(rows),
+            "all_rows": list(all_rows)}
+
+
+# ---------------------------------------------------------------------------
+# Summaries and the merge
+# ---------------------------------------------------------------------------
+
+
+def summarise(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The report's ``summary`` of ``runs`` (what ``simulate`` writes)."""
+    return {
+        "runs": len(runs),
+        "ok": sum(1 for r in runs if r["status"] == "ok"),
+        "errors": sum(1 for r in runs if r["status"] != "ok"),
+        "tool_calls": sum(len(r["tool_calls"]) for r in runs),
+        "injected": sum(1 for r in runs for c in r["tool_calls"]
+                        if c.get("source") == "injected" and not c.get("replayed")),
+        "flagged": sum(1 for r in runs if (r.get("outcome") or {}).get("flags")),
+    }
+
+
+def merge_files(paths: Sequence[str], *, allow_partial: bool = False) -> Tuple[Dict[str, Any], List[str]]:
+    """The report of the whole dataset from shards' result files, and warnings; raises :class:`ShardError`."""
+    if not paths:
+        raise ShardError("merge: give the result files to merge (simulate --jsonl ...)")
+    files = [read_result_file(p) for p in paths]
+    first = files[0]
+    for other in files[1:]:
+        differences = _same_run(first.header, other.header)
+        if differences:
+            raise ShardError(f"merge: {other.path} and {first.path} come from different simulations: "
+                             + "; ".join(differences))
+    warnings: List[str] = []
+    owner: Dict[int, str] = {}
+    runs: Dict[int, Dict[str, Any]] = {}
+    for found in files:
+        for row, run in found.runs.items():
+            if row in owner:
+                raise ShardError(f"merge: row {row} is in both {owner[row]} and {found.path} (the same shard "
+                                 "twice, or overlapping splits)")
+            owner[row], runs[row] = found.path, run
+        if found.partial_line is not None:
+            warnings.append(f"{found.path}:{found.partial_line}: a record cut short (a crash?); its row counts as "
+                            f"missing: finish that shard with simulate --resume")
+    all_rows = [int(r) for r in first.header.get("all_rows") or []]
+    missing = [row for row in all_rows if row not in runs]
+    if missing:
+        shown = ", ".join(str(r) for r in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        message = f"{len(missing)} of {len(all_rows)} rows have no record ({shown})"
+        if not allow_partial:
+            raise ShardError(f"merge: {message}: merge every shard's file, or pass --allow-partial"
+                             + (f" ({warnings[0]})" if warnings else ""))
+        warnings.append(f"merge: {message}; the report covers the others (--allow-partial)")
+    ordered = [runs[row] for row in sorted(runs)]
+    dataset = dict(first.header["dataset"])
+    result: Dict[str, Any] = {
+        "kind": "pipelines_port.simulation",
+        "version": 1,
+        "started_at": min((f.header.get("started_at") or "" for f in files), default=""),
+        "duration_ms": round(sum(float(r.get("duration_ms") or 0) for r in ordered), 1),  # the rows' own time
+        "jobs": len(files),
+        "interrupted": False,
+        "dataset": {"file": dataset.get("file"), "rows": dataset.get("rows"), "problems": dataset.get("problems", [])},
+        "summary": summarise(ordered),
+        "runs": ordered,
+        "merged_from": [{"file": f.path, "shard": f.header.get("shard"), "runs": len(f.runs)} for f in files],
+    }
+    if missing:
+        result["summary"]["not_run"] = len(missing)
+    result.update(first.header.get("describe") or {})
+    return result, warnings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog("merge"),
+        description="Merge simulate --jsonl result files (one per shard) into the report of the whole dataset.")
+    parser.add_argument("files", nargs="+", metavar="FILE.jsonl", help="the shards' result files")
+    parser.add_argument("--json", metavar="OUT", help="write the merged JSON report to OUT (- for stdout)")
+    parser.add_argument("--html", metavar="OUT", help="write the merged HTML report to OUT")
+    parser.add_argument("--allow-partial", action="store_true",
+                        help="merge even when rows have no record (a warning instead of an error)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        result, warnings = merge_files(args.files, allow_partial=args.allow_partial)
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        if args.json:
+            text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
+            if args.json == "-":
+                print(text)
+            else:
+                _write(args.json, text + "\n")
+        if args.html:
+            _write(args.html, report.render_html(result))
+    except ShardError as exc:
+        print(str(exc) if str(exc).startswith("merge") else f"merge: {exc}", file=sys.stderr)
+        return 2
+    if args.json != "-":
+        print(report.render_text(result))
+    return 0 if result["summary"]["errors"] == 0 else 1
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # never a half-written report
+    except OSError as exc:
+        raise ShardError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
