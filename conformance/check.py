@@ -99,8 +99,26 @@ class Finding(NamedTuple):
     hint: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {"rule": self.rule, "level": self.level, "section": contract.rule(self.rule).section,
+        return {"rule": self.rule, "level": self.level, "kind": rule_kind(self.rule),
+                "source": rule_source(self.rule), "section": contract.rule(self.rule).section,
                 "expected": self.expected, "got": self.got, "hint": self.hint}
+
+
+def rule_kind(rule_id: str) -> str:
+    """``platform MUST``, ``platform SHOULD`` or ``kit`` (pipelines_port's own choice, ``--profile api``)."""
+    rule = contract.rule(rule_id)
+    return "kit" if rule_id.startswith("kit-") else f"platform {rule.level}"
+
+
+def rule_source(rule_id: str) -> str:
+    """Where a rule comes from: its own ``Source:`` sentence in CONTRACT.md, else the platform's documents (a
+    platform rule) or the kit's choice (a ``kit-`` rule)."""
+    text = contract.rule(rule_id).text
+    if "Source: " in text:
+        return text.split("Source: ", 1)[1].split(". ", 1)[0].rstrip(".")
+    if rule_id.startswith("kit-"):
+        return "pipelines_port's choice where the platform is silent (CONTRACT §7)"
+    return "the platform's documents (the porting guide, the response schema)"
 
 
 class Case(NamedTuple):
@@ -328,8 +346,9 @@ class Check:
     def scan(self, reply: Reply) -> None:
         leaked = self.platform.leak_in(reply, self.case.id)
         if leaked:
+            rule = AGENT_TEXT_RULE if self.case.rules[0] == AGENT_TEXT_RULE else "run-token-secret"
             raise Failed("no run token or agent token in any response",
-                         f"HTTP {reply.status} whose body or headers show {leaked}", "run-token-secret")
+                         f"HTTP {reply.status} whose body or headers show {leaked}", rule)
 
     def credential(self, token: Optional[str] = None) -> Dict[str, str]:
         return self.platform.dispatcher.credential(token)
@@ -563,6 +582,7 @@ def expect_refused(ran: Ran, outcome: Any, what: str, *, or_by_proxy: bool = Fal
 # ---------------------------------------------------------------------------
 
 CASES: List[Case] = []
+AGENT_TEXT_RULE = "agent-text-scrubbed"  # a token in text the agent wrote: SHOULD; one the wrapper adds: MUST
 
 
 def case(case_id: str, section: str, title: str, rules: Sequence[str],
@@ -713,7 +733,7 @@ def _(c: Check) -> None:
         raise Failed("400 for invalid JSON", describe(reply))
 
 
-@case("http.non_object_body", "§2 steps 2-5", "a JSON body that is not an object gets 400", ["non-object-body-400"])
+@case("http.non_object_body", "§2 steps 2-5", "a JSON body that is not an object gets 400", ["kit-non-object-body-400"])
 def _(c: Check) -> None:
     for body in ([{"ping": True}], "hello", 3, None):
         run, _ = c.new_run()
@@ -833,7 +853,7 @@ FIELD_RULES = {
     "run_token_jti": "ids-body-then-headers", "user_instruction": "prompt-field", "task_input": "task-input-nesting",
     "latest_user_prompt": "multi-turn-fields", "session_id": "multi-turn-fields", "turn_id": "multi-turn-fields",
     "messages": "multi-turn-fields", "scenario_state": "multi-turn-fields", "workspace": "workspace-field",
-    "tools_schema": "tools-schema-inline", "sub_agents": "sub-agents-catalog", "api_url": "proxy-url-source",
+    "tools_schema": "tools-schema-inline", "sub_agents": "kit-sub-agents-catalog", "api_url": "proxy-url-source",
     "raw": "unknown-fields-available",
 }
 
@@ -864,7 +884,7 @@ def compare_echo(c: Check, echoed: Mapping[str, Any], wanted: Mapping[str, Any])
 
 @case("envelope.echo", "§2", "every envelope field reaches the agent with its native type; unknown fields kept",
       ["unknown-fields-tolerated", "prompt-field", "task-input-nesting", "proxy-url-source", "native-id-types",
-       "sub-agents-catalog", "unknown-fields-available", "tools-schema-inline"])
+       "kit-sub-agents-catalog", "unknown-fields-available", "tools-schema-inline"])
 def _(c: Check) -> None:
     run, _ = c.new_run()
     task_input = {"customer_id": "cust_99", "order_id": "4521"}
@@ -906,7 +926,7 @@ def _(c: Check) -> None:
 
 
 @case("envelope.sub_agents_catalog", "§2.2", "the declared sub_agents: labels and {actor_id} objects, trimmed, "
-      "malformed entries skipped", ["sub-agents-catalog", "actor-label-trim"])
+      "malformed entries skipped", ["kit-sub-agents-catalog", "actor-label-trim"])
 def _(c: Check) -> None:
     run, _ = c.new_run()
     declared = ["  triage ", {"actor_id": " billing/refunds"}, 7, {"name": "x"}, "", None, "triage"]
@@ -996,7 +1016,7 @@ def _(c: Check) -> None:
 
 
 @case("proxy.non_json_reply", "§3.2", "a non-JSON 200 body (an older proxy) arrives as the original text",
-      ["legacy-whole-body"])
+      ["kit-legacy-whole-body"])
 def _(c: Check) -> None:
     ran = c.script([{"call": "export_csv", "args": {}}], setup=lambda p: p.script(
         "export_csv", [{"body": "id,total\n1,9.5\n", "headers": {"Content-Type": "text/csv"}}]))
@@ -1418,14 +1438,14 @@ def _(c: Check) -> None:
                describe(ran.reply), "agent-error-detail")
 
 
-@case("response.no_traceback", "§2 step 8", "a 500 detail is one line: no stack trace, no file paths",
+@case("response.no_traceback", "§2 step 8", "a 500 detail shows no stack trace and no source file positions",
       ["no-traceback-in-body"])
 def _(c: Check) -> None:
     message = "conformance-deep-" + secrets.token_hex(4)
     ran = c.script([{"raise": message}])
-    detail = error_detail(c, ran.reply, message)
-    if "\n" in detail.strip() or TRACEBACK.search(ran.reply.text):
-        raise Failed("a one-line detail without a stack trace (keep the traceback in the server log)",
+    error_detail(c, ran.reply, message)
+    if TRACEBACK.search(ran.reply.text):  # traceback text only: a framework's detail list ({"detail": [...]}) is fine
+        raise Failed("a detail without a stack trace (keep the traceback in the server log)",
                      show(ran.reply.text[:300]), hint="send type and message only; log the stack trace")
 
 
@@ -1463,7 +1483,7 @@ def _(c: Check) -> None:
 
 
 @case("secrets.agent_error_detail", "§2 step 8, §2 (run token: secret)",
-      "a run token inside an agent's error never reaches the 500 body", ["run-token-secret", "agent-error-500"])
+      "a run token inside an agent's error never reaches the 500 body", [AGENT_TEXT_RULE, "agent-error-500"])
 def _(c: Check) -> None:
     run, _proxy_run = c.new_run()
     reply = c.dispatch(run, user_instruction=compact({"steps": [{"raise": f"cannot use {run.run_token} here"}]}))
@@ -1486,13 +1506,13 @@ def _(c: Check) -> None:
         shown = c.platform.token_part_in(reply.text)
         if shown:
             raise Failed("no part of a run token in the 500 detail, wherever the detail is cut",
-                         f"HTTP {reply.status} showing {shown!r} of the run token", "run-token-secret",
+                         f"HTTP {reply.status} showing {shown!r} of the run token", AGENT_TEXT_RULE,
                          hint="redact the whole message first, then shorten it")
 
 
 @case("secrets.agent_response", "§2 (run token: secret)",
       "a response the agent built around its run token goes out without it (redacted, or refused)",
-      ["run-token-secret"])
+      [AGENT_TEXT_RULE])
 def _(c: Check) -> None:
     run, _proxy_run = c.new_run()
     token = run.run_token
@@ -1905,9 +1925,11 @@ VECTOR_BUILDERS: List[Tuple[str, Callable[[Dict[str, Any], Dict[str, Any]], Opti
 
 
 def _no_token_anywhere(c: Check) -> None:
-    if c.platform.leaks:
+    agent_text = {case.id for case in CASES if case.rules[0] == AGENT_TEXT_RULE}
+    leaks = [leak for leak in c.platform.leaks if leak.split(":", 1)[0] not in agent_text]
+    if leaks:
         raise Failed(f"no secret in any of the {c.platform.bodies_seen} responses received",
-                     f"{len(c.platform.leaks)}: " + "; ".join(c.platform.leaks[:5]))
+                     f"{len(leaks)}: " + "; ".join(leaks[:5]))
 
 
 SCAN_CASE = Case("secrets.no_token_in_any_body", "§2 (run token: secret)",
@@ -2037,6 +2059,15 @@ def level_met(results: Sequence[Result]) -> str:
     if "MUST" in broken:
         return "none"
     return "MUST" if "SHOULD" in broken else "MUST+SHOULD"
+
+
+def levels_by_profile(results: Sequence[Result]) -> Dict[str, str]:
+    """The level met on the platform's rules (``wire``) and, when the kit's rules ran, on those too (``api``)."""
+    wire = [r._replace(findings=tuple(f for f in r.findings if not f.rule.startswith("kit-"))) for r in results]
+    met = {"wire": level_met(wire)}
+    if any(r.case.rules and r.case.rules[0].startswith("kit-") for r in results):
+        met["api"] = level_met(results)
+    return met
 
 
 def advice(results: Sequence[Result]) -> List[str]:
@@ -2223,7 +2254,8 @@ def _preflight(dispatcher: Dispatcher, token: Optional[str]) -> None:
 def _write_json(where: str, url: str, results: Sequence[Result], options: Options, mode: str) -> None:
     counts = {s: sum(1 for r in results if r.status == s) for s in ("pass", "fail", "warn", "skip")}
     doc = {"url": url, "profile": options.profile, "strict": options.strict, "mode": mode,
-           "level_met": level_met(results), "passed": counts["pass"], "failed": counts["fail"],
+           "level_met": level_met(results), "level_met_by_profile": levels_by_profile(results),
+           "passed": counts["pass"], "failed": counts["fail"],
            "warned": counts["warn"], "skipped": counts["skip"], "by_level": counts_by_level(results),
            "advice": advice(results), "cases": [r.to_json() for r in results]}
     text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"

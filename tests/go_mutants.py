@@ -62,7 +62,7 @@ MUTANTS = [
     _m("invalid_json_500", "invalid-json-400",
        (SERVER, 'return refuse(http.StatusBadRequest, "body is not valid JSON: "',
         'return refuse(http.StatusInternalServerError, "body is not valid JSON: "')),
-    _m("non_object_body_500", "non-object-body-400",
+    _m("non_object_body_500", "kit-non-object-body-400",
        (SERVER, 'return refuse(http.StatusBadRequest, "body must be a JSON object, got "+jsonType(payload))',
         'return refuse(http.StatusInternalServerError, "interface conversion: interface {} is not map[string]interface {}")')),
     _m("envelope_error_500", "envelope-missing-400",

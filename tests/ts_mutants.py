@@ -65,7 +65,7 @@ MUTANTS = [
     _m("truthy_ping", "ping-strict",
        ('return isObject(body) && Object.keys(body).length === 1 && body["ping"] === true;',
         'return isObject(body) && Boolean(body["ping"]);')),
-    _m("non_object_body_crashes", "non-object-body-400",
+    _m("non_object_body_crashes", "kit-non-object-body-400",
        ("    if (!isObject(payload)) return { reply: errorReply(400, `body must be a JSON object, got ${jsonType(payload)}`), what: \"rejected\" };",
         "    if (!isObject(payload)) return { reply: errorReply(500, \"TypeError: Cannot read properties of null (reading 'input')\"), what: \"rejected\" };")),
     # -- the envelope (§2.2)

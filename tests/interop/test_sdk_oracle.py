@@ -277,7 +277,7 @@ HEADER_FIELDS = frozenset(HEADERS_OF_FIELD)
 # An entry no generated case needs is stale and fails too (remove it once the two agree).
 DELIBERATE_DIFFERENCES: Dict[str, Deliberate] = {
     "non-object-body": Deliberate(
-        "ours refuses a body that is not a JSON object (non-object-body-400); the SDK reads a falsy one "
+        "ours refuses a body that is not a JSON object (kit-non-object-body-400); the SDK reads a falsy one "
         "([], 0, \"\", null) as {} and crashes (AttributeError) on any other",
         frozenset({OUTCOME}), _non_object),
     "proxy-url-checked": Deliberate(
