@@ -616,6 +616,34 @@ def other_jitter() -> None:
     pp.RetryPolicy.max_attempts = 3
 
 
+@variant("more_attempts_wider_backoff", None)
+def more_attempts_wider_backoff() -> None:
+    """The guide says only "retry with backoff": 6 attempts, 0.2 s × 2ⁿ with full ±100 % jitter, each wait capped at 2 s."""
+    pp.RetryPolicy.max_attempts = 6
+    pp.RetryPolicy.base_delay_s = 0.2
+    pp.RetryPolicy.jitter = 1.0
+    pp.RetryPolicy.max_delay_s = 2.0
+
+
+@variant("fastapi_error_bodies", None)
+def fastapi_error_bodies() -> None:
+    """Refusals as FastAPI writes them: a 400's detail as a validation list (``[{"loc", "msg", "type"}]``), and a
+    500 for a raising agent as ``{"detail": "Internal Server Error: Type: message"}``."""
+    original = pp.error_reply
+
+    def error_reply(exc: BaseException) -> Any:
+        reply = original(exc)
+        if reply.status == 400:
+            message = json.loads(reply.body)["detail"]
+            return pp.json_reply(400, {"detail": [{"loc": ["body"], "msg": message, "type": "value_error"}]},
+                                 [h for h in reply.headers if h[0].lower() not in ("content-type", "content-length")])
+        if reply.status == 500:
+            return pp.json_reply(500, {"detail": "Internal Server Error: " + json.loads(reply.body)["detail"]})
+        return reply
+
+    pp.error_reply = error_reply
+
+
 @variant("no_keep_alive", None)
 def no_keep_alive() -> None:
     """A new connection for every proxy request (``Connection: close``)."""

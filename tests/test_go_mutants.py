@@ -24,7 +24,8 @@ def test_each_mutant_applies_once_and_breaks_a_rule_of_the_contract(mutant: obje
     for file in {edit[0] for edit in mutant.edits}:  # type: ignore[attr-defined]
         assert (copy / file).read_text() != (PORT / file).read_text()
     assert (copy / MODULE).exists()
-    assert rules.rule(mutant.rule).level in ("MUST", "SHOULD")  # type: ignore[attr-defined]
+    rule = rules.rule(mutant.rule)  # type: ignore[attr-defined]
+    assert rule.level in ("MUST", "SHOULD") or rule.id.startswith("kit-")  # a kit rule: caught by --profile api
     assert mutant.mode in ("normal", "misconfigured")  # type: ignore[attr-defined]
 
 

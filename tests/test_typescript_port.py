@@ -118,8 +118,8 @@ def test_the_readme_quick_start_type_checks_and_serves(tmp_path: pathlib.Path) -
     quick = re.search(r"## Quick start\n\n```ts\n(.*?)```", readme, re.S)
     assert quick is not None and len(quick.group(1).splitlines()) <= 30
     (tmp_path / "src").mkdir()
-    for name in ("pipelines_port.ts", "node-builtins.d.ts"):
-        shutil.copy(PORT_DIR / "src" / name, tmp_path / "src" / name)
+    shutil.copy(PORT_DIR / "src" / "pipelines_port.ts", tmp_path / "src" / "pipelines_port.ts")
+    os.symlink(PORT_DIR / "node_modules", tmp_path / "node_modules")  # typescript and @types/node, as npm ci left them
     shutil.copy(PORT_DIR / "tsconfig.json", tmp_path)
     shutil.copy(PORT_DIR / "package.json", tmp_path)
     (tmp_path / "src" / "agent.ts").write_text(quick.group(1).replace("port: 8080", "port: 0"))
@@ -149,13 +149,16 @@ def test_the_public_api_has_no_any() -> None:
     assert words == []
 
 
-def test_typescript_is_the_only_dependency_and_it_is_pinned() -> None:
+def test_no_runtime_dependency_and_the_dev_ones_are_pinned() -> None:
+    """No runtime dependency; the compiler and the community types for Node's built-ins, each pinned exactly."""
     package = json.loads((PORT_DIR / "package.json").read_text())
-    assert "dependencies" not in package and list(package["devDependencies"]) == ["typescript"]
-    assert re.fullmatch(r"\d+\.\d+\.\d+", package["devDependencies"]["typescript"])  # exact, no range
+    assert "dependencies" not in package and sorted(package["devDependencies"]) == ["@types/node", "typescript"]
     lock = json.loads((PORT_DIR / "package-lock.json").read_text())
     assert lock["packages"][""]["devDependencies"] == package["devDependencies"]
-    assert lock["packages"]["node_modules/typescript"]["version"] == package["devDependencies"]["typescript"]
+    for name, version in package["devDependencies"].items():
+        assert re.fullmatch(r"\d+\.\d+\.\d+", version)  # exact, no range
+        assert lock["packages"][f"node_modules/{name}"]["version"] == version
+    assert not (PORT_DIR / "src" / "node-builtins.d.ts").exists()  # no hand-written copy of Node's types
 
 
 # -- §2: the order of handling ---------------------------------------------------------------
