@@ -4722,7 +4722,7 @@ def _make_server_classes() -> Tuple[type, type]:
         daemon_threads = True
         allow_reuse_address = True
         block_on_close = False
-        request_queue_size = 1024  # socketserver's 5 resets connections in a burst of dispatches
+        request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
 
         def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
             self.app = app
@@ -5255,7 +5255,7 @@ class AsyncDispatchServer:
 
     def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 max_connections: Optional[int] = None, backlog: int = 1024) -> None:
+                 max_connections: Optional[int] = None, backlog: int = 4096) -> None:
         import socket
 
         for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
