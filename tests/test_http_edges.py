@@ -14,12 +14,12 @@ import json
 import logging
 import socket
 import threading
-import time
 from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
 
 import pytest
 
 import pipelines_port as pp
+from conformance.dispatcher import Dispatcher
 from conformance.mock_proxy import MockProxy
 
 AGENT_TOKEN = "agent-token-edges-0123456789"
@@ -34,33 +34,12 @@ class Raw(NamedTuple):
 
 
 def exchange(port: int, data: bytes, wait_s: float = 5.0) -> Raw:
-    """Send ``data``, read until the server closes (or ``wait_s`` passes with nothing more)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as conn:
-        conn.sendall(data)
-        received = b""
-        closed = False
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                chunk = conn.recv(65536)
-            except socket.timeout:
-                break
-            except ConnectionResetError:
-                closed = True
-                break
-            if not chunk:
-                closed = True
-                break
-            received += chunk
-            head, sep, rest = received.partition(b"\r\n\r\n")
-            if sep and not closed:  # one whole reply in: give the server a moment to close, then stop
-                length = int(dict(_fields(head)).get("content-length", "0") or 0)
-                if len(rest) >= length:
-                    conn.settimeout(1.0)
-    if not received.startswith(b"HTTP/1."):
-        return Raw(0, {}, received, closed)
-    head, _, body = received.partition(b"\r\n\r\n")
-    return Raw(int(head.split(b" ", 2)[1]), dict(_fields(head)), body, closed)
+    """Send ``data`` as is (the checker's :meth:`Dispatcher.raw`), read until the server closes or goes quiet."""
+    reply = Dispatcher(f"http://127.0.0.1:{port}/dispatch").raw(data, wait_s)
+    if not reply.data.startswith(b"HTTP/1."):
+        return Raw(0, {}, reply.data, reply.closed)
+    head, _, body = reply.data.partition(b"\r\n\r\n")
+    return Raw(reply.status, dict(_fields(head)), body, reply.closed)
 
 
 def _fields(head: bytes) -> List[Tuple[str, str]]:

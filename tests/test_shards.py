@@ -47,7 +47,7 @@ def test_three_shards_merged_equal_the_whole_run(capsys: pytest.CaptureFixture, 
         assert progress and all(line.startswith(f"[shard {k}/3] [") for line in progress)
         sizes.append(len(records(tmp_path / f"s{k}.jsonl")) - 1)
     assert sizes == [7, 7, 6]  # balanced
-    code, out, err = run_cli(shards.main, capsys, tmp_path / "s2.jsonl", tmp_path / "s3.jsonl", tmp_path / "s1.jsonl",
+    code, _, err = run_cli(shards.main, capsys, tmp_path / "s2.jsonl", tmp_path / "s3.jsonl", tmp_path / "s1.jsonl",
                              "--json", tmp_path / "all.json", "--html", tmp_path / "all.html")
     assert code == 0, err
     whole = json.loads((tmp_path / "whole.json").read_text(encoding="utf-8"))
@@ -78,7 +78,8 @@ def test_a_run_killed_mid_way_then_resumed_records_every_row_exactly_once(tmp_pa
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARD_TEST_LOG": str(log)}
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (not out.exists() or len(out.read_text(encoding="utf-8").splitlines()) < 4):
+    while time.monotonic() < deadline and (not out.exists()
+                                           or len(out.read_text(encoding="utf-8").splitlines()) < 4):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # a crash: no handler runs
     proc.wait(10)
@@ -87,7 +88,7 @@ def test_a_run_killed_mid_way_then_resumed_records_every_row_exactly_once(tmp_pa
     assert 3 <= len(recorded) < 10
     with open(out, "a", encoding="utf-8") as f:  # and the crash cut a last record short
         f.write('{"kind": "pipelines_port.simulation.run", "row": 99, "run": {"sta')
-    resumed = subprocess.run(command + ["--resume", "--json", str(tmp_path / "all.json")], cwd=ROOT, env=env,
+    resumed = subprocess.run([*command, "--resume", "--json", str(tmp_path / "all.json")], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
     assert resumed.returncode == 0, resumed.stderr
     assert f"{len(recorded)} row(s) already in" in resumed.stderr and "cut short" in resumed.stderr
