@@ -239,10 +239,14 @@ def _call_step(step: Any, where: str) -> Mapping[str, Any]:
 
 
 def _tool_call(call: Mapping[str, Any]) -> Dict[str, Any]:
+    if call.get("raise_on_error") is True:  # the call's error leaves the agent as it is: a 500 with its text
+        return _ok(pp.proxy_call(call["call"], call["args"], actor=call.get("actor")))
     return _attempt(lambda: pp.proxy_call(call["call"], call["args"], actor=call.get("actor")))
 
 
 async def _atool_call(call: Mapping[str, Any]) -> Dict[str, Any]:
+    if call.get("raise_on_error") is True:
+        return _ok(await pp.aproxy_call(call["call"], call["args"], actor=call.get("actor")))
     return await _aattempt(pp.aproxy_call(call["call"], call["args"], actor=call.get("actor")))
 
 

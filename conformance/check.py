@@ -1529,6 +1529,26 @@ def _(c: Check) -> None:
             raise Failed(f"200 with the token in {where} redacted, or 500", describe(reply))
 
 
+@case("secrets.proxy_error_echo", "§2 (run token: secret), §3.3",
+      "a proxy error body that echoes the run token never reaches a reply through the port's own error text",
+      ["run-token-secret", "agent-error-500"])
+def _(c: Check) -> None:
+    """The proxy answers an error whose body shows the run token (a proxy may echo what it refused); the agent
+    lets the client's error leave it (``raise_on_error``), so the 500 detail is the text the port's client wrote:
+    the wrapper holds the token and must not show it (MUST)."""
+    for status, reply in (
+        (400, lambda token: {"status": 400, "error_class": "bad_request", "message": f"refused Bearer {token}"}),
+        (502, lambda token: {"status": 502, "body": f"<html>upstream said: token {token} rejected</html>"}),
+    ):
+        run, proxy_run = c.new_run()
+        proxy_run.script("echoing_tool", [reply(proxy_run.token)])
+        answer = c.dispatch(run, user_instruction=compact({"steps": [  # every reply is scanned (run-token-secret)
+            {"call": "echoing_tool", "args": {}, "raise_on_error": True}]}))
+        if answer.status != 500:
+            raise Failed(f"500 for an agent whose call failed with HTTP {status} and raised", describe(answer),
+                         "agent-error-500", "the conformance agent's raise_on_error: let the call's error leave it")
+
+
 # -- §2 step 6 concurrency ----------------------------------------------------------------------------------
 
 CONCURRENT_RUNS = 50

@@ -126,6 +126,17 @@ def token_in_error_detail() -> None:
     pp.DispatchApp.secrets = lambda self, envelope: (None, None)  # type: ignore[method-assign]
 
 
+@variant("proxy_error_body_unscrubbed", "secrets.proxy_error_echo")
+def proxy_error_body_unscrubbed() -> None:
+    """The client keeps a proxy error body as it came, run token included, and the 500 detail is not scrubbed."""
+    class Client(pp.ProxyClient):
+        def interpret(self, status: int, headers: Any, body: bytes, **kwargs: Any) -> Any:
+            return super().interpret(status, headers, body, **dict(kwargs, run_token=None))
+
+    pp.set_default_client(Client())
+    pp.DispatchApp.secrets = lambda self, envelope: (None, None)  # type: ignore[method-assign]
+
+
 @variant("empty_final_response", "response.empty_final_response")
 def empty_final_response() -> None:
     original = pp.build_response

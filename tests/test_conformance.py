@@ -227,7 +227,7 @@ def test_a_token_in_the_agents_own_text_is_a_should_and_the_final_scan_leaves_it
     code, report, _ = outcomes["leak scan"]
     assert code == 0 and report["level_met"] == "MUST"
     assert statuses(report) == {"secrets.agent_error_detail": "warn", "secrets.agent_response": "pass",
-                                "secrets.no_token_in_any_body": "pass"}
+                                "secrets.proxy_error_echo": "pass", "secrets.no_token_in_any_body": "pass"}
     (finding,) = report["cases"][0]["findings"]
     assert (finding["rule"], finding["level"], finding["kind"]) == ("agent-text-scrubbed", "SHOULD", "platform SHOULD")
     assert finding["source"].startswith("hardening") and report["level_met_by_profile"] == {"wire": "MUST"}

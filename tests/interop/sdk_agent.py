@@ -146,6 +146,8 @@ class Script:
             label = validate_actor_label(call.get("actor"))
             with set_actor_id(label):
                 return proxy_call_with(self.envelope, call["call"], call["args"])
+        if call.get("raise_on_error") is True:  # the SDK's error leaves the agent as the SDK raised it
+            return {"ok": True, "value": send()}
         return outcome(send)
 
     def calls(self, calls: List[Mapping[str, Any]]) -> List[Dict[str, Any]]:

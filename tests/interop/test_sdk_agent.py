@@ -67,12 +67,17 @@ def test_the_sdk_based_agent_passes_the_default_check_and_fails_only_listed_shou
     with serve(tmp_path, "sdk-agent", AGENT_TOKEN=TOKEN).wait_ready() as server:
         report = check(server.base + "/dispatch", "--token", TOKEN)
         strict = check(server.base + "/dispatch", "--token", TOKEN, "--strict")
-    assert [c["id"] for c in report["cases"] if c["status"] == "fail"] == []  # no false failure on a correct port
-    assert report["level_met"] == "MUST" and report["passed"] > 150
-    assert broken_rules(report, "MUST") == set() and broken_rules(report, "SHOULD") == SDK_SHOULD_BREAKS
+    # No false failure: the one MUST failure is real. The SDK's error text carries a proxy error body as it came,
+    # so a proxy that echoes the run token puts the token the SDK holds into the 500 it answers.
+    failed_ids = {c["id"] for c in report["cases"] if c["status"] == "fail"}
+    assert failed_ids == {"secrets.proxy_error_echo", "secrets.no_token_in_any_body"}, failed_ids
+    assert report["level_met"] == "none" and report["passed"] > 150
+    assert broken_rules(report, "MUST") == {"run-token-secret"}
+    assert broken_rules(report, "SHOULD") == SDK_SHOULD_BREAKS
     failed = [c for c in strict["cases"] if c["status"] == "fail"]
-    assert failed and {f["rule"] for c in failed for f in c["findings"] if f["level"] != "MAY"} == SDK_SHOULD_BREAKS
-    sources = {f["rule"]: f["source"] for c in failed for f in c["findings"]}
+    assert failed and {f["rule"] for c in failed for f in c["findings"]
+                       if f["level"] == "SHOULD"} == SDK_SHOULD_BREAKS
+    sources = {f["rule"]: f["source"] for c in failed for f in c["findings"] if f["level"] == "SHOULD"}
     assert all(not source.startswith("the platform's documents") for source in sources.values()), sources
     assert TOKEN not in json.dumps(report) + json.dumps(strict)
 

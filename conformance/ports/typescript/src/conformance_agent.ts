@@ -128,7 +128,9 @@ async function runScript(envelope: Envelope, steps: Step[]): Promise<AgentResult
     const name = step["call"];
     const actor = step["actor"];
     // A non-string name or actor goes to the port as it is: the port must refuse it (kind "request").
-    const result = await outcome(() => proxyCall(name as string, step["args"], { actor: actor as string | null ?? null }));
+    const send = () => proxyCall(name as string, step["args"], { actor: actor as string | null ?? null });
+    // "raise_on_error": the call's error leaves the agent as it is (the port answers 500 with its text).
+    const result: Outcome = step["raise_on_error"] === true ? { ok: true, value: await send() } : await outcome(send);
     const shownName = typeof name === "string" && name ? name : JSON.stringify(name) ?? "null";
     return [result, [
       { role: "assistant", content: null, tool_calls: [{ id, name: shownName, arguments: shownArguments(step["args"]) }] },

@@ -214,6 +214,9 @@ func call(ctx context.Context, step map[string]any, id string) (map[string]any, 
 	} else {
 		_, err = pp.ValidateToolName(step["call"]) // a name that is not a string: the port refuses it
 	}
+	if raise, _ := step["raise_on_error"].(bool); raise && err != nil {
+		return nil, nil, err // the call's error leaves the agent as it is: the port answers 500 with its text
+	}
 	result, err := outcome(value, err)
 	if err != nil {
 		return nil, nil, err
