@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import html
 import json
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["progress_line", "render_text", "render_html"]
 
@@ -464,3 +464,17 @@ def _message_html(message: Any) -> str:
                      f'<span class="name">{_e(name)}</span>{_pre(args)}</div>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def write_reports(result: Mapping[str, Any], json_path: Optional[str], html_path: Optional[str],
+                  write: Callable[[str, str], None]) -> None:
+    """The JSON report to ``json_path`` (``-``: standard output) and the HTML one to ``html_path``, through
+    ``write(path, text)`` (the command's own writer, with its own error)."""
+    if json_path:
+        text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
+        if json_path == "-":
+            print(text)
+        else:
+            write(json_path, text + "\n")
+    if html_path:
+        write(html_path, render_html(result))

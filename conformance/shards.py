@@ -285,14 +285,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result, warnings = merge_files(args.files, allow_partial=args.allow_partial)
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        if args.json:
-            text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
-            if args.json == "-":
-                print(text)
-            else:
-                _write(args.json, text + "\n")
-        if args.html:
-            _write(args.html, report.render_html(result))
+        report.write_reports(result, args.json, args.html, _write)
     except ShardError as exc:
         print(str(exc) if str(exc).startswith("merge") else f"merge: {exc}", file=sys.stderr)
         return 2

@@ -940,14 +940,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if shard:
         result["shard"] = str(shard)
 
-    if args.json:
-        text = json.dumps(result, indent=2, ensure_ascii=False, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            _write(args.json, text + "\n")
-    if args.html:
-        _write(args.html, report.render_html(result))
+    report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
     if interrupted:
