@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -199,3 +199,13 @@ class ServerProcess:
     def __repr__(self) -> str:
         return f"ServerProcess({self.name!r}, {self.base})"
 
+
+@contextlib.contextmanager
+def started(name: str, command: Callable[[int], Sequence[str]], *, cwd: Path, env: Mapping[str, str]) -> Iterator[str]:
+    """``command(port)`` on a free port as a :class:`ServerProcess` (its log beside it in ``cwd``), ready; its base
+    URL.  Stopped on exit."""
+    port = free_port()
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    with ServerProcess(name, command(port), port, cwd=cwd, env=env, log_path=cwd / f"{slug}.log") as proc:
+        proc.wait_ready()
+        yield proc.base

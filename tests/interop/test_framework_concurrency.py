@@ -25,15 +25,7 @@ import pipelines_port as pp
 from conformance.mock_proxy import MockProxy, ProxyRun
 from tests.fake_model_apis import FakeChatAPI, FakeModelAPI, FakeResponsesAPI, Step, Turn
 from tests.interop import concurrent_agents
-from tests.interop.hosts import (
-    ServerProcess,
-    dispatch_request,
-    free_port,
-    http_call,
-    hypercorn_command,
-    subprocess_env,
-    uvicorn_command,
-)
+from tests.interop.hosts import dispatch_request, http_call, hypercorn_command, started, subprocess_env, uvicorn_command
 
 DISPATCHES = 200
 ORDER = re.compile(r"order (\d+)")
@@ -108,13 +100,11 @@ def served(request: pytest.FixtureRequest, framework: Tuple[str, FakeModelAPI],
         return
     if importlib.util.find_spec(host) is None:
         pytest.skip(f"needs {host}")
-    port = free_port()
-    command = (uvicorn_command if host == "uvicorn" else hypercorn_command)("concurrent_agents:app", port)
+    builder = uvicorn_command if host == "uvicorn" else hypercorn_command
     env = subprocess_env(Path(concurrent_agents.__file__).parent, CONCURRENT_FRAMEWORK=name,
                          MODEL_BASE_URL=fake.base_url, MODEL_API_KEY=fake.api_key)
-    with ServerProcess(host, command, port, cwd=tmp_path, env=env, log_path=tmp_path / f"{host}.log") as proc:
-        proc.wait_ready()
-        yield proc.base
+    with started(host, lambda port: builder("concurrent_agents:app", port), cwd=tmp_path, env=env) as base:
+        yield base
 
 
 def test_200_concurrent_framework_dispatches_all_answer_on_one_loop(served: str,

@@ -14,20 +14,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import textwrap
-from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
 from conformance.mock_proxy import MockProxy
-from tests.interop.hosts import (
-    ServerProcess,
-    free_port,
-    gunicorn_command,
-    hypercorn_command,
-    subprocess_env,
-    uvicorn_command,
-)
+from tests.interop.hosts import gunicorn_command, hypercorn_command, started, subprocess_env, uvicorn_command
 from tests.test_http_edges import AGENT_TOKEN, RUN_TOKEN, SMUGGLING, exchange, head, smuggled
 
 pytest.importorskip("uvicorn", reason="needs uvicorn (tests/interop/requirements-hosts.txt)")
@@ -62,11 +54,8 @@ def proxy() -> Iterator[MockProxy]:
 def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[str, int]]:
     folder = tmp_path_factory.mktemp("framing")
     (folder / "framingapp.py").write_text(APP)
-    port = free_port()
-    with ServerProcess(request.param, HOSTS[request.param](port), port, cwd=folder, env=subprocess_env(folder),
-                       log_path=Path(folder) / "server.log") as proc:
-        proc.wait_ready()
-        yield request.param, port
+    with started(request.param, HOSTS[request.param], cwd=folder, env=subprocess_env(folder)) as base:
+        yield request.param, int(base.rsplit(":", 1)[1])
 
 
 def test_nothing_smuggled_runs_under_the_host(host: Tuple[str, int], proxy: MockProxy) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
@@ -20,11 +19,10 @@ from conformance.mock_proxy import MockProxy
 from tests.hostile_values import HOSTILE
 from tests.interop.hosts import (
     Reply,
-    ServerProcess,
     dispatch_request,
-    free_port,
     gunicorn_command,
     http_call,
+    started,
     subprocess_env,
     uvicorn_command,
 )
@@ -68,11 +66,8 @@ def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     folder = tmp_path_factory.mktemp("hostile")
     (folder / "hostileapp.py").write_text(APP)
     command, strict = HOSTS[request.param]
-    port = free_port()
-    with ServerProcess(request.param, command(port), port, cwd=folder, env=subprocess_env(folder),
-                       log_path=Path(folder) / "server.log") as proc:
-        proc.wait_ready()
-        yield proc.base, strict
+    with started(request.param, command, cwd=folder, env=subprocess_env(folder)) as base:
+        yield base, strict
 
 
 def test_every_hostile_value_gets_a_json_reply_under_the_host(host: Tuple[str, bool], proxy: MockProxy) -> None:
