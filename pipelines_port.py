@@ -4784,6 +4784,11 @@ def _make_server_classes() -> Tuple[type, type]:
                 handler.cut()
             return False
 
+        def serve_forever(self, poll_interval: float = 0.5) -> None:
+            if self.socket.fileno() < 0:  # closed before it served: nothing to serve
+                return
+            super().serve_forever(poll_interval)
+
         def close(self, grace_s: float = 5.0) -> bool:
             """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
             self.draining.set()
@@ -5281,6 +5286,9 @@ class AsyncDispatchServer:
         self._stopped: Any = None
         self._serving = threading.Event()
         self._finished = threading.Event()
+        self._closing = False  # close() was called: a serve_forever starting after it returns at once
+        self._started = False  # serve_forever began: it closes the socket when it ends
+        self._state_lock = threading.Lock()
         self._result: Optional[bool] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -5299,6 +5307,10 @@ class AsyncDispatchServer:
         """Serve on this thread (on an event loop of its own) until :meth:`close`."""
         import asyncio
 
+        with self._state_lock:
+            if self._closing:
+                return
+            self._started = True
         try:
             asyncio.run(self._serve())
         finally:
@@ -5312,7 +5324,11 @@ class AsyncDispatchServer:
         self._stopped = asyncio.Event()
         self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
                                                        backlog=self._backlog)
-        self._serving.set()
+        with self._state_lock:
+            if self._closing:  # close() came while the loop was starting: it found nothing to drain
+                self._listener.close()
+                return
+            self._serving.set()
         await self._stopped.wait()
 
     def close(self, grace_s: float = 5.0) -> bool:
@@ -5320,14 +5336,19 @@ class AsyncDispatchServer:
         within ``grace_s``; those that did not were answered 503 and are logged."""
         import asyncio
 
+        with self._state_lock:  # against _serve: either it is serving and is drained, or it will not serve
+            self._closing = True
+            serving = self._serving.is_set() and not self._finished.is_set()
+            started = self._started
         if self._result is None:
-            if self._serving.is_set() and not self._finished.is_set():
+            if serving:
                 future = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop)
                 self._result = future.result()
                 self._finished.wait(10)
             else:
                 self._result = True
-                self.socket.close()
+                if not started:
+                    self.socket.close()
         if self._thread is not None:
             self._thread.join(10)
         return self._result

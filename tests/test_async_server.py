@@ -153,6 +153,31 @@ def test_when_the_grace_period_runs_out_each_running_dispatch_gets_a_503(
     assert "run-token-cut" not in text
 
 
+@pytest.mark.parametrize("server_kind", pp.SERVERS)
+def test_a_close_racing_the_start_stops_the_server_at_once(server_kind: str) -> None:
+    """``serve`` calls ``close`` on SIGTERM, which may come before the serving thread has its loop: the close
+    must not be lost (it was: the thread then served forever and the process hung until killed)."""
+    import socket
+    import time
+
+    # close() before serve_forever: serve_forever returns at once and the port is free.
+    server = pp.make_server(lambda env: "ok", token=AGENT_TOKEN, port=0, server=server_kind)
+    port = server.server_address[1]
+    assert server.close(5) is True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    # close() at every moment of the start: each returns promptly and leaves no serving thread.
+    for delay in [0.0] * 20 + [0.0005 * i for i in range(20)]:
+        server = pp.start_server(lambda env: "ok", token=AGENT_TOKEN)
+        time.sleep(delay)
+        assert server.close(5) is True  # a lost close leaves the thread serving past close's 10 s join
+        assert server._thread is not None and not server._thread.is_alive()
+
+
 def test_cancelling_a_call_closes_its_connection_and_leaves_no_task() -> None:
     """A proxy that reads the request and never answers: after the cancel, it must see the client's EOF."""
     import socket
