@@ -1,0 +1,47 @@
+//! The Pipelines agent wire contract in Rust: the Rust reference port of
+//! `pipelines_port.py`.
+//!
+//! Section numbers (§2, §3.3, ...) point into `CONTRACT.md` at the root of
+//! the repository; rule ids (`auth-first`, `idempotency-key-reuse`, ...) are
+//! the contract's. The crate mirrors the Python module's parts:
+//!
+//! - [`contract`] is PART 1, "THE CONTRACT": pure functions and data, no I/O,
+//!   no threads, no environment; it depends on `serde` and `serde_json` only.
+//! - [`blocking`] (feature `blocking`, `ureq` with rustls/ring) and [`aio`]
+//!   (feature `async`, `reqwest` on tokio) are the two proxy drivers of PART 2;
+//!   both loop over the same [`contract::reply::RetryState::step`].
+//! - [`server`] (feature `axum`) is the dispatch app and its axum adapter:
+//!   a `Router` serving an `async fn(Run) -> Result<T, AgentError>` agent,
+//!   with graceful shutdown.
+//!
+//! The run token is a secret (§2.1 run-token-secret): it never appears in a
+//! log line, an error message, a response body or the `Debug` form of an
+//! [`Envelope`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod contract;
+
+#[cfg(feature = "async")]
+pub mod aio;
+#[cfg(feature = "blocking")]
+pub mod blocking;
+#[cfg(feature = "axum")]
+pub mod server;
+#[cfg(any(feature = "async", feature = "blocking"))]
+pub mod transport;
+
+pub use contract::encoding::Handoff;
+pub use contract::envelope::{Envelope, Headers};
+pub use contract::errors::{
+    AgentError, EnvelopeError, ProxyError, ProxyErrorKind, ResponseError, RunTimeoutError,
+};
+pub use contract::reply::RetryPolicy;
+pub use contract::response::{Message, ResponseEnvelope, ToolCall};
+
+#[cfg(feature = "async")]
+pub use aio::{current_run, AsyncClient, Run};
+#[cfg(feature = "blocking")]
+pub use blocking::BlockingClient;
+#[cfg(feature = "axum")]
+pub use server::{DispatchApp, Options};
