@@ -55,7 +55,7 @@ pub struct ProxyError {
     /// The platform's machine-readable class.
     pub error_class: Option<String>,
     /// The reply body as parsed (its first 200 characters when not JSON), scrubbed of the run token.
-    pub body: Value,
+    pub body: Box<Value>,
     /// The tool (or trace event type) called.
     pub tool_name: String,
     /// The reply's `Retry-After`, when it had one.
@@ -74,7 +74,7 @@ impl ProxyError {
             message: message.into(),
             status_code: None,
             error_class: None,
-            body: Value::Null,
+            body: Box::default(),
             tool_name: tool_name.into(),
             retry_after: None,
         }

@@ -233,7 +233,7 @@ pub fn interpret_reply(
         message: text,
         status_code: Some(status),
         error_class,
-        body: kept,
+        body: Box::new(kept),
         tool_name: tool_name.to_string(),
         retry_after: parse_retry_after(retry_after_header, now),
     };

@@ -121,17 +121,13 @@ fn step_kind(step: &Value, at: &str) -> Result<&'static str, AgentError> {
                 )));
             }
         }
-        "sleep_ms" => {
-            if !object["sleep_ms"].as_f64().is_some_and(|ms| ms >= 0.0) {
-                return Err(script_error(format!(
-                    "{at}.sleep_ms: must be a non-negative number"
-                )));
-            }
+        "sleep_ms" if !object["sleep_ms"].as_f64().is_some_and(|ms| ms >= 0.0) => {
+            return Err(script_error(format!(
+                "{at}.sleep_ms: must be a non-negative number"
+            )));
         }
-        "raise" => {
-            if !object["raise"].is_string() {
-                return Err(script_error(format!("{at}.raise: must be a string")));
-            }
+        "raise" if !object["raise"].is_string() => {
+            return Err(script_error(format!("{at}.raise: must be a string")));
         }
         _ => {}
     }
