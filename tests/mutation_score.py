@@ -5,10 +5,12 @@
 Each *mutant* is a port with one realistic porting bug: the Python variants of
 ``tests/broken_ports.py`` (pipelines_port patched in its own process) and the
 TypeScript mutants of ``tests/ts_mutants.py`` (a patched copy of
-``conformance/ports/typescript``, compiled with its ``tsc``) and the Go mutants
+``conformance/ports/typescript``, compiled with its ``tsc``), the Go mutants
 of ``tests/go_mutants.py`` (a patched copy of ``conformance/ports/go``, built
-with ``go build``).  A language whose toolchain is missing is left out, and
-said so; ``--require typescript,go`` makes that an error.  Each is served on
+with ``go build``) and the Rust mutants of ``tests/rust_mutants.py`` (a patched
+copy of ``conformance/ports/rust``, built with ``cargo build`` in one shared
+target directory).  A language whose toolchain is missing is left out, and
+said so; ``--require typescript,go,rust`` makes that an error.  Each is served on
 127.0.0.1 and checked with ``python3 -m conformance check URL --strict`` in full
 (``--misconfigured`` for a variant served with its token variable unset).  A
 mutant is *caught* when the check fails (exit 1); a Python variant must also
@@ -48,7 +50,7 @@ TARGET_SCORE = 0.95
 
 class Port(NamedTuple):
     name: str
-    language: str  # "python" | "typescript" | "go"
+    language: str  # "python" | "typescript" | "go" | "rust"
     legal: bool  # a legal variation: must pass everything
     fails: Optional[str]  # the case a Python variant must fail
     mode: str  # "normal" | "misconfigured"
@@ -65,11 +67,13 @@ class Outcome(NamedTuple):
 
 def toolchains() -> Dict[str, Optional[str]]:
     """Each port language's toolchain problem, or None when it can build and run that language's mutants."""
+    from tests.rust_mutants import CARGO
     from tests.ts_mutants import TSC
 
     return {
         "typescript": None if shutil.which("node") and TSC.exists() else f"node or {TSC} is missing (npm ci)",
         "go": None if shutil.which("go") else "go is not on PATH",
+        "rust": None if CARGO else "cargo is not on PATH",
     }
 
 
@@ -84,16 +88,26 @@ def ports(only: Sequence[str] = ()) -> List[Port]:
         from tests.go_mutants import MUTANTS as GO_MUTANTS
 
         found += [Port(f"go:{m.name}", "go", False, None, m.mode, m.rule) for m in GO_MUTANTS]
+    if missing["rust"] is None:
+        from tests.rust_mutants import MUTANTS as RUST_MUTANTS
+
+        found += [Port(f"rust:{m.name}", "rust", False, None, m.mode, m.rule) for m in RUST_MUTANTS]
     return [p for p in found if not only or p.name in only]
 
 
 def build_mutant(port: Port, workdir: pathlib.Path) -> List[str]:
-    """Materialise and build a TypeScript or Go mutant in ``workdir``; the command that serves it."""
+    """Materialise and build a TypeScript, Go or Rust mutant in ``workdir``; the command that serves it."""
     if port.language == "typescript":
         from tests import ts_mutants
 
         (mutant,) = [m for m in ts_mutants.MUTANTS if f"typescript:{m.name}" == port.name]
         return ["node", str(ts_mutants.build(ts_mutants.materialise(mutant, workdir / "port"))), "--port", "0"]
+    if port.language == "rust":
+        from tests import rust_mutants
+
+        (rust_mutant,) = [m for m in rust_mutants.MUTANTS if f"rust:{m.name}" == port.name]
+        return [str(rust_mutants.build(rust_mutants.materialise(rust_mutant, workdir / "port"), workdir / "server")),
+                "--port", "0"]
     from tests import go_mutants
 
     (go_mutant,) = [m for m in go_mutants.MUTANTS if f"go:{m.name}" == port.name]
@@ -166,8 +180,8 @@ def check(port: Port) -> Outcome:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mutation_score.py", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=4, help="ports checked at once (default 4)")
-    parser.add_argument("--only", help="these ports only (names, comma-separated; typescript:NAME, go:NAME)")
-    parser.add_argument("--require", default="", help="languages whose toolchain must be present (e.g. typescript,go)")
+    parser.add_argument("--only", help="these ports only (names, comma-separated; typescript:NAME, go:NAME, rust:NAME)")
+    parser.add_argument("--require", default="", help="languages whose toolchain must be present (e.g. typescript,go,rust)")
     parser.add_argument("--json", metavar="OUT", help="also write the outcomes as JSON")
     args = parser.parse_args(argv)
     missing = toolchains()
@@ -192,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shown = ", ".join(outcome.flagged[:4]) + (f" (+{len(outcome.flagged) - 4})" if len(outcome.flagged) > 4 else "")
             print(f"{word:<13} {p.name:<40} {outcome.seconds:5.1f}s  {outcome.error or shown}", flush=True)
     lines = []
-    for language in ("python", "typescript", "go"):
+    for language in ("python", "typescript", "go", "rust"):
         mutants = [o for o in outcomes if o.port.language == language and not o.port.legal]
         if mutants:
             caught = sum(o.ok for o in mutants)
