@@ -14,7 +14,8 @@ both alike:
 
 Both get the same request bytes. Measured per server and count: the median time until the last dispatch is
 answered (and as a multiple of the agent's own time, 3 × latency), the server's CPU time per dispatch and its
-peak resident memory; then the ratio python / rust of each median. Results go to bench/results/rust.json.
+peak resident memory; then the ratio python / rust of each median. Results go to
+bench/results/rust-latest.json (and rust-<UTC time>.json).
 """
 
 from __future__ import annotations

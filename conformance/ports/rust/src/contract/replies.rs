@@ -94,7 +94,8 @@ pub fn contains_secret(value: &Value, secrets: &[&str]) -> bool {
     !secrets.is_empty() && {
         let text = value.to_string();
         secrets.iter().any(|s| {
-            text.contains(s) || text.contains(&Value::String(s.to_string()).to_string()[1..])
+            let escaped = Value::String(s.to_string()).to_string(); // the secret as it appears inside JSON text
+            text.contains(s) || text.contains(&escaped[1..escaped.len() - 1])
         })
     }
 }
