@@ -169,6 +169,22 @@ def target_dir() -> pathlib.Path:
 _BUILD_LOCK = threading.Lock()  # cargo serialises builds in one target dir anyway; the lock keeps each binary ours
 
 
+def _forget_the_crate(target: pathlib.Path) -> None:
+    """Removes the crate's own artefacts from the shared target directory, the dependencies' stay.
+
+    Every copy of the port is the same package to cargo (its fingerprint hashes the path relative to the
+    workspace root), and a copy's sources may be older than the last build: without this, cargo could take one
+    copy's binary as up to date for another copy, or for the port itself.
+    """
+    for pattern in ("debug/.fingerprint/pipelines-port-*", "debug/deps/*pipelines_port-*",
+                    "debug/deps/conformance_server-*", "debug/conformance-server"):
+        for stale in target.glob(pattern):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
 def build(port_dir: pathlib.Path, exe: pathlib.Path, timeout: float = 900) -> pathlib.Path:
     """``cargo build`` of a port copy's conformance server, copied to ``exe``; RuntimeError with cargo's output."""
     if CARGO is None:
@@ -176,22 +192,16 @@ def build(port_dir: pathlib.Path, exe: pathlib.Path, timeout: float = 900) -> pa
     target = target_dir()
     env = {**os.environ, "CARGO_TARGET_DIR": str(target), "CARGO_TERM_COLOR": "never"}
     with _BUILD_LOCK:
-        # Every copy is the same package to cargo (its fingerprint hashes the path relative to the workspace
-        # root), and a copy's sources may be older than the last build: forget the crate's own artefacts so
-        # it is rebuilt from this copy. The dependencies' artefacts stay, so they compile once.
-        for pattern in ("debug/.fingerprint/pipelines-port-*", "debug/deps/*pipelines_port-*",
-                        "debug/deps/conformance_server-*", "debug/conformance-server"):
-            for stale in target.glob(pattern):
-                if stale.is_dir():
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
-        done = subprocess.run([CARGO, "build", "--locked", "--bin", "conformance-server"], cwd=port_dir, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"cargo build failed: {done.stderr[-800:]}")
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(target / "debug" / "conformance-server", exe)
+        _forget_the_crate(target)
+        try:
+            done = subprocess.run([CARGO, "build", "--locked", "--bin", "conformance-server"], cwd=port_dir, env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+            if done.returncode != 0:
+                raise RuntimeError(f"cargo build failed: {done.stderr[-800:]}")
+            exe.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(target / "debug" / "conformance-server", exe)
+        finally:
+            _forget_the_crate(target)  # nor may a later build of the port itself take this copy's artefacts
     return exe
 
 
