@@ -45,12 +45,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use serde::Serialize;
 use serde_json::Value;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 
 type AgentOutput = Result<Result<Value, serde_json::Error>, AgentError>;
 type AgentFn = Arc<dyn Fn(Run) -> Pin<Box<dyn Future<Output = AgentOutput> + Send>> + Send + Sync>;
@@ -496,45 +496,80 @@ pub fn write_reply(reply: HttpReply) -> Response {
 
 /// Serves `app` on `listener` until `shutdown` completes (SIGTERM, say), then
 /// shuts down gracefully (§7.1 kit-server-timeouts): the listener closes at
-/// once, idle connections close, new dispatches get 503, and running ones
-/// have `grace` to finish; each still running then is answered 503 with
-/// `Connection: close`. `Ok(true)` when every dispatch finished in time.
+/// once (new connections are refused), idle keep-alive connections close, new
+/// dispatches on busy ones get 503, and running dispatches have `grace` to
+/// finish; each still running then is answered 503 with `Connection: close`.
+/// `Ok(true)` when every dispatch finished in time.
+///
+/// Each connection is served by hyper's HTTP/1.1 server with a timer: a
+/// request head must arrive within 30 s (`header_read_timeout`), a head is at
+/// most 64 KiB and 100 fields (else 431), keep-alive is on. (`axum::serve`
+/// sets no timer, so it has no head timeout; mount [`DispatchApp::router`]
+/// there only behind a front end that has one.)
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: DispatchApp,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<bool> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
     if app.inner.options.no_auth {
         log(
             "warning",
             "auth is DISABLED: anyone who can reach this endpoint can dispatch",
         );
     }
-    let fired = Arc::new(Notify::new());
-    let (signal_app, signal_fired) = (app.clone(), fired.clone());
-    let serving = axum::serve(listener, app.router())
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            log(
-                "info",
-                "shutting down: refusing new dispatches, waiting for in-flight ones",
-            );
-            signal_app.drain();
-            signal_fired.notify_one();
-        })
-        .into_future();
-    tokio::pin!(serving);
-    tokio::select! {
-        ended = &mut serving => return ended.map(|_| true),
-        _ = fired.notified() => {}
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .keep_alive(true)
+        .max_headers(100)
+        .max_buf_size(64 << 10);
+    let connections = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // out of file descriptors, say: wait a moment rather than spin
+                        log("warning", &format!("accept failed: {e}"));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let app = app.clone();
+                let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+                    let app = app.clone();
+                    async move { Ok::<_, std::convert::Infallible>(app.handle(request.map(Body::new)).await) }
+                });
+                let connection = connections.watch(http.serve_connection(TokioIo::new(stream), service));
+                tokio::spawn(async move {
+                    let _ = connection.await; // a peer that went away, a malformed head (hyper answered 400)
+                });
+            }
+            () = &mut shutdown => break,
+        }
     }
+    drop(listener); // new connections are refused from now on
+    log(
+        "info",
+        &format!(
+            "shutting down: refusing new dispatches, waiting up to {} s for running ones",
+            format_seconds(grace)
+        ),
+    );
+    app.drain();
+    let all_closed = connections.shutdown();
+    tokio::pin!(all_closed);
     tokio::select! {
-        ended = &mut serving => ended.map(|_| true),
-        _ = tokio::time::sleep(grace) => {
+        () = &mut all_closed => Ok(true),
+        () = tokio::time::sleep(grace) => {
             log("warning", &format!("grace period of {} s over: answering the dispatches still running with 503", format_seconds(grace)));
             app.cut_in_flight();
-            let _ = tokio::time::timeout(Duration::from_secs(5), &mut serving).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut all_closed).await;
             Ok(false)
         }
     }
