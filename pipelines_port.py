@@ -1810,8 +1810,8 @@ class RetryPolicy(NamedTuple):
 
     ``max_attempts`` counts the first try (429 / transient 503).  Waits grow
     ``base_delay_s * 2**n`` with ±``jitter`` and are capped at ``max_delay_s``;
-    a ``Retry-After`` header replaces the computed wait (capped at
-    ``max_retry_after_s``).  Transport failures (timeout, refused or reset
+    a ``Retry-After`` header replaces the computed wait; one longer than
+    ``max_retry_after_s`` is not waited: the call fails at once.  Transport failures (timeout, refused or reset
     connection) are retried ``transport_retries`` more times with the same
     Idempotency-Key.
     """
@@ -1878,9 +1878,27 @@ class RetryState:
                 return RetryStep("raise", error=outcome.error)
             wait = None if outcome.stale else self.policy.delay(self.transport_failures)
             return RetryStep("retry", error=outcome.error, wait_s=wait)
+        if outcome.kind == "retry" and _waits_too_long(outcome.retry_after, self.policy):
+            return RetryStep("raise", error=_not_waited(outcome, self.policy))
         if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
             return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
         return RetryStep("raise", error=outcome.error)
+
+
+def _waits_too_long(retry_after: Optional[float], policy: RetryPolicy) -> bool:
+    return retry_after is not None and retry_after > policy.max_retry_after_s
+
+
+def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
+    """The error of a reply whose ``Retry-After`` is past the cap (§7.4 kit-retry-after-cap): retrying sooner
+    than asked would hammer the proxy, sleeping that long would outlast the run, so the call fails now."""
+    error = outcome.error
+    note = (f" (the proxy asked to wait {outcome.retry_after:g} s before a retry, longer than the "
+            f"{policy.max_retry_after_s:g} s this client waits: not retried)")
+    if isinstance(error, ProxyError):
+        return type(error)(error.message + note, status_code=error.status_code, error_class=error.error_class,
+                           body=error.body, tool_name=error.tool_name, retry_after=error.retry_after)
+    return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
 
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation

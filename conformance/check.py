@@ -1834,8 +1834,14 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
                 reply["body"] = mine(vector.get("body_text", ""))
             proxy_run.script(doc["tool_name"], [reply, {"response": "after-retry"}])
 
-        ran = c.script([{"call": doc["tool_name"], "args": {}}], setup=setup)
-        outcome = c.outcome(ran)
+        try:
+            ran = c.script([{"call": doc["tool_name"], "args": {}}], setup=setup)
+            outcome = c.outcome(ran)
+        except Failed as failed:
+            if vector["rule"] == "kit-retry-after-cap" and failed.hint is None:
+                failed.hint = (f"the port waited out a Retry-After of {vector['headers']['Retry-After']} s: past "
+                               "the 60 s cap the call must fail at once, not sleep (or retry early)")
+            raise
         if expect.get("retry") and expect.get("retry_after_s") is None:
             # Full jitter (a wait anywhere in [0, cap]) is a correct backoff whose one wait may be short: a port
             # fails only when every one of several fresh calls retried faster than MIN_BACKOFF_S.
@@ -1872,7 +1878,9 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
                 raise Failed(f"the call to fail: {vector['status']} is terminal", show(outcome), "terminal-no-retry")
             kwargs = {k: expect[k] for k in ("status_code", "error_class") if k in expect}
             expect_error(outcome, expect["error"], **kwargs)
-            expect_requests(ran.proxy, 1, "a terminal error is not retried", "terminal-no-retry")
+            rule = vector["rule"] if vector["rule"].startswith("kit-") else "terminal-no-retry"
+            expect_requests(ran.proxy, 1, "a terminal error is not retried" if rule == "terminal-no-retry" else
+                            "no retry: a Retry-After past the cap fails the call at once", rule)
     return run
 
 

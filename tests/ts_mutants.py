@@ -90,6 +90,11 @@ MUTANTS = [
        ("        reply = await send();\n", '        headers["Idempotency-Key"] = randomUUID();\n        reply = await send();\n')),
     _m("retry_after_ignored", "honour-retry-after",
        ("  if (retryAfter !== null) return Math.min(retryAfter, policy.maxRetryAfterS);\n", "")),
+    _m("retry_after_waited_out", "kit-retry-after-cap",
+       ("      const outcome = settleReply(policy, interpretReply(reply.status, reply.headers, reply.body, "
+        "{ toolName: name, runToken: envelope.run_token }));",
+        "      const outcome = interpretReply(reply.status, reply.headers, reply.body, "
+        "{ toolName: name, runToken: envelope.run_token });")),
     _m("no_backoff", "bounded-backoff",
        ("  const wait = policy.baseDelayS * 2 ** (retry - 1) * (1 - policy.jitter + Math.random() * 2 * policy.jitter);",
         "  const wait = 0;")),
