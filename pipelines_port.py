@@ -556,9 +556,9 @@ class _FrozenList(List[Any]):
 def _freeze(value: Any) -> Any:
     """Deep copy of a JSON value with every dict and list made read-only."""
     if isinstance(value, dict):
-        return _FrozenDict((k, _freeze(v)) for k, v in value.items())
+        return _FrozenDict({k: _freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
-        return _FrozenList(_freeze(v) for v in value)
+        return _FrozenList([_freeze(v) for v in value])
     return value
 
 
@@ -640,6 +640,9 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+_SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
+
+
 def validate_proxy_url(url: Any, where: str) -> str:
     """The proxy base URL without its trailing ``/``; http(s) with a host only."""
     if not isinstance(url, str) or not url.strip():
@@ -660,7 +663,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
         parts.hostname.encode("idna")
     except UnicodeError:
         raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} has a host name that is not valid") from None
-    if any(ord(c) < 33 or ord(c) == 127 for c in text):
+    if _SPACE_OR_CONTROL.search(text):
         raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
     return text
 
@@ -3210,7 +3213,7 @@ class _AsyncTransport:
     bounds the whole attempt, connecting included; a cancelled exchange closes the connection it used.
     """
 
-    MAX_IDLE_PER_ORIGIN = 512
+    MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
     IDLE_TIMEOUT_S = 5.0  # below the usual keep-alive of servers (uvicorn 5 s, httpx 5 s, nginx 75 s)
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
@@ -3226,7 +3229,10 @@ class _AsyncTransport:
             with self._lock:
                 pool = self._pools.get(loop)
                 if pool is None:
-                    pool = self._pools[loop] = _AsyncPool(loop, self.MAX_IDLE_PER_ORIGIN, self.IDLE_TIMEOUT_S)
+                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most of
+                    # them after each call only to reconnect for the run's next one (bench/bench_fanout.py).
+                    max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
+                    pool = self._pools[loop] = _AsyncPool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
     def close(self) -> None:
@@ -3252,24 +3258,24 @@ class _AsyncTransport:
         if problem:
             raise ValueError(problem)
         loop = asyncio.get_running_loop()
-        scheme = base.scheme.lower()
+        scheme, host = base.scheme.lower(), base.hostname
         port = base.port or (443 if scheme == "https" else 80)
-        key = (scheme, base.hostname, port)
+        key = (scheme, host, port)
         started = loop.time()
         deadline = started + timeout
         pool = self._pool(loop)
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{base.hostname}:{port}{_loggable_path(path)}"
+        where = f"{host}:{port}{_loggable_path(path)}"
         if debug:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
-            request = _request_bytes(method, path, base.hostname, port, scheme, headers, body)
+            request = _request_bytes(method, path, host, port, scheme, headers, body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
         conn = pool.take(key)
         reused = conn is not None
         if conn is None:
-            conn = await self._connect(loop, scheme, base.hostname, port, deadline, timeout)
+            conn = await self._connect(loop, scheme, host, port, deadline, timeout)
         try:
             reader = await conn.exchange(request, max_reply, deadline, timeout)
         except _ReplyTooLarge:
