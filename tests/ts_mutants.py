@@ -83,7 +83,7 @@ MUTANTS = [
        (UNWRAP, 'value: isJson && isObject(value) && "response" in value ? (typeof value["response"] === "string" ? '
                 '(() => { try { return JSON.parse(value["response"] as string) as Json; } catch { return value["response"] ?? null; } })() '
                 ': value["response"] ?? null) : value')),
-    _m("no_retry_429", "retry-transient",
+    _m("no_retry_429", "retry-429",
        (RETRYABLE, "if (status === 503 && errorClass !== null && TRANSIENT_503_CLASSES.has(errorClass)) {")),
     _m("retries_every_5xx", "terminal-no-retry", (RETRYABLE, "if (status === 429 || status >= 500) {")),
     _m("new_key_per_attempt", "idempotency-key-reuse",
