@@ -2658,6 +2658,11 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
     "pipelines_port_dispatch_stats", default=None
 )
 
+# The event loop of the server that started this sync agent on a thread of its own: the blocking driver's
+# exchanges run there (see ProxyClient.exchange), so a thousand agent threads wait on futures instead of each
+# driving a socket under the GIL.
+_server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
+
 
 class _Connections:
     """Idle keep-alive connections per (scheme, host, port), shared by every thread.
@@ -3637,13 +3642,38 @@ class ProxyClient:
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL)."""
+        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL).
+
+        On a sync agent's thread started by a server's event loop, the exchange runs on that loop (the asyncio
+        transport, same results and failures) while this thread waits; elsewhere on the blocking transport.
+        """
+        loop = _server_loop.get()
+        if loop is not None and loop.is_running():
+            return self._on_loop(loop, base, method, path, headers, body, timeout, max_reply)
         return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
         """The asyncio form of :meth:`exchange`."""
         return await self._atransport.exchange(base, method, path, headers, body, timeout, max_reply)
+
+    def _on_loop(self, loop: Any, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
+                 timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """:meth:`exchange` run on ``loop`` from another thread; a loop that closes meanwhile is a transport
+        failure (the asyncio transport bounds the exchange by ``timeout``; the wait has a margin over it)."""
+        import asyncio
+        import concurrent.futures
+
+        try:
+            future = asyncio.run_coroutine_threadsafe(
+                self._atransport.exchange(base, method, path, headers, body, timeout, max_reply), loop)
+        except RuntimeError:  # the loop closed after the check: this thread can still reach the proxy itself
+            return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
+        try:
+            return future.result(timeout + 5.0)
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as exc:
+            future.cancel()
+            raise _TransportFailure() from exc
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                   run_token: Optional[str] = None) -> ProxyOutcome:
@@ -4216,6 +4246,7 @@ async def _await_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
     context = contextvars.copy_context()
+    context.run(_server_loop.set, loop)
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
         if waiter.done():  # timed out, or the awaiting task was cancelled
@@ -4494,7 +4525,8 @@ class DispatchApp:
 
     async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
         """The asyncio form of :meth:`run_agent`: an ``async def`` agent runs as a task on this loop (every dispatch
-        on the one loop, so clients a framework shares across runs work), a sync one on a thread of its own.
+        on the one loop, so clients a framework shares across runs work), a sync one on a thread of its own, whose
+        proxy exchanges run on this loop while the thread waits (:meth:`ProxyClient.exchange`).
 
         Cancelled (a server shutting down), the run is cut: the agent's task is cancelled with it, its further
         proxy calls refused, and the cut logged.
