@@ -60,6 +60,21 @@ def dispatch(proxy: MockProxy, run_id: int, token: str) -> Tuple[Dict[str, Any],
     return body, {"Authorization": f"Bearer {AGENT_TOKEN}", "X-Pipelines-Run-Token": token}
 
 
+def fan_out(agent: Any, proxy: MockProxy, tokens: Dict[int, str]) -> List[Tuple[int, Dict[str, str], bytes]]:
+    """Every run of ``tokens`` dispatched at once to ``agent`` under the asyncio server; the replies in run order."""
+    server = pp.start_server(agent, token=AGENT_TOKEN)
+    assert isinstance(server, pp.AsyncDispatchServer)
+    port = server.server_address[1]
+
+    async def load() -> List[Tuple[int, Dict[str, str], bytes]]:
+        return await asyncio.gather(*(post(port, *dispatch(proxy, i, token)) for i, token in tokens.items()))
+
+    try:
+        return asyncio.run(load())
+    finally:
+        server.close(5)
+
+
 @pytest.fixture(autouse=True)
 def quick_client() -> Iterator[None]:
     previous = pp.set_default_client(pp.ProxyClient(rate_per_minute=0, timeout=60))
@@ -84,17 +99,7 @@ def test_a_thousand_concurrent_async_dispatches_never_cross(caplog: pytest.LogCa
 
     with MockProxy(tokens=list(tokens.values())) as proxy:
         proxy.script("whoami", lambda r: {"response": {"args": r.json}, "delay_s": 0.3})
-        server = pp.start_server(agent, token=AGENT_TOKEN)
-        assert isinstance(server, pp.AsyncDispatchServer)
-        port = server.server_address[1]
-
-        async def load() -> List[Tuple[int, Dict[str, str], bytes]]:
-            return await asyncio.gather(*(post(port, *dispatch(proxy, i, tokens[i])) for i in range(DISPATCHES)))
-
-        try:
-            replies = asyncio.run(load())
-        finally:
-            server.close(5)
+        replies = fan_out(agent, proxy, tokens)
         calls = proxy.calls("whoami")
         max_in_flight = proxy.max_in_flight
     bad = [(i, s, b[:200]) for i, (s, _, b) in enumerate(replies) if s != 200
@@ -133,16 +138,7 @@ def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() ->
 
     with MockProxy(tokens=list(tokens.values())) as proxy:
         proxy.script("whoami", lambda r: {"response": {"args": r.json}, "delay_s": 0.2})
-        server = pp.start_server(agent, token=AGENT_TOKEN)
-        port = server.server_address[1]
-
-        async def load() -> List[Tuple[int, Dict[str, str], bytes]]:
-            return await asyncio.gather(*(post(port, *dispatch(proxy, i, tokens[i])) for i in range(count)))
-
-        try:
-            replies = asyncio.run(load())
-        finally:
-            server.close(5)
+        replies = fan_out(agent, proxy, tokens)
         calls = proxy.calls("whoami")
     assert [(s, json.loads(b)) for s, _, b in replies] == [(200, {"final_response": f"run {i} done"})
                                                            for i in range(count)]
