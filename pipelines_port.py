@@ -556,9 +556,9 @@ class _FrozenList(List[Any]):
 def _freeze(value: Any) -> Any:
     """Deep copy of a JSON value with every dict and list made read-only."""
     if isinstance(value, dict):
-        return _FrozenDict((k, _freeze(v)) for k, v in value.items())
+        return _FrozenDict({k: _freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
-        return _FrozenList(_freeze(v) for v in value)
+        return _FrozenList([_freeze(v) for v in value])
     return value
 
 
@@ -640,6 +640,9 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+_SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
+
+
 def validate_proxy_url(url: Any, where: str) -> str:
     """The proxy base URL without its trailing ``/``; http(s) with a host only."""
     if not isinstance(url, str) or not url.strip():
@@ -660,7 +663,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
         parts.hostname.encode("idna")
     except UnicodeError:
         raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} has a host name that is not valid") from None
-    if any(ord(c) < 33 or ord(c) == 127 for c in text):
+    if _SPACE_OR_CONTROL.search(text):
         raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
     return text
 
@@ -1810,8 +1813,8 @@ class RetryPolicy(NamedTuple):
 
     ``max_attempts`` counts the first try (429 / transient 503).  Waits grow
     ``base_delay_s * 2**n`` with ±``jitter`` and are capped at ``max_delay_s``;
-    a ``Retry-After`` header replaces the computed wait (capped at
-    ``max_retry_after_s``).  Transport failures (timeout, refused or reset
+    a ``Retry-After`` header replaces the computed wait; one longer than
+    ``max_retry_after_s`` is not waited: the call fails at once.  Transport failures (timeout, refused or reset
     connection) are retried ``transport_retries`` more times with the same
     Idempotency-Key.
     """
@@ -1878,9 +1881,27 @@ class RetryState:
                 return RetryStep("raise", error=outcome.error)
             wait = None if outcome.stale else self.policy.delay(self.transport_failures)
             return RetryStep("retry", error=outcome.error, wait_s=wait)
+        if outcome.kind == "retry" and _waits_too_long(outcome.retry_after, self.policy):
+            return RetryStep("raise", error=_not_waited(outcome, self.policy))
         if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
             return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
         return RetryStep("raise", error=outcome.error)
+
+
+def _waits_too_long(retry_after: Optional[float], policy: RetryPolicy) -> bool:
+    return retry_after is not None and retry_after > policy.max_retry_after_s
+
+
+def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
+    """The error of a reply whose ``Retry-After`` is past the cap (§7.4 kit-retry-after-cap): retrying sooner
+    than asked would hammer the proxy, sleeping that long would outlast the run, so the call fails now."""
+    error = outcome.error
+    note = (f" (the proxy asked to wait {outcome.retry_after:g} s before a retry, longer than the "
+            f"{policy.max_retry_after_s:g} s this client waits: not retried)")
+    if isinstance(error, ProxyError):
+        return type(error)(error.message + note, status_code=error.status_code, error_class=error.error_class,
+                           body=error.body, tool_name=error.tool_name, retry_after=error.retry_after)
+    return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
 
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation
@@ -2637,6 +2658,11 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
     "pipelines_port_dispatch_stats", default=None
 )
 
+# The event loop of the server that started this sync agent on a thread of its own: the blocking driver's
+# exchanges run there (see ProxyClient.exchange), so a thousand agent threads wait on futures instead of each
+# driving a socket under the GIL.
+_server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
+
 
 class _Connections:
     """Idle keep-alive connections per (scheme, host, port), shared by every thread.
@@ -3192,7 +3218,7 @@ class _AsyncTransport:
     bounds the whole attempt, connecting included; a cancelled exchange closes the connection it used.
     """
 
-    MAX_IDLE_PER_ORIGIN = 512
+    MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
     IDLE_TIMEOUT_S = 5.0  # below the usual keep-alive of servers (uvicorn 5 s, httpx 5 s, nginx 75 s)
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
@@ -3208,7 +3234,10 @@ class _AsyncTransport:
             with self._lock:
                 pool = self._pools.get(loop)
                 if pool is None:
-                    pool = self._pools[loop] = _AsyncPool(loop, self.MAX_IDLE_PER_ORIGIN, self.IDLE_TIMEOUT_S)
+                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most of
+                    # them after each call only to reconnect for the run's next one (bench/bench_fanout.py).
+                    max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
+                    pool = self._pools[loop] = _AsyncPool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
     def close(self) -> None:
@@ -3234,24 +3263,24 @@ class _AsyncTransport:
         if problem:
             raise ValueError(problem)
         loop = asyncio.get_running_loop()
-        scheme = base.scheme.lower()
+        scheme, host = base.scheme.lower(), base.hostname
         port = base.port or (443 if scheme == "https" else 80)
-        key = (scheme, base.hostname, port)
+        key = (scheme, host, port)
         started = loop.time()
         deadline = started + timeout
         pool = self._pool(loop)
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{base.hostname}:{port}{_loggable_path(path)}"
+        where = f"{host}:{port}{_loggable_path(path)}"
         if debug:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
-            request = _request_bytes(method, path, base.hostname, port, scheme, headers, body)
+            request = _request_bytes(method, path, host, port, scheme, headers, body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
         conn = pool.take(key)
         reused = conn is not None
         if conn is None:
-            conn = await self._connect(loop, scheme, base.hostname, port, deadline, timeout)
+            conn = await self._connect(loop, scheme, host, port, deadline, timeout)
         try:
             reader = await conn.exchange(request, max_reply, deadline, timeout)
         except _ReplyTooLarge:
@@ -3613,13 +3642,38 @@ class ProxyClient:
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL)."""
+        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL).
+
+        On a sync agent's thread started by a server's event loop, the exchange runs on that loop (the asyncio
+        transport, same results and failures) while this thread waits; elsewhere on the blocking transport.
+        """
+        loop = _server_loop.get()
+        if loop is not None and loop.is_running():
+            return self._on_loop(loop, base, method, path, headers, body, timeout, max_reply)
         return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
         """The asyncio form of :meth:`exchange`."""
         return await self._atransport.exchange(base, method, path, headers, body, timeout, max_reply)
+
+    def _on_loop(self, loop: Any, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
+                 timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """:meth:`exchange` run on ``loop`` from another thread; a loop that closes meanwhile is a transport
+        failure (the asyncio transport bounds the exchange by ``timeout``; the wait has a margin over it)."""
+        import asyncio
+        import concurrent.futures
+
+        try:
+            future = asyncio.run_coroutine_threadsafe(
+                self._atransport.exchange(base, method, path, headers, body, timeout, max_reply), loop)
+        except RuntimeError:  # the loop closed after the check: this thread can still reach the proxy itself
+            return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
+        try:
+            return future.result(timeout + 5.0)
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as exc:
+            future.cancel()
+            raise _TransportFailure() from exc
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                   run_token: Optional[str] = None) -> ProxyOutcome:
@@ -4192,6 +4246,7 @@ async def _await_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
     context = contextvars.copy_context()
+    context.run(_server_loop.set, loop)
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
         if waiter.done():  # timed out, or the awaiting task was cancelled
@@ -4470,7 +4525,8 @@ class DispatchApp:
 
     async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
         """The asyncio form of :meth:`run_agent`: an ``async def`` agent runs as a task on this loop (every dispatch
-        on the one loop, so clients a framework shares across runs work), a sync one on a thread of its own.
+        on the one loop, so clients a framework shares across runs work), a sync one on a thread of its own, whose
+        proxy exchanges run on this loop while the thread waits (:meth:`ProxyClient.exchange`).
 
         Cancelled (a server shutting down), the run is cut: the agent's task is cancelled with it, its further
         proxy calls refused, and the cut logged.

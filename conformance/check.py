@@ -696,11 +696,14 @@ def _(c: Check) -> None:
     expect_nothing_sent(proxy_run)
 
 
-@case("ping.exact", "§2 step 3", 'the ping {"ping": true} with the credential gets 200 {"ok": true}', ["ping-exact"])
+@case("ping.exact", "§2 step 3", 'the ping {"ping": true} with the credential gets 200 {"ok": true}',
+      ["ping-exact", "ping-ok-body"])
 def _(c: Check) -> None:
     reply = c.post({"ping": True}, c.credential())
-    if reply.status != 200 or not isinstance(reply.json, dict) or reply.json.get("ok") is not True:
-        raise Failed('HTTP 200 {"ok": true}', describe(reply))
+    if reply.status != 200:
+        raise Failed("HTTP 200, the agent not run", describe(reply))
+    if not isinstance(reply.json, dict) or reply.json.get("ok") is not True:
+        raise Failed('the body {"ok": true} (the porting guide\'s reference wrapper)', describe(reply), "ping-ok-body")
 
 
 @case("ping.strict", "§2 step 3", '{"ping": true, "x": 1} and {"ping": 1} are dispatches, not pings', ["ping-strict"])
@@ -983,13 +986,13 @@ def _(c: Check) -> None:
 
 
 @case("proxy.idempotency_reused_on_retry", "§3.1, §3.3", "a retried call reuses its Idempotency-Key",
-      ["idempotency-key-reuse", "retry-transient"])
+      ["idempotency-key-reuse", "retry-429"])
 def _(c: Check) -> None:
     ran = c.script([{"call": "refund_order", "args": {"order_id": "1"}}], setup=lambda p: p.script(
         "refund_order", [{"status": 429, "headers": RETRY_NOW, "error_class": "rate_limited", "message": "slow down"},
                          {"response": {"refunded": True}}]))
-    expect_ok(c.outcome(ran), {"refunded": True}, rule="retry-transient")
-    expect_same_key(expect_requests(ran.proxy, 2, "a 429, then the retry", "retry-transient"),
+    expect_ok(c.outcome(ran), {"refunded": True}, rule="retry-429")
+    expect_same_key(expect_requests(ran.proxy, 2, "a 429, then the retry", "retry-429"),
                     "a retry must never re-run a mutating tool")
 
 
@@ -1061,7 +1064,7 @@ def retried(c: Check, reply: Dict[str, Any], why: str) -> None:
     expect_same_key(expect_requests(ran.proxy, 2, f"{why}, then the retry"), "a retry reuses the key")
 
 
-@case("proxy.retry_429", "§3.3", "429 is retried (Retry-After honoured)", ["retry-transient", "idempotency-key-reuse"])
+@case("proxy.retry_429", "§3.3", "429 is retried (Retry-After honoured)", ["retry-429", "idempotency-key-reuse"])
 def _(c: Check) -> None:
     retried(c, {"status": 429, "headers": RETRY_NOW, "error_class": "rate_limited", "message": "slow down"}, "429")
 
@@ -1093,7 +1096,7 @@ def _(c: Check) -> None:
     for name in names:
         attempts = [r for r in ran.proxy.requests if r.name == name]
         if len(attempts) != 2:
-            raise Failed(f"{name}: the 429, then one retry", f"{len(attempts)} request(s)", "retry-transient")
+            raise Failed(f"{name}: the 429, then one retry", f"{len(attempts)} request(s)", "retry-429")
         # From the moment the 429 was written: how long the proxy took to answer each call is not the port's wait.
         gaps.append(attempts[1].time - (attempts[0].replied or attempts[0].time))
     if max(gaps) - min(gaps) < MIN_JITTER_SPREAD_S:
@@ -1698,8 +1701,10 @@ def _inbound_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable[[Ch
             body = vector["body"]
             if vector["expect"]["is_ping"]:
                 reply = c.post(body, c.credential())
-                if reply.status != 200 or not isinstance(reply.json, dict) or reply.json.get("ok") is not True:
-                    raise Failed('the ping answered 200 {"ok": true}', describe(reply))
+                if reply.status != 200:
+                    raise Failed("the ping answered 200", describe(reply))
+                if not isinstance(reply.json, dict) or reply.json.get("ok") is not True:
+                    raise Failed('the ping answered {"ok": true}', describe(reply), "ping-ok-body")
             elif isinstance(body, dict):
                 run, _ = c.new_run()
                 reply = c.dispatch(run, body)
@@ -1834,8 +1839,14 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
                 reply["body"] = mine(vector.get("body_text", ""))
             proxy_run.script(doc["tool_name"], [reply, {"response": "after-retry"}])
 
-        ran = c.script([{"call": doc["tool_name"], "args": {}}], setup=setup)
-        outcome = c.outcome(ran)
+        try:
+            ran = c.script([{"call": doc["tool_name"], "args": {}}], setup=setup)
+            outcome = c.outcome(ran)
+        except Failed as failed:
+            if vector["rule"] == "kit-retry-after-cap" and failed.hint is None:
+                failed.hint = (f"the port waited out a Retry-After of {vector['headers']['Retry-After']} s: past "
+                               "the 60 s cap the call must fail at once, not sleep (or retry early)")
+            raise
         if expect.get("retry") and expect.get("retry_after_s") is None:
             # Full jitter (a wait anywhere in [0, cap]) is a correct backoff whose one wait may be short: a port
             # fails only when every one of several fresh calls retried faster than MIN_BACKOFF_S.
@@ -1872,7 +1883,9 @@ def _proxy_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Callable
                 raise Failed(f"the call to fail: {vector['status']} is terminal", show(outcome), "terminal-no-retry")
             kwargs = {k: expect[k] for k in ("status_code", "error_class") if k in expect}
             expect_error(outcome, expect["error"], **kwargs)
-            expect_requests(ran.proxy, 1, "a terminal error is not retried", "terminal-no-retry")
+            rule = vector["rule"] if vector["rule"].startswith("kit-") else "terminal-no-retry"
+            expect_requests(ran.proxy, 1, "a terminal error is not retried" if rule == "terminal-no-retry" else
+                            "no retry: a Retry-After past the cap fails the call at once", rule)
     return run
 
 

@@ -484,6 +484,13 @@ def retry_after_ignored() -> None:
     pp.RetryPolicy.delay = lambda self, retry_number, retry_after=None: original(self, retry_number, None)
 
 
+@variant("retry_after_unbounded",
+         "vectors.proxy_replies:429-with-a-retry-after-of-an-hour-is-not-waited-the-call-fails-at-once")
+def retry_after_unbounded() -> None:
+    """Honours any Retry-After, an hour included: the run sleeps past its end (a kit rule, --profile api)."""
+    pp.RetryPolicy.max_retry_after_s = float("inf")
+
+
 @variant("retries_unbounded", "proxy.retry_bounded")
 def retries_unbounded() -> None:
     pp.RetryPolicy.max_attempts = 25  # "retry until it works"

@@ -60,6 +60,21 @@ def dispatch(proxy: MockProxy, run_id: int, token: str) -> Tuple[Dict[str, Any],
     return body, {"Authorization": f"Bearer {AGENT_TOKEN}", "X-Pipelines-Run-Token": token}
 
 
+def fan_out(agent: Any, proxy: MockProxy, tokens: Dict[int, str]) -> List[Tuple[int, Dict[str, str], bytes]]:
+    """Every run of ``tokens`` dispatched at once to ``agent`` under the asyncio server; the replies in run order."""
+    server = pp.start_server(agent, token=AGENT_TOKEN)
+    assert isinstance(server, pp.AsyncDispatchServer)
+    port = server.server_address[1]
+
+    async def load() -> List[Tuple[int, Dict[str, str], bytes]]:
+        return await asyncio.gather(*(post(port, *dispatch(proxy, i, token)) for i, token in tokens.items()))
+
+    try:
+        return asyncio.run(load())
+    finally:
+        server.close(5)
+
+
 @pytest.fixture(autouse=True)
 def quick_client() -> Iterator[None]:
     previous = pp.set_default_client(pp.ProxyClient(rate_per_minute=0, timeout=60))
@@ -84,17 +99,7 @@ def test_a_thousand_concurrent_async_dispatches_never_cross(caplog: pytest.LogCa
 
     with MockProxy(tokens=list(tokens.values())) as proxy:
         proxy.script("whoami", lambda r: {"response": {"args": r.json}, "delay_s": 0.3})
-        server = pp.start_server(agent, token=AGENT_TOKEN)
-        assert isinstance(server, pp.AsyncDispatchServer)
-        port = server.server_address[1]
-
-        async def load() -> List[Tuple[int, Dict[str, str], bytes]]:
-            return await asyncio.gather(*(post(port, *dispatch(proxy, i, tokens[i])) for i in range(DISPATCHES)))
-
-        try:
-            replies = asyncio.run(load())
-        finally:
-            server.close(5)
+        replies = fan_out(agent, proxy, tokens)
         calls = proxy.calls("whoami")
         max_in_flight = proxy.max_in_flight
     bad = [(i, s, b[:200]) for i, (s, _, b) in enumerate(replies) if s != 200
@@ -107,6 +112,46 @@ def test_a_thousand_concurrent_async_dispatches_never_cross(caplog: pytest.LogCa
     assert len(set(loops)) == 1 and len(loops) == DISPATCHES  # one event loop ran every dispatch
     assert max_in_flight >= 50  # they really overlapped
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() -> None:
+    """A sync agent under the asyncio server keeps its own thread, but each proxy exchange runs on the server's
+    loop (the asyncio transport): 150 at once, distinct run tokens, none crossing, none on an agent thread."""
+    count = 150
+    tokens = {i: f"run-token-{i:04d}-bridge-xxxxxxx" for i in range(count)}
+    client = pp.ProxyClient(rate_per_minute=0, timeout=60)
+    ran_on: List[str] = []
+    agent_threads: List[str] = []
+    exchange = client._atransport.exchange
+
+    async def recording(*args: Any) -> Any:
+        ran_on.append(threading.current_thread().name)
+        return await exchange(*args)
+
+    client._atransport.exchange = recording  # type: ignore[method-assign]
+
+    def agent(env: pp.Envelope) -> str:
+        agent_threads.append(threading.current_thread().name)
+        got = [client.call(env, "whoami", {"run_id": env.run_id, "step": n}) for n in (0, 1)]
+        assert [g["args"] for g in got] == [{"run_id": env.run_id, "step": n} for n in (0, 1)]
+        return f"run {env.run_id} done"
+
+    with MockProxy(tokens=list(tokens.values())) as proxy:
+        proxy.script("whoami", lambda r: {"response": {"args": r.json}, "delay_s": 0.2})
+        replies = fan_out(agent, proxy, tokens)
+        calls = proxy.calls("whoami")
+    assert [(s, json.loads(b)) for s, _, b in replies] == [(200, {"final_response": f"run {i} done"})
+                                                           for i in range(count)]
+    assert all(c.bearer == tokens[c.json["run_id"]] for c in calls) and len(calls) == 2 * count
+    assert len(ran_on) == 2 * count and set(ran_on) == {"pipelines-server"}  # every exchange on the server's loop
+    assert len(agent_threads) == count and "pipelines-server" not in agent_threads
+    # Outside a server's dispatch the same client drives its own sockets (the blocking transport).
+    with MockProxy(tokens=["run-token-outside-xxxxxxxxxx"]) as proxy:
+        proxy.script("whoami", lambda r: {"response": {"args": r.json}})
+        env = pp.Envelope(proxy_url=proxy.url, run_token="run-token-outside-xxxxxxxxxx")
+        assert client.call(env, "whoami", {"n": 1}) == {"args": {"n": 1}}
+    assert len(ran_on) == 2 * count
+    client.close()
 
 
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async agent", "sync agent"])

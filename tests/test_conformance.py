@@ -159,7 +159,7 @@ def test_our_port_passes_every_case_must_and_should(outcomes: Dict[str, Outcome]
     assert stderr.rstrip().endswith(f"{report['passed']} passed, 0 failed, 0 warned, 4 skipped")
     assert AGENT_TOKEN not in stderr and not RUN_TOKEN_RE.search(stderr + json.dumps(report))
     by_level = report["by_level"]
-    assert by_level["MUST"]["passed"] > 100 and by_level["SHOULD"]["passed"] > 50 and by_level["MAY"]["passed"] >= 3
+    assert by_level["MUST"]["passed"] > 75 and by_level["SHOULD"]["passed"] > 80 and by_level["MAY"]["passed"] >= 3
 
 
 def test_our_port_passes_the_api_profile_too(outcomes: Dict[str, Outcome]) -> None:

@@ -78,9 +78,14 @@ def test_every_knob_of_the_retry_policy_is_honoured(proxy: MockProxy, fake_sleep
     with pytest.raises(pp.ProxyError):
         driver.call(client, envelope_for(proxy), "a", {})
     assert len(proxy.calls("a")) == 2 and fake_sleep.waits == [0.1]
-    proxy.script("b", [{"status": 429, "headers": {"Retry-After": "3600"}}, {"response": 1}])
+    proxy.script("b", [{"status": 429, "headers": {"Retry-After": "5"}}, {"response": 1}])
     assert driver.call(client, envelope_for(proxy), "b", {}) == 1
-    assert fake_sleep.waits[-1] == 5  # Retry-After capped by max_retry_after_s
+    assert fake_sleep.waits[-1] == 5  # a Retry-After up to max_retry_after_s is waited
+    proxy.script("c", [{"status": 429, "headers": {"Retry-After": "6"}}, {"response": 1}])
+    with pytest.raises(pp.ProxyError) as info:  # past it: no wait, no retry
+        driver.call(client, envelope_for(proxy), "c", {})
+    assert len(proxy.calls("c")) == 1 and fake_sleep.waits[-1] == 5
+    assert info.value.retry_after == 6 and "asked to wait 6 s" in str(info.value) and "5 s this client" in str(info.value)
 
 
 def test_backoff_grows_with_jitter_and_is_capped() -> None:

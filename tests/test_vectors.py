@@ -152,23 +152,26 @@ def raw_body(case: Dict[str, Any]) -> bytes:
 
 @pytest.mark.parametrize("case", REPLIES, ids=ids(REPLIES))
 def test_proxy_reply_vectors_pure(case: Dict[str, Any]) -> None:
+    """The interpretation, then the retry policy's first step over it: what a driver does next."""
     outcome = pp.interpret_reply(
         case["status"], case["headers"], raw_body(case),
         tool_name=REPLIES_DOC["tool_name"], run_token=REPLIES_DOC["run_token"],
     )
+    step = pp.RetryState(pp.RetryPolicy()).step(outcome)
     expect = case["expect"]
     if "value" in expect:
-        assert outcome.kind == "value"
-        assert same_json(outcome.value, expect["value"])
+        assert outcome.kind == "value" and step.action == "return"
+        assert same_json(step.value, expect["value"])
     elif expect.get("retry"):
-        assert outcome.kind == "retry"
+        assert outcome.kind == "retry" and step.action == "retry"
         if expect["retry_after_s"] is None:
             assert outcome.retry_after is None
         else:
             assert outcome.retry_after == pytest.approx(expect["retry_after_s"], abs=0.01)
+            assert step.wait_s == pytest.approx(expect["retry_after_s"], abs=0.01)
     else:
-        assert outcome.kind == "error"
-        check_error(outcome.error, expect)
+        assert step.action == "raise"
+        check_error(step.error, expect)
 
 
 @pytest.mark.parametrize("case", REPLIES, ids=ids(REPLIES))

@@ -83,13 +83,18 @@ MUTANTS = [
        (UNWRAP, 'value: isJson && isObject(value) && "response" in value ? (typeof value["response"] === "string" ? '
                 '(() => { try { return JSON.parse(value["response"] as string) as Json; } catch { return value["response"] ?? null; } })() '
                 ': value["response"] ?? null) : value')),
-    _m("no_retry_429", "retry-transient",
+    _m("no_retry_429", "retry-429",
        (RETRYABLE, "if (status === 503 && errorClass !== null && TRANSIENT_503_CLASSES.has(errorClass)) {")),
     _m("retries_every_5xx", "terminal-no-retry", (RETRYABLE, "if (status === 429 || status >= 500) {")),
     _m("new_key_per_attempt", "idempotency-key-reuse",
        ("        reply = await send();\n", '        headers["Idempotency-Key"] = randomUUID();\n        reply = await send();\n')),
     _m("retry_after_ignored", "honour-retry-after",
        ("  if (retryAfter !== null) return Math.min(retryAfter, policy.maxRetryAfterS);\n", "")),
+    _m("retry_after_waited_out", "kit-retry-after-cap",
+       ("      const outcome = settleReply(policy, interpretReply(reply.status, reply.headers, reply.body, "
+        "{ toolName: name, runToken: envelope.run_token }));",
+        "      const outcome = interpretReply(reply.status, reply.headers, reply.body, "
+        "{ toolName: name, runToken: envelope.run_token });")),
     _m("no_backoff", "bounded-backoff",
        ("  const wait = policy.baseDelayS * 2 ** (retry - 1) * (1 - policy.jitter + Math.random() * 2 * policy.jitter);",
         "  const wait = 0;")),

@@ -278,12 +278,12 @@ type RetryPolicy struct {
 	BaseDelay        time.Duration // the first backoff; doubles on each retry
 	MaxDelay         time.Duration // each computed wait is capped here
 	Jitter           float64       // ±25 %: waits are spread
-	MaxRetryAfter    time.Duration // a Retry-After replaces the computed wait, capped here
+	MaxRetryAfter    time.Duration // a Retry-After replaces the computed wait; a longer one fails the call at once
 	TransportRetries int           // retries of timeouts and refused or reset connections (same Idempotency-Key)
 }
 
 // DefaultRetryPolicy is the platform SDK's: 4 attempts, 0.5 s × 2ⁿ ±25 %
-// capped at 4 s, Retry-After honoured up to 60 s, 2 transport retries.
+// capped at 4 s, Retry-After honoured up to 60 s (longer: no retry), 2 transport retries.
 var DefaultRetryPolicy = RetryPolicy{
 	MaxAttempts:      4,
 	BaseDelay:        500 * time.Millisecond,
@@ -304,9 +304,25 @@ func jitterFactor() float64 {
 	return jitterSource.Float64()
 }
 
+// Settle is a reply as the policy takes it (§7.4 kit-retry-after-cap): a retry
+// whose Retry-After is longer than MaxRetryAfter is not waited but fails at
+// once, its message naming the wait the proxy asked for.
+func (p RetryPolicy) Settle(r Reply) Reply {
+	if r.Kind != ReplyRetry || r.RetryAfter == nil || *r.RetryAfter <= p.MaxRetryAfter {
+		return r
+	}
+	failure := ProxyError{Message: fmt.Sprint(r.Err)}
+	if asked, ok := r.Err.(*ProxyError); ok {
+		failure = *asked
+	}
+	failure.Message += fmt.Sprintf(" (the proxy asked to wait %s s before a retry, longer than the %s s this client waits: not retried)",
+		strconv.FormatFloat(r.RetryAfter.Seconds(), 'g', -1, 64), strconv.FormatFloat(p.MaxRetryAfter.Seconds(), 'g', -1, 64))
+	return Reply{Kind: ReplyError, Err: &failure}
+}
+
 // Delay is the wait before retry number retry (1 for the first): the
-// Retry-After when given (capped at MaxRetryAfter), else the exponential
-// backoff with jitter, capped at MaxDelay.
+// Retry-After when given (Settle fails a reply asking for more than
+// MaxRetryAfter), else the exponential backoff with jitter, capped at MaxDelay.
 func (p RetryPolicy) Delay(retry int, retryAfter *time.Duration) time.Duration {
 	if retryAfter != nil {
 		if *retryAfter > p.MaxRetryAfter {
@@ -918,7 +934,7 @@ func (c *Client) request(ctx context.Context, env *Envelope, state *dispatchStat
 			}
 			continue
 		}
-		outcome := InterpretReply(status, replyHeader, reply, name, env.RunToken)
+		outcome := policy.Settle(InterpretReply(status, replyHeader, reply, name, env.RunToken))
 		switch {
 		case outcome.Kind == ReplyValue:
 			return outcome.Value, nil

@@ -462,7 +462,7 @@ var suites = map[string]func(c map[string]any, doc vectorFile, s suiteEnv) error
 		status64, _ := c["status"].(json.Number).Int64()
 		status := int(status64)
 		header := headersOf(c["headers"])
-		pure := pp.InterpretReply(status, header, []byte(body), doc.ToolName, doc.RunToken)
+		pure := pp.DefaultRetryPolicy.Settle(pp.InterpretReply(status, header, []byte(body), doc.ToolName, doc.RunToken))
 		retry, _ := expect["retry"].(bool)
 		wantValue, isValue := expect["value"]
 		switch {

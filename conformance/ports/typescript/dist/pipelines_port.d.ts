@@ -223,6 +223,11 @@ export declare function interpretReply(status: number, headers: HeadersInit | nu
     toolName: string;
     runToken?: string | null;
 }): ReplyOutcome;
+/**
+ * A reply as the policy takes it (§7.4 kit-retry-after-cap): a retry whose Retry-After is longer than
+ * `maxRetryAfterS` is not waited but fails at once, its message naming the wait the proxy asked for.
+ */
+export declare function settleReply(policy: RetryPolicy, outcome: ReplyOutcome): ReplyOutcome;
 /** Seconds to wait before retry number `retry` (1 for the first): Retry-After, else backoff with jitter. */
 export declare function retryDelay(policy: RetryPolicy, retry: number, retryAfter?: number | null): number;
 /**

@@ -11,7 +11,7 @@ import { readFileSync } from "node:fs";
 import http from "node:http";
 import { after, before, test } from "node:test";
 import { isDeepStrictEqual } from "node:util";
-import { EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError, buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, validateActorLabel, validateResponse, validateToolName, } from "./pipelines_port.js";
+import { EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError, buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply, validateActorLabel, validateResponse, validateToolName, } from "./pipelines_port.js";
 const VECTORS = new URL("../../../vectors/", import.meta.url);
 /** A vector file with every {"$repeat": s, "count": n} expanded. */
 function load(name) {
@@ -182,7 +182,7 @@ const suites = {
         const headers = (c["headers"] ?? {});
         const runToken = str(doc["run_token"]);
         const toolName = str(doc["tool_name"]);
-        const pure = interpretReply(status, headers, bytes, { toolName, runToken });
+        const pure = settleReply(RETRY_POLICY, interpretReply(status, headers, bytes, { toolName, runToken }));
         const { expect } = c;
         const retryAfter = expect["retry_after_s"];
         if ("value" in expect)

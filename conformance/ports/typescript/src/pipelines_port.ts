@@ -673,6 +673,19 @@ export function interpretReply(status: number, headers: HeadersInit | null, byte
   return { kind: "error", error: new ProxyError(text, fields) };
 }
 
+/**
+ * A reply as the policy takes it (§7.4 kit-retry-after-cap): a retry whose Retry-After is longer than
+ * `maxRetryAfterS` is not waited but fails at once, its message naming the wait the proxy asked for.
+ */
+export function settleReply(policy: RetryPolicy, outcome: ReplyOutcome): ReplyOutcome {
+  if (outcome.kind !== "retry" || outcome.retryAfter === null || outcome.retryAfter <= policy.maxRetryAfterS) return outcome;
+  const { error } = outcome;
+  const note = ` (the proxy asked to wait ${outcome.retryAfter} s before a retry, longer than the ${policy.maxRetryAfterS} s ` +
+    "this client waits: not retried)";
+  const fields = { statusCode: error.statusCode, errorClass: error.errorClass, body: error.body, toolName: error.toolName, retryAfter: error.retryAfter };
+  return { kind: "error", error: new ProxyError(error.message + note, fields) };
+}
+
 /** Seconds to wait before retry number `retry` (1 for the first): Retry-After, else backoff with jitter. */
 export function retryDelay(policy: RetryPolicy, retry: number, retryAfter: number | null = null): number {
   if (retryAfter !== null) return Math.min(retryAfter, policy.maxRetryAfterS);
@@ -1031,7 +1044,7 @@ export class ProxyClient {
         await this.sleep(wait);
         continue;
       }
-      const outcome = interpretReply(reply.status, reply.headers, reply.body, { toolName: name, runToken: envelope.run_token });
+      const outcome = settleReply(policy, interpretReply(reply.status, reply.headers, reply.body, { toolName: name, runToken: envelope.run_token }));
       if (outcome.kind === "value") return outcome.value;
       if (outcome.kind === "retry" && attempt < policy.maxAttempts) {
         const wait = retryDelay(policy, attempt, outcome.retryAfter);

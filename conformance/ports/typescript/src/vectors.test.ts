@@ -16,7 +16,7 @@ import { isDeepStrictEqual } from "node:util";
 
 import {
   EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError,
-  buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff,
+  buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply,
   validateActorLabel, validateResponse, validateToolName,
 } from "./pipelines_port.js";
 import type { Envelope, HeadersInit, Json, JsonObject } from "./pipelines_port.js";
@@ -223,7 +223,7 @@ const suites: Record<string, Suite> = {
     const headers = (c["headers"] ?? {}) as Record<string, string>;
     const runToken = str(doc["run_token"]);
     const toolName = str(doc["tool_name"]);
-    const pure = interpretReply(status, headers, bytes, { toolName, runToken });
+    const pure = settleReply(RETRY_POLICY, interpretReply(status, headers, bytes, { toolName, runToken }));
     const { expect } = c;
     const retryAfter = expect["retry_after_s"];
     if ("value" in expect) check(pure.kind === "value" && same(pure.value, expect["value"]), `value ${show(pure)}`);
