@@ -101,6 +101,7 @@ MUTANTS = [
     _m("retry_after_ignored", "honour-retry-after",
        (REPLY, "let wait = self.policy.delay(self.attempts, error.retry_after, unit);",
         "let wait = self.policy.delay(self.attempts, None, unit);")),
+    _m("retry_after_waited_out", "kit-retry-after-cap", (REPLY, "match self.policy.settle(outcome) {", "match outcome {")),
     _m("new_key_per_attempt", "idempotency-key-reuse",
        (AIO, "                builder = builder.header(name, value);",
         '                builder = if name == "Idempotency-Key" {\n                    builder.header(name, new_uuid())\n'

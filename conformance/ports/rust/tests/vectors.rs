@@ -449,14 +449,15 @@ fn proxy_reply_case(c: &Value, doc: &VectorFile, d: &Drivers) -> Result<Verdict,
     let status = c["status"].as_u64().unwrap() as u16;
     let headers = headers_of(&c["headers"]);
     let retry_after = headers.get("retry-after");
-    let pure = interpret_reply(
+    // the interpretation as the retry policy takes it (a Retry-After past the cap fails at once)
+    let pure = pipelines_port::RetryPolicy::default().settle(interpret_reply(
         status,
         retry_after,
         body.as_bytes(),
         &doc.tool_name,
         &doc.run_token,
         SystemTime::now(),
-    );
+    ));
     let retry = expect["retry"] == json!(true);
     let want_value = expect.get("value");
     match (&pure, want_value, retry) {

@@ -277,6 +277,27 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// A reply as the policy takes it (§7.4 kit-retry-after-cap): a retry whose
+    /// `Retry-After` is longer than `max_retry_after` is not waited but fails
+    /// at once (retrying sooner than asked would hammer the proxy, sleeping
+    /// that long would outlast the run), its message naming the wait asked for.
+    pub fn settle(&self, outcome: ProxyOutcome) -> ProxyOutcome {
+        match outcome {
+            ProxyOutcome::Retry(mut error)
+                if error.retry_after.is_some_and(|w| w > self.max_retry_after) =>
+            {
+                let asked = error.retry_after.unwrap_or_default().as_secs_f64();
+                error.message += &format!(
+                    " (the proxy asked to wait {asked} s before a retry, longer than the {} s this client waits: \
+                     not retried)",
+                    self.max_retry_after.as_secs_f64()
+                );
+                ProxyOutcome::Error(error)
+            }
+            other => other,
+        }
+    }
+
     /// The wait before retry number `retry` (1 for the first): the
     /// `Retry-After` when given (capped), else the exponential backoff with
     /// jitter; `unit` is a uniform draw in `[0, 1)`.
@@ -343,7 +364,7 @@ impl RetryState {
     /// The next step after an attempt that came to `outcome`.
     pub fn step(&mut self, outcome: ProxyOutcome) -> RetryStep {
         self.attempts += 1;
-        match outcome {
+        match self.policy.settle(outcome) {
             ProxyOutcome::Value(value) => RetryStep::Return(value),
             ProxyOutcome::Error(error) => RetryStep::Raise(error),
             ProxyOutcome::Transport { error, stale } => {
@@ -452,16 +473,23 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_wins_and_is_capped() {
+    fn retry_after_wins_and_one_past_the_cap_fails_at_once() {
         let mut state = RetryState::new(RetryPolicy::default(), 1);
-        let step = state.step(ProxyOutcome::Retry(err(Some(Duration::from_secs(600)))));
+        let step = state.step(ProxyOutcome::Retry(err(Some(Duration::from_secs(60)))));
         assert_eq!(
             step,
             RetryStep::Retry {
                 wait: Some(Duration::from_secs(60)),
-                error: err(Some(Duration::from_secs(600)))
+                error: err(Some(Duration::from_secs(60)))
             }
         );
+        let RetryStep::Raise(e) =
+            state.step(ProxyOutcome::Retry(err(Some(Duration::from_secs(3600)))))
+        else {
+            panic!("a Retry-After of an hour is not waited")
+        };
+        assert!(e.message.ends_with("(the proxy asked to wait 3600 s before a retry, longer than the 60 s this client waits: not retried)"), "{}", e.message);
+        assert_eq!(state.attempts, 2);
     }
 
     #[test]
