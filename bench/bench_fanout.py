@@ -84,9 +84,12 @@ def cpu_seconds(pid: int) -> float:
     return total / CLK_TCK
 
 
-def request_bytes(proxy_url: str, number: int) -> bytes:
+INSTRUCTION = "Refund order #4521."
+
+
+def request_bytes(proxy_url: str, number: int, instruction: str = INSTRUCTION) -> bytes:
     body = json.dumps({"task_id": number, "run_id": number, "odyssey_proxy_url": proxy_url,
-                       "input": {"task_id": number, "user_instruction": "Refund order #4521.",
+                       "input": {"task_id": number, "user_instruction": instruction,
                                  "input": {"customer_id": "cust_99", "order_id": "4521"}}}).encode()
     head = (f"POST {PATH} HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -107,15 +110,19 @@ async def _one(port: int, data: bytes, started: float, cap: float) -> Tuple[int,
         return 0, time.monotonic() - started
 
 
-async def _fan_out(port: int, proxy_url: str, count: int, cap: float, first: int) -> List[Tuple[int, float]]:
-    requests = [request_bytes(proxy_url, first + i) for i in range(count)]
+async def _fan_out(port: int, proxy_url: str, count: int, cap: float, first: int,
+                   instruction: str = INSTRUCTION) -> List[Tuple[int, float]]:
+    requests = [request_bytes(proxy_url, first + i, instruction) for i in range(count)]
     started = time.monotonic()
     return await asyncio.gather(*(_one(port, data, started, cap) for data in requests))
 
 
-def fan_out(server: Server, proxy_url: str, count: int, cap: float, first: int) -> Dict[str, Any]:
+def fan_out(server: Server, proxy_url: str, count: int, cap: float, first: int,
+            instruction: str = INSTRUCTION) -> Dict[str, Any]:
+    """``count`` dispatches at once (user_instruction ``instruction``): how many answered 200, by when, at what
+    server CPU and memory."""
     cpu_before = cpu_seconds(server.pid)
-    results = asyncio.run(_fan_out(server.port, proxy_url, count, cap, first))
+    results = asyncio.run(_fan_out(server.port, proxy_url, count, cap, first, instruction))
     cpu = cpu_seconds(server.pid) - cpu_before
     statuses: Dict[int, int] = {}
     for status, _ in results:

@@ -21,7 +21,6 @@ bench/results/rust-latest.json (and rust-<UTC time>.json).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -29,12 +28,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import benchlib
-from bench_fanout import _one, _raise_file_limit, cpu_seconds, rss_peak_kib, start_proxy
-from bench_server import AGENT_TOKEN, HOST, PATH, RUN_TOKEN, Server
+from bench_fanout import _raise_file_limit, fan_out, start_proxy
+from bench_server import AGENT_TOKEN, HOST, Server
 
 PORT_DIR = os.path.join(benchlib.ROOT, "conformance", "ports", "rust")
 SCRIPT = json.dumps({"steps": [{"call": "get_order", "args": {"order_id": "4521"}},
@@ -45,7 +43,7 @@ SCRIPT = json.dumps({"steps": [{"call": "get_order", "args": {"order_id": "4521"
 def build_rust() -> str:
     """``cargo build --release`` of the conformance server (the shared target directory of tests/rust_mutants.py)."""
     sys.path.insert(0, benchlib.ROOT)
-    from tests.rust_mutants import CARGO, target_dir  # noqa: E402
+    from tests.rust_mutants import CARGO, target_dir
 
     if CARGO is None:
         benchlib.fail("cargo is not on PATH: the Rust port cannot be built")
@@ -57,32 +55,6 @@ def build_rust() -> str:
     exe = os.path.join(tempfile.mkdtemp(prefix="bench-rust-"), "conformance-server")
     shutil.copy2(os.path.join(str(target), "release", "conformance-server"), exe)
     return exe
-
-
-def request_bytes(proxy_url: str, number: int) -> bytes:
-    body = json.dumps({"task_id": number, "run_id": number, "odyssey_proxy_url": proxy_url,
-                       "input": {"task_id": number, "user_instruction": SCRIPT,
-                                 "input": {"customer_id": "cust_99", "order_id": "4521"}}}).encode()
-    head = (f"POST {PATH} HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"X-Pipelines-Run-Token: {RUN_TOKEN}-{number:08d}\r\nX-Pipelines-Odyssey-Proxy-Url: {proxy_url}\r\n"
-            "Connection: close\r\n\r\n")
-    return head.encode() + body
-
-
-async def _fan_out(port: int, proxy_url: str, count: int, cap: float, first: int) -> List[Tuple[int, float]]:
-    requests = [request_bytes(proxy_url, first + i) for i in range(count)]
-    started = time.monotonic()
-    return await asyncio.gather(*(_one(port, data, started, cap) for data in requests))
-
-
-def fan_out(server: Server, proxy_url: str, count: int, cap: float, first: int) -> Dict[str, Any]:
-    cpu_before = cpu_seconds(server.pid)
-    results = asyncio.run(_fan_out(server.port, proxy_url, count, cap, first))
-    cpu = cpu_seconds(server.pid) - cpu_before
-    answered = sorted(t for status, t in results if status == 200 and t <= cap)
-    return {"ok": len(answered), "all_done_s": answered[-1] if len(answered) == count else None,
-            "cpu_ms_per_dispatch": 1000 * cpu / count, "peak_rss_mib": round(rss_peak_kib(server.pid) / 1024, 1)}
 
 
 def servers(rust_exe: str) -> List[Server]:
@@ -118,11 +90,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         for server in both:
             server.start()
         for server in both:
-            asyncio.run(_fan_out(server.port, proxy_url, 20, 30, 0))  # warm: imports, pools
+            fan_out(server, proxy_url, 20, 30, 0, SCRIPT)  # warm: imports, pools
         for count in counts:
             for _ in range(args.repeat):
                 for server in both:
-                    runs[server.name][count].append(fan_out(server, proxy_url, count, args.cap, first))
+                    runs[server.name][count].append(fan_out(server, proxy_url, count, args.cap, first, SCRIPT))
                     first += count
             medians: Dict[str, Optional[float]] = {}
             for server in both:

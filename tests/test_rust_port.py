@@ -8,20 +8,20 @@ its tests and the mutants) and run as a subprocess; the agent's tool calls go to
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import os
 import pathlib
 import re
 import subprocess
-import sys
-import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional
 
 import pytest
 
 from conformance.mock_proxy import MockProxy
-from tests.port_process import PortServer, post
+from tests.port_process import (
+    PortServer, assert_a_custom_auth_header_and_the_misconfigured_mode,
+    assert_a_script_through_the_proxy_and_a_failing_agent, assert_auth_ping_and_the_refusals,
+    assert_bad_arguments_are_one_line, assert_sigterm_lets_a_dispatch_finish, assert_the_check_passes_at_strict)
 from tests.rust_mutants import CARGO, PORT, build, target_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -64,19 +64,6 @@ def proxy() -> Iterator[MockProxy]:
         yield p
 
 
-AUTH = {"Authorization": f"Bearer {AGENT_TOKEN}"}
-
-
-def dispatch(server: RustServer, proxy: MockProxy, instruction: Any, **body: Any) -> Tuple[int, Dict[str, Any]]:
-    """One dispatch as the platform sends it; ``instruction`` (a script when not a string) becomes user_instruction."""
-    text = instruction if isinstance(instruction, str) else json.dumps(instruction)
-    payload = {"task_id": 42, "run_id": 17, "agent_id": 8, "run_token_jti": "jti-17", "odyssey_proxy_url": proxy.url,
-               "input": {"task_id": 42, "user_instruction": text, "input": {"order_id": "4521"}}, **body}
-    status, _, raw = post(server, payload, {**AUTH, "X-Pipelines-Run-Token": RUN_TOKEN})
-    assert RUN_TOKEN.encode() not in raw and AGENT_TOKEN.encode() not in raw
-    return status, json.loads(raw)
-
-
 # -- the port's own gates ------------------------------------------------------------------------
 
 
@@ -108,110 +95,31 @@ def test_the_crate_keeps_its_promises() -> None:
 # -- the conformance check -----------------------------------------------------------------------
 
 
-def run_check(server: RustServer, *args: str) -> Dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "conformance", "check", server.url, "--token", AGENT_TOKEN,
-                           "--json", "-", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "AGENT_TOKEN"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    report: Dict[str, Any] = json.loads(done.stdout)
-    flagged = [(c["id"], c["status"]) for c in report["cases"] if c["status"] not in ("pass", "skip")]
-    assert not flagged and report["failed"] == 0 and report["warned"] == 0, flagged
-    return report
-
-
 def test_the_conformance_check_passes_at_strict(server: RustServer) -> None:
-    report = run_check(server, "--strict")
-    assert report["passed"] > 200 and report["level_met"] == "MUST+SHOULD"
-    skipped = [c["id"] for c in report["cases"] if c["status"] == "skip"]
-    assert all(case.startswith("vectors.inbound:auth-") for case in skipped), skipped  # the X-API-Key vectors
-    api = run_check(server, "--strict", "--profile", "api")  # and the kit's own choices, which it mirrors
-    assert api["passed"] > report["passed"]
+    assert_the_check_passes_at_strict(server, AGENT_TOKEN)
 
 
 def test_a_custom_auth_header_and_the_misconfigured_mode(binary: pathlib.Path) -> None:
-    rust = RustServer(binary, "--auth-header", "X-API-Key")
-    try:
-        report = run_check(rust, "--strict", "--auth-header", "X-API-Key", "--only", "auth,ping,vectors.inbound")
-        assert report["passed"] > 10
-        assert post(rust, {"ping": True}, {"X-API-Key": AGENT_TOKEN})[0] == 200
-        assert post(rust, {"ping": True}, AUTH)[0] == 401
-    finally:
-        assert rust.stop() == 0
-    rust = RustServer(binary, env={"AGENT_TOKEN": ""})
-    try:
-        report = run_check(rust, "--misconfigured", "--strict")
-        assert report["passed"] == 1
-        status, _, body = post(rust, {"ping": True}, AUTH)
-        assert status == 503 and "AGENT_TOKEN" in json.loads(body)["detail"]
-    finally:
-        assert rust.stop() == 0
+    assert_a_custom_auth_header_and_the_misconfigured_mode(functools.partial(RustServer, binary), AGENT_TOKEN)
 
 
 # -- direct HTTP ---------------------------------------------------------------------------------
 
 
 def test_auth_ping_and_the_refusals(server: RustServer) -> None:
-    status, headers, body = post(server, {"ping": True}, {"Authorization": "Bearer guess-8f8f8f"})
-    assert status == 401 and b"guess-8f8f8f" not in body and AGENT_TOKEN.encode() not in body
-    assert headers["www-authenticate"] == "Bearer"
-    assert post(server, {"ping": True}, {"Authorization": AGENT_TOKEN})[0] == 401  # no Bearer scheme
-    assert post(server, b"{oops")[0] == 401  # auth before JSON
-    status, _, body = post(server, {"ping": True}, AUTH)
-    assert (status, json.loads(body)) == (200, {"ok": True})
-    status, _, body = post(server, {"ping": True, "x": 1}, AUTH)
-    assert status == 400 and "proxy URL" in json.loads(body)["detail"]
-    assert post(server, b'{"ping": false, "ping": true}', AUTH)[0] == 400
-    assert post(server, b"{oops", AUTH)[0] == 400
-    assert post(server, [1, 2], AUTH)[0] == 400
-    status, headers, _ = post(server, b"", AUTH, method="GET")
-    assert status == 405 and headers["allow"] == "POST"
-    assert post(server, {"ping": True}, AUTH, path="/elsewhere")[0] == 404
-    status, _, body = post(server, b"", method="GET", path="/healthz")
-    assert status == 200 and json.loads(body)["ok"] is True
+    assert_auth_ping_and_the_refusals(server, AGENT_TOKEN)
 
 
 def test_a_script_through_the_proxy_and_a_failing_agent(server: RustServer, proxy: MockProxy) -> None:
-    proxy.script("get_order", [{"response": {"status": "shipped"}}])
-    steps = [{"call": "get_order", "args": {"order_id": "4521"}, "actor": " triage "},
-             {"trace": "assistant_message", "payload": {"text": "hi"}}]
-    status, reply = dispatch(server, proxy, {"steps": steps})
-    assert status == 200, reply
-    assert json.loads(reply["final_response"])["results"] == [
-        {"ok": True, "value": {"status": "shipped"}}, {"ok": True, "value": {"accepted": True, "sequence": 1}}]
-    (call,) = proxy.calls()
-    assert call.bearer == RUN_TOKEN and call.actor == "triage" and call.idempotency_key
-    status, reply = dispatch(server, proxy, "echo me \ud83d cut")  # a lone surrogate arrives as U+FFFD
-    echoed = json.loads(reply["final_response"])["envelope"]
-    assert status == 200 and echoed["run_token_sha256"] == hashlib.sha256(RUN_TOKEN.encode()).hexdigest()
-    assert (echoed["run_id"], echoed["task_input"]) == (17, {"order_id": "4521"})
-    assert echoed["user_instruction"] == "echo me \ufffd cut"
-    status, reply = dispatch(server, proxy, {"steps": [{"raise": f"boom {RUN_TOKEN} and {AGENT_TOKEN}"}]})
-    assert status == 500 and reply["detail"] == "Error: boom [redacted] and [redacted]"
+    assert_a_script_through_the_proxy_and_a_failing_agent(server, proxy, agent_token=AGENT_TOKEN, run_token=RUN_TOKEN)
 
 
 def test_bad_arguments_are_one_line(binary: pathlib.Path) -> None:
-    for args, needle in ((["--port", "abc"], "port"), (["--bogus"], "bogus"), (["--path", "nope"], "path"),
-                         (["--timeout", "0"], "timeout")):
-        done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=30)
-        assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert_bad_arguments_are_one_line([str(binary)])
 
 
 def test_sigterm_lets_an_in_flight_dispatch_finish(binary: pathlib.Path, proxy: MockProxy) -> None:
-    rust = RustServer(binary)
-    outcome: List[Tuple[int, Dict[str, Any]]] = []
-    script = {"steps": [{"call": "started", "args": {}}, {"sleep_ms": 400}]}
-    worker = threading.Thread(target=lambda: outcome.append(dispatch(rust, proxy, script)))
-    worker.start()
-    try:
-        for _ in range(500):
-            if proxy.calls("started"):
-                break
-            threading.Event().wait(0.01)
-        assert proxy.calls("started")
-        assert rust.stop() == 0
-    finally:
-        worker.join(15)
-    assert outcome[0][0] == 200 and json.loads(outcome[0][1]["final_response"])["results"][1] == {"ok": True, "value": None}
+    assert_sigterm_lets_a_dispatch_finish(RustServer(binary), proxy, agent_token=AGENT_TOKEN, run_token=RUN_TOKEN)
 
 
 def test_the_readme_quick_start_builds(tmp_path: pathlib.Path) -> None:
