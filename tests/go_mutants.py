@@ -18,11 +18,12 @@ import shutil
 import subprocess
 from typing import Dict, NamedTuple, Optional, Tuple
 
+from tests.mutant_edits import Edit, apply_edits
+
 PORT = pathlib.Path(__file__).resolve().parent.parent / "conformance" / "ports" / "go"
 MODULE = "pipelinesport.go"  # the package's main file; an edit names the file it changes
 SERVER_PACKAGE = "./cmd/conformance-server"
 
-Edit = Tuple[str, str, str]  # (file relative to the port, old, new)
 
 
 class Mutant(NamedTuple):
@@ -177,19 +178,7 @@ MUTANTS = [
 def materialise(mutant: Mutant, dest: pathlib.Path) -> pathlib.Path:
     """A copy of the Go port in ``dest`` with the mutant's edits applied; ValueError when one does not apply."""
     shutil.copytree(PORT, dest)
-    texts: Dict[str, str] = {}
-    for file, old, new in mutant.edits:
-        text = texts.get(file)
-        if text is None:
-            text = (dest / file).read_text(encoding="utf-8")
-        count = text.count(old)
-        if count != 1:
-            raise ValueError(f"mutant {mutant.name}: the text to replace in {file} occurs {count} times, not once: "
-                             f"{old[:80]!r}")
-        texts[file] = text.replace(old, new)
-    for file, text in texts.items():
-        (dest / file).write_text(text, encoding="utf-8")
-    return dest
+    return apply_edits(mutant.name, mutant.edits, dest)
 
 
 def go_env(cache: Optional[pathlib.Path] = None) -> Dict[str, str]:

@@ -19,14 +19,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
+
+from tests.mutant_edits import Edit, apply_edits
 
 PORT = pathlib.Path(__file__).resolve().parent.parent / "conformance" / "ports" / "rust"
 MODULE = "src/lib.rs"  # the crate's root; an edit names the file it changes
 CARGO = shutil.which("cargo") or (str(pathlib.Path.home() / ".cargo" / "bin" / "cargo")
                                   if (pathlib.Path.home() / ".cargo" / "bin" / "cargo").exists() else None)
 
-Edit = Tuple[str, str, str]  # (file relative to the port, old, new)
 
 
 class Mutant(NamedTuple):
@@ -146,19 +147,7 @@ MUTANTS = [
 def materialise(mutant: Mutant, dest: pathlib.Path) -> pathlib.Path:
     """A copy of the Rust port in ``dest`` with the mutant's edits applied; ValueError when one does not apply."""
     shutil.copytree(PORT, dest, ignore=shutil.ignore_patterns("target"))
-    texts: Dict[str, str] = {}
-    for file, old, new in mutant.edits:
-        text = texts.get(file)
-        if text is None:
-            text = (dest / file).read_text(encoding="utf-8")
-        count = text.count(old)
-        if count != 1:
-            raise ValueError(f"mutant {mutant.name}: the text to replace in {file} occurs {count} times, not once: "
-                             f"{old[:80]!r}")
-        texts[file] = text.replace(old, new)
-    for file, text in texts.items():
-        (dest / file).write_text(text, encoding="utf-8")
-    return dest
+    return apply_edits(mutant.name, mutant.edits, dest)
 
 
 def target_dir() -> pathlib.Path:

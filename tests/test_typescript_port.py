@@ -26,7 +26,7 @@ import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.port_process import PortServer, post
+from tests.port_process import PortServer, assert_sigterm_lets_a_dispatch_finish, platform_dispatch, post
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
@@ -64,13 +64,7 @@ AUTH = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 
 def dispatch(server: TsServer, proxy: MockProxy, instruction: Any, *, token: str = RUN_TOKEN,
              **body: Any) -> Tuple[int, Dict[str, Any]]:
-    """One dispatch as the platform sends it; ``instruction`` (a script when not a string) becomes user_instruction."""
-    text = instruction if isinstance(instruction, str) else json.dumps(instruction)
-    payload = {"task_id": 42, "run_id": 17, "agent_id": 8, "run_token_jti": "jti-17", "odyssey_proxy_url": proxy.url,
-               "input": {"task_id": 42, "user_instruction": text, "input": {"order_id": "4521"}}, **body}
-    status, _, raw = post(server, payload, {**AUTH, "X-Pipelines-Run-Token": token})
-    assert token.encode() not in raw
-    return status, json.loads(raw)
+    return platform_dispatch(server, proxy, instruction, agent_token=AGENT_TOKEN, run_token=token, **body)
 
 
 def results(reply: Dict[str, Any]) -> List[Any]:
@@ -373,21 +367,7 @@ def test_bad_arguments_are_one_clear_line() -> None:
 
 
 def test_sigterm_lets_an_in_flight_dispatch_finish(proxy: MockProxy) -> None:
-    node = TsServer()
-    outcome: List[Tuple[int, Dict[str, Any]]] = []
-    script = {"steps": [{"call": "started", "args": {}}, {"sleep_ms": 400}]}
-    worker = threading.Thread(target=lambda: outcome.append(dispatch(node, proxy, script)))
-    worker.start()
-    try:
-        for _ in range(500):
-            if proxy.calls("started"):
-                break
-            threading.Event().wait(0.01)
-        assert proxy.calls("started")
-        assert node.stop() == 0
-    finally:
-        worker.join(15)
-    assert outcome[0][0] == 200 and results(outcome[0][1])[1] == {"ok": True, "value": None}
+    assert_sigterm_lets_a_dispatch_finish(TsServer(), proxy, agent_token=AGENT_TOKEN, run_token=RUN_TOKEN)
 
 
 # -- the conformance checker -------------------------------------------------------------------------------
