@@ -2658,6 +2658,16 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
     "pipelines_port_dispatch_stats", default=None
 )
 
+def _runs_on(loop: Any) -> bool:
+    """True on the thread running ``loop``: waiting there for the loop's own work would never end."""
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 # The event loop of the server that started this sync agent on a thread of its own: the blocking driver's
 # exchanges run there (see ProxyClient.exchange), so a thousand agent threads wait on futures instead of each
 # driving a socket under the GIL.
@@ -3648,7 +3658,7 @@ class ProxyClient:
         transport, same results and failures) while this thread waits; elsewhere on the blocking transport.
         """
         loop = _server_loop.get()
-        if loop is not None and loop.is_running():
+        if loop is not None and loop.is_running() and not _runs_on(loop):
             return self._on_loop(loop, base, method, path, headers, body, timeout, max_reply)
         return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
 
@@ -3664,10 +3674,11 @@ class ProxyClient:
         import asyncio
         import concurrent.futures
 
+        exchange = self._atransport.exchange(base, method, path, headers, body, timeout, max_reply)
         try:
-            future = asyncio.run_coroutine_threadsafe(
-                self._atransport.exchange(base, method, path, headers, body, timeout, max_reply), loop)
+            future = asyncio.run_coroutine_threadsafe(exchange, loop)
         except RuntimeError:  # the loop closed after the check: this thread can still reach the proxy itself
+            exchange.close()
             return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
         try:
             return future.result(timeout + 5.0)

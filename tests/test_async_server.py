@@ -154,6 +154,22 @@ def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() ->
     client.close()
 
 
+def test_a_blocking_call_made_on_the_servers_own_loop_thread_does_not_wait_for_that_loop() -> None:
+    """A context copied from a sync agent's thread may end up running on the server's loop thread (a framework
+    scheduling work there); a blocking call made there must drive its own socket, not wait on its own loop."""
+    client = pp.ProxyClient(rate_per_minute=0, timeout=2)
+    with MockProxy(tokens=["run-token-loop-thread-xxxxxxx"]) as proxy:
+        proxy.script("whoami", lambda r: {"response": {"args": r.json}})
+        env = pp.Envelope(proxy_url=proxy.url, run_token="run-token-loop-thread-xxxxxxx")
+
+        async def on_the_loop() -> Any:
+            pp._server_loop.set(asyncio.get_running_loop())  # as in a copy of a sync agent's context
+            return client.call(env, "whoami", {"n": 1})
+
+        assert asyncio.run(on_the_loop()) == {"args": {"n": 1}}
+    client.close()
+
+
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async agent", "sync agent"])
 def test_when_the_grace_period_runs_out_each_running_dispatch_gets_a_503(
         asynchronous: bool, caplog: pytest.LogCaptureFixture) -> None:
