@@ -43,8 +43,10 @@ import benchlib
 from bench_server import AGENT_TOKEN, HOST, PATH, RUN_TOKEN, Server, make_servers, venv_python
 
 DEFAULT = ["sync", "async", "async_uvicorn", "aiohttp", "tuned"]
-OURS = {"sync": ["bench/agents.py:three_calls"], "async": ["bench/agents.py:three_calls_async"],
-        "threads": ["bench/agents.py:three_calls", "--server", "threads"]}
+# Like every peer here (uvicorn --no-access-log, aiohttp access_log=None), without a log line per request.
+OURS = {"sync": ["bench/agents.py:three_calls", "--no-access-log"],
+        "async": ["bench/agents.py:three_calls_async", "--no-access-log"],
+        "threads": ["bench/agents.py:three_calls", "--server", "threads", "--no-access-log"]}
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

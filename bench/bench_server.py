@@ -1,7 +1,7 @@
 """Benchmark: the dispatch server of pipelines_port against FastAPI + uvicorn peers (issue 3).
 
     python3 bench/bench_server.py [--rounds 5] [--duration 3] [--connections 16]
-                                  [--servers pipelines_port,reference,tuned] [--peer-no-access-log]
+                                  [--servers pipelines_port,reference,tuned] [--no-access-log]
 
 Servers, each a process of its own:
 
@@ -144,6 +144,7 @@ def make_servers(names: List[str], python: Optional[str], pycache: str, access_l
             launch = ["pipelines_port.py"] if name == OURS else ["-m", "pipelines_port"]
             command = [sys.executable] + launch + ["serve", "bench/agents.py:three_calls", "--host", HOST,
                                                    "--port", str(port), "--token-env", "BENCH_AGENT_TOKEN"]
+            command += [] if access_log else ["--no-access-log"]
             env = dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN)
         elif name == OURS_UVICORN:
             assert python is not None
@@ -371,8 +372,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="concurrent keep-alive connections (default 16)")
     parser.add_argument("--servers", default=",".join(DEFAULT_NAMES),
                         help=f"comma-separated, from {','.join(NAMES)} (default {','.join(DEFAULT_NAMES)})")
-    parser.add_argument("--peer-no-access-log", action="store_true",
-                        help="start uvicorn with --no-access-log (by default both sides log a line per request)")
+    parser.add_argument("--no-access-log", "--peer-no-access-log", dest="no_access_log", action="store_true",
+                        help="start every server with --no-access-log (by default each logs a line per request)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     unknown = [n for n in names if n not in NAMES]
@@ -386,7 +387,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     proxy, proxy_url = benchlib.start_proxy(RUN_TOKEN, tls=False)
     with tempfile.TemporaryDirectory(prefix="bench-pycache-") as pycache:
-        servers = make_servers(names, python, pycache, access_log=not args.peer_no_access_log)
+        servers = make_servers(names, python, pycache, access_log=not args.no_access_log)
         try:
             rss = start_all(servers, proxy_url)
             print("servers up: " + ", ".join(f"{s.name} (pid {s.pid}, port {s.port})" for s in servers), flush=True)

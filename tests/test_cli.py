@@ -153,6 +153,51 @@ def test_agent_exception_is_500_and_traceback_goes_to_the_log(agent_file: Path, 
     assert "Traceback" in err and 'raise RuntimeError("kaput")' in err
 
 
+def test_no_access_log_drops_the_line_per_request_but_not_the_agents_errors(agent_file: Path,
+                                                                           proxy: MockProxy) -> None:
+    served = start(["serve", f"{agent_file}:broken", "--port", "0", "--no-access-log"], env={"AGENT_TOKEN": AGENT_TOKEN})
+    try:
+        auth = {"Authorization": f"Bearer {AGENT_TOKEN}", "X-Pipelines-Run-Token": RUN_TOKEN}
+        assert post(served.url, dispatch(proxy), auth) == (500, {"detail": "RuntimeError: kaput"})
+        assert post(served.url, {"ping": True}, {"Authorization": "Bearer nope"})[0] == 401
+    finally:
+        code, err = served.stop()
+    assert code == 0 and "Traceback" in err and 'raise RuntimeError("kaput")' in err  # the agent's error still shows
+    assert "status=" not in err and "pipelines_port.access" not in err  # no line per request, refused ones included
+
+
+GC_AGENT = textwrap.dedent("""
+    import gc
+
+    def agent(env):
+        return {"final_response": "gc", "metadata": {"threshold": gc.get_threshold()[0],
+                                                     "frozen": gc.get_freeze_count()}}
+""")
+
+
+@pytest.mark.parametrize("args", [[], ["--gc-threshold", "20000"], ["--gc-threshold", "0"]])
+def test_serve_tunes_the_garbage_collector_unless_told_not_to(tmp_path: Path, args: List[str]) -> None:
+    """A fan-out keeps thousands of dispatches alive for seconds: serve freezes what is loaded and collects the
+    first generation every 50,000 allocations (README "Speed"); ``--gc-threshold 0`` leaves Python's settings."""
+    (tmp_path / "gc_agent.py").write_text(GC_AGENT)
+    python_default = int(subprocess.run([sys.executable, "-c", "import gc; print(gc.get_threshold()[0])"],
+                                        capture_output=True, text=True, check=True).stdout)
+    served = start(["serve", f"{tmp_path / 'gc_agent.py'}:agent", "--port", "0", "--no-auth", *args])
+    try:
+        status, body = post(served.url, {"run_id": 1, "task_id": 2, "run_token_jti": "j", "odyssey_proxy_url":
+                                         "http://127.0.0.1:9/", "input": {"user_instruction": "x"}},
+                            {"X-Pipelines-Run-Token": RUN_TOKEN})
+    finally:
+        served.stop()
+    assert status == 200
+    metadata = body["metadata"]
+    assert isinstance(metadata, dict)
+    if args[-1:] == ["0"]:
+        assert metadata == {"threshold": python_default, "frozen": 0}
+    else:
+        assert metadata["threshold"] == (int(args[-1]) if args else 50_000) and metadata["frozen"] > 1000
+
+
 def test_sigterm_lets_the_in_flight_dispatch_finish(agent_file: Path, proxy: MockProxy) -> None:
     served = start(["serve", f"{agent_file}:agent", "--port", "0", "--no-auth", "--grace", "10"])
     result: List[Tuple[int, Dict[str, object]]] = []
@@ -203,6 +248,8 @@ def test_unset_token_env_warns_at_start_and_answers_503(agent_file: Path) -> Non
     (["serve", "{agent}:agent", "--timeout", "5000"], "1800"),
     (["serve", "{agent}:agent", "--max-body", "lots"], "whole number"),
     (["serve", "{agent}:agent", "--path", "dispatch"], "must start with '/'"),
+    (["serve", "{agent}:agent", "--gc-threshold", "-5"], "0 or more, got '-5'"),
+    (["serve", "{agent}:agent", "--gc-threshold", "many"], "0 or more, got 'many'"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_wrong_usage_is_one_clear_line_and_a_nonzero_exit(agent_file: Path, tmp_path: Path, args: List[str],
