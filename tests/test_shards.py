@@ -196,7 +196,8 @@ def test_merge_through_both_command_lines(capsys: pytest.CaptureFixture, tmp_pat
     for k in (1, 2):
         assert run_cli(simulate.main, capsys, *common, "--shard", f"{k}/2", "--jsonl", tmp_path / f"s{k}.jsonl")[0] == 0
     files = [tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"]
-    code, _, err = run_cli(cli.main, capsys, "merge", *files, "--json", tmp_path / "a.json", "--html", tmp_path / "a.html")
+    code, _, err = run_cli(cli.main, capsys, "merge", *files, "--json", tmp_path / "a.json",
+                           "--html", tmp_path / "a.html")
     assert code == 0, err
     done = subprocess.run([sys.executable, "-m", "conformance", "merge", *map(str, files), "--json",
                            str(tmp_path / "b.json"), "--html", str(tmp_path / "b.html")],
