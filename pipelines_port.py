@@ -2035,8 +2035,8 @@ def _jsonable(value: Any, path: str, notes: List[str], depth: int = 0,
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
-            return value
-        notes.append(f"{path}: {value!r} is not JSON; sent as null")
+            return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
+        notes.append(f"{path}: {float.__repr__(value)} is not JSON; sent as null")
         return None
     container = isinstance(value, (Mapping, list, tuple, set, frozenset))
     if container:
@@ -2055,6 +2055,10 @@ def _jsonable(value: Any, path: str, notes: List[str], depth: int = 0,
                 notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
                 value = sorted(value, key=_safe_repr)
             return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+        except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
+            notes.append(f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}; "
+                         "cut there")
+            return f"[unreadable {type(value).__name__}]"
         finally:
             active.discard(id(value))
     iso = getattr(value, "isoformat", None)
@@ -2072,10 +2076,21 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str], dept
                      active: Set[int]) -> Dict[str, Any]:
     """:func:`_jsonable` of a mapping: every key a string, none lost to a collision."""
     out: Dict[str, Any] = {}
-    taken = {k for k in value if isinstance(k, str)}
+    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
     for key, item in value.items():
-        name = _jsonable(key, f"{path}: key", notes) if isinstance(key, str) else _key_text(key)
-        if not isinstance(key, str):
+        if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
+            name = str.__str__(key)  # a str subclass's own __str__ may raise
+        elif isinstance(key, str):  # a lone surrogate: U+FFFD, and never onto another key's name
+            name = _jsonable(str.__str__(key), f"{path}: key {_short(repr(_well_formed(key)), 40)}", notes)
+            if name in taken or name in out:
+                base, n = name, 2
+                while name in taken or name in out:
+                    name, n = f"{base} {n}", n + 1
+                shown = _short(repr(_well_formed(key)), 40)
+                notes.append(f"{path}: key {shown} would collide with another key once its lone surrogates are "
+                             f"replaced; sent as {name!r}")
+        else:
+            name = _key_text(key)
             shown = _short(_safe_repr(key), 40)
             if name in taken or name in out:
                 base, n = f"{name} ({type(key).__name__})", 2
@@ -2087,6 +2102,14 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str], dept
                 notes.append(f"{path}: key {shown} is not a string; sent as its text")
         out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
     return out
+
+
+def _copied(mapping: Mapping[Any, Any]) -> Any:
+    """``dict(mapping)``; a mapping that raises when read is left for :func:`_jsonable` to cut (strict: named)."""
+    try:
+        return dict(mapping)
+    except Exception:  # noqa: BLE001
+        return mapping
 
 
 def _well_formed(text: str) -> str:
@@ -2114,7 +2137,9 @@ def _key_text(key: Any) -> str:
     """A non-string key's text, as ``json.dumps`` writes the ones it knows (``true``, ``null``, ``1``)."""
     if key is None or isinstance(key, bool):
         return json.dumps(key)
-    if isinstance(key, (int, float)):
+    if isinstance(key, int):
+        return _int_text(int.__int__(key))  # any size: no quotes, no digit limit
+    if isinstance(key, float):
         return json.dumps(_jsonable(key, "key", []))
     return _well_formed(_safe_text(key))
 
@@ -2210,7 +2235,7 @@ def response_envelope(
     if messages is not None:
         body["messages"] = _normalise_messages(messages)
     if metadata is not None:
-        body["metadata"] = dict(metadata) if isinstance(metadata, Mapping) else metadata
+        body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     notes: List[str] = unpacked
     if not strict:
         body, kept = _as_the_platform_keeps(body)
@@ -2254,6 +2279,13 @@ def _metadata_warnings(metadata: Any) -> List[str]:
     """The first-class keys the platform renders, mistyped: the schema allows them, the renderer cannot use them."""
     if not isinstance(metadata, Mapping):
         return []
+    try:
+        return _first_class_warnings(metadata)
+    except Exception:  # noqa: BLE001 - a mapping that raises when read: _unencodable names it
+        return []
+
+
+def _first_class_warnings(metadata: Mapping[Any, Any]) -> List[str]:
     warnings = []
     for key in _METADATA_STR_KEYS:
         if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
@@ -2261,12 +2293,13 @@ def _metadata_warnings(metadata: Any) -> List[str]:
     for key in _METADATA_INT_KEYS:
         v = metadata.get(key)
         if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got {_short(repr(v), 40)}")
+            shown = _short(_safe_repr(v), 40)
+            warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got {shown}")
     v = metadata.get("agent_runtime_ms")
     if "agent_runtime_ms" in metadata and v is not None and (
         isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
     ):
-        shown = _short(repr(v), 40)
+        shown = _short(_safe_repr(v), 40)
         warnings.append(f"warning: metadata.agent_runtime_ms: should be a non-negative number, got {shown}")
     return warnings
 
@@ -2371,7 +2404,7 @@ def _unencodable(value: Any, path: str, depth: int = 0, active: Optional[Set[int
         return (f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers (the platform's "
                 "included) read: send it as a string")
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path}: {value!r} is not JSON: send null or a string"
+        return None if math.isfinite(value) else f"{path}: {float.__repr__(value)} is not JSON: send null or a string"
     if not isinstance(value, (Mapping, list, tuple)):
         return f"{path}: {type(value).__name__} is not a JSON type: convert it (to a string, a list or an object)"
     active = set() if active is None else active
@@ -2385,8 +2418,8 @@ def _unencodable(value: Any, path: str, depth: int = 0, active: Optional[Set[int
             for key, item in value.items():
                 if not isinstance(key, str):
                     return f"{path}: key {_short(_safe_repr(key), 40)} is not a string: use string keys"
-                found_key = _unencodable(key, f"{path}: key", depth, active)
-                found = found_key or _unencodable(item, f"{path}.{key}", depth + 1, active)
+                found_key = _unencodable(key, f"{path}: key {_short(repr(_well_formed(key)), 40)}", depth, active)
+                found = found_key or _unencodable(item, f"{path}.{str.__str__(key)}", depth + 1, active)
                 if found:
                     return found
             return None
@@ -2395,6 +2428,9 @@ def _unencodable(value: Any, path: str, depth: int = 0, active: Optional[Set[int
             if found:
                 return found
         return None
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping)
+        return (f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}: "
+                "send plain dicts, lists, strings and numbers")
     finally:
         active.discard(id(value))
 
@@ -4042,9 +4078,19 @@ def build_response(
     ``PIPELINES_PORT_STRICT=1`` when ``strict`` is not given) raises
     :class:`ResponseError` listing every problem instead.
     """
+    return _built(value, messages=messages, metadata=metadata, strict=strict)
+
+
+def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
+           metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
+           secrets: Sequence[Optional[str]] = ()) -> Dict[str, Any]:
+    """:func:`build_response`, each warning logged without ``secrets`` or the bound run's token (a warning names
+    paths, and a key may hold the token)."""
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
+    bound = _current.get()
+    hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:
-        _log.warning("response: %s", warning)
+        _log.warning("response: %s", redact(warning, *hidden))
     return body
 
 
@@ -4564,7 +4610,7 @@ class DispatchApp:
     def _respond(self, result: Any, envelope: Envelope) -> HttpReply:
         """The 200 reply for what the agent returned, its run token redacted; 500 when it cannot become one."""
         try:
-            body = build_response(result, strict=self.strict)
+            body = _built(result, strict=self.strict, secrets=self.secrets(envelope))
             reply = json_reply(200, body)
             clean = _without_run_token(body, envelope, reply.body)
             return reply if clean is body else json_reply(200, clean)
@@ -4763,15 +4809,16 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
             more = message.get("more_body", False)
         body = b"".join(chunks)
     started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
-    decision = app.decide(method, target, headers, body)
     try:
+        decision = app.decide(method, target, headers, body)
         reply = await app.acarry_out(decision, method, target, headers, started)
+        reply_headers = _host_reply_headers(reply, decision, length)
     except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
         _log.exception("building the reply failed")
         reply = _fallback_reply(exc)
+        reply_headers = [*reply.headers, ("Connection", "close")]
     await send({"type": "http.response.start", "status": reply.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                            for k, v in _host_reply_headers(reply, decision, length)]})
+                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply_headers]})
     await send({"type": "http.response.body", "body": reply.body})
 
 
@@ -5666,11 +5713,14 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
             _dispatch_stats.reset(bound)
         if failure is not None:
             raise failure  # outside the except clauses: no implicit context to show the original
-        body = _without_run_token(build_response(result, strict=strict), envelope)
         try:  # the sandbox serialises what run() returns: it must be JSON and UTF-8, or a clear error
+            body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
             json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError) as exc:
-            raise ResponseError(f"the response cannot be sent as JSON: {describe_error(exc)}") from None
+        except ResponseError as exc:
+            raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a clear error, never a half-built dict
+            raise ResponseError("the response cannot be sent as JSON: "
+                                f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
         return body
 
     run.__name__ = "run"

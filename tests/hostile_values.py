@@ -9,7 +9,9 @@ the detail naming ``where``); a lenient one always answers 200 with a body the p
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Dict, NamedTuple
+import decimal
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator, NamedTuple
 
 
 class Case(NamedTuple):
@@ -36,6 +38,31 @@ class OnlyRepr:
         return "OnlyRepr()"
 
 
+class StrKeyStrRaises(str):
+    """A str subclass (an enum's value, a pydantic type) whose own ``__str__`` raises: still a string key."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class FloatReprRaises(float):
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+
+class BrokenMapping(Mapping):  # type: ignore[type-arg]
+    """A mapping that raises when read (a lazy proxy whose backend went away)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        raise RuntimeError("the backend went away")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(["a"])
+
+    def __len__(self) -> int:
+        return 1
+
+
 def _cyclic_dict() -> Dict[str, Any]:
     value: Dict[str, Any] = {"name": "loop"}
     value["self"] = value
@@ -59,6 +86,11 @@ def _deep(levels: int, kind: str) -> Any:
             node.append(child)
         node = child
     return root
+
+
+def keyed(*pairs: Any) -> Dict[Any, Any]:
+    """A dict from pairs (linters fold keys like ``"k\\ud800"`` and ``"k\\ufffd"`` into one in a literal)."""
+    return dict(pairs)
 
 
 def _answer(**extra: Any) -> Dict[str, Any]:
@@ -104,4 +136,26 @@ HOSTILE: Dict[str, Case] = {
     "datetime": Case(lambda: _answer(metadata={"at": datetime.datetime(2026, 11, 24, 12, 0)}), 500, "metadata.at"),
     "cyclic-final-response": Case(lambda: {"final_response": _cyclic_dict()}, 500, "final_response"),
     "final-response-object-str-raises": Case(lambda: {"final_output": OnlyRepr()}, 200, ""),
+    "surrogate-in-top-level-key": Case(lambda: _answer(**{"note\ud800": 1}), 500, "body: key"),
+    "surrogate-keys-colliding": Case(lambda: _answer(metadata=keyed(("k\ud800", 1), ("k\ud801", 2), ("k\ufffd", 3))),
+                                     500, "metadata: key"),
+    "surrogate-keys-colliding-at-top-level": Case(
+        lambda: keyed(("final_response", "done"), ("k\ud800", 1), ("k\ufffd", 2)), 500, "body: key"),
+    "colliding-top-level-keys": Case(lambda: {"final_response": "done", 1: "int one", "1": "string one"},
+                                     500, "key 1"),
+    "surrogate-in-tool-call-id-and-name": Case(lambda: _answer(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c\ud800", "name": "get\ud800",
+                                                               "arguments": {}}]},
+        {"role": "tool", "tool_call_id": "c\ud800", "content": "x"}]), 500, "tool_calls[0]"),
+    "huge-int-key": Case(lambda: _answer(metadata={10 ** 5000: "big"}), 500, "metadata: key"),
+    "decimal-and-complex": Case(lambda: _answer(metadata={"d": decimal.Decimal("NaN"), 1j: "i"}), 500, "metadata"),
+    "str-subclass-key-whose-str-raises": Case(lambda: _answer(metadata={StrKeyStrRaises("k"): 1}), 200, ""),
+    "float-subclass-nan-whose-repr-raises": Case(lambda: _answer(metadata={"f": FloatReprRaises("nan")}),
+                                                 500, "metadata.f"),
+    "mapping-that-raises-when-read": Case(lambda: _answer(metadata={"m": BrokenMapping()}), 500, "metadata.m"),
+    "metadata-that-raises-when-read": Case(lambda: _answer(metadata=BrokenMapping()), 500, "metadata"),
 }
+
+# Each strict refusal says how to fix it, in one of these words (kit-json-safe-response: "the path and the fix").
+FIXES = ("replace it", "send it as a string", "send null or a string", "convert it", "use string keys",
+         "send a copy without the back-reference", "flatten it", "send plain dicts", "must be a string")

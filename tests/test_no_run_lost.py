@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
 import pipelines_port as pp
 from conformance.mock_proxy import MockProxy
-from tests.hostile_values import HOSTILE
+from tests.hostile_values import FIXES, HOSTILE, keyed
 from tests.interop.hosts import http_call
 
 AGENT_TOKEN = "agent-token-hostile-0123456789"
@@ -96,6 +96,7 @@ def test_code_mode_returns_a_body_the_sandbox_can_serialise_or_a_clear_error(cas
         with pytest.raises(pp.ResponseError) as info:
             run_strict({"user_instruction": case}, proxy_url=proxy.url, run_token=RUN_TOKEN)
         assert HOSTILE[case].where in str(info.value)
+        assert any(fix in str(info.value) for fix in FIXES), str(info.value)  # the path and the fix
 
 
 def test_specific_conversions_are_what_the_documents_say() -> None:
@@ -106,6 +107,13 @@ def test_specific_conversions_are_what_the_documents_say() -> None:
     assert body["metadata"]["n"] == "1" + "0" * 5000  # the decimal text, not a number no parser reads
     assert body["metadata"]["pair"] == "\U0001f600"  # a split pair joined, not replaced
     assert any("1 (int)" in n for n in notes) and any("metadata.n" in n for n in notes)
+    # the same key rules at the top level; keys that collide once their lone surrogates are replaced all kept
+    body, notes = pp.response_envelope(keyed(("final_response", "x"), (1, "int"), ("1", "str"), ("k\ud800", "a"),
+                                             ("k\ud801", "b"), ("k\ufffd", "c"), ("metadata", {10 ** 5000: "big"})))
+    assert body["1"] == "str" and body["1 (int)"] == "int"
+    assert {body["k\ufffd"], body["k\ufffd 2"], body["k\ufffd 3"]} == {"a", "b", "c"}
+    assert sum("would collide" in n for n in notes) == 2
+    assert body["metadata"] == {"1" + "0" * 5000: "big"}  # the key's plain decimal text
 
 
 def test_validate_response_reports_lone_surrogates_and_out_of_range_integers() -> None:
@@ -159,3 +167,94 @@ def test_wsgi_and_asgi_answer_json_when_building_the_reply_fails(monkeypatch: py
     asyncio.run(app.asgi({"type": "http", "method": "POST", "path": "/dispatch",
                           "headers": [(b"content-length", b"2")]}, receive, send))
     assert sent[0]["status"] == 500 and "ValueError" in json.loads(sent[1]["body"])["detail"]
+
+
+TOKEN_KEYED = {"final_response": "done", RUN_TOKEN + "\ud800": 10 ** 5000,
+               "metadata": {RUN_TOKEN: float("nan"), (RUN_TOKEN,): 1, "n": {RUN_TOKEN: {1, 2}}}}
+
+
+def token_keyed_agent(envelope: pp.Envelope) -> Any:
+    return TOKEN_KEYED
+
+
+@pytest.mark.parametrize("server_kind", pp.SERVERS)
+def test_what_the_builder_changed_is_logged_without_the_run_token(
+        server_kind: str, proxy: MockProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The warnings name paths, and the agent may have put the run token in a key: it never reaches the log."""
+    caplog.set_level(logging.DEBUG, logger="pipelines_port")
+    server = pp.start_server(token_keyed_agent, token=AGENT_TOKEN, server=server_kind)
+    try:
+        status, raw = dispatch(f"http://127.0.0.1:{server.server_address[1]}", proxy, "tuple")
+    finally:
+        server.close(2)
+    changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("response: ")]
+    assert status == 200 and len(changes) >= 4, changes  # each change logged, the token redacted from each
+    assert sum("[redacted]" in c for c in changes) >= 4, changes  # the key holding the token is named, redacted
+    assert RUN_TOKEN not in caplog.text and RUN_TOKEN.encode() not in raw
+    caplog.clear()
+    body = pp.code_mode(token_keyed_agent)({"user_instruction": "x"}, proxy_url=proxy.url, run_token=RUN_TOKEN)
+    assert any(r.getMessage().startswith("response: ") for r in caplog.records)
+    assert RUN_TOKEN not in caplog.text and RUN_TOKEN not in json.dumps(body)
+    with pytest.raises(pp.ResponseError) as info:
+        pp.code_mode(token_keyed_agent, strict=True)({"user_instruction": "x"}, proxy_url=proxy.url,
+                                                     run_token=RUN_TOKEN)
+    assert "[redacted]" in str(info.value) and RUN_TOKEN not in str(info.value)
+
+
+class _JsonThatCannotEncode:
+    """``pipelines_port``'s ``json`` with an encoder that fails: any failure while encoding a reply."""
+
+    def __init__(self) -> None:
+        self.__dict__.update({k: v for k, v in vars(json).items() if not k.startswith("__") and k != "dumps"})
+
+    @staticmethod
+    def dumps(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("the encoder broke")
+
+
+@pytest.mark.parametrize("server_kind", pp.SERVERS)
+def test_when_json_encoding_itself_fails_the_servers_still_answer_a_json_500(
+        server_kind: str, proxy: MockProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = pp.start_server(agent, token=AGENT_TOKEN, server=server_kind)
+    try:
+        monkeypatch.setattr(pp, "json", _JsonThatCannotEncode())
+        status, raw = dispatch(f"http://127.0.0.1:{server.server_address[1]}", proxy, "tuple")
+    finally:
+        monkeypatch.undo()
+        server.close(2)
+    assert status == 500 and parseable(raw)["detail"].endswith("RuntimeError"), raw
+
+
+def test_when_json_encoding_itself_fails_wsgi_asgi_and_code_mode_answer_json(
+        proxy: MockProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import io
+
+    app = pp.DispatchApp(agent, token=AGENT_TOKEN)
+    request = json.dumps({"run_id": 5, "odyssey_proxy_url": proxy.url, "input": {"user_instruction": "tuple"}})
+    monkeypatch.setattr(pp, "json", _JsonThatCannotEncode())
+    started: Dict[str, Any] = {}
+    wsgi_body = b"".join(app.wsgi({"REQUEST_METHOD": "POST", "PATH_INFO": "/dispatch",
+                                   "CONTENT_LENGTH": str(len(request)), "HTTP_AUTHORIZATION": f"Bearer {AGENT_TOKEN}",
+                                   "HTTP_X_PIPELINES_RUN_TOKEN": RUN_TOKEN, "wsgi.input": io.BytesIO(request.encode())},
+                                  lambda status, headers: started.update(status=status, headers=dict(headers))))
+    assert started["status"].startswith("500") and started["headers"]["Content-Type"] == "application/json"
+    assert "RuntimeError" in json.loads(wsgi_body)["detail"]
+    for headers in ([(b"authorization", f"Bearer {AGENT_TOKEN}".encode()),  # the agent ran: encoding its reply failed
+                     (b"x-pipelines-run-token", RUN_TOKEN.encode())],
+                    []):  # refused before any agent ran (401): encoding the refusal failed
+        sent: List[Dict[str, Any]] = []
+
+        async def receive() -> Dict[str, Any]:
+            return {"type": "http.request", "body": request.encode(), "more_body": False}
+
+        async def send(message: Dict[str, Any], sent: List[Dict[str, Any]] = sent) -> None:
+            sent.append(message)
+
+        asyncio.run(app.asgi({"type": "http", "method": "POST", "path": "/dispatch",
+                              "headers": [(b"content-length", str(len(request)).encode()), *headers]}, receive, send))
+        assert sent[0]["status"] == 500 and (b"content-type", b"application/json") in sent[0]["headers"]
+        assert "RuntimeError" in json.loads(sent[1]["body"])["detail"]
+    with pytest.raises(pp.ResponseError) as info:  # code mode: a clear error, never a half-built dict
+        pp.code_mode(agent)({"user_instruction": "tuple"}, proxy_url=proxy.url, run_token=RUN_TOKEN)
+    assert "cannot be sent as JSON: RuntimeError: the encoder broke" in str(info.value)

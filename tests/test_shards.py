@@ -164,3 +164,50 @@ def test_merge_names_overlaps_gaps_truncation_and_foreign_files(capsys: pytest.C
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
     code, _, err = run_cli(shards.main, capsys, s1, tmp_path / "empty.jsonl")
     assert code == 2 and "no header record" in err and "Traceback" not in err
+
+
+def test_a_changed_agent_is_refused_on_resume_and_by_merge(capsys: pytest.CaptureFixture,
+                                                          tmp_path: pathlib.Path) -> None:
+    """The header records the agent's file hash: an edited agent cannot continue, nor be merged with, old rows."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(MINIMAL.read_text(encoding="utf-8"), encoding="utf-8")
+    common = ["--csv", SAMPLE, "--responses", FIXTURES]
+    out = tmp_path / "s1.jsonl"
+    assert run_cli(simulate.main, capsys, *common, "--code", agent, "--shard", "1/2", "--jsonl", out)[0] == 0
+    kept = out.read_bytes()
+    agent.write_text(agent.read_text(encoding="utf-8") + "\n# edited after the first shard ran\n", encoding="utf-8")
+    code, _, err = run_cli(simulate.main, capsys, *common, "--code", agent, "--shard", "1/2", "--jsonl", out,
+                           "--resume")
+    assert code == 2 and "another simulation: the agent" in err and "Traceback" not in err, err
+    assert out.read_bytes() == kept  # untouched
+    s2 = tmp_path / "s2.jsonl"
+    assert run_cli(simulate.main, capsys, *common, "--code", agent, "--shard", "2/2", "--jsonl", s2)[0] == 0
+    code, _, err = run_cli(shards.main, capsys, out, s2, "--json", tmp_path / "all.json")
+    assert code == 2 and "come from different simulations: the agent" in err
+    assert not (tmp_path / "all.json").exists()
+
+
+def test_merge_through_both_command_lines(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    """``pipelines-port merge`` (the kit's entry point, conformance.cli) and ``python3 -m conformance merge``."""
+    from conformance import cli
+
+    common = ["--csv", SAMPLE, "--code", MINIMAL, "--responses", FIXTURES]
+    assert run_cli(simulate.main, capsys, *common, "--json", tmp_path / "whole.json")[0] == 0
+    for k in (1, 2):
+        assert run_cli(simulate.main, capsys, *common, "--shard", f"{k}/2", "--jsonl", tmp_path / f"s{k}.jsonl")[0] == 0
+    files = [tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"]
+    code, _, err = run_cli(cli.main, capsys, "merge", *files, "--json", tmp_path / "a.json",
+                           "--html", tmp_path / "a.html")
+    assert code == 0, err
+    done = subprocess.run([sys.executable, "-m", "conformance", "merge", *map(str, files), "--json",
+                           str(tmp_path / "b.json"), "--html", str(tmp_path / "b.html")],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    whole = without_timings(json.loads((tmp_path / "whole.json").read_text(encoding="utf-8")))
+    for name in ("a", "b"):
+        assert without_timings(json.loads((tmp_path / f"{name}.json").read_text(encoding="utf-8"))) == whole
+        assert 'id="row-5"' in (tmp_path / f"{name}.html").read_text(encoding="utf-8")
+    bad = subprocess.run([sys.executable, "-m", "conformance", "merge", str(files[0])], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--allow-partial" in bad.stderr and "Traceback" not in bad.stderr

@@ -2,7 +2,7 @@
 
 Every hostile return value of tests/hostile_values.py must come back as a JSON reply the platform can parse
 (200 lenient; strict: the documented status, a 500 naming the path), never the host's plain-text
-``Internal Server Error`` or a dropped connection.  Sent 100+ at once per host (the corpus four times over).
+``Internal Server Error`` or a dropped connection.  Sent 160+ at once per host (the corpus four times over).
 Skipped without uvicorn and gunicorn.
 """
 
@@ -72,7 +72,7 @@ def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_every_hostile_value_gets_a_json_reply_under_the_host(host: Tuple[str, bool], proxy: MockProxy) -> None:
     base, strict = host
-    cases: List[str] = list(HOSTILE) * 4  # 124 dispatches at once
+    cases: List[str] = list(HOSTILE) * 4  # 168 dispatches at once
 
     def one(case: str) -> Reply:
         headers, body = dispatch_request(proxy.url, TOKEN, RUN_TOKEN, case)

@@ -373,3 +373,64 @@ fn heads_a_front_end_could_frame_differently_are_refused_and_closed() {
         "{reply}"
     );
 }
+
+/// No run lost (issue 24, kit-json-safe-response): a result serde_json cannot
+/// serialise (a map with non-string keys) is a JSON 500 naming the problem,
+/// never a dropped connection; a NaN or infinite float goes as null (200).
+#[test]
+fn a_result_serde_cannot_serialise_is_a_json_500() {
+    use std::collections::BTreeMap;
+    let rt = runtime();
+    let proxy = Proxy::start(&rt);
+    let app = DispatchApp::new(
+        |run: Run| async move {
+            let mut value: BTreeMap<Vec<u8>, Value> = BTreeMap::new();
+            match run.envelope().user_instruction.as_str() {
+                "bytes keys" => value.insert(vec![1, 2], json!("x")),
+                _ => value.insert(
+                    b"final_response".to_vec(),
+                    json!("unreachable: the key is not a string"),
+                ),
+            };
+            Ok(value)
+        },
+        options(),
+    )
+    .unwrap();
+    let served = start(&rt, app, Duration::from_secs(5));
+    let client = reqwest::Client::new();
+    for instruction in ["bytes keys", "final_response as bytes"] {
+        let (status, reply, _) = rt.block_on(dispatch(
+            &client,
+            served.addr,
+            &envelope(&proxy, 1, instruction),
+            "run-token-serde",
+        ));
+        assert_eq!(status, 500, "{reply}");
+        assert!(
+            reply["detail"]
+                .as_str()
+                .unwrap()
+                .contains("cannot become a response"),
+            "{reply}"
+        );
+    }
+    let app = DispatchApp::new(
+        |_run: Run| async move {
+            Ok(json!({"final_response": "done", "metadata": {"nan": f64::NAN, "inf": f64::INFINITY}}))
+        },
+        options(),
+    )
+    .unwrap();
+    let served = start(&rt, app, Duration::from_secs(5));
+    let (status, reply, _) = rt.block_on(dispatch(
+        &client,
+        served.addr,
+        &envelope(&proxy, 2, "nan"),
+        "run-token-serde",
+    ));
+    assert_eq!(
+        (status, reply["metadata"].clone()),
+        (200, json!({"nan": null, "inf": null}))
+    );
+}
