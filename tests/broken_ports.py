@@ -139,15 +139,15 @@ def proxy_error_body_unscrubbed() -> None:
 
 @variant("empty_final_response", "response.empty_final_response")
 def empty_final_response() -> None:
-    original = pp.build_response
+    original = pp._built  # what DispatchApp builds its replies with (build_response, its warnings redacted)
 
-    def build_response(value: Any, **kwargs: Any) -> Any:
+    def built(value: Any, **kwargs: Any) -> Any:
         try:
             return original(value, **kwargs)
         except pp.ResponseError:
             return {"final_response": ""}
 
-    pp.build_response = build_response
+    pp._built = built
 
 
 @variant("global_envelope", "concurrency.distinct_tokens")
@@ -339,7 +339,7 @@ def terse_missing_proxy_url() -> None:
 @variant("blank_final_response_sent", None)
 def blank_final_response_sent() -> None:
     """A blank final_response answered as is: §4 asks only for a non-empty string."""
-    original = pp.build_response
+    original = pp._built  # what DispatchApp builds its replies with
 
     def build_response(value: Any, **kwargs: Any) -> Any:
         final = value.get("final_response") if isinstance(value, dict) else value
@@ -347,7 +347,7 @@ def blank_final_response_sent() -> None:
             return {"final_response": final}
         return original(value, **kwargs)
 
-    pp.build_response = build_response
+    pp._built = build_response
 
 
 # -- more porting bugs: auth compared loosely, misconfiguration, normalisation, errors, the transcript -----------
@@ -522,13 +522,13 @@ def timestamp_idempotency_key() -> None:
 
 @variant("transcript_dropped", "response.script_transcript")
 def transcript_dropped() -> None:
-    original = pp.build_response
+    original = pp._built  # what DispatchApp builds its replies with
 
     def build_response(value: Any, **kwargs: Any) -> Any:
         body = original(value, **kwargs)
         return {"final_response": body["final_response"]}  # messages and metadata lost on the way
 
-    pp.build_response = build_response
+    pp._built = build_response
 
 
 @variant("proxy_url_slash_kept", "envelope.echo")
@@ -588,8 +588,8 @@ def stale_token_header() -> None:
 @variant("extra_top_level_keys", None)
 def extra_top_level_keys() -> None:
     """Every response carries one more top-level key (§4 allows them)."""
-    original = pp.build_response
-    pp.build_response = lambda value, **kwargs: dict(original(value, **kwargs), port="legal-variation")
+    original = pp._built  # what DispatchApp builds its replies with
+    pp._built = lambda value, **kwargs: dict(original(value, **kwargs), port="legal-variation")
 
 
 @variant("other_error_wording", None)
