@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -169,9 +170,9 @@ def test_no_access_log_drops_the_line_per_request_but_not_the_agents_errors(agen
 GC_AGENT = textwrap.dedent("""
     import gc
 
-    def agent(env):
-        return {"final_response": "gc", "metadata": {"threshold": gc.get_threshold()[0],
-                                                     "frozen": gc.get_freeze_count()}}
+    async def agent(env):
+        return {"final_response": f"run {env.run_id} of {env.run_token_jti}",
+                "metadata": {"threshold": gc.get_threshold()[0], "frozen": gc.get_freeze_count()}}
 """)
 
 
@@ -183,14 +184,21 @@ def test_serve_tunes_the_garbage_collector_unless_told_not_to(tmp_path: Path, ar
     python_default = int(subprocess.run([sys.executable, "-c", "import gc; print(gc.get_threshold()[0])"],
                                         capture_output=True, text=True, check=True).stdout)
     served = start(["serve", f"{tmp_path / 'gc_agent.py'}:agent", "--port", "0", "--no-auth", *args])
+
+    def one(n: int) -> Tuple[int, Dict[str, object]]:
+        return post(served.url, {"run_id": n, "task_id": 2, "run_token_jti": f"jti-{n}", "odyssey_proxy_url":
+                                 "http://127.0.0.1:9/", "input": {"user_instruction": "x"}},
+                    {"X-Pipelines-Run-Token": f"{RUN_TOKEN}-{n}"})
+
     try:
-        status, body = post(served.url, {"run_id": 1, "task_id": 2, "run_token_jti": "j", "odyssey_proxy_url":
-                                         "http://127.0.0.1:9/", "input": {"user_instruction": "x"}},
-                            {"X-Pipelines-Run-Token": RUN_TOKEN})
+        with ThreadPoolExecutor(120) as pool:  # dispatches at once, each with a run of its own
+            replies = list(pool.map(one, range(120)))
     finally:
-        served.stop()
-    assert status == 200
-    metadata = body["metadata"]
+        code, _ = served.stop()
+    assert code == 0
+    assert [status for status, _ in replies] == [200] * 120
+    assert [body["final_response"] for _, body in replies] == [f"run {n} of jti-{n}" for n in range(120)]
+    metadata = replies[0][1]["metadata"]
     assert isinstance(metadata, dict)
     if args[-1:] == ["0"]:
         assert metadata == {"threshold": python_default, "frozen": 0}
