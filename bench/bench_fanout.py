@@ -1,7 +1,7 @@
 """Fan-out: the platform dispatches many runs at once.  How long until all are answered, at what CPU and memory?
 
     python3 bench/bench_fanout.py [--dispatches 300,1000,2000] [--latency 1.0] [--repeat 3] [--cap 120]
-                                  [--servers sync,async,async_uvicorn,aiohttp,tuned] [--proxy lean|mock]
+                                  [--servers sync,async,async_uvicorn,aiohttp,tuned] [--proxy lean|mock] [--steps]
 
 Each server (a process of its own) serves an agent making three proxy calls one after another; the proxy (a
 process of its own: ``lean``, bench/lean_proxy.py, asyncio, or ``mock``, the threaded MockProxy of
@@ -23,7 +23,10 @@ one ``ClientSession``, the same agent: bench/aiohttp_peer.py), ``tuned`` (FastAP
 ``httpx.AsyncClient``), ``reference`` (FastAPI with a synchronous ``httpx.post`` per call, as the platform
 docs' wrapper) and ``pipelines_port_gunicorn`` (the WSGI app under gunicorn gthread).  The peers run in
 bench/.venv (made on first use).  A server that has not answered every dispatch within ``--cap`` seconds is
-reported with how many it had.  Medians over the repeats go to bench/results/fanout.json.
+reported with how many it had.  Medians over the repeats go to bench/results/fanout.json.  With ``--steps`` the
+lean proxy records every call it reads, and a second table shows where each dispatch's time went: until its
+request was written (the load generator), until its first proxy call (the server accepting, reading, checking
+and starting it), from each call to the next and from the last to its reply, less the proxy's latency.
 """
 
 from __future__ import annotations
@@ -100,39 +103,83 @@ def request_bytes(proxy_url: str, number: int, instruction: str = INSTRUCTION) -
     return head.encode() + body
 
 
-async def _one(port: int, data: bytes, started: float, cap: float) -> Tuple[int, float]:
-    """Status and completion time of one dispatch on a connection of its own (0: no reply)."""
+async def _one(port: int, data: bytes, started: float, cap: float) -> Tuple[int, float, float]:
+    """Status, completion time and time its request was written, of one dispatch on a connection of its own
+    (status 0: no reply)."""
+    written = float("nan")
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), cap)
         writer.write(data)
+        written = time.monotonic() - started
         reply = await asyncio.wait_for(reader.read(), cap)
         writer.close()
-        return int(reply.split(b" ", 2)[1]), time.monotonic() - started
+        return int(reply.split(b" ", 2)[1]), time.monotonic() - started, written
     except (OSError, asyncio.TimeoutError, IndexError, ValueError):
-        return 0, time.monotonic() - started
+        return 0, time.monotonic() - started, written
 
 
 async def _fan_out(port: int, proxy_url: str, count: int, cap: float, first: int,
-                   instruction: str = INSTRUCTION) -> List[Tuple[int, float]]:
+                   instruction: str = INSTRUCTION) -> Tuple[float, List[Tuple[int, float, float]]]:
     requests = [request_bytes(proxy_url, first + i, instruction) for i in range(count)]
     started = time.monotonic()
-    return await asyncio.gather(*(_one(port, data, started, cap) for data in requests))
+    return started, await asyncio.gather(*(_one(port, data, started, cap) for data in requests))
 
 
 def fan_out(server: Server, proxy_url: str, count: int, cap: float, first: int,
-            instruction: str = INSTRUCTION) -> Dict[str, Any]:
+            instruction: str = INSTRUCTION, timings: bool = False) -> Dict[str, Any]:
     """``count`` dispatches at once (user_instruction ``instruction``): how many answered 200, by when, at what
-    server CPU and memory."""
+    server CPU and memory; with ``timings``, also when the fan-out started and each dispatch's write and
+    completion, for :func:`steps`."""
     cpu_before = cpu_seconds(server.pid)
-    results = asyncio.run(_fan_out(server.port, proxy_url, count, cap, first, instruction))
+    started, results = asyncio.run(_fan_out(server.port, proxy_url, count, cap, first, instruction))
     cpu = cpu_seconds(server.pid) - cpu_before
     statuses: Dict[int, int] = {}
-    for status, _ in results:
+    for status, _, _ in results:
         statuses[status] = statuses.get(status, 0) + 1
-    answered = sorted(t for status, t in results if status == 200 and t <= cap)
-    return {"ok": len(answered), "statuses": statuses,
-            "all_done_s": answered[-1] if len(answered) == count else None,
-            "cpu_ms_per_dispatch": 1000 * cpu / count, "peak_rss_mib": round(rss_peak_kib(server.pid) / 1024, 1)}
+    answered = sorted(t for status, t, _ in results if status == 200 and t <= cap)
+    out = {"ok": len(answered), "statuses": statuses,
+           "all_done_s": answered[-1] if len(answered) == count else None,
+           "cpu_ms_per_dispatch": 1000 * cpu / count, "peak_rss_mib": round(rss_peak_kib(server.pid) / 1024, 1)}
+    if timings:
+        out["timings"] = (first, started, [(written, done) for _, done, written in results])
+    return out
+
+
+STEPS = ("requests written", "to the 1st call", "1st to 2nd call", "2nd to 3rd call", "3rd call to reply")
+
+
+def steps(record: List[Tuple[float, str, str]], run: Dict[str, Any], latency: float) -> Dict[str, List[float]]:
+    """Where each dispatch of one fan-out spent its time, from the proxy's record (bench/lean_proxy.py
+    ``--record``): its request written, its first call, each later call and its reply, less the proxy's
+    ``latency`` per call (seconds; dispatches whose three calls are not all recorded are left out)."""
+    calls: Dict[str, List[float]] = {}
+    for at, token, _ in record:
+        calls.setdefault(token, []).append(at)
+    first, started, timings = run["timings"]
+    out: Dict[str, List[float]] = {name: [] for name in STEPS}
+    for i, (written, done) in enumerate(timings):
+        at = sorted(calls.get(f"{RUN_TOKEN}-{first + i:08d}", ()))
+        if len(at) != 3:
+            continue
+        for name, value in zip(STEPS, (written, at[0] - started, at[1] - at[0] - latency, at[2] - at[1] - latency,
+                                       started + done - at[2] - latency)):
+            out[name].append(value)
+    return out
+
+
+def print_steps(record: List[Tuple[float, str, str]], runs: Dict[str, Dict[int, List[Dict[str, Any]]]],
+                latency: float) -> None:
+    print("\nwhere the time went (ms; p50 / max over the dispatches, median over the repeats):")
+    print(f"{'':24}" + "".join(f"{name:>20}" for name in STEPS))
+    for name, by_count in runs.items():
+        for count, fan_outs in by_count.items():
+            cells = []
+            each = [steps(record, run, latency) for run in fan_outs]
+            for step in STEPS:
+                p50 = statistics.median(statistics.median(s[step]) for s in each if s[step])
+                top = statistics.median(max(s[step]) for s in each if s[step])
+                cells.append(f"{p50 * 1000:9.0f} / {top * 1000:6.0f}")
+            print(f"{count:>5} {name:<18}" + "".join(f"{c:>20}" for c in cells))
 
 
 def build_servers(names: List[str], python: Optional[str], pycache: str, threads: int) -> List[Server]:
@@ -169,9 +216,10 @@ def build_servers(names: List[str], python: Optional[str], pycache: str, threads
     return servers
 
 
-def start_proxy(kind: str, latency: float) -> Tuple[subprocess.Popen, str]:
+def start_proxy(kind: str, latency: float, record: Optional[str] = None) -> Tuple[subprocess.Popen, str]:
     script = "lean_proxy.py" if kind == "lean" else "proxy_process.py"
-    proxy = subprocess.Popen([sys.executable, os.path.join(benchlib.BENCH, script), "--latency", str(latency)],
+    extra = ["--record", record] if record else []
+    proxy = subprocess.Popen([sys.executable, os.path.join(benchlib.BENCH, script), "--latency", str(latency), *extra],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, BENCH_RUN_TOKEN=RUN_TOKEN))
     assert proxy.stdout is not None
@@ -198,12 +246,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=64, help="gunicorn gthread threads (default 64)")
     parser.add_argument("--servers", default=",".join(DEFAULT))
     parser.add_argument("--proxy", choices=("lean", "mock"), default="lean")
+    parser.add_argument("--steps", action="store_true",
+                        help="also show where each dispatch's time went: its request written, its first proxy call, "
+                             "each later one, its reply (from the lean proxy's record)")
     args = parser.parse_args(argv)
+    if args.steps and args.proxy != "lean":
+        parser.error("--steps needs --proxy lean (the proxy that records the calls)")
     names = [n for n in args.servers.split(",") if n]
     counts = [int(c) for c in args.dispatches.split(",") if c]
     _raise_file_limit()
     python = venv_python() if any(n not in OURS for n in names) else None
-    proxy, proxy_url = start_proxy(args.proxy, args.latency)
+    record = os.path.join(tempfile.gettempdir(), f"fanout-record-{os.getpid()}.json") if args.steps else None
+    proxy, proxy_url = start_proxy(args.proxy, args.latency, record)
     agent_s = 3 * args.latency
     runs: Dict[str, Dict[int, List[Dict[str, Any]]]] = {n: {c: [] for c in counts} for n in names}
     summary: Dict[str, Dict[str, Any]] = {}
@@ -218,7 +272,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for count in counts:
                 for _ in range(args.repeat):
                     for server in servers:  # taking turns, so drift on the machine hits every server alike
-                        runs[server.name][count].append(fan_out(server, proxy_url, count, args.cap, first))
+                        runs[server.name][count].append(fan_out(server, proxy_url, count, args.cap, first,
+                                                                timings=args.steps))
                         first += count
                 for server in servers:
                     done = [r["all_done_s"] for r in runs[server.name][count]]
@@ -230,7 +285,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     summary.setdefault(server.name, {})[str(count)] = {
                         "all_done_median_s": median, "multiple_of_agent_time": median and median / agent_s,
                         "cpu_ms_per_dispatch_median": cpu, "peak_rss_mib": rss, "min_ok": ok,
-                        "runs": runs[server.name][count]}
+                        "runs": [{k: v for k, v in r.items() if k != "timings"} for r in runs[server.name][count]]}
                     shown = f"{median:6.2f} s = {median / agent_s:4.2f}x" if median else f"not all within {args.cap:g} s"
                     print(f"{count:>5} at once  {server.name:<16} {ok:>5}/{count} ok  all done {shown:<22} "
                           f"CPU {cpu:5.2f} ms/dispatch  peak RSS {rss} MiB", flush=True)
@@ -240,6 +295,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             assert proxy.stdin is not None
             proxy.stdin.close()
             proxy.wait(timeout=10)
+    if record is not None:
+        with open(record) as f:
+            calls = json.load(f)
+        os.unlink(record)
+        print_steps(calls, runs, args.latency)
     os.makedirs(benchlib.RESULTS, exist_ok=True)
     out = os.path.join(benchlib.RESULTS, "fanout.json")
     with open(out, "w") as f:

@@ -1,13 +1,15 @@
 """A lean per-run proxy for fan-out benchmarks: asyncio, keep-alive, one process, standard library only.
 
-    BENCH_RUN_TOKEN=... python3 bench/lean_proxy.py --latency 1.0
+    BENCH_RUN_TOKEN=... python3 bench/lean_proxy.py --latency 1.0 [--record FILE]
 
 The threaded MockProxy (bench/proxy_process.py) spends a thread per connection; at thousands of concurrent
 tool calls the proxy, not the server under test, would be what is measured.  This one answers every
 ``POST .../tools/{name}`` whose bearer starts with BENCH_RUN_TOKEN with the echo envelope
 ``{"response": {"tool": name, "args": args}, ...}`` after ``--latency`` seconds (a timer, not a sleeping
 thread), and anything else with 401 or 404.  It prints one JSON line ``{"url": ..., "pid": ...}`` once
-listening and serves until stdin closes or SIGTERM.
+listening and serves until stdin closes or SIGTERM.  With ``--record FILE`` it writes, when it stops, every
+request it read as ``[time.monotonic(), run token, tool name]`` (a JSON list): bench_fanout.py ``--steps`` reads
+it to see where each dispatch's time went.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, List, Optional
+import time
+from typing import Any, List, Optional, Tuple
 
 BASE = "/api/odyssey-proxy/runs/bench"
+RECORD: Optional[List[Tuple[float, str, str]]] = None  # with --record: every request read, in order
 
 
 class _Connection(asyncio.Protocol):
@@ -53,7 +57,10 @@ class _Connection(asyncio.Protocol):
         body = bytes(self.buffer[end + 4:end + 4 + length])
         del self.buffer[:end + 4 + length]
         method, target, _ = head[0].split(" ", 2)
-        status, reply = self._answer(method, target, fields.get("authorization", ""), body)
+        authorization = fields.get("authorization", "")
+        if RECORD is not None:
+            RECORD.append((time.monotonic(), authorization[len("Bearer "):], target.rsplit("/", 1)[-1]))
+        status, reply = self._answer(method, target, authorization, body)
         self.busy = True
         delay = self.latency_s if status == 200 else 0.0
         asyncio.get_running_loop().call_later(delay, self._send, status, reply)
@@ -93,12 +100,18 @@ async def _serve(token_prefix: str, latency_s: float) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency", type=float, default=0.0, help="seconds before each tool call is answered")
+    parser.add_argument("--record", metavar="FILE", help="on stopping, write every request read to FILE (JSON)")
     args = parser.parse_args(argv)
+    global RECORD
+    RECORD = [] if args.record else None
     token = os.environ.get("BENCH_RUN_TOKEN")
     if not token:
         print("error: set BENCH_RUN_TOKEN to the run token prefix the proxy should accept", file=sys.stderr)
         return 2
     asyncio.run(_serve(token, args.latency))
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(RECORD, f)
     return 0
 
 
