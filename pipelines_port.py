@@ -555,7 +555,9 @@ class _FrozenList(List[Any]):
 
 
 def _freeze(value: Any) -> Any:
-    """Deep copy of a JSON value with every dict and list made read-only."""
+    """Deep copy of a JSON value with every dict and list made read-only (a frozen one is kept: it is already)."""
+    if type(value) is _FrozenDict or type(value) is _FrozenList:  # exactly ours: already deep read-only
+        return value
     if isinstance(value, dict):
         return _FrozenDict({k: _freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
@@ -796,27 +798,35 @@ class Envelope:
         sub_agents: Iterable[Any] = (),
         raw: Optional[Mapping[str, Any]] = None,
     ) -> None:
-        fields = {
-            "proxy_url": validate_proxy_url(proxy_url, "the proxy_url argument"),
-            "run_token": _check_run_token(run_token, "the run_token argument"),
-            "run_id": run_id,
-            "task_id": task_id,
-            "agent_id": agent_id,
-            "run_token_jti": run_token_jti,
-            "user_instruction": user_instruction if isinstance(user_instruction, str) else "",
-            "task_input": _freeze(dict(task_input or {})),
-            "latest_user_prompt": latest_user_prompt,
-            "session_id": session_id,
-            "turn_id": _freeze(turn_id),
-            "messages": _freeze(messages),
-            "scenario_state": _freeze(scenario_state),
-            "workspace": _freeze(workspace),
-            "tools_schema": _freeze(tools_schema),
-            "sub_agents": _sub_agent_catalog(list(sub_agents)),
-            "raw": _freeze(dict(raw or {})),
-        }
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
+        self._fill(validate_proxy_url(proxy_url, "the proxy_url argument"),
+                   _check_run_token(run_token, "the run_token argument"),
+                   run_id, task_id, agent_id, run_token_jti, user_instruction, task_input, latest_user_prompt,
+                   session_id, turn_id, messages, scenario_state, workspace, tools_schema, sub_agents, raw)
+
+    def _fill(self, proxy_url: str, run_token: str, run_id: Optional[Id], task_id: Optional[Id],
+              agent_id: Optional[Id], run_token_jti: Optional[str], user_instruction: Any,
+              task_input: Optional[Mapping[str, Any]], latest_user_prompt: Optional[str], session_id: Optional[Id],
+              turn_id: Any, messages: Any, scenario_state: Any, workspace: Any, tools_schema: Any,
+              sub_agents: Iterable[Any], raw: Optional[Mapping[str, Any]]) -> None:
+        """Set every field, containers frozen; ``proxy_url`` and ``run_token`` come checked."""
+        setter = object.__setattr__
+        setter(self, "proxy_url", proxy_url)
+        setter(self, "run_token", run_token)
+        setter(self, "run_id", run_id)
+        setter(self, "task_id", task_id)
+        setter(self, "agent_id", agent_id)
+        setter(self, "run_token_jti", run_token_jti)
+        setter(self, "user_instruction", user_instruction if isinstance(user_instruction, str) else "")
+        setter(self, "task_input", _freeze(task_input if type(task_input) is _FrozenDict else dict(task_input or {})))
+        setter(self, "latest_user_prompt", latest_user_prompt)
+        setter(self, "session_id", session_id)
+        setter(self, "turn_id", _freeze(turn_id))
+        setter(self, "messages", _freeze(messages))
+        setter(self, "scenario_state", _freeze(scenario_state))
+        setter(self, "workspace", _freeze(workspace))
+        setter(self, "tools_schema", _freeze(tools_schema))
+        setter(self, "sub_agents", _sub_agent_catalog(list(sub_agents)))
+        setter(self, "raw", _freeze(raw if type(raw) is _FrozenDict else dict(raw or {})))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
@@ -959,20 +969,25 @@ class Envelope:
         proxy_url = validate_proxy_url(url, url_field or "")
         run_token = _check_run_token(token, f"header {_title(HEADER_RUN_TOKEN)}")
 
-        task = _object_or(body.get("input"), {})
-        jti = body.get("run_token_jti")
-        return cls(
-            proxy_url=proxy_url,
-            run_token=run_token,
-            run_id=_first_id(body.get("run_id"), _header(h, HEADER_RUN_ID)),
-            task_id=_first_id(body.get("task_id"), task.get("task_id"), _header(h, HEADER_TASK_ID)),
-            agent_id=_first_id(body.get("agent_id")),
-            run_token_jti=jti.strip() if isinstance(jti, str) and jti.strip() else _header(h, HEADER_RUN_TOKEN_JTI),
-            tools_schema=body.get("tools_schema") if isinstance(body.get("tools_schema"), list) else None,
-            sub_agents=body["sub_agents"] if isinstance(body.get("sub_agents"), list) else (),
-            raw=body,
-            **_task_fields(task),
+        # The body frozen once; the task's fields are parts of that copy (already frozen, so kept as they are).
+        raw = _freeze(body if isinstance(body, dict) else dict(body))
+        task = _object_or(raw.get("input"), {})
+        jti = raw.get("run_token_jti")
+        fields = _task_fields(task)
+        envelope = cls.__new__(cls)
+        envelope._fill(
+            proxy_url, run_token,
+            _first_id(raw.get("run_id"), _header(h, HEADER_RUN_ID)),
+            _first_id(raw.get("task_id"), task.get("task_id"), _header(h, HEADER_TASK_ID)),
+            _first_id(raw.get("agent_id")),
+            jti.strip() if isinstance(jti, str) and jti.strip() else _header(h, HEADER_RUN_TOKEN_JTI),
+            fields["user_instruction"], fields["task_input"], fields["latest_user_prompt"], fields["session_id"],
+            fields["turn_id"], fields["messages"], fields["scenario_state"], fields["workspace"],
+            raw.get("tools_schema") if isinstance(raw.get("tools_schema"), list) else None,
+            raw["sub_agents"] if isinstance(raw.get("sub_agents"), list) else (),
+            raw,
         )
+        return envelope
 
     @classmethod
     def from_run(
@@ -1222,6 +1237,46 @@ def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
     return [v for k, v in headers if k.lower() == name]
 
 
+# One pass per line for the common, well-formed head; any line it does not match goes to the full reading,
+# which names the problem.  The value class excludes CR, LF and every control character but HTAB, so a
+# match also means no bare CR or LF; a name that is a token right before the colon means no folding.
+_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
+_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
+
+
+def _well_formed_head(head: bytes) -> Optional[RequestHead]:
+    """:func:`parse_request_head` of a head with nothing unusual in it, or ``None`` to read it in full."""
+    if len(head) > MAX_REQUEST_LINE_BYTES or head.startswith(b"\r\n"):
+        return None
+    lines = head.split(b"\r\n")
+    if len(lines) - 1 > MAX_REQUEST_FIELDS:
+        return None
+    request = _REQUEST_LINE_RE.fullmatch(lines[0])
+    if request is None:
+        return None
+    headers: List[Tuple[str, str]] = []
+    hosts = lengths = 0
+    for line in lines[1:]:
+        field = _FIELD_LINE_RE.fullmatch(line)
+        if field is None:
+            return None
+        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
+        lowered = name.lower()
+        if lowered == "host":
+            hosts += 1
+        elif lowered == "content-length":
+            lengths += 1
+            if not (value.isascii() and value.isdigit()):
+                return None
+        elif lowered == "transfer-encoding":
+            return None
+        headers.append((name, value))
+    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"
+    if (version == "HTTP/1.1" and hosts != 1) or lengths > 1:  # framing the full reading decides
+        return None
+    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
+
+
 def parse_request_head(head: bytes) -> RequestHead:
     """Read a request's head strictly (RFC 9112): the bytes before the empty line that ends it.
 
@@ -1232,6 +1287,13 @@ def parse_request_head(head: bytes) -> RequestHead:
     line are skipped (§2.2).  Raises :class:`FramingError` (400), :class:`TargetTooLongError` (414),
     :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505).
     """
+    well_formed = _well_formed_head(head)
+    return well_formed if well_formed is not None else _read_head_in_full(head)
+
+
+def _read_head_in_full(head: bytes) -> RequestHead:
+    """:func:`parse_request_head` line by line, each check on its own: the result, or the error naming the
+    problem.  (:func:`_well_formed_head` is its fast path: same result or ``None``.)"""
     while head.startswith(b"\r\n"):
         head = head[2:]
     line_end = head.find(b"\r\n")
@@ -2960,6 +3022,86 @@ class _Transport:
         raise AssertionError("unreachable")
 
 
+class _Deadline:
+    """One timeout of :class:`_Deadlines`: ``cancel()`` and ``when()``, as an asyncio ``TimerHandle`` has."""
+
+    __slots__ = ("_when", "_callback", "_args", "_tick")
+
+    def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
+        self._when = when
+        self._callback: Optional[Callable[..., Any]] = callback
+        self._args = args
+        self._tick: Optional[Set[Any]] = tick
+
+    def when(self) -> float:
+        return self._when
+
+    def cancel(self) -> None:
+        if self._tick is not None:
+            self._tick.discard(self)
+        self._tick, self._callback, self._args = None, None, ()
+
+    def _run(self) -> None:
+        callback, args = self._callback, self._args
+        self._tick, self._callback, self._args = None, None, ()
+        if callback is not None:  # not cancelled between its tick and now
+            callback(*args)
+
+
+class _Deadlines:
+    """The long timeouts of one event loop, for the price of a few asyncio timers.
+
+    The server and the asyncio driver set a timeout per connection, per run and per proxy exchange, and almost
+    none of them fire: at thousands of dispatches at once, a ``TimerHandle`` each (its heap, compared in
+    Python) is a real share of the loop's work.  A timeout at least ``COARSE_AFTER_S`` away joins the tick of
+    ``GRAIN_S`` it falls in: one asyncio timer per tick, cancelling is a set removal, and it fires at most
+    ``GRAIN_S`` late (under 2.5 %).  Nearer ones are plain ``loop.call_at``, exact.  Used on the loop's thread only.
+    """
+
+    GRAIN_S = 0.25
+    COARSE_AFTER_S = 10.0
+    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use under _lock)
+    _lock = threading.Lock()
+
+    def __init__(self, loop: Any) -> None:
+        self._loop = loop
+        self._ticks: Dict[int, Set[_Deadline]] = {}
+
+    @classmethod
+    def call_at(cls, loop: Any, when: float, callback: Callable[..., Any], *args: Any) -> Any:
+        """``loop.call_at(when, callback, *args)`` for a timeout: its handle has ``cancel()`` and ``when()``."""
+        if when - loop.time() < cls.COARSE_AFTER_S:
+            return loop.call_at(when, callback, *args)
+        return cls._for(loop)._at(when, callback, args)
+
+    @classmethod
+    def _for(cls, loop: Any) -> _Deadlines:
+        of_loop = cls._of_loop
+        deadlines = of_loop.get(loop) if of_loop is not None else None
+        if deadlines is None:
+            with cls._lock:
+                if cls._of_loop is None:
+                    import weakref
+
+                    cls._of_loop = weakref.WeakKeyDictionary()
+                deadlines = cls._of_loop.setdefault(loop, cls(loop))
+        return cast(_Deadlines, deadlines)
+
+    def _at(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...]) -> _Deadline:
+        tick = math.ceil(when / self.GRAIN_S)
+        entries = self._ticks.get(tick)
+        if entries is None:
+            entries = self._ticks[tick] = set()
+            self._loop.call_at(tick * self.GRAIN_S, self._fire, tick)
+        deadline = _Deadline(when, callback, args, entries)
+        entries.add(deadline)
+        return deadline
+
+    def _fire(self, tick: int) -> None:
+        for deadline in self._ticks.pop(tick, ()):
+            self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops none of the others
+
+
 class _ReplyReader:
     """One HTTP/1.1 reply, read from bytes as they arrive (sans-IO): the asyncio driver's parser.
 
@@ -3125,8 +3267,7 @@ class _ClientConnection:
         reader = self._reader = _ReplyReader(max_reply)
         self.received = False
         waiter = self._waiter = self.loop.create_future()
-        timer = self.loop.call_at(deadline, self._settle, TimeoutError(f"timed out: no complete reply within "
-                                                                        f"{timeout:g} s"))
+        timer = _Deadlines.call_at(self.loop, deadline, self._timed_out, timeout)
         try:
             self.transport.write(request)
             await waiter
@@ -3139,6 +3280,9 @@ class _ClientConnection:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def _timed_out(self, timeout: float) -> None:
+        self._settle(TimeoutError(f"timed out: no complete reply within {timeout:g} s"))
 
     def abort(self) -> None:
         """Drop the connection at once (mid-exchange: nothing more of it can be trusted)."""
@@ -3244,8 +3388,12 @@ class _AsyncPool:
         import asyncio
 
         try:
-            while any(self._idle.values()):
+            # Sleeps first: a pool emptied by the next take right after a give keeps its reaper (one task per
+            # exchange otherwise); it ends after a sleep that left nothing idle.
+            while True:
                 await asyncio.sleep(self._idle_s / 2)
+                if not any(self._idle.values()):
+                    break
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
                     for conn in [c for c in conns if c.closed or c.idle_since <= cutoff]:
@@ -3317,7 +3465,7 @@ class _AsyncTransport:
         deadline = started + timeout
         pool = self._pool(loop)
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{_loggable_path(path)}"
+        where = f"{host}:{port}{_loggable_path(path)}" if debug else ""
         if debug:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
@@ -4277,7 +4425,7 @@ async def _await_task(start: Callable[[], Coroutine[Any, Any, Any]], timeout_s: 
             waiter.set_result(None)
 
     task.add_done_callback(wake)
-    timer = loop.call_later(timeout_s, wake)
+    timer = _Deadlines.call_at(loop, loop.time() + timeout_s, wake)
     try:
         await waiter
     except BaseException:
@@ -4325,8 +4473,8 @@ async def _await_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None
     threading.Thread(target=target, name="pipelines-agent", daemon=True).start()
     timer = None
     if timeout_s is not None:
-        timer = loop.call_later(timeout_s, settle, None,
-                                _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
+        timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
+                                   _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
         return await waiter
     finally:
@@ -4395,6 +4543,7 @@ class DispatchApp:
         if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
             raise ValueError(f"auth_header must be an HTTP header name, got {auth_header!r}")
         self.agent = agent
+        self._agent_kind: Tuple[Any, bool] = (None, False)  # (agent, is async): agent_is_async's cache
         self.token = token
         self.token_env = None if token else token_env
         self.run_timeout_s = float(run_timeout_s)
@@ -4565,7 +4714,10 @@ class DispatchApp:
     @property
     def agent_is_async(self) -> bool:
         """Whether the agent is an ``async def`` function (or a callable whose ``__call__`` is one)."""
-        return _is_async_callable(self.agent)
+        agent, known = self._agent_kind
+        if agent is not self.agent:  # first asked, or the agent was replaced since: inspect it (once per agent)
+            agent, known = self._agent_kind = (self.agent, _is_async_callable(self.agent))
+        return known
 
     def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
         """Run the agent on ``envelope`` within ``run_timeout_s`` on a thread of its own; the response envelope
@@ -5181,8 +5333,10 @@ class _ServerConnection:
 
     One request at a time: its head (:func:`parse_request_head`), then the body :func:`request_body_length`
     allows, all within ``read_timeout_s`` of its first byte.  A decided refusal is answered at once; a dispatch
-    or probe runs as a task, reading paused meanwhile.  The connection closes after a framing refusal, on
-    ``Connection: close``, after ``keepalive_s`` idle, and when the server drains.
+    or probe runs as a task while reading goes on (a client that leaves is seen), pausing only once more than
+    ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait: no pause and resume per dispatch.  The connection
+    closes after a framing refusal, on ``Connection: close``, after ``keepalive_s`` idle, and when the server
+    drains.
     """
 
     __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof")
@@ -5302,7 +5456,6 @@ class _ServerConnection:
             self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
                        close=True)
             return
-        self.transport.pause_reading()
         self.task = server.loop.create_task(self._run(head, body, close))
         server.tasks.add(self.task)
 
@@ -5324,7 +5477,7 @@ class _ServerConnection:
             self.task = None
         self._send(reply, close=close or self.server.draining or self.eof, head=head)
         if not self.closing:
-            self.transport.resume_reading()
+            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
             self._advance()
 
     # -- replying ---------------------------------------------------------------
@@ -5354,7 +5507,8 @@ class _ServerConnection:
     def _arm(self, seconds: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.timer = self.server.loop.call_later(seconds, self._timed_out)
+        loop = self.server.loop
+        self.timer = _Deadlines.call_at(loop, loop.time() + seconds, self._timed_out)
 
     def _timed_out(self) -> None:
         self.timer = None

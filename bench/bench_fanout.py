@@ -22,7 +22,8 @@ every dispatch on one event loop), ``async_uvicorn`` (the ASGI app with the asyn
 one ``ClientSession``, the same agent: bench/aiohttp_peer.py), ``tuned`` (FastAPI + uvicorn with one
 ``httpx.AsyncClient``), ``reference`` (FastAPI with a synchronous ``httpx.post`` per call, as the platform
 docs' wrapper) and ``pipelines_port_gunicorn`` (the WSGI app under gunicorn gthread).  The peers run in
-bench/.venv (made on first use).  A server that has not answered every dispatch within ``--cap`` seconds is
+bench/.venv (made on first use).  ``lean`` (bench/lean_server.py, standard library) is the floor: an asyncio
+server and pooled keep-alive client with no validation, retries or timeouts, the same agent.  A server that has not answered every dispatch within ``--cap`` seconds is
 reported with how many it had.  Medians over the repeats go to bench/results/fanout.json.  With ``--steps`` the
 lean proxy records every call it reads, and a second table shows where each dispatch's time went: until its
 request was written (the load generator), until its first proxy call (the server accepting, reading, checking
@@ -199,6 +200,9 @@ def build_servers(names: List[str], python: Optional[str], pycache: str, threads
                        "--port", str(port), "--no-access-log", "--backlog", "4096"]
             env = dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN, BENCH_AGENT_ASYNC="1", PYTHONPATH=benchlib.ROOT)
             servers.append(Server(name, command, env, port))
+        elif name == "lean":
+            command = [sys.executable, os.path.join(benchlib.BENCH, "lean_server.py"), "--port", str(port)]
+            servers.append(Server(name, command, dict(base, AGENT_TOKEN=AGENT_TOKEN), port))
         elif name == "aiohttp":
             assert python is not None
             command = [python, os.path.join(benchlib.BENCH, "aiohttp_peer.py"), "--port", str(port)]
@@ -255,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     names = [n for n in args.servers.split(",") if n]
     counts = [int(c) for c in args.dispatches.split(",") if c]
     _raise_file_limit()
-    python = venv_python() if any(n not in OURS for n in names) else None
+    python = venv_python() if any(n not in OURS and n != "lean" for n in names) else None
     record = os.path.join(tempfile.gettempdir(), f"fanout-record-{os.getpid()}.json") if args.steps else None
     proxy, proxy_url = start_proxy(args.proxy, args.latency, record)
     agent_s = 3 * args.latency

@@ -311,3 +311,122 @@ def test_one_client_serves_many_event_loops_each_with_its_own_pool() -> None:
     assert first == second == [{"tool": "echo", "args": {"n": i}} for i in range(3)]
     assert all(results[k] == [{"tool": "echo", "args": {"n": i}} for i in range(5)] for k in range(4))
     assert connections == 6  # one kept-alive connection per loop: 2 sequential loops + 4 concurrent ones
+
+
+def test_far_timeouts_share_one_timer_per_tick_fire_never_early_and_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_Deadlines: timeouts far enough away join a tick (one asyncio timer for all of them); each fires, never
+    before its time, unless cancelled; one callback that raises stops none of the others; near ones stay exact."""
+    monkeypatch.setattr(pp._Deadlines, "COARSE_AFTER_S", 0.3)  # the real ones (10 s, 0.25 s) scaled down
+    monkeypatch.setattr(pp._Deadlines, "GRAIN_S", 0.1)
+    fired: Dict[int, float] = {}
+    errors: List[Any] = []
+
+    async def main() -> Tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: errors.append(context.get("exception")))
+        scheduled_before = len(loop._scheduled)  # type: ignore[attr-defined]
+        start = loop.time()
+        handles = {}
+        for n in range(300):
+            when = start + 0.35 + (n % 3) * 0.01  # 300 far timeouts over a few hundredths of a second
+
+            def callback(n: int = n, when: float = when) -> None:
+                fired[n] = loop.time() - when
+                if n == 7:
+                    raise RuntimeError("a timeout callback that fails")
+
+            handles[n] = pp._Deadlines.call_at(loop, when, callback)
+        timers = len(loop._scheduled) - scheduled_before  # type: ignore[attr-defined]
+        near = pp._Deadlines.call_at(loop, start + 0.05, lambda: fired.setdefault(-1, 0.0))
+        assert isinstance(near, asyncio.TimerHandle) and near.when() == start + 0.05
+        for n in range(0, 300, 2):
+            handles[n].cancel()
+        handles[0].cancel()  # twice is harmless
+        assert all(abs(handles[n].when() - (start + 0.35 + (n % 3) * 0.01)) < 1e-9 for n in (1, 3))
+        await asyncio.sleep(0.8)
+        return timers, len(loop._scheduled) - scheduled_before  # type: ignore[attr-defined]
+
+    timers, left = asyncio.run(main())
+    assert timers <= 2, f"{timers} asyncio timers for 300 timeouts in one or two ticks"
+    assert left == 0
+    assert sorted(n for n in fired if n >= 0) == list(range(1, 300, 2))  # every live one, no cancelled one
+    assert -1 in fired
+    assert min(fired.values()) >= 0.0  # never early
+    assert [type(e) for e in errors] == [RuntimeError]
+
+
+def test_replacing_the_agent_switches_between_the_loop_and_a_thread() -> None:
+    """agent_is_async is worked out once per agent, and again when the agent is replaced."""
+    seen: List[str] = []
+
+    async def on_the_loop(envelope: pp.Envelope) -> Dict[str, Any]:
+        seen.append("loop" if threading.current_thread() is main_thread else "thread")
+        return pp.build_response("a")
+
+    def on_a_thread(envelope: pp.Envelope) -> Dict[str, Any]:
+        seen.append("loop" if threading.current_thread() is main_thread else "thread")
+        return pp.build_response("s")
+
+    app = pp.DispatchApp(on_the_loop, token=AGENT_TOKEN)
+    envelope = pp.Envelope(proxy_url="http://127.0.0.1:9/api", run_token="rt-switch")
+    main_thread = threading.current_thread()
+
+    async def main() -> List[bytes]:
+        replies = [await app.arun_agent(envelope)]
+        app.agent = on_a_thread
+        replies.append(await app.arun_agent(envelope))
+        app.agent = on_the_loop
+        replies.append(await app.arun_agent(envelope))
+        return [r.body for r in replies]
+
+    bodies = asyncio.run(main())
+    assert seen == ["loop", "thread", "loop"]
+    assert [json.loads(b)["final_response"] for b in bodies] == ["a", "s", "a"]
+
+
+def test_a_pipelined_request_waits_for_the_running_dispatch_and_then_is_answered() -> None:
+    """Reading goes on while a dispatch runs: a second request sent on the same connection meanwhile is kept,
+    and answered after the first, in order (with 120 such connections at once)."""
+    gate = asyncio.Event()
+    order: List[str] = []
+
+    async def agent(envelope: pp.Envelope) -> Dict[str, Any]:
+        order.append(envelope.user_instruction)
+        if envelope.user_instruction.endswith("first"):
+            await gate.wait()
+        return pp.build_response(envelope.user_instruction)
+
+    server = pp.make_server(agent, token=AGENT_TOKEN, port=0)
+    port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def request(n: int, which: str, close: bool) -> bytes:
+        body = json.dumps({"run_id": n, "odyssey_proxy_url": "http://127.0.0.1:9/api",
+                           "input": {"user_instruction": f"{n} {which}"}}).encode()
+        return (f"POST /dispatch HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
+                f"X-Pipelines-Run-Token: rt-{n}-{which}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n{'Connection: close' if close else 'X-Keep: 1'}\r\n\r\n"
+                ).encode() + body
+
+    async def one(n: int) -> List[str]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request(n, "first", False) + request(n, "second", True))  # both at once, pipelined
+        data = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        return [json.loads(part.split(b"\r\n\r\n", 1)[1].split(b"HTTP/1.1", 1)[0])["final_response"]
+                for part in data.split(b"HTTP/1.1 200")[1:]]
+
+    async def main() -> List[List[str]]:
+        tasks = [asyncio.ensure_future(one(n)) for n in range(120)]
+        while len(order) < 120:
+            await asyncio.sleep(0.01)
+        server.loop.call_soon_threadsafe(gate.set)
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        server.close(5)
+    assert results == [[f"{n} first", f"{n} second"] for n in range(120)]
+    assert all(o.endswith("first") for o in order[:120])  # no second request started while its first ran
