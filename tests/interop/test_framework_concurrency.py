@@ -4,11 +4,11 @@ The agents (tests/interop/concurrent_agents.py) are built once and share their m
 service's are: an OpenAI Agents SDK agent (``await Runner.run``) on one ``AsyncOpenAI``, and a LangGraph ReAct
 agent (``await graph.ainvoke``) on one ``ChatOpenAI``.  Such a client binds to the first event loop that uses
 it, so they only work when every dispatch runs on one loop: the kit's own server, and the ASGI app under
-uvicorn and hypercorn.  Each dispatch has its own run (own proxy path and run token) and its own order
+uvicorn (on asyncio's loop, and on uvloop as ``uvicorn[standard]`` runs it) and hypercorn.  Each dispatch has its own run (own proxy path and run token) and its own order
 number; the fake model answers from each conversation's own history, so any crossing of envelopes, tool
 results or answers between runs shows.
 
-Skipped without the framework (and uvicorn/hypercorn for those hosts).
+Skipped without the framework (and uvicorn, uvloop or hypercorn for those hosts).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ FRAMEWORKS: Dict[str, Tuple[str, Callable[[], FakeModelAPI]]] = {  # name -> (mo
     "openai-agents": ("agents", FakeResponsesAPI),
     "langgraph": ("langchain_openai", FakeChatAPI),
 }
-HOSTS = ("serve", "uvicorn", "hypercorn")
+HOSTS = ("serve", "uvicorn", "uvicorn-uvloop", "hypercorn")  # uvicorn[standard] runs on uvloop, not asyncio's loop
 
 
 def _text(content: Any) -> str:
@@ -98,12 +98,18 @@ def served(request: pytest.FixtureRequest, framework: Tuple[str, FakeModelAPI],
         finally:
             server.close(5)
         return
-    if importlib.util.find_spec(host) is None:
-        pytest.skip(f"needs {host}")
-    builder = uvicorn_command if host == "uvicorn" else hypercorn_command
+    for module in host.split("-"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module}")
+
+    def command(port: int) -> List[str]:
+        if host == "hypercorn":
+            return hypercorn_command("concurrent_agents:app", port)
+        return uvicorn_command("concurrent_agents:app", port) + (["--loop", "uvloop"] if "uvloop" in host else [])
+
     env = subprocess_env(Path(concurrent_agents.__file__).parent, CONCURRENT_FRAMEWORK=name,
                          MODEL_BASE_URL=fake.base_url, MODEL_API_KEY=fake.api_key)
-    with started(host, lambda port: builder("concurrent_agents:app", port), cwd=tmp_path, env=env) as base:
+    with started(host, command, cwd=tmp_path, env=env) as base:
         yield base
 
 
