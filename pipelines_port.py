@@ -3064,7 +3064,9 @@ class _Deadlines:
     _lock = threading.Lock()
 
     def __init__(self, loop: Any) -> None:
-        self._loop = loop
+        import weakref
+
+        self._loop = weakref.proxy(loop)  # the value of a weak-keyed entry must not keep its key (the loop) alive
         self._ticks: Dict[int, Set[_Deadline]] = {}
 
     @classmethod
@@ -3349,7 +3351,9 @@ class _AsyncPool:
     """
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
-        self._loop = loop
+        import weakref
+
+        self._loop = weakref.proxy(loop)  # held in a weak-keyed map by its loop: no strong reference back
         self._max_idle = max_idle
         self._idle_s = idle_s
         self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}

@@ -313,6 +313,31 @@ def test_one_client_serves_many_event_loops_each_with_its_own_pool() -> None:
     assert connections == 6  # one kept-alive connection per loop: 2 sequential loops + 4 concurrent ones
 
 
+
+def test_loops_that_ended_are_not_kept_alive_by_the_client_or_the_timeouts() -> None:
+    """The per-loop pools and deadline wheels are weakly keyed by their loop and hold it only weakly: code mode
+    and tests run loop after loop (asyncio.run), and each must be freed once it ends."""
+    import gc
+    import weakref
+
+    with MockProxy(tokens=["run-token-gone-xxxxxxxxx"]) as proxy:
+        client = pp.ProxyClient(rate_per_minute=0, timeout=30)
+        envelope = pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url,
+                                        run_token="run-token-gone-xxxxxxxxx")
+        loops: List[Any] = []
+
+        async def one() -> Any:
+            loop = asyncio.get_running_loop()
+            loops.append(weakref.ref(loop))
+            pp._Deadlines.call_at(loop, loop.time() + 60, lambda: None)  # a far timeout, left pending
+            return await client.acall(envelope, "echo", {"n": 1})  # a pooled connection, left idle
+
+        answers = [asyncio.run(one()) for _ in range(5)]
+    gc.collect()
+    assert answers == [{"tool": "echo", "args": {"n": 1}}] * 5
+    assert [ref() for ref in loops] == [None] * 5
+    assert len(client._atransport._pools) == 0
+
 def test_far_timeouts_share_one_timer_per_tick_fire_never_early_and_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Deadlines: timeouts far enough away join a tick (one asyncio timer for all of them); each fires, never
     before its time, unless cancelled; one callback that raises stops none of the others; near ones stay exact."""
