@@ -4398,11 +4398,14 @@ async def _acall_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
     """Call an agent with the envelope bound, on the running loop; every task it starts sees the envelope too."""
     import inspect
 
-    with bind_envelope(envelope):
+    token = _current.set(envelope)  # bind_envelope, without a generator-based context manager per dispatch
+    try:
         result = agent(envelope)
         if inspect.isawaitable(result):
             result = await result
         return result
+    finally:
+        _current.reset(token)
 
 
 def _is_async_callable(fn: Any) -> bool:
