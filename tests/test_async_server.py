@@ -412,13 +412,15 @@ def test_replacing_the_agent_switches_between_the_loop_and_a_thread() -> None:
 def test_a_pipelined_request_waits_for_the_running_dispatch_and_then_is_answered() -> None:
     """Reading goes on while a dispatch runs: a second request sent on the same connection meanwhile is kept,
     and answered after the first, in order (with 120 such connections at once)."""
-    gate = asyncio.Event()
+    gate: List[asyncio.Event] = []  # made on the server's loop by the first agent (an Event binds to one loop)
     order: List[str] = []
 
     async def agent(envelope: pp.Envelope) -> Dict[str, Any]:
         order.append(envelope.user_instruction)
         if envelope.user_instruction.endswith("first"):
-            await gate.wait()
+            if not gate:
+                gate.append(asyncio.Event())
+            await gate[0].wait()
         return pp.build_response(envelope.user_instruction)
 
     server = pp.make_server(agent, token=AGENT_TOKEN, port=0)
@@ -446,7 +448,7 @@ def test_a_pipelined_request_waits_for_the_running_dispatch_and_then_is_answered
         tasks = [asyncio.ensure_future(one(n)) for n in range(120)]
         while len(order) < 120:
             await asyncio.sleep(0.01)
-        server.loop.call_soon_threadsafe(gate.set)
+        server.loop.call_soon_threadsafe(gate[0].set)
         return await asyncio.gather(*tasks)
 
     try:
