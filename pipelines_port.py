@@ -49,6 +49,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Mapping  # isinstance against typing.Mapping costs a Python-level check per call
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -62,7 +63,6 @@ from typing import (
     Iterable,
     Iterator,
     List,
-    Mapping,
     NamedTuple,
     Optional,
     Sequence,
@@ -554,14 +554,18 @@ class _FrozenList(List[Any]):
         return (list, (list(self),))
 
 
+_LEAVES = frozenset({str, int, float, bool, type(None)})  # what _freeze keeps as it is without a call
+
+
 def _freeze(value: Any) -> Any:
     """Deep copy of a JSON value with every dict and list made read-only (a frozen one is kept: it is already)."""
-    if type(value) is _FrozenDict or type(value) is _FrozenList:  # exactly ours: already deep read-only
+    kind = type(value)
+    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:  # exactly ours: already deep read-only
         return value
     if isinstance(value, dict):
-        return _FrozenDict({k: _freeze(v) for k, v in value.items()})
+        return _FrozenDict({k: v if type(v) in _LEAVES else _freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
-        return _FrozenList([_freeze(v) for v in value])
+        return _FrozenList([v if type(v) in _LEAVES else _freeze(v) for v in value])
     return value
 
 
@@ -2286,6 +2290,62 @@ def response_envelope(
     ``strict=True`` refuses instead: :class:`ResponseError` lists every
     problem, the soft ones too, except the truncation warning.
     """
+    plain = _plain_envelope(value) if messages is None and metadata is None else None
+    if plain is not None:
+        return plain, []
+    return _response_envelope_in_full(value, messages=messages, metadata=metadata, strict=strict)
+
+
+def _plain_text(text: str) -> bool:
+    """No lone surrogate in ``text`` (ASCII checked first: it is the common case, and cheap)."""
+    return text.isascii() or _SURROGATE_RE.search(text) is None
+
+
+def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
+    """The body :func:`response_envelope` builds, with no note and no warning, for the commonest results: a string,
+    or a dict of plain scalars (no ``messages``, no ``metadata``) whose ``final_response`` is a string; ``None``
+    for anything the full path has to look at (tests/test_response_fast_path.py holds the two to agreeing).
+
+    Only exact types pass (``str``, ``int``, ``float``, ``bool``, ``None``; no subclass), every string free of lone
+    surrogates, every number one JSON carries, the final response non-blank and within the soft limit: then
+    neither leniency nor strictness changes anything, so either gives this body.
+    """
+    if type(value) is str:
+        final, extra = value, None
+    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
+            "metadata" not in value):
+        final, extra = value["final_response"], value
+    else:
+        return None
+    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
+        return None
+    body: Dict[str, Any] = {}
+    if extra is not None:
+        for key, item in extra.items():
+            if key == "final_response":
+                continue
+            if type(key) is not str or not _plain_text(key):
+                return None
+            kind = type(item)
+            if kind is str:
+                if not _plain_text(item):
+                    return None
+            elif kind is int:
+                if item.bit_length() >= 14_000:  # maybe over MAX_INT_DIGITS digits: the full path decides
+                    return None
+            elif kind is float:
+                if not math.isfinite(item):
+                    return None
+            elif item is not None and kind is not bool:
+                return None
+            body[key] = item
+    body["final_response"] = final  # last, as the full path puts it
+    return body
+
+
+def _response_envelope_in_full(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]],
+                               metadata: Optional[Mapping[str, Any]], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
+    """:func:`response_envelope` for any result: unpacked, normalised, made JSON-safe (lenient), validated."""
     unpacked: List[str] = []
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
     if messages is None:
@@ -4238,7 +4298,11 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
            secrets: Sequence[Optional[str]] = ()) -> Dict[str, Any]:
     """:func:`build_response`, each warning logged without ``secrets`` or the bound run's token (a warning names
     paths, and a key may hold the token)."""
-    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
+    plain = _plain_envelope(value) if messages is None and metadata is None else None
+    if plain is not None:  # nothing to warn about, strict or not (and no environment variable to read)
+        return plain
+    body, warnings = _response_envelope_in_full(value, messages=messages, metadata=metadata,
+                                                strict=_strict(strict))
     bound = _current.get()
     hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:

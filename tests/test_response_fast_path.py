@@ -1,0 +1,131 @@
+"""response_envelope's fast path builds exactly what the full path builds, or hands the result over to it.
+
+``_plain_envelope`` takes the commonest results (a string, or a flat dict of plain scalars with a string
+``final_response``) and skips the deep walks.  It may decline anything (``None``), but a body it builds must
+be the full path's body, key for key and in the same order, with no warning, lenient and strict alike; and
+the public functions must answer, warn and refuse exactly as the full path does for every result.  Checked on
+edge cases and on thousands of seeded random results.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any, List, Tuple
+
+import pytest
+
+import pipelines_port as pp
+
+
+class _Str(str):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+class _Float(float):
+    pass
+
+
+TEXTS = ["done", "refund issued for order 4521", "café ✓", "", "   ", "\t\n", "x" * (pp.FINAL_RESPONSE_SOFT_LIMIT + 1),
+         "x" * pp.FINAL_RESPONSE_SOFT_LIMIT, "lone \ud800 surrogate", "pair \ud83d\ude00 split", "nul \x00 ok",
+         _Str("a str subclass")]
+SCALARS: List[Any] = [None, True, False, 0, -7, 2 ** 62, 10 ** 5000, 1.5, -0.0, math.nan, math.inf, -math.inf,
+                      _Int(3), _Float(2.5), "v", "", "\udfff", _Str("s"), b"bytes", [1], (1, 2), {"a": 1}, {1, 2},
+                      object()]
+KEYS: List[Any] = ["a", "b", "run", "extra key", "messages", "metadata", "final_output", "k\ud800", 1, None, _Str("s")]
+
+
+def _results(seed: int, count: int) -> List[Any]:
+    rng = random.Random(seed)
+    out: List[Any] = []
+    for _ in range(count):
+        kind = rng.random()
+        if kind < 0.25:
+            out.append(rng.choice(TEXTS))
+            continue
+        value: dict = {}
+        for _ in range(rng.randint(0, 4)):
+            value[rng.choice(KEYS)] = rng.choice(SCALARS)
+        if rng.random() < 0.9:
+            value["final_response"] = rng.choice([*TEXTS, None, 42, {"a": 1}])
+            if rng.random() < 0.5:  # final_response first, last or between the others
+                value = dict(sorted(value.items(), key=lambda _: rng.random()))
+        out.append(value)
+    return out
+
+
+def _full(value: Any, strict: bool) -> Tuple[str, Any]:
+    try:
+        return "ok", pp._response_envelope_in_full(value, messages=None, metadata=None, strict=strict)
+    except pp.ResponseError as exc:
+        return "refused", str(exc)
+
+
+def _public(value: Any, strict: bool) -> Tuple[str, Any]:
+    try:
+        return "ok", pp.response_envelope(value, strict=strict)
+    except pp.ResponseError as exc:
+        return "refused", str(exc)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, NaN included, with the same key order and the same types all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("value", ["done", {"final_response": "done"},
+                                   {"run": 1, "final_response": "done", "score": 0.5, "ok": True, "none": None}])
+def test_the_commonest_results_take_the_fast_path(value: Any) -> None:
+    plain = pp._plain_envelope(value)
+    assert plain is not None
+    assert _same((plain, []), pp._response_envelope_in_full(value, messages=None, metadata=None, strict=False))
+    assert list(plain)[-1] == "final_response"
+
+
+@pytest.mark.parametrize("value", [
+    "", "  ", "x" * (pp.FINAL_RESPONSE_SOFT_LIMIT + 1), "a \ud800", _Str("subclass"),
+    {"final_response": "ok", "messages": []}, {"final_response": "ok", "metadata": None},
+    {"final_response": "ok", "n": math.nan}, {"final_response": "ok", "n": 10 ** 5000},
+    {"final_response": "ok", 1: "x"},
+    {"final_response": "ok", "k\ud800": 1}, {"final_response": "ok", "v": [1]}, {"final_response": "ok", "v": _Int(1)},
+    {"final_output": "ok"}, {"final_response": 42}, type("R", (), {"final_response": "ok"})(),
+])
+def test_what_the_full_path_must_look_at_is_handed_over(value: Any) -> None:
+    assert pp._plain_envelope(value) is None
+
+
+def test_on_seeded_random_results_the_fast_path_agrees_with_the_full_path() -> None:
+    fast = declined = 0
+    for value in _results(seed=21, count=6000):
+        plain = pp._plain_envelope(value)
+        for strict in (False, True):
+            full = _full(value, strict)
+            assert _same(_public(value, strict), full), value
+            if plain is not None:
+                assert full[0] == "ok" and _same(full[1], (plain, [])), value
+        if plain is None:
+            declined += 1
+        else:
+            fast += 1
+    assert fast > 500 and declined > 500, (fast, declined)
+
+
+def test_build_response_warns_as_before_when_the_fast_path_declines(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="pipelines_port"):
+        assert pp.build_response("done") == {"final_response": "done"}
+        assert not caplog.records
+        assert pp.build_response({"final_response": "ok", "n": math.nan}) == {"n": None, "final_response": "ok"}
+    assert any("NaN" in r.getMessage() or "nan" in r.getMessage() for r in caplog.records)
