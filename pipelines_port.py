@@ -3562,19 +3562,43 @@ class _AsyncTransport:
 
     async def _connect(self, loop: Any, scheme: str, host: str, port: int, deadline: float,
                        timeout: float) -> _ClientConnection:
+        """A new connection, TLS included, by ``deadline``: the connect runs as a task that the deadline cancels.
+
+        Not ``asyncio.wait_for``: on Python before 3.12 it adds a future and a timer on the loop's heap per
+        connect, and a fan-out connects thousands at once (bench/bench_fanout.py).
+        """
         import asyncio
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
+        connecting = loop.create_task(loop.create_connection(
+            lambda: _ClientConnection(loop), host, port, ssl=context,
+            server_hostname=host if context is not None else None))
+        expired: List[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            connecting.cancel()
+
+        timer = _Deadlines.call_at(loop, deadline, expire)
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _ClientConnection(loop), host, port, ssl=context,
-                                       server_hostname=host if context is not None else None),
-                max(deadline - loop.time(), 0.001))
-        except asyncio.TimeoutError:
-            raise _TransportFailure() from TimeoutError(f"timed out: no connection within {timeout:g} s")
-        except (OSError, UnicodeError) as exc:
-            raise _TransportFailure() from exc
+            _, conn = await connecting
+        except BaseException as exc:
+            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+                connecting.result()[0].close()  # made just as this task was cancelled: never left open
+            if isinstance(exc, asyncio.CancelledError) and expired and not _cancelling(asyncio.current_task()):
+                raise _TransportFailure() from TimeoutError(f"timed out: no connection within {timeout:g} s")
+            if isinstance(exc, (OSError, UnicodeError)):
+                raise _TransportFailure() from exc
+            raise
+        finally:
+            timer.cancel()
         return cast(_ClientConnection, conn)
+
+
+def _cancelling(task: Any) -> int:
+    """How many cancellations of ``task`` are pending (Python 3.11+; 0 before, where it cannot be known)."""
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if callable(cancelling) else 0
 
 
 def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],

@@ -12,9 +12,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import sys
 import threading
+import time
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
@@ -284,6 +287,99 @@ def test_cancelling_a_call_closes_its_connection_and_leaves_no_task() -> None:
     assert seen["request"].startswith(b"POST /api/odyssey-proxy/runs/1/tools/slow HTTP/1.1")
     assert seen["after"] == b""  # the interrupted connection was closed, not left open or pooled
     assert (pooled, left) == (0, [])
+
+
+def _unanswered_listener() -> Tuple[Any, List[Any]]:
+    """A loopback listener whose accept queue is full: a further connect gets no answer (Linux drops its SYN)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    held = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.connect(listener.getsockname())
+        held.append(sock)
+    time.sleep(0.1)
+    return listener, held
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a full accept queue drops SYNs on Linux")
+@pytest.mark.parametrize("cancelling_known", [True, False], ids=["python-3.11+", "no-Task.cancelling"])
+def test_a_connect_that_gets_no_answer_times_out_and_one_cancelled_leaves_no_task(
+        cancelling_known: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connect has its own deadline (a task the deadline cancels, not asyncio.wait_for): a proxy that never
+    accepts is a transport failure within the call's timeout, and a call cancelled while connecting leaves
+    neither a task nor a connection behind (told apart from a timeout without ``Task.cancelling`` too, as on
+    Python 3.9 and 3.10)."""
+    if not cancelling_known:
+        monkeypatch.setattr(pp, "_cancelling", lambda task: 0)
+    listener, held = _unanswered_listener()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/api/odyssey-proxy/runs/1"
+    client = pp.ProxyClient(rate_per_minute=0, timeout=0.5, retry=pp.RetryPolicy(transport_retries=0))
+    envelope = pp.Envelope.from_run({"user_instruction": "x"}, run_token="run-token-connect-xxxxxxxx", proxy_url=url)
+
+    async def timed_out() -> Tuple[str, float, List[Any]]:
+        started = time.monotonic()
+        with pytest.raises(pp.ProxyTransportError) as caught:  # bounded here too: a broken deadline fails, not hangs
+            await asyncio.wait_for(client.acall(envelope, "echo", {}), 10)
+        elapsed = time.monotonic() - started
+        return str(caught.value), elapsed, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    async def cancelled() -> List[Any]:
+        call = asyncio.ensure_future(pp.ProxyClient(rate_per_minute=0, timeout=30).acall(envelope, "echo", {}))
+        await asyncio.sleep(0.2)
+        assert not call.done()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 10)
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        message, elapsed, left = asyncio.run(timed_out())
+        assert "no connection within 0.5 s" in message and "run-token-connect" not in message
+        assert 0.4 < elapsed < 5 and left == []
+        assert asyncio.run(cancelled()) == []
+    finally:
+        for sock in held:
+            sock.close()
+        listener.close()
+
+
+def test_a_connection_made_just_as_its_call_is_cancelled_is_closed_not_left_open() -> None:
+    """The connect task finishes with a connection in the very loop turn that cancels the call awaiting it."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    made: List[Any] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.create_connection
+        outer: List[Any] = []
+
+        async def connect_then_cancel(*args: Any, **kwargs: Any) -> Any:
+            transport, protocol = await real(*args, **kwargs)
+            made.append(transport)
+            loop.call_soon(outer[0].cancel)  # runs before the caller wakes up with the connection
+            return transport, protocol
+
+        loop.create_connection = connect_then_cancel  # type: ignore[method-assign]
+        connecting = pp._AsyncTransport()._connect(loop, "http", "127.0.0.1", listener.getsockname()[1],
+                                                   loop.time() + 10, 10)
+        outer.append(asyncio.ensure_future(connecting))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(outer[0], 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        listener.close()
+    assert len(made) == 1 and made[0].is_closing()
 
 
 def test_one_client_serves_many_event_loops_each_with_its_own_pool() -> None:
