@@ -3597,8 +3597,8 @@ class _AsyncTransport:
 
 def _cancelling(task: Any) -> int:
     """How many cancellations of ``task`` are pending (Python 3.11+; 0 before, where it cannot be known)."""
-    cancelling = getattr(task, "cancelling", None)
-    return int(cancelling()) if callable(cancelling) else 0
+    cancelling: Optional[Callable[[], int]] = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
 
 
 def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],
