@@ -47,7 +47,6 @@ import select
 import sys
 import threading
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Mapping  # isinstance against typing.Mapping costs a Python-level check per call
 from typing import (
@@ -1461,7 +1460,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
     try:
-        payload = json.loads(body)
+        payload = _json_from_bytes(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
     if is_ping(payload):
@@ -1687,12 +1686,22 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
         "Content-Type": "application/json",
         "Accept": "application/json",
         "Authorization": "Bearer " + run_token,
-        "Idempotency-Key": idempotency_key or str(uuid.uuid4()),
+        "Idempotency-Key": idempotency_key or _idempotency_key(),
         "User-Agent": _USER_AGENT,
     }
     if actor:
         headers[HEADER_ACTOR_ID] = actor
-    return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quote(name, safe='')}", headers, body)
+    quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")  # such a name has nothing to encode
+    return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quoted}", headers, body)
+
+
+def _idempotency_key() -> str:
+    """A fresh random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives it, at under half its cost."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
@@ -1813,12 +1822,20 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
     return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
 
 
+def _json_from_bytes(data: bytes) -> Any:
+    """``json.loads(data)``, skipping its encoding sniff for a body that opens ``{`` then a non-NUL byte: the
+    sniff gives UTF-8 for exactly those, decoded with ``surrogatepass`` as ``json.loads`` decodes it."""
+    if data[:1] == b"{" and data[1:2] != b"\x00":
+        return json.loads(data.decode("utf-8", "surrogatepass"))
+    return json.loads(data)
+
+
 def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
     """``(value, is_json)``: parsed JSON, or the text when the body is not JSON."""
     if not body:
         return None, False
     try:
-        return json.loads(body), True
+        return _json_from_bytes(body), True
     except ValueError:
         return body.decode("utf-8", "replace"), False
 
@@ -3136,6 +3153,13 @@ class _Deadlines:
             return loop.call_at(when, callback, *args)
         return cls._for(loop)._at(when, callback, args)
 
+    def at(self, when: float, callback: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`call_at` on this loop, for a caller that keeps its loop's :class:`_Deadlines` (no lookup)."""
+        loop = self._loop
+        if when - loop.time() < self.COARSE_AFTER_S:
+            return loop.call_at(when, callback, *args)
+        return self._at(when, callback, args)
+
     @classmethod
     def _for(cls, loop: Any) -> _Deadlines:
         of_loop = cls._of_loop
@@ -3314,10 +3338,11 @@ class _ClientConnection:
     connection unusable: the caller aborts it.
     """
 
-    __slots__ = ("loop", "transport", "closed", "received", "idle_since", "_reader", "_waiter")
+    __slots__ = ("loop", "transport", "closed", "received", "idle_since", "_reader", "_waiter", "_deadlines")
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
+        self._deadlines = _Deadlines._for(loop)
         self.transport: Any = None
         self.closed = False
         self.received = False  # a byte of the current reply arrived (so a drop is no stale connection)
@@ -3329,7 +3354,7 @@ class _ClientConnection:
         reader = self._reader = _ReplyReader(max_reply)
         self.received = False
         waiter = self._waiter = self.loop.create_future()
-        timer = _Deadlines.call_at(self.loop, deadline, self._timed_out, timeout)
+        timer = self._deadlines.at(deadline, self._timed_out, timeout)
         try:
             self.transport.write(request)
             await waiter
@@ -5602,8 +5627,8 @@ class _ServerConnection:
     def _arm(self, seconds: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        loop = self.server.loop
-        self.timer = _Deadlines.call_at(loop, loop.time() + seconds, self._timed_out)
+        server = self.server
+        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
 
     def _timed_out(self) -> None:
         self.timer = None
@@ -5658,6 +5683,7 @@ class AsyncDispatchServer:
         self.draining = False
         self.cutting = False
         self.loop: Any = None
+        self.deadlines: Any = None  # the loop's _Deadlines, once it runs
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
@@ -5701,6 +5727,7 @@ class AsyncDispatchServer:
         import asyncio
 
         self.loop = asyncio.get_running_loop()
+        self.deadlines = _Deadlines._for(self.loop)
         self._stopped = asyncio.Event()
         self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
                                                        backlog=self._backlog)
