@@ -3485,9 +3485,12 @@ class _AsyncPool:
                     break
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
-                    for conn in [c for c in conns if c.closed or c.idle_since <= cutoff]:
-                        conns.remove(conn)
-                        conn.close()
+                    if any(c.closed or c.idle_since <= cutoff for c in conns):
+                        kept = [c for c in conns if not c.closed and c.idle_since > cutoff]
+                        for conn in conns:
+                            if conn.closed or conn.idle_since <= cutoff:
+                                conn.close()
+                        conns[:] = kept  # in place, once: not a list.remove per connection
         except asyncio.CancelledError:
             self.close()  # the loop is shutting down (or the client closing): leave no socket open
             raise
@@ -3503,7 +3506,9 @@ class _AsyncTransport:
     """
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
-    IDLE_TIMEOUT_S = 5.0  # below the usual keep-alive of servers (uvicorn 5 s, httpx 5 s, nginx 75 s)
+    # aiohttp's default.  A server that closes an idle connection sooner (uvicorn after 5 s) is seen by its EOF
+    # and the connection is not reused; one whose close crosses our request is the stale case, re-sent at once.
+    IDLE_TIMEOUT_S = 15.0
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
         import weakref

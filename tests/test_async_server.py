@@ -382,6 +382,42 @@ def test_a_connection_made_just_as_its_call_is_cancelled_is_closed_not_left_open
     assert len(made) == 1 and made[0].is_closing()
 
 
+def test_the_pool_reaper_closes_what_idled_too_long_and_keeps_the_rest() -> None:
+    """Real connections to a loopback listener: the reaper closes each one idle past ``idle_s`` or closed by
+    the server, keeps the fresh ones in their order, and ends once nothing is left idle."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = listener.getsockname()[1]
+    key = ("http", "127.0.0.1", port)
+
+    async def main() -> Tuple[List[bool], List[bool], int, bool]:
+        loop = asyncio.get_running_loop()
+        pool = pp._AsyncPool(loop, max_idle=100, idle_s=1.0)  # a sweep every 0.5 s
+        transport = pp._AsyncTransport()
+        conns = [await transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5) for _ in range(40)]
+        for conn in conns[:30]:
+            pool.give(key, conn)
+        conns[3].closed = True  # as after the server's EOF
+        await asyncio.sleep(0.6)
+        for conn in conns[30:]:  # given later: still fresh at the sweep that closes the first 30
+            pool.give(key, conn)
+        await asyncio.sleep(0.7)  # the sweep at 0.5 s found none old enough; the one at 1 s closed the first 30
+        kept = list(pool._idle[key])
+        first_30 = [c.transport.is_closing() for c in conns[:30]]
+        last_10 = [c.transport.is_closing() for c in conns[30:]]
+        order_kept = kept == conns[30:]
+        await asyncio.sleep(1.7)  # the rest age out at the 2 s sweep; the 2.5 s one finds nothing and ends
+        return first_30, last_10, len(pool._idle[key]), order_kept and pool._reaper is None
+
+    try:
+        first_30, last_10, left, kept_in_order_then_ended = asyncio.run(main())
+    finally:
+        listener.close()
+    assert all(first_30) and not any(last_10)
+    assert left == 0 and kept_in_order_then_ended
+
+
 def test_one_client_serves_many_event_loops_each_with_its_own_pool() -> None:
     with MockProxy(tokens=["run-token-loops-xxxxxxxx"]) as proxy:
         client = pp.ProxyClient(rate_per_minute=0, timeout=30)
