@@ -1637,6 +1637,11 @@ def validate_actor_label(label: Any) -> Optional[str]:
     return cast(str, label)
 
 
+# Made once: json.dumps with options builds an encoder per call.  An encoder keeps no state between calls.
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     """Compact JSON for the request body; must be a JSON object under the 1 MiB cap."""
     if args is None:
@@ -1644,7 +1649,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     if not isinstance(args, Mapping):
         raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {json_type(args)}", tool_name=name)
     try:
-        body = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        body = _STRICT_COMPACT_JSON.encode(args).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
     if len(body) > MAX_REQUEST_BYTES:
@@ -2630,7 +2635,7 @@ def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str
     """A reply with ``payload`` as compact JSON (valid UTF-8: a lone surrogate goes as U+FFFD) and its
     Content-Length."""
     try:
-        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        body = _COMPACT_JSON.encode(payload).encode("utf-8")
     except UnicodeEncodeError:
         body = json.dumps(_jsonable(payload, "reply", []), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
