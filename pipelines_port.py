@@ -3597,43 +3597,46 @@ class _AsyncTransport:
 
     async def _connect(self, loop: Any, scheme: str, host: str, port: int, deadline: float,
                        timeout: float) -> _ClientConnection:
-        """A new connection, TLS included, by ``deadline``: the connect runs as a task that the deadline cancels.
+        """A new connection, TLS included, by ``deadline``, as ``asyncio.timeout`` bounds an await (3.11+).
 
-        Not ``asyncio.wait_for``: on Python before 3.12 it adds a future and a timer on the loop's heap per
-        connect, and a fan-out connects thousands at once (bench/bench_fanout.py).
+        The deadline cancels this task where it waits, inside ``create_connection``, which closes what it
+        opened; that cancellation becomes the timeout, and any other is passed on.  Not ``asyncio.wait_for``:
+        before Python 3.12 it adds a task, a future and a timer on the loop's heap per connect, and a fan-out
+        connects thousands at once (bench/bench_fanout.py).
         """
         import asyncio
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
-        connecting = loop.create_task(loop.create_connection(
-            lambda: _ClientConnection(loop), host, port, ssl=context,
-            server_hostname=host if context is not None else None))
+        task = asyncio.current_task()
+        if task is None:  # not run by a task (no loop does that, but then there is nothing to cancel)
+            raise RuntimeError("the asyncio driver runs in a task of an event loop")
         expired: List[bool] = []
 
         def expire() -> None:
             expired.append(True)
-            connecting.cancel()
+            task.cancel()
 
         timer = _Deadlines.call_at(loop, deadline, expire)
         try:
-            _, conn = await connecting
-        except BaseException as exc:
-            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
-                connecting.result()[0].close()  # made just as this task was cancelled: never left open
-            if isinstance(exc, asyncio.CancelledError) and expired and not _cancelling(asyncio.current_task()):
+            _, conn = await loop.create_connection(lambda: _ClientConnection(loop), host, port, ssl=context,
+                                                   server_hostname=host if context is not None else None)
+        except asyncio.CancelledError:
+            if expired and _uncancel(task) == 0:  # the deadline's own cancellation, and no other: a timeout
                 raise _TransportFailure() from TimeoutError(f"timed out: no connection within {timeout:g} s")
-            if isinstance(exc, (OSError, UnicodeError)):
-                raise _TransportFailure() from exc
             raise
+        except (OSError, UnicodeError) as exc:
+            raise _TransportFailure() from exc
         finally:
             timer.cancel()
         return cast(_ClientConnection, conn)
 
 
-def _cancelling(task: Any) -> int:
-    """How many cancellations of ``task`` are pending (Python 3.11+; 0 before, where it cannot be known)."""
-    cancelling: Optional[Callable[[], int]] = getattr(task, "cancelling", None)
-    return cancelling() if cancelling is not None else 0
+def _uncancel(task: Any) -> int:
+    """``task.uncancel()``: the cancellations still pending once one is withdrawn (Python 3.11+).  Before 3.11
+    there is no count (0): a cancellation in the very loop turn the deadline fires is taken for the timeout, as
+    ``asyncio.wait_for`` there takes it; a run cut that way has its further proxy calls refused all the same."""
+    uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
+    return uncancel() if uncancel is not None else 0
 
 
 def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],

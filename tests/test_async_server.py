@@ -308,15 +308,15 @@ def _unanswered_listener() -> Tuple[Any, List[Any]]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a full accept queue drops SYNs on Linux")
-@pytest.mark.parametrize("cancelling_known", [True, False], ids=["python-3.11+", "no-Task.cancelling"])
+@pytest.mark.parametrize("cancelling_known", [True, False], ids=["python-3.11+", "no-Task.uncancel"])
 def test_a_connect_that_gets_no_answer_times_out_and_one_cancelled_leaves_no_task(
         cancelling_known: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The connect has its own deadline (a task the deadline cancels, not asyncio.wait_for): a proxy that never
     accepts is a transport failure within the call's timeout, and a call cancelled while connecting leaves
-    neither a task nor a connection behind (told apart from a timeout without ``Task.cancelling`` too, as on
+    neither a task nor a connection behind (told apart from a timeout without ``Task.uncancel`` too, as on
     Python 3.9 and 3.10)."""
     if not cancelling_known:
-        monkeypatch.setattr(pp, "_cancelling", lambda task: 0)
+        monkeypatch.setattr(pp, "_uncancel", lambda task: 0)
     listener, held = _unanswered_listener()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/api/odyssey-proxy/runs/1"
     client = pp.ProxyClient(rate_per_minute=0, timeout=0.5, retry=pp.RetryPolicy(transport_retries=0))
@@ -350,36 +350,94 @@ def test_a_connect_that_gets_no_answer_times_out_and_one_cancelled_leaves_no_tas
         listener.close()
 
 
-def test_a_connection_made_just_as_its_call_is_cancelled_is_closed_not_left_open() -> None:
-    """The connect task finishes with a connection in the very loop turn that cancels the call awaiting it."""
-    import socket
+@pytest.mark.skipif(sys.platform != "linux", reason="a full accept queue drops SYNs on Linux")
+@pytest.mark.skipif(not hasattr(asyncio.Task, "uncancel"), reason="Task.uncancel is Python 3.11+")
+@pytest.mark.parametrize("deadline_first", [True, False])
+def test_a_cancel_in_the_turn_the_connect_deadline_fires_is_passed_on_not_taken_for_a_timeout(
+        deadline_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    listener, held = _unanswered_listener()
+    timers: List[Any] = []
+    real_call_at = pp._Deadlines.call_at
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    made: List[Any] = []
+    def keep(loop: Any, when: float, callback: Any, *args: Any) -> Any:
+        timers.append(callback)
+        return real_call_at(loop, when, callback, *args)
 
-    async def main() -> None:
+    monkeypatch.setattr(pp._Deadlines, "call_at", keep)
+
+    async def main() -> str:
         loop = asyncio.get_running_loop()
-        real = loop.create_connection
-        outer: List[Any] = []
-
-        async def connect_then_cancel(*args: Any, **kwargs: Any) -> Any:
-            transport, protocol = await real(*args, **kwargs)
-            made.append(transport)
-            loop.call_soon(outer[0].cancel)  # runs before the caller wakes up with the connection
-            return transport, protocol
-
-        loop.create_connection = connect_then_cancel  # type: ignore[method-assign]
-        connecting = pp._AsyncTransport()._connect(loop, "http", "127.0.0.1", listener.getsockname()[1],
-                                                   loop.time() + 10, 10)
-        outer.append(asyncio.ensure_future(connecting))
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(outer[0], 10)
+        attempt = asyncio.ensure_future(pp._AsyncTransport()._connect(
+            loop, "http", "127.0.0.1", listener.getsockname()[1], loop.time() + 30, 30))
+        await asyncio.sleep(0.1)  # connecting, and getting no answer
+        assert len(timers) == 1 and not attempt.done()
+        if deadline_first:
+            timers[0]()
+            attempt.cancel()
+        else:
+            attempt.cancel()
+            timers[0]()
+        try:
+            await asyncio.wait_for(attempt, 10)
+        except asyncio.CancelledError:
+            return "cancelled"
+        except pp._TransportFailure:
+            return "timed out"
+        return "connected"
 
     try:
-        asyncio.run(main())
+        assert asyncio.run(main()) == "cancelled"
+    finally:
+        for sock in held:
+            sock.close()
+        listener.close()
+
+
+def test_a_connect_cancelled_at_any_moment_leaves_no_connection_open() -> None:
+    """Cancelled after 0, 1, 2, ... loop turns (before the connect, during it, as it completes, after): each
+    connection the listener accepted is closed by the client, unless the connect finished and handed it over."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    listener.settimeout(5)
+    port = listener.getsockname()[1]
+
+    async def main() -> Tuple[int, int, List[Any]]:
+        loop = asyncio.get_running_loop()
+        transport = pp._AsyncTransport()
+        handed_over, cancelled = [], 0
+        for turns in range(12):
+            attempt = asyncio.ensure_future(transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            attempt.cancel()
+            try:
+                handed_over.append(await attempt)
+            except asyncio.CancelledError:
+                cancelled += 1
+        await asyncio.sleep(0.1)
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for conn in handed_over:
+            conn.close()
+        return len(handed_over), cancelled, left
+
+    try:
+        handed_over, cancelled, left = asyncio.run(main())
+        accepted = []
+        listener.settimeout(0.5)
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])
+        for conn in accepted:  # every connection the listener got is closed by now: EOF, or a reset
+            conn.settimeout(5)
+            try:
+                assert conn.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            conn.close()
     finally:
         listener.close()
-    assert len(made) == 1 and made[0].is_closing()
+    assert cancelled >= 1 and handed_over >= 1 and cancelled + handed_over == 12 and left == []
 
 
 def test_the_pool_reaper_closes_what_idled_too_long_and_keeps_the_rest() -> None:
