@@ -3511,9 +3511,11 @@ class _AsyncTransport:
     """
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
-    # aiohttp's default.  A server that closes an idle connection sooner (uvicorn after 5 s) is seen by its EOF
-    # and the connection is not reused; one whose close crosses our request is the stale case, re-sent at once.
-    IDLE_TIMEOUT_S = 15.0
+    # Across an agent's model turns and between waves of dispatches, at or below the idle timeout of the usual
+    # front ends (AWS ALB 60 s, nginx 75 s; Go's client keeps 90 s, the blocking driver here until the server
+    # closes).  A server that closes an idle connection sooner (uvicorn after 5 s) is seen by its EOF and the
+    # connection not reused; a close that crosses our request is the stale case, re-sent at once.
+    IDLE_TIMEOUT_S = 60.0
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
         import weakref
