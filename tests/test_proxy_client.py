@@ -192,6 +192,53 @@ def test_stale_pooled_connection_is_replaced(proxy: MockProxy, client: pp.ProxyC
     assert proxy.connections == 2 and len(proxy.calls("t")) == 2
 
 
+def test_a_connection_the_server_closed_while_idle_is_not_reused(fake_sleep: FakeSleep, driver: Driver) -> None:
+    """A real keep-alive server (``http.server``, HTTP/1.1) that closes a connection idle for 0.3 s, as uvicorn does
+    after 5 s: a call after that goes out on a fresh connection without a backoff wait, a failure or a lost
+    request; one within the idle time reuses the connection."""
+    import http.server
+
+    seen: Dict[str, int] = {"connections": 0, "requests": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        timeout = 0.3  # an idle keep-alive connection is closed after this
+
+        def setup(self) -> None:
+            super().setup()
+            seen["connections"] += 1
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen["requests"] += 1
+            body = json.dumps({"response": seen["requests"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = pp.Envelope.from_dispatch({"odyssey_proxy_url": f"http://127.0.0.1:{server.server_address[1]}/p"},
+                                        {"X-Pipelines-Run-Token": TOKEN})
+        client = pp.ProxyClient(rate_per_minute=0, sleep=fake_sleep, retry=pp.RetryPolicy(transport_retries=0))
+        assert driver.call(client, env, "t", {}) == 1
+        assert driver.call(client, env, "t", {}) == 2  # within the server's idle time: the same connection
+        assert seen == {"connections": 1, "requests": 2}
+        threading.Event().wait(0.8)  # the server has closed it meanwhile
+        assert driver.call(client, env, "t", {}) == 3  # not reused (its EOF was seen), or re-sent at once if it was
+        assert seen == {"connections": 2, "requests": 3} and fake_sleep.waits == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_stale_connection_caught_mid_request_is_retried_once_on_a_fresh_one(
         proxy: MockProxy, client: pp.ProxyClient, fake_sleep: FakeSleep, monkeypatch: pytest.MonkeyPatch) -> None:
     # The server closes between our idle check and the request: the send fails, a fresh connection is used.
