@@ -153,3 +153,22 @@ def test_decide_vectors_over_a_socket(case: Dict[str, Any], servers: Dict[str, A
             assert payload == case["expect"]["body"]
         for word in case["expect"].get("detail_mentions", []):
             assert word.lower() in str(payload.get("detail", "")).lower()
+
+
+def _loads_outcome(loads: Any, data: bytes) -> Any:
+    try:
+        return "ok", loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+BODIES = [b'{"a": 1}', b"{}", b"{", b'{"a": "\xed\xa0\x80"}', b'{"a": "\xff"}', b'{"a": "caf\xc3\xa9"}',
+          b'\xef\xbb\xbf{"a": 1}', '{"a": 1}'.encode("utf-16"), '{"a": 1}'.encode("utf-16-le"),
+          '{"a": 1}'.encode("utf-32"), '{"a": 1}'.encode("utf-32-le"), b"{\x00", b'{"a": NaN}', b"[1]", b'"x"',
+          b"1", b"", b" {}", b'{"a": "\\ud800"}', b"{\x00\x00\x00"]
+
+
+@pytest.mark.parametrize("data", BODIES, ids=[repr(b)[:40] for b in BODIES])
+def test_json_bodies_read_as_json_loads_reads_them(data: bytes) -> None:
+    """The shortcut past json.loads's encoding sniff gives its result, or its error, for every body."""
+    assert _loads_outcome(pp._json_from_bytes, data) == _loads_outcome(json.loads, data)
