@@ -211,13 +211,23 @@ class _JsonThatCannotEncode:
     def dumps(*args: Any, **kwargs: Any) -> str:
         raise RuntimeError("the encoder broke")
 
+    encode = dumps  # as the module's encoders made once (_COMPACT_JSON, _STRICT_COMPACT_JSON) are called
+
+
+def _break_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way ``pipelines_port`` encodes JSON fails from now on."""
+    broken = _JsonThatCannotEncode()
+    monkeypatch.setattr(pp, "json", broken)
+    monkeypatch.setattr(pp, "_COMPACT_JSON", broken)
+    monkeypatch.setattr(pp, "_STRICT_COMPACT_JSON", broken)
+
 
 @pytest.mark.parametrize("server_kind", pp.SERVERS)
 def test_when_json_encoding_itself_fails_the_servers_still_answer_a_json_500(
         server_kind: str, proxy: MockProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     server = pp.start_server(agent, token=AGENT_TOKEN, server=server_kind)
     try:
-        monkeypatch.setattr(pp, "json", _JsonThatCannotEncode())
+        _break_json(monkeypatch)
         status, raw = dispatch(f"http://127.0.0.1:{server.server_address[1]}", proxy, "tuple")
     finally:
         monkeypatch.undo()
@@ -232,7 +242,7 @@ def test_when_json_encoding_itself_fails_wsgi_asgi_and_code_mode_answer_json(
 
     app = pp.DispatchApp(agent, token=AGENT_TOKEN)
     request = json.dumps({"run_id": 5, "odyssey_proxy_url": proxy.url, "input": {"user_instruction": "tuple"}})
-    monkeypatch.setattr(pp, "json", _JsonThatCannotEncode())
+    _break_json(monkeypatch)
     started: Dict[str, Any] = {}
     wsgi_body = b"".join(app.wsgi({"REQUEST_METHOD": "POST", "PATH_INFO": "/dispatch",
                                    "CONTENT_LENGTH": str(len(request)), "HTTP_AUTHORIZATION": f"Bearer {AGENT_TOKEN}",

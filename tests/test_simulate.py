@@ -711,7 +711,10 @@ def test_ctrl_c_stops_cleanly_and_writes_the_reports_of_finished_rows(tmp_path: 
     proc = subprocess.Popen([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
                              str(agent), "--jobs", "2", "--json", str(out_json), "--html", str(out_html)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            # A shell's background job inherits SIGINT ignored, and Python then never raises
+                            # KeyboardInterrupt: the child gets the default disposition, as at a terminal.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr is not None
     seen = []
     while len(seen) < 4:  # a few rows done, then Ctrl-C
