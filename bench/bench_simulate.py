@@ -21,8 +21,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "conformance" / "samples" / "orders.csv"
-FIXTURES = ROOT / "conformance" / "samples" / "orders_fixtures.json"
+SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
+FIXTURES = ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"
 AGENT = '''
 import os, time
 import pipelines_port as pp

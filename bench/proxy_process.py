@@ -23,7 +23,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 import benchlib  # noqa: F401  (puts the repository root on sys.path)
-from conformance.mock_proxy import MockProxy, RecordedRequest
+from conformance.harness.mock_proxy import MockProxy, RecordedRequest
 
 STATS_TOOL = "__bench_stats__"
 

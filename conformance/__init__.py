@@ -1,5 +1,14 @@
-"""The pipelines_port kit: the conformance suite (vectors, a mock platform, checks for any port) and the dev tooling.
+"""The pipelines_port kit: the conformance checker, the local platform, and the dev tooling.
 
 ``python3 -m conformance COMMAND`` from a checkout; installed, this package is ``pipelines_port_kit`` and its
-command is ``pipelines-port`` (``cli.py``).
+command is ``pipelines-port`` (``cli.py``).  Sub-packages by job, each importing only those below it:
+
+    cli.py       the command table (imports each command's module when it runs)
+    project/     init, doctor, demo: a user's project            -> simulator, kit
+    checker/     check, rules, vectors, the conformance agent    -> harness, kit
+    simulator/   dataset, engine, the run loop, reports, shards  -> harness, models, kit
+    harness/     the mock per-run proxy and the dispatcher       -> kit
+    models/      the scripted model stand-in                     -> kit
+    kit.py       where the kit is and how its commands are spelled (imports nothing of the kit)
+    ports/       the TypeScript, Go and Rust reference ports (not Python, not installed)
 """

@@ -18,33 +18,22 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pipelines_port as pp
 
-PROG = "pipelines-port"
+from .kit import PROG, prog
 
 # name: (kit module, or None for the runtime module's own CLI; one line of help)
 COMMANDS: Dict[str, Tuple[Optional[str], str]] = {
     "serve": (None, "serve an agent as a dispatch endpoint (CONTRACT §2)"),
-    "init": ("init", "scaffold an agent project from a template"),
-    "doctor": ("doctor", "check an agent's setup before a platform run"),
+    "init": ("project.init", "scaffold an agent project from a template"),
+    "doctor": ("project.doctor", "check an agent's setup before a platform run"),
     "mcp": (None, "a stdio MCP server whose tools go through the run's proxy"),
-    "check": ("check", "check a port's dispatch endpoint against the contract"),
-    "dataset": ("dataset", "validate a task-seeding CSV (CONTRACT §6)"),
-    "simulate": ("simulate", "run every dataset row against an agent through a local proxy"),
-    "merge": ("shards", "merge simulate --jsonl result files (one per shard) into one report"),
-    "demo": ("demo", "run the bundled sample dataset against the minimal template"),
-    "model": ("model", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
-    "proxy": ("mock_proxy", "a mock per-run proxy and a curl dispatch to paste, to try an agent by hand"),
+    "check": ("checker.check", "check a port's dispatch endpoint against the contract"),
+    "dataset": ("simulator.dataset", "validate a task-seeding CSV (CONTRACT §6)"),
+    "simulate": ("simulator.simulate", "run every dataset row against an agent through a local proxy"),
+    "merge": ("simulator.shards", "merge simulate --jsonl result files (one per shard) into one report"),
+    "demo": ("project.demo", "run the bundled sample dataset against the minimal template"),
+    "model": ("models.scripted", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
+    "proxy": ("simulator.proxy_cli", "a mock per-run proxy and a curl dispatch to paste, to try an agent by hand"),
 }
-
-
-def installed() -> bool:
-    """True when the kit runs as the installed ``pipelines_port_kit`` package, False from a checkout."""
-    return (__package__ or __name__).split(".")[0] != "conformance"
-
-
-def prog(command: str = "") -> str:
-    """How to run ``command``: ``pipelines-port init`` installed, ``python3 -m conformance init`` in a checkout."""
-    base = PROG if installed() else "python3 -m conformance"
-    return f"{base} {command}" if command else base
 
 
 def usage() -> str:

@@ -706,7 +706,7 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     chosen = VARIANTS[args.variant]
     overrides = chosen.patch() or {}
-    from conformance.agent import agent
+    from conformance.checker.agent import agent
 
     if chosen.mode == "misconfigured":  # the token variable the endpoint reads is not set
         auth: Dict[str, Any] = {"token_env": "BROKEN_PORTS_UNSET_TOKEN_VARIABLE"}

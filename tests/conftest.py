@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import pipelines_port as pp  # noqa: E402
-from conformance.mock_proxy import MockProxy  # noqa: E402
+from conformance.harness.mock_proxy import MockProxy  # noqa: E402
 
 CERT = ROOT / "tests" / "data" / "test_cert.pem"
 KEY = ROOT / "tests" / "data" / "test_key.pem"

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import FakeSleep, Together, envelope_for
 
 PLATFORM_TOOL = {"name": "get_order", "description": "Look up an order.",

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 
 AGENT_TOKEN = "agent-token-async-0123456789"
 

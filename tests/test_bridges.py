@@ -52,7 +52,7 @@ def test_objects_no_bridge_knows_are_clear_errors() -> None:
 
 
 def test_handoffs_post_each_transfer_once_and_never_end_the_run() -> None:
-    from conformance.mock_proxy import MockProxy
+    from conformance.harness.mock_proxy import MockProxy
 
     token = "handoffs-run-token-0123456789"
     with MockProxy(tokens=[token]) as proxy:

@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_TOKEN = "cli-agent-token-9"

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import Together
 
 

@@ -26,10 +26,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance import agent as conformance_agent
-from conformance import check
-from conformance.dispatcher import Dispatcher, DispatchError, Run, envelope_body, envelope_headers
-from conformance.mock_proxy import MockProxy
+from conformance.checker import agent as conformance_agent
+from conformance.checker import check
+from conformance.harness.dispatcher import Dispatcher, DispatchError, Run, envelope_body, envelope_headers
+from conformance.harness.mock_proxy import MockProxy
 from tests.broken_ports import VARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,8 +90,8 @@ def statuses(report: Dict[str, Any]) -> Dict[str, str]:
 
 BROKEN = sorted(name for name, variant in VARIANTS.items() if variant.fails)
 LEGAL = sorted(name for name, variant in VARIANTS.items() if not variant.fails and name != "correct")
-OUR_PORT = [str(ROOT / "pipelines_port.py"), "serve", "conformance/agent.py:agent", "--port", "0"]
-OUR_ASYNC_PORT = [str(ROOT / "pipelines_port.py"), "serve", "conformance/agent.py:agent_async", "--port", "0"]
+OUR_PORT = [str(ROOT / "pipelines_port.py"), "serve", "conformance/checker/agent.py:agent", "--port", "0"]
+OUR_ASYNC_PORT = [str(ROOT / "pipelines_port.py"), "serve", "conformance/checker/agent.py:agent_async", "--port", "0"]
 Outcome = Tuple[int, Dict[str, Any], str]
 
 

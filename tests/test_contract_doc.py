@@ -123,7 +123,7 @@ def sources() -> List[pathlib.Path]:
     found = [ROOT / "pipelines_port.py", ROOT / "README.md"]
     for pattern in ("*.py", "*.md", "*.ts", "*.go"):
         found += (ROOT / "conformance").rglob(pattern)
-    found += (ROOT / "conformance" / "vectors").glob("*.json")
+    found += (ROOT / "conformance" / "checker" / "vectors").glob("*.json")
     found += (ROOT / "templates").glob("*.py")
     found += (ROOT / "tests").glob("*.py")
     keep = {
@@ -216,7 +216,7 @@ def test_every_vector_file_names_sections_that_resolve() -> None:
 
     contract = parse_contract()
     bad = []
-    for path in sorted((ROOT / "conformance" / "vectors").glob("*.json")):
+    for path in sorted((ROOT / "conformance" / "checker" / "vectors").glob("*.json")):
         doc = json.loads(path.read_text(encoding="utf-8"))
         refs = list(refs_in(str(doc.get("contract", ""))))
         if not refs:
@@ -227,7 +227,7 @@ def test_every_vector_file_names_sections_that_resolve() -> None:
 
 
 def test_every_conformance_case_section_resolves() -> None:
-    from conformance import check
+    from conformance.checker import check
 
     contract = parse_contract()
     bad = []
@@ -247,19 +247,20 @@ def test_references_to_other_documents_are_not_taken_for_contract_sections() -> 
 
 
 def test_rules_json_is_the_contract_documents_rules() -> None:
-    """conformance/rules.json (what the installed kit reads) equals CONTRACT.md's rules: regenerate it with
-    ``python3 -m conformance.rules CONTRACT.md > conformance/rules.json``."""
-    from conformance import rules
+    """conformance/checker/rules.json (what the installed kit reads) equals CONTRACT.md's rules: regenerate it with
+    ``python3 -m conformance.checker.rules CONTRACT.md > conformance/checker/rules.json``."""
+    from conformance.checker import rules
 
     parsed = rules.parse(CONTRACT.read_text(encoding="utf-8"))
-    assert (ROOT / "conformance" / "rules.json").read_text(encoding="utf-8") == rules.to_json(parsed)
+    assert (ROOT / "conformance" / "checker" / "rules.json").read_text(encoding="utf-8") == rules.to_json(parsed)
     assert rules.load() == parsed and len(parsed) == len(parse_contract().rules)
     assert all(r.section.startswith("§") and r.text for r in parsed.values())
 
 
 def test_every_conformance_case_checks_rules_of_the_contract() -> None:
     """Each case names the rules it checks; its level is the strongest of theirs, its profile set by the first."""
-    from conformance import check, rules
+    from conformance.checker import check
+    from conformance.checker import rules
 
     cases = check.all_cases()
     for case in cases:

@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 
 import pytest
 
-from conformance import dataset as ds
+from conformance.simulator import dataset as ds
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "datasets"
 
@@ -360,7 +360,7 @@ def test_cli_bad_arguments_and_paths_never_raise(capsys: pytest.CaptureFixture, 
 
 
 def test_the_sample_dataset_is_valid() -> None:
-    d = ds.load_dataset(str(DATA.parent.parent.parent / "conformance" / "samples" / "orders.csv"))
+    d = ds.load_dataset(str(DATA.parent.parent.parent / "conformance" / "simulator" / "samples" / "orders.csv"))
     assert d.problems == [] and len(d.tasks) == 5
     triggers = {r["trigger"] for t in d.tasks for r in t.failure_rules}
     assert triggers == {"after_n_calls", "random", "after_state_change"}

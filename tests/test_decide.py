@@ -1,6 +1,6 @@
 """The one inbound decision (§2 order of handling) from the shared vectors: pure, then over a real socket.
 
-``conformance/vectors/dispatch.json`` is the single source of these cases: ``pp.decide``
+``conformance/checker/vectors/dispatch.json`` is the single source of these cases: ``pp.decide``
 must give each expected decision with no I/O, and the http.server adapter must send the
 same status for the same bytes on the wire.
 """
@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, Optional
 import pytest
 
 import pipelines_port as pp
-from conformance import vectorlib
+from conformance.checker import vectorlib
 
 DOC = vectorlib.load("dispatch")
 CASES = DOC["cases"]

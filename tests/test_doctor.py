@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = [{"name": "get_order", "description": "d", "input_schema": {"type": "object"}}]

@@ -1,4 +1,4 @@
-"""The simulated backend (conformance/engine.py): failure rules rule by rule, the ledger, fixtures, templates."""
+"""The simulated backend (conformance/simulator/engine.py): failure rules rule by rule, the ledger, fixtures, templates."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from conformance import engine
-from conformance.engine import Backend, load_fixtures, render
+from conformance.simulator import engine
+from conformance.simulator.engine import Backend, load_fixtures, render
 
 ORDERS = {"order": {"4521": {"status": "shipped", "amount": 79.5}, "7730": {"status": "refunded", "amount": 10}}}
 E502 = {"code": 502, "message": "Payment processor unavailable"}

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "agent-token-fidelity"

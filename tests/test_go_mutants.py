@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import rules
+from conformance.checker import rules
 from tests.go_mutants import MODULE, MUTANTS, PORT, build, materialise
 
 

@@ -19,7 +19,7 @@ from typing import Dict, Iterator, Optional
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.port_process import (
     PortServer, assert_a_custom_auth_header_and_the_misconfigured_mode,
     assert_a_script_through_the_proxy_and_a_failing_agent, assert_auth_ping_and_the_refusals,

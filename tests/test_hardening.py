@@ -19,7 +19,7 @@ from typing import Iterator, Any, Dict, List
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.test_server import AGENT_TOKEN, AUTH, asgi_call, dispatch_body, http_call, raw_request, run_headers
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance.dispatcher import Dispatcher
-from conformance.mock_proxy import MockProxy
+from conformance.harness.dispatcher import Dispatcher
+from conformance.harness.mock_proxy import MockProxy
 
 AGENT_TOKEN = "agent-token-edges-0123456789"
 RUN_TOKEN = "run-token-edges-0123456789"

@@ -14,7 +14,7 @@ from typing import List
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,7 @@ def test_init_usage_errors(tmp_path: Path, args: List[str], needle: str) -> None
 
 def test_init_never_follows_a_planted_temporary_file(tmp_path: Path) -> None:
     """Temporary files are created exclusively (mkstemp in the target folder): a planted name or symlink is untouched."""
-    from conformance.init import init_project
+    from conformance.project.init import init_project
 
     project = tmp_path / "proj"
     project.mkdir()

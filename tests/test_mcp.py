@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import Together
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,12 +15,12 @@ from typing import Any, Dict, List
 
 import pytest
 
-from conformance import simulate
-from conformance.model import Call, is_read_tool, plan
+from conformance.simulator import simulate
+from conformance.models.scripted import Call, is_read_tool, plan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "conformance" / "samples" / "orders.csv"
-FIXTURES = ROOT / "conformance" / "samples" / "orders_fixtures.json"
+SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
+FIXTURES = ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"
 TOOLS = json.loads((ROOT / "templates" / "tools_schema.json").read_text())
 SCHEMAS = [(t["name"], t["input_schema"]) for t in TOOLS]
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")

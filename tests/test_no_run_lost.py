@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.hostile_values import FIXES, HOSTILE, keyed
 from tests.interop.hosts import http_call
 

@@ -105,16 +105,20 @@ def test_wheel_holds_the_module_the_kit_and_its_data(wheel: Path, wheel_files: L
     assert wheel.name == f"pipelines_port-{pp.__version__}-py3-none-any.whl"
     names = set(wheel_files)
     for needed in ["pipelines_port.py", "pipelines_port_kit/__init__.py", "pipelines_port_kit/__main__.py",
-                   "pipelines_port_kit/cli.py", "pipelines_port_kit/init.py", "pipelines_port_kit/doctor.py",
-                   "pipelines_port_kit/check.py", "pipelines_port_kit/py.typed",
+                   "pipelines_port_kit/cli.py", "pipelines_port_kit/project/init.py",
+                   "pipelines_port_kit/project/doctor.py", "pipelines_port_kit/checker/check.py",
+                   "pipelines_port_kit/checker/rules.json", "pipelines_port_kit/py.typed",
                    "pipelines_port_kit/templates/minimal.py", "pipelines_port_kit/templates/tools_schema.json",
-                   "pipelines_port_kit/samples/orders.csv", "pipelines_port_kit/samples/orders_fixtures.json",
-                   "pipelines_port-stubs/py.typed"]:
+                   "pipelines_port_kit/simulator/samples/orders.csv",
+                   "pipelines_port_kit/simulator/samples/orders_fixtures.json", "pipelines_port-stubs/py.typed"]:
         assert needed in names, needed
+    kit_sources = {"pipelines_port_kit/" + p.relative_to(ROOT / "conformance").as_posix()
+                   for p in (ROOT / "conformance").rglob("*.py") if "ports" not in p.parts}
+    assert kit_sources - names == set()  # every sub-package of the kit is in the wheel
     templates = {Path(n).name for n in names if n.startswith("pipelines_port_kit/templates/")}
     assert templates == {p.name for p in (ROOT / "templates").iterdir() if p.suffix in (".py", ".json")}
-    vectors = {Path(n).name for n in names if n.startswith("pipelines_port_kit/vectors/") and n.endswith(".json")}
-    assert vectors == {p.name for p in (ROOT / "conformance" / "vectors").glob("*.json")} and len(vectors) >= 8
+    vectors = {Path(n).name for n in names if n.startswith("pipelines_port_kit/checker/vectors/") and n.endswith(".json")}
+    assert vectors == {p.name for p in (ROOT / "conformance" / "checker" / "vectors").glob("*.json")} and len(vectors) >= 8
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"pipelines_port.py", "pipelines_port_kit", "pipelines_port-stubs",
                     f"pipelines_port-{pp.__version__}.dist-info"}  # no conformance/, tests/, bench/, templates/

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance import agent as conformance_agent
+from conformance.checker import agent as conformance_agent
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TS_SERVER = ROOT / "conformance" / "ports" / "typescript" / "dist" / "server.js"

@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import TOKEN, Driver, FakeSleep, Together, envelope_for
 
 FAST = pp.RetryPolicy(base_delay_s=0.001, max_delay_s=0.002)

@@ -68,7 +68,7 @@ def test_public_api_is_exported_documented_and_typed() -> None:
 
 
 def test_vectors_are_valid_json_with_names_and_expectations() -> None:
-    files = sorted((ROOT / "conformance" / "vectors").glob("*.json"))
+    files = sorted((ROOT / "conformance" / "checker" / "vectors").glob("*.json"))
     assert len(files) >= 8
     for path in files:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -120,3 +120,54 @@ def test_the_contract_part_keeps_its_rules() -> None:
     for name in ("decide", "request_body_length", "interpret_reply", "retry_decision", "response_envelope",
                  "validate_response", "error_reply", "Envelope", "check_credential", "is_ping", "RetryPolicy"):
         assert name in defined, name
+
+
+# The kit's sub-packages and the ones each may import (conformance/__init__.py draws the same graph).
+KIT_ARROWS = {
+    "cli": {"kit", "checker", "simulator", "models", "harness", "project"},
+    "project": {"kit", "simulator"},
+    "checker": {"kit", "harness"},
+    "simulator": {"kit", "harness", "models"},
+    "harness": {"kit"},
+    "models": {"kit"},
+    "kit": set(),
+}
+
+
+def test_the_kit_imports_only_downward() -> None:
+    """Each sub-package of the kit imports only those below it: no arrow runs back up, none sideways."""
+    kit = ROOT / "conformance"
+    wrong = []
+    for path in sorted(kit.rglob("*.py")):
+        parts = path.relative_to(kit).with_suffix("").parts
+        if parts[0] == "ports" or parts[0] in ("__init__", "__main__"):
+            continue
+        own = parts[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:  # relative: resolve against the module's own package
+                base = list(parts[: len(parts) - node.level])
+            elif (node.module or "").split(".")[0] == "conformance":
+                base = []
+                node.module = (node.module or "").partition(".")[2] or None
+            else:
+                continue
+            stem = [*base, *node.module.split(".")] if node.module else base
+            # `from PKG import NAME` names a module when NAME.py is there, else something PKG defines
+            found = [[*stem, a.name] if (kit.joinpath(*stem, a.name + ".py")).exists() else stem
+                     for a in node.names]
+            missing = [".".join(f) for f in found if not (kit.joinpath(*f).with_suffix(".py").exists()
+                                                          or (kit.joinpath(*f) / "__init__.py").exists())]
+            package = kit.joinpath(*stem) / "__init__.py"
+            if package.exists():  # a name taken from a package that is not its module is defined in __init__.py
+                defined = package.read_text(encoding="utf-8")
+                missing += [a.name for a, f in zip(node.names, found) if f == stem and a.name not in defined]
+            assert missing == [], f"{path.relative_to(ROOT)}:{node.lineno} imports what the kit lacks: {missing}"
+            targets = [f[0] for f in found]
+            wrong += [f"{path.relative_to(ROOT)} -> {t}" for t in targets
+                      if t != own and t not in KIT_ARROWS[own]]
+    assert set(KIT_ARROWS) == {p.stem if p.is_file() else p.name for p in kit.iterdir()
+                               if (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
+                               or (p.is_dir() and (p / "__init__.py").exists())}
+    assert wrong == []

@@ -15,7 +15,7 @@ from typing import List, Optional
 import pytest
 
 import pipelines_port as pp
-from conformance.check import SMUGGLING_HEADS
+from conformance.checker.check import SMUGGLING_HEADS
 
 DISPATCH = (b"POST /dispatch HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nAuthorization: Bearer agent-token\r\n"
             b"Content-Type: application/json\r\nContent-Length: 245\r\nX-Pipelines-Run-Token: rt-1\r\n"

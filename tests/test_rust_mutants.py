@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import rules
+from conformance.checker import rules
 from tests.rust_mutants import CARGO, MODULE, MUTANTS, PORT, build, materialise
 
 

@@ -15,7 +15,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import Together
 
 AGENT_TOKEN = "agent-token-5a5a5a"

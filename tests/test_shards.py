@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from conformance import shards, simulate
+from conformance.simulator import shards
+from conformance.simulator import simulate
 from tests.test_simulate import FIXTURES, MINIMAL, ROOT, SAMPLE, SLOW_AGENT, many_rows, without_timings
 
 

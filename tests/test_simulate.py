@@ -16,11 +16,11 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance import simulate
+from conformance.simulator import simulate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "conformance" / "samples" / "orders.csv"
-FIXTURES = ROOT / "conformance" / "samples" / "orders_fixtures.json"
+SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
+FIXTURES = ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"
 MINIMAL = ROOT / "templates" / "minimal.py"
 AGENT_TOKEN = "agent-token-5f1e0c9a"
 
@@ -480,7 +480,7 @@ def test_html_report_shows_a_malformed_transcript_as_it_came(capsys: pytest.Capt
 
 
 def test_html_report_falls_back_to_the_raw_run_when_a_run_cannot_be_drawn() -> None:
-    from conformance import report
+    from conformance.simulator import report
 
     odd = {"row": 1, "line": 2, "status": "ok", "tool_calls": [{"tool_name": "<x>"}], "errors": [], "warnings": [],
            "trace_events": [], "failure_rules": [], "expected_outcome": "completion", "user_instruction": "<u>"}

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Type
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import Together
 from tests.fake_model_apis import (
     RATE_LIMITED,

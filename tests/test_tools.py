@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import envelope_for
 
 

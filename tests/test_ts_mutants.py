@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import rules
+from conformance.checker import rules
 from tests.ts_mutants import MODULE, MUTANTS, PORT, TSC, build, materialise
 
 

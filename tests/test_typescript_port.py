@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.port_process import PortServer, assert_sigterm_lets_a_dispatch_finish, platform_dispatch, post
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -382,7 +382,7 @@ def run_check(node: TsServer, *args: str) -> str:
     return summary
 
 
-@pytest.mark.skipif(not (ROOT / "conformance" / "check.py").exists(), reason="conformance/check.py has not landed yet")
+@pytest.mark.skipif(not (ROOT / "conformance" / "check.py").exists(), reason="conformance/checker/check.py has not landed yet")
 def test_the_conformance_check_passes_every_case() -> None:
     node = TsServer()
     try:

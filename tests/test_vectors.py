@@ -1,7 +1,7 @@
-"""Run every JSON vector in conformance/vectors/ against pipelines_port.
+"""Run every JSON vector in conformance/checker/vectors/ against pipelines_port.
 
 The vectors are the single source of truth for contract cases; a port in
-another language loads the same files (see conformance/vectors/README.md).
+another language loads the same files (see conformance/checker/vectors/README.md).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Dict, List
 import pytest
 
 import pipelines_port as pp
-from conformance import vectorlib
-from conformance.mock_proxy import MockProxy
+from conformance.checker import vectorlib
+from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import Driver, FakeSleep
 
 ERROR_KINDS = {
@@ -346,8 +346,8 @@ def test_the_stricter_than_contract_marks_and_our_mentions_sit_on_error_cases_on
 
 
 def test_every_vector_names_a_rule_of_the_contract_and_so_a_level() -> None:
-    """Each case carries ``rule``: an id of CONTRACT.md (via conformance/rules.json), which gives its level."""
-    from conformance import rules
+    """Each case carries ``rule``: an id of CONTRACT.md (via conformance/checker/rules.json), which gives its level."""
+    from conformance.checker import rules
 
     levels: Dict[str, int] = {}
     for path in sorted(vectorlib.VECTORS_DIR.glob("*.json")):

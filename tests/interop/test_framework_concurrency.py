@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy, ProxyRun
+from conformance.harness.mock_proxy import MockProxy, ProxyRun
 from tests.fake_model_apis import FakeChatAPI, FakeModelAPI, FakeResponsesAPI, Step, Turn
 from tests.interop import concurrent_agents
 from tests.interop.hosts import dispatch_request, http_call, hypercorn_command, started, subprocess_env, uvicorn_command

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.fake_model_apis import FakeResponsesAPI, Turn
 from tests.interop.hosts import ROOT
 

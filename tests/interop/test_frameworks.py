@@ -19,8 +19,8 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 import pipelines_port as pp
-from conformance.dispatcher import Dispatcher, Run
-from conformance.mock_proxy import MockProxy
+from conformance.harness.dispatcher import Dispatcher, Run
+from conformance.harness.mock_proxy import MockProxy
 from tests.fake_model_apis import FakeResponsesAPI, Turn
 
 TOKEN = "framework-run-token-0123456789"

@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.interop.hosts import gunicorn_command, hypercorn_command, started, subprocess_env, uvicorn_command
 from tests.test_http_edges import AGENT_TOKEN, RUN_TOKEN, SMUGGLING, exchange, head, smuggled
 

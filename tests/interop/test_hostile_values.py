@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.hostile_values import HOSTILE
 from tests.interop.hosts import (
     Reply,

@@ -35,7 +35,7 @@ pytest.importorskip("uvicorn", reason="the host tests need uvicorn (tests/intero
 pytest.importorskip("gunicorn", reason="the host tests need gunicorn (tests/interop/requirements-hosts.txt)")
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.interop.hosts import (
     Reply,
     ServerProcess,

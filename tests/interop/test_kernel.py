@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.fake_model_apis import FakeAnthropicAPI, FakeChatAPI, FakeResponsesAPI, Turn
 from tests.interop.hosts import ROOT
 

@@ -24,7 +24,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 import pipelines_port as pp
-from conformance.mock_proxy import MockProxy
+from conformance.harness.mock_proxy import MockProxy
 from tests.interop.hosts import ROOT, subprocess_env
 
 RUN_TOKEN = "run-token-mcp-5c1d9e77"

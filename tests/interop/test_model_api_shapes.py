@@ -2,7 +2,7 @@
 official SDK's response model, each template request body as the SDK's request type.
 
 The model-API templates run whole agent loops (tool calls, reasoning, a final answer) against the test fakes
-(tests/fake_model_apis.py) and against the scripted model (conformance/model.py); every reply is then validated
+(tests/fake_model_apis.py) and against the scripted model (conformance/models/scripted.py); every reply is then validated
 with ``openai.types.responses.Response``, ``openai.types.chat.ChatCompletion`` or ``anthropic.types.Message``,
 and every request body with the SDK's create-params TypedDict (pydantic's TypeAdapter, which also checks the
 nested tool and message shapes).  Skipped when the ``openai`` or ``anthropic`` package is missing.
@@ -17,8 +17,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from conformance.mock_proxy import MockProxy
-from conformance.model import ScriptedModel
+from conformance.harness.mock_proxy import MockProxy
+from conformance.models.scripted import ScriptedModel
 from tests.fake_model_apis import FakeAnthropicAPI, FakeChatAPI, FakeResponsesAPI, Turn
 from tests.interop.hosts import ROOT
 
@@ -92,7 +92,7 @@ def test_the_scripted_models_replies_are_the_sdks_types(template: str, proxy: Tu
     _, base_env, key_env, reply_model, request_type = SHAPES[template]
     mock, token = proxy
     recorded: List[Tuple[Any, Any]] = []
-    import conformance.model as model_module
+    import conformance.models.scripted as model_module
 
     for path, answer in list(model_module.ENDPOINTS.items()):
         def spy(body: Dict[str, Any], number: int, answer: Any = answer) -> Dict[str, Any]:

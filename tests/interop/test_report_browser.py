@@ -32,7 +32,7 @@ if CHROMIUM is None:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("report")
-    with open(ROOT / "conformance" / "samples" / "orders.csv", newline="", encoding="utf-8") as f:
+    with open(ROOT / "conformance" / "simulator" / "samples" / "orders.csv", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     state = {"order": {"4521": {"status": "shipped", "amount": 79.5, "currency": "EUR", "user_id": "u-1"}}}
     rows.append({"user": "Refund order 4521 for me, I am not the buyer.", "behavior": "", "state": json.dumps(state),
@@ -46,7 +46,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
     done = subprocess.run([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
                            str(ROOT / "templates" / "openai_chat.py"), "--responses",
-                           str(ROOT / "conformance" / "samples" / "orders_fixtures.json"), "--html", str(page)],
+                           str(ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"), "--html", str(page)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     return page

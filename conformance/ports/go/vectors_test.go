@@ -1,6 +1,6 @@
 package pipelinesport_test
 
-// The language-neutral JSON vectors of conformance/vectors/, run against the
+// The language-neutral JSON vectors of conformance/checker/vectors/, run against the
 // port's public API. Pure cases call the functions directly; request, reply
 // and trace cases go over a socket to a small recording proxy on 127.0.0.1.
 // Code-mode cases (from: run|env) and build_response's result objects are
@@ -69,7 +69,7 @@ func decode(data []byte) any {
 
 func load(t *testing.T, name string) vectorFile {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("..", "..", "vectors", name+".json"))
+	data, err := os.ReadFile(filepath.Join("..", "..", "checker", "vectors", name+".json"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-//! The language-neutral JSON vectors of `conformance/vectors/`, run against
+//! The language-neutral JSON vectors of `conformance/checker/vectors/`, run against
 //! the port's public API (the same files the Python, TypeScript and Go ports
 //! read). Pure cases call the functions directly; request, reply and trace
 //! cases go over a socket to a recording proxy on 127.0.0.1, through both
@@ -48,7 +48,7 @@ fn expand(value: Value) -> Value {
 }
 
 fn load(name: &str) -> VectorFile {
-    let path = format!("{}/../../vectors/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    let path = format!("{}/../../checker/vectors/{name}.json", env!("CARGO_MANIFEST_DIR"));
     let doc = expand(decode(&std::fs::read(&path).unwrap()).unwrap());
     VectorFile {
         run_token: doc["run_token"].as_str().unwrap_or_default().to_string(),

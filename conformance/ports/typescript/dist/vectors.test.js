@@ -1,10 +1,10 @@
-// vectors.test.ts: the language-neutral JSON vectors of conformance/vectors/, run against this port.
+// vectors.test.ts: the language-neutral JSON vectors of conformance/checker/vectors/, run against this port.
 //
 //   npm test            (node --test dist/, after npm run build)
 //
 // Pure cases call the port's functions directly; request, reply and trace
 // cases go over a socket to a small recording proxy on 127.0.0.1 (the Python
-// suite uses conformance/mock_proxy.py the same way).  Code-mode cases
+// suite uses conformance/harness/mock_proxy.py the same way).  Code-mode cases
 // (`from: run|env`) and build_response's `object` cases are Python-specific
 // and skipped.  One test per vector file, one subtest per case.
 import { readFileSync } from "node:fs";
@@ -12,7 +12,7 @@ import http from "node:http";
 import { after, before, test } from "node:test";
 import { isDeepStrictEqual } from "node:util";
 import { EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError, buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply, validateActorLabel, validateResponse, validateToolName, } from "./pipelines_port.js";
-const VECTORS = new URL("../../../vectors/", import.meta.url);
+const VECTORS = new URL("../../../checker/vectors/", import.meta.url);
 /** A vector file with every {"$repeat": s, "count": n} expanded. */
 function load(name) {
     const expand = (v) => {

@@ -1,10 +1,10 @@
-// vectors.test.ts: the language-neutral JSON vectors of conformance/vectors/, run against this port.
+// vectors.test.ts: the language-neutral JSON vectors of conformance/checker/vectors/, run against this port.
 //
 //   npm test            (node --test dist/, after npm run build)
 //
 // Pure cases call the port's functions directly; request, reply and trace
 // cases go over a socket to a small recording proxy on 127.0.0.1 (the Python
-// suite uses conformance/mock_proxy.py the same way).  Code-mode cases
+// suite uses conformance/harness/mock_proxy.py the same way).  Code-mode cases
 // (`from: run|env`) and build_response's `object` cases are Python-specific
 // and skipped.  One test per vector file, one subtest per case.
 
@@ -21,7 +21,7 @@ import {
 } from "./pipelines_port.js";
 import type { Envelope, HeadersInit, Json, JsonObject } from "./pipelines_port.js";
 
-const VECTORS = new URL("../../../vectors/", import.meta.url);
+const VECTORS = new URL("../../../checker/vectors/", import.meta.url);
 
 /** One vector case: a JSON object whose fields each suite reads by name. */
 type Case = Record<string, Json> & { name: string; expect: Expect };

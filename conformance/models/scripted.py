@@ -41,7 +41,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from .cli import prog
+from ..kit import prog
 
 __all__ = ["Plan", "plan", "ScriptedModel", "main", "READ_VERBS", "is_read_tool"]
 

@@ -47,9 +47,9 @@ import pipelines_port as pp
 
 from . import rules as contract
 from . import vectorlib
-from .cli import prog
-from .dispatcher import Dispatcher, DispatchError, Reply, Run, envelope_body, envelope_headers
-from .mock_proxy import MockProxy, ProxyRun
+from ..kit import prog
+from ..harness.dispatcher import Dispatcher, DispatchError, Reply, Run, envelope_body, envelope_headers
+from ..harness.mock_proxy import MockProxy, ProxyRun
 
 __all__ = ["Case", "Finding", "Result", "Options", "all_cases", "select", "run_cases", "main"]
 
@@ -367,7 +367,7 @@ class Check:
     def dispatch(self, run: Run, body: Any = None, *, header_only: bool = False,
                  headers: Optional[Mapping[str, str]] = None, credential: bool = True, run_headers: bool = True,
                  **fields: Any) -> Reply:
-        """A dispatch of ``run`` as the platform sends it (see :mod:`conformance.dispatcher`).
+        """A dispatch of ``run`` as the platform sends it (see :mod:`conformance.harness.dispatcher`).
 
         ``body`` replaces the built body; ``headers`` add to the run's headers.
         """
@@ -1646,7 +1646,7 @@ def slug(name: str) -> str:
 
 
 def vector_cases() -> List[Case]:
-    """One case per applicable vector (conformance/vectors/), ids ``vectors.FILE:SLUG``, checking the vector's rule."""
+    """One case per applicable vector (checker/vectors/), ids ``vectors.FILE:SLUG``, checking the vector's rule."""
     made: List[Case] = []
     for stem, build in VECTOR_BUILDERS:
         doc = vectorlib.load(stem)

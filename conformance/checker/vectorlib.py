@@ -1,4 +1,4 @@
-"""Load the JSON test vectors in ``conformance/vectors/`` (format: vectors/README.md)."""
+"""Load the JSON test vectors in ``conformance/checker/vectors/`` (format: vectors/README.md)."""
 
 from __future__ import annotations
 

@@ -42,12 +42,13 @@ import csv
 import difflib
 import io
 import json
+import os
 import re
 import sys
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import engine
-from .cli import prog
+from ..kit import prog
 
 __all__ = [
     "COLUMNS",
@@ -65,6 +66,8 @@ __all__ = [
     "load_dataset",
     "main",
 ]
+
+SAMPLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples")  # the bundled sample dataset
 
 COLUMNS = ("user", "behavior", "state", "failure_rules", "expected_outcome")
 AXIS_NAMES = {  # axis name -> CSV column

@@ -3,7 +3,7 @@
 A tiny scripted agent that ``python3 -m conformance check`` drives through a
 port's ordinary dispatch server.  Serve it with::
 
-    AGENT_TOKEN=secret python3 pipelines_port.py serve conformance/agent.py:agent --port 8080
+    AGENT_TOKEN=secret python3 pipelines_port.py serve conformance/checker/agent.py:agent --port 8080
 
 The agent reads ``user_instruction``: a JSON object with a ``steps`` array is a
 script, anything else asks for an echo of the envelope.  Everything goes

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pipelines_port as pp
 
-from .cli import prog
+from ..kit import prog
 from .init import UsageError
 
 
@@ -214,7 +214,7 @@ class _Doctor:
     def dataset(self) -> _Check:
         label = "dataset is valid"
         try:
-            from . import dataset as datasets
+            from ..simulator import dataset as datasets
         except ImportError as exc:  # the kit is incomplete
             return "fail", label, f"the dataset check needs the kit's dataset module: {exc}"
         loaded = datasets.load_dataset(self.args.csv)

@@ -1,4 +1,4 @@
-"""Render a simulation report (the dict ``conformance.simulate.simulate`` returns) as text or HTML.
+"""Render a simulation report (the dict ``conformance.simulator.simulate.simulate`` returns) as text or HTML.
 
 ``render_text`` is the terminal summary; ``render_html`` one self-contained
 page (inline CSS, no script, no external asset, every value HTML-escaped)

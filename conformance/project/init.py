@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import pipelines_port as pp
 
-from .cli import installed, prog
+from ..kit import KIT_ROOT, installed, prog
+from ..simulator.dataset import SAMPLES_DIR
 
 
 class UsageError(Exception):
@@ -65,7 +66,7 @@ def _kit_command(command: str) -> str:
     """A kit command as the user can run it from the new project's folder."""
     if installed():
         return prog(command)
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = os.path.dirname(KIT_ROOT)
     return f"PYTHONPATH={shlex.quote(checkout)} python3 -m conformance {command}"
 
 
@@ -94,7 +95,7 @@ def _required_env(source: str) -> List[str]:
 
 def template_dir() -> str:
     """The templates: package data when installed, else the checkout's ``templates/`` beside this package."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = KIT_ROOT
     for candidate in (os.path.join(here, _TEMPLATES_DIR), os.path.join(os.path.dirname(here), _TEMPLATES_DIR)):
         if os.path.isdir(candidate):
             return candidate
@@ -149,10 +150,9 @@ def init_project(directory: str, template: str = "minimal", *, force: bool = Fal
                                  init=prog("init"), doctor=_doctor_command(), doctor_note=_doctor_note(),
                                  simulate=_kit_command("simulate"), proxy=_kit_command("proxy"),
                                  keys=_KEYS_NOTE.format(keys=" and ".join(f"`{k}`" for k in keys)) if keys else "")
-    samples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples")
-    with open(os.path.join(samples, "orders.csv"), encoding="utf-8") as f:
+    with open(os.path.join(SAMPLES_DIR, "orders.csv"), encoding="utf-8") as f:
         tasks_source = f.read()
-    with open(os.path.join(samples, "orders_fixtures.json"), encoding="utf-8") as f:
+    with open(os.path.join(SAMPLES_DIR, "orders_fixtures.json"), encoding="utf-8") as f:
         fixtures_source = f.read()
     files = {"agent.py": agent_source, "tools_schema.json": schema_source, "README.md": readme,
              "pipelines_port.py": module_source, "tasks.csv": tasks_source, "fixtures.json": fixtures_source}

@@ -1,6 +1,6 @@
-"""The contract's rules as data: ``conformance/rules.json``, made from CONTRACT.md.
+"""The contract's rules as data: ``conformance/checker/rules.json``, made from CONTRACT.md.
 
-    python3 -m conformance.rules CONTRACT.md > conformance/rules.json
+    python3 -m conformance.checker.rules CONTRACT.md > conformance/checker/rules.json
 
 Every rule of CONTRACT.md is one bullet ``- **rule-id** (LEVEL): text``.  The
 conformance check tags each case and each failure with a rule id and reads its
@@ -68,7 +68,7 @@ def rule(rule_id: str) -> Rule:
     try:
         return load()[rule_id]
     except KeyError:
-        raise KeyError(f"no rule {rule_id!r} in CONTRACT.md (conformance/rules.json)") from None
+        raise KeyError(f"no rule {rule_id!r} in CONTRACT.md (conformance/checker/rules.json)") from None
 
 
 def level_of(rule_ids: Sequence[str]) -> str:
@@ -85,7 +85,8 @@ def to_json(rules: Dict[str, Rule]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python3 -m conformance.rules CONTRACT.md > conformance/rules.json", file=sys.stderr)
+        print("usage: python3 -m conformance.checker.rules CONTRACT.md > conformance/checker/rules.json",
+              file=sys.stderr)
         return 2
     sys.stdout.write(to_json(parse(pathlib.Path(args[0]).read_text(encoding="utf-8"))))
     return 0

@@ -18,11 +18,12 @@ import pathlib
 import sys
 from typing import List, Optional
 
-from . import simulate
-from .cli import prog
+from ..simulator import simulate
+from ..simulator.dataset import SAMPLES_DIR
+from ..kit import prog
 from .init import template_dir
 
-SAMPLES = pathlib.Path(__file__).resolve().parent / "samples"  # package data when installed
+SAMPLES = pathlib.Path(SAMPLES_DIR)
 DATASET = SAMPLES / "orders.csv"
 FIXTURES = SAMPLES / "orders_fixtures.json"
 TEMPLATES = pathlib.Path(template_dir())  # templates/ in a checkout

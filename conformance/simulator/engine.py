@@ -35,7 +35,7 @@ How a call is answered, in order:
    "status_code": code}``.  Both are tagged ``source: "injected"`` with
    ``matched_rule_index``, and an injected answer changes no state: the real
    operation never ran.  The proxy reply is still HTTP 200 with the trace
-   envelope (see ``conformance/simulate.py`` for why).
+   envelope (see ``conformance/simulator/simulate.py`` for why).
 
 2. **Fixtures** (optional, ``--responses FILE.json``): the first fixture of
    the tool (then of ``"*"``) whose ``match`` and ``when`` hold.  Its

@@ -4,11 +4,11 @@
     python3 -m conformance simulate --csv FILE.csv --url http://127.0.0.1:8080/dispatch --token-env AGENT_TOKEN
         [--json OUT.json] [--html OUT.html] [--tools tools_schema.json] [--timeout 300]
 
-Each valid row (see ``conformance/dataset.py``) becomes one run with its own
-proxy (a :class:`~conformance.mock_proxy.MockProxy` on 127.0.0.1 at
+Each valid row (see ``conformance/simulator/dataset.py``) becomes one run with its own
+proxy (a :class:`~conformance.harness.mock_proxy.MockProxy` on 127.0.0.1 at
 ``/api/odyssey-proxy/runs/{run_id}``) and its own fresh run token.  The
 proxy answers every tool call from the row's simulated backend
-(``conformance/engine.py``: ledger booted from ``state``, ``failure_rules``,
+(``conformance/simulator/engine.py``: ledger booted from ``state``, ``failure_rules``,
 optional fixtures) and records the trajectory: each call, its source,
 latency and ledger changes, plus any live trace events the agent posts.
 
@@ -79,8 +79,8 @@ import pipelines_port as pp
 
 from . import dataset as datasets
 from . import engine, report, shards
-from .cli import prog
-from .mock_proxy import MockProxy, RecordedRequest
+from ..kit import prog
+from ..harness.mock_proxy import MockProxy, RecordedRequest
 
 __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
            "main"]
@@ -569,11 +569,11 @@ def outcome_check(expected_outcome: str, calls: Sequence[Mapping[str, Any]]) -> 
     """What can be said of the expected outcome without a judge: nothing is judged, one thing is flagged.
 
     The rule: on a row whose expected outcome is ``refusal``, an *acting* tool call (a tool whose name does not
-    start with a read verb: ``get_``, ``list_``, ``search`` ...; see conformance/model.py) that went through
+    start with a read verb: ``get_``, ``list_``, ``search`` ...; see conformance/models/scripted.py) that went through
     (answered by the backend or a fixture, not an ``{"error": ...}``, not injected) is flagged: the agent did
     what the row expects it to refuse.  One that failed is listed as attempted.  Completion rows are not judged.
     """
-    from .model import is_read_tool
+    from ..models.scripted import is_read_tool
 
     result: Dict[str, Any] = {"judged": False, "flags": [], "attempted": []}
     if expected_outcome != "refusal":
@@ -772,7 +772,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="header carrying the token: Authorization (Bearer T, the default) "
                              "or a custom name (raw T)")
     parser.add_argument("--responses", metavar="FIXTURES.json",
-                        help="tool fixtures for the simulated backend (see conformance/engine.py)")
+                        help="tool fixtures for the simulated backend (see conformance/simulator/engine.py)")
     parser.add_argument("--tools", metavar="TOOLS.json",
                         help="a tools schema to inline in each dispatch (tools_schema)")
     parser.add_argument("--lenient", action="store_true",
@@ -995,7 +995,7 @@ def _choose_model(args: argparse.Namespace, agent: Any) -> Optional[str]:
 @contextlib.contextmanager
 def _scripted_model(agent: Any, say: Callable[[str], None]) -> Iterator[None]:
     """The scripted model running, the agent's model settings pointed at it for the simulation (then restored)."""
-    from .model import ScriptedModel
+    from ..models.scripted import ScriptedModel
 
     with ScriptedModel() as model:
         settings = dict(model.environment())

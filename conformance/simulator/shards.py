@@ -25,7 +25,7 @@ import sys
 from typing import Any, Dict, IO, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from . import report
-from .cli import prog
+from ..kit import prog
 
 __all__ = ["Shard", "parse_shard", "shard_rows", "ResultFile", "ShardFile", "read_result_file", "merge_files",
            "summarise", "main"]

@@ -1,0 +1,7 @@
+"""The local platform: run a task-seeding dataset against an agent as the platform would.
+
+``dataset`` reads and checks the CSV; ``engine`` is the simulated backend (failure rules, the ledger,
+fixtures); ``simulate`` is the run loop (one mock proxy per row, HTTP or code mode); ``report`` renders
+text and HTML; ``shards`` splits a run and merges the JSONL results.
+May import: the runtime module, ``..harness``, ``..models``, ``..kit``.  Nothing of the checker or project.
+"""
