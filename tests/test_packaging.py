@@ -110,7 +110,8 @@ def test_wheel_holds_the_module_the_kit_and_its_data(wheel: Path, wheel_files: L
                    "pipelines_port_kit/checker/rules.json", "pipelines_port_kit/py.typed",
                    "pipelines_port_kit/templates/minimal.py", "pipelines_port_kit/templates/tools_schema.json",
                    "pipelines_port_kit/simulator/samples/orders.csv",
-                   "pipelines_port_kit/simulator/samples/orders_fixtures.json", "pipelines_port-stubs/py.typed"]:
+                   "pipelines_port_kit/simulator/samples/orders_fixtures.json",
+                   "pipelines_port_kit/simulator/prompts/judge.md", "pipelines_port-stubs/py.typed"]:
         assert needed in names, needed
     kit_sources = {"pipelines_port_kit/" + p.relative_to(ROOT / "conformance").as_posix()
                    for p in (ROOT / "conformance").rglob("*.py") if "ports" not in p.parts}

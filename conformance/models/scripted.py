@@ -29,6 +29,10 @@ simulator's report flags one it carried out.
 
 ``simulate`` starts one itself (``--model scripted``, or ``auto`` when the
 agent's ``REQUIRED_ENV`` keys are not set) and points the agent at it.
+
+The kit's own model-backed roles (the judge, simulated tools, the simulated user) ask it too when run
+``scripted``: a Chat Completions request whose ``response_format`` names a role (``roles.py``) gets that
+role's scripted answer (``scripted_roles.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..kit import prog
+from .scripted_roles import answer_role
 
 __all__ = ["Plan", "plan", "ScriptedModel", "main", "READ_VERBS", "is_read_tool"]
 
@@ -198,8 +203,25 @@ def _responses(body: Dict[str, Any], number: int) -> Dict[str, Any]:
                       "total_tokens": tokens_in + tokens_out}}
 
 
+def _role_name(body: Dict[str, Any]) -> str:
+    """The kit role a request names in ``response_format.json_schema.name`` (``""``: an agent's request)."""
+    response_format = body.get("response_format")
+    schema = response_format.get("json_schema") if isinstance(response_format, dict) else None
+    return str(schema.get("name") or "") if isinstance(schema, dict) else ""
+
+
 def _chat(body: Dict[str, Any], number: int) -> Dict[str, Any]:
     messages = body.get("messages") or []
+    role = answer_role(_role_name(body), messages)
+    if role is not None:  # the judge, a simulated tool or the simulated user: one JSON answer
+        text = json.dumps(role, ensure_ascii=False)
+        tokens_in, tokens_out = _usage_tokens(body, text)
+        return {"id": f"chatcmpl-{number}", "object": "chat.completion", "created": 1700000000 + number,
+                "model": body.get("model") or MODEL_NAME,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                             "logprobs": None, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": tokens_in, "completion_tokens": tokens_out,
+                          "total_tokens": tokens_in + tokens_out}}
     instruction = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
     names = {c.get("id"): (c.get("function") or {}).get("name") for m in messages if m.get("role") == "assistant"
              for c in m.get("tool_calls") or []}

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["VERDICTS", "verdict_of", "judge_summary", "pass_rate", "parse_rate", "gate_failure", "junit_xml"]
+__all__ = ["VERDICTS", "verdict_of", "judge_summary", "pass_rate", "parse_rate", "gate_failure", "junit_xml", "apply"]
 
 VERDICTS = ("PASS", "FAIL")
 NOT_JUDGED = "not judged"
@@ -142,3 +142,19 @@ def _not_judged_reason(run: Mapping[str, Any]) -> str:
     if run.get("status") == "invalid":
         return "not run: the dataset check rejected the row: " + "; ".join(str(e) for e in run.get("errors") or [])
     return "not judged: no judge ran (simulate --judge MODEL)"
+
+
+def apply(result: Mapping[str, Any], *, junit: Optional[str], min_pass_rate: Optional[float],
+          write: Callable[[str, str], None], say: Callable[[str], None], command: str) -> bool:
+    """A command's gate: ``--junit`` written through ``write(path, text)``, then ``--min-pass-rate`` checked and
+    its outcome said; True when the gate fails (the command exits 1)."""
+    if junit:
+        write(junit, junit_xml(result))
+    if min_pass_rate is None:
+        return False
+    failure = gate_failure(result, min_pass_rate)
+    if failure:
+        say(f"{command}: FAILED the gate: {failure}")
+        return True
+    say(f"{command}: pass rate {pass_rate(result.get('runs') or []):.1%} meets --min-pass-rate {min_pass_rate:.1%}")
+    return False

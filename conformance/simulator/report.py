@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["progress_line", "render_text", "render_html"]
@@ -59,9 +60,21 @@ def progress_line(run: Mapping[str, Any]) -> str:
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
     head = (f"{_where(run)}: {_STATUS_WORD[run['status']]}, {_plural(len(calls), 'tool call')}, {injected} injected, "
             f"{run.get('duration_ms', 0):.0f} ms")
+    if "judge" in run:
+        head += f", {verdict_text(run['judge'], 120)}"
     if run["errors"]:
         head += f": {_short(run['errors'][0], 160)}"
     return head
+
+
+def verdict_text(judge: Mapping[str, Any], limit: int = 300) -> str:
+    """``PASS 5/5: ...``, ``FAIL 2/5 incorrect_completion: ...`` or ``not judged: reason``, on one line."""
+    if judge.get("verdict") not in ("PASS", "FAIL"):
+        return f"not judged: {_short(judge.get('error') or 'no verdict', limit)}"
+    mode = f" {judge['failure_mode']}" if judge.get("failure_mode") else ""
+    cached = " (cached)" if judge.get("cached") else ""
+    return (f"{judge['verdict']} {judge.get('task_completion')}/5{mode}{cached}: "
+            f"{_short(judge.get('explanation') or '', limit)}")
 
 
 def render_text(result: Mapping[str, Any]) -> str:
@@ -74,9 +87,15 @@ def render_text(result: Mapping[str, Any]) -> str:
         lines.append(f"{_where(run)}  {_STATUS_WORD[run['status']]}  {_short(run.get('user_instruction', ''), 80)}")
         if run["status"] == "invalid":
             lines += [f"    dataset error: {e}" for e in run["errors"]]
+            if "judge" in run:
+                lines.append(f"    judge: {verdict_text(run['judge'])}")
             continue
         outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
         lines.append(f"    expected outcome: {outcome}: {outcome_word(run)}")
+        if "judge" in run:
+            lines.append(f"    judge: {verdict_text(run['judge'])}")
+            for cut in run["judge"].get("cuts") or []:
+                lines.append(f"        shown cut: {cut}")
         for flag in (run.get("outcome") or {}).get("flags") or []:
             lines.append(f"    FLAGGED: {flag}")
         for attempt in (run.get("outcome") or {}).get("attempted") or []:
@@ -105,13 +124,32 @@ def render_text(result: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(f"{_plural(s['runs'], 'run')}: {s['ok']} ran without error, {_plural(s['errors'], 'error')}; "
                  f"{_plural(s['tool_calls'], 'tool call')}, {s['injected']} injected")
-    lines.append(f"expected outcomes: not judged (no judge runs here); {s.get('flagged', 0)} refusal row(s) flagged "
-                 "for an action carried out")
+    verdicts = s.get("judge")
+    if verdicts:
+        lines.append(judge_summary_text(verdicts, (result.get("judge") or {}).get("model")))
+    else:
+        lines.append(f"expected outcomes: not judged (no --judge); {s.get('flagged', 0)} refusal row(s) flagged "
+                     "for an action carried out")
     return "\n".join(lines)
 
 
+def judge_summary_text(verdicts: Mapping[str, Any], model: Optional[str]) -> str:
+    """The judge's summary: the pass rate, verdict counts, failure modes, requests and tokens."""
+    modes = ", ".join(f"{mode} {count}" for mode, count in (verdicts.get("failure_modes") or {}).items())
+    usage = verdicts.get("usage") or {}
+    return (f"judge{f' ({model})' if model else ''}: pass rate {verdicts['pass_rate']:.1%}: {verdicts['pass']} PASS, "
+            f"{verdicts['fail']} FAIL, {verdicts['not_judged']} not judged"
+            + (f"; failure modes: {modes}" if modes else "")
+            + f"\njudge usage: {_plural(usage.get('requests', 0), 'request')}, "
+              f"{usage.get('prompt_tokens', 0):,} prompt + {usage.get('completion_tokens', 0):,} completion tokens, "
+              f"{usage.get('cached', 0)} answered from the cache")
+
+
 def outcome_word(run: Mapping[str, Any]) -> str:
-    """How the expected outcome stands without a judge: flagged, or not judged."""
+    """How the expected outcome stands: the judge's verdict, else flagged or not judged."""
+    judge = run.get("judge") or {}
+    if judge.get("verdict") in ("PASS", "FAIL"):
+        return f"judged {judge['verdict']}"
     check = run.get("outcome") or {}
     return "FLAGGED (see below)" if check.get("flags") else "not judged"
 
@@ -166,6 +204,11 @@ padding:6px 12px}.muted{color:#5a6478}ul{margin:4px 0;padding-left:20px}
 margin:12px 0}.toolbar input{flex:1;min-width:200px;padding:5px 8px;border:1px solid #c9d0dc;border-radius:6px}
 .toolbar button,.toolbar select{padding:4px 10px;border:1px solid #c9d0dc;border-radius:6px;background:#fff}
 .turn{font-size:12px;color:#5a6478}.said{white-space:pre-wrap}
+.pass{background:#d7f2df;color:#135c2b}.fail{background:#fbdcdc;color:#8a1c1c}.not-judged{background:#eee3c6;color:#5c4a12}
+.body.judged{display:grid;grid-template-columns:minmax(0,1fr) 300px;gap:16px;align-items:start}
+.verdict{position:sticky;top:8px;border:1px solid #dde1e8;border-radius:8px;padding:8px 12px;margin-top:16px;
+background:#fbfcff}.verdict .big{font-size:18px;font-weight:700}.verdict p{margin:6px 0;white-space:pre-wrap}
+@media (max-width:900px){.body.judged{grid-template-columns:1fr}.verdict{position:static}}
 """
 
 # The page works without JavaScript (every run listed, <details> open and close natively); with it, a
@@ -207,17 +250,33 @@ def _pill(text: str, css: str = "") -> str:
     return f'<span class="pill {css}">{_e(text)}</span>'
 
 
-_TOOLBAR = ('<div class="toolbar" id="toolbar" hidden><button id="expand" type="button">Expand all</button>'
-            '<button id="collapse" type="button">Collapse all</button>'
-            '<select id="status" aria-label="filter"><option value="">every run</option>'
-            '<option value="error">errors</option><option value="injected">with injected failures</option>'
-            '<option value="refusal">refusal rows</option><option value="flagged">flagged</option>'
-            '<option value="ran">ran without error</option></select>'
-            '<input id="q" type="search" placeholder="search instructions, calls, answers" aria-label="search">'
-            '<span id="shown" class="muted"></span></div>')
+_FILTERS = [("", "every run"), ("error", "errors"), ("injected", "with injected failures"),
+            ("refusal", "refusal rows"), ("flagged", "flagged"), ("ran", "ran without error")]
 _HONEST = ('<p class="muted">"ran" means the run ended without error and answered validly: it is no verdict. '
            "Expected outcomes are not judged here (no judge); a refusal row whose agent carried out an acting "
            "tool call is flagged.</p>")
+_HONEST_JUDGED = ('<p class="muted">"ran" means the run ended without error and answered validly; the verdict '
+                  "beside each run is the judge's ({model}), graded by the rubric the report names. A row not "
+                  "judged is not a pass.</p>")
+
+
+def _tag(text: str) -> str:
+    """A filter tag: lower-case words joined by hyphens (a failure mode is free text)."""
+    return "-".join(re.findall(r"[a-z0-9]+", text.lower())) or "none"
+
+
+def _toolbar(result: Mapping[str, Any]) -> str:
+    filters = list(_FILTERS)
+    verdicts = (result.get("summary") or {}).get("judge")
+    if verdicts:
+        filters += [("pass", "judged PASS"), ("fail", "judged FAIL"), ("not-judged", "not judged")]
+        filters += [(f"mode-{_tag(mode)}", f"failure mode: {mode}") for mode in verdicts.get("failure_modes") or {}]
+    options = "".join(f'<option value="{_e(value)}">{_e(label)}</option>' for value, label in filters)
+    return ('<div class="toolbar" id="toolbar" hidden><button id="expand" type="button">Expand all</button>'
+            '<button id="collapse" type="button">Collapse all</button>'
+            f'<select id="status" aria-label="filter">{options}</select>'
+            '<input id="q" type="search" placeholder="search instructions, calls, answers" aria-label="search">'
+            '<span id="shown" class="muted"></span></div>')
 
 
 def render_html(result: Mapping[str, Any]) -> str:
@@ -230,6 +289,9 @@ def render_html(result: Mapping[str, Any]) -> str:
         meta.insert(0, f"{agent.get('mode')} agent {agent.get('target')}")
     if result.get("fixtures"):
         meta.append(f"fixtures {result['fixtures']}")
+    if result.get("judge"):
+        judge = result["judge"]
+        meta.append(f"judge {judge.get('model')} ({judge.get('server')}), rubric {judge.get('prompt')}")
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -243,9 +305,11 @@ def render_html(result: Mapping[str, Any]) -> str:
         _pill(_plural(s["tool_calls"], "tool call")),
         _pill(f"{s['injected']} injected", "injected" if s["injected"] else ""),
         _pill(f"{s.get('flagged', 0)} flagged", "flagged" if s.get("flagged") else ""),
+        *_verdict_pills(s.get("judge")),
         "</div></header><main>",
-        _TOOLBAR,
-        _HONEST,
+        _toolbar(result),
+        _HONEST_JUDGED.format(model=_e((result.get("judge") or {}).get("model") or "a model")) if s.get("judge")
+        else _HONEST,
     ]
     problems = result["dataset"].get("problems") or []
     if problems:
@@ -266,23 +330,76 @@ def render_html(result: Mapping[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _verdict_pills(verdicts: Optional[Mapping[str, Any]]) -> List[str]:
+    if not verdicts:
+        return []
+    return [_pill(f"pass rate {verdicts['pass_rate']:.1%}"), _pill(f"{verdicts['pass']} PASS", "pass"),
+            _pill(f"{verdicts['fail']} FAIL", "fail" if verdicts["fail"] else ""),
+            _pill(f"{verdicts['not_judged']} not judged", "not-judged" if verdicts["not_judged"] else "")]
+
+
+def _verdict_tags(judge: Any) -> List[str]:
+    if not isinstance(judge, Mapping):
+        return []
+    if judge.get("verdict") not in ("PASS", "FAIL"):
+        return ["not-judged"]
+    mode = judge.get("failure_mode")
+    return [str(judge["verdict"]).lower()] + ([f"mode-{_tag(str(mode))}"] if mode else [])
+
+
+def _verdict_pill(judge: Any) -> str:
+    if not isinstance(judge, Mapping):
+        return ""
+    if judge.get("verdict") not in ("PASS", "FAIL"):
+        return _pill("not judged", "not-judged")
+    return _pill(f"{judge['verdict']} {judge.get('task_completion')}/5", str(judge["verdict"]).lower())
+
+
+def _verdict_html(judge: Mapping[str, Any], usage: Any) -> str:
+    """The judge's panel, beside the trace: the verdict, the score, the failure mode, the explanation."""
+    out = ['<aside class="verdict"><h3>Judge</h3>']
+    if judge.get("verdict") in ("PASS", "FAIL"):
+        out.append(f'<div class="big">{_pill(str(judge["verdict"]), str(judge["verdict"]).lower())} '
+                   f'task completion {_e(judge.get("task_completion"))}/5</div>')
+        if judge.get("failure_mode"):
+            out.append(f'<div>failure mode <b>{_e(judge["failure_mode"])}</b></div>')
+        out.append(f'<p>{_e(judge.get("explanation") or "")}</p>')
+    else:
+        out.append(f'<div class="big">{_pill("not judged", "not-judged")}</div><p>{_e(judge.get("error") or "")}</p>')
+    spent = usage.get("judge") if isinstance(usage, Mapping) and isinstance(usage.get("judge"), Mapping) else {}
+    facts = [f"model {judge.get('model')}" if judge.get("model") else "",
+             "answered from the cache" if judge.get("cached") else
+             (f"{spent.get('requests', 0)} request(s), {spent.get('prompt_tokens', 0):,} + "
+              f"{spent.get('completion_tokens', 0):,} tokens" if spent else "")]
+    out.append(f'<div class="lbl">{_e(" · ".join(f for f in facts if f))}</div>')
+    if judge.get("cuts"):
+        out.append('<div class="lbl">shown to the judge cut short:</div><ul class="lbl">'
+                   + "".join(f"<li>{_e(c)}</li>" for c in judge["cuts"]) + "</ul>")
+    out.append("</aside>")
+    return "".join(out)
+
+
 def _run_html(run: Mapping[str, Any]) -> str:
     status = run["status"]
     calls: List[Dict[str, Any]] = run.get("tool_calls") or []
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
     check = run.get("outcome") or {}
+    judge = run.get("judge") if isinstance(run.get("judge"), Mapping) else None
     tags = ["ran" if status == "ok" else status] + (["injected"] if injected else []) + (
-        ["refusal"] if run.get("expected_outcome") == "refusal" else []) + (["flagged"] if check.get("flags") else [])
-    opened = " open" if status != "ok" or check.get("flags") else ""
+        ["refusal"] if run.get("expected_outcome") == "refusal" else []) + (
+        ["flagged"] if check.get("flags") else []) + _verdict_tags(judge)
+    opened = " open" if status != "ok" or check.get("flags") or (judge and judge.get("verdict") != "PASS") else ""
     out = [
         f'<details class="run" id="row-{_e(run["row"])}" data-tags="{_e(" ".join(tags))}"{opened}>',
-        f"<summary>{_pill(_STATUS_WORD[status], status)} <b>{_e(_where(run))}</b>",
+        f"<summary>{_pill(_STATUS_WORD[status], status)} {_verdict_pill(judge)} <b>{_e(_where(run))}</b>",
         f'<span class="instr">{_e(run.get("user_instruction", ""))}</span>',
         _pill(_plural(len(calls), "call")) + (_pill(f"{injected} injected", "injected") if injected else "")
         + (_pill("flagged", "flagged") if check.get("flags") else ""),
         "</summary>",
-        '<div class="body">',
+        f'<div class="body{" judged" if judge else ""}">',
     ]
+    if judge:  # the trace on the left, the verdict on the right
+        out.append("<div>")
     if run.get("errors"):
         out.append('<h3>Errors</h3><div class="errors"><ul>')
         out += [f"<li>{_e(e)}</li>" for e in run["errors"]]
@@ -290,7 +407,8 @@ def _run_html(run: Mapping[str, Any]) -> str:
         if run.get("traceback"):
             out.append(f"<details><summary>traceback</summary>{_pre(run['traceback'])}</details>")
     if status == "invalid":
-        out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p></div></details>")
+        out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p>")
+        out.append(_close_body(run, judge))
         return "\n".join(out)
     out.append(_task_html(run))
     if check.get("flags") or check.get("attempted"):
@@ -320,8 +438,15 @@ def _run_html(run: Mapping[str, Any]) -> str:
         out.append(f"<details><summary>metadata</summary>{_pre(run['metadata'])}</details>")
     out.append(f"<details><summary>final state</summary>{_pre(run.get('final_state'))}"
                f"<div class=\"lbl\">flags set: {_e(', '.join(run.get('flags') or []) or 'none')}</div></details>")
-    out.append("</div></details>")
+    out.append(_close_body(run, judge))
     return "\n".join(out)
+
+
+def _close_body(run: Mapping[str, Any], judge: Optional[Mapping[str, Any]]) -> str:
+    """The end of a run's body: with a judge, the trace's column closes and the verdict's panel follows."""
+    if judge is None:
+        return "</div></details>"
+    return "</div>" + _verdict_html(judge, run.get("usage")) + "</div></details>"
 
 
 def _task_html(run: Mapping[str, Any]) -> str:

@@ -24,7 +24,7 @@ import re
 import sys
 from typing import Any, Dict, IO, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import report
+from . import gate, report
 from ..kit import prog
 
 __all__ = ["Shard", "parse_shard", "shard_rows", "ResultFile", "ShardFile", "read_result_file", "merge_files",
@@ -203,8 +203,8 @@ def header_record(*, dataset: Mapping[str, Any], agent: Any, options: Mapping[st
 
 
 def summarise(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
-    """The report's ``summary`` of ``runs`` (what ``simulate`` writes)."""
-    return {
+    """The report's ``summary`` of ``runs`` (what ``simulate`` writes); ``judge`` when runs were judged."""
+    summary = {
         "runs": len(runs),
         "ok": sum(1 for r in runs if r["status"] == "ok"),
         "errors": sum(1 for r in runs if r["status"] != "ok"),
@@ -213,6 +213,10 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
                         if c.get("source") == "injected" and not c.get("replayed")),
         "flagged": sum(1 for r in runs if (r.get("outcome") or {}).get("flags")),
     }
+    verdicts = gate.judge_summary(runs)
+    if verdicts is not None:
+        summary["judge"] = verdicts
+    return summary
 
 
 def merge_files(paths: Sequence[str], *, allow_partial: bool = False) -> Tuple[Dict[str, Any], List[str]]:
@@ -276,22 +280,33 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--html", metavar="OUT", help="write the merged HTML report to OUT")
     parser.add_argument("--allow-partial", action="store_true",
                         help="merge even when rows have no record (a warning instead of an error)")
+    parser.add_argument("--min-pass-rate", metavar="F",
+                        help="exit 1 when PASS / rows is below F (0.8 or 80%%; the shards' verdicts, from simulate "
+                             "--judge; a row not judged is not a pass)")
+    parser.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        min_pass_rate = gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None
+    except ValueError as exc:
+        print(f"merge: {exc}", file=sys.stderr)
+        return 2
+    try:
         result, warnings = merge_files(args.files, allow_partial=args.allow_partial)
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
         report.write_reports(result, args.json, args.html, _write)
+        if args.json != "-":
+            print(report.render_text(result))
+        failed_gate = gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write,
+                                 say=lambda text: print(text, file=sys.stderr), command="merge")
     except ShardError as exc:
         print(str(exc) if str(exc).startswith("merge") else f"merge: {exc}", file=sys.stderr)
         return 2
-    if args.json != "-":
-        print(report.render_text(result))
-    return 0 if result["summary"]["errors"] == 0 else 1
+    return 1 if failed_gate or result["summary"]["errors"] else 0
 
 
 def _write(path: str, text: str) -> None:

@@ -78,9 +78,12 @@ from urllib.parse import urlsplit, urlunsplit
 import pipelines_port as pp
 
 from . import dataset as datasets
-from . import engine, report, shards
+from . import engine, gate, report, shards
+from . import judge as judging
 from ..kit import prog
 from ..harness.mock_proxy import MockProxy, RecordedRequest
+from ..models import cache as _cache
+from ..models.client import ChatClient, endpoint_from_options
 
 __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
            "main"]
@@ -638,6 +641,8 @@ def simulate(
     done: Optional[Mapping[int, Dict[str, Any]]] = None,
     on_record: Optional[Callable[[int, Dict[str, Any]], None]] = None,
     label: str = "",
+    grade: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
+    grade_jobs: int = 16,
 ) -> Dict[str, Any]:
     """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
 
@@ -652,6 +657,10 @@ def simulate(
     ``only_rows`` limits the run to those rows (a shard); ``done`` holds records of rows already run (a resumed
     result file), which are reported and not run again; ``on_record(row, record)`` gets each new record, scrubbed,
     as it finishes (the result file's writer); ``label`` prefixes each progress line (``[shard 2/3] ``).
+
+    ``grade(record)`` (the judge) returns the record with its verdict.  It runs on ``grade_jobs`` threads of
+    its own, beside the rows' workers, so judging one row overlaps running the next: the judge adds its
+    latency once at the end, not once per row.  A record is reported (and streamed) once it is graded.
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
@@ -670,7 +679,20 @@ def simulate(
         if row not in records:
             pending.put(row)
     finished: queue.Queue[Tuple[int, Dict[str, Any]]] = queue.Queue()
+    to_grade: queue.Queue[Optional[Tuple[int, Dict[str, Any]]]] = queue.Queue()
     stop = threading.Event()
+
+    def graded() -> None:
+        while not stop.is_set():
+            item = to_grade.get()
+            if item is None:
+                return
+            row, record = item
+            try:
+                record = grade(record) if grade is not None else record
+            except Exception as exc:  # noqa: BLE001 - a judge bug is the row's "not judged", never a lost row
+                record["judge"] = {"verdict": None, "error": f"the judge failed: {_describe(exc)}"}
+            finished.put((row, record))
 
     def work() -> None:
         while not stop.is_set():
@@ -685,21 +707,29 @@ def simulate(
                     record = _failed_run(tasks[row], f"the simulator failed on this row: {_describe(exc)}")
             else:
                 record = _invalid_run(row, rejected[row])
-            finished.put((row, record))
+            (to_grade if grade is not None else finished).put((row, record))
 
     count = max(1, min(jobs, len(rows) - len(records)))
     workers = [threading.Thread(target=work, name=f"simulate-{i}", daemon=True) for i in range(count)]
-    for worker in workers:
+    graders = [threading.Thread(target=graded, name=f"judge-{i}", daemon=True)
+               for i in range(max(1, min(grade_jobs, len(rows) - len(records))) if grade is not None else 0)]
+    for worker in workers + graders:
         worker.start()
     interrupted = False
+    handed_over = False
     resumed = len(records)
     try:
         while len(records) < len(rows):
             try:
                 row, record = finished.get(timeout=0.2)  # a timeout, so Ctrl-C reaches this thread
             except queue.Empty:
-                if not any(w.is_alive() for w in workers) and finished.empty():
-                    break
+                if not any(w.is_alive() for w in workers):
+                    if not handed_over:  # every row is queued for the graders: they end after the last one
+                        handed_over = True
+                        for _ in graders:
+                            to_grade.put(None)
+                    if not any(g.is_alive() for g in graders) and finished.empty():
+                        break
                 continue
             records[row] = record
             if on_record is not None:
@@ -801,7 +831,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="OUT",
                         help="write the JSON report to OUT ('-' for stdout instead of the text report)")
     parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML report to OUT")
+    add_judge_options(parser)
     return parser
+
+
+def add_judge_options(parser: argparse.ArgumentParser) -> None:
+    """The judge's options (``--judge MODEL`` and its server, key, rubric, cache) and the CI gate's."""
+    group = parser.add_argument_group(
+        "the judge", "grade each run as the platform's judge does (task_completion, verdict, failure_mode), with any "
+                     "OpenAI-compatible model; `scripted` is the kit's offline stand-in (no key, no network)")
+    group.add_argument("--judge", metavar="MODEL", help="the judge's model (e.g. gpt-4.1-mini, or scripted)")
+    group.add_argument("--judge-url", metavar="URL",
+                       help="the server's base URL (default $OPENAI_BASE_URL, else https://api.openai.com/v1; "
+                            "Ollama: http://127.0.0.1:11434/v1)")
+    group.add_argument("--judge-key-env", metavar="NAME",
+                       help="the environment variable holding the API key (default OPENAI_API_KEY; a server on this "
+                            "machine needs none)")
+    group.add_argument("--judge-prompt", metavar="FILE",
+                       help=f"the rubric to judge by (default: the kit's, {os.path.relpath(judging.PROMPT_FILE)})")
+    group.add_argument("--judge-jobs", type=int, default=16, metavar="N",
+                       help="judge requests at once (default 16); they run beside the rows, not after them")
+    group.add_argument("--model-cache", "--judge-cache", dest="model_cache", metavar="DIR",
+                       help="keep model answers here, so an unchanged run asks nothing again (default "
+                            f"{_cache.default_directory()})")
+    group.add_argument("--no-model-cache", "--no-judge-cache", dest="no_model_cache", action="store_true",
+                       help="ask the model every time, keep nothing")
+    group.add_argument("--min-pass-rate", metavar="F",
+                       help="exit 1 when PASS / rows is below F (0.8 or 80%%; a row not judged is not a pass)")
+    group.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row (FAIL a failure, not "
+                                                       "judged an error)")
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -828,10 +886,15 @@ def _load_fixtures(path: str, say: Callable[[str], None]) -> Dict[str, Any]:
 
 
 def _write(path: str, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: a temporary file beside it, then renamed."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
-        with open(path, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+        os.replace(tmp, path)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise SetupError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
@@ -859,6 +922,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SetupError("--token/--token-env are for --url agents; a --code agent is called directly")
     if args.resume and not args.jsonl:
         raise SetupError("--resume continues a --jsonl result file: give --jsonl OUT.jsonl")
+    min_pass_rate = check_gate_options(args)
     try:
         shard = shards.parse_shard(args.shard) if args.shard is not None else None
     except shards.ShardError as exc:
@@ -892,8 +956,17 @@ def run_cli(args: argparse.Namespace) -> int:
             say(f"warning: {warning}")
     hidden = [token] if token else []
     model = _choose_model(args, agent)
+    scope = contextlib.ExitStack()
+    try:
+        judge = make_judge(args, scope)
+    except BaseException:
+        scope.close()
+        raise
     describe = {"agent": {"mode": agent.mode, "target": agent.target},
                 "fixtures": args.responses, "tools_schema": args.tools, "model": model}
+    if judge is not None:
+        describe["judge"] = dict(judge.identity(), server=judge.client.endpoint.describe(),
+                                 prompt=args.judge_prompt or "the kit's (prompts/judge.md)")
     all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
                                                      if p.row is not None and p.severity == "error"})
     shard_rows = shards.shard_rows(all_rows, shard)
@@ -905,7 +978,7 @@ def run_cli(args: argparse.Namespace) -> int:
         header = shards.header_record(
             dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
                      "problems": [p.to_json() for p in data.problems]},
-            agent=_agent_identity(agent), options=_option_identity(args, model), shard=shard, rows=shard_rows,
+            agent=_agent_identity(agent), options=_option_identity(args, model, judge), shard=shard, rows=shard_rows,
             all_rows=all_rows)
         header["describe"] = _scrub(describe, hidden)
         header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -922,14 +995,16 @@ def run_cli(args: argparse.Namespace) -> int:
             say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its row runs again")
     interrupted = False
     try:
-        with contextlib.ExitStack() as stack:
+        with scope as stack:
             if model == "scripted":
                 stack.enter_context(_scripted_model(agent, say))
             try:
                 result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say,
                                   hidden=hidden, describe=describe, jobs=args.jobs, only_rows=shard_rows,
                                   done=result_file.done if result_file else None,
-                                  on_record=result_file.add if result_file else None, label=label)
+                                  on_record=result_file.add if result_file else None, label=label,
+                                  grade=(lambda record: judging.judged(record, judge)) if judge else None,
+                                  grade_jobs=args.judge_jobs)
             except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
                 result, interrupted = stopped.result, True
                 say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
@@ -943,9 +1018,45 @@ def run_cli(args: argparse.Namespace) -> int:
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
+    if judge is not None and judge.client.cache is not None and judge.client.cache.problem:
+        say(f"simulate: warning: the model cache was not used in full: {judge.client.cache.problem}")
+    failed_gate = gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write, say=say,
+                             command="simulate")
     if interrupted:
         return 130
-    return 0 if result["summary"]["errors"] == 0 else 1
+    return 1 if failed_gate or result["summary"]["errors"] else 0
+
+
+def check_gate_options(args: argparse.Namespace) -> Optional[float]:
+    """``--min-pass-rate`` as a number, once the judge's and the gate's options are known to fit together."""
+    if not 1 <= args.judge_jobs <= 256:
+        raise SetupError(f"--judge-jobs must be between 1 and 256, got {args.judge_jobs}")
+    if not args.judge:
+        given = [f"--{name.replace('_', '-')}" for name in ("min_pass_rate", "junit", "judge_url", "judge_key_env",
+                                                            "judge_prompt") if getattr(args, name) is not None]
+        if given:
+            raise SetupError(f"{', '.join(given)} go(es) with --judge MODEL (--judge scripted runs offline)")
+    try:
+        return gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+
+
+def make_judge(args: argparse.Namespace, scope: contextlib.ExitStack) -> Optional[judging.Judge]:
+    """The judge the options ask for (``None`` without ``--judge``); a scripted one serves for ``scope``."""
+    if not args.judge:
+        return None
+    try:
+        prompt = judging.load_prompt(args.judge_prompt)
+        if args.judge.strip().lower() == "scripted":
+            endpoint = scope.enter_context(judging.scripted_endpoint())._replace(concurrency=args.judge_jobs)
+        else:
+            endpoint = endpoint_from_options(args.judge, args.judge_url, args.judge_key_env, what="--judge",
+                                             concurrency=args.judge_jobs)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    cache = None if args.no_model_cache else _cache.AnswerCache(args.model_cache or _cache.default_directory())
+    return judging.Judge(ChatClient(endpoint, cache=cache), prompt)
 
 
 def _file_identity(path: Optional[str]) -> Optional[Dict[str, str]]:
@@ -965,10 +1076,14 @@ def _agent_identity(agent: Any) -> Dict[str, Any]:
     return {"mode": agent.mode, "target": agent.target}
 
 
-def _option_identity(args: argparse.Namespace, model: Optional[str]) -> Dict[str, Any]:
+def _option_identity(args: argparse.Namespace, model: Optional[str],
+                     judge: Optional[judging.Judge] = None) -> Dict[str, Any]:
     """The options that change what a row's run gives (so shards of one simulation must share them)."""
-    return {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
-            "model": model, "strict": bool(args.code) and not args.lenient}
+    identity = {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
+                "model": model, "strict": bool(args.code) and not args.lenient}
+    if judge is not None:
+        identity["judge"] = judge.identity()
+    return identity
 
 
 def _required_env(agent: Any) -> List[str]:

@@ -1,0 +1,193 @@
+"""The local judge: grade each simulated run as the platform's judge does, with any OpenAI-compatible model.
+
+What the judge is shown, as one JSON case (``case_for``): the user instruction; ``expected_outcome`` when the
+row sets it; the behavior instructions; the trajectory (each tool call's name, arguments, result and source,
+injected failures marked); the final response; the last few messages; the run's own errors.  Long values are
+cut to the bounds in ``LIMITS`` and the case's ``cut`` list says where, as does the report.
+
+The rubric is ``prompts/judge.md`` (the platform's documented semantics in the kit's words), which users can
+read and replace (``--judge-prompt FILE``).  The answer is exactly the platform's
+``{"task_completion": 1-5, "verdict": "PASS"|"FAIL", "failure_mode": str|null, "explanation": str}``
+(``..models.roles.JUDGE_SCHEMA``), held to it by the model client (one re-ask) and by one more rule: a FAIL
+names its failure mode and a PASS has none.
+
+A row is **not judged**, with the reason, when it was not run (the dataset check rejected it), when the run
+ended in an error before any final response (there is nothing to grade), or when the judge could not answer
+(transport, an error status after the retries, two unusable answers).  Not judged is never a PASS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from ..models import roles
+from ..models.client import ChatClient, Endpoint, ModelError
+
+__all__ = ["LIMITS", "PROMPT_FILE", "load_prompt", "case_for", "Judge", "judged", "scripted_endpoint"]
+
+PROMPT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "judge.md")
+LIMITS = {
+    "user_instruction": 8000, "behavior_instructions": 4000, "final_response": 20000,  # characters
+    "arguments": 2000, "result": 4000, "message": 2000, "error": 1000,
+    "steps": 60,  # tool calls shown: the first 20 and the last 40 of a longer run
+    "messages": 6,  # the transcript's last messages
+}
+_HEAD_STEPS = 20
+
+
+def load_prompt(path: Optional[str] = None) -> str:
+    """The rubric: ``path`` (``--judge-prompt``) or the kit's own; ``ValueError`` names an unreadable file."""
+    where = path or PROMPT_FILE
+    try:
+        with open(where, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"--judge-prompt: cannot read {where}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--judge-prompt: {where} is not UTF-8 text") from None
+    if not text.strip():
+        raise ValueError(f"--judge-prompt: {where} is empty")
+    return text
+
+
+def _bounded(value: Any, limit: int, where: str, cuts: List[str]) -> Any:
+    """``value`` as it is when its text fits ``limit`` characters, else its text cut there (noted in ``cuts``)."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    if len(text) <= limit:
+        return value
+    cuts.append(f"{where}: the first {limit:,} of {len(text):,} characters shown")
+    return text[:limit] + f" [... {len(text) - limit:,} characters cut]"
+
+
+def _step(call: Mapping[str, Any], cuts: List[str]) -> Dict[str, Any]:
+    where = f"trajectory step {call.get('index')}"
+    source = call.get("source") or "rejected"
+    step: Dict[str, Any] = {"step": call.get("index"), "tool": call.get("tool_name"),
+                            "arguments": _bounded(call.get("arguments"), LIMITS["arguments"], where + " arguments",
+                                                  cuts),
+                            "result": _bounded(call.get("response"), LIMITS["result"], where + " result", cuts),
+                            "source": source}
+    if source == "injected":
+        step["injected_failure"] = True
+    if source == "rejected":
+        step["result"] = f"the proxy rejected the call (HTTP {call.get('http_status')})"
+    if call.get("replayed"):
+        step["replayed"] = True
+    return step
+
+
+def _trajectory(calls: List[Mapping[str, Any]], cuts: List[str]) -> List[Dict[str, Any]]:
+    limit = LIMITS["steps"]
+    if len(calls) <= limit:
+        return [_step(c, cuts) for c in calls]
+    tail = limit - _HEAD_STEPS
+    cuts.append(f"trajectory: {len(calls)} tool calls, the first {_HEAD_STEPS} and the last {tail} shown")
+    return ([_step(c, cuts) for c in calls[:_HEAD_STEPS]]
+            + [{"omitted": f"{len(calls) - limit} tool calls"}]
+            + [_step(c, cuts) for c in calls[-tail:]])
+
+
+def case_for(record: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """What the judge is shown of one run record, and where something was cut (see the module docstring)."""
+    cuts: List[str] = []
+    case: Dict[str, Any] = {"user_instruction": _bounded(record.get("user_instruction") or "",
+                                                         LIMITS["user_instruction"], "user_instruction", cuts)}
+    if record.get("expected_outcome_given"):
+        case["expected_outcome"] = record.get("expected_outcome")
+    if record.get("behavior_instructions"):
+        case["behavior_instructions"] = _bounded(record["behavior_instructions"], LIMITS["behavior_instructions"],
+                                                 "behavior_instructions", cuts)
+    case["trajectory"] = _trajectory(list(record.get("tool_calls") or []), cuts)
+    final = record.get("final_response")
+    case["final_response"] = _bounded(final, LIMITS["final_response"], "final_response", cuts) \
+        if isinstance(final, str) else None
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages:
+        shown = messages[-LIMITS["messages"]:]
+        if len(messages) > len(shown):
+            cuts.append(f"last_messages: the last {len(shown)} of {len(messages)} messages shown")
+        case["last_messages"] = [_bounded(m, LIMITS["message"], f"last_messages[{i}]", cuts)
+                                 for i, m in enumerate(shown)]
+    if record.get("errors"):
+        case["run_errors"] = [_bounded(e, LIMITS["error"], "run_errors", cuts) for e in record["errors"]]
+    if cuts:
+        case["cut"] = list(cuts)
+    return case, cuts
+
+
+def _consistent(answer: Dict[str, Any]) -> Optional[str]:
+    """The one rule the schema cannot say: a FAIL names its failure mode, a PASS has none."""
+    mode = answer.get("failure_mode")
+    if answer.get("verdict") == "FAIL" and not (isinstance(mode, str) and mode.strip()):
+        return "a FAIL must name its failure_mode"
+    if answer.get("verdict") == "PASS" and mode is not None:
+        return "a PASS has failure_mode null"
+    return None
+
+
+class Judge:
+    """Grades run records through one :class:`ChatClient`; ``grade`` is safe to call from many threads."""
+
+    def __init__(self, client: ChatClient, prompt: str) -> None:
+        self.client = client
+        self.prompt = prompt
+
+    @property
+    def model(self) -> str:
+        return self.client.endpoint.model
+
+    def identity(self) -> Dict[str, Any]:
+        """What makes two runs' judges the same (for result files): model, server, rubric."""
+        return {"model": self.model, "server": self.client.endpoint.describe(),
+                "prompt_sha256": hashlib.sha256(self.prompt.encode("utf-8")).hexdigest()}
+
+    def grade(self, record: Mapping[str, Any]) -> Dict[str, Any]:
+        """The record's ``judge`` entry; the usage of this row goes under ``usage``'s ``judge`` key."""
+        status = record.get("status")
+        if status == "invalid":
+            return {"verdict": None, "error": "not run: the dataset check rejected the row", "model": self.model}
+        if status == "error" and not isinstance(record.get("final_response"), str):
+            first = next(iter(record.get("errors") or []), "an error")
+            return {"verdict": None, "model": self.model,
+                    "error": f"the run ended in an error before a final response, so there is nothing to grade: "
+                             f"{str(first)[:300]}"}
+        case, cuts = case_for(record)
+        messages = [{"role": "system", "content": self.prompt},
+                    {"role": "user", "content": json.dumps(case, ensure_ascii=False, indent=1)}]
+        try:
+            answer = self.client.ask_json(messages, roles.JUDGE_SCHEMA, name=roles.JUDGE, strict=True,
+                                          check=_consistent)
+        except ModelError as exc:
+            return {"verdict": None, "error": f"the judge could not grade this run: {exc}", "model": self.model,
+                    "usage": {}}
+        verdict: Dict[str, Any] = {key: answer.value[key] for key in ("verdict", "task_completion", "failure_mode",
+                                                                      "explanation")}
+        verdict["model"] = self.model
+        if answer.cached:
+            verdict["cached"] = True
+        if cuts:
+            verdict["cuts"] = cuts
+        verdict["usage"] = dict(answer.usage)
+        return verdict
+
+
+def judged(record: Dict[str, Any], judge: Judge) -> Dict[str, Any]:
+    """``record`` with its ``judge`` entry and the judge's ``usage`` (the report's shape)."""
+    verdict = judge.grade(record)
+    usage = verdict.pop("usage", None) or {}
+    record["judge"] = verdict
+    record.setdefault("usage", {})["judge"] = usage
+    return record
+
+
+@contextlib.contextmanager
+def scripted_endpoint() -> Iterator[Endpoint]:
+    """The kit's offline stand-in as an endpoint (no key, no network beyond 127.0.0.1), for the scope."""
+    from ..models.scripted import ScriptedModel
+
+    with ScriptedModel() as model:
+        yield Endpoint(model.origin + "/v1", "scripted", None, timeout_s=30.0, concurrency=64)
