@@ -36,6 +36,18 @@ run = pp.code_mode(agent)
 '''
 
 
+def write_dataset(path: pathlib.Path, count: int) -> pathlib.Path:
+    """``count`` rows: the sample's, repeated, each instruction made unique with its number."""
+    with open(SAMPLE, newline="", encoding="utf-8") as f:
+        sample = list(csv.DictReader(f))
+    rows = [dict(sample[i % len(sample)], user=f"{sample[i % len(sample)]['user']} (#{i})") for i in range(count)]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(sample[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=500)
@@ -44,14 +56,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp)
-        with open(SAMPLE, newline="", encoding="utf-8") as f:
-            sample = list(csv.DictReader(f))
-        rows = [dict(sample[i % len(sample)], user=f"{sample[i % len(sample)]['user']} (#{i})") for i in range(args.rows)]
-        dataset = folder / "tasks.csv"
-        with open(dataset, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=list(sample[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        dataset = write_dataset(folder / "tasks.csv", args.rows)
         agent = folder / "agent.py"
         agent.write_text(AGENT, encoding="utf-8")
         times = {}

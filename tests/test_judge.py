@@ -290,3 +290,16 @@ def test_parse_rate_and_junit_escaping() -> None:
     assert cases[0].find("failure").get("message") == "bad \ufffd <thing>"
     assert "dataset check rejected" in cases[1].find("error").get("message")
     assert gate.gate_failure(result, 0.0) is None or gate.pass_rate(result["runs"]) == 0.0
+
+
+def test_the_demo_is_judged_offline(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    from conformance.project import demo
+
+    code = demo.main(["--json", str(tmp_path / "demo.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads((tmp_path / "demo.json").read_text(encoding="utf-8"))
+    assert all(r["judge"]["verdict"] in ("PASS", "FAIL") and r["judge"]["model"] == "scripted" for r in report["runs"])
+    refusal = next(r for r in report["runs"] if r["expected_outcome"] == "refusal")
+    assert refusal["judge"]["verdict"] == "FAIL"  # the sample's scripted agent loop carries the refund out
+    assert "judge (scripted): pass rate" in out

@@ -164,7 +164,7 @@ def test_sample_dataset_end_to_end_in_code_mode(capsys: pytest.CaptureFixture, t
     assert [line.split("]")[0] for line in progress] == ["[1/5", "[2/5", "[3/5", "[4/5", "[5/5"]
     assert "row 2 (line 3): ran, 1 tool call, 1 injected" in progress[1]
     assert "5 runs: 5 ran without error, 0 errors; 5 tool calls, 2 injected" in out
-    assert out.rstrip().endswith("expected outcomes: not judged (no judge runs here); 0 refusal row(s) flagged "
+    assert out.rstrip().endswith("expected outcomes: not judged (no --judge); 0 refusal row(s) flagged "
                                  "for an action carried out")
     assert out.count("expected outcome: completion") == 4 and "refusal: not judged" in out
     html_text = out_html.read_text(encoding="utf-8")

@@ -48,19 +48,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the template to run (default openai_chat: a model-API agent loop; minimal: one call)")
     parser.add_argument("--model", choices=("scripted", "real"), default="scripted",
                         help="scripted (default): the model is a local stand-in; real: the API with your key")
+    parser.add_argument("--judge", default="scripted", metavar="MODEL",
+                        help="the judge's model (default scripted: the kit's offline stand-in; see simulate --help "
+                             "for --judge-url and --judge-key-env, given here too)")
     parser.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
     parser.add_argument("--html", metavar="OUT", help="also write the HTML report to OUT")
     try:
-        args = parser.parse_args(argv)
+        args, judge_options = parser.parse_known_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    unknown = [a for a in judge_options if a.startswith("-") and not a.startswith("--judge-")]
+    if unknown:
+        parser.print_usage(sys.stderr)
+        print(f"{prog('demo')}: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        return 2
     agent = TEMPLATES / f"{args.template}.py"
     if not agent.is_file():
         names = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.py") if not p.stem.startswith("_")))
         print(f"{prog('demo')}: no template {args.template!r}: choose one of {names}", file=sys.stderr)
         return 2
     forwarded = ["--csv", _shown(DATASET), "--code", _shown(agent) + ":run", "--responses", _shown(FIXTURES),
-                 "--model", args.model]
+                 "--model", args.model, "--judge", args.judge, *judge_options]
     if args.json:
         forwarded += ["--json", args.json]
     if args.html:

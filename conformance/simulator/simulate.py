@@ -1055,8 +1055,16 @@ def make_judge(args: argparse.Namespace, scope: contextlib.ExitStack) -> Optiona
                                              concurrency=args.judge_jobs)
     except ValueError as exc:
         raise SetupError(str(exc)) from None
-    cache = None if args.no_model_cache else _cache.AnswerCache(args.model_cache or _cache.default_directory())
+    cache = _answer_cache(args, scripted=args.judge.strip().lower() == "scripted")
     return judging.Judge(ChatClient(endpoint, cache=cache), prompt)
+
+
+def _answer_cache(args: argparse.Namespace, *, scripted: bool) -> Optional[_cache.AnswerCache]:
+    """The model cache the options ask for.  The scripted stand-in answers at once: nothing of it is kept
+    unless ``--model-cache DIR`` says where."""
+    if args.no_model_cache or (scripted and not args.model_cache):
+        return None
+    return _cache.AnswerCache(args.model_cache or _cache.default_directory())
 
 
 def _file_identity(path: Optional[str]) -> Optional[Dict[str, str]]:

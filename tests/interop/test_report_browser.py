@@ -3,7 +3,7 @@ with JavaScript off.
 
 The report comes from a real simulation: the sample dataset plus a refusal row, against the OpenAI Chat template
 and the scripted model, so it has injected failures, trace events (model turns, assistant messages), ledger
-changes and one flagged row.  Chromium takes screenshots (kept beside the report) and dumps the DOM after its
+changes and one flagged row, and the scripted judge's verdicts beside each run.  Chromium takes screenshots (kept beside the report) and dumps the DOM after its
 script ran; the toolbar's state is set through the URL fragment (``#status=flagged&open=all``), which the page
 reads the same way a click would set it.  Skipped when Chromium is not installed (``.ci/run`` installs it).
 """
@@ -46,7 +46,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
     done = subprocess.run([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
                            str(ROOT / "templates" / "openai_chat.py"), "--responses",
-                           str(ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"), "--html", str(page)],
+                           str(ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"), "--html", str(page),
+                           "--judge", "scripted"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     return page
@@ -115,3 +116,18 @@ def test_without_javascript_every_run_is_there_and_the_toolbar_is_hidden(report:
     assert states["row-6"]["open"]  # the flagged run is open from the start
     assert "model turn" in html and "__occurred_at" not in html  # events by type, no metadata keys
     assert "flagged:" in html
+
+
+def test_the_verdicts_filter_and_sit_beside_the_trace(report: Path) -> None:
+    failed = runs(dom(report, "#status=fail&open=all"))
+    assert [k for k, r in failed.items() if not r["hidden"]] == ["row-5", "row-6"]  # the two refusal rows
+    by_mode = runs(dom(report, "#status=mode-incorrect-completion"))
+    assert [k for k, r in by_mode.items() if not r["hidden"]] == ["row-5", "row-6"]
+    passed = [k for k, r in runs(dom(report, "#status=pass")).items() if not r["hidden"]]
+    assert passed == ["row-1", "row-2", "row-3", "row-4"]
+    html = dom(report, "#status=fail&open=all")
+    assert html.count('<aside class="verdict">') == 6 and "pass rate 66.7%" in html
+    shot = report.parent / "report-verdicts.png"  # the panel beside the trace, for a person to look at
+    done = chromium(f"--screenshot={shot}", "--window-size=1400,1600", "--virtual-time-budget=3000",
+                    report.as_uri() + "#status=fail&open=all")
+    assert done.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

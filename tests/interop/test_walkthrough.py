@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Dict, List
 
@@ -70,6 +71,9 @@ def test_the_readme_walkthrough_ends_with_a_report(fresh: Dict[str, str]) -> Non
     assert "✓ agent imports" in done.stdout and "✗" not in done.stdout  # doctor all green (or skipped), offline
     assert "5 runs: 5 ran without error" in done.stdout
     assert "rows/s" in done.stderr  # the progress line
+    # the judge, installed: its rubric ships as package data; every row judged, in the page and the JUnit file
+    assert "judge (scripted): pass rate" in done.stdout and report.count('<aside class="verdict">') == 5
+    assert len(ET.parse(project / "results.xml").getroot().findall("testsuite/testcase")) == 5
 
 
 def test_a_dispatch_by_hand_with_the_printed_curl(fresh: Dict[str, str]) -> None:
