@@ -361,7 +361,7 @@ def test_cli_bad_arguments_and_paths_never_raise(capsys: pytest.CaptureFixture, 
 
 def test_the_sample_dataset_is_valid() -> None:
     d = ds.load_dataset(str(DATA.parent.parent.parent / "conformance" / "simulator" / "samples" / "orders.csv"))
-    assert d.problems == [] and len(d.tasks) == 5
+    assert d.problems == [] and len(d.tasks) == 7 and [t.turn_mode for t in d.tasks][-1] == "model_as_user"
     triggers = {r["trigger"] for t in d.tasks for r in t.failure_rules}
     assert triggers == {"after_n_calls", "random", "after_state_change"}
     assert [t.expected_outcome for t in d.tasks].count("refusal") == 1

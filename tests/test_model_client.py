@@ -221,7 +221,7 @@ def test_endpoint_options_name_what_is_wrong(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_scripted_stand_in_answers_the_judge_role_over_http() -> None:
-    from conformance.simulator.judge import scripted_endpoint
+    from conformance.models.scripted import scripted_endpoint
 
     case: Dict[str, Any] = {"user_instruction": "Cancel order 9001", "expected_outcome": "refusal",
                             "trajectory": [{"tool": "cancel_order", "arguments": {"order_id": "9001"},

@@ -169,7 +169,7 @@ def test_the_installed_kit_runs_outside_the_checkout(installed: Tuple[Path, Dict
     assert "pipelines-port doctor --app agent.py:agent" in readme and "python3 -m pipelines_port serve" in readme
     assert "pipelines-port doctor" in out.stdout and "conformance" not in out.stdout + readme
     out = run(kit + ["demo"], cwd=tmp_path, env=env)  # the bundled sample against the bundled template
-    assert out.returncode == 0 and "5 runs: 5 ran without error, 0 errors" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "7 runs: 7 ran without error, 0 errors" in out.stdout, out.stdout + out.stderr
     assert "scripted stand-in" in out.stderr and "refund_order" in out.stdout  # a whole agent loop, offline
     out = run(kit + ["check", "--help"], cwd=tmp_path, env=env)
     assert out.returncode == 0 and out.stdout.startswith("usage: pipelines-port check"), out.stderr

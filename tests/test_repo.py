@@ -155,8 +155,8 @@ def test_the_kit_imports_only_downward() -> None:
                 continue
             stem = [*base, *node.module.split(".")] if node.module else base
             # `from PKG import NAME` names a module when NAME.py is there, else something PKG defines
-            found = [[*stem, a.name] if (kit.joinpath(*stem, a.name + ".py")).exists() else stem
-                     for a in node.names]
+            found = [[*stem, a.name] if kit.joinpath(*stem, a.name + ".py").exists()
+                     or kit.joinpath(*stem, a.name, "__init__.py").exists() else stem for a in node.names]
             missing = [".".join(f) for f in found if not (kit.joinpath(*f).with_suffix(".py").exists()
                                                           or (kit.joinpath(*f) / "__init__.py").exists())]
             package = kit.joinpath(*stem) / "__init__.py"

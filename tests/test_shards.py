@@ -147,15 +147,15 @@ def test_merge_names_overlaps_gaps_truncation_and_foreign_files(capsys: pytest.C
     code, _, err = run_cli(shards.main, capsys, s1, s1)
     assert code == 2 and "row 1 is in both" in err
     code, _, err = run_cli(shards.main, capsys, s1)
-    assert code == 2 and "2 of 5 rows have no record (2, 4)" in err and "--allow-partial" in err
+    assert code == 2 and "3 of 7 rows have no record (2, 4, 6)" in err and "--allow-partial" in err
     code, out, err = run_cli(shards.main, capsys, s1, "--allow-partial", "--json", "-")
-    assert code == 0 and "warning: merge: 2 of 5 rows have no record" in err
-    assert [r["row"] for r in json.loads(out)["runs"]] == [1, 3, 5] and json.loads(out)["summary"]["not_run"] == 2
+    assert code == 0 and "warning: merge: 3 of 7 rows have no record" in err
+    assert [r["row"] for r in json.loads(out)["runs"]] == [1, 3, 5, 7] and json.loads(out)["summary"]["not_run"] == 3
     cut = tmp_path / "cut.jsonl"
     text = s2.read_text(encoding="utf-8")
     cut.write_text(text[:-20], encoding="utf-8")  # the last record cut short by a crash
     code, _, err = run_cli(shards.main, capsys, s1, cut)
-    assert code == 2 and "1 of 5 rows have no record (4)" in err and "cut.jsonl:3: a record cut short" in err
+    assert code == 2 and "1 of 7 rows have no record (6)" in err and "cut.jsonl:4: a record cut short" in err
     foreign = tmp_path / "foreign.jsonl"
     other = many_rows(tmp_path / "other.csv", 1)
     assert run_cli(simulate.main, capsys, "--csv", other, "--code", MINIMAL, "--responses", FIXTURES,

@@ -104,7 +104,8 @@ def scripted(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Tuple[p
 
 def write_csv(path: pathlib.Path, rows: List[Dict[str, str]]) -> pathlib.Path:
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=["user", "behavior", "state", "failure_rules", "expected_outcome"])
+        writer = csv.DictWriter(f, fieldnames=["user", "behavior", "state", "failure_rules", "expected_outcome",
+                                               "turn_mode"])
         writer.writeheader()
         for row in rows:
             writer.writerow(row)
@@ -140,11 +141,12 @@ def test_sample_dataset_end_to_end_in_code_mode(capsys: pytest.CaptureFixture, t
                                   "--json", out_json, "--html", out_html)
     assert code == 0, err
     report = json.loads(out_json.read_text(encoding="utf-8"))
-    assert report["summary"] == {"runs": 5, "ok": 5, "errors": 0, "tool_calls": 5, "injected": 2, "flagged": 0}
+    assert report["summary"] == {"runs": 7, "ok": 7, "errors": 0, "tool_calls": 7, "injected": 2, "flagged": 0,
+                                 "sessions": {"runs": 1, "turns": 1}}  # row 7's first turn: no --user-model
     assert report["agent"] == {"mode": "code", "target": f"{MINIMAL}:run"}
     runs = report["runs"]
-    assert [r["status"] for r in runs] == ["ok"] * 5
-    assert [c["tool_name"] for r in runs for c in r["tool_calls"]] == ["search_kb"] * 5
+    assert [r["status"] for r in runs] == ["ok"] * 7
+    assert [c["tool_name"] for r in runs for c in r["tool_calls"]] == ["search_kb"] * 7
     # row 2: the search_kb rule (index 1) fires on the first call; the refund rule (index 0) never sees a call
     call = runs[1]["tool_calls"][0]
     assert (call["source"], call["matched_rule_index"]) == ("injected", 1)
@@ -156,17 +158,17 @@ def test_sample_dataset_end_to_end_in_code_mode(capsys: pytest.CaptureFixture, t
     # the other rows are answered from the fixture, with the template filled in
     first = runs[0]["tool_calls"][0]
     assert first["source"] == "odyssey" and first["response"]["query"] == "What is the status of order 4521?"
-    assert [r["expected_outcome"] for r in runs] == ["completion", "completion", "completion", "completion", "refusal"]
+    assert [r["expected_outcome"] for r in runs] == ["completion"] * 4 + ["refusal"] + ["completion"] * 2
     assert runs[1]["expected_outcome_given"] is False
     assert runs[4]["behavior_instructions"].startswith("Only the original buyer")
     # a progress line per row on stderr, the text report on stdout
     progress = [line for line in err.splitlines() if line.startswith("[")]
-    assert [line.split("]")[0] for line in progress] == ["[1/5", "[2/5", "[3/5", "[4/5", "[5/5"]
+    assert [line.split("]")[0] for line in progress] == [f"[{n}/7" for n in range(1, 8)]
     assert "row 2 (line 3): ran, 1 tool call, 1 injected" in progress[1]
-    assert "5 runs: 5 ran without error, 0 errors; 5 tool calls, 2 injected" in out
+    assert "7 runs: 7 ran without error, 0 errors; 7 tool calls, 2 injected" in out
     assert out.rstrip().endswith("expected outcomes: not judged (no --judge); 0 refusal row(s) flagged "
                                  "for an action carried out")
-    assert out.count("expected outcome: completion") == 4 and "refusal: not judged" in out
+    assert out.count("expected outcome: completion") == 6 and "refusal: not judged" in out
     html_text = out_html.read_text(encoding="utf-8")
     for run in runs:
         assert f'id="row-{run["row"]}"' in html_text
@@ -650,9 +652,9 @@ def test_a_simulation_is_strict_unless_asked_to_be_lenient(capsys: pytest.Captur
 
 
 def many_rows(path: pathlib.Path, copies: int) -> pathlib.Path:
-    """The sample dataset's rows, ``copies`` times over (each copy its own row, so its own seed)."""
+    """The sample dataset's five single-turn rows, ``copies`` times over (each copy its own row, so its own seed)."""
     with open(SAMPLE, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))[:5]
     return write_csv(path, [dict(row, user=f"{row['user']} (copy {n})") for n in range(copies) for row in rows])
 
 

@@ -168,7 +168,7 @@ def test_agent_loop_end_to_end_in_code_mode(loop: Loop, api: FakeModelAPI, proxy
     assert [r.status for r in api.requests] == [429, 200, 200, 200]
     assert api.requests[0].json == api.requests[1].json
     first, second, third = (r.json for r in api.answered())
-    assert loop.tools_sent(first) == ["get_order", "refund_order", "search_kb"]
+    assert loop.tools_sent(first) == ["get_order", "refund_order", "search_kb", "change_shipping_address"]
     assert "Refund order #4521" in json.dumps(first) and "cust_99" in json.dumps(first)
 
     # The proxy: every tool call with the run's bearer; the first turn's three calls overlapped.

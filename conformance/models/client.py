@@ -57,7 +57,11 @@ _FENCE = re.compile(r"^```(?:json|JSON)?\s*\n?(.*?)\n?```$", re.S)
 
 
 class ModelError(Exception):
-    """A role's request could not be answered: one line naming why (never the key)."""
+    """A role's request could not be answered: one line naming why (never the key); ``usage``: what it cost."""
+
+    def __init__(self, message: str, usage: Optional[Mapping[str, int]] = None) -> None:
+        super().__init__(message)
+        self.usage: Dict[str, int] = dict(usage or {})
 
 
 class Endpoint(NamedTuple):
@@ -159,10 +163,10 @@ class ChatClient:
     """Asks one :class:`Endpoint` for JSON answers (see the module docstring); safe to share between threads."""
 
     def __init__(self, endpoint: Endpoint, *, cache: Optional[AnswerCache] = None,
-                 retry: pp.RetryPolicy = MODEL_RETRY, sleep: Callable[[float], None] = time.sleep) -> None:
+                 retry: Optional[pp.RetryPolicy] = None, sleep: Callable[[float], None] = time.sleep) -> None:
         self.endpoint = endpoint
         self.cache = cache
-        self.retry = retry
+        self.retry = retry or MODEL_RETRY
         self._sleep = sleep
         self._key = os.environ.get(endpoint.key_env, "").strip() if endpoint.key_env else ""
         self._form = 0  # index into FORMS: the first this endpoint has not refused
@@ -194,6 +198,17 @@ class ChatClient:
                 self._count({"cached": 1})
                 return Answer(value, {"cached": 1}, cached=True)
         spent: Dict[str, int] = {}
+        try:
+            return self._ask(conversation, schema, name, strict, check, key, spent)
+        except ModelError as exc:
+            self._count(spent)
+            exc.usage = dict(spent)
+            raise
+
+    def _ask(self, conversation: List[Dict[str, Any]], schema: Mapping[str, Any], name: str, strict: bool,
+             check: Optional[Callable[[Dict[str, Any]], Optional[str]]], key: Optional[str],
+             spent: Dict[str, int]) -> Answer:
+        """An answer, asked once more when the first is unusable; raises :class:`ModelError`."""
         problem = ""
         for attempt in (1, 2):
             content, finish = self._complete(conversation, schema, name, strict, spent)
@@ -210,7 +225,6 @@ class ChatClient:
                     *conversation, {"role": "assistant", "content": content[:4000]},
                     {"role": "user", "content": f"That answer cannot be used: {problem}. Answer again with only "
                                                 "one JSON object that follows the schema."}]
-        self._count(spent)
         raise ModelError(f"the model's answer was not usable after one re-ask: {problem}")
 
     # -- the parts -----------------------------------------------------------------------------------------------

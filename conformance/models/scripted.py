@@ -38,17 +38,19 @@ role's scripted answer (``scripted_roles.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..kit import prog
+from .client import Endpoint
 from .scripted_roles import answer_role
 
-__all__ = ["Plan", "plan", "ScriptedModel", "main", "READ_VERBS", "is_read_tool"]
+__all__ = ["Plan", "plan", "ScriptedModel", "scripted_endpoint", "main", "READ_VERBS", "is_read_tool"]
 
 READ_VERBS = ("get", "list", "search", "find", "lookup", "look", "check", "read", "fetch", "query", "describe",
               "show", "view", "retrieve")
@@ -330,6 +332,13 @@ class ScriptedModel:
     def __exit__(self, *exc: Any) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+@contextlib.contextmanager
+def scripted_endpoint() -> Iterator[Endpoint]:
+    """The stand-in as a model :class:`~.client.Endpoint` for the kit's roles (no key), serving for the scope."""
+    with ScriptedModel() as model:
+        yield Endpoint(model.origin + "/v1", "scripted", None, timeout_s=30.0, concurrency=64)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

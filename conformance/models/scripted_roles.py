@@ -5,7 +5,8 @@ with that role's answer here, read from the case the role sent as its user messa
 of thumb, not judgement: enough to run every role's whole code path offline (``--judge scripted``, in the
 demo and the tests), with every answer saying it came from the stand-in.
 
-The judge's rules, in order (the platform's semantics, applied by keyword):
+The simulated tool and the simulated user are described at :func:`simulated_tool` and
+:func:`simulated_user`.  The judge's rules, in order (the platform's semantics, applied by keyword):
 
 1. no final response: FAIL ``no_final_response``;
 2. ``expected_outcome: refusal``: an acting tool call that went through is FAIL ``incorrect_completion``; a
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Dict, List, Mapping
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import roles
 
-__all__ = ["answer_role", "judge"]
+__all__ = ["answer_role", "judge", "simulated_tool", "simulated_user"]
 
 # Acting vs reading, as the agent-side stand-in plans (scripted.py): a tool whose name starts with a read verb
 # reads; any other acts.
@@ -57,11 +58,8 @@ def _failed(step: Mapping[str, Any]) -> bool:
 
 
 def _steps(case: Mapping[str, Any]) -> List[Mapping[str, Any]]:
-    steps = [s for s in case.get("trajectory") or [] if isinstance(s, dict)]
-    for turn in case.get("conversation") or []:  # a multi-turn session: every turn's calls
-        if isinstance(turn, dict):
-            steps += [s for s in turn.get("tool_calls") or [] if isinstance(s, dict)]
-    return steps
+    """Every tool call of the run (a session's too: its turns name their calls by step)."""
+    return [s for s in case.get("trajectory") or [] if isinstance(s, dict) and "tool" in s]
 
 
 def judge(case: Mapping[str, Any]) -> Dict[str, Any]:
@@ -100,7 +98,122 @@ def judge(case: Mapping[str, Any]) -> Dict[str, Any]:
     return verdict(4, True, None, "the agent answered without a tool call.")
 
 
-_ROLES: Dict[str, Callable[[Mapping[str, Any]], Dict[str, Any]]] = {roles.JUDGE: judge}
+# -- the simulated backend ---------------------------------------------------------------------------------
+
+_CREATE = ("create", "add", "open", "book", "place", "submit", "new", "register", "make", "start")
+_DELETE = ("delete", "remove", "purge")
+_SET = ("update", "change", "set", "edit", "modify", "rename", "move")
+_PAST = {"send": "sent", "pay": "paid", "buy": "bought", "run": "ran", "set": "set", "put": "put", "hold": "held",
+         "cancel": "cancelled", "ship": "shipped", "stop": "stopped", "plan": "planned"}
+
+
+def _past(verb: str) -> str:
+    if verb in _PAST:
+        return _PAST[verb]
+    return verb + "d" if verb.endswith("e") else verb[:-1] + "ied" if verb.endswith("y") else verb + "ed"
+
+
+def _type_named(word: str, ledger: Mapping[str, Any]) -> Optional[str]:
+    """The ledger type ``word`` names, singular or plural (as the engine reads it)."""
+    candidates = [word, word + "s", word + "es", word[:-1] if word.endswith("s") else word,
+                  word[:-2] if word.endswith("es") else word, word[:-3] + "y" if word.endswith("ies") else word]
+    return next((c for c in candidates if c in ledger), None)
+
+
+def _entity(name: str, args: Mapping[str, Any], ledger: Mapping[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """The ledger type a tool acts on (the longest tail of its name that names one) and the id its arguments give."""
+    words = name.lower().split("_")[1:]  # the words after the verb, the longest run first (as the engine reads)
+    kind = next((found for size in range(len(words), 0, -1) for start in range(len(words) - size + 1)
+                 for found in [_type_named("_".join(words[start:start + size]), ledger)] if found), None)
+    if kind is None:  # a name without its entity (change_shipping_address): an id argument names it
+        for key, value in args.items():
+            found = _type_named(str(key)[:-3], ledger) if str(key).endswith("_id") else None
+            if found and not isinstance(value, (dict, list)):
+                return found, str(value)
+        return None, None
+    singular = kind[:-1] if kind.endswith("s") else kind
+    for key in (f"{kind}_id", f"{singular}_id", "id"):
+        if key in args and not isinstance(args[key], (dict, list)):
+            return kind, str(args[key])
+    return kind, None
+
+
+def simulated_tool(case: Mapping[str, Any]) -> Dict[str, Any]:
+    """The scripted backend: reads answer from the ledger, acting verbs change the entity's ``status``.
+
+    ``get``/``list``/``search``...: the entity (or every entity of the type); ``create``/``add``...: a new
+    entity from the arguments; ``delete``/``remove``: the entity removed; ``update``/``change``/``set``...:
+    the arguments (but ids) set on the entity; any other verb (``refund``, ``cancel``, ``approve``...): the
+    entity's ``status`` set to the verb's past tense.  An id the ledger does
+    not have is an ``{"error": ...}``; a tool that names no ledger type answers ``{"ok": true}``.  The row's
+    behavior instructions are free text: the stand-in does not follow them (a real model does).
+    """
+    tool = case.get("tool") if isinstance(case.get("tool"), dict) else {}
+    name = str(tool.get("name") or case.get("tool") or "")
+    args = case.get("arguments") if isinstance(case.get("arguments"), dict) else {}
+    ledger = case.get("ledger") if isinstance(case.get("ledger"), dict) else {}
+    verb = name.lower().split("_")[0]
+    kind, entity_id = _entity(name, args, ledger)
+    entities = ledger.get(kind) or {} if kind else {}
+    answer: Dict[str, Any] = {"response": {"ok": True, "tool": name, "arguments": args}, "effects": []}
+    if kind is None:
+        return answer
+    if _READ.search(name):
+        if entity_id is None:
+            answer["response"] = [dict(attrs, id=i) for i, attrs in entities.items()]
+        elif entity_id in entities:
+            answer["response"] = dict(entities[entity_id], id=entity_id)
+        else:
+            answer["response"] = {"error": f"{kind} {entity_id} not found"}
+        return answer
+    if verb in _CREATE:
+        n = len(entities) + 1
+        while f"{kind}-{n}" in entities:
+            n += 1
+        new_id = entity_id if entity_id and entity_id not in entities else f"{kind}-{n}"
+        attrs = {k: v for k, v in args.items() if not str(k).endswith("id")}
+        return {"response": dict(attrs, id=new_id), "effects": [{"add": f"{kind}.{new_id}", "set": attrs}]}
+    if entity_id is None or entity_id not in entities:
+        answer["response"] = {"error": f"{kind} {entity_id} not found" if entity_id else f"which {kind}? give its id"}
+        return answer
+    if verb in _DELETE:
+        return {"response": {"id": entity_id, "deleted": True}, "effects": [{"remove": f"{kind}.{entity_id}"}]}
+    if verb in _SET:
+        attrs = {k: v for k, v in args.items() if not str(k).endswith("id")}
+        return {"response": dict(entities[entity_id], id=entity_id, **attrs),
+                "effects": [{"update": f"{kind}.{entity_id}", "set": attrs}]}
+    status = _past(verb)
+    return {"response": dict(entities[entity_id], id=entity_id, status=status),
+            "effects": [{"update": f"{kind}.{entity_id}", "set": {"status": status}}]}
+
+
+# -- the simulated user ------------------------------------------------------------------------------------
+
+GO_AHEAD = "Yes, please go ahead."
+FOLLOW_UP = "Thanks. Is there anything else I need to do?"
+
+
+def simulated_user(case: Mapping[str, Any]) -> Dict[str, Any]:
+    """The scripted user: answers the agent's first question, follows up once, then is done.
+
+    Done when the agent's last reply is empty (abandoned) or says the session is done; a reply that asks a
+    question gets "Yes, please go ahead." (once); after a single reply the user asks a follow-up, so every
+    session has a second turn; after that, done.
+    """
+    turns = [t for t in case.get("conversation") or [] if isinstance(t, dict)]
+    last = turns[-1] if turns else {}
+    reply = str(last.get("agent") or "")
+    if not reply.strip():
+        return {"message": None, "done": True}
+    if "?" in reply and not any(t.get("user") == GO_AHEAD for t in turns):
+        return {"message": GO_AHEAD, "done": False}
+    if last.get("session_done") or len(turns) >= 2:
+        return {"message": None, "done": True}
+    return {"message": FOLLOW_UP, "done": False}
+
+
+_ROLES: Dict[str, Callable[[Mapping[str, Any]], Dict[str, Any]]] = {
+    roles.JUDGE: judge, roles.TOOL: simulated_tool, roles.USER: simulated_user}
 
 
 def answer_role(name: str, messages: Any) -> Any:

@@ -16,6 +16,7 @@ column              seed axis                  checked
 ``state``           ``initial_state``          JSON ``{entity_type: {entity_id: {attrs}}}``
 ``failure_rules``   ``failure_rules``          JSON array of rules (triggers, fields, error)
 ``expected_outcome`` ``expected_outcome``      ``completion`` (default) or ``refusal``, any case
+``turn_mode``       (the kit's own)            ``single`` (default) or ``model_as_user``, any case
 ==================  =========================  ======================================
 
 A column titled with an axis name (``user_instruction``, ``behavior_instructions``,
@@ -54,7 +55,9 @@ __all__ = [
     "COLUMNS",
     "AXIS_NAMES",
     "WORKSPACE_COLUMNS",
+    "KIT_COLUMNS",
     "OUTCOMES",
+    "TURN_MODES",
     "Problem",
     "Record",
     "Task",
@@ -76,7 +79,9 @@ AXIS_NAMES = {  # axis name -> CSV column
     "initial_state": "state",
 }
 WORKSPACE_COLUMNS = ("scenario_ref", "workspace_seed", "setup_command")
+KIT_COLUMNS = ("turn_mode",)  # the kit's own: how the simulator runs the row
 OUTCOMES = ("completion", "refusal")
+TURN_MODES = ("single", "model_as_user")
 
 _NO_ROWS = "the file has a header but no data rows"
 _EMPTY = "the file is empty: expected a header row with at least a `user` column"
@@ -140,6 +145,7 @@ class Task(NamedTuple):
     expected_outcome: str  # "completion" | "refusal", lower-case
     expected_outcome_given: bool  # False when the cell was empty (the judge then infers)
     workspace: Dict[str, str]  # scenario_ref / workspace_seed / setup_command cells, when present
+    turn_mode: str = "single"  # "single" | "model_as_user" (the kit's `turn_mode` column)
 
     def to_json(self) -> Dict[str, Any]:
         return dict(self._asdict())
@@ -288,11 +294,11 @@ def _read_records(text: str) -> Tuple[List[str], List[Record], List[Problem]]:
 def _hint(name: str) -> Optional[str]:
     """The known column ``name`` most likely means, if any."""
     normal = re.sub(r"[\s-]+", "_", name.strip().lower())
-    if normal in COLUMNS or normal in WORKSPACE_COLUMNS:
+    if normal in COLUMNS or normal in WORKSPACE_COLUMNS or normal in KIT_COLUMNS:
         return normal
     if normal in AXIS_NAMES:
         return AXIS_NAMES[normal]
-    known = list(COLUMNS) + list(AXIS_NAMES) + list(WORKSPACE_COLUMNS)
+    known = list(COLUMNS) + list(AXIS_NAMES) + list(WORKSPACE_COLUMNS) + list(KIT_COLUMNS)
     close = difflib.get_close_matches(normal, known, n=1, cutoff=0.75)
     if close:
         return AXIS_NAMES.get(close[0], close[0])
@@ -317,7 +323,7 @@ def _header_problems(header: Sequence[str]) -> Tuple[Dict[str, int], List[Proble
                                     line=1, column=name))
             continue
         seen[name] = i
-        if name in COLUMNS or name in WORKSPACE_COLUMNS:
+        if name in COLUMNS or name in WORKSPACE_COLUMNS or name in KIT_COLUMNS:
             index[name] = i
         elif name in AXIS_NAMES:
             problems.append(Problem(
@@ -451,6 +457,14 @@ def _row(index: Dict[str, int], header_width: int, record: Record) -> Tuple[Opti
             "error", f"must be `completion` or `refusal` (any case), got {cell('expected_outcome').strip()!r}{tail}",
             line=line, row=row, column="expected_outcome"))
 
+    turn_mode = cell("turn_mode").strip().lower() if "turn_mode" in index else ""
+    if turn_mode and turn_mode not in TURN_MODES:
+        close = difflib.get_close_matches(turn_mode, TURN_MODES, n=1, cutoff=0.6)
+        tail = f": did you mean `{close[0]}`?" if close else ""
+        problems.append(Problem(
+            "error", f"must be `single` or `model_as_user` (any case), got {cell('turn_mode').strip()!r}{tail}",
+            line=line, row=row, column="turn_mode"))
+
     if any(p.severity == "error" for p in problems):
         return None, problems
     task = Task(
@@ -463,6 +477,7 @@ def _row(index: Dict[str, int], header_width: int, record: Record) -> Tuple[Opti
         expected_outcome=outcome or "completion",
         expected_outcome_given=bool(outcome),
         workspace={name: cell(name) for name in WORKSPACE_COLUMNS if name in index and cell(name).strip()},
+        turn_mode=turn_mode or "single",
     )
     return task, problems
 

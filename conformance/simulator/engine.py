@@ -46,8 +46,26 @@ How a call is answered, in order:
    ``id``, or the only argument) returns that entity with its ``id``;
    ``list_<type>s`` returns every entity of the type whose attributes equal the
    arguments that name an attribute.  Singular and plural type names both
-   work (``order``/``orders``).  Anything else gets a clear ``{"error": ...}``
-   with source ``error``.
+   work (``order``/``orders``).
+
+4. **A model** (``ask``, when the caller gives one: ``simulate --simulator``):
+   it is shown :meth:`Backend.question` (the call, the ledger, the earlier
+   calls; the caller adds the tool's definition and the row's behavior
+   instructions) and answers ``{"response": ..., "effects": [...]}`` with the
+   fixtures' effect syntax.  :meth:`Backend.answer_problem` holds the answer
+   to the ledger, as the platform's strict consistency mode does: effects
+   that cannot apply (a malformed one, an update of an entity that does not
+   exist) and a response that contradicts the ledger where that can be
+   checked (an id argument or answer naming no entity of the tool's type; an
+   answer naming an entity with other values than the ledger's) are a
+   problem; the caller asks once more with the problem named, and a second
+   bad answer is an ``{"error": ...}`` with source ``error``.  A good
+   answer's effects apply all or nothing and are logged like a fixture's;
+   its source is ``odyssey``.  The engine does no I/O: ``ask`` does.
+
+   Without a model, a call none of the above answers gets a clear
+   ``{"error": ...}`` with source ``error``, and :attr:`Backend.unanswered`
+   names the tool.
 
 Fixtures file::
 
@@ -90,7 +108,7 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import pipelines_port as pp
 
@@ -624,13 +642,21 @@ def flags_set_by(fixtures: Mapping[str, Sequence[Fixture]]) -> set:
 
 
 class ToolResult(NamedTuple):
-    """How one tool call was answered: the proxy's trace-envelope fields plus the ledger changes it made."""
+    """How one tool call was answered: the proxy's trace-envelope fields plus the ledger changes it made.
+
+    ``answered_by`` says which step of the precedence answered: ``rule``, ``fixture``, ``ledger``, ``model``,
+    or ``none`` (nothing could: an error).
+    """
 
     tool_name: str
     response: Any
     source: str  # "odyssey" | "injected" | "error"
     matched_rule_index: Optional[int]
     changes: List[Dict[str, Any]]
+    answered_by: str = "ledger"
+
+
+HISTORY_SHOWN = 20  # the earlier calls a model is shown (the last ones)
 
 
 class Backend:
@@ -659,12 +685,28 @@ class Backend:
         self.calls_by_tool: Dict[str, int] = {}
         self.calls = 0
         self._since_flag: Dict[int, int] = {}
+        self.history: List[Dict[str, Any]] = []  # every call and its answer, for a model's view of the run
+        self.unanswered: List[str] = []  # tools nothing could answer, in order of their first call
 
-    def call(self, tool_name: str, args: Any) -> ToolResult:
-        """Answer one tool call (see the module docstring for the order of precedence)."""
+    def call(self, tool_name: str, args: Any, *, ask: Optional[Callable[[Dict[str, Any]], Any]] = None) -> ToolResult:
+        """Answer one tool call (see the module docstring for the order of precedence).
+
+        ``ask(question)`` is the model of step 4: it returns an answer that :meth:`answer_problem` accepts, or
+        raises (any exception: its text becomes the call's error).
+        """
         args = args if isinstance(args, dict) else {}
+        question = self.question(tool_name, args) if ask is not None else None  # before this call is counted
         self.calls += 1
         self.calls_by_tool[tool_name] = self.calls_by_tool.get(tool_name, 0) + 1
+        result = self._answer(tool_name, args, ask, question)
+        self.history.append({"tool": tool_name, "arguments": copy.deepcopy(args),
+                             "response": copy.deepcopy(result.response), "source": result.source})
+        if result.answered_by == "none" and tool_name not in self.unanswered:
+            self.unanswered.append(tool_name)
+        return result
+
+    def _answer(self, tool_name: str, args: Dict[str, Any], ask: Optional[Callable[[Dict[str, Any]], Any]],
+                question: Optional[Dict[str, Any]]) -> ToolResult:
         index = self._matching_rule(tool_name)
         if index is not None:
             return self._injected(tool_name, index)
@@ -672,7 +714,10 @@ class Backend:
             for fixture in self.fixtures.get(name, ()):
                 if self._applies(fixture, args):
                     return self._answer_with(tool_name, fixture, args)
-        return self._answer_from_ledger(tool_name, args)
+        looked_up = self._answer_from_ledger(tool_name, args)
+        if looked_up.answered_by != "none" or ask is None or question is None:
+            return looked_up
+        return self._answer_from_model(tool_name, args, ask, question)
 
     # -- failure rules ---------------------------------------------------------
 
@@ -708,7 +753,7 @@ class Backend:
             response = copy.deepcopy(error.get("response"))
         else:
             response = {"error": error["message"], "status_code": error["code"]}
-        return ToolResult(tool_name, response, "injected", index, [])
+        return ToolResult(tool_name, response, "injected", index, [], "rule")
 
     # -- fixtures ----------------------------------------------------------------
 
@@ -738,8 +783,8 @@ class Backend:
             del ledger.changes[saved[2]:]
             text = exc.described if isinstance(exc, Missing) else f"fixture for {tool_name} is malformed: {exc}"
             source = "odyssey" if isinstance(exc, Missing) else "error"
-            return ToolResult(tool_name, {"error": text}, source, None, [])
-        return ToolResult(tool_name, response, "odyssey", None, ledger.changes[saved[2]:])
+            return ToolResult(tool_name, {"error": text}, source, None, [], "fixture")
+        return ToolResult(tool_name, response, "odyssey", None, ledger.changes[saved[2]:], "fixture")
 
     def _apply(self, effect: Mapping[str, Any], args: Mapping[str, Any], new_id: Optional[str]) -> Optional[str]:
         """Run one effect on the ledger and log it; returns the id of the entity it added, if any."""
@@ -791,8 +836,9 @@ class Backend:
         if entity_type is None:
             hint = f" and the state has no `{noun}` entities" if noun and verb in ("get", "list") else ""
             text = (f"the simulator has no answer for {tool_name}: no fixture for it{hint} "
-                    f"(the ledger itself answers get_<type> and list_<type>s)")
-            return ToolResult(tool_name, {"error": text}, "error", None, [])
+                    f"(the ledger itself answers get_<type> and list_<type>s; simulate --simulator MODEL "
+                    f"answers any tool)")
+            return ToolResult(tool_name, {"error": text}, "error", None, [], "none")
         entities = ledger.entities[entity_type]
         if verb == "list":
             filters = {k: v for k, v in args.items() if any(k in attrs for attrs in entities.values())}
@@ -807,12 +853,113 @@ class Backend:
         else:
             if len(args) != 1:
                 text = f"{tool_name} needs an id argument ({singular}_id or id)"
-                return ToolResult(tool_name, {"error": text}, "error", None, [])
+                return ToolResult(tool_name, {"error": text}, "error", None, [], "ledger")
             entity_id = next(iter(args.values()))
         entity_id = _key(entity_id)
         if entity_id not in entities:
             return ToolResult(tool_name, {"error": f"{entity_type} {entity_id!r} not found"}, "odyssey", None, [])
         return ToolResult(tool_name, _with_id(entity_id, entities[entity_id]), "odyssey", None, [])
+
+
+    # -- a model's answers (step 4), held to the ledger ----------------------------------
+
+    def question(self, tool_name: str, args: Mapping[str, Any]) -> Dict[str, Any]:
+        """What the engine shows a model of this call: the call, the ledger as it stands, the earlier calls."""
+        earlier = self.history[-HISTORY_SHOWN:]
+        view: Dict[str, Any] = {"tool": tool_name, "arguments": copy.deepcopy(dict(args)),
+                                "ledger": self.ledger.snapshot(), "flags": sorted(self.ledger.flags),
+                                "earlier_calls": copy.deepcopy(earlier)}
+        if len(self.history) > len(earlier):
+            view["earlier_calls_omitted"] = len(self.history) - len(earlier)
+        return view
+
+    def answer_problem(self, tool_name: str, args: Mapping[str, Any], answer: Any) -> Optional[str]:
+        """Why a model's ``{"response", "effects"}`` cannot stand, in a sentence for the model; ``None`` when it can.
+
+        Pure: the effects are tried on a copy of the ledger.
+        """
+        if not isinstance(answer, Mapping) or "response" not in answer:
+            return 'the answer must be an object {"response": ..., "effects": [...]}'
+        effects = answer.get("effects", [])
+        if not isinstance(effects, list):
+            return "effects must be an array"
+        for i, effect in enumerate(effects):
+            errors = [f for f in _effect_findings(effect, f"effects[{i}]") if f.severity == "error"]
+            if errors:
+                return f"{errors[0].where}: {errors[0].message}"
+        trial = Backend(self.ledger.entities, fixtures={}, seed=self.seed)
+        trial.ledger.flags = dict(self.ledger.flags)
+        new_id: Optional[str] = None
+        for i, effect in enumerate(effects):
+            try:
+                new_id = trial._apply(effect, args, new_id)
+            except (Missing, TemplateError) as exc:
+                what = exc.described if isinstance(exc, Missing) else str(exc)
+                return f"effects[{i}] cannot apply: {what} (the ledger is shown in the question)"
+        return _contradiction(tool_name, args, answer["response"], trial.ledger)
+
+    def _answer_from_model(self, tool_name: str, args: Dict[str, Any], ask: Callable[[Dict[str, Any]], Any],
+                           question: Dict[str, Any]) -> ToolResult:
+        try:
+            answer = ask(question)
+            problem = self.answer_problem(tool_name, args, answer)
+            if problem:  # ask should have asked again; a caller that did not still gets no inconsistent state
+                raise ValueError(problem)
+        except Exception as exc:  # noqa: BLE001 - the model's failure is this call's error, never the run's crash
+            text = f"the simulated backend could not answer {tool_name}: {exc}"
+            return ToolResult(tool_name, {"error": text}, "error", None, [], "model")
+        ledger = self.ledger
+        start = len(ledger.changes)
+        new_id: Optional[str] = None
+        for effect in answer.get("effects") or []:
+            new_id = self._apply(effect, args, new_id)  # checked on a copy: applies here too, all of it
+        return ToolResult(tool_name, copy.deepcopy(answer["response"]), "odyssey", None, ledger.changes[start:],
+                          "model")
+
+
+_ID_ARGUMENT = re.compile(r"^(?:(?P<type>[a-z][a-z0-9]*(?:_[a-z0-9]+)*?)_)?id$", re.I)
+
+
+def _tool_type(tool_name: str, ledger: Ledger) -> Optional[str]:
+    """The entity type a tool's name acts on (``refund_order`` -> ``order``), when the ledger has it.
+
+    The words after the verb, the longest run first: ``cancel_line_item`` -> ``line_item``,
+    ``get_order_status`` -> ``order``.
+    """
+    words = tool_name.lower().split("_")[1:]
+    for size in range(len(words), 0, -1):
+        for start in range(len(words) - size + 1):
+            found = ledger.type_named("_".join(words[start:start + size]))
+            if found:
+                return found
+    return None
+
+
+def _contradiction(tool_name: str, args: Mapping[str, Any], response: Any, ledger: Ledger) -> Optional[str]:
+    """Where a model's response contradicts the ledger (after its own effects), in the ways the kit can check."""
+    if isinstance(response, Mapping) and "error" in response:
+        return None  # an error answer claims nothing about the ledger
+    tool_type = _tool_type(tool_name, ledger)
+    for name, value in args.items():
+        match = _ID_ARGUMENT.match(str(name))
+        if not match or isinstance(value, (dict, list)) or value is None:
+            continue
+        entity_type = ledger.type_named(match.group("type")) if match.group("type") else tool_type
+        if entity_type and _key(value) not in ledger.entities.get(entity_type, {}):
+            return (f"the call names {entity_type} {_key(value)!r}, which the ledger does not have: answer with "
+                    f'{{"error": ...}}, or add it in effects')
+    if tool_type and isinstance(response, Mapping) and "id" in response and not isinstance(response["id"],
+                                                                                           (dict, list)):
+        entity = ledger.entities.get(tool_type, {}).get(_key(response["id"]))
+        if entity is None:
+            return (f"the response is {tool_type} {_key(response['id'])!r}, which the ledger does not have: answer "
+                    "from the ledger, or add it in effects")
+        differ = sorted(k for k in entity if k in response and not _same(entity[k], response[k]))
+        if differ:
+            k = differ[0]
+            return (f"the response says {k} {json.dumps(response[k])} for {tool_type} {_key(response['id'])!r}, the "
+                    f"ledger says {json.dumps(entity[k])}: change it in effects, or answer what the ledger holds")
+    return None
 
 
 def _with_id(entity_id: str, attrs: Mapping[str, Any]) -> Dict[str, Any]:

@@ -17,7 +17,8 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["VERDICTS", "verdict_of", "judge_summary", "pass_rate", "parse_rate", "gate_failure", "junit_xml", "apply"]
+__all__ = ["VERDICTS", "verdict_of", "judge_summary", "usage_total", "pass_rate", "parse_rate", "gate_failure",
+           "junit_xml", "apply"]
 
 VERDICTS = ("PASS", "FAIL")
 NOT_JUDGED = "not judged"
@@ -30,14 +31,15 @@ def verdict_of(run: Mapping[str, Any]) -> Optional[str]:
     return verdict if verdict in VERDICTS else None
 
 
-def _usage(runs: Sequence[Mapping[str, Any]]) -> Dict[str, int]:
+def usage_total(runs: Sequence[Mapping[str, Any]], role: str) -> Dict[str, int]:
+    """What one model-backed role (``judge``, ``simulator``, ``user``) spent over ``runs``."""
     total = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
     for run in runs:
-        for role in (run.get("usage") or {}).values():
-            if isinstance(role, Mapping):
-                for key in total:
-                    value = role.get(key)
-                    total[key] += value if isinstance(value, int) and not isinstance(value, bool) else 0
+        spent = (run.get("usage") or {}).get(role)
+        if isinstance(spent, Mapping):
+            for key in total:
+                value = spent.get(key)
+                total[key] += value if isinstance(value, int) and not isinstance(value, bool) else 0
     return total
 
 
@@ -55,7 +57,7 @@ def judge_summary(runs: Sequence[Mapping[str, Any]]) -> Optional[Dict[str, Any]]
             modes[str(mode) if mode else "(none given)"] = modes.get(str(mode) if mode else "(none given)", 0) + 1
     return {"pass": counts["PASS"], "fail": counts["FAIL"], "not_judged": counts[NOT_JUDGED],
             "pass_rate": pass_rate(runs), "failure_modes": dict(sorted(modes.items(), key=lambda kv: (-kv[1], kv[0]))),
-            "usage": _usage(runs)}
+            "usage": usage_total(runs, "judge")}
 
 
 def pass_rate(runs: Sequence[Mapping[str, Any]]) -> float:

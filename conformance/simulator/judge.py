@@ -2,7 +2,8 @@
 
 What the judge is shown, as one JSON case (``case_for``): the user instruction; ``expected_outcome`` when the
 row sets it; the behavior instructions; the trajectory (each tool call's name, arguments, result and source,
-injected failures marked); the final response; the last few messages; the run's own errors.  Long values are
+injected failures marked); for a session, the conversation turn by turn (each turn's tool calls by step);
+the final response (a session's last agent message); the last few messages; the run's own errors.  Long values are
 cut to the bounds in ``LIMITS`` and the case's ``cut`` list says where, as does the report.
 
 The rubric is ``prompts/judge.md`` (the platform's documented semantics in the kit's words), which users can
@@ -18,18 +19,17 @@ ended in an error before any final response (there is nothing to grade), or when
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from . import prompts
 from ..models import roles
-from ..models.client import ChatClient, Endpoint, ModelError
+from ..models.client import ChatClient, ModelError
 
-__all__ = ["LIMITS", "PROMPT_FILE", "load_prompt", "case_for", "Judge", "judged", "scripted_endpoint"]
+__all__ = ["LIMITS", "PROMPT_FILE", "load_prompt", "case_for", "Judge", "judged"]
 
-PROMPT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "judge.md")
+PROMPT_FILE = prompts.JUDGE
 LIMITS = {
     "user_instruction": 8000, "behavior_instructions": 4000, "final_response": 20000,  # characters
     "arguments": 2000, "result": 4000, "message": 2000, "error": 1000,
@@ -41,17 +41,7 @@ _HEAD_STEPS = 20
 
 def load_prompt(path: Optional[str] = None) -> str:
     """The rubric: ``path`` (``--judge-prompt``) or the kit's own; ``ValueError`` names an unreadable file."""
-    where = path or PROMPT_FILE
-    try:
-        with open(where, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"--judge-prompt: cannot read {where}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--judge-prompt: {where} is not UTF-8 text") from None
-    if not text.strip():
-        raise ValueError(f"--judge-prompt: {where} is empty")
-    return text
+    return prompts.load(path, default=PROMPT_FILE, option="--judge-prompt")
 
 
 def _bounded(value: Any, limit: int, where: str, cuts: List[str]) -> Any:
@@ -102,6 +92,14 @@ def case_for(record: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
         case["behavior_instructions"] = _bounded(record["behavior_instructions"], LIMITS["behavior_instructions"],
                                                  "behavior_instructions", cuts)
     case["trajectory"] = _trajectory(list(record.get("tool_calls") or []), cuts)
+    if record.get("conversation"):  # a model_as_user session: the judge grades the whole conversation
+        case["conversation"] = [
+            {"turn": turn.get("turn"), "user": _bounded(turn.get("user") or "", LIMITS["message"],
+                                                         f"conversation turn {turn.get('turn')} user", cuts),
+             "agent": _bounded(turn.get("agent"), LIMITS["message"], f"conversation turn {turn.get('turn')} agent",
+                               cuts),
+             "session_done": bool(turn.get("session_done")), "tool_calls": list(turn.get("tool_calls") or [])}
+            for turn in record["conversation"]]
     final = record.get("final_response")
     case["final_response"] = _bounded(final, LIMITS["final_response"], "final_response", cuts) \
         if isinstance(final, str) else None
@@ -163,7 +161,7 @@ class Judge:
                                           check=_consistent)
         except ModelError as exc:
             return {"verdict": None, "error": f"the judge could not grade this run: {exc}", "model": self.model,
-                    "usage": {}}
+                    "usage": exc.usage}
         verdict: Dict[str, Any] = {key: answer.value[key] for key in ("verdict", "task_completion", "failure_mode",
                                                                       "explanation")}
         verdict["model"] = self.model
@@ -182,12 +180,3 @@ def judged(record: Dict[str, Any], judge: Judge) -> Dict[str, Any]:
     record["judge"] = verdict
     record.setdefault("usage", {})["judge"] = usage
     return record
-
-
-@contextlib.contextmanager
-def scripted_endpoint() -> Iterator[Endpoint]:
-    """The kit's offline stand-in as an endpoint (no key, no network beyond 127.0.0.1), for the scope."""
-    from ..models.scripted import ScriptedModel
-
-    with ScriptedModel() as model:
-        yield Endpoint(model.origin + "/v1", "scripted", None, timeout_s=30.0, concurrency=64)

@@ -44,6 +44,8 @@ def _source_label(call: Mapping[str, Any]) -> str:
         label = f"rejected, HTTP {call.get('http_status')}"
     else:
         label = str(call.get("source"))
+    if call.get("answered_by") == "model":
+        label += ", by the model"
     return label + (" (replayed)" if call.get("replayed") else "")
 
 
@@ -101,9 +103,11 @@ def render_text(result: Mapping[str, Any]) -> str:
         for attempt in (run.get("outcome") or {}).get("attempted") or []:
             lines.append(f"    note: {attempt}")
         if run.get("behavior_instructions"):
-            lines.append(f"    behavior (not enforced): {_short(run['behavior_instructions'], 100)}")
+            how = "given to the simulator's model" if result.get("simulator") else "not enforced"
+            lines.append(f"    behavior ({how}): {_short(run['behavior_instructions'], 100)}")
         for rule in run["failure_rules"]:
             lines.append(f"    rule {rule['index']}: {rule['summary']}  [fired {rule['fired']}x]")
+        lines += _conversation_text(run)
         for call in run["tool_calls"]:
             answer = f": {_short(call.get('response'), 80)}" if call.get("source") is not None else ""
             lines.append(f"    #{call['index']} {call['tool_name']} {_short(call.get('arguments'), 60)} -> "
@@ -124,6 +128,14 @@ def render_text(result: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(f"{_plural(s['runs'], 'run')}: {s['ok']} ran without error, {_plural(s['errors'], 'error')}; "
                  f"{_plural(s['tool_calls'], 'tool call')}, {s['injected']} injected")
+    if s.get("sessions"):
+        turns = _plural(s["sessions"]["turns"], "turn")
+        lines.append(f"sessions: {s['sessions']['runs']} model_as_user row(s), {turns}")
+    for role, label in (("simulator", "simulated backend"), ("user", "simulated user")):
+        spent = (s.get("model_usage") or {}).get(role)
+        if spent:
+            lines.append(f"{label} usage: {_plural(spent['requests'], 'request')}, {spent['prompt_tokens']:,} prompt + "
+                         f"{spent['completion_tokens']:,} completion tokens, {spent['cached']} answered from the cache")
     verdicts = s.get("judge")
     if verdicts:
         lines.append(judge_summary_text(verdicts, (result.get("judge") or {}).get("model")))
@@ -131,6 +143,22 @@ def render_text(result: Mapping[str, Any]) -> str:
         lines.append(f"expected outcomes: not judged (no --judge); {s.get('flagged', 0)} refusal row(s) flagged "
                      "for an action carried out")
     return "\n".join(lines)
+
+
+def _conversation_text(run: Mapping[str, Any]) -> List[str]:
+    """A session's turns: what the user said, what the agent answered, the calls it made meanwhile."""
+    session = run.get("session")
+    if not session:
+        return []
+    lines = [(f"    session {session.get('session_id')}: {_plural(session.get('turns', 0), 'turn')}, "
+              f"ended: {session.get('ended')}")]
+    for turn in run.get("conversation") or []:
+        calls = ", ".join(f"#{i}" for i in turn.get("tool_calls") or [])
+        lines.append(f"    turn {turn.get('turn')} user: {_short(turn.get('user') or '', 100)}")
+        agent = f"(failed: {_short(turn['error'], 90)})" if turn.get("error") else _short(turn.get("agent") or "", 100)
+        done = " [session_done]" if turn.get("session_done") else ""
+        lines.append(f"           agent: {agent}{done}" + (f"  [calls {calls}]" if calls else ""))
+    return lines
 
 
 def judge_summary_text(verdicts: Mapping[str, Any], model: Optional[str]) -> str:
@@ -323,7 +351,7 @@ def render_html(result: Mapping[str, Any]) -> str:
         parts.append("</ul>")
     for run in result["runs"]:
         try:
-            parts.append(_run_html(run))
+            parts.append(_run_html(run, simulated=bool(result.get("simulator"))))
         except Exception:  # noqa: BLE001 - an agent's odd output must never cost the whole report
             parts.append(f'<details class="run" open><summary>{_e(_where(run))}</summary>{_pre(run)}</details>')
     parts.append(f"</main><script>{_SCRIPT}</script></body></html>")
@@ -379,7 +407,7 @@ def _verdict_html(judge: Mapping[str, Any], usage: Any) -> str:
     return "".join(out)
 
 
-def _run_html(run: Mapping[str, Any]) -> str:
+def _run_html(run: Mapping[str, Any], *, simulated: bool = False) -> str:
     status = run["status"]
     calls: List[Dict[str, Any]] = run.get("tool_calls") or []
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
@@ -410,7 +438,7 @@ def _run_html(run: Mapping[str, Any]) -> str:
         out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p>")
         out.append(_close_body(run, judge))
         return "\n".join(out)
-    out.append(_task_html(run))
+    out.append(_task_html(run, simulated))
     if check.get("flags") or check.get("attempted"):
         out.append('<h3>Expected outcome</h3><div class="errors"><ul>')
         out += [f"<li><b>flagged:</b> {_e(f)}</li>" for f in check.get("flags") or []]
@@ -420,6 +448,8 @@ def _run_html(run: Mapping[str, Any]) -> str:
         out.append('<h3>Notes</h3><div class="warnings"><ul>')
         out += [f"<li>{_e(w)}</li>" for w in (run.get("warnings") or []) + (run.get("notes") or [])]
         out.append("</ul></div>")
+    if run.get("conversation"):
+        out.append(_conversation_html(run))
     out.append("<h3>Timeline</h3>")
     out.append(_timeline_html(run))
     messages = run.get("messages")
@@ -449,14 +479,34 @@ def _close_body(run: Mapping[str, Any], judge: Optional[Mapping[str, Any]]) -> s
     return "</div>" + _verdict_html(judge, run.get("usage")) + "</div></details>"
 
 
-def _task_html(run: Mapping[str, Any]) -> str:
+def _conversation_html(run: Mapping[str, Any]) -> str:
+    """A session turn by turn: the user's message, the agent's answer, the tool calls between them."""
+    session = run.get("session") or {}
+    out = [(f"<h3>Conversation</h3><div class=\"lbl\">session {_e(session.get('session_id'))} · "
+            f"{_e(_plural(session.get('turns', 0), 'turn'))} · ended: {_e(session.get('ended'))}</div>")]
+    for turn in run.get("conversation") or []:
+        calls = " ".join(_pill(f"#{i}") for i in turn.get("tool_calls") or [])
+        out.append(f'<div class="msg"><div class="role">turn {_e(turn.get("turn"))} · user</div>'
+                   f'<div class="said">{_e(turn.get("user") or "")}</div></div>')
+        if turn.get("error"):
+            out.append(f'<div class="msg errors"><div class="role">agent</div>{_e(turn["error"])}</div>')
+        else:
+            done = " · session_done" if turn.get("session_done") else ""
+            out.append(f'<div class="msg"><div class="role">agent{_e(done)}</div>'
+                       f'<div class="said">{_e(turn.get("agent") or "")}</div>'
+                       + (f'<div class="lbl">tool calls {calls}</div>' if calls else "") + "</div>")
+    return "\n".join(out)
+
+
+def _task_html(run: Mapping[str, Any], simulated: bool = False) -> str:
     outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
+    how = ("given to the simulated backend's model (--simulator), for the calls it answers" if simulated else
+           "shown, not enforced (the platform's simulator applies it with an LLM; --simulator MODEL does here)")
     rows = [
         ("user", f"<pre>{_e(run.get('user_instruction', ''))}</pre>"),
         ("expected outcome", _e(f"{outcome}: {outcome_word(run)}")),
-        ("behavior", (f"<pre>{_e(run['behavior_instructions'])}</pre><span class=\"lbl\">shown, not enforced "
-                      "(the platform's simulator applies it with an LLM)</span>") if run.get("behavior_instructions")
-         else '<span class="muted">none</span>'),
+        ("behavior", (f"<pre>{_e(run['behavior_instructions'])}</pre><span class=\"lbl\">{_e(how)}</span>")
+         if run.get("behavior_instructions") else '<span class="muted">none</span>'),
         ("run", _e(f"task {run.get('task_id')}, run {run.get('run_id')}, {run.get('duration_ms', 0):.0f} ms")),
     ]
     rules = run.get("failure_rules") or []
@@ -495,6 +545,7 @@ def _timeline_html(run: Mapping[str, Any]) -> str:
         css = {"injected": "inj", "error": "err", None: "err"}.get(source, "")
         pill_css = {"injected": "injected", "odyssey": "odyssey"}.get(source or "", "src-error")
         latency = f" · {item['latency_ms']} ms" if item.get("latency_ms") is not None else ""
+        latency = (f" · turn {item['turn']}" if item.get("turn") else "") + latency
         actor = f" · actor {item['actor']}" if item.get("actor") else ""
         out.append(
             f'<div class="step {css}"><div class="head"><span class="t">+{_e(f"{at:.0f}")} ms</span>'

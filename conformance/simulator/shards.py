@@ -216,6 +216,12 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     verdicts = gate.judge_summary(runs)
     if verdicts is not None:
         summary["judge"] = verdicts
+    roles = sorted({role for run in runs for role in (run.get("usage") or {})})
+    if roles:
+        summary["model_usage"] = {role: gate.usage_total(runs, role) for role in roles}
+    sessions = [run for run in runs if run.get("session")]
+    if sessions:
+        summary["sessions"] = {"runs": len(sessions), "turns": sum(run["session"]["turns"] for run in sessions)}
     return summary
 
 

@@ -83,7 +83,11 @@ from . import judge as judging
 from ..kit import prog
 from ..harness.mock_proxy import MockProxy, RecordedRequest
 from ..models import cache as _cache
-from ..models.client import ChatClient, endpoint_from_options
+from ..models.client import ChatClient, Endpoint, endpoint_from_options
+from ..models.scripted import scripted_endpoint
+from . import prompts, session
+from .backend_model import ToolModel
+from .session import Conversation, UserModel
 
 __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
            "main"]
@@ -119,10 +123,13 @@ class Dispatch(NamedTuple):
     proxy_url: str
     user_instruction: str
     tools_schema: Optional[List[Dict[str, Any]]]
+    turn: Optional[Mapping[str, Any]] = None  # a session's multi-turn fields (session.py)
 
     def task_input(self) -> Dict[str, Any]:
-        """The code-mode ``task_input`` and the dispatch body's ``input`` (§2, §5)."""
-        return {"task_id": self.task_id, "user_instruction": self.user_instruction, "input": {}}
+        """The code-mode ``task_input`` and the dispatch body's ``input`` (§2, §5), a session turn's fields too."""
+        task = {"task_id": self.task_id, "user_instruction": self.user_instruction, "input": {}}
+        task.update(self.turn or {})
+        return task
 
     def __repr__(self) -> str:  # the run token is a secret
         return (f"Dispatch(task_id={self.task_id}, run_id={self.run_id}, proxy_url={self.proxy_url!r}, "
@@ -295,6 +302,22 @@ class UrlAgent:
             return f"the agent answered the ping with HTTP {status}: {_detail(raw, [self.token or ''])}"
         return None
 
+    def served_tools(self) -> Optional[List[Dict[str, Any]]]:
+        """The tools the agent's server declares at ``GET /tools_schema`` (``pipelines_port serve``), if any."""
+        parts = urlsplit(self.url)
+        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(parts.hostname, parts.port, timeout=min(self.timeout, 10.0))
+        try:
+            connection.request("GET", pp.TOOLS_SCHEMA_PATH, headers=self._auth())
+            reply = connection.getresponse()
+            value = json.loads(reply.read()) if reply.status == 200 else None
+        except (OSError, ValueError, http.client.HTTPException):
+            return None
+        finally:
+            connection.close()
+        tools = value.get("tools_schema") if isinstance(value, dict) else None
+        return tools if isinstance(tools, list) else None
+
     def __call__(self, dispatch: Dispatch) -> Outcome:
         body: Dict[str, Any] = {
             "task_id": dispatch.task_id,
@@ -359,9 +382,11 @@ def _safe_url(url: str) -> str:
 class _Run:
     """The proxy side of one run: answers tool calls from the backend and records each answer."""
 
-    def __init__(self, backend: engine.Backend, started: float) -> None:
+    def __init__(self, backend: engine.Backend, started: float,
+                 ask: Optional[Callable[[Dict[str, Any]], Any]] = None) -> None:
         self.backend = backend
         self.started = started
+        self.ask = ask  # the model-backed backend (--simulator), for calls nothing else answers
         self.entries: Dict[int, Dict[str, Any]] = {}  # id(request) -> what the backend answered
         self.problems: List[str] = []
         self.lock = threading.Lock()
@@ -376,14 +401,14 @@ class _Run:
                 return {"status": 422, "error_class": "invalid_arguments",
                         "message": "tool arguments must be a JSON object"}
             try:
-                result = self.backend.call(request.name, request.json)
+                result = self.backend.call(request.name, request.json, ask=self.ask)
             except Exception as exc:  # noqa: BLE001 - a simulator bug must not hang the agent: answer, report it
                 self.problems.append(f"the simulator failed on {request.name}: {_describe(exc)}")
                 entry["http_status"] = 500
                 return {"status": 500, "error_class": "simulator_error", "message": _describe(exc)}
             latency = round((time.monotonic() - request.time) * 1000, 2)
             entry.update(source=result.source, matched_rule_index=result.matched_rule_index, response=result.response,
-                         changes=result.changes, http_status=200, latency_ms=latency)
+                         changes=result.changes, http_status=200, latency_ms=latency, answered_by=result.answered_by)
             return {"response": result.response, "source": result.source,
                     "matched_rule_index": result.matched_rule_index, "latency_ms": max(1, int(latency))}
 
@@ -492,18 +517,33 @@ def run_task(
     fixtures: Optional[Mapping[str, Any]] = None,
     tools_schema: Optional[List[Dict[str, Any]]] = None,
     hidden: Sequence[str] = (),
+    tool_model: Optional[ToolModel] = None,
+    user: Optional[UserModel] = None,
+    turn_mode: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Run one task end to end and return its record (secrets scrubbed)."""
+    """Run one task end to end and return its record (secrets scrubbed).
+
+    ``tool_model`` answers the calls nothing else answers (``--simulator``); a row whose turn mode
+    (``turn_mode`` overrides the row's) is ``model_as_user`` runs as a session with ``user`` playing the user.
+    """
     run_id = task_id = task.row
     token = "sim-" + secrets.token_urlsafe(24)
     backend = engine.Backend(task.initial_state, task.failure_rules, fixtures=fixtures,
                              seed=engine.task_seed(task.row, task.user_instruction))
+    usage: Dict[str, Dict[str, int]] = {}
+    ask = tool_model.asker(backend, task.behavior_instructions, usage.setdefault("simulator", {})) \
+        if tool_model is not None else None
     started = time.monotonic()
-    recorder = _Run(backend, started)
+    recorder = _Run(backend, started, ask)
+    conversation: Optional[Conversation] = None
     with MockProxy(tokens=[token], base_path=f"/api/odyssey-proxy/runs/{run_id}") as proxy:
         proxy.script("*", recorder.answer)
         dispatch = Dispatch(task_id, run_id, token, uuid.uuid4().hex, proxy.url, task.user_instruction, tools_schema)
-        outcome = agent(dispatch)
+        if (turn_mode or task.turn_mode) == "model_as_user":
+            conversation = _converse(task, agent, dispatch, user, started)
+            outcome = Outcome()
+        else:
+            outcome = agent(dispatch)
         duration_ms = round((time.monotonic() - started) * 1000, 1)
         calls, problems, replays = _trajectory(proxy, recorder)
         events = _trace_events(proxy, started)
@@ -511,7 +551,11 @@ def run_task(
     errors: List[str] = []
     warnings: List[str] = []
     body = outcome.body
-    if outcome.error:
+    if conversation is not None:
+        errors += conversation.errors
+        _turns_of(calls, conversation)
+        body = {"final_response": conversation.final_message, "messages": conversation.transcript()}
+    elif outcome.error:
         errors.append(outcome.error)
     else:
         for problem in pp.validate_response(body):
@@ -529,6 +573,9 @@ def run_task(
         notes.append(f"{replays} call(s) were retries the proxy answered from its Idempotency-Key replay memory")
     if task.workspace:
         notes.append("workspace columns (" + ", ".join(sorted(task.workspace)) + ") are not simulated")
+    if backend.unanswered:
+        notes.append("no answer for " + ", ".join(backend.unanswered) + ": no fixture, and not a ledger lookup "
+                     "(give fixtures with --responses, or let a model answer them: --simulator MODEL)")
     fired: Dict[int, int] = {}
     for call in calls:
         if call.get("matched_rule_index") is not None and not call.get("replayed"):
@@ -565,7 +612,47 @@ def run_task(
         "trace_events": events,
         "duration_ms": duration_ms,
     }
+    if conversation is not None and user is None:
+        notes.append("a model_as_user row: only its first turn ran, as no one plays the user "
+                     "(give --user-model MODEL; scripted runs offline)")
+    if conversation is not None:
+        record["turn_mode"] = "model_as_user"
+        record["session"] = {"session_id": conversation.session_id, "turns": len(conversation.turns),
+                             "ended": conversation.ended}
+        record["conversation"] = conversation.turns
+        usage["user"] = conversation.usage
+    if any(usage.values()):
+        record["usage"] = {role: spent for role, spent in usage.items() if spent}
     return _scrub(record, [token, *hidden])
+
+
+def _converse(task: datasets.Task, agent: Callable[[Dispatch], Outcome], dispatch: Dispatch,
+              user: Optional[UserModel], started: float) -> Conversation:
+    """A model_as_user session: one dispatch per turn, the same run (proxy, token, ledger) throughout.
+
+    Without a user model only the first turn runs (the instruction; no one to answer the agent).
+    """
+    # The session id is the row's, as the seed is: a re-run sends the same, so its answers replay from the cache.
+    conversation = Conversation(task, user, f"sim-{task.row}-{engine.task_seed(task.row, task.user_instruction)[:8]}")
+
+    def send(fields: Dict[str, Any]) -> Tuple[Any, Optional[str]]:
+        outcome = agent(dispatch._replace(turn=fields))
+        return outcome.body, outcome.error
+
+    conversation.run(send, lambda: round((time.monotonic() - started) * 1000, 1))
+    return conversation
+
+
+def _turns_of(calls: List[Dict[str, Any]], conversation: Conversation) -> None:
+    """Each call's turn (the last turn that began before it), and each turn's calls by index."""
+    starts = [turn["at_ms"] for turn in conversation.turns]
+    for turn in conversation.turns:
+        turn["tool_calls"] = []
+    for call in calls:
+        number = max((i + 1 for i, at in enumerate(starts) if at <= (call.get("at_ms") or 0)), default=1)
+        call["turn"] = number
+        if number <= len(conversation.turns):
+            conversation.turns[number - 1]["tool_calls"].append(call["index"])
 
 
 def outcome_check(expected_outcome: str, calls: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
@@ -643,6 +730,9 @@ def simulate(
     label: str = "",
     grade: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
     grade_jobs: int = 16,
+    tool_model: Optional[ToolModel] = None,
+    user: Optional[UserModel] = None,
+    turn_mode: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
 
@@ -661,6 +751,7 @@ def simulate(
     ``grade(record)`` (the judge) returns the record with its verdict.  It runs on ``grade_jobs`` threads of
     its own, beside the rows' workers, so judging one row overlaps running the next: the judge adds its
     latency once at the end, not once per row.  A record is reported (and streamed) once it is graded.
+    ``tool_model``, ``user`` and ``turn_mode`` go to :func:`run_task`.
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
@@ -702,7 +793,8 @@ def simulate(
                 return
             if row in tasks:
                 try:
-                    record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden)
+                    record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden,
+                                      tool_model=tool_model, user=user, turn_mode=turn_mode)
                 except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
                     record = _failed_run(tasks[row], f"the simulator failed on this row: {_describe(exc)}")
             else:
@@ -832,7 +924,30 @@ def _parser() -> argparse.ArgumentParser:
                         help="write the JSON report to OUT ('-' for stdout instead of the text report)")
     parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML report to OUT")
     add_judge_options(parser)
+    add_role_options(parser)
     return parser
+
+
+def add_role_options(parser: argparse.ArgumentParser) -> None:
+    """The simulated backend's and the simulated user's options (same client and conventions as the judge's)."""
+    group = parser.add_argument_group(
+        "model-backed simulation", "answer any tool with a model, and play the user of multi-turn rows; `scripted` "
+                                   "is the kit's offline stand-in; URL and key default as for --judge")
+    group.add_argument("--simulator", metavar="MODEL",
+                       help="answer the tool calls no failure rule, fixture or ledger lookup answers with this model")
+    group.add_argument("--simulator-url", metavar="URL", help="the simulator's server base URL")
+    group.add_argument("--simulator-key-env", metavar="NAME", help="the variable holding the simulator's API key")
+    group.add_argument("--simulator-prompt", metavar="FILE", help="the simulated backend's rules (default: the "
+                                                                  "kit's, prompts/simulator.md)")
+    group.add_argument("--turn-mode", choices=session.TURN_MODES,
+                       help="run every row this way (default: each row's turn_mode column, else single)")
+    group.add_argument("--user-model", metavar="MODEL", help="the model that plays the user of model_as_user rows")
+    group.add_argument("--user-url", metavar="URL", help="the user model's server base URL")
+    group.add_argument("--user-key-env", metavar="NAME", help="the variable holding the user model's API key")
+    group.add_argument("--user-prompt", metavar="FILE", help="the simulated user's rules (default: the kit's, "
+                                                             "prompts/user.md)")
+    group.add_argument("--max-turns", type=int, default=session.DEFAULT_MAX_TURNS, metavar="N",
+                       help=f"turns a session may take at most (default {session.DEFAULT_MAX_TURNS})")
 
 
 def add_judge_options(parser: argparse.ArgumentParser) -> None:
@@ -956,9 +1071,13 @@ def run_cli(args: argparse.Namespace) -> int:
             say(f"warning: {warning}")
     hidden = [token] if token else []
     model = _choose_model(args, agent)
+    sessions = [t.row for t in data.tasks if (args.turn_mode or t.turn_mode) == "model_as_user"]
     scope = contextlib.ExitStack()
     try:
-        judge = make_judge(args, scope)
+        roles = ModelRoles(args, scope)
+        judge = roles.judge()
+        tool_model = roles.tool_model(tools_schema if tools_schema is not None else _agent_tools(args, agent))
+        user = roles.user() if sessions else None
     except BaseException:
         scope.close()
         raise
@@ -967,6 +1086,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if judge is not None:
         describe["judge"] = dict(judge.identity(), server=judge.client.endpoint.describe(),
                                  prompt=args.judge_prompt or "the kit's (prompts/judge.md)")
+    if tool_model is not None:
+        describe["simulator"] = dict(tool_model.identity(), server=tool_model.client.endpoint.describe(),
+                                     tools_known=sorted(tool_model.tools))
+    if user is not None:
+        describe["user_model"] = dict(user.identity(), server=user.client.endpoint.describe())
     all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
                                                      if p.row is not None and p.severity == "error"})
     shard_rows = shards.shard_rows(all_rows, shard)
@@ -978,7 +1102,8 @@ def run_cli(args: argparse.Namespace) -> int:
         header = shards.header_record(
             dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
                      "problems": [p.to_json() for p in data.problems]},
-            agent=_agent_identity(agent), options=_option_identity(args, model, judge), shard=shard, rows=shard_rows,
+            agent=_agent_identity(agent), options=_option_identity(args, model, judge, tool_model, user), shard=shard,
+            rows=shard_rows,
             all_rows=all_rows)
         header["describe"] = _scrub(describe, hidden)
         header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -1004,7 +1129,8 @@ def run_cli(args: argparse.Namespace) -> int:
                                   done=result_file.done if result_file else None,
                                   on_record=result_file.add if result_file else None, label=label,
                                   grade=(lambda record: judging.judged(record, judge)) if judge else None,
-                                  grade_jobs=args.judge_jobs)
+                                  grade_jobs=args.judge_jobs, tool_model=tool_model, user=user,
+                                  turn_mode=args.turn_mode)
             except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
                 result, interrupted = stopped.result, True
                 say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
@@ -1018,8 +1144,9 @@ def run_cli(args: argparse.Namespace) -> int:
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
-    if judge is not None and judge.client.cache is not None and judge.client.cache.problem:
-        say(f"simulate: warning: the model cache was not used in full: {judge.client.cache.problem}")
+    for cache in roles.caches:
+        if cache.problem:
+            say(f"simulate: warning: the model cache was not used in full: {cache.problem}")
     failed_gate = gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write, say=say,
                              command="simulate")
     if interrupted:
@@ -1042,29 +1169,76 @@ def check_gate_options(args: argparse.Namespace) -> Optional[float]:
         raise SetupError(str(exc)) from None
 
 
-def make_judge(args: argparse.Namespace, scope: contextlib.ExitStack) -> Optional[judging.Judge]:
-    """The judge the options ask for (``None`` without ``--judge``); a scripted one serves for ``scope``."""
-    if not args.judge:
-        return None
-    try:
-        prompt = judging.load_prompt(args.judge_prompt)
-        if args.judge.strip().lower() == "scripted":
-            endpoint = scope.enter_context(judging.scripted_endpoint())._replace(concurrency=args.judge_jobs)
-        else:
-            endpoint = endpoint_from_options(args.judge, args.judge_url, args.judge_key_env, what="--judge",
-                                             concurrency=args.judge_jobs)
-    except ValueError as exc:
-        raise SetupError(str(exc)) from None
-    cache = _answer_cache(args, scripted=args.judge.strip().lower() == "scripted")
-    return judging.Judge(ChatClient(endpoint, cache=cache), prompt)
+class ModelRoles:
+    """The model-backed roles the options ask for: the judge, the simulated backend, the simulated user.
 
+    Each has a model, a server and a key (``--judge``/``--judge-url``/``--judge-key-env`` and their
+    ``--simulator`` and ``--user`` twins), the one client, and the one answer cache.  ``scripted`` is the kit's
+    stand-in, one server for every role that names it, serving while ``scope`` is open.
+    """
 
-def _answer_cache(args: argparse.Namespace, *, scripted: bool) -> Optional[_cache.AnswerCache]:
-    """The model cache the options ask for.  The scripted stand-in answers at once: nothing of it is kept
-    unless ``--model-cache DIR`` says where."""
-    if args.no_model_cache or (scripted and not args.model_cache):
-        return None
-    return _cache.AnswerCache(args.model_cache or _cache.default_directory())
+    def __init__(self, args: argparse.Namespace, scope: contextlib.ExitStack) -> None:
+        self.args = args
+        self.scope = scope
+        self._scripted: Optional[Endpoint] = None
+        self._cache: Optional[_cache.AnswerCache] = None
+        self.caches: List[_cache.AnswerCache] = []
+
+    def client(self, model: str, url: Optional[str], key_env: Optional[str], *, option: str,
+               concurrency: int) -> ChatClient:
+        scripted = model.strip().lower() == "scripted"
+        try:
+            if scripted:
+                if self._scripted is None:
+                    self._scripted = self.scope.enter_context(scripted_endpoint())
+                endpoint = self._scripted._replace(concurrency=concurrency)
+            else:
+                endpoint = endpoint_from_options(model, url, key_env, what=option, concurrency=concurrency)
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+        return ChatClient(endpoint, cache=self._answer_cache(scripted))
+
+    def _answer_cache(self, scripted: bool) -> Optional[_cache.AnswerCache]:
+        """The stand-in answers at once: nothing of it is kept unless ``--model-cache DIR`` says where."""
+        if self.args.no_model_cache or (scripted and not self.args.model_cache):
+            return None
+        if self._cache is None:
+            self._cache = _cache.AnswerCache(self.args.model_cache or _cache.default_directory())
+            self.caches.append(self._cache)
+        return self._cache
+
+    def judge(self) -> Optional[judging.Judge]:
+        args = self.args
+        if not args.judge:
+            return None
+        try:
+            prompt = judging.load_prompt(args.judge_prompt)
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+        return judging.Judge(self.client(args.judge, args.judge_url, args.judge_key_env, option="--judge",
+                                         concurrency=args.judge_jobs), prompt)
+
+    def tool_model(self, tools: Optional[List[Dict[str, Any]]]) -> Optional[ToolModel]:
+        args = self.args
+        if not args.simulator:
+            return None
+        try:
+            prompt = prompts.load(args.simulator_prompt, default=prompts.SIMULATOR, option="--simulator-prompt")
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+        return ToolModel(self.client(args.simulator, args.simulator_url, args.simulator_key_env,
+                                     option="--simulator", concurrency=max(16, args.jobs)), prompt, tools)
+
+    def user(self) -> Optional[UserModel]:
+        args = self.args
+        if not args.user_model:
+            return None
+        try:
+            prompt = prompts.load(args.user_prompt, default=prompts.USER, option="--user-prompt")
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+        return UserModel(self.client(args.user_model, args.user_url, args.user_key_env, option="--user-model",
+                                     concurrency=max(16, args.jobs)), prompt, args.max_turns)
 
 
 def _file_identity(path: Optional[str]) -> Optional[Dict[str, str]]:
@@ -1084,14 +1258,29 @@ def _agent_identity(agent: Any) -> Dict[str, Any]:
     return {"mode": agent.mode, "target": agent.target}
 
 
-def _option_identity(args: argparse.Namespace, model: Optional[str],
-                     judge: Optional[judging.Judge] = None) -> Dict[str, Any]:
+def _option_identity(args: argparse.Namespace, model: Optional[str], judge: Optional[judging.Judge] = None,
+                     tool_model: Optional[ToolModel] = None, user: Optional[UserModel] = None) -> Dict[str, Any]:
     """The options that change what a row's run gives (so shards of one simulation must share them)."""
-    identity = {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
-                "model": model, "strict": bool(args.code) and not args.lenient}
-    if judge is not None:
-        identity["judge"] = judge.identity()
+    identity: Dict[str, Any] = {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
+                                "model": model, "strict": bool(args.code) and not args.lenient}
+    for name, role in (("judge", judge), ("simulator", tool_model), ("user_model", user)):
+        if role is not None:
+            identity[name] = role.identity()
+    if args.turn_mode:
+        identity["turn_mode"] = args.turn_mode
     return identity
+
+
+def _agent_tools(args: argparse.Namespace, agent: Any) -> Optional[List[Dict[str, Any]]]:
+    """The agent's tools for the simulated backend when --tools gives none: ``tools_schema.json`` beside a --code
+    agent, or what a --url agent serves at ``GET /tools_schema``; ``None`` when neither is there."""
+    try:
+        if isinstance(agent, CodeAgent):
+            beside = pp.tools_schema_beside(agent.target)
+            return pp.load_tools_schema(beside) if beside else None
+        return agent.served_tools() if isinstance(agent, UrlAgent) else None
+    except ValueError:
+        return None
 
 
 def _required_env(agent: Any) -> List[str]:

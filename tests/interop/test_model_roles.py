@@ -58,7 +58,7 @@ def test_every_form_of_every_role_request_is_openais_request_type(name: str, sch
 
 
 def test_the_scripted_stand_ins_role_answers_are_openais_completion_type() -> None:
-    from conformance.simulator.judge import scripted_endpoint
+    from conformance.models.scripted import scripted_endpoint
 
     with scripted_endpoint() as endpoint:
         with FakeChatServer() as recorder:  # the same request, to the stand-in, read raw

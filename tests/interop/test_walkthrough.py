@@ -67,13 +67,15 @@ def test_the_readme_walkthrough_ends_with_a_report(fresh: Dict[str, str]) -> Non
     project = Path(fresh["home"]) / "my-agent"
     report = (project / "report.html").read_text(encoding="utf-8")
     rows = re.findall(r'id="row-(\d+)"', report)
-    assert len(rows) == 5 and "Traceback" not in done.stderr
+    assert len(rows) == 7 and "Traceback" not in done.stderr
     assert "✓ agent imports" in done.stdout and "✗" not in done.stdout  # doctor all green (or skipped), offline
-    assert "5 runs: 5 ran without error" in done.stdout
+    assert "7 runs: 7 ran without error" in done.stdout
     assert "rows/s" in done.stderr  # the progress line
     # the judge, installed: its rubric ships as package data; every row judged, in the page and the JUnit file
-    assert "judge (scripted): pass rate" in done.stdout and report.count('<aside class="verdict">') == 5
-    assert len(ET.parse(project / "results.xml").getroot().findall("testsuite/testcase")) == 5
+    assert "judge (scripted): pass rate" in done.stdout and report.count('<aside class="verdict">') == 7
+    assert len(ET.parse(project / "results.xml").getroot().findall("testsuite/testcase")) == 7
+    # the simulated user carries the multi-turn row past its first turn
+    assert "sessions: 1 model_as_user row(s), 2 turns" in done.stdout
 
 
 def test_a_dispatch_by_hand_with_the_printed_curl(fresh: Dict[str, str]) -> None:
