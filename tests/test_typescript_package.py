@@ -2,9 +2,9 @@
 
 ``npm pack`` in a copy of ``conformance/ports/typescript`` (its ``prepack`` builds ``dist/`` from ``src/``), the
 tarball installed into a fresh project beside Hono and its Node adapter (``tests/data/typescript_package``: exact
-versions, locked), the port's conformance agent and a Hono server compiled against the installed package by the
-port's locked ``tsc`` in strict mode, then served: the whole conformance check at ``--strict`` and 120 concurrent
-dispatches go through Hono to ``fetchHandler``.
+versions, locked), the port's conformance agent, a Hono server and the README's Hono recipe compiled against the
+installed package by the port's locked ``tsc`` in strict mode, then served: the whole conformance check at
+``--strict`` and 120 concurrent dispatches go through Hono to ``fetchHandler``.
 
 Skipped when node, npm or the port's ``tsc`` (``npm ci`` in the port) is missing, and when the frameworks are
 neither in npm's cache nor reachable on the registry (``.ci/run`` puts them in the cache first, so CI runs this).
@@ -86,6 +86,11 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
     agent = (PORT_DIR / "src" / "conformance_agent.ts").read_text()
     assert agent.count('from "./pipelines_port.js"') == 2
     (app / "src" / "conformance_agent.ts").write_text(agent.replace('from "./pipelines_port.js"', 'from "pipelines-port"'))
+    # The README's Hono recipe, as printed, compiled too (not served: it listens on 8080).
+    recipe = re.search(r"\*\*Hono\*\* on Node.*?```ts\n(.*?)```", (PORT_DIR / "README.md").read_text(), re.S)
+    assert recipe is not None and 'from "pipelines-port"' in recipe.group(1)
+    (app / "src" / "readme_hono.ts").write_text(recipe.group(1))
+    (app / "src" / "agent.ts").write_text('export { conformanceAgent as agent } from "./conformance_agent.js";\n')
     done = subprocess.run([str(TSC), "-p", str(app)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr  # strict, against the package's own .d.ts
     return Packed(tarball, sorted(f["path"] for f in report["files"]), app)

@@ -448,7 +448,7 @@ export declare class DispatchApp {
     /** §2 steps 6-8: the agent with its envelope bound, within runTimeoutS; 500 on any failure. */
     private runAgent;
 }
-/** A Node request listener: what `http.createServer`, Express (`app.post(path, handler)`) and Koa's `app.callback()` slot take. */
+/** A Node request listener: what `http.createServer` and Express (`app.post(path, handler)`) take. */
 export type NodeHandler = (req: IncomingMessage, res: ServerResponse) => Promise<void>;
 /**
  * A DispatchApp (or an agent function plus DispatchApp options) as a Node

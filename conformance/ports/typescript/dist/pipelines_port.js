@@ -6,7 +6,8 @@
 //
 //   types -> constants -> errors -> small helpers -> envelope (§2) -> dispatch context
 //   -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
-//   -> response envelope (§4) -> dispatch core and server (§2)
+//   -> response envelope (§4) -> dispatch core (§2) -> server adapters (fetchHandler,
+//   nodeHandler) -> server (startServer)
 //
 // Naming: data that is on the wire keeps the contract's snake_case words
 // (envelope.proxy_url, envelope.user_instruction, body.final_response);
