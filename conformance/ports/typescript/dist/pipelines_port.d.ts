@@ -1,4 +1,4 @@
-import type { IncomingHttpHeaders, Server } from "node:http";
+import type { IncomingHttpHeaders, IncomingMessage, Server, ServerResponse } from "node:http";
 export declare const VERSION = "0.1.0";
 /** Any JSON value. */
 export type Json = null | boolean | number | string | Json[] | {
@@ -448,6 +448,28 @@ export declare class DispatchApp {
     /** §2 steps 6-8: the agent with its envelope bound, within runTimeoutS; 500 on any failure. */
     private runAgent;
 }
+/** A Node request listener: what `http.createServer` and Express (`app.post(path, handler)`) take. */
+export type NodeHandler = (req: IncomingMessage, res: ServerResponse) => Promise<void>;
+/**
+ * A DispatchApp (or an agent function plus DispatchApp options) as a Node
+ * `(req, res)` listener, for a server or framework you run yourself.  It reads
+ * the body itself: mount it before any body parser (express.json() would
+ * leave it nothing to read: a 500 says so).  Keep-alive, timeouts and shutdown
+ * are the host server's; startServer adds graceful draining.
+ */
+export declare function nodeHandler(agentOrApp: Agent | DispatchApp, options?: DispatchOptions): NodeHandler;
+/** A Web-standard handler: what Hono, Next.js route handlers, Bun.serve, Deno.serve and Cloudflare Workers call. */
+export type FetchHandler = (request: Request) => Promise<Response>;
+/**
+ * A DispatchApp (or an agent function plus DispatchApp options) as a
+ * Web-standard `Request -> Response` handler.  `path` is matched against the
+ * request URL's whole path, so a handler behind a prefix (Next.js
+ * `app/api/dispatch/route.ts`) is created with `{ path: "/api/dispatch" }`.
+ * The body is read only when the request passes auth and framing, and never
+ * past `maxBody`; a body something else already read (`request.bodyUsed`)
+ * gets a 500 naming the mistake.
+ */
+export declare function fetchHandler(agentOrApp: Agent | DispatchApp, options?: DispatchOptions): FetchHandler;
 /** A running dispatch server. */
 export interface RunningServer {
     server: Server;

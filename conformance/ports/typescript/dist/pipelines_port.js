@@ -6,7 +6,8 @@
 //
 //   types -> constants -> errors -> small helpers -> envelope (§2) -> dispatch context
 //   -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
-//   -> response envelope (§4) -> dispatch core and server (§2)
+//   -> response envelope (§4) -> dispatch core (§2) -> server adapters (fetchHandler,
+//   nodeHandler) -> server (startServer)
 //
 // Naming: data that is on the wire keeps the contract's snake_case words
 // (envelope.proxy_url, envelope.user_instruction, body.final_response);
@@ -1598,26 +1599,107 @@ export class DispatchApp {
 function routePath(target) {
     return (target.split(/[?#]/)[0] ?? "").replace(/\/+$/, "") || "/";
 }
+// ---------------------------------------------------------------------------
+// Server adapters: node:http and the Web-standard fetch handler, each a thin
+// layer over DispatchApp.handle (precheck says whether the body is read)
+// ---------------------------------------------------------------------------
+/** `agentOrApp` itself, or a DispatchApp serving the agent with `options`. */
+function appOf(agentOrApp, options) {
+    const app = agentOrApp instanceof DispatchApp ? agentOrApp : new DispatchApp(agentOrApp, options);
+    if (app.noAuth)
+        log("warning", "auth is DISABLED: anyone who can reach this endpoint can dispatch");
+    return app;
+}
+/** `app.handle`, and the last line of defence should it throw: a JSON 500, never a dropped connection or a text page. */
+async function replyOf(app, method, target, headers, body) {
+    try {
+        return await app.handle(method, target, headers, body);
+    }
+    catch (err) {
+        log("error", `building the reply failed: ${err instanceof Error ? err.name : typeof err}`);
+        return errorReply(500, `internal error while building the reply: ${err instanceof Error ? err.name : "Error"}`);
+    }
+}
+/** The 500 for a body something else read first: the wrapper is mounted wrong, and the agent must not run on nothing. */
+function bodyAlreadyRead() {
+    log("error", "the request body was read before the dispatch handler: mount it before any body parser");
+    return errorReply(500, "this agent's wrapper is misconfigured: the request body was read before the dispatch handler " +
+        "(a body parser such as express.json() mounted before it?)");
+}
+/**
+ * A DispatchApp (or an agent function plus DispatchApp options) as a Node
+ * `(req, res)` listener, for a server or framework you run yourself.  It reads
+ * the body itself: mount it before any body parser (express.json() would
+ * leave it nothing to read: a 500 says so).  Keep-alive, timeouts and shutdown
+ * are the host server's; startServer adds graceful draining.
+ */
+export function nodeHandler(agentOrApp, options = {}) {
+    const app = appOf(agentOrApp, options);
+    return (req, res) => serveNode(app, req, res, () => false);
+}
+/**
+ * A DispatchApp (or an agent function plus DispatchApp options) as a
+ * Web-standard `Request -> Response` handler.  `path` is matched against the
+ * request URL's whole path, so a handler behind a prefix (Next.js
+ * `app/api/dispatch/route.ts`) is created with `{ path: "/api/dispatch" }`.
+ * The body is read only when the request passes auth and framing, and never
+ * past `maxBody`; a body something else already read (`request.bodyUsed`)
+ * gets a 500 naming the mistake.
+ */
+export function fetchHandler(agentOrApp, options = {}) {
+    const app = appOf(agentOrApp, options);
+    return async (request) => {
+        const { pathname, search } = new URL(request.url);
+        const target = pathname + search;
+        const headers = [];
+        request.headers.forEach((value, name) => void headers.push([name, value]));
+        let body = new Uint8Array(0);
+        if (request.body !== null && app.precheck(request.method, target, headers) === null) {
+            if (request.bodyUsed)
+                return responseOf(bodyAlreadyRead());
+            try {
+                body = await readAtMost(request.body, app.maxBody);
+            }
+            catch (err) {
+                return responseOf(errorReply(400, `the request body could not be read: ${short(describeError(err), 200)}`));
+            }
+        }
+        return responseOf(await replyOf(app, request.method, target, headers, body));
+    };
+}
+/** The bytes of `stream`, the read stopped once past `limit` (handle then answers 413). */
+async function readAtMost(stream, limit) {
+    const reader = stream.getReader();
+    const chunks = [];
+    let size = 0;
+    for (;;) {
+        const { done, value } = await reader.read();
+        if (done)
+            break;
+        chunks.push(value);
+        size += value.length;
+        if (size > limit) {
+            await reader.cancel();
+            break;
+        }
+    }
+    return Buffer.concat(chunks);
+}
+function responseOf(reply) {
+    return new Response(reply.body, { status: reply.status, headers: reply.headers });
+}
 /**
  * Serve a DispatchApp (or an agent function plus DispatchApp options) over
  * HTTP/1.1 with keep-alive.  Resolves once listening.
  */
 export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, readTimeoutS = 30, ...options } = {}) {
-    const app = agentOrApp instanceof DispatchApp ? agentOrApp : new DispatchApp(agentOrApp, options);
-    if (app.noAuth)
-        log("warning", "auth is DISABLED: anyone who can reach this endpoint can dispatch");
+    const app = appOf(agentOrApp, options);
     let inFlight = 0;
     let draining = false;
     let idle = () => { };
     const server = http.createServer({ requestTimeout: readTimeoutS * 1000, headersTimeout: readTimeoutS * 1000 }, (req, res) => {
         inFlight += 1;
-        serveOne(app, req, res, () => draining)
-            .catch((err) => {
-            log("error", `request failed inside the server: ${err instanceof Error ? err.stack ?? err.message : String(err)}`);
-            if (!res.headersSent)
-                send(res, errorReply(500, "internal error in the dispatch server"), true);
-        })
-            .finally(() => {
+        void serveNode(app, req, res, () => draining).finally(() => {
             inFlight -= 1;
             if (inFlight === 0)
                 idle();
@@ -1652,6 +1734,14 @@ export async function startServer(agentOrApp, { host = "127.0.0.1", port = 0, re
     }
     return { server, url, app, close };
 }
+/** serveOne, with a JSON 500 should anything outside `handle` throw. */
+function serveNode(app, req, res, isDraining) {
+    return serveOne(app, req, res, isDraining).catch((err) => {
+        log("error", `request failed inside the server: ${err instanceof Error ? err.stack ?? err.message : String(err)}`);
+        if (!res.headersSent)
+            send(res, errorReply(500, "internal error in the dispatch server"), true);
+    });
+}
 /** Read one request's body (only when it is small enough), decide, answer. */
 async function serveOne(app, req, res, isDraining) {
     if (isDraining())
@@ -1665,6 +1755,8 @@ async function serveOne(app, req, res, isDraining) {
     // connection; otherwise the connection closes instead of reading it.
     const readable = /^\d+$/.test(length) && Number(length) <= app.maxBody;
     const close = refused && !readable && method !== "GET";
+    if (!refused && readable && Number(length) > 0 && req.readableEnded)
+        return send(res, bodyAlreadyRead());
     let body = Buffer.alloc(0);
     if (readable) {
         const chunks = [];
@@ -1677,14 +1769,7 @@ async function serveOne(app, req, res, isDraining) {
         }
         body = Buffer.concat(chunks);
     }
-    let reply;
-    try {
-        reply = await app.handle(method, target, req.headers, body);
-    }
-    catch (err) { // the last line of defence: a JSON 500, never a dropped connection or a text page
-        log("error", `building the reply failed: ${err instanceof Error ? err.name : typeof err}`);
-        reply = errorReply(500, `internal error while building the reply: ${err instanceof Error ? err.name : "Error"}`);
-    }
+    const reply = await replyOf(app, method, target, req.headers, body);
     send(res, reply, close || isDraining()); // a dispatch that finishes while draining closes its connection
 }
 function send(res, reply, close = false) {

@@ -6,7 +6,8 @@
 //
 //   types -> constants -> errors -> small helpers -> envelope (§2) -> dispatch context
 //   -> inbound helpers (auth, ping) -> proxy client (§3) -> trace events (§3.4)
-//   -> response envelope (§4) -> dispatch core and server (§2)
+//   -> response envelope (§4) -> dispatch core (§2) -> server adapters (fetchHandler,
+//   nodeHandler) -> server (startServer)
 //
 // Naming: data that is on the wire keeps the contract's snake_case words
 // (envelope.proxy_url, envelope.user_instruction, body.final_response);
@@ -1851,6 +1852,104 @@ function routePath(target: string): string {
 }
 
 // ---------------------------------------------------------------------------
+// Server adapters: node:http and the Web-standard fetch handler, each a thin
+// layer over DispatchApp.handle (precheck says whether the body is read)
+// ---------------------------------------------------------------------------
+
+/** `agentOrApp` itself, or a DispatchApp serving the agent with `options`. */
+function appOf(agentOrApp: Agent | DispatchApp, options: DispatchOptions): DispatchApp {
+  const app = agentOrApp instanceof DispatchApp ? agentOrApp : new DispatchApp(agentOrApp, options);
+  if (app.noAuth) log("warning", "auth is DISABLED: anyone who can reach this endpoint can dispatch");
+  return app;
+}
+
+/** `app.handle`, and the last line of defence should it throw: a JSON 500, never a dropped connection or a text page. */
+async function replyOf(app: DispatchApp, method: string, target: string, headers: HeadersInit, body: Uint8Array): Promise<Reply> {
+  try {
+    return await app.handle(method, target, headers, body);
+  } catch (err) {
+    log("error", `building the reply failed: ${err instanceof Error ? err.name : typeof err}`);
+    return errorReply(500, `internal error while building the reply: ${err instanceof Error ? err.name : "Error"}`);
+  }
+}
+
+/** The 500 for a body something else read first: the wrapper is mounted wrong, and the agent must not run on nothing. */
+function bodyAlreadyRead(): Reply {
+  log("error", "the request body was read before the dispatch handler: mount it before any body parser");
+  return errorReply(500, "this agent's wrapper is misconfigured: the request body was read before the dispatch handler " +
+    "(a body parser such as express.json() mounted before it?)");
+}
+
+/** A Node request listener: what `http.createServer` and Express (`app.post(path, handler)`) take. */
+export type NodeHandler = (req: IncomingMessage, res: ServerResponse) => Promise<void>;
+
+/**
+ * A DispatchApp (or an agent function plus DispatchApp options) as a Node
+ * `(req, res)` listener, for a server or framework you run yourself.  It reads
+ * the body itself: mount it before any body parser (express.json() would
+ * leave it nothing to read: a 500 says so).  Keep-alive, timeouts and shutdown
+ * are the host server's; startServer adds graceful draining.
+ */
+export function nodeHandler(agentOrApp: Agent | DispatchApp, options: DispatchOptions = {}): NodeHandler {
+  const app = appOf(agentOrApp, options);
+  return (req, res) => serveNode(app, req, res, () => false);
+}
+
+/** A Web-standard handler: what Hono, Next.js route handlers, Bun.serve, Deno.serve and Cloudflare Workers call. */
+export type FetchHandler = (request: Request) => Promise<Response>;
+
+/**
+ * A DispatchApp (or an agent function plus DispatchApp options) as a
+ * Web-standard `Request -> Response` handler.  `path` is matched against the
+ * request URL's whole path, so a handler behind a prefix (Next.js
+ * `app/api/dispatch/route.ts`) is created with `{ path: "/api/dispatch" }`.
+ * The body is read only when the request passes auth and framing, and never
+ * past `maxBody`; a body something else already read (`request.bodyUsed`)
+ * gets a 500 naming the mistake.
+ */
+export function fetchHandler(agentOrApp: Agent | DispatchApp, options: DispatchOptions = {}): FetchHandler {
+  const app = appOf(agentOrApp, options);
+  return async (request) => {
+    const { pathname, search } = new URL(request.url);
+    const target = pathname + search;
+    const headers: Array<[string, string]> = [];
+    request.headers.forEach((value, name) => void headers.push([name, value]));
+    let body: Uint8Array = new Uint8Array(0);
+    if (request.body !== null && app.precheck(request.method, target, headers) === null) {
+      if (request.bodyUsed) return responseOf(bodyAlreadyRead());
+      try {
+        body = await readAtMost(request.body, app.maxBody);
+      } catch (err) {
+        return responseOf(errorReply(400, `the request body could not be read: ${short(describeError(err), 200)}`));
+      }
+    }
+    return responseOf(await replyOf(app, request.method, target, headers, body));
+  };
+}
+
+/** The bytes of `stream`, the read stopped once past `limit` (handle then answers 413). */
+async function readAtMost(stream: ReadableStream<Uint8Array>, limit: number): Promise<Uint8Array> {
+  const reader = stream.getReader();
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    chunks.push(value);
+    size += value.length;
+    if (size > limit) {
+      await reader.cancel();
+      break;
+    }
+  }
+  return Buffer.concat(chunks);
+}
+
+function responseOf(reply: Reply): Response {
+  return new Response(reply.body, { status: reply.status, headers: reply.headers });
+}
+
+// ---------------------------------------------------------------------------
 // Server: node:http, keep-alive, graceful shutdown
 // ---------------------------------------------------------------------------
 
@@ -1879,23 +1978,17 @@ export interface ServerOptions extends DispatchOptions {
  */
 export async function startServer(agentOrApp: Agent | DispatchApp,
   { host = "127.0.0.1", port = 0, readTimeoutS = 30, ...options }: ServerOptions = {}): Promise<RunningServer> {
-  const app = agentOrApp instanceof DispatchApp ? agentOrApp : new DispatchApp(agentOrApp, options);
-  if (app.noAuth) log("warning", "auth is DISABLED: anyone who can reach this endpoint can dispatch");
+  const app = appOf(agentOrApp, options);
   let inFlight = 0;
   let draining = false;
   let idle = (): void => {};
 
   const server = http.createServer({ requestTimeout: readTimeoutS * 1000, headersTimeout: readTimeoutS * 1000 }, (req, res) => {
     inFlight += 1;
-    serveOne(app, req, res, () => draining)
-      .catch((err: unknown) => {
-        log("error", `request failed inside the server: ${err instanceof Error ? err.stack ?? err.message : String(err)}`);
-        if (!res.headersSent) send(res, errorReply(500, "internal error in the dispatch server"), true);
-      })
-      .finally(() => {
-        inFlight -= 1;
-        if (inFlight === 0) idle();
-      });
+    void serveNode(app, req, res, () => draining).finally(() => {
+      inFlight -= 1;
+      if (inFlight === 0) idle();
+    });
   });
   server.on("connection", (socket) => socket.setNoDelay(true));
   await new Promise<void>((resolve, reject) => {
@@ -1928,6 +2021,14 @@ export async function startServer(agentOrApp: Agent | DispatchApp,
   return { server, url, app, close };
 }
 
+/** serveOne, with a JSON 500 should anything outside `handle` throw. */
+function serveNode(app: DispatchApp, req: IncomingMessage, res: ServerResponse, isDraining: () => boolean): Promise<void> {
+  return serveOne(app, req, res, isDraining).catch((err: unknown) => {
+    log("error", `request failed inside the server: ${err instanceof Error ? err.stack ?? err.message : String(err)}`);
+    if (!res.headersSent) send(res, errorReply(500, "internal error in the dispatch server"), true);
+  });
+}
+
 /** Read one request's body (only when it is small enough), decide, answer. */
 async function serveOne(app: DispatchApp, req: IncomingMessage, res: ServerResponse, isDraining: () => boolean): Promise<void> {
   if (isDraining()) return send(res, errorReply(503, "server is shutting down: retry on another instance"), true);
@@ -1940,6 +2041,7 @@ async function serveOne(app: DispatchApp, req: IncomingMessage, res: ServerRespo
   // connection; otherwise the connection closes instead of reading it.
   const readable = /^\d+$/.test(length) && Number(length) <= app.maxBody;
   const close = refused && !readable && method !== "GET";
+  if (!refused && readable && Number(length) > 0 && req.readableEnded) return send(res, bodyAlreadyRead());
   let body = Buffer.alloc(0);
   if (readable) {
     const chunks: Buffer[] = [];
@@ -1950,13 +2052,7 @@ async function serveOne(app: DispatchApp, req: IncomingMessage, res: ServerRespo
     }
     body = Buffer.concat(chunks);
   }
-  let reply: Reply;
-  try {
-    reply = await app.handle(method, target, req.headers, body);
-  } catch (err) { // the last line of defence: a JSON 500, never a dropped connection or a text page
-    log("error", `building the reply failed: ${err instanceof Error ? err.name : typeof err}`);
-    reply = errorReply(500, `internal error while building the reply: ${err instanceof Error ? err.name : "Error"}`);
-  }
+  const reply = await replyOf(app, method, target, req.headers, body);
   send(res, reply, close || isDraining()); // a dispatch that finishes while draining closes its connection
 }
 
