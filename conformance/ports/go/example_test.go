@@ -641,3 +641,92 @@ func ExampleCompactJSON() {
 func ExampleSetLogOutput() {
 	pp.SetLogOutput(io.Discard) // or a file; stderr by default. The log never shows a token.
 }
+
+// One Client serves any number of runs: each call takes its run from the context.
+func ExampleClient() {
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Println(r.URL.Path, r.Header.Get("Authorization"))
+		fmt.Fprint(w, `{"response": "ok", "accepted": true}`)
+	}))
+	defer proxy.Close()
+	client := pp.NewClient()
+	defer client.CloseIdleConnections()
+
+	for _, run := range []string{"run-a", "run-b"} {
+		ctx := exampleRun(proxy.URL+"/runs/"+run, "token-of-"+run)
+		_, _ = client.Call(ctx, "get_order", map[string]any{"order_id": "4521"})
+	}
+	ctx := exampleRun(proxy.URL+"/runs/run-c", "token-of-run-c")
+	_, _ = client.Trace(ctx, pp.TraceCustom, map[string]any{"step": "triage"})
+	_, _ = client.PostHandoff(ctx, pp.Handoff{From: "triage", To: "refunds"})
+	// Output:
+	// /runs/run-a/tools/get_order Bearer token-of-run-a
+	// /runs/run-b/tools/get_order Bearer token-of-run-b
+	// /runs/run-c/traces/custom Bearer token-of-run-c
+	// /runs/run-c/traces/handoff Bearer token-of-run-c
+}
+
+func ExampleDefaultClient() {
+	// The package-level Call, Trace and PostHandoff use it unless the context carries another.
+	fmt.Println(pp.ClientFrom(context.Background()) == pp.DefaultClient())
+	pp.DefaultClient().CloseIdleConnections() // at shutdown
+	// Output: true
+}
+
+// The dispatch handler binds Options.Client to each run's context.
+func ExampleClientFrom() {
+	client := pp.NewClient()
+	agent := func(ctx context.Context, env *pp.Envelope) (any, error) {
+		return fmt.Sprint(pp.ClientFrom(ctx) == client), nil
+	}
+	handler, _ := pp.NewDispatchHandler(agent, pp.Options{Token: "agent-token-1234", Client: client})
+	server := httptest.NewServer(handler)
+	defer server.Close()
+	req, _ := http.NewRequest(http.MethodPost, server.URL+"/dispatch", strings.NewReader(`{"odyssey_proxy_url": "https://proxy.example/runs/17"}`))
+	req.Header.Set("Authorization", "Bearer agent-token-1234")
+	req.Header.Set(pp.HeaderRunToken, "run-token-17")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		panic(err)
+	}
+	reply, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	fmt.Println(string(reply))
+	// Output: {"final_response":"true"}
+}
+
+// Wrapped in middleware of your own, the handler answers as it does alone.
+func ExampleDispatchHandler_ServeHTTP() {
+	handler, _ := pp.NewDispatchHandler(func(ctx context.Context, env *pp.Envelope) (any, error) { return "done", nil },
+		pp.Options{Token: "agent-token-1234"})
+	withRequestID := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Request-Id", "req-1")
+		handler.ServeHTTP(w, r)
+	})
+	server := httptest.NewServer(withRequestID)
+	defer server.Close()
+	resp, err := http.Get(server.URL + "/healthz")
+	if err != nil {
+		panic(err)
+	}
+	resp.Body.Close()
+	fmt.Println(resp.StatusCode, resp.Header.Get("X-Request-Id"), resp.Header.Get("Content-Type"))
+	// Output: 200 req-1 application/json
+}
+
+func ExampleNewPacer() {
+	client := pp.NewClient()
+	client.Pacer = pp.NewPacer(30, time.Minute) // stay well under the proxy's 60 a minute per run token
+	fmt.Println(client.Pacer.Limit, client.Pacer.Window)
+	// Output: 30 1m0s
+}
+
+func ExampleProxyError_Value() {
+	reply := pp.InterpretReply(409, http.Header{}, []byte(`{"detail": {"error_class": "already_refunded", "message": "refunded on 2 May"}}`),
+		"issue_refund", "run-token-17")
+	var failure pp.ProxyFailure
+	if errors.As(reply.Err, &failure) {
+		fmt.Println(failure.Proxy().Value()) // a tool result a model can read
+	}
+	// Output: map[error:proxy call "issue_refund" failed: HTTP 409 already_refunded: refunded on 2 May error_class:already_refunded status_code:409]
+}
