@@ -1,3 +1,3 @@
-module pipelinesport
+module example.com/pipelines-port/go
 
 go 1.19

@@ -20,7 +20,7 @@ import (
 	"testing"
 	"unicode/utf8"
 
-	pp "pipelinesport"
+	pp "example.com/pipelines-port/go"
 )
 
 type marshalFails struct{}

@@ -1,5 +1,14 @@
 // Package pipelinesport is the Pipelines agent wire contract in Go: the
-// reference Go port of pipelines_port.py, standard library only.
+// reference Go port of pipelines_port.py, standard library only. Its module
+// path is example.com/pipelines-port/go, required with a replace directive
+// that points at a checkout (README.md says why):
+//
+//	import pp "example.com/pipelines-port/go"
+//
+// An agent is an AgentFunc; NewDispatchHandler serves it as an http.Handler,
+// which Serve and ListenAndServe run with a graceful shutdown, or which mounts
+// under a prefix in any router with http.StripPrefix. Inside a dispatch, Call,
+// Trace and PostHandoff reach the run's proxy with the run's token.
 //
 // Section numbers in comments (§2, §3.3, ...) point into CONTRACT.md at the
 // root of the repository; rule ids (auth-first, idempotency-key-reuse, ...)

@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	pp "pipelinesport"
+	pp "example.com/pipelines-port/go"
 )
 
 func TestMain(m *testing.M) {

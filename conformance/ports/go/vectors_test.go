@@ -24,7 +24,7 @@ import (
 	"testing"
 	"time"
 
-	pp "pipelinesport"
+	pp "example.com/pipelines-port/go"
 )
 
 const basePath = "/api/odyssey-proxy/runs/r1"

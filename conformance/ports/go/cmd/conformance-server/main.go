@@ -1,5 +1,6 @@
-// Command conformance-server serves the conformance agent (agent.go) through
-// the Go port's dispatch handler, for `python3 -m conformance check URL`.
+// Command conformance-server serves the conformance agent
+// (internal/conformanceagent) through the Go port's dispatch handler, for
+// `python3 -m conformance check URL`.
 //
 //	conformance-server [--host 127.0.0.1] [--port 8080] [--path /dispatch]
 //	    [--token-env AGENT_TOKEN] [--auth-header Authorization] [--no-auth] [--strict]
@@ -25,7 +26,8 @@ import (
 	"syscall"
 	"time"
 
-	pp "pipelinesport"
+	pp "example.com/pipelines-port/go"
+	"example.com/pipelines-port/go/internal/conformanceagent"
 )
 
 const usage = "usage: conformance-server [--host HOST] [--port PORT] [--path /dispatch] [--token-env NAME] " +
@@ -95,7 +97,7 @@ func run(args []string) int {
 		fmt.Fprintf(os.Stderr, "conformance-server: %v\n", err)
 		return 2
 	}
-	handler, err := pp.NewDispatchHandler(conformanceAgent, s.opts)
+	handler, err := pp.NewDispatchHandler(conformanceagent.Agent, s.opts)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "conformance-server: %v\n", err)
 		return 2

@@ -1,12 +1,13 @@
-package main
-
-// The conformance agent of conformance/README.md ("The conformance agent"),
-// built only on the port's public functions: it reads the envelope, calls
-// tools through the port's proxy client, and returns through the port's
-// response builder. Nothing here talks HTTP itself.
+// Package conformanceagent is the conformance agent of conformance/README.md
+// ("The conformance agent"), built only on the port's public functions: it
+// reads the envelope, calls tools through the port's proxy client, and returns
+// through the port's response builder. Nothing here talks HTTP itself.
+// cmd/conformance-server serves it, and so does the chi-mounted server of
+// internal/chitest.
 //
 //	echo mode:   final_response = {"envelope": E}, the envelope as the port parsed it
 //	script mode: user_instruction is {"steps": [...]}; each step gives one result
+package conformanceagent
 
 import (
 	"context"
@@ -19,13 +20,13 @@ import (
 	"sync"
 	"time"
 
-	pp "pipelinesport"
+	pp "example.com/pipelines-port/go"
 )
 
 var stepKinds = []string{"call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return"}
 
-// conformanceAgent is echo mode, or script mode when user_instruction is a JSON object with a "steps" array.
-func conformanceAgent(ctx context.Context, env *pp.Envelope) (any, error) {
+// Agent is echo mode, or script mode when user_instruction is a JSON object with a "steps" array.
+func Agent(ctx context.Context, env *pp.Envelope) (any, error) {
 	if steps, ok := parseScript(env.UserInstruction); ok {
 		return runScript(ctx, env, steps)
 	}
