@@ -5,6 +5,7 @@ command is ``pipelines-port`` (``cli.py``).  Sub-packages by job, each importing
 
     cli.py       the command table (imports each command's module when it runs)
     project/     init, doctor, demo: a user's project            -> simulator, kit
+    platform_api/ register, test: the platform's REST API        -> simulator, kit
     checker/     check, rules, vectors, the conformance agent    -> harness, kit
     simulator/   dataset, engine, the run loop, reports, shards  -> harness, models, kit
     harness/     the mock per-run proxy and the dispatcher       -> kit
