@@ -106,6 +106,7 @@ def _line(status: int, method: str, path: str, detail: str, fields: Sequence[Tup
           attempts: int) -> str:
     """The one line an error status becomes (the commands say more for 404 and 409 where they know more)."""
     head = f"{status} {REASONS[status]}" if status in REASONS else f"HTTP {status}"
+    tries = f"{attempts} attempt{'' if attempts == 1 else 's'}"
     said = f": {detail}" if detail else ""
     where = f"{method} {path}"
     if status == 401:
@@ -119,9 +120,9 @@ def _line(status: int, method: str, path: str, detail: str, fields: Sequence[Tup
         return f"{head}: the platform rejected {subject or 'the request'}: " + "; ".join(
             f"{field}: {why}" if field else why for field, why in fields)
     if status == 429:
-        return f"{head}: still rate limited after {attempts} attempts ({where}){said}"
+        return f"{head}: still rate limited after {tries} ({where}){said}"
     if status >= 500:
-        return f"{head} from the platform after {attempts} attempts ({where}){said}"
+        return f"{head} from the platform after {tries} ({where}){said}"
     return f"{head} ({where}){said}"
 
 

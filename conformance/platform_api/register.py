@@ -231,7 +231,7 @@ for _pp_part in {modules!r}:
     _pp_sys.modules.pop(_pp_part, None)
 del {names}, _pp_part
 exec(compile(_pp_source, __file__, "exec", dont_inherit=True), globals())
-del _pp_source
+del _pp_source, _pp_base64, _pp_hashlib, _pp_linecache, _pp_sys, _pp_zlib
 '''
 
 
@@ -309,7 +309,8 @@ def load_tools(path: Optional[str], passthrough: Sequence[str]) -> List[Dict[str
     """The tools as the platform takes them, each with its ``default_execution_mode`` (see the module docstring).
 
     An entry already in the platform's shape is sent as written; OpenAI / Chat Completions shapes are
-    converted (``pipelines_port.load_tools_schema``).  A passthrough tool needs its ``passthrough_binding``.
+    converted (``pipelines_port.load_tools_schema``).  A passthrough tool without a ``passthrough_binding``
+    (where the platform forwards its calls) is sent as asked, with a warning.
     """
     if path is None:
         if passthrough:

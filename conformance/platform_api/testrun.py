@@ -341,10 +341,10 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _agent_id(client: api.Client, agent: str) -> str:
+def _agent_id(client: api.Client, agent: str) -> Any:
     """``--agent``: an id as given, a name looked up (exactly one agent of that name)."""
     if agent.strip().isdigit():
-        return agent.strip()
+        return int(agent.strip())
     matches = client.agents_named(agent)
     if not matches:
         raise SetupError(f"no agent named {agent!r} on the platform for this API key: register it first "
@@ -352,7 +352,7 @@ def _agent_id(client: api.Client, agent: str) -> str:
     if len(matches) > 1:
         ids = ", ".join(str(m.get("id")) for m in matches)
         raise SetupError(f"{len(matches)} agents are named {agent!r} (ids {ids}): pass --agent ID")
-    return str(matches[0].get("id"))
+    return matches[0].get("id")
 
 
 def _load(path: str) -> Tuple[datasets.Dataset, List[Dict[str, str]], List[Row]]:
@@ -407,6 +407,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     if rollup is None:  # interrupted before the first reply
         _say(f"interrupted; the run goes on: {prog('test')} --attach {run_id}")
         return 130
+    if agent is None:
+        agent = rollup.get("agent_id")
     info = {"file": checked.name, "rows": checked.rows, "problems": [p.to_json() for p in checked.problems]} \
         if checked else {"file": None}
     result = build_report(rollup, described, dataset=info, agent=agent, api_url=origin, started_at=started_at,
