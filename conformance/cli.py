@@ -33,6 +33,8 @@ COMMANDS: Dict[str, Tuple[Optional[str], str]] = {
     "demo": ("project.demo", "run the bundled sample dataset against the minimal template"),
     "model": ("models.scripted", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
     "proxy": ("simulator.proxy_cli", "a mock per-run proxy and a curl dispatch to paste, to try an agent by hand"),
+    "register": ("platform_api.register", "create or update the agent on the platform (an HTTP endpoint or code)"),
+    "test": ("platform_api.testrun", "run a dataset on the platform, follow it to the end, gate CI on the verdicts"),
 }
 
 

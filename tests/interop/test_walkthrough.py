@@ -121,3 +121,35 @@ def test_a_dispatch_by_hand_with_the_printed_curl(fresh: Dict[str, str]) -> None
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def platform_block() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("<!-- platform -->", 1)[1].split("<!-- /platform -->", 1)[0]
+    return "\n".join(line for line in block.strip().splitlines() if not line.startswith("```"))
+
+
+def test_the_readme_platform_section_against_a_stand_in_of_the_api(fresh: Dict[str, str]) -> None:
+    """The README's "Put it on the platform", as written, in the walk-through's project, with the installed command."""
+    from tests.fake_platform import FakePlatform
+
+    project = Path(fresh["home"]) / "my-agent"
+    if not (project / "agent.py").exists():
+        pytest.skip("the walk-through did not run")
+    token = "walkthrough-agent-token-0123456789"
+    with FakePlatform() as platform:
+        env = dict(environment(fresh), PIPELINES_API_KEY=platform.api_key, PIPELINES_API_URL=platform.url,
+                   AGENT_TOKEN=token)
+        done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + platform_block()], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    agents = {agent["name"]: agent for agent in platform.agents.values()}
+    assert agents["my-agent"]["mode"] == "external_http" and agents["my-agent"]["config"]["has_auth_credential"]
+    assert agents["my-agent-code"]["mode"] == "sandbox"
+    assert {"agent.py", "pipelines_port.py", "_pipelines_port_part1.py"} <= set(
+        agents["my-agent-code"]["config"]["source_files"])
+    assert [run.agent_id for run in platform.runs.values()] == [agents["my-agent"]["id"]]
+    results = json.loads((project / "results.json").read_text(encoding="utf-8"))
+    assert results["summary"]["judge"]["pass"] == 5 and (project / "junit.xml").is_file()
+    for text in (done.stdout, done.stderr, (project / "results.json").read_text(), (project / "junit.xml").read_text()):
+        assert platform.api_key not in text and token not in text
