@@ -29,6 +29,16 @@ from tests.fake_platform import FakePlatform
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
+# The sample's first five rows and the template's first three tools: what these tests' figures count.
+TOOLS = json.loads((ROOT / "templates" / "tools_schema.json").read_text())[:3]
+
+
+def write_sample(path: pathlib.Path) -> None:
+    path.write_text("".join(SAMPLE.read_text(encoding="utf-8").splitlines(keepends=True)[:6]), encoding="utf-8")
+
+
+def write_tools(path: pathlib.Path) -> None:
+    path.write_text(json.dumps(TOOLS, indent=2), encoding="utf-8")
 AGENT_TOKEN = "agent-token-0123456789abcdef"
 FAST = pp.RetryPolicy(max_attempts=6, base_delay_s=0.01, max_delay_s=0.05, max_retry_after_s=120.0,
                       transport_retries=3)
@@ -67,8 +77,8 @@ def project(tmp_path: pathlib.Path) -> pathlib.Path:
     """A project folder as ``init`` makes it, plus what must never be uploaded."""
     (tmp_path / "agent.py").write_text((ROOT / "templates" / "minimal.py").read_text(encoding="utf-8"))
     shutil.copy(ROOT / "pipelines_port.py", tmp_path / "pipelines_port.py")
-    shutil.copy(ROOT / "templates" / "tools_schema.json", tmp_path / "tools_schema.json")
-    shutil.copy(SAMPLE, tmp_path / "tasks.csv")
+    write_tools(tmp_path / "tools_schema.json")
+    write_sample(tmp_path / "tasks.csv")
     (tmp_path / "helpers").mkdir()
     (tmp_path / "helpers" / "__init__.py").write_text("")
     (tmp_path / "helpers" / "text.py").write_text("def shout(s):\n    return s.upper()\n")
@@ -100,12 +110,12 @@ def body_of(platform: FakePlatform, method: str, prefix: str = "/api/agents") ->
 
 def test_register_an_http_agent_creates_it_with_the_sdk_shaped_body(platform: FakePlatform, tmp_path: pathlib.Path,
                                                                      capsys: pytest.CaptureFixture) -> None:
-    shutil.copy(ROOT / "templates" / "tools_schema.json", tmp_path / "tools_schema.json")
+    write_tools(tmp_path / "tools_schema.json")
     code, out, err = run(capsys, "register", "--name", "support-bot", "--endpoint", "https://agent.example.com/dispatch",
                          "--timeout", "90", "--run-timeout", "600")
     assert code == 0, err
     body = body_of(platform, "POST")
-    tools = json.loads((ROOT / "templates" / "tools_schema.json").read_text())
+    tools = json.loads(json.dumps(TOOLS))
     assert body == {"name": "support-bot", "mode": "external_http",
                     "config": {"endpoint_url": "https://agent.example.com/dispatch",
                                "auth_header_name": "Authorization", "auth_credential_value": f"Bearer {AGENT_TOKEN}",
@@ -138,7 +148,7 @@ def test_register_again_updates_the_agent_of_that_name_with_what_changed(platfor
 def test_register_custom_header_sends_the_bare_token_and_passthrough_flips_modes(
         platform: FakePlatform, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    tools = json.loads((ROOT / "templates" / "tools_schema.json").read_text())
+    tools = json.loads(json.dumps(TOOLS))
     tools[2]["passthrough_binding"] = {"endpoint_name": "kb-prod", "tool_name": "search"}
     tools[0]["default_execution_mode"] = "passthrough"  # the file says so; the flags, given, are the whole choice
     (tmp_path / "tools.json").write_text(json.dumps({"tools": tools}))
@@ -161,7 +171,7 @@ def test_register_dry_run_prints_the_body_with_the_credential_masked_and_sends_n
         platform: FakePlatform, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PIPELINES_API_KEY")  # a dry run needs no key
-    shutil.copy(ROOT / "templates" / "tools_schema.json", tmp_path / "tools_schema.json")
+    write_tools(tmp_path / "tools_schema.json")
     code, out, err = run(capsys, "register", "--name", "bot", "--endpoint", "http://127.0.0.1:8080/dispatch",
                          "--passthrough", "search_kb", "--dry-run")
     assert code == 0, err
@@ -362,7 +372,7 @@ def test_a_wrong_key_is_one_line_naming_the_variable_never_the_key(platform: Fak
     wrong = "pk_live_WRONG-key-0123456789"
     monkeypatch.setenv("PIPELINES_API_KEY", wrong)
     platform.echo_key_in_errors = True  # a platform that repeats the key in its error body
-    shutil.copy(SAMPLE, tmp_path / "tasks.csv")
+    write_sample(tmp_path / "tasks.csv")
     for argv in (["register", "--name", "b", "--endpoint", "https://a.example/d"],
                  ["test", "tasks.csv", "--agent", "7", "--json", "r.json"]):
         code, out, err = run(capsys, *argv)
@@ -443,7 +453,7 @@ def test_a_platform_that_is_not_there_is_one_line_naming_the_url(capsys: pytest.
 
 
 def sample(tmp_path: pathlib.Path) -> str:
-    shutil.copy(SAMPLE, tmp_path / "tasks.csv")
+    write_sample(tmp_path / "tasks.csv")
     return "tasks.csv"
 
 
@@ -459,7 +469,7 @@ def test_test_runs_the_dataset_follows_it_and_writes_the_local_judges_report(
     assert platform.calls("POST")[-1].path == f"/api/agents/{agent['id']}/test-runs"
     assert sent["options"] == {} and [r["user"] for r in sent["rows"]][:2] == [
         "What is the status of order 4521?", "Refund order 4521, it arrived damaged."]
-    assert set(sent["rows"][0]) == {"user", "behavior", "state", "failure_rules", "expected_outcome"}
+    assert set(sent["rows"][0]) == {"user", "behavior", "state", "failure_rules", "expected_outcome", "turn_mode"}
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["kind"] == testrun.KIND and report["dataset"]["file"] == "tasks.csv"
     assert report["summary"]["judge"]["pass"] == 4 and report["summary"]["judge"]["pass_rate"] == 0.8
