@@ -18,17 +18,22 @@
 //! log line, an error message, a response body or the `Debug` form of an
 //! [`Envelope`].
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod contract;
 
 #[cfg(feature = "async")]
+#[cfg_attr(docsrs, doc(cfg(feature = "async")))]
 pub mod aio;
 #[cfg(feature = "blocking")]
+#[cfg_attr(docsrs, doc(cfg(feature = "blocking")))]
 pub mod blocking;
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub mod server;
 #[cfg(any(feature = "async", feature = "blocking"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "async", feature = "blocking"))))]
 pub mod transport;
 
 pub use contract::encoding::Handoff;
@@ -40,8 +45,11 @@ pub use contract::reply::RetryPolicy;
 pub use contract::response::{Message, ResponseEnvelope, ToolCall};
 
 #[cfg(feature = "async")]
+#[cfg_attr(docsrs, doc(cfg(feature = "async")))]
 pub use aio::{current_run, AsyncClient, Run};
 #[cfg(feature = "blocking")]
+#[cfg_attr(docsrs, doc(cfg(feature = "blocking")))]
 pub use blocking::BlockingClient;
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use server::{DispatchApp, Options};
