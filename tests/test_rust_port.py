@@ -85,7 +85,15 @@ def test_the_crate_keeps_its_promises() -> None:
     manifest = (PORT / "Cargo.toml").read_text()
     assert re.search(r'^rust-version = "1\.\d+"', manifest, re.M)
     assert (PORT / "Cargo.lock").exists()
-    assert "#![forbid(unsafe_code)]" in (PORT / "src" / "lib.rs").read_text()
+    lib = (PORT / "src" / "lib.rs").read_text()
+    assert "#![forbid(unsafe_code)]" in lib and "#![deny(missing_docs)]" in lib
+    # ready to publish (CI runs cargo package): no publish = false, what crates.io and docs.rs read
+    assert "publish = false" not in manifest
+    for field in ("description", "license", "readme", "documentation", "keywords", "categories"):
+        assert re.search(rf"^{field} = ", manifest, re.M), field
+    assert "[package.metadata.docs.rs]\nall-features = true" in manifest
+    for example in ("quick_start", "blocking_agent", "axum_router"):  # built by cargo test
+        assert f'name = "{example}"' in manifest and (PORT / "examples" / f"{example}.rs").exists()
     core = cargo("tree", "--locked", "--no-default-features", "-e", "normal", "--depth", "1")
     assert core.returncode == 0, core.stderr
     direct = sorted(line.split()[1] for line in core.stdout.splitlines()[1:] if line.strip())
