@@ -52,6 +52,9 @@ MUTANTS = [
     _m("auth_prefix_match", "auth-401-no-echo",
        (INBOUND, CREDENTIAL, "    !received.is_empty() && expected.starts_with(received)\n}")),
     _m("auth_case_insensitive", "auth-401-no-echo", (INBOUND, CREDENTIAL, "    received.eq_ignore_ascii_case(expected)\n}")),
+    _m("auth_digest_compared_with_itself", "auth-401-no-echo",  # a copy-paste slip: every token matches
+       (INBOUND, "let (x, y) = (sha256(a.as_bytes()), sha256(b.as_bytes()));",
+        "let (x, y) = (sha256(a.as_bytes()), sha256(a.as_bytes()));")),
     _m("auth_any_scheme", "auth-401-no-echo",
        (INBOUND, 'if !scheme.eq_ignore_ascii_case("bearer") {', "if scheme.is_empty() {")),
     _m("misconfigured_runs_open", "auth-first", (SERVER, "_ => Auth::Unset(o.token_env.clone()),", "_ => Auth::Disabled,"),
@@ -105,6 +108,8 @@ MUTANTS = [
     _m("retry_after_ignored", "honour-retry-after",
        (REPLY, "let wait = self.policy.delay(self.attempts, error.retry_after, unit);",
         "let wait = self.policy.delay(self.attempts, None, unit);")),
+    _m("retry_after_date_reversed", "honour-retry-after",  # now minus the date: a past date waits years
+       (REPLY, "when.duration_since(now)", "now.duration_since(when)")),
     _m("retry_after_waited_out", "kit-retry-after-cap", (REPLY, "match self.policy.settle(outcome) {", "match outcome {")),
     _m("new_key_per_attempt", "idempotency-key-reuse",
        (AIO, "                builder = builder.header(name, value);",

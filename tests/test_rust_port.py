@@ -85,11 +85,20 @@ def test_the_crate_keeps_its_promises() -> None:
     manifest = (PORT / "Cargo.toml").read_text()
     assert re.search(r'^rust-version = "1\.\d+"', manifest, re.M)
     assert (PORT / "Cargo.lock").exists()
-    assert "#![forbid(unsafe_code)]" in (PORT / "src" / "lib.rs").read_text()
+    lib = (PORT / "src" / "lib.rs").read_text()
+    assert "#![forbid(unsafe_code)]" in lib and "#![deny(missing_docs)]" in lib
+    # ready to publish (CI runs cargo package): no publish = false, what crates.io and docs.rs read
+    assert "publish = false" not in manifest
+    for field in ("description", "license", "readme", "documentation", "keywords", "categories"):
+        assert re.search(rf"^{field} = ", manifest, re.M), field
+    assert "[package.metadata.docs.rs]\nall-features = true" in manifest
+    for example in ("quick_start", "blocking_agent", "axum_router"):  # built by cargo test
+        assert f'name = "{example}"' in manifest and (PORT / "examples" / f"{example}.rs").exists()
     core = cargo("tree", "--locked", "--no-default-features", "-e", "normal", "--depth", "1")
     assert core.returncode == 0, core.stderr
     direct = sorted(line.split()[1] for line in core.stdout.splitlines()[1:] if line.strip())
-    assert direct == ["serde", "serde_json"], direct  # the contract core depends on serde and serde_json only
+    # the contract core depends on serde and serde_json, and on sha2, subtle and httpdate (pure functions, no I/O)
+    assert direct == ["httpdate", "serde", "serde_json", "sha2", "subtle"], direct
 
 
 # -- the conformance check -----------------------------------------------------------------------
@@ -127,6 +136,7 @@ def test_the_readme_quick_start_builds(tmp_path: pathlib.Path) -> None:
     readme = (PORT / "README.md").read_text()
     quick = re.search(r"## Quick start: your own agent\n.*?```rust\n(.*?)```", readme, re.S)
     assert quick is not None and len(quick.group(1).splitlines()) <= 40
+    assert quick.group(1) == (PORT / "examples" / "quick_start.rs").read_text()  # cargo builds it there too
     crate = tmp_path / "agent"
     (crate / "src").mkdir(parents=True)
     (crate / "Cargo.toml").write_text(

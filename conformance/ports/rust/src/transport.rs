@@ -8,8 +8,6 @@ use crate::contract::errors::{ProxyError, ProxyErrorKind};
 use crate::contract::json::{quoted_str, short};
 use crate::contract::replies::redact_str;
 use crate::contract::reply::{Pacer, ProxyOutcome, RetryPolicy, RetryStep};
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -143,66 +141,24 @@ impl RunState {
     }
 }
 
-fn random_u64() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut hasher = RandomState::new().build_hasher();
-    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    hasher.write_u128(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    hasher.finish()
-}
-
 /// A random (version 4) UUID: one Idempotency-Key per logical call (§3.1 idempotency-key-per-call).
 pub fn new_uuid() -> String {
-    let (a, b) = (random_u64(), random_u64());
-    let mut bytes = [0u8; 16];
-    bytes[..8].copy_from_slice(&a.to_be_bytes());
-    bytes[8..].copy_from_slice(&b.to_be_bytes());
-    bytes[6] = (bytes[6] & 0x0f) | 0x40;
-    bytes[8] = (bytes[8] & 0x3f) | 0x80;
-    let hex = crate::contract::inbound::hex(&bytes);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..]
-    )
+    uuid::Uuid::new_v4().to_string()
 }
 
-/// A seed for a call's jitter.
+/// A seed for a call's jitter, from the operating system's random source.
 pub fn jitter_seed() -> u64 {
-    random_u64()
+    // should the source fail, the clock still spreads concurrent callers' retries
+    getrandom::u64().unwrap_or_else(|_| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    })
 }
 
 /// Now as ISO-8601 UTC with milliseconds: `2026-01-02T03:04:05.678Z` (§3.4 trace-occurred-at).
 pub fn utc_now_iso() -> String {
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = since.as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // civil from days (Howard Hinnant's algorithm)
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        since.subsec_millis()
-    )
+    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
 
 /// One line on stderr: `2026-...Z LEVEL pipelines_port: message`; line breaks folded. Callers never pass a secret.

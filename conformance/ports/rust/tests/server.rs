@@ -248,43 +248,54 @@ fn a_dispatch_still_running_when_the_grace_ends_gets_a_503() {
 
 #[test]
 fn overruns_failures_and_panics_are_json_errors_without_secrets() {
+    async fn agent(run: Run) -> Result<Value, AgentError> {
+        let token = run.envelope().run_token().to_string();
+        match run.envelope().user_instruction.as_str() {
+            "sleep" => {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Ok(json!("late"))
+            }
+            "fail" => Err(AgentError::msg(format!("boom {token} and {AGENT_TOKEN}"))),
+            "panic" => panic!("kaboom"),
+            "leak" => Ok(json!({"final_response": format!("the token is {token}")})),
+            "empty" => Ok(json!("")),
+            _ => {
+                Ok(json!({"final_response": "ok", "messages": [{"role": "tool", "content": "x"}]}))
+            }
+        }
+    }
     let rt = runtime();
     let proxy = Proxy::start(&rt);
-    let app = DispatchApp::new(
-        |run: Run| async move {
-            let token = run.envelope().run_token().to_string();
-            match run.envelope().user_instruction.as_str() {
-                "sleep" => {
-                    tokio::time::sleep(Duration::from_secs(30)).await;
-                    Ok(json!("late"))
-                }
-                "fail" => Err(AgentError::msg(format!("boom {token} and {AGENT_TOKEN}"))),
-                "panic" => panic!("kaboom"),
-                "leak" => Ok(json!({"final_response": format!("the token is {token}")})),
-                "empty" => Ok(json!("")),
-                _ => Ok(
-                    json!({"final_response": "ok", "messages": [{"role": "tool", "content": "x"}]}),
-                ),
-            }
-        },
-        Options {
-            run_timeout: Duration::from_millis(200),
-            strict: true,
-            ..options()
-        },
-    )
-    .unwrap();
-    let served = start(&rt, app, Duration::from_secs(5));
+    let strict = Options {
+        strict: true,
+        ..options()
+    };
+    // the overrun on an app of its own: a panic's report (a backtrace under RUST_BACKTRACE=1) may take longer
+    let hasty = Options {
+        run_timeout: Duration::from_millis(200),
+        ..strict.clone()
+    };
+    let hasty = start(
+        &rt,
+        DispatchApp::new(agent, hasty).unwrap(),
+        Duration::from_secs(5),
+    );
+    let served = start(
+        &rt,
+        DispatchApp::new(agent, strict).unwrap(),
+        Duration::from_secs(5),
+    );
     let client = reqwest::Client::new();
-    let ask = |instruction: &str| {
+    let ask_at = |addr: SocketAddr, instruction: &str| {
         rt.block_on(dispatch(
             &client,
-            served.addr,
+            addr,
             &envelope(&proxy, 3, instruction),
             "run-token-c3",
         ))
     };
-    let (status, reply, _) = ask("sleep");
+    let ask = |instruction: &str| ask_at(served.addr, instruction);
+    let (status, reply, _) = ask_at(hasty.addr, "sleep");
     assert_eq!(status, 504);
     assert!(reply["detail"]
         .as_str()

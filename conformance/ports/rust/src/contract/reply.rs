@@ -8,7 +8,7 @@ use super::json::{compact, decode, quoted_str, short, truthy};
 use super::replies::redact_value;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Finds `error_class` and the message in the three error body shapes of
 /// §3.3: `{"detail": {"error_class", "message"}}`, `{"detail": "text"}` and
@@ -45,8 +45,9 @@ pub fn error_fields(body: &Value) -> (Option<String>, Option<String>) {
     )
 }
 
-/// A `Retry-After` value: delta-seconds or an HTTP date (one in the past
-/// waits 0); `None` when absent or unreadable (§7.4 kit-retry-after-cap).
+/// A `Retry-After` value: delta-seconds or an HTTP date (RFC 9110 §10.2.3;
+/// one in the past waits 0); `None` when absent or unreadable (§7.4
+/// kit-retry-after-cap).
 pub fn parse_retry_after(value: Option<&str>, now: SystemTime) -> Option<Duration> {
     let value = value?.trim();
     if value.is_empty() {
@@ -58,67 +59,14 @@ pub fn parse_retry_after(value: Option<&str>, now: SystemTime) -> Option<Duratio
     let seconds = if numeric {
         value.parse::<f64>().ok()?
     } else {
-        let when = parse_http_date(value)?;
-        let now = now.duration_since(UNIX_EPOCH).ok()?.as_secs_f64();
-        when as f64 - now
+        let when = httpdate::parse_http_date(value).ok()?;
+        when.duration_since(now)
+            .map_or(0.0, |wait| wait.as_secs_f64())
     };
     if seconds.is_nan() {
         return None;
     }
     Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
-}
-
-/// Seconds since the epoch of an HTTP date (IMF-fixdate, RFC 850 or asctime).
-pub fn parse_http_date(text: &str) -> Option<i64> {
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let parts: Vec<&str> = text.split_whitespace().collect();
-    let (day, month, year, clock) = match parts.as_slice() {
-        // Sun, 06 Nov 1994 08:49:37 GMT
-        [_, d, m, y, t, "GMT"] => (d.parse::<u32>().ok()?, *m, y.parse::<i64>().ok()?, *t),
-        // Sunday, 06-Nov-94 08:49:37 GMT
-        [_, dmy, t, "GMT"] => {
-            let mut it = dmy.split('-');
-            let (d, m, y) = (it.next()?, it.next()?, it.next()?);
-            let y = y.parse::<i64>().ok()?;
-            (
-                d.parse().ok()?,
-                m,
-                if y < 70 {
-                    2000 + y
-                } else if y < 100 {
-                    1900 + y
-                } else {
-                    y
-                },
-                *t,
-            )
-        }
-        // Sun Nov  6 08:49:37 1994
-        [_, m, d, t, y] => (d.parse().ok()?, *m, y.parse().ok()?, *t),
-        _ => return None,
-    };
-    let month = MONTHS.iter().position(|m| *m == month)? as i64 + 1;
-    let hms: Vec<i64> = clock
-        .split(':')
-        .map(|p| p.parse().ok())
-        .collect::<Option<_>>()?;
-    let [h, mi, s] = hms.as_slice() else {
-        return None;
-    };
-    if !(1..=31).contains(&day) || *h > 23 || *mi > 59 || *s > 60 {
-        return None;
-    }
-    // days from civil (Howard Hinnant's algorithm)
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day as i64 - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some(days * 86_400 + h * 3600 + mi * 60 + s)
 }
 
 /// §3.3 the retry decision for a non-2xx reply, from the table: `Retry` for
@@ -512,26 +460,42 @@ mod tests {
     }
 
     #[test]
-    fn http_dates_parse() {
+    fn retry_after_reads_seconds_and_http_dates() {
+        let at = |secs| std::time::UNIX_EPOCH + Duration::from_secs(secs);
+        let now = at(784_111_770); // Sun, 06 Nov 1994 08:49:30 GMT
+        let wait = |text| parse_retry_after(Some(text), now);
+        assert_eq!(wait("2.5"), Some(Duration::from_millis(2500)));
+        assert_eq!(wait(" 7 "), Some(Duration::from_secs(7)));
+        assert_eq!(wait("-3"), Some(Duration::ZERO));
+        // the three formats of RFC 9110 §5.6.7, 7 s ahead
+        for date in [
+            "Sun, 06 Nov 1994 08:49:37 GMT",
+            "Sunday, 06-Nov-94 08:49:37 GMT",
+            "Sun Nov  6 08:49:37 1994",
+        ] {
+            assert_eq!(wait(date), Some(Duration::from_secs(7)), "{date}");
+        }
+        // a date in the past waits 0 (a date minus now, not now minus a date)
+        let later = at(1_500_000_000); // 2017
         assert_eq!(
-            parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT"),
-            Some(784_111_777)
+            parse_retry_after(Some("Wed, 21 Oct 2015 07:28:00 GMT"), later),
+            Some(Duration::ZERO)
         );
         assert_eq!(
-            parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT"),
-            Some(784_111_777)
+            wait("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::from_secs(1_000_000)) // far ahead: capped, then refused by `settle`
         );
-        assert_eq!(
-            parse_http_date("Sun Nov  6 08:49:37 1994"),
-            Some(784_111_777)
-        );
-        let now = UNIX_EPOCH + Duration::from_secs(784_111_770);
-        assert_eq!(
-            parse_retry_after(Some("Sun, 06 Nov 1994 08:49:37 GMT"), now),
-            Some(Duration::from_secs(7))
-        );
-        assert_eq!(parse_retry_after(Some("soon"), now), None);
-        assert_eq!(parse_retry_after(Some("inf"), now), None);
+        for unreadable in [
+            "soon",
+            "inf",
+            "nan",
+            "Sun, 06 Nov 1994 08:49:37 +0000",
+            "Mon, 06 Nov 1994 08:49:37 GMT",
+        ] {
+            assert_eq!(wait(unreadable), None, "{unreadable}");
+        }
+        assert_eq!(parse_retry_after(Some("  "), now), None);
+        assert_eq!(parse_retry_after(None, now), None);
     }
 
     #[test]
