@@ -120,7 +120,7 @@ def test_the_tarball_holds_the_library_and_its_types_and_its_metadata_is_an_inst
     assert manifest["name"] == "pipelines-port" and "private" not in manifest and manifest["type"] == "module"
     assert manifest["exports"]["."] == {"types": "./dist/pipelines_port.d.ts", "default": "./dist/pipelines_port.js"}
     assert manifest["license"] == "MIT" and manifest["engines"]["node"] and manifest["sideEffects"] is False
-    assert manifest["repository"]["directory"] == PORT_DIR.relative_to(ROOT).as_posix()
+    assert "repository" not in manifest  # the project has no public address yet: none is made up (the README says)
     assert "dependencies" not in manifest and manifest["peerDependenciesMeta"]["@types/node"]["optional"] is True
     version = re.search(r'export const VERSION = "([^"]+)";', (installed / "dist" / "pipelines_port.js").read_text())
     assert version is not None and version.group(1) == manifest["version"]
