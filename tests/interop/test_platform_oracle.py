@@ -125,6 +125,8 @@ def tools_file(tmp_path: pathlib.Path) -> Tuple[str, List[Any]]:
         Tool(name=t[2]["name"], input_schema=t[2]["input_schema"], description=t[2]["description"],
              mode=passthrough(tool_name="search", endpoint_name="kb-live")),
     ]
+    tools += [Tool(name=e["name"], input_schema=e["input_schema"], description=e["description"], mode=simulated())
+              for e in t[3:]]  # the template's other tools, as they are
     return str(path), tools
 
 
