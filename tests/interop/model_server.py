@@ -4,15 +4,15 @@ serving a tiny random-weight model this module writes itself (no download).
 :func:`write_tiny_gguf` writes the model with the ``gguf`` package; the session fixture
 :func:`openai_compatible_server` (re-exported by ``tests/interop/conftest.py``) starts
 ``python -m llama_cpp.server`` on 127.0.0.1 with it and yields a :class:`ModelServer` (``base_url`` ending in
-``/v1``, ``model``).  The fixture skips when ``llama_cpp`` or ``gguf`` is not installed
-(``tests/interop/requirements-model.txt``).
+``/v1``, ``model``; no key needed).  The fixture skips when ``llama_cpp`` or ``gguf`` is not installed
+(``tests/interop/requirements-model.txt``).  :func:`model_server` starts one more, with ``api_key`` if asked.
 
 The model is a 2-layer, 64-wide llama with a byte-fallback vocabulary (printable ASCII, the 256 bytes, three
 control tokens) and a chat template in its metadata.  Its weights are random (fixed seed) but for one direction:
 every token embedding carries a large constant component that the output head reads as a per-token prior, so
 whatever the prompt, the model is close to a unigram sampler that favours ``"``, JSON punctuation and the end
-of text.  Under the server's JSON-schema constraint its answers are therefore short and complete well within
-a few hundred tokens, and a plain answer ends after a handful of tokens.
+of text.  Under the server's JSON-schema constraint its answers are therefore short (the verdict schema's take
+75 to 150 tokens, one per character), and a plain answer ends after a handful of tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ STOP_S = 10.0
 _PRIOR_END = 2.0
 _PRIOR_PUNCT = 2.0  # { } [ ] : ,  so the grammar's optional whitespace is rarely taken
 _PRIOR_SPACE = -2.0
-_PRIOR_RARE = -8.0  # control and non-ASCII bytes: never sampled in practice (invalid UTF-8 would stall a grammar)
+_PRIOR_RARE = -8.0  # control and non-ASCII bytes, <unk> and <s>: answers stay printable ASCII
 
 
 def _vocabulary() -> Tuple[List[str], List[int], List[float]]:
@@ -134,11 +134,13 @@ def write_tiny_gguf(directory: Path, name: str = "tiny-random-llama.gguf") -> Pa
 
 
 class ModelServer(NamedTuple):
-    """A running server: ``base_url`` (``http://127.0.0.1:PORT/v1``), ``model`` (the name to send), the process
-    (its ``log()`` is the server's output) and how long it took from start to its first answer."""
+    """A running server: ``base_url`` (``http://127.0.0.1:PORT/v1``), ``model`` (the name to send), the key it
+    requires as ``Authorization: Bearer KEY`` (None: it takes any or none), the process (its ``log()`` is the
+    server's output) and how long it took from start to its first answer."""
 
     base_url: str
     model: str
+    api_key: Optional[str]
     process: ServerProcess
     start_s: float
 
@@ -151,7 +153,7 @@ def missing() -> Optional[str]:
     return None
 
 
-def wait_answers(process: ServerProcess, seconds: float = START_S) -> None:
+def wait_answers(process: ServerProcess, api_key: Optional[str] = None, seconds: float = START_S) -> None:
     """Poll ``GET /v1/models`` until it lists :data:`MODEL_NAME`; fail with the server's output if the process
     exits first, answers anything else, or never answers within ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -160,7 +162,7 @@ def wait_answers(process: ServerProcess, seconds: float = START_S) -> None:
             raise AssertionError(f"llama_cpp.server exited with {process.proc.returncode} before it answered:\n"
                                  f"{process.log()[-4000:]}")
         try:
-            reply = http_call(process.base, "GET", "/v1/models", timeout=5)
+            reply = http_call(process.base, "GET", "/v1/models", authorization(api_key), timeout=5)
         except OSError:  # not listening yet: it loads the model before it binds
             time.sleep(0.1)
             continue
@@ -171,18 +173,25 @@ def wait_answers(process: ServerProcess, seconds: float = START_S) -> None:
     raise AssertionError(f"llama_cpp.server did not answer within {seconds:g} s:\n{process.log()[-4000:]}")
 
 
+def authorization(api_key: Optional[str]) -> Dict[str, str]:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
 @contextlib.contextmanager
-def model_server(directory: Path) -> Iterator[ModelServer]:
-    """Write the model into ``directory``, serve it on a free 127.0.0.1 port until the block ends."""
+def model_server(directory: Path, api_key: Optional[str] = None) -> Iterator[ModelServer]:
+    """Write the model into ``directory``, serve it on a free 127.0.0.1 port until the block ends; with
+    ``api_key``, the server answers only requests that carry it (``--api_key``)."""
     model = write_tiny_gguf(directory)
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", MODEL_NAME,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(N_CTX)]
+    if api_key is not None:
+        command += ["--api_key", api_key]
     started = time.monotonic()
     with ServerProcess("llama_cpp.server", command, port, cwd=ROOT, env=subprocess_env(),
                        log_path=Path(directory) / "llama_cpp_server.log") as process:
-        wait_answers(process)
-        yield ModelServer(f"{process.base}/v1", MODEL_NAME, process, time.monotonic() - started)
+        wait_answers(process, api_key)
+        yield ModelServer(f"{process.base}/v1", MODEL_NAME, api_key, process, time.monotonic() - started)
         process.stop(STOP_S)
 
 
@@ -199,7 +208,8 @@ def openai_compatible_server() -> Iterator[ModelServer]:
 def chat(server: ModelServer, body: Dict[str, Any], timeout: float = 60.0) -> Tuple[int, Any]:
     """POST ``body`` (``model`` filled in) to ``{base_url}/chat/completions``: the status and the parsed JSON."""
     payload = {"model": server.model, **body}
-    reply = http_call(server.base_url, "POST", "/chat/completions", {"Content-Type": "application/json"},
+    reply = http_call(server.base_url, "POST", "/chat/completions",
+                      {"Content-Type": "application/json", **authorization(server.api_key)},
                       json.dumps(payload).encode(), timeout=timeout)
     try:
         return reply.status, reply.json()

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 from tests.interop.hosts import http_call
-from tests.interop.model_server import MODEL_NAME, ModelServer, chat, missing, write_tiny_gguf
+from tests.interop.model_server import MODEL_NAME, ModelServer, chat, missing, model_server, write_tiny_gguf
 
 VERDICT_SCHEMA: Dict[str, Any] = {
     "type": "object",
@@ -240,6 +240,22 @@ def test_max_completion_tokens_is_ignored_only_max_tokens_bounds_the_answer(
     assert reply["choices"][0]["finish_reason"] == "stop"
     assert reply["usage"]["completion_tokens"] > 5
     assert_verdict_shape(reply["choices"][0]["message"]["content"])
+
+
+def test_a_server_started_with_a_key_refuses_requests_without_it_in_fastapis_error_shape() -> None:
+    if missing():
+        pytest.skip(missing())
+    key = "sk-local-0123456789"
+    with tempfile.TemporaryDirectory() as directory, model_server(Path(directory), api_key=key) as server:
+        assert chat(server, {"messages": MESSAGES, "max_tokens": 4})[0] == 200
+        for wrong in (None, "sk-other", key.upper()):
+            status, reply = chat(server._replace(api_key=wrong), {"messages": MESSAGES, "max_tokens": 4})
+            assert (status, reply) == (401, {"detail": "Invalid API key"})
+        bare = http_call(server.base_url, "POST", "/chat/completions",
+                         {"Content-Type": "application/json", "Authorization": key},  # no "Bearer "
+                         json.dumps({"model": server.model, "messages": MESSAGES}).encode())
+        assert bare.status == 401
+        assert key not in server.process.log()
 
 
 def test_a_prompt_over_the_context_window_is_a_400_context_length_exceeded(
