@@ -232,3 +232,34 @@ def test_the_scripted_stand_in_answers_the_judge_role_over_http() -> None:
                                                name=roles.JUDGE)
     assert answer.value["verdict"] == "FAIL" and answer.value["failure_mode"] == "incorrect_completion"
     assert "cancel_order" in answer.value["explanation"]
+
+
+def test_a_newer_openai_model_gets_max_completion_tokens_and_its_own_temperature() -> None:
+    """gpt-5 and the o-series refuse max_tokens and temperature 0 with a 400 naming the parameter."""
+    max_tokens = {"error": {"message": "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                                       "'max_completion_tokens' instead.", "type": "invalid_request_error",
+                            "param": "max_tokens", "code": "unsupported_parameter"}}
+    temperature = {"error": {"message": "Unsupported value: 'temperature' does not support 0 with this model. Only "
+                                        "the default (1) value is supported.", "type": "invalid_request_error",
+                             "param": "temperature", "code": "unsupported_value"}}
+    waits: List[float] = []
+    with FakeChatServer([Reply(status=400, body=max_tokens), Reply(status=400, body=temperature),
+                         Reply(GOOD)]) as server:
+        c = client(server, waits)
+        assert ask(c).value["verdict"] == "PASS"
+        ask(c)
+        sent = [r.json for r in server.requests]
+    assert "max_tokens" in sent[0] and sent[0]["temperature"] == 0
+    assert "max_tokens" not in sent[1] and sent[1]["max_completion_tokens"] == 2048 and sent[1]["temperature"] == 0
+    assert "temperature" not in sent[2] and "temperature" not in sent[3] and sent[3]["max_completion_tokens"] == 2048
+    assert len(sent) == 4 and waits == []  # no backoff: a refused parameter is no transient failure
+
+
+def test_a_400_for_another_reason_is_not_retried_as_a_parameter() -> None:
+    waits: List[float] = []
+    context = {"error": {"message": "This model's maximum context length is 8192 tokens.", "type":
+                         "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+    with FakeChatServer([Reply(status=400, body=context)]) as server:
+        with pytest.raises(ModelError, match="context length"):
+            ask(client(server, waits))
+    assert len(server.requests) == 1

@@ -13,7 +13,9 @@ How an answer is got:
    ``json_object`` alone; no ``response_format``.  A form the server refuses (an HTTP 400, 422 or 500 whose
    body names ``response_format`` or the schema; a 500 only after the retries, as a 500 may be passing)
    moves to the next one, for this request and every later one.  The schema is in the system message as
-   well, so every form can be followed.
+   well, so every form can be followed.  A parameter the model refuses by name (a newer OpenAI model's
+   ``max_tokens``, which it wants as ``max_completion_tokens``, or its ``temperature``) is renamed or dropped
+   the same way.
 2. **Transport.**  :func:`pipelines_port.post_json`, the runtime's one retry policy: 429, 408 and 5xx retried
    with backoff, ``Retry-After`` (or ``retry-after-ms``) honoured up to a bound, timeouts and dropped
    connections retried; a per-request timeout; at most ``concurrency`` requests at once per base URL.
@@ -170,6 +172,8 @@ class ChatClient:
         self._sleep = sleep
         self._key = os.environ.get(endpoint.key_env, "").strip() if endpoint.key_env else ""
         self._form = 0  # index into FORMS: the first this endpoint has not refused
+        self._token_limit = "max_tokens"  # newer OpenAI models take only max_completion_tokens
+        self._temperature = True  # ... and only their default temperature
         self._form_lock = threading.Lock()
         self.usage = Usage()  # everything this client spent, all calls together
         self._usage_lock = threading.Lock()
@@ -241,6 +245,8 @@ class ChatClient:
             try:
                 reply = self._post(self._payload(conversation, schema, name, strict, FORMS[form]), spent)
             except pp.HTTPStatusError as exc:
+                if self._adjust(exc):
+                    continue
                 if _refuses_form(exc) and form < len(FORMS) - 1:
                     with self._form_lock:
                         self._form = max(self._form, form + 1)
@@ -248,10 +254,34 @@ class ChatClient:
                 raise ModelError(self._scrub(_status_message(exc, self.endpoint))) from None
             return _content(reply, spent)
 
+    def _adjust(self, exc: pp.HTTPStatusError) -> bool:
+        """Drop or rename a parameter the model refused (a 400 naming it), for this request and every later one.
+
+        OpenAI's newer models refuse ``max_tokens`` ("Use 'max_completion_tokens' instead") and any ``temperature``
+        but their default; older servers (llama.cpp's) ignore ``max_completion_tokens``, so it is sent only when
+        asked for.
+        """
+        if exc.status_code != 400:
+            return False
+        error = exc.body.get("error") if isinstance(exc.body, dict) else None
+        param = error.get("param") if isinstance(error, dict) else None
+        text = _body_text(exc.body)
+        with self._form_lock:
+            if self._token_limit == "max_tokens" and "max_completion_tokens" in text and (
+                    param == "max_tokens" or "'max_tokens'" in text):
+                self._token_limit = "max_completion_tokens"
+                return True
+            if self._temperature and (param == "temperature" or "'temperature'" in text):
+                self._temperature = False
+                return True
+        return False
+
     def _payload(self, conversation: List[Dict[str, Any]], schema: Mapping[str, Any], name: str, strict: bool,
                  form: str) -> Dict[str, Any]:
-        payload: Dict[str, Any] = {"model": self.endpoint.model, "messages": conversation, "temperature": 0,
-                                   "max_tokens": self.endpoint.max_tokens}
+        payload: Dict[str, Any] = {"model": self.endpoint.model, "messages": conversation,
+                                   self._token_limit: self.endpoint.max_tokens}
+        if self._temperature:
+            payload["temperature"] = 0
         if form == "json_schema":
             payload["response_format"] = {"type": "json_schema",
                                           "json_schema": {"name": name, "schema": schema, "strict": strict}}

@@ -23,7 +23,9 @@ USER = "pipelines_user_turn"
 JUDGE_SCHEMA: Dict[str, Any] = {
     "type": "object",
     "properties": {
-        "task_completion": {"type": "integer", "minimum": 1, "maximum": 5},
+        # An enum, not minimum/maximum: servers that constrain sampling to the schema (llama.cpp's) enforce enums
+        # but not integer ranges.
+        "task_completion": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
         "verdict": {"type": "string", "enum": ["PASS", "FAIL"]},
         "failure_mode": {"type": ["string", "null"]},
         "explanation": {"type": "string"},
