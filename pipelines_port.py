@@ -225,6 +225,10 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #   read there and nowhere else), no logging.  Everything here takes its
 #   inputs as arguments and returns values or raises one of the errors below,
 #   so a TypeScript, Go or Rust port can translate it function by function.
+#   What only makes Python faster lives in part 2 ("Speed paths"); three of
+#   its names are called here, each meaning what a port's own library gives:
+#   ``_json_from_bytes`` (json.loads), ``_idempotency_key`` (a fresh version-4
+#   UUID as text) and ``_int_limit`` (10 ** MAX_INT_DIGITS).
 #
 # ###########################################################################
 
@@ -1240,46 +1244,6 @@ def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
     return [v for k, v in headers if k.lower() == name]
 
 
-# One pass per line for the common, well-formed head; any line it does not match goes to the full reading,
-# which names the problem.  The value class excludes CR, LF and every control character but HTAB, so a
-# match also means no bare CR or LF; a name that is a token right before the colon means no folding.
-_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
-_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
-
-
-def _well_formed_head(head: bytes) -> Optional[RequestHead]:
-    """:func:`parse_request_head` of a head with nothing unusual in it, or ``None`` to read it in full."""
-    if len(head) > MAX_REQUEST_LINE_BYTES or head.startswith(b"\r\n"):
-        return None
-    lines = head.split(b"\r\n")
-    if len(lines) - 1 > MAX_REQUEST_FIELDS:
-        return None
-    request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if request is None:
-        return None
-    headers: List[Tuple[str, str]] = []
-    hosts = lengths = 0
-    for line in lines[1:]:
-        field = _FIELD_LINE_RE.fullmatch(line)
-        if field is None:
-            return None
-        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
-        lowered = name.lower()
-        if lowered == "host":
-            hosts += 1
-        elif lowered == "content-length":
-            lengths += 1
-            if not (value.isascii() and value.isdigit()):
-                return None
-        elif lowered == "transfer-encoding":
-            return None
-        headers.append((name, value))
-    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"
-    if (version == "HTTP/1.1" and hosts != 1) or lengths > 1:  # framing the full reading decides
-        return None
-    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
-
-
 def parse_request_head(head: bytes) -> RequestHead:
     """Read a request's head strictly (RFC 9112): the bytes before the empty line that ends it.
 
@@ -1288,15 +1252,18 @@ def parse_request_head(head: bytes) -> RequestHead:
     400), no line folding, no control character in a value, one Host (HTTP/1.1), a Content-Length that is
     one decimal number, and not both Content-Length and Transfer-Encoding.  Empty lines before the request
     line are skipped (§2.2).  Raises :class:`FramingError` (400), :class:`TargetTooLongError` (414),
-    :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505).
+    :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505), naming the problem.
     """
-    well_formed = _well_formed_head(head)
-    return well_formed if well_formed is not None else _read_head_in_full(head)
+    lines = _head_lines(head)
+    method, target, version = _request_line(lines[0])
+    headers = [_header_field(line) for line in lines[1:]]
+    _check_framing(version, headers)
+    return RequestHead(method, target, version, headers)
 
 
-def _read_head_in_full(head: bytes) -> RequestHead:
-    """:func:`parse_request_head` line by line, each check on its own: the result, or the error naming the
-    problem.  (:func:`_well_formed_head` is its fast path: same result or ``None``.)"""
+def _head_lines(head: bytes) -> List[bytes]:
+    """The head's lines, empty ones before the request line skipped: within the size limits, and each one
+    ending in CRLF (no bare CR or LF inside a line)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     line_end = head.find(b"\r\n")
@@ -1311,10 +1278,14 @@ def _read_head_in_full(head: bytes) -> RequestHead:
         if b"\r" in line or b"\n" in line:
             where = "the request line" if number == 0 else f"header line {number}"
             raise FramingError(f"{where} has a bare CR or LF: every line must end in CRLF (RFC 9112 §2.2)")
-    request_line = lines[0]
-    parts = request_line.split(b" ")
+    return lines
+
+
+def _request_line(line: bytes) -> Tuple[str, str, str]:
+    """``(method, target, version)``: a token, a target and ``HTTP/1.x``, single spaces between (RFC 9112 §3)."""
+    parts = line.split(b" ")
     if len(parts) != 3 or not _TOKEN_RE.fullmatch(parts[0]) or not parts[1] or _TARGET_BAD_RE.search(parts[1]):
-        raise FramingError(f"malformed request line {_short(repr(request_line), 100)}: expected "
+        raise FramingError(f"malformed request line {_short(repr(line), 100)}: expected "
                            "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
     version = _VERSION_RE.fullmatch(parts[2])
     if version is None:
@@ -1322,32 +1293,40 @@ def _read_head_in_full(head: bytes) -> RequestHead:
     if version.group(1) != b"1":
         raise VersionNotSupportedError(f"HTTP/{version.group(1).decode()}.{version.group(2).decode()} is not "
                                        "supported here: send HTTP/1.1")
-    headers: List[Tuple[str, str]] = []
-    for line in lines[1:]:
-        if line[:1] in (b" ", b"\t"):
-            raise FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
-        name, colon, value = line.partition(b":")
-        if not colon:
-            raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
-        if not _TOKEN_RE.fullmatch(name):
-            raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
-                               "colon (RFC 9112 §5.1)")
-        value = value.strip(b" \t")
-        if _FIELD_VALUE_BAD_RE.search(value):
-            raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
-        headers.append((name.decode("ascii"), value.decode("latin-1")))
     http_version = "HTTP/1.0" if version.group(2) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
-    if http_version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
+    return parts[0].decode("ascii"), parts[1].decode("ascii"), http_version
+
+
+def _header_field(line: bytes) -> Tuple[str, str]:
+    """One header line as ``(name, value)``: a token right before the colon, no folding, no control character
+    in the value (RFC 9112 §5, RFC 9110 §5.5); the value without the whitespace around it."""
+    if line[:1] in (b" ", b"\t"):
+        raise FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
+    name, colon, value = line.partition(b":")
+    if not colon:
+        raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
+    if not _TOKEN_RE.fullmatch(name):
+        raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
+                           "colon (RFC 9112 §5.1)")
+    value = value.strip(b" \t")
+    if _FIELD_VALUE_BAD_RE.search(value):
+        raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
+    return name.decode("ascii"), value.decode("latin-1")
+
+
+def _check_framing(version: str, headers: Sequence[Tuple[str, str]]) -> None:
+    """Where the request ends must be certain: one Host (HTTP/1.1), a Content-Length that is one decimal number,
+    and Transfer-Encoding neither beside a Content-Length nor on HTTP/1.0 (RFC 9112 §3.2, §6)."""
+    if version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     lengths = [v.strip() for value in _all_values(headers, "content-length") for v in value.split(",")]
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
     codings = _all_values(headers, "transfer-encoding")
-    if codings and (lengths or http_version == "HTTP/1.0"):
+    if codings and (lengths or version == "HTTP/1.0"):
         raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be "
                            "HTTP/1.0 (RFC 9112 §6.1)")
-    return RequestHead(parts[0].decode("ascii"), parts[1].decode("ascii"), http_version, headers)
 
 
 class Endpoint(NamedTuple):
@@ -1700,15 +1679,6 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
     return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quoted}", headers, body)
 
 
-def _idempotency_key() -> str:
-    """A fresh random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives it, at under half its cost."""
-    raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
-    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
-    text = raw.hex()
-    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
-
-
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
                       idempotency_key: Optional[str] = None) -> ProxyRequest:
     """A tool call, checked before anything is sent: the name pattern, the actor label, a JSON object of
@@ -1825,14 +1795,6 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
     if detail is not None and msg is None:
         msg = json.dumps(detail)[:200]
     return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
-
-
-def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)``, skipping its encoding sniff for a body that opens ``{`` then a non-NUL byte: the
-    sniff gives UTF-8 for exactly those, decoded with ``surrogatepass`` as ``json.loads`` decodes it."""
-    if data[:1] == b"{" and data[1:2] != b"\x00":
-        return json.loads(data.decode("utf-8", "surrogatepass"))
-    return json.loads(data)
 
 
 def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
@@ -2205,11 +2167,6 @@ def _well_formed(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-@functools.lru_cache(maxsize=1)
-def _int_limit() -> int:
-    return int(10 ** MAX_INT_DIGITS)
-
-
 def _int_text(number: int) -> str:
     """The decimal text of any integer, without ``str()``'s digit limit (divide and conquer)."""
     if number < 0:
@@ -2312,62 +2269,6 @@ def response_envelope(
     ``strict=True`` refuses instead: :class:`ResponseError` lists every
     problem, the soft ones too, except the truncation warning.
     """
-    plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:
-        return plain, []
-    return _response_envelope_in_full(value, messages=messages, metadata=metadata, strict=strict)
-
-
-def _plain_text(text: str) -> bool:
-    """No lone surrogate in ``text`` (ASCII checked first: it is the common case, and cheap)."""
-    return text.isascii() or _SURROGATE_RE.search(text) is None
-
-
-def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """The body :func:`response_envelope` builds, with no note and no warning, for the commonest results: a string,
-    or a dict of plain scalars (no ``messages``, no ``metadata``) whose ``final_response`` is a string; ``None``
-    for anything the full path has to look at (tests/test_response_fast_path.py holds the two to agreeing).
-
-    Only exact types pass (``str``, ``int``, ``float``, ``bool``, ``None``; no subclass), every string free of lone
-    surrogates, every number one JSON carries, the final response non-blank and within the soft limit: then
-    neither leniency nor strictness changes anything, so either gives this body.
-    """
-    if type(value) is str:
-        final, extra = value, None
-    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
-            "metadata" not in value):
-        final, extra = value["final_response"], value
-    else:
-        return None
-    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
-        return None
-    body: Dict[str, Any] = {}
-    if extra is not None:
-        for key, item in extra.items():
-            if key == "final_response":
-                continue
-            if type(key) is not str or not _plain_text(key):
-                return None
-            kind = type(item)
-            if kind is str:
-                if not _plain_text(item):
-                    return None
-            elif kind is int:
-                if item.bit_length() >= 14_000:  # maybe over MAX_INT_DIGITS digits: the full path decides
-                    return None
-            elif kind is float:
-                if not math.isfinite(item):
-                    return None
-            elif item is not None and kind is not bool:
-                return None
-            body[key] = item
-    body["final_response"] = final  # last, as the full path puts it
-    return body
-
-
-def _response_envelope_in_full(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]],
-                               metadata: Optional[Mapping[str, Any]], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """:func:`response_envelope` for any result: unpacked, normalised, made JSON-safe (lenient), validated."""
     unpacked: List[str] = []
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
     if messages is None:
@@ -2726,6 +2627,125 @@ class _Once(Generic[_T]):
         with self._lock:
             self._value = value
 
+
+
+# ---------------------------------------------------------------------------
+# Speed paths: what part 1 computes, computed faster in Python.  Each gives
+# exactly what part 1's own reading gives, or hands over to it (a test holds
+# the two to agreeing).  A port needs none of them.
+# ---------------------------------------------------------------------------
+
+def _json_from_bytes(data: bytes) -> Any:
+    """``json.loads(data)``, skipping its encoding sniff for a body that opens ``{`` then a non-NUL byte: the
+    sniff gives UTF-8 for exactly those, decoded with ``surrogatepass`` as ``json.loads`` decodes it."""
+    if data[:1] == b"{" and data[1:2] != b"\x00":
+        return json.loads(data.decode("utf-8", "surrogatepass"))
+    return json.loads(data)
+
+
+def _idempotency_key() -> str:
+    """A fresh random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives it, at under half its cost."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _int_limit() -> int:
+    """``10 ** MAX_INT_DIGITS``, made once: the least integer with more digits than JSON parsers read."""
+    return int(10 ** MAX_INT_DIGITS)
+
+
+# One pass per line for the common, well-formed head; any line it does not match goes to parse_request_head,
+# which names the problem.  The value class excludes CR, LF and every control character but HTAB, so a
+# match also means no bare CR or LF; a name that is a token right before the colon means no folding.
+_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
+_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
+
+
+def _well_formed_head(head: bytes) -> Optional[RequestHead]:
+    """:func:`parse_request_head` of a head with nothing unusual in it, or ``None``: the servers then read it with
+    ``parse_request_head`` itself, which names the problem (tests/test_request_head_fast_path.py holds the two
+    to agreeing)."""
+    if len(head) > MAX_REQUEST_LINE_BYTES or head.startswith(b"\r\n"):
+        return None
+    lines = head.split(b"\r\n")
+    if len(lines) - 1 > MAX_REQUEST_FIELDS:
+        return None
+    request = _REQUEST_LINE_RE.fullmatch(lines[0])
+    if request is None:
+        return None
+    headers: List[Tuple[str, str]] = []
+    hosts = lengths = 0
+    for line in lines[1:]:
+        field = _FIELD_LINE_RE.fullmatch(line)
+        if field is None:
+            return None
+        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
+        lowered = name.lower()
+        if lowered == "host":
+            hosts += 1
+        elif lowered == "content-length":
+            lengths += 1
+            if not (value.isascii() and value.isdigit()):
+                return None
+        elif lowered == "transfer-encoding":
+            return None
+        headers.append((name, value))
+    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"
+    if (version == "HTTP/1.1" and hosts != 1) or lengths > 1:  # framing the full reading decides
+        return None
+    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
+
+
+def _plain_text(text: str) -> bool:
+    """No lone surrogate in ``text`` (ASCII checked first: it is the common case, and cheap)."""
+    return text.isascii() or _SURROGATE_RE.search(text) is None
+
+
+def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
+    """The body :func:`response_envelope` builds, with no note and no warning, for the commonest results: a string,
+    or a dict of plain scalars (no ``messages``, no ``metadata``) whose ``final_response`` is a string; ``None``
+    for anything ``response_envelope`` has to look at, which :func:`build_response` then calls
+    (tests/test_response_fast_path.py holds the two to agreeing).
+
+    Only exact types pass (``str``, ``int``, ``float``, ``bool``, ``None``; no subclass), every string free of lone
+    surrogates, every number one JSON carries, the final response non-blank and within the soft limit: then
+    neither leniency nor strictness changes anything, so either gives this body.
+    """
+    if type(value) is str:
+        final, extra = value, None
+    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
+            "metadata" not in value):
+        final, extra = value["final_response"], value
+    else:
+        return None
+    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
+        return None
+    body: Dict[str, Any] = {}
+    if extra is not None:
+        for key, item in extra.items():
+            if key == "final_response":
+                continue
+            if type(key) is not str or not _plain_text(key):
+                return None
+            kind = type(item)
+            if kind is str:
+                if not _plain_text(item):
+                    return None
+            elif kind is int:
+                if item.bit_length() >= 14_000:  # maybe over MAX_INT_DIGITS digits: response_envelope decides
+                    return None
+            elif kind is float:
+                if not math.isfinite(item):
+                    return None
+            elif item is not None and kind is not bool:
+                return None
+            body[key] = item
+    body["final_response"] = final  # last, as response_envelope puts it
+    return body
 
 
 # ---------------------------------------------------------------------------
@@ -4365,8 +4385,7 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
     plain = _plain_envelope(value) if messages is None and metadata is None else None
     if plain is not None:  # nothing to warn about, strict or not (and no environment variable to read)
         return plain
-    body, warnings = _response_envelope_in_full(value, messages=messages, metadata=metadata,
-                                                strict=_strict(strict))
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
     bound = _current.get()
     hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:
@@ -5236,7 +5255,8 @@ def _make_server_classes() -> Tuple[type, type]:
                 if line != b"\r\n":
                     raise FramingError("the request head ends in a bare LF: every line must end in CRLF "
                                        "(RFC 9112 §2.2)")
-                head = parse_request_head(b"".join(lines)[:-4])
+                raw = b"".join(lines)[:-4]
+                head = _well_formed_head(raw) or parse_request_head(raw)
             except PipelinesError as exc:
                 self._send(error_reply(exc), close=True)
                 return False
@@ -5564,7 +5584,7 @@ class _ServerConnection:
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
-                    self.head = head = parse_request_head(raw)
+                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
                 except PipelinesError as exc:
                     self._refuse(exc)
                     return
