@@ -1393,6 +1393,34 @@ def decide(
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
+    path = _route(endpoint, method, target)
+    if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
+        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
+    if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
+        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
+    if not endpoint.no_auth:
+        _authenticate(endpoint, headers, expected_token)
+    data = _framed_body(endpoint, headers, body)
+    try:
+        payload = _json_from_bytes(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
+    if is_ping(payload):
+        json.loads(data, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
+        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
+    if not isinstance(payload, dict):
+        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
+    if payload.get("connectivity_check") is True:
+        proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
+        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
+    envelope = Envelope.from_dispatch(payload, headers)
+    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
+    return Decision("run", envelope=envelope, what="dispatch")
+
+
+def _route(endpoint: Endpoint, method: str, target: str) -> str:
+    """The request's path, once its method is known (501 otherwise) and routed there: 404 for no route, 405 for
+    a method the path does not take."""
     if method not in HTTP_METHODS:
         raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
     path = urlsplit(target).path.rstrip("/") or "/"
@@ -1401,20 +1429,27 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
-        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
-    if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
-        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
-    if not endpoint.no_auth:
-        if not (expected_token or "").strip():
-            raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
-                                     f"{endpoint.token_env}, which is not set")
-        if _repeated(headers, endpoint.auth_header.lower()):
-            raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
-                            bearer=endpoint.auth_header.lower() == "authorization")
-        if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
-            raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
-                            bearer=endpoint.auth_header.lower() == "authorization")
+    return path
+
+
+def _authenticate(endpoint: Endpoint, headers: Mapping[str, str], expected_token: Optional[str]) -> None:
+    """§2 step 1: 503 when the agent token's variable is unset; 401 when the credential is sent twice, missing or
+    wrong."""
+    if not (expected_token or "").strip():
+        raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
+                                 f"{endpoint.token_env}, which is not set")
+    if _repeated(headers, endpoint.auth_header.lower()):
+        raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
+                        bearer=endpoint.auth_header.lower() == "authorization")
+    if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
+        raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
+                        bearer=endpoint.auth_header.lower() == "authorization")
+
+
+def _framed_body(endpoint: Endpoint, headers: Mapping[str, str], body: Optional[bytes]) -> bytes:
+    """The body, framed by one Content-Length within the cap and read whole: 411 for a chunked body or none
+    declared, 501 for another Transfer-Encoding, 413 over the cap, 400 for lengths that disagree, an unreadable
+    one or a truncated body (kit-body-framing)."""
     coding = headers.get("transfer-encoding")
     if coding is not None:
         if coding.strip().lower() == "chunked":
@@ -1438,21 +1473,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
                                 f"{endpoint.max_body}-byte cap")
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
-    try:
-        payload = _json_from_bytes(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
-    if is_ping(payload):
-        json.loads(body, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
-        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
-    if not isinstance(payload, dict):
-        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
-    if payload.get("connectivity_check") is True:
-        proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
-        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
-    envelope = Envelope.from_dispatch(payload, headers)
-    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
-    return Decision("run", envelope=envelope, what="dispatch")
+    return body
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
@@ -2088,29 +2109,39 @@ def _jsonable(value: Any, path: str, notes: List[str], depth: int = 0,
             return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
         notes.append(f"{path}: {float.__repr__(value)} is not JSON; sent as null")
         return None
-    container = isinstance(value, (Mapping, list, tuple, set, frozenset))
-    if container:
-        active = set() if active is None else active
-        if id(value) in active:
-            notes.append(f"{_short(path, 200)}: contains itself (a cycle); cut there")
-            return "[cycle]"
-        if depth >= MAX_JSON_DEPTH:
-            notes.append(f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels; cut there")
-            return "[nested too deeply]"
-        active.add(id(value))
-        try:
-            if isinstance(value, Mapping):
-                return _jsonable_object(value, path, notes, depth, active)
-            if not isinstance(value, (list, tuple)):
-                notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
-                value = sorted(value, key=_safe_repr)
-            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
-        except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
-            notes.append(f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}; "
-                         "cut there")
-            return f"[unreadable {type(value).__name__}]"
-        finally:
-            active.discard(id(value))
+    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
+    return _jsonable_other(value, path, notes, depth, active)
+
+
+def _jsonable_container(value: Any, path: str, notes: List[str], depth: int, active: Set[int]) -> Any:
+    """:func:`_jsonable` of a mapping, list, tuple or set: a cycle or nesting past :data:`MAX_JSON_DEPTH` cut to a
+    marker, a set sorted into a list, a container that raises when read cut."""
+    if id(value) in active:
+        notes.append(f"{_short(path, 200)}: contains itself (a cycle); cut there")
+        return "[cycle]"
+    if depth >= MAX_JSON_DEPTH:
+        notes.append(f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels; cut there")
+        return "[nested too deeply]"
+    active.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            return _jsonable_object(value, path, notes, depth, active)
+        if not isinstance(value, (list, tuple)):
+            notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
+            value = sorted(value, key=_safe_repr)
+        return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
+        notes.append(f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}; "
+                     "cut there")
+        return f"[unreadable {type(value).__name__}]"
+    finally:
+        active.discard(id(value))
+
+
+def _jsonable_other(value: Any, path: str, notes: List[str], depth: int, active: Optional[Set[int]]) -> Any:
+    """:func:`_jsonable` of what is no JSON type: a date or time its ISO text, bytes their UTF-8 text, anything
+    else its text."""
     iso = getattr(value, "isoformat", None)
     if callable(iso):
         notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its ISO text")
