@@ -5167,258 +5167,286 @@ DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, 
 SERVE_GC_THRESHOLD = 50_000
 
 
+if TYPE_CHECKING:
+    from http.server import BaseHTTPRequestHandler as _HandlerBase
+    from http.server import ThreadingHTTPServer as _ServerBase
+else:  # http.server's classes join these parts on first use (_make_server_classes): importing it costs time
+    _HandlerBase = _ServerBase = object
+
+
+class _DrainingServer(_ServerBase):
+    """What the ``http.server`` dispatch server adds to ``ThreadingHTTPServer``: one :class:`DispatchApp`, the
+    requests in flight, and a graceful drain that answers 503 to those its grace period cuts."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+    request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
+    handler_class: type  # the request handler, joined with it in _make_server_classes
+
+    def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
+        self.app = app
+        self.read_timeout_s = read_timeout_s
+        self.draining = threading.Event()
+        self._in_flight = 0
+        self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
+        self._idle = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        super().__init__(address, self.handler_class)
+
+    @property
+    def url(self) -> str:
+        host, port = str(self.server_address[0]), self.server_address[1]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}{self.app.path}"
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being handled now."""
+        return self._in_flight
+
+    def enter(self, handler: Any) -> bool:
+        with self._idle:
+            if self.draining.is_set():
+                return False
+            self._in_flight += 1
+            self._handlers.add(handler)
+            return True
+
+    def leave(self, handler: Any) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._handlers.discard(handler)
+            self._idle.notify_all()
+
+    def drain(self, grace_s: float) -> bool:
+        """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
+        still running then are answered 503 (retryable) and their connections closed."""
+        self.draining.set()
+        deadline = time.monotonic() + grace_s
+        with self._idle:
+            while self._in_flight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            cut = list(self._handlers)
+        if not cut:
+            return True
+        _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                     grace_s, len(cut))
+        for handler in cut:
+            _log.warning("%s was cut before it finished: the server is shutting down",
+                         _run_label(*handler.request_info))
+            handler.cut()
+        return False
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        if self.socket.fileno() < 0:  # closed before it served: nothing to serve
+            return
+        super().serve_forever(poll_interval)
+
+    def close(self, grace_s: float = 5.0) -> bool:
+        """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
+        self.draining.set()
+        if self._thread is not None:
+            self.shutdown()
+        self.server_close()  # new connections are refused at once, not queued until the grace period ends
+        return self.drain(grace_s)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+
+
+class _DispatchRequests(_HandlerBase):
+    """What the ``http.server`` request handler adds to ``BaseHTTPRequestHandler``: heads read strictly
+    (:meth:`parse_request`), every method served by :meth:`_serve` through the server's :class:`DispatchApp`,
+    replies written by one writer at a time so a drain's 503 and the agent's late reply never mix."""
+
+    protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
+    server_version = "pipelines-port/" + __version__
+    sys_version = ""
+    server: _DrainingServer  # pyright: ignore[reportIncompatibleVariableOverride]
+    run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
+    _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
+    wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
+
+    # -- the request head -----------------------------------------------------
+
+    def parse_request(self) -> bool:
+        """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
+        lenient parser: a refusal is a JSON reply with ``Connection: close``."""
+        import email.message
+
+        self.command, self.request_version = "", self.default_request_version
+        line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
+        self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
+        try:
+            raw = self._head_after(line)
+            if raw is None:  # the client went away mid-head
+                self.close_connection = True
+                return False
+            head = _well_formed_head(raw) or parse_request_head(raw)
+        except PipelinesError as exc:
+            self._send(error_reply(exc), close=True)
+            return False
+        self.command, self.path, self.request_version = head.method, head.target, head.version
+        self.requestline = f"{head.method} {head.target} {head.version}"
+        self.headers = email.message.Message()
+        for name, value in head.headers:
+            self.headers[name] = value
+        self.close_connection = not head.keep_alive()
+        if self.headers.get("Expect", "").lower() == "100-continue":
+            return self.handle_expect_100()
+        return True
+
+    def _head_after(self, line: bytes) -> Optional[bytes]:
+        """The whole head, from its first ``line`` (already read) up to the empty line after the request line, without
+        the final CRLF CRLF; ``None`` when the client goes away first.  Over :data:`MAX_REQUEST_HEAD_BYTES`, or
+        ending in a bare LF, it is refused."""
+        lines, size = [line], len(line)
+        started = bool(line.strip(b"\r\n"))
+        while not started or line.strip(b"\r\n"):
+            line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
+            size += len(line)
+            if not line:
+                return None
+            if size > MAX_REQUEST_HEAD_BYTES:
+                raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
+            started = started or bool(line.strip(b"\r\n"))
+            lines.append(line)
+        if line != b"\r\n":
+            raise FramingError("the request head ends in a bare LF: every line must end in CRLF (RFC 9112 §2.2)")
+        return b"".join(lines)[:-4]
+
+    def handle_expect_100(self) -> bool:
+        super().handle_expect_100()
+        self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
+        return True
+
+    # -- the connection ---------------------------------------------------------
+
+    def setup(self) -> None:
+        import socket
+
+        self.reply_lock = threading.Lock()
+        self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
+        super().setup()
+        self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s %s", self.address_string(), format % args)
+
+    # -- every method: one path through the DispatchApp -----------------------------------
+
+    def do_GET(self) -> None:
+        self._serve()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
+
+    def _serve(self) -> None:
+        app = self.server.app
+        if not self.server.enter(self):
+            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
+                       close=True)
+            return
+        try:
+            headers = _lower_headers(self.headers.items())
+            length = request_body_length(headers, app.max_body)
+            # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
+            # connection closes after the reply rather than parse that body as the next request.
+            close = self.server.draining.is_set() or length is None
+            body: Optional[bytes] = None
+            if length is not None:
+                body = self._body(length)
+                if body is None:  # a client too slow or gone
+                    return
+                close = close or len(body) < length
+            self.request_info = (headers, body)
+            try:
+                reply = app.handle(self.command, self.path, headers, body)
+            except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+                _log.exception("building the reply failed")
+                reply, close = _fallback_reply(exc), True
+            self._send(reply, close=close)
+        finally:
+            self.server.leave(self)
+
+    def _body(self, length: int) -> Optional[bytes]:
+        """Up to ``length`` body bytes, all within the read timeout however slowly they come (the watchdog shuts
+        the socket after it); ``None`` when the client is too slow or gone: the connection then closes."""
+        watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
+        try:
+            return _read_exactly(self.rfile.read, length)
+        except (OSError, ValueError):  # the watchdog may have shut the socket
+            self.close_connection = True
+            return None
+        finally:
+            if _watchdog().done(watch):
+                self.close_connection = True
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
+        from http import HTTPStatus
+
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "Error"
+        detail = f"{phrase}: {message}" if message and message != phrase else phrase
+        self._send(json_reply(code, {"detail": detail}), close=True)
+
+    # -- replies: one writer at a time ----------------------------------------------------
+
+    def _send(self, reply: HttpReply, *, close: bool = False) -> None:
+        with self.reply_lock:
+            if not self._cut:
+                self._write(reply, close)
+
+    def cut(self) -> None:
+        """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
+        import socket
+
+        with self.reply_lock:
+            if self._cut:
+                return
+            self._cut = True
+            self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
+                                                      "retry it")), True)
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _write(self, reply: HttpReply, close: bool) -> None:
+        self.send_response(reply.status)
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        try:
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(reply.body)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
+
 def _make_server_classes() -> Tuple[type, type]:
-    """The ``http.server`` classes, built on first use so import stays cheap."""
-    import email.message
-    import socket
-    from http import HTTPStatus
+    """The ``http.server`` dispatch server and its request handler: the parts above joined with ``http.server``'s
+    own classes on first use, so importing this module does not import ``http.server``."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class DispatchServer(ThreadingHTTPServer):
+    class DispatchHandler(_DispatchRequests, BaseHTTPRequestHandler):  # pyright: ignore[reportIncompatibleVariableOverride]
+        """One client connection of the ``http.server`` dispatch server."""
+
+    class DispatchServer(_DrainingServer, ThreadingHTTPServer):
         """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
 
-        daemon_threads = True
-        allow_reuse_address = True
-        block_on_close = False
-        request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
-
-        def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
-            self.app = app
-            self.read_timeout_s = read_timeout_s
-            self.draining = threading.Event()
-            self._in_flight = 0
-            self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
-            self._idle = threading.Condition()
-            self._thread: Optional[threading.Thread] = None
-            super().__init__(address, DispatchHandler)
-
-        @property
-        def url(self) -> str:
-            host, port = str(self.server_address[0]), self.server_address[1]
-            shown = f"[{host}]" if ":" in host else host
-            return f"http://{shown}:{port}{self.app.path}"
-
-        @property
-        def in_flight(self) -> int:
-            """Requests being handled now."""
-            return self._in_flight
-
-        def enter(self, handler: Any) -> bool:
-            with self._idle:
-                if self.draining.is_set():
-                    return False
-                self._in_flight += 1
-                self._handlers.add(handler)
-                return True
-
-        def leave(self, handler: Any) -> None:
-            with self._idle:
-                self._in_flight -= 1
-                self._handlers.discard(handler)
-                self._idle.notify_all()
-
-        def drain(self, grace_s: float) -> bool:
-            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
-            still running then are answered 503 (retryable) and their connections closed."""
-            self.draining.set()
-            deadline = time.monotonic() + grace_s
-            with self._idle:
-                while self._in_flight > 0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._idle.wait(left)
-                cut = list(self._handlers)
-            if not cut:
-                return True
-            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                         grace_s, len(cut))
-            for handler in cut:
-                _log.warning("%s was cut before it finished: the server is shutting down",
-                             _run_label(*handler.request_info))
-                handler.cut()
-            return False
-
-        def serve_forever(self, poll_interval: float = 0.5) -> None:
-            if self.socket.fileno() < 0:  # closed before it served: nothing to serve
-                return
-            super().serve_forever(poll_interval)
-
-        def close(self, grace_s: float = 5.0) -> bool:
-            """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
-            self.draining.set()
-            if self._thread is not None:
-                self.shutdown()
-            self.server_close()  # new connections are refused at once, not queued until the grace period ends
-            return self.drain(grace_s)
-
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
-
-    class DispatchHandler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
-        server_version = "pipelines-port/" + __version__
-        sys_version = ""
-        server: DispatchServer  # pyright: ignore[reportIncompatibleVariableOverride]
-        run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
-        _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
-
-        def parse_request(self) -> bool:
-            """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
-            lenient parser: a refusal is a JSON reply with ``Connection: close``."""
-            self.command, self.request_version = "", self.default_request_version
-            line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
-            self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
-            lines, size = [line], len(line)
-            started = bool(line.strip(b"\r\n"))
-            try:
-                while not started or line.strip(b"\r\n"):  # up to the empty line after the request line
-                    line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
-                    size += len(line)
-                    if not line:  # the client went away mid-head
-                        self.close_connection = True
-                        return False
-                    if size > MAX_REQUEST_HEAD_BYTES:
-                        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
-                    started = started or bool(line.strip(b"\r\n"))
-                    lines.append(line)
-                if line != b"\r\n":
-                    raise FramingError("the request head ends in a bare LF: every line must end in CRLF "
-                                       "(RFC 9112 §2.2)")
-                raw = b"".join(lines)[:-4]
-                head = _well_formed_head(raw) or parse_request_head(raw)
-            except PipelinesError as exc:
-                self._send(error_reply(exc), close=True)
-                return False
-            self.command, self.path, self.request_version = head.method, head.target, head.version
-            self.requestline = f"{head.method} {head.target} {head.version}"
-            self.headers = email.message.Message()
-            for name, value in head.headers:
-                self.headers[name] = value
-            self.close_connection = not head.keep_alive()
-            if self.headers.get("Expect", "").lower() == "100-continue":
-                return self.handle_expect_100()
-            return True
-
-        wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
-
-        def setup(self) -> None:
-            self.reply_lock = threading.Lock()
-            self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
-            super().setup()
-            self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            if _log.isEnabledFor(logging.DEBUG):
-                _log.debug("%s %s", self.address_string(), format % args)
-
-        def do_GET(self) -> None:
-            self._serve()
-
-        def do_POST(self) -> None:
-            self._serve()
-
-        def do_PUT(self) -> None:
-            self._serve()
-
-        def do_DELETE(self) -> None:
-            self._serve()
-
-        def do_PATCH(self) -> None:
-            self._serve()
-
-        def do_HEAD(self) -> None:
-            self._serve()
-
-        def do_OPTIONS(self) -> None:
-            self._serve()
-
-        def do_TRACE(self) -> None:
-            self._serve()
-
-        def do_CONNECT(self) -> None:
-            self._serve()
-
-        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-            """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
-            try:
-                phrase = HTTPStatus(code).phrase
-            except ValueError:
-                phrase = "Error"
-            detail = f"{phrase}: {message}" if message and message != phrase else phrase
-            self._send(json_reply(code, {"detail": detail}), close=True)
-
-        def _serve(self) -> None:
-            app = self.server.app
-            if not self.server.enter(self):
-                self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
-                           close=True)
-                return
-            try:
-                headers = _lower_headers(self.headers.items())
-                length = request_body_length(headers, app.max_body)
-                # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
-                # connection closes after the reply rather than parse that body as the next request.
-                close = self.server.draining.is_set() or length is None
-                body: Optional[bytes] = None
-                if length is not None:
-                    watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
-                    try:
-                        body = _read_exactly(self.rfile.read, length)
-                    except (OSError, ValueError):  # a client too slow or gone; the watchdog may have shut the socket
-                        self.close_connection = True
-                        return
-                    finally:
-                        if _watchdog().done(watch):
-                            self.close_connection = True
-                    close = close or len(body) < length
-                self.request_info = (headers, body)
-                try:
-                    reply = app.handle(self.command, self.path, headers, body)
-                except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-                    _log.exception("building the reply failed")
-                    reply, close = _fallback_reply(exc), True
-                self._send(reply, close=close)
-            finally:
-                self.server.leave(self)
-
-        def handle_expect_100(self) -> bool:
-            super().handle_expect_100()
-            self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
-            return True
-
-        def _send(self, reply: HttpReply, *, close: bool = False) -> None:
-            with self.reply_lock:
-                if not self._cut:
-                    self._write(reply, close)
-
-        def cut(self) -> None:
-            """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
-            with self.reply_lock:
-                if self._cut:
-                    return
-                self._cut = True
-                self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                          "retry it")), True)
-                with contextlib.suppress(OSError):
-                    self.connection.shutdown(socket.SHUT_RDWR)
-
-        def _write(self, reply: HttpReply, close: bool) -> None:
-            self.send_response(reply.status)
-            for name, value in reply.headers:
-                self.send_header(name, value)
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            try:
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(reply.body)
-                self.wfile.flush()
-            except OSError:
-                self.close_connection = True
+        handler_class = DispatchHandler
 
     return DispatchServer, DispatchHandler
 
