@@ -67,6 +67,7 @@ from typing import (
     Sequence,
     Set,
     Tuple,
+    Type,
     TypeVar,
     Union,
     cast,
@@ -3098,21 +3099,13 @@ class _Transport:
         problem = _header_problem(headers)
         if problem:
             raise ValueError(problem)
-        scheme = base.scheme.lower()
+        scheme, host = base.scheme.lower(), base.hostname
         port = base.port or (443 if scheme == "https" else 80)
-        key = (scheme, base.hostname, port)
-
-        def make() -> http.client.HTTPConnection:
-            if scheme == "https":
-                context = self._ssl_context or _default_tls_context()
-                return cast("http.client.HTTPConnection",
-                            _http_classes()[1](base.hostname, port, timeout=timeout, context=context))
-            return cast("http.client.HTTPConnection", _http_classes()[0](base.hostname, port, timeout=timeout))
-
+        key = (scheme, host, port)
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{base.hostname}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
+        where = f"{host}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
         for fresh_retry in (False, True):
-            conn, reused = self._connections.get(key, timeout, make)
+            conn, reused = self._connections.get(key, timeout, lambda: self._connect(scheme, host, port, timeout))
             started = time.monotonic()
             if debug:
                 _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
@@ -3123,36 +3116,51 @@ class _Transport:
                 if reused and not fresh_retry and _is_stale_connection_error(exc):
                     continue  # closed before it read our request: re-send once on a fresh connection
                 raise _TransportFailure() from exc
-            # The whole reply must arrive within the timeout, however slowly a peer drips it.
-            watch = _watchdog().watch(conn.sock, max(timeout - (time.monotonic() - started), 0.001))
-            try:
-                response = conn.getresponse()
-                status = response.status
-                reply_headers = response.getheaders()
-                length = _content_length(response.getheader("Content-Length"))
-                if length is not None and length > max_reply:
-                    conn.close()
-                    raise _ReplyTooLarge(status, max_reply, length)
-                reply = response.read(max_reply + 1)
-                if len(reply) > max_reply:
-                    conn.close()
-                    raise _ReplyTooLarge(status, max_reply, None)
-            except transport_errors as exc:
-                conn.close()
-                if _watchdog().done(watch):
-                    raise _TransportFailure() from TimeoutError(f"timed out: no complete reply within {timeout:g} s")
-                raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
-            if _watchdog().done(watch):  # fired just as the reply completed: the socket is shut
-                conn.close()
-            elif response.isclosed() and not response.will_close:
-                self._connections.put(key, conn)
-            else:
-                conn.close()
+            status, reply_headers, reply = self._reply(conn, key, reused, timeout, started, max_reply, transport_errors)
             if debug:
                 _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                            (time.monotonic() - started) * 1000)
             return status, reply_headers, reply
         raise AssertionError("unreachable")
+
+    def _connect(self, scheme: str, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
+        """A new connection (not yet connected: ``http.client`` connects on the first request)."""
+        if scheme == "https":
+            context = self._ssl_context or _default_tls_context()
+            return cast("http.client.HTTPConnection", _http_classes()[1](host, port, timeout=timeout, context=context))
+        return cast("http.client.HTTPConnection", _http_classes()[0](host, port, timeout=timeout))
+
+    def _reply(self, conn: http.client.HTTPConnection, key: Tuple[str, str, int], reused: bool, timeout: float,
+               started: float, max_reply: int,
+               transport_errors: Tuple[Type[BaseException], ...]) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """The reply to the request sent on ``conn`` at ``started``, whole within ``timeout`` of it however slowly a
+        peer drips it (the watchdog shuts the socket then); ``conn`` goes back to the pool if the reply leaves it
+        reusable."""
+        watch = _watchdog().watch(conn.sock, max(timeout - (time.monotonic() - started), 0.001))
+        try:
+            response = conn.getresponse()
+            status = response.status
+            reply_headers = response.getheaders()
+            length = _content_length(response.getheader("Content-Length"))
+            if length is not None and length > max_reply:
+                conn.close()
+                raise _ReplyTooLarge(status, max_reply, length)
+            reply = response.read(max_reply + 1)
+            if len(reply) > max_reply:
+                conn.close()
+                raise _ReplyTooLarge(status, max_reply, None)
+        except transport_errors as exc:
+            conn.close()
+            if _watchdog().done(watch):
+                raise _TransportFailure() from TimeoutError(f"timed out: no complete reply within {timeout:g} s")
+            raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
+        if _watchdog().done(watch):  # fired just as the reply completed: the socket is shut
+            conn.close()
+        elif response.isclosed() and not response.will_close:
+            self._connections.put(key, conn)
+        else:
+            conn.close()
+        return status, reply_headers, reply
 
 
 class _Deadline:
