@@ -6039,6 +6039,50 @@ def _code_mode_envelope(task_input: Any, proxy_url: Optional[str], run_token: Op
     return Envelope.from_run(task_input, proxy_url=cast(str, proxy_url), run_token=cast(str, run_token))
 
 
+def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float) -> Any:
+    """What ``agent`` returned for ``envelope``, run on a fresh thread within ``limit`` seconds; else the failure
+    :func:`code_mode` names: :class:`RunTimeoutError`, :class:`AgentError`, or the kit's own error as it is, each
+    without the run token.  From an overrun or an interrupt on, the agent's further proxy calls are refused."""
+    stats = _DispatchStats()
+    bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
+    failure: Optional[BaseException] = None
+    try:
+        return _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit, wrap=True)
+    except _Overran:
+        stats.cancelled = True
+        failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
+                                  "calls are refused (a thread cannot be stopped: it may still be running)")
+    except _AgentRaised as raised:
+        error = raised.error
+        cleaned = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
+        if isinstance(error, PipelinesError) or not isinstance(error, Exception):
+            failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
+        else:
+            failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
+            failure.__cause__ = cleaned
+    except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
+        stats.cancelled = True
+        raise
+    finally:
+        _dispatch_stats.reset(bound)
+    raise failure  # outside the except clauses: no implicit context to show the original
+
+
+def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> Dict[str, Any]:
+    """The response body ``run()`` returns for ``result``: built, without the run token, and sure to serialise as
+    the JSON and UTF-8 the sandbox sends; else a :class:`ResponseError` without the run token, never a half-built
+    dict."""
+    try:
+        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
+        json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except ResponseError as exc:
+        raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: a clear error, never a half-built dict
+        raise ResponseError("the response cannot be sent as JSON: "
+                            f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
+    return body
+
+
 def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
@@ -6066,40 +6110,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
     def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
             run_token: Optional[str] = None) -> Dict[str, Any]:
         envelope = _code_mode_envelope(task_input, proxy_url, run_token)
-        stats = _DispatchStats()
-        bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
-        failure: Optional[BaseException] = None
-        result: Any = None
-        try:
-            result = _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit, wrap=True)
-        except _Overran:
-            stats.cancelled = True
-            failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
-                                      "calls are refused (a thread cannot be stopped: it may still be running)")
-        except _AgentRaised as raised:
-            error = raised.error
-            cleaned = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
-            if isinstance(error, PipelinesError) or not isinstance(error, Exception):
-                failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
-            else:
-                failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
-                failure.__cause__ = cleaned
-        except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
-            stats.cancelled = True
-            raise
-        finally:
-            _dispatch_stats.reset(bound)
-        if failure is not None:
-            raise failure  # outside the except clauses: no implicit context to show the original
-        try:  # the sandbox serialises what run() returns: it must be JSON and UTF-8, or a clear error
-            body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
-            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except ResponseError as exc:
-            raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a clear error, never a half-built dict
-            raise ResponseError("the response cannot be sent as JSON: "
-                                f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
-        return body
+        return _code_mode_body(_code_mode_result(agent, envelope, limit), envelope, strict)
 
     run.__name__ = "run"
     run.__qualname__ = "run"
