@@ -6414,52 +6414,81 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     """
     if not isinstance(schema, Mapping):
         return []
-    problems: List[str] = []
     kinds = schema.get("type")
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds)
         if not any(_is_json_type(value, k) for k in kinds):
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
+    problems = _value_problems(schema, value, path)
+    if isinstance(value, (list, tuple)):
+        problems += _array_problems(schema, value, path)
+    if isinstance(value, Mapping):
+        problems += _object_problems(schema, value, path)
+    return problems + _alternative_problems(schema, value, path)
+
+
+# validate_args's numeric bounds: (keyword, holds(value, bound), the words for a value it refuses).
+_NUMBER_BOUNDS: Tuple[Tuple[str, Callable[[float, float], bool], str], ...] = (
+    ("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
+    ("exclusiveMinimum", lambda v, b: v > b, "more than"), ("exclusiveMaximum", lambda v, b: v < b, "less than"))
+
+
+def _value_problems(schema: Mapping[str, Any], value: Any, path: str) -> List[str]:
+    """:func:`validate_args` for any value: ``enum`` and ``const``, a number's bounds, a string's length."""
+    problems: List[str] = []
     if "enum" in schema and value not in schema["enum"]:
         shown = ", ".join(json.dumps(v) for v in schema["enum"])
         problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        bounds: Tuple[Tuple[str, Callable[[float, float], bool], str], ...] = (
-            ("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
-            ("exclusiveMinimum", lambda v, b: v > b, "more than"),
-            ("exclusiveMaximum", lambda v, b: v < b, "less than"))
-        for key, ok, word in bounds:
+        for key, holds, word in _NUMBER_BOUNDS:
             bound = schema.get(key)
-            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not ok(value, bound):
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not holds(value, bound):
                 problems.append(f"{path}: {value} is not {word} {bound}")
     if isinstance(value, str):
         if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
             problems.append(f"{path}: {len(value)} characters, fewer than minLength {schema['minLength']}")
         if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
             problems.append(f"{path}: {len(value)} characters, more than maxLength {schema['maxLength']}")
-    if isinstance(value, (list, tuple)):
-        if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
-            problems.append(f"{path}: {len(value)} items, fewer than minItems {schema['minItems']}")
-        if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
-            problems.append(f"{path}: {len(value)} items, more than maxItems {schema['maxItems']}")
-        if isinstance(schema.get("items"), Mapping):
-            for i, item in enumerate(value):
-                problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
-    if isinstance(value, Mapping):
-        properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
-        for name in schema.get("required") or ():
-            if name not in value:
-                problems.append(f"{path}.{name}: required")
-        extra = schema.get("additionalProperties", True)
-        for name, item in value.items():
-            if name in properties:
-                problems.extend(validate_args(properties[name], item, f"{path}.{name}"))
-            elif extra is False:
-                problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
-            elif isinstance(extra, Mapping):
-                problems.extend(validate_args(extra, item, f"{path}.{name}"))
+    return problems
+
+
+def _array_problems(schema: Mapping[str, Any], value: Sequence[Any], path: str) -> List[str]:
+    """:func:`validate_args` for an array: ``minItems`` / ``maxItems``, then each item against ``items``."""
+    problems: List[str] = []
+    if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
+        problems.append(f"{path}: {len(value)} items, fewer than minItems {schema['minItems']}")
+    if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
+        problems.append(f"{path}: {len(value)} items, more than maxItems {schema['maxItems']}")
+    if isinstance(schema.get("items"), Mapping):
+        for i, item in enumerate(value):
+            problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
+    return problems
+
+
+def _object_problems(schema: Mapping[str, Any], value: Mapping[str, Any], path: str) -> List[str]:
+    """:func:`validate_args` for an object: ``required``, then each member against its property's schema, or
+    ``additionalProperties`` for a member with none."""
+    problems: List[str] = []
+    properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
+    for name in schema.get("required") or ():
+        if name not in value:
+            problems.append(f"{path}.{name}: required")
+    extra = schema.get("additionalProperties", True)
+    for name, item in value.items():
+        if name in properties:
+            problems.extend(validate_args(properties[name], item, f"{path}.{name}"))
+        elif extra is False:
+            problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
+        elif isinstance(extra, Mapping):
+            problems.extend(validate_args(extra, item, f"{path}.{name}"))
+    return problems
+
+
+def _alternative_problems(schema: Mapping[str, Any], value: Any, path: str) -> List[str]:
+    """:func:`validate_args` for ``anyOf`` (at least one alternative matches) and ``oneOf`` (exactly one)."""
+    problems: List[str] = []
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
@@ -6481,44 +6510,56 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     if annotation is None:
         return {"type": "null"}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        values = [m.value for m in annotation]
-        schema: Dict[str, Any] = {"enum": values}
-        kinds = {_JSON_TYPES.get(type(v)) for v in values}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        return _enum_schema([m.value for m in annotation])
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
-        schema = {"enum": list(args)}
-        kinds = {_JSON_TYPES.get(type(v)) for v in args}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        return _enum_schema(list(args))
     if origin is Union or type(annotation).__name__ == "UnionType":
-        members = [a for a in args if a is not type(None)]
-        nullable = len(members) < len(args)
-        parts = [schema_for_type(a) for a in members]
-        if len(parts) == 1:
-            only = parts[0]
-            if nullable and isinstance(only.get("type"), str) and set(only) == {"type"}:
-                return {"type": [only["type"], "null"]}
-            return {"anyOf": [only, {"type": "null"}]} if nullable else only
-        return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
+        return _union_schema(args)
     if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
-        schema = {"type": "array"}
-        members = [a for a in args if a is not Ellipsis]
-        if len(set(members)) == 1:
-            schema["items"] = schema_for_type(members[0])
-        elif members:  # a fixed-shape tuple: each item is one of its types
-            schema["items"] = {"anyOf": [schema_for_type(a) for a in dict.fromkeys(members)]}
-        return schema
+        return _array_schema(args)
     if annotation is dict or origin is dict:
-        schema = {"type": "object"}
+        schema: Dict[str, Any] = {"type": "object"}
         if len(args) == 2 and args[1] is not Any:
             schema["additionalProperties"] = schema_for_type(args[1])
         return schema
     raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
                     "list/dict of those, Literal or an Enum")
+
+
+def _enum_schema(values: List[Any]) -> Dict[str, Any]:
+    """An Enum's or a Literal's schema: its values, and their JSON type when they share one."""
+    schema: Dict[str, Any] = {"enum": values}
+    kinds = {_JSON_TYPES.get(type(v)) for v in values}
+    if len(kinds) == 1 and None not in kinds:
+        schema["type"] = kinds.pop()
+    return schema
+
+
+def _union_schema(args: Tuple[Any, ...]) -> Dict[str, Any]:
+    """A Union's (``Optional``'s, ``X | Y``'s) schema: ``anyOf`` its members, or a type list for a plain
+    ``Optional[X]``."""
+    members = [a for a in args if a is not type(None)]
+    nullable = len(members) < len(args)
+    parts = [schema_for_type(a) for a in members]
+    if len(parts) == 1:
+        only = parts[0]
+        if nullable and isinstance(only.get("type"), str) and set(only) == {"type"}:
+            return {"type": [only["type"], "null"]}
+        return {"anyOf": [only, {"type": "null"}]} if nullable else only
+    return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
+
+
+def _array_schema(args: Tuple[Any, ...]) -> Dict[str, Any]:
+    """A list's, tuple's or set's schema: an array whose ``items`` are its one member type, or any of a
+    fixed-shape tuple's."""
+    schema: Dict[str, Any] = {"type": "array"}
+    members = [a for a in args if a is not Ellipsis]
+    if len(set(members)) == 1:
+        schema["items"] = schema_for_type(members[0])
+    elif members:  # a fixed-shape tuple: each item is one of its types
+        schema["items"] = {"anyOf": [schema_for_type(a) for a in dict.fromkeys(members)]}
+    return schema
 
 
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
@@ -6921,14 +6962,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif _is_strands_agent(result):
-        final, messages, metadata = _from_bedrock(list(result.messages))
-        usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
-        if isinstance(usage, Mapping):
-            metadata = {"total_input_tokens": int(usage.get("inputTokens") or 0),
-                        "total_output_tokens": int(usage.get("outputTokens") or 0), **metadata}
-        model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
-        if isinstance(model_id, str):
-            metadata["model"] = model_id
+        final, messages, metadata = _from_strands(result)
     else:
         messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if isinstance(messages_in, (list, tuple)) and messages_in and all(
@@ -6945,6 +6979,15 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
 
 
 def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """An OpenAI Agents SDK ``RunResult``: its items as the v1 transcript, the usage of its raw responses."""
+    messages = _agents_run_messages(result)
+    metadata = _agents_run_metadata(result)
+    return result.final_output, messages, metadata
+
+
+def _agents_run_messages(result: Any) -> List[Dict[str, Any]]:
+    """The run's input, then its items: reasoning (as the thinking of the next assistant message), tool and
+    handoff calls, their outputs, and message outputs."""
     messages: List[Dict[str, Any]] = []
     first = result.input
     if isinstance(first, str):
@@ -6973,6 +7016,11 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
             if thinking:
                 message["thinking"], thinking = thinking, []
             messages.append(message)
+    return messages
+
+
+def _agents_run_metadata(result: Any) -> Dict[str, Any]:
+    """The tokens of the run's raw responses, and the model of its last agent when it names one."""
     usage = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     metadata: Dict[str, Any] = {
         "total_input_tokens": sum(getattr(u, "input_tokens", 0) or 0 for u in usage if u is not None),
@@ -6984,14 +7032,38 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
         metadata["model"] = model
     elif model is not None and isinstance(getattr(model, "model", None), str):
         metadata["model"] = model.model
-    final = result.final_output
-    return final, messages, metadata
+    return metadata
+
+
+def _assistant_message(text: str, tool_calls: List[Dict[str, Any]], thinking: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A transcript's assistant message: its text (``None`` when empty), then its tool calls and its thinking, each
+    only when there is some."""
+    message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if thinking:
+        message["thinking"] = thinking
+    return message
 
 
 def _is_strands_agent(value: Any) -> bool:
     """A Strands ``Agent`` after a run: its conversation in ``messages`` (Bedrock Converse blocks)."""
     messages = getattr(value, "messages", None)
     return hasattr(value, "tool_registry") and isinstance(messages, list)
+
+
+def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """A Strands ``Agent`` after its run: its Bedrock Converse messages, the tokens its event loop counted and the
+    model its configuration names."""
+    final, messages, metadata = _from_bedrock(list(agent.messages))
+    usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
+    if isinstance(usage, Mapping):
+        metadata = {"total_input_tokens": int(usage.get("inputTokens") or 0),
+                    "total_output_tokens": int(usage.get("outputTokens") or 0), **metadata}
+    model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
+    if isinstance(model_id, str):
+        metadata["model"] = model_id
+    return final, messages, metadata
 
 
 def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
@@ -7001,29 +7073,33 @@ def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
     for item in items:
         blocks = [b for b in item.get("content") or () if isinstance(b, Mapping)]
         text = "".join(str(b["text"]) for b in blocks if isinstance(b.get("text"), str))
-        if item.get("role") == "assistant":
-            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-            uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
-            if uses:
-                message["tool_calls"] = [{"id": u.get("toolUseId"), "name": u.get("name"),
-                                          "arguments": u.get("input") or {}} for u in uses]
-            thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
-                        for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
-            if any(thoughts):
-                message["thinking"] = [{"type": "text", "text": x} for x in thoughts if x]
-            messages.append(message)
-            if text and not uses:
-                final = text
+        if item.get("role") != "assistant":
+            messages += _bedrock_user_turn(blocks, text)
             continue
-        results = [b["toolResult"] for b in blocks if isinstance(b.get("toolResult"), Mapping)]
-        for result in results:
-            parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
-                     for p in result.get("content") or () if isinstance(p, Mapping)]
-            messages.append({"role": "tool", "tool_call_id": result.get("toolUseId"),
-                             "content": "".join(str(p) for p in parts)})
-        if text or not results:
-            messages.append({"role": "user", "content": text})
+        uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
+        thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
+                    for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
+        messages.append(_assistant_message(
+            text, [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}} for u in uses],
+            [{"type": "text", "text": x} for x in thoughts if x]))
+        if text and not uses:
+            final = text
     return final, messages, {}
+
+
+def _bedrock_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
+    """A user turn of Bedrock Converse blocks: each ``toolResult`` a tool message, then the user's text (kept,
+    empty, when there is nothing else)."""
+    messages: List[Dict[str, Any]] = []
+    results = [b["toolResult"] for b in blocks if isinstance(b.get("toolResult"), Mapping)]
+    for result in results:
+        parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
+                 for p in result.get("content") or () if isinstance(p, Mapping)]
+        messages.append({"role": "tool", "tool_call_id": result.get("toolUseId"),
+                         "content": "".join(str(p) for p in parts)})
+    if text or not results:
+        messages.append({"role": "user", "content": text})
+    return messages
 
 
 def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
@@ -7047,68 +7123,75 @@ def _from_anthropic(items: List[Dict[str, Any]]) -> Tuple[Any, List[Dict[str, An
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
             b for b in content if isinstance(b, Mapping)]
         text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
-        if item["role"] == "assistant":
-            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-            uses = [b for b in blocks if b.get("type") == "tool_use"]
-            if uses:
-                message["tool_calls"] = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}}
-                                         for b in uses]
-            thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
-            if thoughts:
-                message["thinking"] = [{"type": "thinking", "text": t} for t in thoughts]
-            messages.append(message)
-            if text and not uses:
-                final = text
-            usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
-            inputs += int(usage.get("input_tokens") or 0)
-            outputs += int(usage.get("output_tokens") or 0)
-            model = item.get("model") or model
+        if item["role"] != "assistant":
+            messages += _anthropic_user_turn(blocks, text)
             continue
-        results = [b for b in blocks if b.get("type") == "tool_result"]
-        for block in results:
-            output = block.get("content")
-            if isinstance(output, list):
-                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-            messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                             "content": _as_tool_output(output)})
-        if text or not results:
-            messages.append({"role": "user", "content": text})
+        uses = [b for b in blocks if b.get("type") == "tool_use"]
+        thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
+        messages.append(_assistant_message(
+            text, [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in uses],
+            [{"type": "thinking", "text": t} for t in thoughts]))
+        if text and not uses:
+            final = text
+        usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
+        inputs += int(usage.get("input_tokens") or 0)
+        outputs += int(usage.get("output_tokens") or 0)
+        model = item.get("model") or model
     metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
     if isinstance(model, str):
         metadata["model"] = model
     return final, messages, metadata
 
 
-def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+def _anthropic_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
+    """A user turn of Anthropic blocks: each ``tool_result`` a tool message, then the user's text (kept, empty,
+    when there is nothing else)."""
     messages: List[Dict[str, Any]] = []
-    roles = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+    results = [b for b in blocks if b.get("type") == "tool_result"]
+    for block in results:
+        output = block.get("content")
+        if isinstance(output, list):
+            output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
+        messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _as_tool_output(output)})
+    if text or not results:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+
+
+def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """LangChain or LangGraph messages (``type`` human, ai, tool or system) as the v1 transcript."""
+    messages: List[Dict[str, Any]] = []
     inputs = outputs = 0
     model = None
     final: Any = ""
     for item in items:
-        role = roles.get(getattr(item, "type", ""), "assistant")
+        role = _LANGCHAIN_ROLES.get(getattr(item, "type", ""), "assistant")
         content = item.content
         text = content if isinstance(content, str) else "".join(
             b.get("text", "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
-        message: Dict[str, Any] = {"role": role, "content": text or None if role == "assistant" else text}
-        if role == "assistant":
-            calls = getattr(item, "tool_calls", None) or []
-            if calls:
-                message["tool_calls"] = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
-                                         for c in calls]
-            thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
-                        and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
-            if thoughts:
-                message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
-            usage = getattr(item, "usage_metadata", None) or {}
-            inputs += int(usage.get("input_tokens") or 0)
-            outputs += int(usage.get("output_tokens") or 0)
-            model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
-            if text and not calls:
-                final = text
-        elif role == "tool":
-            message["tool_call_id"] = getattr(item, "tool_call_id", None)
+        if role != "assistant":
+            message: Dict[str, Any] = {"role": role, "content": text}
+            if role == "tool":
+                message["tool_call_id"] = getattr(item, "tool_call_id", None)
+            messages.append(message)
+            continue
+        calls = getattr(item, "tool_calls", None) or []
+        thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
+                    and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
+        message = _assistant_message(
+            text, [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}} for c in calls], [])
+        if thoughts:  # reasoning blocks, even empty ones only: then an empty list
+            message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
         messages.append(message)
+        usage = getattr(item, "usage_metadata", None) or {}
+        inputs += int(usage.get("input_tokens") or 0)
+        outputs += int(usage.get("output_tokens") or 0)
+        model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
+        if text and not calls:
+            final = text
     metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
     if model:
         metadata["model"] = model
