@@ -7076,15 +7076,21 @@ def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
         if item.get("role") != "assistant":
             messages += _bedrock_user_turn(blocks, text)
             continue
-        uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
-        thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
-                    for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
-        messages.append(_assistant_message(
-            text, [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}} for u in uses],
-            [{"type": "text", "text": x} for x in thoughts if x]))
-        if text and not uses:
+        message = _bedrock_assistant(blocks, text)
+        messages.append(message)
+        if text and "tool_calls" not in message:
             final = text
     return final, messages, {}
+
+
+def _bedrock_assistant(blocks: Sequence[Mapping[str, Any]], text: str) -> Dict[str, Any]:
+    """An assistant turn of Bedrock Converse blocks: its text, ``toolUse`` blocks and ``reasoningContent``."""
+    uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
+    thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
+                for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
+    return _assistant_message(
+        text, [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}} for u in uses],
+        [{"type": "text", "text": x} for x in thoughts if x])
 
 
 def _bedrock_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
@@ -7126,12 +7132,9 @@ def _from_anthropic(items: List[Dict[str, Any]]) -> Tuple[Any, List[Dict[str, An
         if item["role"] != "assistant":
             messages += _anthropic_user_turn(blocks, text)
             continue
-        uses = [b for b in blocks if b.get("type") == "tool_use"]
-        thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
-        messages.append(_assistant_message(
-            text, [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in uses],
-            [{"type": "thinking", "text": t} for t in thoughts]))
-        if text and not uses:
+        message = _anthropic_assistant(blocks, text)
+        messages.append(message)
+        if text and "tool_calls" not in message:
             final = text
         usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
         inputs += int(usage.get("input_tokens") or 0)
@@ -7141,6 +7144,15 @@ def _from_anthropic(items: List[Dict[str, Any]]) -> Tuple[Any, List[Dict[str, An
     if isinstance(model, str):
         metadata["model"] = model
     return final, messages, metadata
+
+
+def _anthropic_assistant(blocks: Sequence[Mapping[str, Any]], text: str) -> Dict[str, Any]:
+    """An assistant turn of Anthropic blocks: its text, ``tool_use`` and ``thinking`` blocks."""
+    uses = [b for b in blocks if b.get("type") == "tool_use"]
+    thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
+    return _assistant_message(
+        text, [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in uses],
+        [{"type": "thinking", "text": t} for t in thoughts])
 
 
 def _anthropic_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
@@ -7178,24 +7190,30 @@ def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[s
                 message["tool_call_id"] = getattr(item, "tool_call_id", None)
             messages.append(message)
             continue
-        calls = getattr(item, "tool_calls", None) or []
-        thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
-                    and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
-        message = _assistant_message(
-            text, [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}} for c in calls], [])
-        if thoughts:  # reasoning blocks, even empty ones only: then an empty list
-            message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
+        message = _langchain_assistant(item, content, text)
         messages.append(message)
         usage = getattr(item, "usage_metadata", None) or {}
         inputs += int(usage.get("input_tokens") or 0)
         outputs += int(usage.get("output_tokens") or 0)
         model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
-        if text and not calls:
+        if text and "tool_calls" not in message:
             final = text
     metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
     if model:
         metadata["model"] = model
     return final, messages, metadata
+
+
+def _langchain_assistant(item: Any, content: Any, text: str) -> Dict[str, Any]:
+    """An AI message: its text, ``tool_calls``, and the thinking or reasoning blocks of a list content."""
+    calls = getattr(item, "tool_calls", None) or []
+    thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
+                and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
+    message = _assistant_message(
+        text, [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}} for c in calls], [])
+    if thoughts:  # reasoning blocks, even empty ones only: then an empty list
+        message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
+    return message
 
 
 # ---------------------------------------------------------------------------
