@@ -7598,15 +7598,8 @@ def _prog_name() -> str:
 
 
 def _parser(prog: Optional[str] = None) -> Any:
+    """The command line's parser: ``serve`` and ``mcp``."""
     argparse = _argparse()
-
-    class RefuseTokenFlag(argparse.Action):  # type: ignore[misc,name-defined]
-        """``--token VALUE``: refused without echoing VALUE, which would be the agent token itself."""
-
-        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-            parser.error("--token is not accepted: the agent token is read from an environment variable, so it never "
-                         "shows in a process list or a log: set AGENT_TOKEN, or name another with --token-env NAME")
-
     # allow_abbrev=False: a prefix must not stand for an option (`--token SECRET` read as `--token-env SECRET`
     # would print the secret as a variable name).
     parser = argparse.ArgumentParser(
@@ -7616,21 +7609,50 @@ def _parser(prog: Optional[str] = None) -> Any:
     )
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_command(commands, argparse)
+    _add_mcp_command(commands)
+    return parser
+
+
+def _add_serve_command(commands: Any, argparse: Any) -> None:
     serve_ = commands.add_parser(
         "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
         description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.",
     )
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
+    _add_endpoint_options(serve_, argparse)
+    _add_server_options(serve_)
+    _add_reply_options(serve_)
+    serve_.set_defaults(run=_cmd_serve)
+
+
+def _add_endpoint_options(serve_: Any, argparse: Any) -> None:
+    """Where ``serve`` listens and how it checks the credential (§2 step 1)."""
     serve_.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve_.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
     serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
     serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
                         help="environment variable holding the agent token (default AGENT_TOKEN)")
-    serve_.add_argument("--token", action=RefuseTokenFlag, help=argparse.SUPPRESS)
+    serve_.add_argument("--token", action=_refuse_token_flag(argparse), help=argparse.SUPPRESS)
     serve_.add_argument("--auth-header", default="Authorization", metavar="NAME",
                         help="header carrying it: Authorization (Bearer <token>) or a custom name with the raw value")
     serve_.add_argument("--no-auth", action="store_true", help="disable inbound auth (anyone can dispatch)")
+
+
+def _refuse_token_flag(argparse: Any) -> type:
+    """The action of ``--token VALUE``: refused without echoing VALUE, which would be the agent token itself."""
+
+    class RefuseTokenFlag(argparse.Action):  # type: ignore[misc]
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+            parser.error("--token is not accepted: the agent token is read from an environment variable, so it never "
+                         "shows in a process list or a log: set AGENT_TOKEN, or name another with --token-env NAME")
+
+    return RefuseTokenFlag
+
+
+def _add_server_options(serve_: Any) -> None:
+    """The limits ``serve`` holds requests to, and the server that holds them."""
     serve_.add_argument("--max-body", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                         help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
     serve_.add_argument("--timeout", type=_positive_float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
@@ -7649,6 +7671,11 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
                         help="open connections beyond this get 503 (default: from the open-file limit; asyncio "
                              "server)")
+
+
+def _add_reply_options(serve_: Any) -> None:
+    """What ``serve`` answers and allows (strictness, proxy hosts, the tools schema), what it logs, and how often
+    it collects garbage."""
     serve_.add_argument("--strict", action="store_true",
                         help="refuse (500) a response the platform would only soften or drop parts of, instead of "
                              f"sending what it grades (also: {ENV_STRICT}=1)")
@@ -7666,8 +7693,9 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.add_argument("--gc-threshold", type=_non_negative_int, default=SERVE_GC_THRESHOLD, metavar="N",
                         help=f"collect garbage every N allocations, not 700, after freezing what is loaded "
                              f"(default {SERVE_GC_THRESHOLD}; 0 leaves Python's collector as it is)")
-    serve_.set_defaults(run=_cmd_serve)
 
+
+def _add_mcp_command(commands: Any) -> None:
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
         description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
@@ -7676,7 +7704,6 @@ def _parser(prog: Optional[str] = None) -> Any:
     )
     mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
     mcp_.set_defaults(run=_cmd_mcp)
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) -> int:
