@@ -11,10 +11,48 @@ The file has three parts, each opening with what it may and may not do:
    parsing, inbound decisions (``decide``), request encoding, reply
    interpretation, the retry decision, response building and validation.
    No sockets, threads, environment reads or logging.  A porter reads this part alone.
-2. THE PYTHON RUNTIME: context binding, transport and connection pool,
-   ``ProxyClient``, ``DispatchApp`` (runs the agent, probes the proxy), the
-   server adapters (http.server, WSGI, ASGI), code mode, the command line.
-3. CONVENIENCES: agent-loop helpers, tools from code, the MCP shim.
+2. THE PYTHON RUNTIME: the speed paths (part 1's rules computed faster, each
+   held to them by a test), context binding, the two transports (blocking and
+   asyncio) and their retry loop, ``ProxyClient``, ``DispatchApp`` (runs the
+   agent, probes the proxy), the servers (asyncio, http.server, WSGI, ASGI),
+   code mode.
+3. CONVENIENCES: agent-loop helpers, tools from code, framework bridges, the
+   MCP shim; last, the command line (``serve``, ``mcp``).
+
+Map: each part and section at the line it starts on (tests/test_repo.py keeps
+the numbers true)::
+
+      256  PART 1 - THE CONTRACT
+      277    Constants: the contract's names and numbers
+      350    Errors
+      556    Frozen data: read-only JSON containers that still serialise as JSON
+      623    Envelope (§2 dispatch, §5 code mode)
+     1177    Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope
+     1629    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+     1788    Reply interpretation (§3.2, §3.3) and the retry decision
+     2019    Response envelope (§4): building and validation
+     2592    HTTP replies of a dispatch endpoint: JSON bodies, one error path
+     2658  PART 2 - THE PYTHON RUNTIME
+     2704    Speed paths: what part 1 computes, computed faster in Python
+     2823    Context binding: the envelope of the dispatch running in this context
+     2868    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
+     3206    The deadline wheel: the asyncio driver's and server's timeouts
+     3300    Transport, asyncio: replies read as they arrive, connections pooled per loop
+     3767    The retry loop of both drivers (RetryState.step decides), and what they share
+     3925    Proxy client (§3): tool calls, trace events, actors
+     4488    Running agents: a fresh thread per run, an optional deadline
+     4740    The dispatch app (§2): decide(), then probe the proxy or run the agent
+     5123    Server adapters: the built-in servers' settings; WSGI and ASGI
+     5230    The http.server server: a thread per connection, its classes built on first use
+     5533    The asyncio server: one event loop, a protocol per connection
+     5956    Starting a server: make_server, start_server, serve (signals and the drain)
+     6058    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     6185  PART 3 - CONVENIENCES
+     6198    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
+     6442    Tools from code: JSON Schema from a function's signature
+     6772    Framework bridges (the porting guide's steps 1 and 2)
+     7281    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     7478    Command line: serve, mcp
 
 Quick look::
 
@@ -1638,7 +1676,8 @@ def validate_actor_label(label: Any) -> Optional[str]:
     return cast(str, label)
 
 
-# Made once: json.dumps with options builds an encoder per call.  An encoder keeps no state between calls.
+# The JSON this part writes: compact, non-ASCII characters as they are; the strict one (request bodies) refuses
+# NaN and infinities.  Made once: json.dumps with options builds an encoder per call, and one keeps no state.
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -2618,11 +2657,11 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with Python's standard library: the
-#   envelope bound per dispatch (ContextVars), keep-alive connections and
-#   the retry loop, the proxy client, the dispatch app that runs the agent,
-#   the server adapters (http.server, WSGI, ASGI), code mode and the command
-#   line.  This is where sockets, threads, the environment and the log live;
+#   Carries out part 1's decisions with Python's standard library: part 1's
+#   speed paths, the envelope bound per dispatch (ContextVars), keep-alive
+#   connections and the retry loop, the proxy client, the dispatch app that
+#   runs the agent, the servers (asyncio, http.server, WSGI, ASGI) and code
+#   mode.  This is where sockets, threads, the environment and the log live;
 #   every protocol decision is delegated to part 1.  Global state is limited
 #   to ContextVars and the lazily built, lock-guarded singletons below.
 #
@@ -2826,7 +2865,7 @@ def current_envelope() -> Envelope:
     )
 
 # ---------------------------------------------------------------------------
-# Transport: keep-alive connections, a whole-reply deadline, the retry loop
+# Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
 # ---------------------------------------------------------------------------
 
 def _env_float(name: str, default: float) -> float:
@@ -3163,6 +3202,11 @@ class _Transport:
         return status, reply_headers, reply
 
 
+# ---------------------------------------------------------------------------
+# The deadline wheel: the asyncio driver's and server's timeouts, one timer per
+# 0.25 s tick for the far ones
+# ---------------------------------------------------------------------------
+
 class _Deadline:
     """One timeout of :class:`_Deadlines`: ``cancel()`` and ``when()``, as an asyncio ``TimerHandle`` has."""
 
@@ -3251,6 +3295,10 @@ class _Deadlines:
         for deadline in self._ticks.pop(tick, ()):
             self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops none of the others
 
+
+# ---------------------------------------------------------------------------
+# Transport, asyncio: replies read as they arrive, connections pooled per loop
+# ---------------------------------------------------------------------------
 
 class _ReplyReader:
     """One HTTP/1.1 reply, read from bytes as they arrive (sans-IO): the asyncio driver's parser.
@@ -3714,6 +3762,10 @@ def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, he
     fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     return head + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
+
+# ---------------------------------------------------------------------------
+# The retry loop of both drivers (RetryState.step decides), and what they share
+# ---------------------------------------------------------------------------
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
 
@@ -5068,9 +5120,16 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# Server adapters: WSGI, ASGI and http.server, each a thin layer over
-# DispatchApp.handle (read the body request_body_length allows, answer)
+# Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin
+# layer over DispatchApp (read the body request_body_length allows, decide, answer)
 # ---------------------------------------------------------------------------
+
+DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_GRACE_S = 30.0
+DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, so a reused connection is still open
+# serve()'s first-generation GC threshold (CPython's is 700).  A fan-out keeps thousands of dispatches alive for
+# seconds; at 700 the collector rescans them hundreds of times (2,000 at once: a quarter of the server's CPU).
+SERVE_GC_THRESHOLD = 50_000
 
 
 def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
@@ -5167,13 +5226,9 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
     await send({"type": "http.response.body", "body": reply.body})
 
 
-DEFAULT_READ_TIMEOUT_S = 30.0
-DEFAULT_GRACE_S = 30.0
-DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, so a reused connection is still open
-# serve()'s first-generation GC threshold (CPython's is 700).  A fan-out keeps thousands of dispatches alive for
-# seconds; at 700 the collector rescans them hundreds of times (2,000 at once: a quarter of the server's CPU).
-SERVE_GC_THRESHOLD = 50_000
-
+# ---------------------------------------------------------------------------
+# The http.server server: a thread per connection, its classes built on first use
+# ---------------------------------------------------------------------------
 
 if TYPE_CHECKING:
     from http.server import BaseHTTPRequestHandler as _HandlerBase
@@ -5474,7 +5529,9 @@ def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
     return f"run {_short(str(run_id), 40)}" if run_id is not None else "a request"
 
 
-
+# ---------------------------------------------------------------------------
+# The asyncio server: one event loop, a protocol per connection
+# ---------------------------------------------------------------------------
 
 def default_max_connections() -> int:
     """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
@@ -5895,6 +5952,10 @@ class AsyncDispatchServer:
         return finished
 
 
+# ---------------------------------------------------------------------------
+# Starting a server: make_server, start_server, serve (signals and the drain)
+# ---------------------------------------------------------------------------
+
 def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
     if isinstance(agent, DispatchApp):
         if options:
@@ -6126,11 +6187,11 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 #   Helpers for writing the agent itself, built on parts 1 and 2 and needed
 #   by neither: agent-loop helpers (tool formats, concurrent tool calls,
 #   bounded output, a retrying JSON client for model APIs), tools from code
-#   (JSON Schema from type hints), and the MCP shim.  The dispatch app uses
-#   only ``convert_tools`` / ``load_tools_schema`` from here.
+#   (JSON Schema from type hints), framework bridges and the MCP shim; last,
+#   the command line (``serve``, ``mcp``), which uses all three parts.  The
+#   dispatch app uses only ``convert_tools`` / ``load_tools_schema`` from here.
 #
 # ###########################################################################
-
 
 
 # ---------------------------------------------------------------------------
