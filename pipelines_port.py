@@ -43,16 +43,16 @@ the numbers true)::
      4488    Running agents: a fresh thread per run, an optional deadline
      4740    The dispatch app (§2): decide(), then probe the proxy or run the agent
      5123    Server adapters: the built-in servers' settings; WSGI and ASGI
-     5230    The http.server server: a thread per connection, its classes built on first use
-     5533    The asyncio server: one event loop, a protocol per connection
-     5956    Starting a server: make_server, start_server, serve (signals and the drain)
-     6058    Code mode (§5): one agent function, the sandbox's run() entrypoint
-     6185  PART 3 - CONVENIENCES
-     6198    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
-     6442    Tools from code: JSON Schema from a function's signature
-     6772    Framework bridges (the porting guide's steps 1 and 2)
-     7281    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-     7478    Command line: serve, mcp
+     5237    The http.server server: a thread per connection, its classes built on first use
+     5538    The asyncio server: one event loop, a protocol per connection
+     5959    Starting a server: make_server, start_server, serve (signals and the drain)
+     6061    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     6188  PART 3 - CONVENIENCES
+     6201    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
+     6445    Tools from code: JSON Schema from a function's signature
+     6775    Framework bridges (the porting guide's steps 1 and 2)
+     7284    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     7481    Command line: serve, mcp
 
 Quick look::
 
@@ -5144,6 +5144,13 @@ def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
     return b"".join(chunks)
 
 
+def _server_url(address: Tuple[Any, ...], path: str) -> str:
+    """The URL of a listening server's dispatch path, an IPv6 host in brackets."""
+    host, port = str(address[0]), address[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}"
+
+
 @functools.lru_cache(maxsize=64)
 def _reason(status: int) -> str:
     """The reason phrase for ``status`` (``Unknown`` for codes outside the registry)."""
@@ -5259,9 +5266,7 @@ class _DrainingServer(_ServerBase):
 
     @property
     def url(self) -> str:
-        host, port = str(self.server_address[0]), self.server_address[1]
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}{self.app.path}"
+        return _server_url(self.server_address, self.app.path)
 
     @property
     def in_flight(self) -> int:
@@ -5859,9 +5864,7 @@ class AsyncDispatchServer:
 
     @property
     def url(self) -> str:
-        host, port = str(self.server_address[0]), self.server_address[1]
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}{self.app.path}"
+        return _server_url(self.server_address, self.app.path)
 
     @property
     def in_flight(self) -> int:
