@@ -48,7 +48,10 @@ fn expand(value: Value) -> Value {
 }
 
 fn load(name: &str) -> VectorFile {
-    let path = format!("{}/../../checker/vectors/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/../../checker/vectors/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let doc = expand(decode(&std::fs::read(&path).unwrap()).unwrap());
     VectorFile {
         run_token: doc["run_token"].as_str().unwrap_or_default().to_string(),
