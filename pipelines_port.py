@@ -28,31 +28,31 @@ the numbers true)::
       556    Frozen data: read-only JSON containers that still serialise as JSON
       623    Envelope (§2 dispatch, §5 code mode)
      1177    Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope
-     1629    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
-     1788    Reply interpretation (§3.2, §3.3) and the retry decision
-     2019    Response envelope (§4): building and validation
-     2592    HTTP replies of a dispatch endpoint: JSON bodies, one error path
-     2658  PART 2 - THE PYTHON RUNTIME
-     2704    Speed paths: what part 1 computes, computed faster in Python
-     2823    Context binding: the envelope of the dispatch running in this context
-     2868    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
-     3206    The deadline wheel: the asyncio driver's and server's timeouts
-     3300    Transport, asyncio: replies read as they arrive, connections pooled per loop
-     3767    The retry loop of both drivers (RetryState.step decides), and what they share
-     3925    Proxy client (§3): tool calls, trace events, actors
-     4488    Running agents: a fresh thread per run, an optional deadline
-     4740    The dispatch app (§2): decide(), then probe the proxy or run the agent
-     5123    Server adapters: the built-in servers' settings; WSGI and ASGI
-     5237    The http.server server: a thread per connection, its classes built on first use
-     5538    The asyncio server: one event loop, a protocol per connection
-     5959    Starting a server: make_server, start_server, serve (signals and the drain)
-     6061    Code mode (§5): one agent function, the sandbox's run() entrypoint
-     6188  PART 3 - CONVENIENCES
-     6201    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
-     6445    Tools from code: JSON Schema from a function's signature
-     6775    Framework bridges (the porting guide's steps 1 and 2)
-     7284    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-     7481    Command line: serve, mcp
+     1631    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+     1790    Reply interpretation (§3.2, §3.3) and the retry decision
+     2021    Response envelope (§4): building and validation
+     2594    HTTP replies of a dispatch endpoint: JSON bodies, one error path
+     2660  PART 2 - THE PYTHON RUNTIME
+     2706    Speed paths: what part 1 computes, computed faster in Python
+     2825    Context binding: the envelope of the dispatch running in this context
+     2870    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
+     3208    The deadline wheel: the asyncio driver's and server's timeouts
+     3302    Transport, asyncio: replies read as they arrive, connections pooled per loop
+     3769    The retry loop of both drivers (RetryState.step decides), and what they share
+     3927    Proxy client (§3): tool calls, trace events, actors
+     4490    Running agents: a fresh thread per run, an optional deadline
+     4742    The dispatch app (§2): decide(), then probe the proxy or run the agent
+     5125    Server adapters: the built-in servers' settings; WSGI and ASGI
+     5239    The http.server server: a thread per connection, its classes built on first use
+     5540    The asyncio server: one event loop, a protocol per connection
+     5961    Starting a server: make_server, start_server, serve (signals and the drain)
+     6063    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     6190  PART 3 - CONVENIENCES
+     6203    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
+     6447    Tools from code: JSON Schema from a function's signature
+     6777    Framework bridges (the porting guide's steps 1 and 2)
+     7286    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     7483    Command line: serve, mcp
 
 Quick look::
 
@@ -1259,10 +1259,12 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
 MAX_REQUEST_LINE_BYTES = 8 << 10
 MAX_REQUEST_HEAD_BYTES = 64 << 10
 MAX_REQUEST_FIELDS = 100
-_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_FIELD_VALUE_BAD_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB
-_TARGET_BAD_RE = re.compile(rb"[\x00-\x20\x7f-\xff]")
-_VERSION_RE = re.compile(rb"HTTP/([0-9])\.([0-9])")
+# RFC 9112's pieces, as patterns re compiles on first use and keeps: only a head the servers' fast path declines
+# is read with them, so most processes never compile them.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_FIELD_VALUE_BAD = rb"[\x00-\x08\x0a-\x1f\x7f]"  # control characters but HTAB
+_TARGET_BAD = rb"[\x00-\x20\x7f-\xff]"
+_VERSION = rb"HTTP/([0-9])\.([0-9])"
 
 
 class RequestHead(NamedTuple):
@@ -1323,10 +1325,10 @@ def _head_lines(head: bytes) -> List[bytes]:
 def _request_line(line: bytes) -> Tuple[str, str, str]:
     """``(method, target, version)``: a token, a target and ``HTTP/1.x``, single spaces between (RFC 9112 §3)."""
     parts = line.split(b" ")
-    if len(parts) != 3 or not _TOKEN_RE.fullmatch(parts[0]) or not parts[1] or _TARGET_BAD_RE.search(parts[1]):
+    if len(parts) != 3 or not re.fullmatch(_TOKEN, parts[0]) or not parts[1] or re.search(_TARGET_BAD, parts[1]):
         raise FramingError(f"malformed request line {_short(repr(line), 100)}: expected "
                            "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
-    version = _VERSION_RE.fullmatch(parts[2])
+    version = re.fullmatch(_VERSION, parts[2])
     if version is None:
         raise FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)}: expected HTTP/1.1 (RFC 9112 §2.3)")
     if version.group(1) != b"1":
@@ -1344,11 +1346,11 @@ def _header_field(line: bytes) -> Tuple[str, str]:
     name, colon, value = line.partition(b":")
     if not colon:
         raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
-    if not _TOKEN_RE.fullmatch(name):
+    if not re.fullmatch(_TOKEN, name):
         raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
                            "colon (RFC 9112 §5.1)")
     value = value.strip(b" \t")
-    if _FIELD_VALUE_BAD_RE.search(value):
+    if re.search(_FIELD_VALUE_BAD, value):
         raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
     return name.decode("ascii"), value.decode("latin-1")
 
