@@ -11,10 +11,48 @@ The file has three parts, each opening with what it may and may not do:
    parsing, inbound decisions (``decide``), request encoding, reply
    interpretation, the retry decision, response building and validation.
    No sockets, threads, environment reads or logging.  A porter reads this part alone.
-2. THE PYTHON RUNTIME: context binding, transport and connection pool,
-   ``ProxyClient``, ``DispatchApp`` (runs the agent, probes the proxy), the
-   server adapters (http.server, WSGI, ASGI), code mode, the command line.
-3. CONVENIENCES: agent-loop helpers, tools from code, the MCP shim.
+2. THE PYTHON RUNTIME: the speed paths (part 1's rules computed faster, each
+   held to them by a test), context binding, the two transports (blocking and
+   asyncio) and their retry loop, ``ProxyClient``, ``DispatchApp`` (runs the
+   agent, probes the proxy), the servers (asyncio, http.server, WSGI, ASGI),
+   code mode.
+3. CONVENIENCES: agent-loop helpers, tools from code, framework bridges, the
+   MCP shim; last, the command line (``serve``, ``mcp``).
+
+Map: each part and section at the line it starts on (tests/test_repo.py keeps
+the numbers true)::
+
+      256  PART 1 - THE CONTRACT
+      277    Constants: the contract's names and numbers
+      350    Errors
+      556    Frozen data: read-only JSON containers that still serialise as JSON
+      623    Envelope (§2 dispatch, §5 code mode)
+     1177    Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope
+     1631    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+     1790    Reply interpretation (§3.2, §3.3) and the retry decision
+     2021    Response envelope (§4): building and validation
+     2594    HTTP replies of a dispatch endpoint: JSON bodies, one error path
+     2660  PART 2 - THE PYTHON RUNTIME
+     2706    Speed paths: what part 1 computes, computed faster in Python
+     2825    Context binding: the envelope of the dispatch running in this context
+     2870    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
+     3208    The deadline wheel: the asyncio driver's and server's timeouts
+     3302    Transport, asyncio: replies read as they arrive, connections pooled per loop
+     3769    The retry loop of both drivers (RetryState.step decides), and what they share
+     3927    Proxy client (§3): tool calls, trace events, actors
+     4490    Running agents: a fresh thread per run, an optional deadline
+     4742    The dispatch app (§2): decide(), then probe the proxy or run the agent
+     5125    Server adapters: the built-in servers' settings; WSGI and ASGI
+     5239    The http.server server: a thread per connection, its classes built on first use
+     5540    The asyncio server: one event loop, a protocol per connection
+     5961    Starting a server: make_server, start_server, serve (signals and the drain)
+     6063    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     6190  PART 3 - CONVENIENCES
+     6203    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
+     6447    Tools from code: JSON Schema from a function's signature
+     6777    Framework bridges (the porting guide's steps 1 and 2)
+     7286    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     7483    Command line: serve, mcp
 
 Quick look::
 
@@ -67,6 +105,7 @@ from typing import (
     Sequence,
     Set,
     Tuple,
+    Type,
     TypeVar,
     Union,
     cast,
@@ -225,6 +264,10 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #   read there and nowhere else), no logging.  Everything here takes its
 #   inputs as arguments and returns values or raises one of the errors below,
 #   so a TypeScript, Go or Rust port can translate it function by function.
+#   What only makes Python faster lives in part 2 ("Speed paths"); three of
+#   its names are called here, each meaning what a port's own library gives:
+#   ``_json_from_bytes`` (json.loads), ``_idempotency_key`` (a fresh version-4
+#   UUID as text) and ``_int_limit`` (10 ** MAX_INT_DIGITS).
 #
 # ###########################################################################
 
@@ -1216,10 +1259,12 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
 MAX_REQUEST_LINE_BYTES = 8 << 10
 MAX_REQUEST_HEAD_BYTES = 64 << 10
 MAX_REQUEST_FIELDS = 100
-_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_FIELD_VALUE_BAD_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but HTAB
-_TARGET_BAD_RE = re.compile(rb"[\x00-\x20\x7f-\xff]")
-_VERSION_RE = re.compile(rb"HTTP/([0-9])\.([0-9])")
+# RFC 9112's pieces, as patterns re compiles on first use and keeps: only a head the servers' fast path declines
+# is read with them, so most processes never compile them.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_FIELD_VALUE_BAD = rb"[\x00-\x08\x0a-\x1f\x7f]"  # control characters but HTAB
+_TARGET_BAD = rb"[\x00-\x20\x7f-\xff]"
+_VERSION = rb"HTTP/([0-9])\.([0-9])"
 
 
 class RequestHead(NamedTuple):
@@ -1240,46 +1285,6 @@ def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
     return [v for k, v in headers if k.lower() == name]
 
 
-# One pass per line for the common, well-formed head; any line it does not match goes to the full reading,
-# which names the problem.  The value class excludes CR, LF and every control character but HTAB, so a
-# match also means no bare CR or LF; a name that is a token right before the colon means no folding.
-_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
-_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
-
-
-def _well_formed_head(head: bytes) -> Optional[RequestHead]:
-    """:func:`parse_request_head` of a head with nothing unusual in it, or ``None`` to read it in full."""
-    if len(head) > MAX_REQUEST_LINE_BYTES or head.startswith(b"\r\n"):
-        return None
-    lines = head.split(b"\r\n")
-    if len(lines) - 1 > MAX_REQUEST_FIELDS:
-        return None
-    request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if request is None:
-        return None
-    headers: List[Tuple[str, str]] = []
-    hosts = lengths = 0
-    for line in lines[1:]:
-        field = _FIELD_LINE_RE.fullmatch(line)
-        if field is None:
-            return None
-        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
-        lowered = name.lower()
-        if lowered == "host":
-            hosts += 1
-        elif lowered == "content-length":
-            lengths += 1
-            if not (value.isascii() and value.isdigit()):
-                return None
-        elif lowered == "transfer-encoding":
-            return None
-        headers.append((name, value))
-    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"
-    if (version == "HTTP/1.1" and hosts != 1) or lengths > 1:  # framing the full reading decides
-        return None
-    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
-
-
 def parse_request_head(head: bytes) -> RequestHead:
     """Read a request's head strictly (RFC 9112): the bytes before the empty line that ends it.
 
@@ -1288,15 +1293,18 @@ def parse_request_head(head: bytes) -> RequestHead:
     400), no line folding, no control character in a value, one Host (HTTP/1.1), a Content-Length that is
     one decimal number, and not both Content-Length and Transfer-Encoding.  Empty lines before the request
     line are skipped (§2.2).  Raises :class:`FramingError` (400), :class:`TargetTooLongError` (414),
-    :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505).
+    :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505), naming the problem.
     """
-    well_formed = _well_formed_head(head)
-    return well_formed if well_formed is not None else _read_head_in_full(head)
+    lines = _head_lines(head)
+    method, target, version = _request_line(lines[0])
+    headers = [_header_field(line) for line in lines[1:]]
+    _check_framing(version, headers)
+    return RequestHead(method, target, version, headers)
 
 
-def _read_head_in_full(head: bytes) -> RequestHead:
-    """:func:`parse_request_head` line by line, each check on its own: the result, or the error naming the
-    problem.  (:func:`_well_formed_head` is its fast path: same result or ``None``.)"""
+def _head_lines(head: bytes) -> List[bytes]:
+    """The head's lines, empty ones before the request line skipped: within the size limits, and each one
+    ending in CRLF (no bare CR or LF inside a line)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     line_end = head.find(b"\r\n")
@@ -1311,43 +1319,55 @@ def _read_head_in_full(head: bytes) -> RequestHead:
         if b"\r" in line or b"\n" in line:
             where = "the request line" if number == 0 else f"header line {number}"
             raise FramingError(f"{where} has a bare CR or LF: every line must end in CRLF (RFC 9112 §2.2)")
-    request_line = lines[0]
-    parts = request_line.split(b" ")
-    if len(parts) != 3 or not _TOKEN_RE.fullmatch(parts[0]) or not parts[1] or _TARGET_BAD_RE.search(parts[1]):
-        raise FramingError(f"malformed request line {_short(repr(request_line), 100)}: expected "
+    return lines
+
+
+def _request_line(line: bytes) -> Tuple[str, str, str]:
+    """``(method, target, version)``: a token, a target and ``HTTP/1.x``, single spaces between (RFC 9112 §3)."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or not re.fullmatch(_TOKEN, parts[0]) or not parts[1] or re.search(_TARGET_BAD, parts[1]):
+        raise FramingError(f"malformed request line {_short(repr(line), 100)}: expected "
                            "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
-    version = _VERSION_RE.fullmatch(parts[2])
+    version = re.fullmatch(_VERSION, parts[2])
     if version is None:
         raise FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)}: expected HTTP/1.1 (RFC 9112 §2.3)")
     if version.group(1) != b"1":
         raise VersionNotSupportedError(f"HTTP/{version.group(1).decode()}.{version.group(2).decode()} is not "
                                        "supported here: send HTTP/1.1")
-    headers: List[Tuple[str, str]] = []
-    for line in lines[1:]:
-        if line[:1] in (b" ", b"\t"):
-            raise FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
-        name, colon, value = line.partition(b":")
-        if not colon:
-            raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
-        if not _TOKEN_RE.fullmatch(name):
-            raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
-                               "colon (RFC 9112 §5.1)")
-        value = value.strip(b" \t")
-        if _FIELD_VALUE_BAD_RE.search(value):
-            raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
-        headers.append((name.decode("ascii"), value.decode("latin-1")))
     http_version = "HTTP/1.0" if version.group(2) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
-    if http_version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
+    return parts[0].decode("ascii"), parts[1].decode("ascii"), http_version
+
+
+def _header_field(line: bytes) -> Tuple[str, str]:
+    """One header line as ``(name, value)``: a token right before the colon, no folding, no control character
+    in the value (RFC 9112 §5, RFC 9110 §5.5); the value without the whitespace around it."""
+    if line[:1] in (b" ", b"\t"):
+        raise FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
+    name, colon, value = line.partition(b":")
+    if not colon:
+        raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
+    if not re.fullmatch(_TOKEN, name):
+        raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
+                           "colon (RFC 9112 §5.1)")
+    value = value.strip(b" \t")
+    if re.search(_FIELD_VALUE_BAD, value):
+        raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
+    return name.decode("ascii"), value.decode("latin-1")
+
+
+def _check_framing(version: str, headers: Sequence[Tuple[str, str]]) -> None:
+    """Where the request ends must be certain: one Host (HTTP/1.1), a Content-Length that is one decimal number,
+    and Transfer-Encoding neither beside a Content-Length nor on HTTP/1.0 (RFC 9112 §3.2, §6)."""
+    if version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     lengths = [v.strip() for value in _all_values(headers, "content-length") for v in value.split(",")]
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
     codings = _all_values(headers, "transfer-encoding")
-    if codings and (lengths or http_version == "HTTP/1.0"):
+    if codings and (lengths or version == "HTTP/1.0"):
         raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be "
                            "HTTP/1.0 (RFC 9112 §6.1)")
-    return RequestHead(parts[0].decode("ascii"), parts[1].decode("ascii"), http_version, headers)
 
 
 class Endpoint(NamedTuple):
@@ -1414,6 +1434,34 @@ def decide(
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
+    path = _route(endpoint, method, target)
+    if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
+        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
+    if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
+        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
+    if not endpoint.no_auth:
+        _authenticate(endpoint, headers, expected_token)
+    data = _framed_body(endpoint, headers, body)
+    try:
+        payload = _json_from_bytes(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
+    if is_ping(payload):
+        json.loads(data, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
+        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
+    if not isinstance(payload, dict):
+        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
+    if payload.get("connectivity_check") is True:
+        proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
+        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
+    envelope = Envelope.from_dispatch(payload, headers)
+    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
+    return Decision("run", envelope=envelope, what="dispatch")
+
+
+def _route(endpoint: Endpoint, method: str, target: str) -> str:
+    """The request's path, once its method is known (501 otherwise) and routed there: 404 for no route, 405 for
+    a method the path does not take."""
     if method not in HTTP_METHODS:
         raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
     path = urlsplit(target).path.rstrip("/") or "/"
@@ -1422,20 +1470,27 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
-        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
-    if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
-        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
-    if not endpoint.no_auth:
-        if not (expected_token or "").strip():
-            raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
-                                     f"{endpoint.token_env}, which is not set")
-        if _repeated(headers, endpoint.auth_header.lower()):
-            raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
-                            bearer=endpoint.auth_header.lower() == "authorization")
-        if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
-            raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
-                            bearer=endpoint.auth_header.lower() == "authorization")
+    return path
+
+
+def _authenticate(endpoint: Endpoint, headers: Mapping[str, str], expected_token: Optional[str]) -> None:
+    """§2 step 1: 503 when the agent token's variable is unset; 401 when the credential is sent twice, missing or
+    wrong."""
+    if not (expected_token or "").strip():
+        raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
+                                 f"{endpoint.token_env}, which is not set")
+    if _repeated(headers, endpoint.auth_header.lower()):
+        raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
+                        bearer=endpoint.auth_header.lower() == "authorization")
+    if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
+        raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
+                        bearer=endpoint.auth_header.lower() == "authorization")
+
+
+def _framed_body(endpoint: Endpoint, headers: Mapping[str, str], body: Optional[bytes]) -> bytes:
+    """The body, framed by one Content-Length within the cap and read whole: 411 for a chunked body or none
+    declared, 501 for another Transfer-Encoding, 413 over the cap, 400 for lengths that disagree, an unreadable
+    one or a truncated body (kit-body-framing)."""
     coding = headers.get("transfer-encoding")
     if coding is not None:
         if coding.strip().lower() == "chunked":
@@ -1459,21 +1514,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
                                 f"{endpoint.max_body}-byte cap")
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
-    try:
-        payload = _json_from_bytes(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
-    if is_ping(payload):
-        json.loads(body, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
-        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
-    if not isinstance(payload, dict):
-        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
-    if payload.get("connectivity_check") is True:
-        proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
-        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
-    envelope = Envelope.from_dispatch(payload, headers)
-    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
-    return Decision("run", envelope=envelope, what="dispatch")
+    return body
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
@@ -1637,7 +1678,8 @@ def validate_actor_label(label: Any) -> Optional[str]:
     return cast(str, label)
 
 
-# Made once: json.dumps with options builds an encoder per call.  An encoder keeps no state between calls.
+# The JSON this part writes: compact, non-ASCII characters as they are; the strict one (request bodies) refuses
+# NaN and infinities.  Made once: json.dumps with options builds an encoder per call, and one keeps no state.
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -1698,15 +1740,6 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
         headers[HEADER_ACTOR_ID] = actor
     quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")  # such a name has nothing to encode
     return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quoted}", headers, body)
-
-
-def _idempotency_key() -> str:
-    """A fresh random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives it, at under half its cost."""
-    raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
-    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
-    text = raw.hex()
-    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
@@ -1825,14 +1858,6 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
     if detail is not None and msg is None:
         msg = json.dumps(detail)[:200]
     return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
-
-
-def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)``, skipping its encoding sniff for a body that opens ``{`` then a non-NUL byte: the
-    sniff gives UTF-8 for exactly those, decoded with ``surrogatepass`` as ``json.loads`` decodes it."""
-    if data[:1] == b"{" and data[1:2] != b"\x00":
-        return json.loads(data.decode("utf-8", "surrogatepass"))
-    return json.loads(data)
 
 
 def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
@@ -2126,29 +2151,39 @@ def _jsonable(value: Any, path: str, notes: List[str], depth: int = 0,
             return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
         notes.append(f"{path}: {float.__repr__(value)} is not JSON; sent as null")
         return None
-    container = isinstance(value, (Mapping, list, tuple, set, frozenset))
-    if container:
-        active = set() if active is None else active
-        if id(value) in active:
-            notes.append(f"{_short(path, 200)}: contains itself (a cycle); cut there")
-            return "[cycle]"
-        if depth >= MAX_JSON_DEPTH:
-            notes.append(f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels; cut there")
-            return "[nested too deeply]"
-        active.add(id(value))
-        try:
-            if isinstance(value, Mapping):
-                return _jsonable_object(value, path, notes, depth, active)
-            if not isinstance(value, (list, tuple)):
-                notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
-                value = sorted(value, key=_safe_repr)
-            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
-        except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
-            notes.append(f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}; "
-                         "cut there")
-            return f"[unreadable {type(value).__name__}]"
-        finally:
-            active.discard(id(value))
+    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
+    return _jsonable_other(value, path, notes, depth, active)
+
+
+def _jsonable_container(value: Any, path: str, notes: List[str], depth: int, active: Set[int]) -> Any:
+    """:func:`_jsonable` of a mapping, list, tuple or set: a cycle or nesting past :data:`MAX_JSON_DEPTH` cut to a
+    marker, a set sorted into a list, a container that raises when read cut."""
+    if id(value) in active:
+        notes.append(f"{_short(path, 200)}: contains itself (a cycle); cut there")
+        return "[cycle]"
+    if depth >= MAX_JSON_DEPTH:
+        notes.append(f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels; cut there")
+        return "[nested too deeply]"
+    active.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            return _jsonable_object(value, path, notes, depth, active)
+        if not isinstance(value, (list, tuple)):
+            notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
+            value = sorted(value, key=_safe_repr)
+        return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
+        notes.append(f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}; "
+                     "cut there")
+        return f"[unreadable {type(value).__name__}]"
+    finally:
+        active.discard(id(value))
+
+
+def _jsonable_other(value: Any, path: str, notes: List[str], depth: int, active: Optional[Set[int]]) -> Any:
+    """:func:`_jsonable` of what is no JSON type: a date or time its ISO text, bytes their UTF-8 text, anything
+    else its text."""
     iso = getattr(value, "isoformat", None)
     if callable(iso):
         notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its ISO text")
@@ -2203,11 +2238,6 @@ def _copied(mapping: Mapping[Any, Any]) -> Any:
 def _well_formed(text: str) -> str:
     """``text`` as valid Unicode: surrogate pairs joined, lone surrogates replaced by U+FFFD."""
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-@functools.lru_cache(maxsize=1)
-def _int_limit() -> int:
-    return int(10 ** MAX_INT_DIGITS)
 
 
 def _int_text(number: int) -> str:
@@ -2312,62 +2342,6 @@ def response_envelope(
     ``strict=True`` refuses instead: :class:`ResponseError` lists every
     problem, the soft ones too, except the truncation warning.
     """
-    plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:
-        return plain, []
-    return _response_envelope_in_full(value, messages=messages, metadata=metadata, strict=strict)
-
-
-def _plain_text(text: str) -> bool:
-    """No lone surrogate in ``text`` (ASCII checked first: it is the common case, and cheap)."""
-    return text.isascii() or _SURROGATE_RE.search(text) is None
-
-
-def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """The body :func:`response_envelope` builds, with no note and no warning, for the commonest results: a string,
-    or a dict of plain scalars (no ``messages``, no ``metadata``) whose ``final_response`` is a string; ``None``
-    for anything the full path has to look at (tests/test_response_fast_path.py holds the two to agreeing).
-
-    Only exact types pass (``str``, ``int``, ``float``, ``bool``, ``None``; no subclass), every string free of lone
-    surrogates, every number one JSON carries, the final response non-blank and within the soft limit: then
-    neither leniency nor strictness changes anything, so either gives this body.
-    """
-    if type(value) is str:
-        final, extra = value, None
-    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
-            "metadata" not in value):
-        final, extra = value["final_response"], value
-    else:
-        return None
-    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
-        return None
-    body: Dict[str, Any] = {}
-    if extra is not None:
-        for key, item in extra.items():
-            if key == "final_response":
-                continue
-            if type(key) is not str or not _plain_text(key):
-                return None
-            kind = type(item)
-            if kind is str:
-                if not _plain_text(item):
-                    return None
-            elif kind is int:
-                if item.bit_length() >= 14_000:  # maybe over MAX_INT_DIGITS digits: the full path decides
-                    return None
-            elif kind is float:
-                if not math.isfinite(item):
-                    return None
-            elif item is not None and kind is not bool:
-                return None
-            body[key] = item
-    body["final_response"] = final  # last, as the full path puts it
-    return body
-
-
-def _response_envelope_in_full(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]],
-                               metadata: Optional[Mapping[str, Any]], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """:func:`response_envelope` for any result: unpacked, normalised, made JSON-safe (lenient), validated."""
     unpacked: List[str] = []
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
     if messages is None:
@@ -2685,11 +2659,11 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with Python's standard library: the
-#   envelope bound per dispatch (ContextVars), keep-alive connections and
-#   the retry loop, the proxy client, the dispatch app that runs the agent,
-#   the server adapters (http.server, WSGI, ASGI), code mode and the command
-#   line.  This is where sockets, threads, the environment and the log live;
+#   Carries out part 1's decisions with Python's standard library: part 1's
+#   speed paths, the envelope bound per dispatch (ContextVars), keep-alive
+#   connections and the retry loop, the proxy client, the dispatch app that
+#   runs the agent, the servers (asyncio, http.server, WSGI, ASGI) and code
+#   mode.  This is where sockets, threads, the environment and the log live;
 #   every protocol decision is delegated to part 1.  Global state is limited
 #   to ContextVars and the lazily built, lock-guarded singletons below.
 #
@@ -2726,6 +2700,125 @@ class _Once(Generic[_T]):
         with self._lock:
             self._value = value
 
+
+
+# ---------------------------------------------------------------------------
+# Speed paths: what part 1 computes, computed faster in Python.  Each gives
+# exactly what part 1's own reading gives, or hands over to it (a test holds
+# the two to agreeing).  A port needs none of them.
+# ---------------------------------------------------------------------------
+
+def _json_from_bytes(data: bytes) -> Any:
+    """``json.loads(data)``, skipping its encoding sniff for a body that opens ``{`` then a non-NUL byte: the
+    sniff gives UTF-8 for exactly those, decoded with ``surrogatepass`` as ``json.loads`` decodes it."""
+    if data[:1] == b"{" and data[1:2] != b"\x00":
+        return json.loads(data.decode("utf-8", "surrogatepass"))
+    return json.loads(data)
+
+
+def _idempotency_key() -> str:
+    """A fresh random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives it, at under half its cost."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _int_limit() -> int:
+    """``10 ** MAX_INT_DIGITS``, made once: the least integer with more digits than JSON parsers read."""
+    return int(10 ** MAX_INT_DIGITS)
+
+
+# One pass per line for the common, well-formed head; any line it does not match goes to parse_request_head,
+# which names the problem.  The value class excludes CR, LF and every control character but HTAB, so a
+# match also means no bare CR or LF; a name that is a token right before the colon means no folding.
+_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
+_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
+
+
+def _well_formed_head(head: bytes) -> Optional[RequestHead]:
+    """:func:`parse_request_head` of a head with nothing unusual in it, or ``None``: the servers then read it with
+    ``parse_request_head`` itself, which names the problem (tests/test_request_head_fast_path.py holds the two
+    to agreeing)."""
+    if len(head) > MAX_REQUEST_LINE_BYTES or head.startswith(b"\r\n"):
+        return None
+    lines = head.split(b"\r\n")
+    if len(lines) - 1 > MAX_REQUEST_FIELDS:
+        return None
+    request = _REQUEST_LINE_RE.fullmatch(lines[0])
+    if request is None:
+        return None
+    headers: List[Tuple[str, str]] = []
+    hosts = lengths = 0
+    for line in lines[1:]:
+        field = _FIELD_LINE_RE.fullmatch(line)
+        if field is None:
+            return None
+        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
+        lowered = name.lower()
+        if lowered == "host":
+            hosts += 1
+        elif lowered == "content-length":
+            lengths += 1
+            if not (value.isascii() and value.isdigit()):
+                return None
+        elif lowered == "transfer-encoding":
+            return None
+        headers.append((name, value))
+    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"
+    if (version == "HTTP/1.1" and hosts != 1) or lengths > 1:  # framing the full reading decides
+        return None
+    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
+
+
+def _plain_text(text: str) -> bool:
+    """No lone surrogate in ``text`` (ASCII checked first: it is the common case, and cheap)."""
+    return text.isascii() or _SURROGATE_RE.search(text) is None
+
+
+def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
+    """The body :func:`response_envelope` builds, with no note and no warning, for the commonest results: a string,
+    or a dict of plain scalars (no ``messages``, no ``metadata``) whose ``final_response`` is a string; ``None``
+    for anything ``response_envelope`` has to look at, which :func:`build_response` then calls
+    (tests/test_response_fast_path.py holds the two to agreeing).
+
+    Only exact types pass (``str``, ``int``, ``float``, ``bool``, ``None``; no subclass), every string free of lone
+    surrogates, every number one JSON carries, the final response non-blank and within the soft limit: then
+    neither leniency nor strictness changes anything, so either gives this body.
+    """
+    if type(value) is str:
+        final, extra = value, None
+    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
+            "metadata" not in value):
+        final, extra = value["final_response"], value
+    else:
+        return None
+    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
+        return None
+    body: Dict[str, Any] = {}
+    if extra is not None:
+        for key, item in extra.items():
+            if key == "final_response":
+                continue
+            if type(key) is not str or not _plain_text(key):
+                return None
+            kind = type(item)
+            if kind is str:
+                if not _plain_text(item):
+                    return None
+            elif kind is int:
+                if item.bit_length() >= 14_000:  # maybe over MAX_INT_DIGITS digits: response_envelope decides
+                    return None
+            elif kind is float:
+                if not math.isfinite(item):
+                    return None
+            elif item is not None and kind is not bool:
+                return None
+            body[key] = item
+    body["final_response"] = final  # last, as response_envelope puts it
+    return body
 
 
 # ---------------------------------------------------------------------------
@@ -2774,7 +2867,7 @@ def current_envelope() -> Envelope:
     )
 
 # ---------------------------------------------------------------------------
-# Transport: keep-alive connections, a whole-reply deadline, the retry loop
+# Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
 # ---------------------------------------------------------------------------
 
 def _env_float(name: str, default: float) -> float:
@@ -3047,21 +3140,13 @@ class _Transport:
         problem = _header_problem(headers)
         if problem:
             raise ValueError(problem)
-        scheme = base.scheme.lower()
+        scheme, host = base.scheme.lower(), base.hostname
         port = base.port or (443 if scheme == "https" else 80)
-        key = (scheme, base.hostname, port)
-
-        def make() -> http.client.HTTPConnection:
-            if scheme == "https":
-                context = self._ssl_context or _default_tls_context()
-                return cast("http.client.HTTPConnection",
-                            _http_classes()[1](base.hostname, port, timeout=timeout, context=context))
-            return cast("http.client.HTTPConnection", _http_classes()[0](base.hostname, port, timeout=timeout))
-
+        key = (scheme, host, port)
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{base.hostname}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
+        where = f"{host}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
         for fresh_retry in (False, True):
-            conn, reused = self._connections.get(key, timeout, make)
+            conn, reused = self._connections.get(key, timeout, lambda: self._connect(scheme, host, port, timeout))
             started = time.monotonic()
             if debug:
                 _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
@@ -3072,37 +3157,57 @@ class _Transport:
                 if reused and not fresh_retry and _is_stale_connection_error(exc):
                     continue  # closed before it read our request: re-send once on a fresh connection
                 raise _TransportFailure() from exc
-            # The whole reply must arrive within the timeout, however slowly a peer drips it.
-            watch = _watchdog().watch(conn.sock, max(timeout - (time.monotonic() - started), 0.001))
-            try:
-                response = conn.getresponse()
-                status = response.status
-                reply_headers = response.getheaders()
-                length = _content_length(response.getheader("Content-Length"))
-                if length is not None and length > max_reply:
-                    conn.close()
-                    raise _ReplyTooLarge(status, max_reply, length)
-                reply = response.read(max_reply + 1)
-                if len(reply) > max_reply:
-                    conn.close()
-                    raise _ReplyTooLarge(status, max_reply, None)
-            except transport_errors as exc:
-                conn.close()
-                if _watchdog().done(watch):
-                    raise _TransportFailure() from TimeoutError(f"timed out: no complete reply within {timeout:g} s")
-                raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
-            if _watchdog().done(watch):  # fired just as the reply completed: the socket is shut
-                conn.close()
-            elif response.isclosed() and not response.will_close:
-                self._connections.put(key, conn)
-            else:
-                conn.close()
+            status, reply_headers, reply = self._reply(conn, key, reused, timeout, started, max_reply, transport_errors)
             if debug:
                 _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                            (time.monotonic() - started) * 1000)
             return status, reply_headers, reply
         raise AssertionError("unreachable")
 
+    def _connect(self, scheme: str, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
+        """A new connection (not yet connected: ``http.client`` connects on the first request)."""
+        if scheme == "https":
+            context = self._ssl_context or _default_tls_context()
+            return cast("http.client.HTTPConnection", _http_classes()[1](host, port, timeout=timeout, context=context))
+        return cast("http.client.HTTPConnection", _http_classes()[0](host, port, timeout=timeout))
+
+    def _reply(self, conn: http.client.HTTPConnection, key: Tuple[str, str, int], reused: bool, timeout: float,
+               started: float, max_reply: int,
+               transport_errors: Tuple[Type[BaseException], ...]) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """The reply to the request sent on ``conn`` at ``started``, whole within ``timeout`` of it however slowly a
+        peer drips it (the watchdog shuts the socket then); ``conn`` goes back to the pool if the reply leaves it
+        reusable."""
+        watch = _watchdog().watch(conn.sock, max(timeout - (time.monotonic() - started), 0.001))
+        try:
+            response = conn.getresponse()
+            status = response.status
+            reply_headers = response.getheaders()
+            length = _content_length(response.getheader("Content-Length"))
+            if length is not None and length > max_reply:
+                conn.close()
+                raise _ReplyTooLarge(status, max_reply, length)
+            reply = response.read(max_reply + 1)
+            if len(reply) > max_reply:
+                conn.close()
+                raise _ReplyTooLarge(status, max_reply, None)
+        except transport_errors as exc:
+            conn.close()
+            if _watchdog().done(watch):
+                raise _TransportFailure() from TimeoutError(f"timed out: no complete reply within {timeout:g} s")
+            raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
+        if _watchdog().done(watch):  # fired just as the reply completed: the socket is shut
+            conn.close()
+        elif response.isclosed() and not response.will_close:
+            self._connections.put(key, conn)
+        else:
+            conn.close()
+        return status, reply_headers, reply
+
+
+# ---------------------------------------------------------------------------
+# The deadline wheel: the asyncio driver's and server's timeouts, one timer per
+# 0.25 s tick for the far ones
+# ---------------------------------------------------------------------------
 
 class _Deadline:
     """One timeout of :class:`_Deadlines`: ``cancel()`` and ``when()``, as an asyncio ``TimerHandle`` has."""
@@ -3192,6 +3297,10 @@ class _Deadlines:
         for deadline in self._ticks.pop(tick, ()):
             self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops none of the others
 
+
+# ---------------------------------------------------------------------------
+# Transport, asyncio: replies read as they arrive, connections pooled per loop
+# ---------------------------------------------------------------------------
 
 class _ReplyReader:
     """One HTTP/1.1 reply, read from bytes as they arrive (sans-IO): the asyncio driver's parser.
@@ -3655,6 +3764,10 @@ def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, he
     fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     return head + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
+
+# ---------------------------------------------------------------------------
+# The retry loop of both drivers (RetryState.step decides), and what they share
+# ---------------------------------------------------------------------------
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
 
@@ -4365,8 +4478,7 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
     plain = _plain_envelope(value) if messages is None and metadata is None else None
     if plain is not None:  # nothing to warn about, strict or not (and no environment variable to read)
         return plain
-    body, warnings = _response_envelope_in_full(value, messages=messages, metadata=metadata,
-                                                strict=_strict(strict))
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
     bound = _current.get()
     hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:
@@ -5010,9 +5122,16 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# Server adapters: WSGI, ASGI and http.server, each a thin layer over
-# DispatchApp.handle (read the body request_body_length allows, answer)
+# Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin
+# layer over DispatchApp (read the body request_body_length allows, decide, answer)
 # ---------------------------------------------------------------------------
+
+DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_GRACE_S = 30.0
+DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, so a reused connection is still open
+# serve()'s first-generation GC threshold (CPython's is 700).  A fan-out keeps thousands of dispatches alive for
+# seconds; at 700 the collector rescans them hundreds of times (2,000 at once: a quarter of the server's CPU).
+SERVE_GC_THRESHOLD = 50_000
 
 
 def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
@@ -5025,6 +5144,13 @@ def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
         chunks.append(chunk)
         remaining -= len(chunk)
     return b"".join(chunks)
+
+
+def _server_url(address: Tuple[Any, ...], path: str) -> str:
+    """The URL of a listening server's dispatch path, an IPv6 host in brackets."""
+    host, port = str(address[0]), address[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -5109,265 +5235,288 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
     await send({"type": "http.response.body", "body": reply.body})
 
 
-DEFAULT_READ_TIMEOUT_S = 30.0
-DEFAULT_GRACE_S = 30.0
-DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, so a reused connection is still open
-# serve()'s first-generation GC threshold (CPython's is 700).  A fan-out keeps thousands of dispatches alive for
-# seconds; at 700 the collector rescans them hundreds of times (2,000 at once: a quarter of the server's CPU).
-SERVE_GC_THRESHOLD = 50_000
+# ---------------------------------------------------------------------------
+# The http.server server: a thread per connection, its classes built on first use
+# ---------------------------------------------------------------------------
+
+if TYPE_CHECKING:
+    from http.server import BaseHTTPRequestHandler as _HandlerBase
+    from http.server import ThreadingHTTPServer as _ServerBase
+else:  # http.server's classes join these parts on first use (_make_server_classes): importing it costs time
+    _HandlerBase = _ServerBase = object
+
+
+class _DrainingServer(_ServerBase):
+    """What the ``http.server`` dispatch server adds to ``ThreadingHTTPServer``: one :class:`DispatchApp`, the
+    requests in flight, and a graceful drain that answers 503 to those its grace period cuts."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+    request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
+    handler_class: type  # the request handler, joined with it in _make_server_classes
+
+    def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
+        self.app = app
+        self.read_timeout_s = read_timeout_s
+        self.draining = threading.Event()
+        self._in_flight = 0
+        self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
+        self._idle = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        super().__init__(address, self.handler_class)
+
+    @property
+    def url(self) -> str:
+        return _server_url(self.server_address, self.app.path)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being handled now."""
+        return self._in_flight
+
+    def enter(self, handler: Any) -> bool:
+        with self._idle:
+            if self.draining.is_set():
+                return False
+            self._in_flight += 1
+            self._handlers.add(handler)
+            return True
+
+    def leave(self, handler: Any) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._handlers.discard(handler)
+            self._idle.notify_all()
+
+    def drain(self, grace_s: float) -> bool:
+        """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
+        still running then are answered 503 (retryable) and their connections closed."""
+        self.draining.set()
+        deadline = time.monotonic() + grace_s
+        with self._idle:
+            while self._in_flight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            cut = list(self._handlers)
+        if not cut:
+            return True
+        _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                     grace_s, len(cut))
+        for handler in cut:
+            _log.warning("%s was cut before it finished: the server is shutting down",
+                         _run_label(*handler.request_info))
+            handler.cut()
+        return False
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        if self.socket.fileno() < 0:  # closed before it served: nothing to serve
+            return
+        super().serve_forever(poll_interval)
+
+    def close(self, grace_s: float = 5.0) -> bool:
+        """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
+        self.draining.set()
+        if self._thread is not None:
+            self.shutdown()
+        self.server_close()  # new connections are refused at once, not queued until the grace period ends
+        return self.drain(grace_s)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+
+
+class _DispatchRequests(_HandlerBase):
+    """What the ``http.server`` request handler adds to ``BaseHTTPRequestHandler``: heads read strictly
+    (:meth:`parse_request`), every method served by :meth:`_serve` through the server's :class:`DispatchApp`,
+    replies written by one writer at a time so a drain's 503 and the agent's late reply never mix."""
+
+    protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
+    server_version = "pipelines-port/" + __version__
+    sys_version = ""
+    server: _DrainingServer  # pyright: ignore[reportIncompatibleVariableOverride]
+    run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
+    _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
+    wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
+
+    # -- the request head -----------------------------------------------------
+
+    def parse_request(self) -> bool:
+        """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
+        lenient parser: a refusal is a JSON reply with ``Connection: close``."""
+        import email.message
+
+        self.command, self.request_version = "", self.default_request_version
+        line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
+        self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
+        try:
+            raw = self._head_after(line)
+            if raw is None:  # the client went away mid-head
+                self.close_connection = True
+                return False
+            head = _well_formed_head(raw) or parse_request_head(raw)
+        except PipelinesError as exc:
+            self._send(error_reply(exc), close=True)
+            return False
+        self.command, self.path, self.request_version = head.method, head.target, head.version
+        self.requestline = f"{head.method} {head.target} {head.version}"
+        self.headers = email.message.Message()
+        for name, value in head.headers:
+            self.headers[name] = value
+        self.close_connection = not head.keep_alive()
+        if self.headers.get("Expect", "").lower() == "100-continue":
+            return self.handle_expect_100()
+        return True
+
+    def _head_after(self, line: bytes) -> Optional[bytes]:
+        """The whole head, from its first ``line`` (already read) up to the empty line after the request line, without
+        the final CRLF CRLF; ``None`` when the client goes away first.  Over :data:`MAX_REQUEST_HEAD_BYTES`, or
+        ending in a bare LF, it is refused."""
+        lines, size = [line], len(line)
+        started = bool(line.strip(b"\r\n"))
+        while not started or line.strip(b"\r\n"):
+            line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
+            size += len(line)
+            if not line:
+                return None
+            if size > MAX_REQUEST_HEAD_BYTES:
+                raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
+            started = started or bool(line.strip(b"\r\n"))
+            lines.append(line)
+        if line != b"\r\n":
+            raise FramingError("the request head ends in a bare LF: every line must end in CRLF (RFC 9112 §2.2)")
+        return b"".join(lines)[:-4]
+
+    def handle_expect_100(self) -> bool:
+        super().handle_expect_100()
+        self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
+        return True
+
+    # -- the connection ---------------------------------------------------------
+
+    def setup(self) -> None:
+        import socket
+
+        self.reply_lock = threading.Lock()
+        self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
+        super().setup()
+        self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s %s", self.address_string(), format % args)
+
+    # -- every method: one path through the DispatchApp -----------------------------------
+
+    def do_GET(self) -> None:
+        self._serve()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
+
+    def _serve(self) -> None:
+        app = self.server.app
+        if not self.server.enter(self):
+            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
+                       close=True)
+            return
+        try:
+            headers = _lower_headers(self.headers.items())
+            length = request_body_length(headers, app.max_body)
+            # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
+            # connection closes after the reply rather than parse that body as the next request.
+            close = self.server.draining.is_set() or length is None
+            body: Optional[bytes] = None
+            if length is not None:
+                body = self._body(length)
+                if body is None:  # a client too slow or gone
+                    return
+                close = close or len(body) < length
+            self.request_info = (headers, body)
+            try:
+                reply = app.handle(self.command, self.path, headers, body)
+            except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+                _log.exception("building the reply failed")
+                reply, close = _fallback_reply(exc), True
+            self._send(reply, close=close)
+        finally:
+            self.server.leave(self)
+
+    def _body(self, length: int) -> Optional[bytes]:
+        """Up to ``length`` body bytes, all within the read timeout however slowly they come (the watchdog shuts
+        the socket after it); ``None`` when the client is too slow or gone: the connection then closes."""
+        watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
+        try:
+            return _read_exactly(self.rfile.read, length)
+        except (OSError, ValueError):  # the watchdog may have shut the socket
+            self.close_connection = True
+            return None
+        finally:
+            if _watchdog().done(watch):
+                self.close_connection = True
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
+        from http import HTTPStatus
+
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "Error"
+        detail = f"{phrase}: {message}" if message and message != phrase else phrase
+        self._send(json_reply(code, {"detail": detail}), close=True)
+
+    # -- replies: one writer at a time ----------------------------------------------------
+
+    def _send(self, reply: HttpReply, *, close: bool = False) -> None:
+        with self.reply_lock:
+            if not self._cut:
+                self._write(reply, close)
+
+    def cut(self) -> None:
+        """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
+        import socket
+
+        with self.reply_lock:
+            if self._cut:
+                return
+            self._cut = True
+            self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
+                                                      "retry it")), True)
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _write(self, reply: HttpReply, close: bool) -> None:
+        self.send_response(reply.status)
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        try:
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(reply.body)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
 
 
 def _make_server_classes() -> Tuple[type, type]:
-    """The ``http.server`` classes, built on first use so import stays cheap."""
-    import email.message
-    import socket
-    from http import HTTPStatus
+    """The ``http.server`` dispatch server and its request handler: the parts above joined with ``http.server``'s
+    own classes on first use, so importing this module does not import ``http.server``."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class DispatchServer(ThreadingHTTPServer):
+    class DispatchHandler(_DispatchRequests, BaseHTTPRequestHandler):  # pyright: ignore[reportIncompatibleVariableOverride]
+        """One client connection of the ``http.server`` dispatch server."""
+
+    class DispatchServer(_DrainingServer, ThreadingHTTPServer):
         """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
 
-        daemon_threads = True
-        allow_reuse_address = True
-        block_on_close = False
-        request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
-
-        def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
-            self.app = app
-            self.read_timeout_s = read_timeout_s
-            self.draining = threading.Event()
-            self._in_flight = 0
-            self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
-            self._idle = threading.Condition()
-            self._thread: Optional[threading.Thread] = None
-            super().__init__(address, DispatchHandler)
-
-        @property
-        def url(self) -> str:
-            host, port = str(self.server_address[0]), self.server_address[1]
-            shown = f"[{host}]" if ":" in host else host
-            return f"http://{shown}:{port}{self.app.path}"
-
-        @property
-        def in_flight(self) -> int:
-            """Requests being handled now."""
-            return self._in_flight
-
-        def enter(self, handler: Any) -> bool:
-            with self._idle:
-                if self.draining.is_set():
-                    return False
-                self._in_flight += 1
-                self._handlers.add(handler)
-                return True
-
-        def leave(self, handler: Any) -> None:
-            with self._idle:
-                self._in_flight -= 1
-                self._handlers.discard(handler)
-                self._idle.notify_all()
-
-        def drain(self, grace_s: float) -> bool:
-            """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
-            still running then are answered 503 (retryable) and their connections closed."""
-            self.draining.set()
-            deadline = time.monotonic() + grace_s
-            with self._idle:
-                while self._in_flight > 0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._idle.wait(left)
-                cut = list(self._handlers)
-            if not cut:
-                return True
-            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                         grace_s, len(cut))
-            for handler in cut:
-                _log.warning("%s was cut before it finished: the server is shutting down",
-                             _run_label(*handler.request_info))
-                handler.cut()
-            return False
-
-        def serve_forever(self, poll_interval: float = 0.5) -> None:
-            if self.socket.fileno() < 0:  # closed before it served: nothing to serve
-                return
-            super().serve_forever(poll_interval)
-
-        def close(self, grace_s: float = 5.0) -> bool:
-            """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
-            self.draining.set()
-            if self._thread is not None:
-                self.shutdown()
-            self.server_close()  # new connections are refused at once, not queued until the grace period ends
-            return self.drain(grace_s)
-
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
-
-    class DispatchHandler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
-        server_version = "pipelines-port/" + __version__
-        sys_version = ""
-        server: DispatchServer  # pyright: ignore[reportIncompatibleVariableOverride]
-        run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
-        _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
-
-        def parse_request(self) -> bool:
-            """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
-            lenient parser: a refusal is a JSON reply with ``Connection: close``."""
-            self.command, self.request_version = "", self.default_request_version
-            line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
-            self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
-            lines, size = [line], len(line)
-            started = bool(line.strip(b"\r\n"))
-            try:
-                while not started or line.strip(b"\r\n"):  # up to the empty line after the request line
-                    line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
-                    size += len(line)
-                    if not line:  # the client went away mid-head
-                        self.close_connection = True
-                        return False
-                    if size > MAX_REQUEST_HEAD_BYTES:
-                        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
-                    started = started or bool(line.strip(b"\r\n"))
-                    lines.append(line)
-                if line != b"\r\n":
-                    raise FramingError("the request head ends in a bare LF: every line must end in CRLF "
-                                       "(RFC 9112 §2.2)")
-                head = parse_request_head(b"".join(lines)[:-4])
-            except PipelinesError as exc:
-                self._send(error_reply(exc), close=True)
-                return False
-            self.command, self.path, self.request_version = head.method, head.target, head.version
-            self.requestline = f"{head.method} {head.target} {head.version}"
-            self.headers = email.message.Message()
-            for name, value in head.headers:
-                self.headers[name] = value
-            self.close_connection = not head.keep_alive()
-            if self.headers.get("Expect", "").lower() == "100-continue":
-                return self.handle_expect_100()
-            return True
-
-        wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
-
-        def setup(self) -> None:
-            self.reply_lock = threading.Lock()
-            self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
-            super().setup()
-            self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            if _log.isEnabledFor(logging.DEBUG):
-                _log.debug("%s %s", self.address_string(), format % args)
-
-        def do_GET(self) -> None:
-            self._serve()
-
-        def do_POST(self) -> None:
-            self._serve()
-
-        def do_PUT(self) -> None:
-            self._serve()
-
-        def do_DELETE(self) -> None:
-            self._serve()
-
-        def do_PATCH(self) -> None:
-            self._serve()
-
-        def do_HEAD(self) -> None:
-            self._serve()
-
-        def do_OPTIONS(self) -> None:
-            self._serve()
-
-        def do_TRACE(self) -> None:
-            self._serve()
-
-        def do_CONNECT(self) -> None:
-            self._serve()
-
-        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-            """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
-            try:
-                phrase = HTTPStatus(code).phrase
-            except ValueError:
-                phrase = "Error"
-            detail = f"{phrase}: {message}" if message and message != phrase else phrase
-            self._send(json_reply(code, {"detail": detail}), close=True)
-
-        def _serve(self) -> None:
-            app = self.server.app
-            if not self.server.enter(self):
-                self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
-                           close=True)
-                return
-            try:
-                headers = _lower_headers(self.headers.items())
-                length = request_body_length(headers, app.max_body)
-                # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
-                # connection closes after the reply rather than parse that body as the next request.
-                close = self.server.draining.is_set() or length is None
-                body: Optional[bytes] = None
-                if length is not None:
-                    watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
-                    try:
-                        body = _read_exactly(self.rfile.read, length)
-                    except (OSError, ValueError):  # a client too slow or gone; the watchdog may have shut the socket
-                        self.close_connection = True
-                        return
-                    finally:
-                        if _watchdog().done(watch):
-                            self.close_connection = True
-                    close = close or len(body) < length
-                self.request_info = (headers, body)
-                try:
-                    reply = app.handle(self.command, self.path, headers, body)
-                except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-                    _log.exception("building the reply failed")
-                    reply, close = _fallback_reply(exc), True
-                self._send(reply, close=close)
-            finally:
-                self.server.leave(self)
-
-        def handle_expect_100(self) -> bool:
-            super().handle_expect_100()
-            self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
-            return True
-
-        def _send(self, reply: HttpReply, *, close: bool = False) -> None:
-            with self.reply_lock:
-                if not self._cut:
-                    self._write(reply, close)
-
-        def cut(self) -> None:
-            """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
-            with self.reply_lock:
-                if self._cut:
-                    return
-                self._cut = True
-                self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                          "retry it")), True)
-                with contextlib.suppress(OSError):
-                    self.connection.shutdown(socket.SHUT_RDWR)
-
-        def _write(self, reply: HttpReply, close: bool) -> None:
-            self.send_response(reply.status)
-            for name, value in reply.headers:
-                self.send_header(name, value)
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            try:
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(reply.body)
-                self.wfile.flush()
-            except OSError:
-                self.close_connection = True
+        handler_class = DispatchHandler
 
     return DispatchServer, DispatchHandler
 
@@ -5387,7 +5536,9 @@ def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
     return f"run {_short(str(run_id), 40)}" if run_id is not None else "a request"
 
 
-
+# ---------------------------------------------------------------------------
+# The asyncio server: one event loop, a protocol per connection
+# ---------------------------------------------------------------------------
 
 def default_max_connections() -> int:
     """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
@@ -5564,7 +5715,7 @@ class _ServerConnection:
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
-                    self.head = head = parse_request_head(raw)
+                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
                 except PipelinesError as exc:
                     self._refuse(exc)
                     return
@@ -5715,9 +5866,7 @@ class AsyncDispatchServer:
 
     @property
     def url(self) -> str:
-        host, port = str(self.server_address[0]), self.server_address[1]
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}{self.app.path}"
+        return _server_url(self.server_address, self.app.path)
 
     @property
     def in_flight(self) -> int:
@@ -5807,6 +5956,10 @@ class AsyncDispatchServer:
         self._stopped.set()
         return finished
 
+
+# ---------------------------------------------------------------------------
+# Starting a server: make_server, start_server, serve (signals and the drain)
+# ---------------------------------------------------------------------------
 
 def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
     if isinstance(agent, DispatchApp):
@@ -5952,6 +6105,50 @@ def _code_mode_envelope(task_input: Any, proxy_url: Optional[str], run_token: Op
     return Envelope.from_run(task_input, proxy_url=cast(str, proxy_url), run_token=cast(str, run_token))
 
 
+def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float) -> Any:
+    """What ``agent`` returned for ``envelope``, run on a fresh thread within ``limit`` seconds; else the failure
+    :func:`code_mode` names: :class:`RunTimeoutError`, :class:`AgentError`, or the kit's own error as it is, each
+    without the run token.  From an overrun or an interrupt on, the agent's further proxy calls are refused."""
+    stats = _DispatchStats()
+    bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
+    failure: Optional[BaseException] = None
+    try:
+        return _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit, wrap=True)
+    except _Overran:
+        stats.cancelled = True
+        failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
+                                  "calls are refused (a thread cannot be stopped: it may still be running)")
+    except _AgentRaised as raised:
+        error = raised.error
+        cleaned = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
+        if isinstance(error, PipelinesError) or not isinstance(error, Exception):
+            failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
+        else:
+            failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
+            failure.__cause__ = cleaned
+    except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
+        stats.cancelled = True
+        raise
+    finally:
+        _dispatch_stats.reset(bound)
+    raise failure  # outside the except clauses: no implicit context to show the original
+
+
+def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> Dict[str, Any]:
+    """The response body ``run()`` returns for ``result``: built, without the run token, and sure to serialise as
+    the JSON and UTF-8 the sandbox sends; else a :class:`ResponseError` without the run token, never a half-built
+    dict."""
+    try:
+        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
+        json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except ResponseError as exc:
+        raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: a clear error, never a half-built dict
+        raise ResponseError("the response cannot be sent as JSON: "
+                            f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
+    return body
+
+
 def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
@@ -5979,40 +6176,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
     def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
             run_token: Optional[str] = None) -> Dict[str, Any]:
         envelope = _code_mode_envelope(task_input, proxy_url, run_token)
-        stats = _DispatchStats()
-        bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
-        failure: Optional[BaseException] = None
-        result: Any = None
-        try:
-            result = _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit, wrap=True)
-        except _Overran:
-            stats.cancelled = True
-            failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
-                                      "calls are refused (a thread cannot be stopped: it may still be running)")
-        except _AgentRaised as raised:
-            error = raised.error
-            cleaned = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
-            if isinstance(error, PipelinesError) or not isinstance(error, Exception):
-                failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
-            else:
-                failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
-                failure.__cause__ = cleaned
-        except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
-            stats.cancelled = True
-            raise
-        finally:
-            _dispatch_stats.reset(bound)
-        if failure is not None:
-            raise failure  # outside the except clauses: no implicit context to show the original
-        try:  # the sandbox serialises what run() returns: it must be JSON and UTF-8, or a clear error
-            body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
-            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except ResponseError as exc:
-            raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a clear error, never a half-built dict
-            raise ResponseError("the response cannot be sent as JSON: "
-                                f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
-        return body
+        return _code_mode_body(_code_mode_result(agent, envelope, limit), envelope, strict)
 
     run.__name__ = "run"
     run.__qualname__ = "run"
@@ -6028,11 +6192,11 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 #   Helpers for writing the agent itself, built on parts 1 and 2 and needed
 #   by neither: agent-loop helpers (tool formats, concurrent tool calls,
 #   bounded output, a retrying JSON client for model APIs), tools from code
-#   (JSON Schema from type hints), and the MCP shim.  The dispatch app uses
-#   only ``convert_tools`` / ``load_tools_schema`` from here.
+#   (JSON Schema from type hints), framework bridges and the MCP shim; last,
+#   the command line (``serve``, ``mcp``), which uses all three parts.  The
+#   dispatch app uses only ``convert_tools`` / ``load_tools_schema`` from here.
 #
 # ###########################################################################
-
 
 
 # ---------------------------------------------------------------------------
@@ -6316,52 +6480,81 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     """
     if not isinstance(schema, Mapping):
         return []
-    problems: List[str] = []
     kinds = schema.get("type")
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds)
         if not any(_is_json_type(value, k) for k in kinds):
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
+    problems = _value_problems(schema, value, path)
+    if isinstance(value, (list, tuple)):
+        problems += _array_problems(schema, value, path)
+    if isinstance(value, Mapping):
+        problems += _object_problems(schema, value, path)
+    return problems + _alternative_problems(schema, value, path)
+
+
+# validate_args's numeric bounds: (keyword, holds(value, bound), the words for a value it refuses).
+_NUMBER_BOUNDS: Tuple[Tuple[str, Callable[[float, float], bool], str], ...] = (
+    ("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
+    ("exclusiveMinimum", lambda v, b: v > b, "more than"), ("exclusiveMaximum", lambda v, b: v < b, "less than"))
+
+
+def _value_problems(schema: Mapping[str, Any], value: Any, path: str) -> List[str]:
+    """:func:`validate_args` for any value: ``enum`` and ``const``, a number's bounds, a string's length."""
+    problems: List[str] = []
     if "enum" in schema and value not in schema["enum"]:
         shown = ", ".join(json.dumps(v) for v in schema["enum"])
         problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        bounds: Tuple[Tuple[str, Callable[[float, float], bool], str], ...] = (
-            ("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
-            ("exclusiveMinimum", lambda v, b: v > b, "more than"),
-            ("exclusiveMaximum", lambda v, b: v < b, "less than"))
-        for key, ok, word in bounds:
+        for key, holds, word in _NUMBER_BOUNDS:
             bound = schema.get(key)
-            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not ok(value, bound):
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not holds(value, bound):
                 problems.append(f"{path}: {value} is not {word} {bound}")
     if isinstance(value, str):
         if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
             problems.append(f"{path}: {len(value)} characters, fewer than minLength {schema['minLength']}")
         if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
             problems.append(f"{path}: {len(value)} characters, more than maxLength {schema['maxLength']}")
-    if isinstance(value, (list, tuple)):
-        if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
-            problems.append(f"{path}: {len(value)} items, fewer than minItems {schema['minItems']}")
-        if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
-            problems.append(f"{path}: {len(value)} items, more than maxItems {schema['maxItems']}")
-        if isinstance(schema.get("items"), Mapping):
-            for i, item in enumerate(value):
-                problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
-    if isinstance(value, Mapping):
-        properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
-        for name in schema.get("required") or ():
-            if name not in value:
-                problems.append(f"{path}.{name}: required")
-        extra = schema.get("additionalProperties", True)
-        for name, item in value.items():
-            if name in properties:
-                problems.extend(validate_args(properties[name], item, f"{path}.{name}"))
-            elif extra is False:
-                problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
-            elif isinstance(extra, Mapping):
-                problems.extend(validate_args(extra, item, f"{path}.{name}"))
+    return problems
+
+
+def _array_problems(schema: Mapping[str, Any], value: Sequence[Any], path: str) -> List[str]:
+    """:func:`validate_args` for an array: ``minItems`` / ``maxItems``, then each item against ``items``."""
+    problems: List[str] = []
+    if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
+        problems.append(f"{path}: {len(value)} items, fewer than minItems {schema['minItems']}")
+    if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
+        problems.append(f"{path}: {len(value)} items, more than maxItems {schema['maxItems']}")
+    if isinstance(schema.get("items"), Mapping):
+        for i, item in enumerate(value):
+            problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
+    return problems
+
+
+def _object_problems(schema: Mapping[str, Any], value: Mapping[str, Any], path: str) -> List[str]:
+    """:func:`validate_args` for an object: ``required``, then each member against its property's schema, or
+    ``additionalProperties`` for a member with none."""
+    problems: List[str] = []
+    properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
+    for name in schema.get("required") or ():
+        if name not in value:
+            problems.append(f"{path}.{name}: required")
+    extra = schema.get("additionalProperties", True)
+    for name, item in value.items():
+        if name in properties:
+            problems.extend(validate_args(properties[name], item, f"{path}.{name}"))
+        elif extra is False:
+            problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
+        elif isinstance(extra, Mapping):
+            problems.extend(validate_args(extra, item, f"{path}.{name}"))
+    return problems
+
+
+def _alternative_problems(schema: Mapping[str, Any], value: Any, path: str) -> List[str]:
+    """:func:`validate_args` for ``anyOf`` (at least one alternative matches) and ``oneOf`` (exactly one)."""
+    problems: List[str] = []
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
@@ -6383,44 +6576,56 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     if annotation is None:
         return {"type": "null"}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        values = [m.value for m in annotation]
-        schema: Dict[str, Any] = {"enum": values}
-        kinds = {_JSON_TYPES.get(type(v)) for v in values}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        return _enum_schema([m.value for m in annotation])
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
-        schema = {"enum": list(args)}
-        kinds = {_JSON_TYPES.get(type(v)) for v in args}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        return _enum_schema(list(args))
     if origin is Union or type(annotation).__name__ == "UnionType":
-        members = [a for a in args if a is not type(None)]
-        nullable = len(members) < len(args)
-        parts = [schema_for_type(a) for a in members]
-        if len(parts) == 1:
-            only = parts[0]
-            if nullable and isinstance(only.get("type"), str) and set(only) == {"type"}:
-                return {"type": [only["type"], "null"]}
-            return {"anyOf": [only, {"type": "null"}]} if nullable else only
-        return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
+        return _union_schema(args)
     if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
-        schema = {"type": "array"}
-        members = [a for a in args if a is not Ellipsis]
-        if len(set(members)) == 1:
-            schema["items"] = schema_for_type(members[0])
-        elif members:  # a fixed-shape tuple: each item is one of its types
-            schema["items"] = {"anyOf": [schema_for_type(a) for a in dict.fromkeys(members)]}
-        return schema
+        return _array_schema(args)
     if annotation is dict or origin is dict:
-        schema = {"type": "object"}
+        schema: Dict[str, Any] = {"type": "object"}
         if len(args) == 2 and args[1] is not Any:
             schema["additionalProperties"] = schema_for_type(args[1])
         return schema
     raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
                     "list/dict of those, Literal or an Enum")
+
+
+def _enum_schema(values: List[Any]) -> Dict[str, Any]:
+    """An Enum's or a Literal's schema: its values, and their JSON type when they share one."""
+    schema: Dict[str, Any] = {"enum": values}
+    kinds = {_JSON_TYPES.get(type(v)) for v in values}
+    if len(kinds) == 1 and None not in kinds:
+        schema["type"] = kinds.pop()
+    return schema
+
+
+def _union_schema(args: Tuple[Any, ...]) -> Dict[str, Any]:
+    """A Union's (``Optional``'s, ``X | Y``'s) schema: ``anyOf`` its members, or a type list for a plain
+    ``Optional[X]``."""
+    members = [a for a in args if a is not type(None)]
+    nullable = len(members) < len(args)
+    parts = [schema_for_type(a) for a in members]
+    if len(parts) == 1:
+        only = parts[0]
+        if nullable and isinstance(only.get("type"), str) and set(only) == {"type"}:
+            return {"type": [only["type"], "null"]}
+        return {"anyOf": [only, {"type": "null"}]} if nullable else only
+    return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
+
+
+def _array_schema(args: Tuple[Any, ...]) -> Dict[str, Any]:
+    """A list's, tuple's or set's schema: an array whose ``items`` are its one member type, or any of a
+    fixed-shape tuple's."""
+    schema: Dict[str, Any] = {"type": "array"}
+    members = [a for a in args if a is not Ellipsis]
+    if len(set(members)) == 1:
+        schema["items"] = schema_for_type(members[0])
+    elif members:  # a fixed-shape tuple: each item is one of its types
+        schema["items"] = {"anyOf": [schema_for_type(a) for a in dict.fromkeys(members)]}
+    return schema
 
 
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
@@ -6823,14 +7028,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif _is_strands_agent(result):
-        final, messages, metadata = _from_bedrock(list(result.messages))
-        usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
-        if isinstance(usage, Mapping):
-            metadata = {"total_input_tokens": int(usage.get("inputTokens") or 0),
-                        "total_output_tokens": int(usage.get("outputTokens") or 0), **metadata}
-        model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
-        if isinstance(model_id, str):
-            metadata["model"] = model_id
+        final, messages, metadata = _from_strands(result)
     else:
         messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if isinstance(messages_in, (list, tuple)) and messages_in and all(
@@ -6847,6 +7045,15 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
 
 
 def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """An OpenAI Agents SDK ``RunResult``: its items as the v1 transcript, the usage of its raw responses."""
+    messages = _agents_run_messages(result)
+    metadata = _agents_run_metadata(result)
+    return result.final_output, messages, metadata
+
+
+def _agents_run_messages(result: Any) -> List[Dict[str, Any]]:
+    """The run's input, then its items: reasoning (as the thinking of the next assistant message), tool and
+    handoff calls, their outputs, and message outputs."""
     messages: List[Dict[str, Any]] = []
     first = result.input
     if isinstance(first, str):
@@ -6875,6 +7082,11 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
             if thinking:
                 message["thinking"], thinking = thinking, []
             messages.append(message)
+    return messages
+
+
+def _agents_run_metadata(result: Any) -> Dict[str, Any]:
+    """The tokens of the run's raw responses, and the model of its last agent when it names one."""
     usage = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     metadata: Dict[str, Any] = {
         "total_input_tokens": sum(getattr(u, "input_tokens", 0) or 0 for u in usage if u is not None),
@@ -6886,14 +7098,38 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
         metadata["model"] = model
     elif model is not None and isinstance(getattr(model, "model", None), str):
         metadata["model"] = model.model
-    final = result.final_output
-    return final, messages, metadata
+    return metadata
+
+
+def _assistant_message(text: str, tool_calls: List[Dict[str, Any]], thinking: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A transcript's assistant message: its text (``None`` when empty), then its tool calls and its thinking, each
+    only when there is some."""
+    message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if thinking:
+        message["thinking"] = thinking
+    return message
 
 
 def _is_strands_agent(value: Any) -> bool:
     """A Strands ``Agent`` after a run: its conversation in ``messages`` (Bedrock Converse blocks)."""
     messages = getattr(value, "messages", None)
     return hasattr(value, "tool_registry") and isinstance(messages, list)
+
+
+def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """A Strands ``Agent`` after its run: its Bedrock Converse messages, the tokens its event loop counted and the
+    model its configuration names."""
+    final, messages, metadata = _from_bedrock(list(agent.messages))
+    usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
+    if isinstance(usage, Mapping):
+        metadata = {"total_input_tokens": int(usage.get("inputTokens") or 0),
+                    "total_output_tokens": int(usage.get("outputTokens") or 0), **metadata}
+    model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
+    if isinstance(model_id, str):
+        metadata["model"] = model_id
+    return final, messages, metadata
 
 
 def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
@@ -6903,29 +7139,39 @@ def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
     for item in items:
         blocks = [b for b in item.get("content") or () if isinstance(b, Mapping)]
         text = "".join(str(b["text"]) for b in blocks if isinstance(b.get("text"), str))
-        if item.get("role") == "assistant":
-            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-            uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
-            if uses:
-                message["tool_calls"] = [{"id": u.get("toolUseId"), "name": u.get("name"),
-                                          "arguments": u.get("input") or {}} for u in uses]
-            thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
-                        for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
-            if any(thoughts):
-                message["thinking"] = [{"type": "text", "text": x} for x in thoughts if x]
-            messages.append(message)
-            if text and not uses:
-                final = text
+        if item.get("role") != "assistant":
+            messages += _bedrock_user_turn(blocks, text)
             continue
-        results = [b["toolResult"] for b in blocks if isinstance(b.get("toolResult"), Mapping)]
-        for result in results:
-            parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
-                     for p in result.get("content") or () if isinstance(p, Mapping)]
-            messages.append({"role": "tool", "tool_call_id": result.get("toolUseId"),
-                             "content": "".join(str(p) for p in parts)})
-        if text or not results:
-            messages.append({"role": "user", "content": text})
+        message = _bedrock_assistant(blocks, text)
+        messages.append(message)
+        if text and "tool_calls" not in message:
+            final = text
     return final, messages, {}
+
+
+def _bedrock_assistant(blocks: Sequence[Mapping[str, Any]], text: str) -> Dict[str, Any]:
+    """An assistant turn of Bedrock Converse blocks: its text, ``toolUse`` blocks and ``reasoningContent``."""
+    uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
+    thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
+                for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
+    return _assistant_message(
+        text, [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}} for u in uses],
+        [{"type": "text", "text": x} for x in thoughts if x])
+
+
+def _bedrock_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
+    """A user turn of Bedrock Converse blocks: each ``toolResult`` a tool message, then the user's text (kept,
+    empty, when there is nothing else)."""
+    messages: List[Dict[str, Any]] = []
+    results = [b["toolResult"] for b in blocks if isinstance(b.get("toolResult"), Mapping)]
+    for result in results:
+        parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
+                 for p in result.get("content") or () if isinstance(p, Mapping)]
+        messages.append({"role": "tool", "tool_call_id": result.get("toolUseId"),
+                         "content": "".join(str(p) for p in parts)})
+    if text or not results:
+        messages.append({"role": "user", "content": text})
+    return messages
 
 
 def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
@@ -6949,72 +7195,91 @@ def _from_anthropic(items: List[Dict[str, Any]]) -> Tuple[Any, List[Dict[str, An
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
             b for b in content if isinstance(b, Mapping)]
         text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
-        if item["role"] == "assistant":
-            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-            uses = [b for b in blocks if b.get("type") == "tool_use"]
-            if uses:
-                message["tool_calls"] = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}}
-                                         for b in uses]
-            thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
-            if thoughts:
-                message["thinking"] = [{"type": "thinking", "text": t} for t in thoughts]
-            messages.append(message)
-            if text and not uses:
-                final = text
-            usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
-            inputs += int(usage.get("input_tokens") or 0)
-            outputs += int(usage.get("output_tokens") or 0)
-            model = item.get("model") or model
+        if item["role"] != "assistant":
+            messages += _anthropic_user_turn(blocks, text)
             continue
-        results = [b for b in blocks if b.get("type") == "tool_result"]
-        for block in results:
-            output = block.get("content")
-            if isinstance(output, list):
-                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-            messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                             "content": _as_tool_output(output)})
-        if text or not results:
-            messages.append({"role": "user", "content": text})
+        message = _anthropic_assistant(blocks, text)
+        messages.append(message)
+        if text and "tool_calls" not in message:
+            final = text
+        usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
+        inputs += int(usage.get("input_tokens") or 0)
+        outputs += int(usage.get("output_tokens") or 0)
+        model = item.get("model") or model
     metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
     if isinstance(model, str):
         metadata["model"] = model
     return final, messages, metadata
 
 
-def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+def _anthropic_assistant(blocks: Sequence[Mapping[str, Any]], text: str) -> Dict[str, Any]:
+    """An assistant turn of Anthropic blocks: its text, ``tool_use`` and ``thinking`` blocks."""
+    uses = [b for b in blocks if b.get("type") == "tool_use"]
+    thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
+    return _assistant_message(
+        text, [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in uses],
+        [{"type": "thinking", "text": t} for t in thoughts])
+
+
+def _anthropic_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
+    """A user turn of Anthropic blocks: each ``tool_result`` a tool message, then the user's text (kept, empty,
+    when there is nothing else)."""
     messages: List[Dict[str, Any]] = []
-    roles = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+    results = [b for b in blocks if b.get("type") == "tool_result"]
+    for block in results:
+        output = block.get("content")
+        if isinstance(output, list):
+            output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
+        messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _as_tool_output(output)})
+    if text or not results:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+
+
+def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """LangChain or LangGraph messages (``type`` human, ai, tool or system) as the v1 transcript."""
+    messages: List[Dict[str, Any]] = []
     inputs = outputs = 0
     model = None
     final: Any = ""
     for item in items:
-        role = roles.get(getattr(item, "type", ""), "assistant")
+        role = _LANGCHAIN_ROLES.get(getattr(item, "type", ""), "assistant")
         content = item.content
         text = content if isinstance(content, str) else "".join(
             b.get("text", "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
-        message: Dict[str, Any] = {"role": role, "content": text or None if role == "assistant" else text}
-        if role == "assistant":
-            calls = getattr(item, "tool_calls", None) or []
-            if calls:
-                message["tool_calls"] = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
-                                         for c in calls]
-            thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
-                        and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
-            if thoughts:
-                message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
-            usage = getattr(item, "usage_metadata", None) or {}
-            inputs += int(usage.get("input_tokens") or 0)
-            outputs += int(usage.get("output_tokens") or 0)
-            model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
-            if text and not calls:
-                final = text
-        elif role == "tool":
-            message["tool_call_id"] = getattr(item, "tool_call_id", None)
+        if role != "assistant":
+            message: Dict[str, Any] = {"role": role, "content": text}
+            if role == "tool":
+                message["tool_call_id"] = getattr(item, "tool_call_id", None)
+            messages.append(message)
+            continue
+        message = _langchain_assistant(item, content, text)
         messages.append(message)
+        usage = getattr(item, "usage_metadata", None) or {}
+        inputs += int(usage.get("input_tokens") or 0)
+        outputs += int(usage.get("output_tokens") or 0)
+        model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
+        if text and "tool_calls" not in message:
+            final = text
     metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
     if model:
         metadata["model"] = model
     return final, messages, metadata
+
+
+def _langchain_assistant(item: Any, content: Any, text: str) -> Dict[str, Any]:
+    """An AI message: its text, ``tool_calls``, and the thinking or reasoning blocks of a list content."""
+    calls = getattr(item, "tool_calls", None) or []
+    thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
+                and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
+    message = _assistant_message(
+        text, [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}} for c in calls], [])
+    if thoughts:  # reasoning blocks, even empty ones only: then an empty list
+        message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
+    return message
 
 
 # ---------------------------------------------------------------------------
@@ -7399,15 +7664,8 @@ def _prog_name() -> str:
 
 
 def _parser(prog: Optional[str] = None) -> Any:
+    """The command line's parser: ``serve`` and ``mcp``."""
     argparse = _argparse()
-
-    class RefuseTokenFlag(argparse.Action):  # type: ignore[misc,name-defined]
-        """``--token VALUE``: refused without echoing VALUE, which would be the agent token itself."""
-
-        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-            parser.error("--token is not accepted: the agent token is read from an environment variable, so it never "
-                         "shows in a process list or a log: set AGENT_TOKEN, or name another with --token-env NAME")
-
     # allow_abbrev=False: a prefix must not stand for an option (`--token SECRET` read as `--token-env SECRET`
     # would print the secret as a variable name).
     parser = argparse.ArgumentParser(
@@ -7417,21 +7675,50 @@ def _parser(prog: Optional[str] = None) -> Any:
     )
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_command(commands, argparse)
+    _add_mcp_command(commands)
+    return parser
+
+
+def _add_serve_command(commands: Any, argparse: Any) -> None:
     serve_ = commands.add_parser(
         "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
         description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.",
     )
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
+    _add_endpoint_options(serve_, argparse)
+    _add_server_options(serve_)
+    _add_reply_options(serve_)
+    serve_.set_defaults(run=_cmd_serve)
+
+
+def _add_endpoint_options(serve_: Any, argparse: Any) -> None:
+    """Where ``serve`` listens and how it checks the credential (§2 step 1)."""
     serve_.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve_.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
     serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
     serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
                         help="environment variable holding the agent token (default AGENT_TOKEN)")
-    serve_.add_argument("--token", action=RefuseTokenFlag, help=argparse.SUPPRESS)
+    serve_.add_argument("--token", action=_refuse_token_flag(argparse), help=argparse.SUPPRESS)
     serve_.add_argument("--auth-header", default="Authorization", metavar="NAME",
                         help="header carrying it: Authorization (Bearer <token>) or a custom name with the raw value")
     serve_.add_argument("--no-auth", action="store_true", help="disable inbound auth (anyone can dispatch)")
+
+
+def _refuse_token_flag(argparse: Any) -> type:
+    """The action of ``--token VALUE``: refused without echoing VALUE, which would be the agent token itself."""
+
+    class RefuseTokenFlag(argparse.Action):  # type: ignore[misc]
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+            parser.error("--token is not accepted: the agent token is read from an environment variable, so it never "
+                         "shows in a process list or a log: set AGENT_TOKEN, or name another with --token-env NAME")
+
+    return RefuseTokenFlag
+
+
+def _add_server_options(serve_: Any) -> None:
+    """The limits ``serve`` holds requests to, and the server that holds them."""
     serve_.add_argument("--max-body", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                         help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
     serve_.add_argument("--timeout", type=_positive_float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
@@ -7450,6 +7737,11 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
                         help="open connections beyond this get 503 (default: from the open-file limit; asyncio "
                              "server)")
+
+
+def _add_reply_options(serve_: Any) -> None:
+    """What ``serve`` answers and allows (strictness, proxy hosts, the tools schema), what it logs, and how often
+    it collects garbage."""
     serve_.add_argument("--strict", action="store_true",
                         help="refuse (500) a response the platform would only soften or drop parts of, instead of "
                              f"sending what it grades (also: {ENV_STRICT}=1)")
@@ -7467,8 +7759,9 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.add_argument("--gc-threshold", type=_non_negative_int, default=SERVE_GC_THRESHOLD, metavar="N",
                         help=f"collect garbage every N allocations, not 700, after freezing what is loaded "
                              f"(default {SERVE_GC_THRESHOLD}; 0 leaves Python's collector as it is)")
-    serve_.set_defaults(run=_cmd_serve)
 
+
+def _add_mcp_command(commands: Any) -> None:
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
         description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
@@ -7477,7 +7770,6 @@ def _parser(prog: Optional[str] = None) -> Any:
     )
     mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
     mcp_.set_defaults(run=_cmd_mcp)
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) -> int:

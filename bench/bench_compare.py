@@ -391,8 +391,9 @@ def measure_calls(sides: Dict[str, Side], env: Dict[str, str], proxy_url: str, a
 # -- 3. server throughput --------------------------------------------------------------
 
 
-def start_server(side: Side, env: Dict[str, str], proxy_url: str) -> Any:
-    """Start ``side``'s dispatch server, check it loaded its copy and answers a ping and a dispatch."""
+def start_server(side: Side, env: Dict[str, str], proxy_url: str, kind: str = "asyncio") -> Any:
+    """Start ``side``'s dispatch server (``serve --server KIND``), check it loaded its copy and answers a ping and
+    a dispatch."""
     import bench_server
     from bench_server import AGENT_TOKEN, HOST, Server, check_once, dispatch_ok, dispatch_requests, ping_ok, \
         ping_request
@@ -400,6 +401,8 @@ def start_server(side: Side, env: Dict[str, str], proxy_url: str) -> Any:
     port = benchlib.free_port()
     command = [sys.executable, "-c", SERVER_LAUNCH, "serve", os.path.join(benchlib.BENCH, "agents.py:three_calls"),
                "--host", HOST, "--port", str(port), "--token-env", "BENCH_AGENT_TOKEN"]
+    if kind != "asyncio":  # the default; a copy older than the asyncio server has no --server
+        command += ["--server", kind]
     server = Server(f"compare-{side.name}", command, dict(side.env(env), BENCH_AGENT_TOKEN=AGENT_TOKEN), port)
     os.makedirs(benchlib.RESULTS, exist_ok=True)
     with open(server.log_path, "wb") as log:  # Server.start runs in the repository root, where the
@@ -435,9 +438,9 @@ def measure_servers(sides: Dict[str, Side], env: Dict[str, str], proxy: subproce
     rss: Dict[str, Optional[int]] = {}
     try:
         for name in SIDES:  # a first start compiles what the server imports beyond the module; then the real one
-            start_server(sides[name], env, proxy_url).stop()
+            start_server(sides[name], env, proxy_url, args.server_kind).stop()
         for name in SIDES:
-            servers[name] = start_server(sides[name], env, proxy_url)
+            servers[name] = start_server(sides[name], env, proxy_url, args.server_kind)
         time.sleep(0.5)
         for name in SIDES:
             rss[name] = benchlib.rss_kib(servers[name].pid)
@@ -555,6 +558,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for key, (default, quick) in SETTINGS.items():
         parser.add_argument("--" + key.replace("_", "-"), type=kinds.get(key, benchlib.positive_int), default=None,
                             help=f"default {default}, {quick} with --quick")
+    parser.add_argument("--server-kind", choices=("asyncio", "threads"), default="asyncio",
+                        help="which built-in server both sides run (serve --server; default asyncio)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--expect", help=argparse.SUPPRESS)
     parser.add_argument("--proxy-url", help=argparse.SUPPRESS)
@@ -585,7 +590,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"proxy calls: {args.call_rounds} rounds x {args.calls} calls per side ...", flush=True)
                     parts["calls"] = measure_calls(sides, env, proxy_url, args)
                 if not args.skip_server:
-                    print(f"servers: {args.server_rounds} rounds of {args.warmup:g} + {args.duration:g} s, "
+                    print(f"servers ({args.server_kind}): {args.server_rounds} rounds of {args.warmup:g} + "
+                          f"{args.duration:g} s, "
                           f"{args.connections} connections ...", flush=True)
                     parts["server"] = measure_servers(sides, env, proxy, proxy_url, args)
             finally:

@@ -6,8 +6,10 @@ import ast
 import inspect
 import json
 import pathlib
+import re
 import subprocess
 import sys
+from typing import List, Tuple
 
 import pytest
 
@@ -102,7 +104,7 @@ def test_the_module_imports_nothing_of_the_kit() -> None:
 def test_the_contract_part_keeps_its_rules() -> None:
     """Part 1 (the contract) comes first and does no I/O: no sockets, threads, logging, files or sleeping."""
     lines = (ROOT / "pipelines_port.py").read_text(encoding="utf-8").splitlines()
-    starts = [next(i for i, line in enumerate(lines) if f"PART {n} - " in line) for n in (1, 2, 3)]
+    starts = [next(i for i, line in enumerate(lines) if line.startswith(f"#   PART {n} - ")) for n in (1, 2, 3)]
     assert starts == sorted(starts)
     contract = ast.parse("\n".join(lines[starts[0]:starts[1]]))
     used = set()
@@ -120,6 +122,45 @@ def test_the_contract_part_keeps_its_rules() -> None:
     for name in ("decide", "request_body_length", "interpret_reply", "retry_decision", "response_envelope",
                  "validate_response", "error_reply", "Envelope", "check_credential", "is_ping", "RetryPolicy"):
         assert name in defined, name
+
+
+def _module_sections(lines: List[str]) -> List[Tuple[int, int, str]]:
+    """``(line, level, title)`` of each part banner (``#   PART n - ...``, level 0) and each section's opening
+    (a ``# ----`` rule, then its title line: level 1) in the module's lines."""
+    rule = re.compile(r"# -{20,}")
+    found = []
+    for i, line in enumerate(lines):
+        part = re.match(r"#   (PART \d - .+)$", line)
+        if part:
+            found.append((i + 1, 0, part.group(1).strip()))
+        elif rule.fullmatch(line) and i + 1 < len(lines) and lines[i + 1].startswith("# ") \
+                and not rule.fullmatch(lines[i + 1]):
+            found.append((i + 2, 1, lines[i + 1][2:].strip()))
+    return found
+
+
+def test_the_opening_map_points_at_the_parts_and_sections_it_names() -> None:
+    """The module docstring's map lists every part and section of the file, in order, at the line it starts on;
+    each entry's title is its section's title (or the start of it)."""
+    lines = (ROOT / "pipelines_port.py").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Map: ")) + 1
+    while not lines[start].endswith("::"):
+        start += 1
+    entries = []
+    for line in lines[start + 2:]:
+        entry = re.fullmatch(r"    +(\d+)  ( *)(\S.*)", line)
+        if entry is None:
+            break
+        entries.append((int(entry.group(1)), len(entry.group(2)) // 2, entry.group(3)))
+    sections = _module_sections(lines)
+    expected = "\n".join(f"    {n:>5}  {'  ' * level}{title}" for n, level, title in sections)
+    assert len(sections) > 20
+    assert [(n, level) for n, level, _ in entries] == [(n, level) for n, level, _ in sections], \
+        f"the map's line numbers are out of date; the file's parts and sections are:\n{expected}"
+    for (n, _, title), (_, _, full) in zip(entries, sections):
+        assert full.startswith(title), f"line {n} opens {full!r}, not {title!r}"
+    assert [title for _, level, title in entries if level == 0] == [
+        "PART 1 - THE CONTRACT", "PART 2 - THE PYTHON RUNTIME", "PART 3 - CONVENIENCES"]
 
 
 # The kit's sub-packages and the ones each may import (conformance/__init__.py draws the same graph).
