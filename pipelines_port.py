@@ -30,29 +30,29 @@ the numbers true)::
      1177    Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope
      1631    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
      1790    Reply interpretation (§3.2, §3.3) and the retry decision
-     2021    Response envelope (§4): building and validation
-     2594    HTTP replies of a dispatch endpoint: JSON bodies, one error path
-     2660  PART 2 - THE PYTHON RUNTIME
-     2706    Speed paths: what part 1 computes, computed faster in Python
-     2825    Context binding: the envelope of the dispatch running in this context
-     2870    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
-     3208    The deadline wheel: the asyncio driver's and server's timeouts
-     3302    Transport, asyncio: replies read as they arrive, connections pooled per loop
-     3769    The retry loop of both drivers (RetryState.step decides), and what they share
-     3927    Proxy client (§3): tool calls, trace events, actors
-     4490    Running agents: a fresh thread per run, an optional deadline
-     4742    The dispatch app (§2): decide(), then probe the proxy or run the agent
-     5125    Server adapters: the built-in servers' settings; WSGI and ASGI
-     5239    The http.server server: a thread per connection, its classes built on first use
-     5540    The asyncio server: one event loop, a protocol per connection
-     5961    Starting a server: make_server, start_server, serve (signals and the drain)
-     6063    Code mode (§5): one agent function, the sandbox's run() entrypoint
-     6190  PART 3 - CONVENIENCES
-     6203    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
-     6447    Tools from code: JSON Schema from a function's signature
-     6777    Framework bridges (the porting guide's steps 1 and 2)
-     7286    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-     7483    Command line: serve, mcp
+     2024    Response envelope (§4): building and validation
+     2597    HTTP replies of a dispatch endpoint: JSON bodies, one error path
+     2663  PART 2 - THE PYTHON RUNTIME
+     2709    Speed paths: what part 1 computes, computed faster in Python
+     2828    Context binding: the envelope of the dispatch running in this context
+     2873    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
+     3211    The deadline wheel: the asyncio driver's and server's timeouts
+     3305    Transport, asyncio: replies read as they arrive, connections pooled per loop
+     3772    The retry loop of both drivers (RetryState.step decides), and what they share
+     3930    Proxy client (§3): tool calls, trace events, actors
+     4493    Running agents: a fresh thread per run, an optional deadline
+     4745    The dispatch app (§2): decide(), then probe the proxy or run the agent
+     5128    Server adapters: the built-in servers' settings; WSGI and ASGI
+     5242    The http.server server: a thread per connection, its classes built on first use
+     5543    The asyncio server: one event loop, a protocol per connection
+     5964    Starting a server: make_server, start_server, serve (signals and the drain)
+     6066    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     6193  PART 3 - CONVENIENCES
+     6206    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
+     6450    Tools from code: JSON Schema from a function's signature
+     6780    Framework bridges (the porting guide's steps 1 and 2)
+     7289    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     7486    Command line: serve, mcp
 
 Quick look::
 
@@ -2015,6 +2015,9 @@ def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
     if isinstance(error, ProxyError):
         return type(error)(error.message + note, status_code=error.status_code, error_class=error.error_class,
                            body=error.body, tool_name=error.tool_name, retry_after=error.retry_after)
+    if error is not None:  # another driver's own error (post_json's): its words, then why it was not retried
+        error.args = (f"{error}{note.replace('the proxy', 'the server')}",)
+        return error
     return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
 
 # ---------------------------------------------------------------------------
