@@ -460,3 +460,17 @@ def test_the_judge_grades_the_whole_session(session_project: Dict[str, pathlib.P
         (1, "Is order 4521 cancelled yet?", "Order 4521 is paid. Shall I cancel it?", [1]),
         (2, "Yes, please go ahead.", "It is cancelled now.", [2])]
     assert case["final_response"] == "It is cancelled now." and len(case["trajectory"]) == 2
+
+
+def test_a_flag_the_model_sets_arms_an_after_state_change_rule() -> None:
+    """The model's effects are ledger changes like a fixture's: a later rule keyed on its flag fires."""
+    rules = [{"trigger": "after_state_change", "tool": "get_order", "condition": "refund_issued", "duration": 1,
+              "error": {"code": 200, "response": {"id": "4521", "status": "paid", "note": "replica lag"}}}]
+    b = backend(rules=rules)
+    refund = b.call("refund_order", {"order_id": "4521"}, ask=lambda q: {
+        "response": {"id": "4521", "status": "refunded"},
+        "effects": [{"update": "order.4521", "set": {"status": "refunded"}}, {"set_flag": "refund_issued"}]})
+    assert [c["op"] for c in refund.changes] == ["update", "set_flag"] and b.ledger.flags == {"refund_issued": True}
+    lagging = b.call("get_order", {"order_id": "4521"})
+    assert lagging.source == "injected" and lagging.response["note"] == "replica lag"
+    assert b.call("get_order", {"order_id": "4521"}).response["status"] == "refunded"  # the rule's one call is over
