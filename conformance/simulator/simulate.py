@@ -46,11 +46,18 @@ a real status would be retried or turned into an exception instead of showing
 the model a failed call.  The shape mirrors ``ProxyError.to_value()`` so an
 agent sees the same keys whether a call failed for real or by a rule.
 
+The model-backed roles, each on any OpenAI-compatible server (``scripted``: the kit's offline stand-in), with
+one answer cache: ``--judge`` grades each run (``judge.py``), ``--simulator`` answers the tool calls nothing
+else answers (``backend_model.py``), ``--user-model`` plays the user of a ``model_as_user`` row, which runs
+as a conversation of dispatches (``session.py``).  ``--min-pass-rate`` and ``--junit`` make the verdicts a
+CI gate (``gate.py``).
+
 Exit status: 0 when every row ran and returned a valid response, 1 when any
 row errored (agent exception, invalid response, timeout, or a row the
 dataset check rejected), 2 when nothing could run (bad options, unreadable
-or invalid files, an agent that cannot be imported or reached).  The run
-token and the agent token are never printed, logged or written to a report.
+or invalid files, an agent that cannot be imported or reached); 1 as well
+when the pass rate is below ``--min-pass-rate``.  The run token, the agent
+token and the models' API keys are never printed, logged or written to a report.
 """
 
 from __future__ import annotations
@@ -78,16 +85,15 @@ from urllib.parse import urlsplit, urlunsplit
 import pipelines_port as pp
 
 from . import dataset as datasets
-from . import engine, gate, report, shards
+from . import engine, gate, prompts, report, session, shards
 from . import judge as judging
-from ..kit import prog
+from .backend_model import ToolModel
+from .session import Conversation, UserModel
 from ..harness.mock_proxy import MockProxy, RecordedRequest
+from ..kit import prog
 from ..models import cache as _cache
 from ..models.client import ChatClient, Endpoint, endpoint_from_options
 from ..models.scripted import scripted_endpoint
-from . import prompts, session
-from .backend_model import ToolModel
-from .session import Conversation, UserModel
 
 __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
            "main"]
@@ -879,7 +885,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog("simulate"),
         description="Run every row of a task-seeding CSV against an agent through a local simulated proxy.",
-        epilog="Exit status: 0 all rows ok, 1 some row errored, 2 nothing could run.",
+        epilog="Exit status: 0 all rows ok, 1 some row errored or the pass rate is below --min-pass-rate, 2 nothing "
+               "could run.",
     )
     parser.add_argument("--csv", required=True, metavar="FILE.csv",
                         help="the dataset (checked as by the `dataset` command)")
