@@ -449,21 +449,8 @@ def _row(index: Dict[str, int], header_width: int, record: Record) -> Tuple[Opti
         if rules is not _UNREADABLE:  # null included: it is no array
             problems += _findings(engine.rule_findings(rules), "failure_rules", line, row)
 
-    outcome = cell("expected_outcome").strip().lower()
-    if outcome and outcome not in OUTCOMES:
-        close = difflib.get_close_matches(outcome, OUTCOMES, n=1, cutoff=0.6)
-        tail = f": did you mean `{close[0]}`?" if close else ""
-        problems.append(Problem(
-            "error", f"must be `completion` or `refusal` (any case), got {cell('expected_outcome').strip()!r}{tail}",
-            line=line, row=row, column="expected_outcome"))
-
-    turn_mode = cell("turn_mode").strip().lower() if "turn_mode" in index else ""
-    if turn_mode and turn_mode not in TURN_MODES:
-        close = difflib.get_close_matches(turn_mode, TURN_MODES, n=1, cutoff=0.6)
-        tail = f": did you mean `{close[0]}`?" if close else ""
-        problems.append(Problem(
-            "error", f"must be `single` or `model_as_user` (any case), got {cell('turn_mode').strip()!r}{tail}",
-            line=line, row=row, column="turn_mode"))
+    outcome = _choice(cell("expected_outcome"), OUTCOMES, "expected_outcome", line, row, problems)
+    turn_mode = _choice(cell("turn_mode"), TURN_MODES, "turn_mode", line, row, problems)
 
     if any(p.severity == "error" for p in problems):
         return None, problems
@@ -480,6 +467,19 @@ def _row(index: Dict[str, int], header_width: int, record: Record) -> Tuple[Opti
         turn_mode=turn_mode or "single",
     )
     return task, problems
+
+
+def _choice(text: str, choices: Sequence[str], column: str, line: int, row: int, problems: List[Problem]) -> str:
+    """A cell that names one of ``choices`` (any case), lower-cased; ``""`` when empty or not one (a problem)."""
+    value = text.strip().lower()
+    if value and value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+        tail = f": did you mean `{close[0]}`?" if close else ""
+        named = " or ".join(f"`{c}`" for c in choices)
+        problems.append(Problem("error", f"must be {named} (any case), got {text.strip()!r}{tail}", line=line,
+                                row=row, column=column))
+        return ""
+    return value
 
 
 RecordLike = Union[Record, Sequence[str]]

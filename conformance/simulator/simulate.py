@@ -1214,14 +1214,18 @@ class ModelRoles:
             self.caches.append(self._cache)
         return self._cache
 
+    @staticmethod
+    def _prompt(path: Optional[str], default: str, option: str) -> str:
+        try:
+            return prompts.load(path, default=default, option=option)
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+
     def judge(self) -> Optional[judging.Judge]:
         args = self.args
         if not args.judge:
             return None
-        try:
-            prompt = judging.load_prompt(args.judge_prompt)
-        except ValueError as exc:
-            raise SetupError(str(exc)) from None
+        prompt = self._prompt(args.judge_prompt, prompts.JUDGE, "--judge-prompt")
         return judging.Judge(self.client(args.judge, args.judge_url, args.judge_key_env, option="--judge",
                                          concurrency=args.judge_jobs), prompt)
 
@@ -1229,10 +1233,7 @@ class ModelRoles:
         args = self.args
         if not args.simulator:
             return None
-        try:
-            prompt = prompts.load(args.simulator_prompt, default=prompts.SIMULATOR, option="--simulator-prompt")
-        except ValueError as exc:
-            raise SetupError(str(exc)) from None
+        prompt = self._prompt(args.simulator_prompt, prompts.SIMULATOR, "--simulator-prompt")
         return ToolModel(self.client(args.simulator, args.simulator_url, args.simulator_key_env,
                                      option="--simulator", concurrency=max(16, args.jobs)), prompt, tools)
 
@@ -1240,10 +1241,7 @@ class ModelRoles:
         args = self.args
         if not args.user_model:
             return None
-        try:
-            prompt = prompts.load(args.user_prompt, default=prompts.USER, option="--user-prompt")
-        except ValueError as exc:
-            raise SetupError(str(exc)) from None
+        prompt = self._prompt(args.user_prompt, prompts.USER, "--user-prompt")
         return UserModel(self.client(args.user_model, args.user_url, args.user_key_env, option="--user-model",
                                      concurrency=max(16, args.jobs)), prompt, args.max_turns)
 
