@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -159,4 +160,58 @@ func dispatch(client *http.Client, dispatchURL, agentToken, proxyURL, runToken s
 		return fmt.Sprintf("HTTP %d %v, want 200 with final_response %s", resp.StatusCode, reply, Digest(runToken))
 	}
 	return ""
+}
+
+// Route is a request to a mounted router and what its answer must be: the
+// status and a part of the body.
+type Route struct {
+	Method, Path string
+	Status       int
+	Body         string
+}
+
+// ServeMounted serves router (which mounts dispatch under prefix) on
+// 127.0.0.1 with the port's server settings, runs n concurrent dispatches
+// through prefix+"/dispatch" against proxy, asks each of routes, then drains
+// and shuts down as Serve does on SIGTERM. The mux and chi tests share it.
+func ServeMounted(tb testing.TB, dispatch *pp.DispatchHandler, router http.Handler, prefix, agentToken string,
+	proxy *Proxy, n int, routes []Route) {
+	tb.Helper()
+	srv := pp.NewServer(dispatch) // the port's timeouts and body read deadline, for the whole router
+	srv.Handler = router
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	base := "http://" + ln.Addr().String()
+
+	Run(tb, base+prefix+"/dispatch", agentToken, proxy.URL+"/api/odyssey-proxy/runs/r", n)
+	if distinct, calls := proxy.RunTokens(); distinct != n || calls != n {
+		tb.Errorf("the proxy saw %d run tokens in %d calls, want %d in %d", distinct, calls, n, n)
+	}
+	for _, route := range routes {
+		req, _ := http.NewRequest(route.Method, base+route.Path, strings.NewReader("{}"))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != route.Status || !strings.Contains(string(body), route.Body) {
+			tb.Errorf("%s %s: %d %s, want %d with %q", route.Method, route.Path, resp.StatusCode, body, route.Status,
+				route.Body)
+		}
+	}
+
+	dispatch.Drain() // what Serve does on SIGTERM: new dispatches 503, in-flight ones finish
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		tb.Error(err)
+	}
+	if err := <-served; err != http.ErrServerClosed {
+		tb.Error(err)
+	}
 }
