@@ -46,7 +46,7 @@ import pipelines_port as pp
 from .cache import AnswerCache
 
 __all__ = ["DEFAULT_BASE_URL", "Endpoint", "Answer", "Usage", "ModelError", "ChatClient", "endpoint_from_options",
-           "MODEL_RETRY"]
+           "MODEL_RETRY", "add_usage"]
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 # Bounded: a role waits at most ~1 + 2 + 4 s between tries, or what Retry-After asks up to 60 s; then the row is
@@ -99,6 +99,12 @@ class Usage:
 
     def to_json(self) -> Dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+def add_usage(total: Dict[str, int], spent: Mapping[str, int]) -> None:
+    """``spent`` summed into ``total`` (a row's usage of a role), key by key."""
+    for key, value in spent.items():
+        total[key] = total.get(key, 0) + value
 
 
 class Answer(NamedTuple):

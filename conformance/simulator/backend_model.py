@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from . import engine, prompts
 from ..models import roles
-from ..models.client import ChatClient, ModelError
+from ..models.client import ChatClient, ModelError, add_usage
 
 __all__ = ["PROMPT_FILE", "ToolModel", "tool_definitions"]
 
@@ -73,14 +73,9 @@ class ToolModel:
                 answer = self.client.ask_json(messages, roles.TOOL_SCHEMA, name=roles.TOOL, strict=False,
                                               check=lambda value: backend.answer_problem(name, args, value))
             except ModelError as exc:
-                _add(usage, exc.usage)
+                add_usage(usage, exc.usage)
                 raise
-            _add(usage, answer.usage)
+            add_usage(usage, answer.usage)
             return answer.value
 
         return ask
-
-
-def _add(total: Dict[str, int], spent: Mapping[str, int]) -> None:
-    for key, value in spent.items():
-        total[key] = total.get(key, 0) + value

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 from . import dataset as datasets
 from ..models import roles
-from ..models.client import ChatClient, ModelError
+from ..models.client import ChatClient, ModelError, add_usage
 
 __all__ = ["TURN_MODES", "DEFAULT_MAX_TURNS", "UserModel", "TurnReply", "turn_reply", "Conversation"]
 
@@ -93,17 +93,12 @@ class UserModel:
         try:
             answer = self.client.ask_json(messages, roles.USER_SCHEMA, name=roles.USER, check=_user_check)
         except ModelError as exc:
-            _add(usage, exc.usage)
+            add_usage(usage, exc.usage)
             raise
-        _add(usage, answer.usage)
+        add_usage(usage, answer.usage)
         done = bool(answer.value.get("done"))
         message = answer.value.get("message")
         return (None if done else str(message)), done
-
-
-def _add(total: Dict[str, int], spent: Mapping[str, int]) -> None:
-    for key, value in spent.items():
-        total[key] = total.get(key, 0) + value
 
 
 class Conversation:
