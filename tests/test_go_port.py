@@ -157,14 +157,7 @@ def test_the_readme_quick_start_builds_and_serves(tmp_path: pathlib.Path) -> Non
     proc = subprocess.Popen([str(exe)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})
     try:
-        # It logs nothing at start (127.0.0.1:0 picks a port): find the port it listens on from /proc.
-        port = None
-        for _ in range(100):
-            port = listening_port(proc.pid)
-            if port:
-                break
-            threading.Event().wait(0.05)
-        assert port, "the quick start did not listen"
+        port = wait_listening(proc.pid, "the quick start")  # it logs nothing at start (127.0.0.1:0 picks a port)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("POST", "/dispatch", body=b'{"ping": true}',
                      headers={"Authorization": f"Bearer {AGENT_TOKEN}", "Content-Type": "application/json"})
@@ -261,13 +254,7 @@ def test_the_readme_router_recipes_build_and_serve(recipe: str, tmp_path: pathli
     proc = subprocess.Popen([str(exe)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})
     try:
-        port = None
-        for _ in range(100):
-            port = listening_port(proc.pid)
-            if port:
-                break
-            threading.Event().wait(0.05)
-        assert port, "the recipe did not listen"
+        port = wait_listening(proc.pid, "the recipe")
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("POST", f"{CHI_PREFIX}/dispatch", body=b'{"ping": true}',
                      headers={"Authorization": f"Bearer {AGENT_TOKEN}", "Content-Type": "application/json"})
@@ -283,6 +270,16 @@ def test_the_readme_router_recipes_build_and_serve(recipe: str, tmp_path: pathli
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def wait_listening(pid: int, what: str) -> int:
+    """The port ``pid`` comes to listen on (found in /proc), within 5 s."""
+    for _ in range(100):
+        port = listening_port(pid)
+        if port:
+            return port
+        threading.Event().wait(0.05)
+    raise AssertionError(f"{what} did not listen")
 
 
 def listening_port(pid: int) -> Optional[int]:
