@@ -699,8 +699,9 @@ class Backend:
         self.calls += 1
         self.calls_by_tool[tool_name] = self.calls_by_tool.get(tool_name, 0) + 1
         result = self._answer(tool_name, args, ask, question)
-        self.history.append({"tool": tool_name, "arguments": copy.deepcopy(args),
-                             "response": copy.deepcopy(result.response), "source": result.source})
+        # By reference: nothing changes a call's arguments or answer once made; question() copies what it shows.
+        self.history.append({"tool": tool_name, "arguments": args, "response": result.response,
+                             "source": result.source})
         if result.answered_by == "none" and tool_name not in self.unanswered:
             self.unanswered.append(tool_name)
         return result
