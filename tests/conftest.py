@@ -69,6 +69,16 @@ def client_tls() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(CERT))
 
 
+@pytest.fixture(scope="session")
+def tsc() -> pathlib.Path:
+    """The TypeScript port's locked compiler: ``npm ci`` in the port when its ``node_modules`` is missing or stale."""
+    from tests.registries import need, npm_ci
+    from tests.ts_mutants import PORT, TSC
+
+    need(npm_ci, PORT)
+    return TSC
+
+
 @pytest.fixture
 def proxy() -> Iterator[MockProxy]:
     with MockProxy(tokens=[TOKEN]) as p:

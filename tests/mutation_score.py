@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -66,14 +66,24 @@ class Outcome(NamedTuple):
 
 
 def toolchains() -> Dict[str, Optional[str]]:
-    """Each port language's toolchain problem, or None when it can build and run that language's mutants."""
+    """Each port language's toolchain problem, or None when it can build and run that language's mutants (what
+    they need from a registry fetched first, as the tests fetch it: ``tests/registries.py``)."""
+    from tests.registries import FetchFailed, cargo_fetch, npm_ci
     from tests.rust_mutants import CARGO
-    from tests.ts_mutants import TSC
+    from tests.rust_mutants import PORT as RUST_PORT
+    from tests.ts_mutants import PORT as TS_PORT
+
+    def fetched(fetch: Callable[..., None], *args: Any) -> Optional[str]:
+        try:
+            fetch(*args)
+            return None
+        except FetchFailed as exc:
+            return str(exc)
 
     return {
-        "typescript": None if shutil.which("node") and TSC.exists() else f"node or {TSC} is missing (npm ci)",
+        "typescript": fetched(npm_ci, TS_PORT) if shutil.which("node") else "node is not on PATH",
         "go": None if shutil.which("go") else "go is not on PATH",
-        "rust": None if CARGO else "cargo is not on PATH",
+        "rust": fetched(cargo_fetch, RUST_PORT, CARGO),
     }
 
 

@@ -4,8 +4,8 @@ The server (``cmd/conformance-server``, serving the conformance agent) is built
 once into a temporary directory and run as a subprocess; the agent's tool
 calls go to a MockProxy. So is the same agent mounted under a prefix in a chi
 router (``internal/chitest``, a module of its own whose one dependency, chi,
-``.ci/run`` downloads; the tests build it offline). Skipped when ``go`` is not
-on PATH.
+the ``chi`` fixture fetches with ``go mod download``; the builds then run with
+``GOPROXY=off``). Skipped when ``go`` is not on PATH.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.port_process import (
     PortServer, assert_a_custom_auth_header_and_the_misconfigured_mode, post,
     assert_a_script_through_the_proxy_and_a_failing_agent, assert_auth_ping_and_the_refusals,
     assert_bad_arguments_are_one_line, assert_sigterm_lets_a_dispatch_finish, assert_the_check_passes_at_strict)
+from tests.registries import go_mod_download, need
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "go"
@@ -172,14 +173,19 @@ def test_the_readme_quick_start_builds_and_serves(tmp_path: pathlib.Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def chi_binary(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+def chi() -> None:
+    """chi, in the module cache: ``go mod download`` in ``internal/chitest`` (skipped when the proxy is unreachable)."""
+    need(go_mod_download, CHI_DIR)
+
+
+@pytest.fixture(scope="module")
+def chi_binary(tmp_path_factory: pytest.TempPathFactory, chi: None) -> pathlib.Path:
     """``go build`` of ``internal/chitest``'s chi-conformance-server, offline: chi must be in the module cache."""
     out = tmp_path_factory.mktemp("go-chi")
     exe = out / "chi-conformance-server"
     done = subprocess.run([GO, "build", "-o", str(exe), "./cmd/chi-conformance-server"], cwd=CHI_DIR,
                           env=go_env(out / "cache", mod="readonly"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (f"{done.stderr}\nchi comes from the Go module proxy: run `go mod download` in "
-                                  f"{CHI_DIR.relative_to(ROOT)} first, as .ci/run does")
+    assert done.returncode == 0, done.stderr
     return exe
 
 
@@ -194,7 +200,7 @@ def test_the_port_requires_nothing_and_its_path_can_be_required() -> None:
     assert f"replace {GO_MODULE} => ../..\n" in chi_mod and "github.com/go-chi/chi/v5 v" in chi_mod
 
 
-def test_the_chi_module_vets_and_tests(tmp_path: pathlib.Path) -> None:
+def test_the_chi_module_vets_and_tests(tmp_path: pathlib.Path, chi: None) -> None:
     """internal/chitest's own test: 120 concurrent dispatches, each with its own run token, through the handler
     mounted under a prefix in a chi router on 127.0.0.1 (mux_test.go does the same in an http.ServeMux)."""
     env = go_env(tmp_path / "cache", mod="readonly")
@@ -230,7 +236,7 @@ def readme_go_block(readme: str, heading: str) -> str:
 
 
 @pytest.mark.parametrize("recipe", ["### In a standard `http.ServeMux`", "### In a `chi` router"])
-def test_the_readme_router_recipes_build_and_serve(recipe: str, tmp_path: pathlib.Path) -> None:
+def test_the_readme_router_recipes_build_and_serve(recipe: str, tmp_path: pathlib.Path, chi: None) -> None:
     """Each recipe of the README's "Mount it in your router", with its main.go as printed, builds, serves a
     ping under the prefix beside the rest of the service, and stops gracefully on SIGTERM."""
     readme = (PORT_DIR / "README.md").read_text()

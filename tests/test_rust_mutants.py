@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conformance.checker import rules
+from tests.registries import cargo_fetch, need
 from tests.rust_mutants import CARGO, MODULE, MUTANTS, PORT, build, materialise
 
 
@@ -42,6 +43,7 @@ def test_an_edit_that_no_longer_applies_is_an_error(tmp_path: Path) -> None:
 def test_every_mutant_still_compiles(tmp_path: Path) -> None:
     """A mutant that no longer compiles would count as missed: each is built, one after another, in the shared
     target directory (the dependencies compile once)."""
+    need(cargo_fetch, PORT, CARGO)
     failures = []
     for mutant in MUTANTS:
         where = tmp_path / mutant.name

@@ -3,7 +3,7 @@
 The server (``src/bin/conformance-server``, serving the conformance agent) is built once with ``cargo build``
 into the one shared target directory of ``tests/rust_mutants.py`` (the dependencies compile once for the port,
 its tests and the mutants) and run as a subprocess; the agent's tool calls go to a MockProxy. Skipped when
-``cargo`` is missing.
+``cargo`` is missing, or crates.io when the crates are not in cargo's cache (``tests/registries.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.port_process import (
     PortServer, assert_a_custom_auth_header_and_the_misconfigured_mode,
     assert_a_script_through_the_proxy_and_a_failing_agent, assert_auth_ping_and_the_refusals,
     assert_bad_arguments_are_one_line, assert_sigterm_lets_a_dispatch_finish, assert_the_check_passes_at_strict)
+from tests.registries import cargo_fetch, need
 from tests.rust_mutants import CARGO, PORT, build, target_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,6 +30,12 @@ AGENT_TOKEN = "rust-agent-token-5d5d5d5d"
 RUN_TOKEN = "rust-run-token-6e6e6e6e"
 
 pytestmark = pytest.mark.skipif(CARGO is None, reason="cargo is not on PATH: the Rust port cannot be built")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def crates() -> None:
+    """The port's locked crates, in cargo's registry cache (skipped when crates.io is unreachable)."""
+    need(cargo_fetch, PORT, CARGO)
 
 
 def cargo(*args: str, cwd: pathlib.Path = PORT, timeout: float = 900) -> subprocess.CompletedProcess:  # type: ignore[type-arg]

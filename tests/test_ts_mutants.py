@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conformance.checker import rules
-from tests.ts_mutants import MODULE, MUTANTS, PORT, TSC, build, materialise
+from tests.ts_mutants import MODULE, MUTANTS, PORT, build, materialise
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
@@ -36,8 +36,7 @@ def test_an_edit_that_no_longer_applies_is_an_error(tmp_path: Path) -> None:
         materialise(broken, tmp_path / "port")
 
 
-@pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)")
-def test_a_mutant_type_checks_and_builds_a_server(tmp_path: Path) -> None:
+def test_a_mutant_type_checks_and_builds_a_server(tmp_path: Path, tsc: Path) -> None:
     """A realistic bug compiles: one mutant through build(), which runs the port's tsc in strict mode."""
     mutant = next(m for m in MUTANTS if m.name == "retry_after_ignored")
     server = build(materialise(mutant, tmp_path / "port"))
@@ -45,8 +44,7 @@ def test_a_mutant_type_checks_and_builds_a_server(tmp_path: Path) -> None:
     assert server.is_file() and "policy.maxRetryAfterS" not in compiled.split("function retryDelay", 1)[1][:300]
 
 
-@pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)")
-def test_a_mutant_that_does_not_type_check_is_refused(tmp_path: Path) -> None:
+def test_a_mutant_that_does_not_type_check_is_refused(tmp_path: Path, tsc: Path) -> None:
     broken = MUTANTS[0]._replace(edits=(("  maxAttempts: 4,", "  maxAttempts: \"four\","),))
     with pytest.raises(RuntimeError, match="does not type-check"):
         build(materialise(broken, tmp_path / "port"))

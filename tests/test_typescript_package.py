@@ -6,8 +6,8 @@ versions, locked), the port's conformance agent, a Hono server and the README's 
 installed package by the port's locked ``tsc`` in strict mode, then served: the whole conformance check at
 ``--strict`` and 120 concurrent dispatches go through Hono to ``fetchHandler``.
 
-Skipped when node, npm or the port's ``tsc`` (``npm ci`` in the port) is missing, and when the frameworks are
-neither in npm's cache nor reachable on the registry (``.ci/run`` puts them in the cache first, so CI runs this).
+The port's compiler and the locked hosts come from the npm registry, fetched by the tests themselves
+(``tests/registries.py``): skipped when node or npm is missing or the registry is unreachable.
 """
 
 from __future__ import annotations
@@ -27,21 +27,18 @@ import pytest
 from conformance.harness.mock_proxy import MockProxy
 from tests.conftest import Together
 from tests.port_process import PortServer, platform_dispatch, post, run_check
+from tests.registries import need, run
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
 PROJECT = ROOT / "tests" / "data" / "typescript_package"
-TSC = PORT_DIR / "node_modules" / ".bin" / "tsc"
 NODE = shutil.which("node")
 NPM = shutil.which("npm")
 AGENT_TOKEN = "hono-agent-token-5d5d5d5d"
 # What the tarball holds: the library and its declarations, the README and the licence; no tests, no server.
 PACKED_FILES = {"LICENSE", "README.md", "package.json", "dist/pipelines_port.js", "dist/pipelines_port.d.ts"}
 
-pytestmark = [
-    pytest.mark.skipif(NODE is None or NPM is None, reason="node or npm is not on PATH: the package cannot be packed"),
-    pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)"),
-]
+pytestmark = pytest.mark.skipif(NODE is None or NPM is None, reason="node or npm is not on PATH: the package cannot be packed")
 
 
 class Packed(NamedTuple):
@@ -56,20 +53,13 @@ def npm(*args: str, cwd: pathlib.Path, timeout: float = 300) -> subprocess.Compl
 
 
 def install(app: pathlib.Path, tarball: pathlib.Path) -> None:
-    """The tarball, plus the project's locked frameworks: from npm's cache, else from the registry (skip if down)."""
-    args = ("install", "--no-save", str(tarball))
-    if npm(*args, "--offline", cwd=app).returncode == 0:
-        return
-    ping = npm("ping", "--fetch-retries=0", "--fetch-timeout=15000", cwd=app, timeout=60)
-    if ping.returncode != 0:
-        reason = next((line for line in (ping.stderr + ping.stdout).splitlines() if "npm error" in line), "npm ping failed")
-        pytest.skip(f"the npm registry is unreachable and the frameworks are not in npm's cache: {reason}")
-    done = npm(*args, "--prefer-offline", cwd=app)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """The tarball, plus the project's locked frameworks from the registry (npm's cache first)."""
+    cmd = [str(NPM), "install", "--no-save", str(tarball), "--prefer-offline", "--no-audit", "--no-fund", "--loglevel=error"]
+    need(run, cmd, app, "npm install of the package beside its locked hosts")
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
+def packed(tmp_path_factory: pytest.TempPathFactory, tsc: pathlib.Path) -> Packed:
     work = tmp_path_factory.mktemp("typescript-package")
     # A copy without dist/: what goes in the tarball is what prepack builds from src/ (the checkout is left alone).
     port = work / "port"
@@ -91,7 +81,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
     assert recipe is not None and 'from "pipelines-port"' in recipe.group(1)
     (app / "src" / "readme_hono.ts").write_text(recipe.group(1))
     (app / "src" / "agent.ts").write_text('export { conformanceAgent as agent } from "./conformance_agent.js";\n')
-    done = subprocess.run([str(TSC), "-p", str(app)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(tsc), "-p", str(app)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr  # strict, against the package's own .d.ts
     return Packed(tarball, sorted(f["path"] for f in report["files"]), app)
 
@@ -134,7 +124,7 @@ def test_the_tarball_holds_the_library_and_its_types_and_its_metadata_is_an_inst
                      r": FetchHandler;", declarations)
 
 
-def test_strict_tsc_holds_a_consumer_to_the_package_types(packed: Packed) -> None:
+def test_strict_tsc_holds_a_consumer_to_the_package_types(packed: Packed, tsc: pathlib.Path) -> None:
     """The installed declarations type a consumer's mistakes: a wrong option and an agent of the wrong shape."""
     bad = packed.app / "bad"
     bad.mkdir(exist_ok=True)
@@ -145,7 +135,7 @@ def test_strict_tsc_holds_a_consumer_to_the_package_types(packed: Packed) -> Non
         'export const a = fetchHandler(() => "ok", { runTimeoutS: "30" });\n'
         "export const b = fetchHandler((envelope: { proxy_url: number }) => String(envelope.proxy_url));\n"
         'export const c: (request: Request) => Promise<Response> = fetchHandler(() => "ok");\n')
-    done = subprocess.run([str(TSC), "-p", str(bad)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(tsc), "-p", str(bad)], capture_output=True, text=True, timeout=300)
     errors = re.findall(r"bad\.ts\((\d+),\d+\): error (TS\d+)", done.stdout)
     assert done.returncode != 0 and sorted({line for line, _ in errors}) == ["2", "3"], done.stdout
 

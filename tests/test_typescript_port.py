@@ -3,8 +3,8 @@
 ``dist/`` is the port compiled by ``tsc`` and committed, so these tests need only
 ``node``: the server runs as a subprocess serving the conformance agent, whose
 tool calls go to a MockProxy.  Skipped when ``node`` is not on PATH.  The tests
-that need the compiler (dist/ is exactly tsc's output of src/) run when
-``npm ci`` has installed it in the port (``.ci/run`` does).
+that need the compiler (dist/ is exactly tsc's output of src/) get it from the
+``tsc`` fixture: ``npm ci`` in the port, once (``tests/registries.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
 SERVER = PORT_DIR / "dist" / "server.js"
 NODE = shutil.which("node")
-TSC = PORT_DIR / "node_modules" / ".bin" / "tsc"
 AGENT_TOKEN = "node-agent-token-7e7e7e"
 RUN_TOKEN = "node-run-token-3c3c3c3c"
 
@@ -92,10 +91,9 @@ def test_the_port_passes_every_json_vector_under_node_test() -> None:
     assert int(counts["pass"]) > 200 and counts["fail"] == "0" and int(counts["skipped"]) <= 12, counts
 
 
-@pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)")
-def test_dist_is_exactly_what_tsc_makes_of_src(tmp_path: pathlib.Path) -> None:
+def test_dist_is_exactly_what_tsc_makes_of_src(tmp_path: pathlib.Path, tsc: pathlib.Path) -> None:
     """One source of truth: the committed JavaScript is the TypeScript compiled, nothing edited by hand."""
-    done = subprocess.run([str(TSC), "-p", str(PORT_DIR), "--outDir", str(tmp_path)], capture_output=True, text=True,
+    done = subprocess.run([str(tsc), "-p", str(PORT_DIR), "--outDir", str(tmp_path)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr  # strict mode: a type error fails here
     made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
@@ -105,8 +103,7 @@ def test_dist_is_exactly_what_tsc_makes_of_src(tmp_path: pathlib.Path) -> None:
     assert not stale, f"dist/ is out of date for {stale}: run `npm run build` in {PORT_DIR}"
 
 
-@pytest.mark.skipif(not TSC.exists(), reason="typescript is not installed in the port (npm ci)")
-def test_the_readme_quick_start_type_checks_and_serves(tmp_path: pathlib.Path) -> None:
+def test_the_readme_quick_start_type_checks_and_serves(tmp_path: pathlib.Path, tsc: pathlib.Path) -> None:
     """The README's TypeScript quick start, as printed, compiles against the port in strict mode and serves."""
     readme = (PORT_DIR / "README.md").read_text()
     quick = re.search(r"## Quick start\n\n```ts\n(.*?)```", readme, re.S)
@@ -117,7 +114,7 @@ def test_the_readme_quick_start_type_checks_and_serves(tmp_path: pathlib.Path) -
     shutil.copy(PORT_DIR / "tsconfig.json", tmp_path)
     shutil.copy(PORT_DIR / "package.json", tmp_path)
     (tmp_path / "src" / "agent.ts").write_text(quick.group(1).replace("port: 8080", "port: 0"))
-    done = subprocess.run([str(TSC), "-p", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(tsc), "-p", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     proc = subprocess.Popen([NODE, str(tmp_path / "dist" / "agent.js")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})
