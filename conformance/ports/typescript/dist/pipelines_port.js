@@ -789,10 +789,13 @@ export class ProxyClient {
                 await this.sleep(wait);
             }
         };
+        let transportFailures = 0;
         const send = async () => {
             await beforeAttempt();
             try {
-                return await exchange({ url, headers, body, timeoutS, agent });
+                // After a transport failure, a fresh connection: the pool may hold more dead sockets, and Deno's client
+                // silently resends a request whose pooled connection dropped (one logical attempt, two on the wire).
+                return await exchange({ url, headers, body, timeoutS, agent: transportFailures > 0 ? false : agent });
             }
             catch (err) {
                 if (!(err instanceof ReplyTooLarge))
@@ -800,7 +803,6 @@ export class ProxyClient {
                 throw new ProxyError(`proxy reply to ${quoted(name)} ${err.message}`, { statusCode: err.status, toolName: name });
             }
         };
-        let transportFailures = 0;
         for (let attempt = 1;; attempt++) {
             let reply;
             try {
