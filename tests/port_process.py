@@ -67,9 +67,11 @@ class PortServer:
 
 
 def post(server: PortServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
-         path: str = "/dispatch") -> Reply:
-    """One request on a fresh connection: status, lower-cased headers, body (``body`` bytes as they are, else JSON)."""
+         path: Optional[str] = None) -> Reply:
+    """One request on a fresh connection: status, lower-cased headers, body (``body`` bytes as they are, else JSON);
+    ``path`` defaults to the dispatch URL's."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    path = path or "/" + server.url.split("//", 1)[1].split("/", 1)[1]
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     try:
         conn.request(method, path, body=raw if method == "POST" else None,
