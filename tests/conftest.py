@@ -79,6 +79,14 @@ def tsc() -> pathlib.Path:
     return TSC
 
 
+@pytest.fixture(scope="session")
+def ts_tarball(tmp_path_factory: pytest.TempPathFactory, tsc: pathlib.Path) -> Any:
+    """The TypeScript port as its npm package: ``npm pack`` of a copy of the port, once per session (a Tarball)."""
+    from tests.ts_package import pack
+
+    return pack(tmp_path_factory.mktemp("typescript-tarball"))
+
+
 @pytest.fixture
 def proxy() -> Iterator[MockProxy]:
     with MockProxy(tokens=[TOKEN]) as p:

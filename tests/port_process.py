@@ -7,10 +7,12 @@ import http.client
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 Reply = Tuple[int, Dict[str, str], bytes]
@@ -19,25 +21,32 @@ Reply = Tuple[int, Dict[str, str], bytes]
 class PortServer:
     """``CMD --port 0 ARGS`` as a subprocess; ``url`` is its dispatch URL, ``host`` and ``port`` its address.
 
-    The server must print ``listening on http://HOST:PORT/PATH`` as its first stdout line.  Its stderr is kept
-    for :meth:`log`; ``AGENT_TOKEN`` is ``agent_token`` unless ``env`` says otherwise.
+    The server must print ``listening on http://HOST:PORT/PATH`` on stdout within ``start_s`` seconds (a host
+    that announces itself otherwise gives ``banner``, a pattern whose group is its base URL, and ``path``).  Its
+    stderr is kept for :meth:`log`; ``AGENT_TOKEN`` is ``agent_token`` unless ``env`` says otherwise.
     """
 
-    def __init__(self, cmd: Sequence[str], *args: str, agent_token: str, env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, cmd: Sequence[str], *args: str, agent_token: str, env: Optional[Dict[str, str]] = None,
+                 cwd: Optional[str] = None, banner: str = r"listening on (http://\S+)", path: str = "",
+                 start_s: float = 15) -> None:
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [*cmd, "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            [*cmd, "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=cwd,
             env={**os.environ, "AGENT_TOKEN": agent_token, **(env or {})},
         )
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout or ()], daemon=True).start()
-        try:
-            first = lines.get(timeout=15)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"{cmd[-1]} did not start: {self.log()}") from None
-        assert "listening on http://" in first, first
-        self.url = first.split("listening on ", 1)[1].strip()
+        deadline = time.monotonic() + start_s
+        seen: List[str] = []
+        found = None
+        while found is None:
+            try:
+                seen.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"{cmd[-1]} did not start: {''.join(seen)}{self.log()}") from None
+            found = re.search(banner, seen[-1])
+        self.url = found.group(1).rstrip("/") + path
         self.host, rest = self.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
         self.port = int(rest)
 
@@ -58,9 +67,11 @@ class PortServer:
 
 
 def post(server: PortServer, body: Any, headers: Optional[Dict[str, str]] = None, *, method: str = "POST",
-         path: str = "/dispatch") -> Reply:
-    """One request on a fresh connection: status, lower-cased headers, body (``body`` bytes as they are, else JSON)."""
+         path: Optional[str] = None) -> Reply:
+    """One request on a fresh connection: status, lower-cased headers, body (``body`` bytes as they are, else JSON);
+    ``path`` defaults to the dispatch URL's."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    path = path or "/" + server.url.split("//", 1)[1].split("/", 1)[1]
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     try:
         conn.request(method, path, body=raw if method == "POST" else None,
@@ -209,3 +220,33 @@ def assert_a_script_through_the_proxy_and_a_failing_agent(server: PortServer, pr
     assert echoed["user_instruction"] == "echo me \ufffd cut"
     status, reply = dispatch({"steps": [{"raise": f"boom {run_token} and {agent_token}"}]})
     assert status == 500 and reply["detail"] == "Error: boom [redacted] and [redacted]"
+
+
+def assert_concurrent_dispatches_keep_their_tokens(server: PortServer, agent_token: str, n: int = 100,
+                                                  together: int = 40) -> None:
+    """``n`` dispatches at once, each with a run token of its own and two tool calls: every call reaches the proxy
+    with its own run's token, and the first ``together`` calls are held until all are in flight (real overlap)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conformance.harness.mock_proxy import MockProxy
+    from tests.conftest import Together
+
+    tokens = [f"run-token-{i:03d}-{server.port}-xxxxxxxx" for i in range(n)]
+    script = {"steps": [{"call": "whoami", "args": {}}, {"call": "whoami", "args": {}}]}
+    with MockProxy(tokens=tokens) as proxy:
+        proxy.script("whoami", Together(together)(
+            lambda r: {"response": {"bearer_sha": hashlib.sha256(r.bearer.encode()).hexdigest()}}))
+
+        def one(i: int) -> Tuple[int, Dict[str, Any]]:
+            return platform_dispatch(server, proxy, script, agent_token=agent_token, run_token=tokens[i], run_id=i)
+
+        with ThreadPoolExecutor(n) as pool:
+            replies = list(pool.map(one, range(n)))
+        for i, (status, reply) in enumerate(replies):
+            want = hashlib.sha256(tokens[i].encode()).hexdigest()
+            results = json.loads(reply["final_response"])["results"] if status == 200 else reply
+            assert results == [{"ok": True, "value": {"bearer_sha": want}}] * 2, (i, status, reply)
+        calls = proxy.calls("whoami")
+        assert len(calls) == 2 * n and sorted(c.bearer for c in calls) == sorted(tokens * 2)
+        assert proxy.max_in_flight >= together

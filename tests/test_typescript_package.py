@@ -1,10 +1,12 @@
-"""The TypeScript port as the npm package a user installs: packed, installed, compiled against, served by Hono.
+"""The TypeScript port as the npm package a user installs, on Node: packed, installed, compiled against, served by
+Hono and by Express.
 
 ``npm pack`` in a copy of ``conformance/ports/typescript`` (its ``prepack`` builds ``dist/`` from ``src/``), the
-tarball installed into a fresh project beside Hono and its Node adapter (``tests/data/typescript_package``: exact
-versions, locked), the port's conformance agent, a Hono server and the README's Hono recipe compiled against the
-installed package by the port's locked ``tsc`` in strict mode, then served: the whole conformance check at
-``--strict`` and 120 concurrent dispatches go through Hono to ``fetchHandler``.
+tarball installed into a fresh project beside Hono, its Node adapter and Express (``tests/data/typescript_package``:
+exact versions, locked), the port's conformance agent and the README's Hono and Express recipes, word for word,
+compiled against the installed package by the port's locked ``tsc`` in strict mode, then served on 127.0.0.1: the
+whole conformance check at ``--strict`` and 100+ concurrent dispatches go through Hono to ``fetchHandler`` and
+through Express to ``nodeHandler``; the README's ``app.request()`` test runs under ``node --test``.
 
 The port's compiler and the locked hosts come from the npm registry, fetched by the tests themselves
 (``tests/registries.py``): skipped when node or npm is missing or the registry is unreachable.
@@ -12,31 +14,23 @@ The port's compiler and the locked hosts come from the npm registry, fetched by 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import pytest
 
-from conformance.harness.mock_proxy import MockProxy
-from tests.conftest import Together
-from tests.port_process import PortServer, platform_dispatch, post, run_check
-from tests.registries import need, run
+from tests.port_process import (PortServer, assert_concurrent_dispatches_keep_their_tokens,
+                                assert_the_check_passes_at_strict, post, run_check)
+from tests.ts_package import NODE, NPM, PORT_DIR, ROOT, Tarball, install, write
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PORT_DIR = ROOT / "conformance" / "ports" / "typescript"
-PROJECT = ROOT / "tests" / "data" / "typescript_package"
-NODE = shutil.which("node")
-NPM = shutil.which("npm")
 AGENT_TOKEN = "hono-agent-token-5d5d5d5d"
 # What the tarball holds: the library and its declarations, the README and the licence; no tests, no server.
 PACKED_FILES = {"LICENSE", "README.md", "package.json", "dist/pipelines_port.js", "dist/pipelines_port.d.ts"}
+ON_LOOPBACK = {"HOST": "127.0.0.1", "PORT": "0"}
 
 pytestmark = pytest.mark.skipif(NODE is None or NPM is None, reason="node or npm is not on PATH: the package cannot be packed")
 
@@ -47,50 +41,22 @@ class Packed(NamedTuple):
     app: pathlib.Path  # the project the tarball is installed in, compiled
 
 
-def npm(*args: str, cwd: pathlib.Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(NPM), *args, "--no-audit", "--no-fund", "--loglevel=error"], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def install(app: pathlib.Path, tarball: pathlib.Path) -> None:
-    """The tarball, plus the project's locked frameworks from the registry (npm's cache first)."""
-    cmd = [str(NPM), "install", "--no-save", str(tarball), "--prefer-offline", "--no-audit", "--no-fund", "--loglevel=error"]
-    need(run, cmd, app, "npm install of the package beside its locked hosts")
-
-
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory, tsc: pathlib.Path) -> Packed:
-    work = tmp_path_factory.mktemp("typescript-package")
-    # A copy without dist/: what goes in the tarball is what prepack builds from src/ (the checkout is left alone).
-    port = work / "port"
-    shutil.copytree(PORT_DIR, port, ignore=shutil.ignore_patterns("node_modules", "dist"))
-    os.symlink(PORT_DIR / "node_modules", port / "node_modules")
-    done = npm("pack", "--json", "--pack-destination", str(work), cwd=port)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout[done.stdout.index("["):])[0]
-    tarball = work / report["filename"]
-    app = work / "app"
-    shutil.copytree(PROJECT, app)
-    install(app, tarball)
-    # The port's conformance agent, importing the installed package instead of the file beside it.
-    agent = (PORT_DIR / "src" / "conformance_agent.ts").read_text()
-    assert agent.count('from "./pipelines_port.js"') == 2
-    (app / "src" / "conformance_agent.ts").write_text(agent.replace('from "./pipelines_port.js"', 'from "pipelines-port"'))
-    # The README's Hono recipe, as printed, compiled too (not served: it listens on 8080).
-    recipe = re.search(r"\*\*Hono\*\* on Node.*?```ts\n(.*?)```", (PORT_DIR / "README.md").read_text(), re.S)
-    assert recipe is not None and 'from "pipelines-port"' in recipe.group(1)
-    (app / "src" / "readme_hono.ts").write_text(recipe.group(1))
-    (app / "src" / "agent.ts").write_text('export { conformanceAgent as agent } from "./conformance_agent.js";\n')
+def packed(tmp_path_factory: pytest.TempPathFactory, ts_tarball: Tarball, tsc: pathlib.Path) -> Packed:
+    app = install("typescript_package", tmp_path_factory.mktemp("typescript-package"), ts_tarball)
+    # The README's Hono and Express recipes, as printed, with the port's conformance agent as `agent`.
+    write(app / "src", "app.ts", "server.ts", "app.test.ts", "express.ts")
+    assert 'from "pipelines-port"' in (app / "src" / "app.ts").read_text()
     done = subprocess.run([str(tsc), "-p", str(app)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr  # strict, against the package's own .d.ts
-    return Packed(tarball, sorted(f["path"] for f in report["files"]), app)
+    return Packed(ts_tarball.path, ts_tarball.files, app)
 
 
 class HonoServer(PortServer):
-    """``node dist/server.js --port 0`` in the installed project: Hono on Node, serving fetchHandler."""
+    """The README's Hono server, ``node dist/server.js``, on 127.0.0.1: Hono on Node, serving fetchHandler."""
 
-    def __init__(self, app: pathlib.Path, env: Optional[Dict[str, str]] = None) -> None:
-        super().__init__([str(NODE), str(app / "dist" / "server.js")], agent_token=AGENT_TOKEN, env=env)
+    def __init__(self, app: pathlib.Path, env: Optional[Dict[str, str]] = None, script: str = "server.js") -> None:
+        super().__init__([str(NODE), str(app / "dist" / script)], agent_token=AGENT_TOKEN, env={**ON_LOOPBACK, **(env or {})})
 
 
 @pytest.fixture
@@ -175,21 +141,26 @@ def test_the_misconfigured_mode_through_hono(packed: Packed) -> None:
 
 
 def test_120_concurrent_dispatches_through_hono_never_cross_run_tokens(hono: HonoServer) -> None:
-    tokens = [f"hono-run-token-{i:03d}-xxxxxxxx" for i in range(120)]
-    script = {"steps": [{"call": "whoami", "args": {}}, {"call": "whoami", "args": {}}]}
-    with MockProxy(tokens=tokens) as proxy:
-        # The first 40 calls are held until all 40 are in flight: the dispatches really overlap.
-        proxy.script("whoami", Together(40)(lambda r: {"response": {"bearer_sha": hashlib.sha256(r.bearer.encode()).hexdigest()}}))
+    assert_concurrent_dispatches_keep_their_tokens(hono, AGENT_TOKEN, n=120)
 
-        def one(i: int) -> Tuple[int, Dict[str, Any]]:
-            return platform_dispatch(hono, proxy, script, agent_token=AGENT_TOKEN, run_token=tokens[i], run_id=i)
 
-        with ThreadPoolExecutor(120) as pool:
-            replies = list(pool.map(one, range(120)))
-        for i, (status, reply) in enumerate(replies):
-            want = hashlib.sha256(tokens[i].encode()).hexdigest()
-            results = json.loads(reply["final_response"])["results"] if status == 200 else reply
-            assert results == [{"ok": True, "value": {"bearer_sha": want}}] * 2, (i, status, reply)
-        calls = proxy.calls("whoami")
-        assert len(calls) == 240 and sorted(c.bearer for c in calls) == sorted(tokens * 2)
-        assert proxy.max_in_flight >= 40
+def test_the_readme_app_request_test_passes_in_process(packed: Packed) -> None:
+    """Hono's own test idiom, ``app.request()`` with a body and no Content-Length, under ``node --test``."""
+    done = subprocess.run([str(NODE), "--test", str(packed.app / "dist" / "app.test.js")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "AGENT_TOKEN": AGENT_TOKEN})
+    assert done.returncode == 0 and re.search(r"^# pass 1$", done.stdout, re.M), done.stdout[-3000:] + done.stderr[-2000:]
+    assert re.search(r"POST /dispatch status=200 .*\(ping\)", done.stdout + done.stderr)  # the port's log line
+
+
+# -- served by Express -------------------------------------------------------------------------------------
+
+
+def test_the_check_passes_at_strict_through_express_and_the_node_handler(packed: Packed) -> None:
+    server = HonoServer(packed.app, script="express.js")
+    try:
+        assert_the_check_passes_at_strict(server, AGENT_TOKEN)
+        status, headers, _ = post(server, b"", method="GET", path="/dispatch")
+        assert status == 405 and headers["allow"] == "POST"  # the port's answer, not Express's
+        assert_concurrent_dispatches_keep_their_tokens(server, AGENT_TOKEN)
+    finally:
+        assert server.stop() == 0, server.log()[-2000:]

@@ -66,7 +66,6 @@ test("the fetch handler answers every refusal exactly as DispatchApp.handle deci
         ["POST", "/dispatch", sent(ping), ping, 200],
         ["POST", "/dispatch", { ...sent(ping), authorization: "Bearer guess-1234" }, ping, 401],
         ["POST", "/dispatch", { "content-length": "14" }, ping, 401],
-        ["POST", "/dispatch", { ...AUTH }, ping, 411], // no Content-Length: the contract's framing, as the Node server
         ["POST", "/dispatch", { ...AUTH, "content-length": "65" }, "x".repeat(65), 413],
         ["POST", "/dispatch", sent("{oops"), "{oops", 400],
         ["POST", "/dispatch", sent("[1, 2]"), "[1, 2]", 400],
@@ -86,6 +85,75 @@ test("the fetch handler answers every refusal exactly as DispatchApp.handle deci
         response.headers.forEach((value, name) => void headerPairs.push([name, value]));
         assert.deepEqual(headerPairs.sort(), direct.headers.map(([k, v]) => [k.toLowerCase(), v]).sort(), what);
     }
+});
+/** `text` as a stream of `size`-byte chunks, then as many more chunks of spaces as `extra` says (Infinity: endless). */
+function streamed(text, size, extra = 0) {
+    const bytes = Buffer.from(text, "utf8");
+    let pulled = 0;
+    let cancelled = false;
+    const body = new ReadableStream({
+        pull(controller) {
+            const start = pulled * size;
+            pulled += 1;
+            if (start < bytes.length)
+                controller.enqueue(Uint8Array.from(bytes.subarray(start, start + size)));
+            else if (pulled - Math.ceil(bytes.length / size) <= extra)
+                controller.enqueue(new Uint8Array(size).fill(0x20));
+            else
+                controller.close();
+        },
+        cancel() {
+            cancelled = true;
+        },
+    });
+    return { body, pulls: () => pulled, cancelled: () => cancelled };
+}
+const streamRequest = (headers, body) => new Request("http://agent.example/dispatch", { method: "POST", headers, body, duplex: "half" });
+test("the fetch handler reads a body as its host framed it: no Content-Length needed, a stream read whole", async () => {
+    const app = new DispatchApp(() => "never run", { token: AGENT_TOKEN });
+    const handler = fetchHandler(app);
+    const ping = '{"ping": true}';
+    // A Request made in code (Hono's app.request(), a test) carries no Content-Length.
+    const made = await handler(request("POST", "/dispatch", { ...AUTH }, ping));
+    assert.deepEqual([made.status, await made.json()], [200, { ok: true }]);
+    // A body streamed (or re-chunked by a proxy) in 3-byte pieces, Transfer-Encoding left as the host saw it.
+    const stream = streamed(ping, 3);
+    const reply = await handler(streamRequest({ ...AUTH, "transfer-encoding": "chunked" }, stream.body));
+    assert.deepEqual([reply.status, await reply.json(), stream.pulls()], [200, { ok: true }, 6]); // 5 chunks, then the end
+    // No body at all is an empty one: not JSON.
+    const empty = await handler(request("POST", "/dispatch", { ...AUTH }));
+    assert.equal(empty.status, 400);
+    assert.match(String((await empty.json()).detail), /not valid JSON/);
+});
+test("a streamed body past maxBody is a 413, and reading stops there: the stream is cancelled", async () => {
+    const handler = fetchHandler(() => "never run", { token: AGENT_TOKEN, maxBody: 1024 });
+    const endless = streamed("", 100, Infinity);
+    const response = await handler(streamRequest(AUTH, endless.body));
+    assert.equal(response.status, 413);
+    assert.match(String((await response.json()).detail), /1024-byte cap/);
+    assert.ok(endless.cancelled(), "the stream was not cancelled");
+    assert.ok(endless.pulls() <= 12 + 2, `${endless.pulls()} chunks of 100 bytes pulled for a 1024-byte cap`); // the stream's own read-ahead at most
+});
+test("auth and a declared Content-Length over maxBody refuse before the body is read", async () => {
+    const handler = fetchHandler(() => "never run", { token: AGENT_TOKEN, maxBody: 64 });
+    for (const [headers, status] of [[{ authorization: "Bearer guess-1234" }, 401], [{ ...AUTH, "content-length": "65" }, 413]]) {
+        const body = streamed("", 1, Infinity);
+        const response = await handler(streamRequest(headers, body.body));
+        assert.equal(response.status, status);
+        assert.ok(body.pulls() <= 1, `${body.pulls()} chunks pulled before a ${status}`); // at most the stream's own first pull
+    }
+});
+test("a declared Content-Length the body disagrees with is a 400 naming both", async () => {
+    const handler = fetchHandler(() => "never run", { token: AGENT_TOKEN });
+    const ping = '{"ping": true}';
+    for (const [declared, pattern] of [["100", /is 14 bytes but its Content-Length says "100": truncated/], ["5", /is 14 bytes but its Content-Length says "5"$/],
+        ["abc", /Content-Length says "abc"/], ["14, 14", /Content-Length says "14, 14"/]]) {
+        const response = await handler(request("POST", "/dispatch", { ...AUTH, "content-length": declared }, ping));
+        assert.equal(response.status, 400, declared);
+        assert.match(String((await response.json()).detail), pattern);
+    }
+    const exact = await handler(request("POST", "/dispatch", sent(ping), ping));
+    assert.equal(exact.status, 200);
 });
 test("a fetch handler's body is read no further than maxBody, whatever Content-Length claims", async () => {
     const handler = fetchHandler(() => "never run", { token: AGENT_TOKEN, maxBody: 16 });

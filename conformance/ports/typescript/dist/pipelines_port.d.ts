@@ -465,9 +465,14 @@ export type FetchHandler = (request: Request) => Promise<Response>;
  * Web-standard `Request -> Response` handler.  `path` is matched against the
  * request URL's whole path, so a handler behind a prefix (Next.js
  * `app/api/dispatch/route.ts`) is created with `{ path: "/api/dispatch" }`.
- * The body is read only when the request passes auth and framing, and never
- * past `maxBody`; a body something else already read (`request.bodyUsed`)
- * gets a 500 naming the mistake.
+ *
+ * The body is read as the host framed it: a `Request` made in code (Hono's
+ * `app.request()`), streamed, or re-chunked by a proxy carries no
+ * Content-Length, and needs none.  It is read only when the request passes
+ * routing and auth, and never past `maxBody` (413, the stream cancelled
+ * there); a declared Content-Length over `maxBody` is a 413 before reading,
+ * and one the body disagrees with a 400.  A body something else already read
+ * (`request.bodyUsed`) gets a 500 naming the mistake.
  */
 export declare function fetchHandler(agentOrApp: Agent | DispatchApp, options?: DispatchOptions): FetchHandler;
 /** A running dispatch server. */

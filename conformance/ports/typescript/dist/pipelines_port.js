@@ -789,10 +789,13 @@ export class ProxyClient {
                 await this.sleep(wait);
             }
         };
+        let transportFailures = 0;
         const send = async () => {
             await beforeAttempt();
             try {
-                return await exchange({ url, headers, body, timeoutS, agent });
+                // After a transport failure, a fresh connection: the pool may hold more dead sockets, and Deno's client
+                // silently resends a request whose pooled connection dropped (one logical attempt, two on the wire).
+                return await exchange({ url, headers, body, timeoutS, agent: transportFailures > 0 ? false : agent });
             }
             catch (err) {
                 if (!(err instanceof ReplyTooLarge))
@@ -800,7 +803,6 @@ export class ProxyClient {
                 throw new ProxyError(`proxy reply to ${quoted(name)} ${err.message}`, { statusCode: err.status, toolName: name });
             }
         };
-        let transportFailures = 0;
         for (let attempt = 1;; attempt++) {
             let reply;
             try {
@@ -1642,32 +1644,55 @@ export function nodeHandler(agentOrApp, options = {}) {
  * Web-standard `Request -> Response` handler.  `path` is matched against the
  * request URL's whole path, so a handler behind a prefix (Next.js
  * `app/api/dispatch/route.ts`) is created with `{ path: "/api/dispatch" }`.
- * The body is read only when the request passes auth and framing, and never
- * past `maxBody`; a body something else already read (`request.bodyUsed`)
- * gets a 500 naming the mistake.
+ *
+ * The body is read as the host framed it: a `Request` made in code (Hono's
+ * `app.request()`), streamed, or re-chunked by a proxy carries no
+ * Content-Length, and needs none.  It is read only when the request passes
+ * routing and auth, and never past `maxBody` (413, the stream cancelled
+ * there); a declared Content-Length over `maxBody` is a 413 before reading,
+ * and one the body disagrees with a 400.  A body something else already read
+ * (`request.bodyUsed`) gets a 500 naming the mistake.
  */
 export function fetchHandler(agentOrApp, options = {}) {
     const app = appOf(agentOrApp, options);
     return async (request) => {
         const { pathname, search } = new URL(request.url);
+        const method = request.method;
         const target = pathname + search;
+        const declared = request.headers.get("content-length")?.trim() ?? null;
+        const length = declared !== null && /^\d+$/.test(declared) ? declared : null;
+        // DispatchApp is shown the framing of the bytes it is handed: the declared length before reading (0 when
+        // there is none: the host framed the body), the length read after.  Transfer-Encoding was the host's to undo.
         const headers = [];
-        request.headers.forEach((value, name) => void headers.push([name, value]));
-        let body = new Uint8Array(0);
-        if (request.body !== null && app.precheck(request.method, target, headers) === null) {
-            if (request.bodyUsed)
-                return responseOf(bodyAlreadyRead());
-            try {
-                body = await readAtMost(request.body, app.maxBody);
-            }
-            catch (err) {
-                return responseOf(errorReply(400, `the request body could not be read: ${short(describeError(err), 200)}`));
-            }
+        request.headers.forEach((value, name) => void (name === "content-length" || name === "transfer-encoding" || headers.push([name, value])));
+        const framed = (bytes) => [...headers, ["content-length", bytes]];
+        const refuse = (status, detail) => {
+            log("info", `${method} ${routePath(target)} status=${status} (rejected: ${short(detail, 200)})`);
+            return responseOf(errorReply(status, detail));
+        };
+        if (request.body === null || app.precheck(method, target, framed(length ?? "0")) !== null) {
+            return responseOf(await replyOf(app, method, target, framed(length ?? "0"), new Uint8Array(0)));
         }
-        return responseOf(await replyOf(app, request.method, target, headers, body));
+        if (request.bodyUsed)
+            return responseOf(bodyAlreadyRead());
+        let body;
+        try {
+            body = await readAtMost(request.body, app.maxBody);
+        }
+        catch (err) {
+            return refuse(400, `the request body could not be read: ${short(describeError(err), 200)}`);
+        }
+        if (body.length > app.maxBody) {
+            return refuse(413, `request body of more than ${app.maxBody} bytes is over this endpoint's ${app.maxBody}-byte cap`);
+        }
+        if (declared !== null && (length === null || Number(length) !== body.length)) {
+            const truncated = length !== null && Number(length) > body.length ? ": truncated" : "";
+            return refuse(400, `the request body is ${body.length} bytes but its Content-Length says ${quoted(declared, 40)}${truncated}`);
+        }
+        return responseOf(await replyOf(app, method, target, framed(String(body.length)), body));
     };
 }
-/** The bytes of `stream`, the read stopped once past `limit` (handle then answers 413). */
+/** The bytes of `stream`, the read stopped (and the stream cancelled) once past `limit`. */
 async function readAtMost(stream, limit) {
     const reader = stream.getReader();
     const chunks = [];
