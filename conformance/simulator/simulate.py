@@ -516,6 +516,18 @@ def _rule_notes(task: datasets.Task, fixtures: Optional[Mapping[str, Any]]) -> L
     return notes
 
 
+class _Ran(NamedTuple):
+    """What the proxy side saw of one run, once the agent was done with it."""
+
+    outcome: Outcome
+    conversation: Optional[Conversation]  # a model_as_user session's turns, else None
+    calls: List[Dict[str, Any]]
+    problems: List[str]
+    replays: int
+    events: List[Dict[str, Any]]
+    duration_ms: float
+
+
 def run_task(
     task: datasets.Task,
     agent: Callable[[Dispatch], Outcome],
@@ -532,20 +544,39 @@ def run_task(
     ``tool_model`` answers the calls nothing else answers (``--simulator``); a row whose turn mode
     (``turn_mode`` overrides the row's) is ``model_as_user`` runs as a session with ``user`` playing the user.
     """
-    run_id = task_id = task.row
+    run_id = task.row
     token = "sim-" + secrets.token_urlsafe(24)
     backend = engine.Backend(task.initial_state, task.failure_rules, fixtures=fixtures,
                              seed=engine.task_seed(task.row, task.user_instruction))
     usage: Dict[str, Dict[str, int]] = {}
     ask = tool_model.asker(backend, task.behavior_instructions, usage.setdefault("simulator", {})) \
         if tool_model is not None else None
-    started = time.monotonic()
-    recorder = _Run(backend, started, ask)
+    session = (turn_mode or task.turn_mode) == "model_as_user"
+    ran = _run_agent(task, agent, _Run(backend, time.monotonic(), ask), token=token, run_id=run_id,
+                     tools_schema=tools_schema, user=user, session=session)
+    record = _record(task, ran, run_id=run_id, backend=backend, fixtures=fixtures, tools_schema=tools_schema)
+    if ran.conversation is not None:
+        if user is None:
+            record["notes"].append("a model_as_user row: only its first turn ran, as no one plays the user "
+                                   "(give --user-model MODEL; scripted runs offline)")
+        _session_fields(record, ran.conversation)
+        usage["user"] = ran.conversation.usage
+    if any(usage.values()):
+        record["usage"] = {role: spent for role, spent in usage.items() if spent}
+    return _scrub(record, [token, *hidden])
+
+
+def _run_agent(task: datasets.Task, agent: Callable[[Dispatch], Outcome], recorder: _Run, *, token: str,
+               run_id: int, tools_schema: Optional[List[Dict[str, Any]]], user: Optional[UserModel],
+               session: bool) -> _Ran:
+    """The agent dispatched once (or once per turn of a session) against a proxy of its own, and what it saw."""
+    started = recorder.started
     conversation: Optional[Conversation] = None
     with MockProxy(tokens=[token], base_path=f"/api/odyssey-proxy/runs/{run_id}") as proxy:
         proxy.script("*", recorder.answer)
-        dispatch = Dispatch(task_id, run_id, token, uuid.uuid4().hex, proxy.url, task.user_instruction, tools_schema)
-        if (turn_mode or task.turn_mode) == "model_as_user":
+        dispatch = Dispatch(task.row, run_id, token, uuid.uuid4().hex, proxy.url, task.user_instruction,
+                            tools_schema)
+        if session:
             conversation = _converse(task, agent, dispatch, user, started)
             outcome = Outcome()
         else:
@@ -553,27 +584,37 @@ def run_task(
         duration_ms = round((time.monotonic() - started) * 1000, 1)
         calls, problems, replays = _trajectory(proxy, recorder)
         events = _trace_events(proxy, started)
+    return _Ran(outcome, conversation, calls, problems, replays, events, duration_ms)
 
+
+def _response(ran: _Ran, tools_schema: Optional[List[Dict[str, Any]]]) -> Tuple[Any, List[str], List[str]]:
+    """The run's response body (a session's last message and transcript), its errors and its warnings."""
     errors: List[str] = []
     warnings: List[str] = []
-    body = outcome.body
-    if conversation is not None:
-        errors += conversation.errors
-        _turns_of(calls, conversation)
-        body = {"final_response": conversation.final_message, "messages": conversation.transcript()}
-    elif outcome.error:
-        errors.append(outcome.error)
+    body = ran.outcome.body
+    if ran.conversation is not None:
+        errors += ran.conversation.errors
+        _turns_of(ran.calls, ran.conversation)
+        body = {"final_response": ran.conversation.final_message, "messages": ran.conversation.transcript()}
+    elif ran.outcome.error:
+        errors.append(ran.outcome.error)
     else:
         for problem in pp.validate_response(body):
             if problem.startswith("warning: "):
                 warnings.append("response: " + problem[len("warning: "):])
             else:
                 errors.append("invalid response: " + problem)
-    errors += problems
+    errors += ran.problems
     known = {t.get("name") for t in tools_schema or []}
     if tools_schema is not None:
-        for name in sorted({c["tool_name"] for c in calls} - known):
+        for name in sorted({c["tool_name"] for c in ran.calls} - known):
             warnings.append(f"the agent called {name!r}, which is not in the tools schema (--tools)")
+    return body, errors, warnings
+
+
+def _run_notes(task: datasets.Task, fixtures: Optional[Mapping[str, Any]], replays: int,
+               backend: engine.Backend) -> List[str]:
+    """What the report should say of how the row was simulated: rules that cannot fire, replays, gaps."""
     notes = _rule_notes(task, fixtures)
     if replays:
         notes.append(f"{replays} call(s) were retries the proxy answered from its Idempotency-Key replay memory")
@@ -582,54 +623,62 @@ def run_task(
     if backend.unanswered:
         notes.append("no answer for " + ", ".join(backend.unanswered) + ": no fixture, and not a ledger lookup "
                      "(give fixtures with --responses, or let a model answer them: --simulator MODEL)")
+    return notes
+
+
+def _fired(calls: Sequence[Mapping[str, Any]]) -> Dict[int, int]:
+    """How often each failure rule answered a call (replays of an answered call not counted again)."""
     fired: Dict[int, int] = {}
     for call in calls:
         if call.get("matched_rule_index") is not None and not call.get("replayed"):
             fired[call["matched_rule_index"]] = fired.get(call["matched_rule_index"], 0) + 1
+    return fired
+
+
+def _record(task: datasets.Task, ran: _Ran, *, run_id: int, backend: engine.Backend,
+            fixtures: Optional[Mapping[str, Any]], tools_schema: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The run's record, as the reports show it (before the session's fields, the usage and the scrub)."""
+    body, errors, warnings = _response(ran, tools_schema)
+    fired = _fired(ran.calls)
     body_dict = body if isinstance(body, dict) else {}
-    verdict = outcome_check(task.expected_outcome, calls)
-    record = {
+    return {
         "row": task.row,
         "line": task.line,
-        "task_id": task_id,
+        "task_id": task.row,
         "run_id": run_id,
         "status": "error" if errors else "ok",
         "user_instruction": task.user_instruction,
         "behavior_instructions": task.behavior_instructions,
         "expected_outcome": task.expected_outcome,
         "expected_outcome_given": task.expected_outcome_given,
-        "outcome": verdict,
+        "outcome": outcome_check(task.expected_outcome, ran.calls),
         "initial_state": task.initial_state,
         "failure_rules": [
             {"index": i, "rule": rule, "summary": engine.describe_rule(rule), "fired": fired.get(i, 0)}
             for i, rule in enumerate(task.failure_rules)
         ],
-        "notes": notes,
+        "notes": _run_notes(task, fixtures, ran.replays, backend),
         "final_response": body_dict.get("final_response") if isinstance(body_dict.get("final_response"), str) else None,
         "messages": body_dict.get("messages"),
         "metadata": body_dict.get("metadata"),
         "errors": errors,
         "warnings": warnings,
-        "traceback": outcome.traceback,
-        "tool_calls": calls,
-        "ledger_changes": [dict(change, call=c["index"]) for c in calls for change in c.get("changes") or []],
+        "traceback": ran.outcome.traceback,
+        "tool_calls": ran.calls,
+        "ledger_changes": [dict(change, call=c["index"]) for c in ran.calls for change in c.get("changes") or []],
         "final_state": backend.ledger.snapshot(),
         "flags": sorted(backend.ledger.flags),
-        "trace_events": events,
-        "duration_ms": duration_ms,
+        "trace_events": ran.events,
+        "duration_ms": ran.duration_ms,
     }
-    if conversation is not None and user is None:
-        notes.append("a model_as_user row: only its first turn ran, as no one plays the user "
-                     "(give --user-model MODEL; scripted runs offline)")
-    if conversation is not None:
-        record["turn_mode"] = "model_as_user"
-        record["session"] = {"session_id": conversation.session_id, "turns": len(conversation.turns),
-                             "ended": conversation.ended}
-        record["conversation"] = conversation.turns
-        usage["user"] = conversation.usage
-    if any(usage.values()):
-        record["usage"] = {role: spent for role, spent in usage.items() if spent}
-    return _scrub(record, [token, *hidden])
+
+
+def _session_fields(record: Dict[str, Any], conversation: Conversation) -> None:
+    """A session's own fields in its record: the turn mode, the session, the conversation turn by turn."""
+    record["turn_mode"] = "model_as_user"
+    record["session"] = {"session_id": conversation.session_id, "turns": len(conversation.turns),
+                         "ended": conversation.ended}
+    record["conversation"] = conversation.turns
 
 
 def _converse(task: datasets.Task, agent: Callable[[Dispatch], Outcome], dispatch: Dispatch,
@@ -720,6 +769,114 @@ def _eta(done: int, total: int, elapsed: float) -> str:
     return f"{rate:.1f} rows/s, ETA {eta}" if done < total else f"{rate:.1f} rows/s"
 
 
+class _Rows(NamedTuple):
+    """The rows a simulation covers, in row order: the tasks to run and the rows the dataset check rejected."""
+
+    order: List[int]
+    tasks: Dict[int, datasets.Task]
+    rejected: Dict[int, List[datasets.Problem]]
+
+
+def _rows(data: datasets.Dataset, only_rows: Optional[Sequence[int]]) -> _Rows:
+    """Every row of ``data`` with a task or a rejection, limited to ``only_rows`` (a shard) when given."""
+    tasks = {t.row: t for t in data.tasks}
+    rejected: Dict[int, List[datasets.Problem]] = {}
+    for p in data.problems:
+        if p.row is not None and p.severity == "error":
+            rejected.setdefault(p.row, []).append(p)
+    order = sorted(set(tasks) | set(rejected))
+    if only_rows is not None:
+        wanted = set(only_rows)
+        order = [row for row in order if row in wanted]
+    return _Rows(order, tasks, rejected)
+
+
+Unit = Any  # what one worker runs and one record reports: a row
+Record = Dict[str, Any]
+
+
+class _Workers:
+    """Runs units of work on ``jobs`` threads, and grades their records on ``grade_jobs`` threads beside them.
+
+    ``run_one(unit)`` gives a unit's record, ``grade(record)`` (the judge) the record with its verdict; a judge
+    that raises makes the record's ``judge`` "not judged", never a lost unit.  The threads are daemons: on
+    Ctrl-C the running units are abandoned.
+    """
+
+    def __init__(self, run_one: Callable[[Unit], Record], grade: Optional[Callable[[Record], Record]], *,
+                 jobs: int, grade_jobs: int, count: int) -> None:
+        self.run_one = run_one
+        self.grade = grade
+        self.pending: queue.Queue[Unit] = queue.Queue()
+        self.finished: queue.Queue[Tuple[Unit, Record]] = queue.Queue()
+        self.to_grade: queue.Queue[Optional[Tuple[Unit, Record]]] = queue.Queue()
+        self.stop = threading.Event()
+        self.workers = [threading.Thread(target=self._work, name=f"simulate-{i}", daemon=True)
+                        for i in range(max(1, min(jobs, count)))]
+        self.graders = [threading.Thread(target=self._grade, name=f"judge-{i}", daemon=True)
+                        for i in range(max(1, min(grade_jobs, count)) if grade is not None else 0)]
+
+    def _work(self) -> None:
+        while not self.stop.is_set():
+            try:
+                unit = self.pending.get_nowait()
+            except queue.Empty:
+                return
+            record = self.run_one(unit)
+            (self.to_grade if self.grade is not None else self.finished).put((unit, record))
+
+    def _grade(self) -> None:
+        while not self.stop.is_set():
+            item = self.to_grade.get()
+            if item is None:
+                return
+            unit, record = item
+            try:
+                record = self.grade(record) if self.grade is not None else record
+            except Exception as exc:  # noqa: BLE001 - a judge bug is the row's "not judged", never a lost row
+                record["judge"] = {"verdict": None, "error": f"the judge failed: {_describe(exc)}"}
+            self.finished.put((unit, record))
+
+    def run(self, units: Sequence[Unit], keep: Callable[[Unit, Record, bool], None]) -> bool:
+        """Every unit run (and graded), each record handed to ``keep(unit, record, finished_in_order)`` as it
+        finishes; False when done, True when Ctrl-C stopped it (the records finished by then are kept too)."""
+        for unit in units:
+            self.pending.put(unit)
+        for thread in self.workers + self.graders:
+            thread.start()
+        kept = 0
+        handed_over = False
+        try:
+            while kept < len(units):
+                try:
+                    unit, record = self.finished.get(timeout=0.2)  # a timeout, so Ctrl-C reaches this thread
+                except queue.Empty:
+                    if not any(w.is_alive() for w in self.workers):
+                        if not handed_over:  # every unit is queued for the graders: they end after the last one
+                            handed_over = True
+                            for _ in self.graders:
+                                self.to_grade.put(None)
+                        if not any(g.is_alive() for g in self.graders) and self.finished.empty():
+                            break
+                    continue
+                kept += 1
+                keep(unit, record, True)
+        except KeyboardInterrupt:
+            self.stop.set()
+            self._drain(keep)
+            return True
+        return False
+
+    def _drain(self, keep: Callable[[Unit, Record, bool], None]) -> None:
+        """The records that finished while Ctrl-C was stopping the run: they still count."""
+        while True:
+            try:
+                unit, record = self.finished.get_nowait()
+            except queue.Empty:
+                return
+            keep(unit, record, False)
+
+
 def simulate(
     data: datasets.Dataset,
     agent: Callable[[Dispatch], Outcome],
@@ -761,111 +918,57 @@ def simulate(
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
-    tasks = {t.row: t for t in data.tasks}
-    rejected: Dict[int, List[datasets.Problem]] = {}
-    for p in data.problems:
-        if p.row is not None and p.severity == "error":
-            rejected.setdefault(p.row, []).append(p)
-    rows = sorted(set(tasks) | set(rejected))
-    if only_rows is not None:
-        wanted = set(only_rows)
-        rows = [row for row in rows if row in wanted]
-    records: Dict[int, Dict[str, Any]] = {row: record for row, record in (done or {}).items() if row in rows}
-    pending: queue.Queue[int] = queue.Queue()
-    for row in rows:
-        if row not in records:
-            pending.put(row)
-    finished: queue.Queue[Tuple[int, Dict[str, Any]]] = queue.Queue()
-    to_grade: queue.Queue[Optional[Tuple[int, Dict[str, Any]]]] = queue.Queue()
-    stop = threading.Event()
-
-    def graded() -> None:
-        while not stop.is_set():
-            item = to_grade.get()
-            if item is None:
-                return
-            row, record = item
-            try:
-                record = grade(record) if grade is not None else record
-            except Exception as exc:  # noqa: BLE001 - a judge bug is the row's "not judged", never a lost row
-                record["judge"] = {"verdict": None, "error": f"the judge failed: {_describe(exc)}"}
-            finished.put((row, record))
-
-    def work() -> None:
-        while not stop.is_set():
-            try:
-                row = pending.get_nowait()
-            except queue.Empty:
-                return
-            if row in tasks:
-                try:
-                    record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden,
-                                      tool_model=tool_model, user=user, turn_mode=turn_mode)
-                except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
-                    record = _failed_run(tasks[row], f"the simulator failed on this row: {_describe(exc)}")
-            else:
-                record = _invalid_run(row, rejected[row])
-            (to_grade if grade is not None else finished).put((row, record))
-
-    count = max(1, min(jobs, len(rows) - len(records)))
-    workers = [threading.Thread(target=work, name=f"simulate-{i}", daemon=True) for i in range(count)]
-    graders = [threading.Thread(target=graded, name=f"judge-{i}", daemon=True)
-               for i in range(max(1, min(grade_jobs, len(rows) - len(records))) if grade is not None else 0)]
-    for worker in workers + graders:
-        worker.start()
-    interrupted = False
-    handed_over = False
+    rows = _rows(data, only_rows)
+    records: Dict[int, Dict[str, Any]] = {row: record for row, record in (done or {}).items() if row in rows.order}
     resumed = len(records)
-    try:
-        while len(records) < len(rows):
-            try:
-                row, record = finished.get(timeout=0.2)  # a timeout, so Ctrl-C reaches this thread
-            except queue.Empty:
-                if not any(w.is_alive() for w in workers):
-                    if not handed_over:  # every row is queued for the graders: they end after the last one
-                        handed_over = True
-                        for _ in graders:
-                            to_grade.put(None)
-                    if not any(g.is_alive() for g in graders) and finished.empty():
-                        break
-                continue
-            records[row] = record
-            if on_record is not None:
-                on_record(row, _scrub(record, hidden))
-            if progress is not None:
-                count_done = len(records)
-                rate = _eta(count_done - resumed, len(rows) - resumed, time.monotonic() - clock)
-                progress(f"{label}[{count_done}/{len(rows)}] {rate} | " + report.progress_line(record))
-    except KeyboardInterrupt:
-        stop.set()
-        interrupted = True
-        while True:  # rows that finished meanwhile still count
-            try:
-                row, record = finished.get_nowait()
-            except queue.Empty:
-                break
-            records[row] = record
-            if on_record is not None:
-                on_record(row, _scrub(record, hidden))
-    runs = [records[row] for row in rows if row in records]
+
+    def run_row(row: int) -> Dict[str, Any]:
+        if row not in rows.tasks:
+            return _invalid_run(row, rows.rejected[row])
+        try:
+            return run_task(rows.tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden,
+                            tool_model=tool_model, user=user, turn_mode=turn_mode)
+        except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
+            return _failed_run(rows.tasks[row], f"the simulator failed on this row: {_describe(exc)}")
+
+    def keep(row: int, record: Dict[str, Any], show: bool) -> None:
+        records[row] = record
+        if on_record is not None:
+            on_record(row, _scrub(record, hidden))
+        if show and progress is not None:
+            rate = _eta(len(records) - resumed, len(rows.order) - resumed, time.monotonic() - clock)
+            progress(f"{label}[{len(records)}/{len(rows.order)}] {rate} | " + report.progress_line(record))
+
+    todo = [row for row in rows.order if row not in records]
+    workers = _Workers(run_row, grade, jobs=jobs, grade_jobs=grade_jobs, count=len(todo))
+    interrupted = workers.run(todo, keep)
+    runs = [records[row] for row in rows.order if row in records]
+    result: Dict[str, Any] = _scrub(_result(data, runs, started_at=started_at, clock=clock, jobs=len(workers.workers),
+                                            interrupted=interrupted, not_run=len(rows.order) - len(runs),
+                                            describe=describe), hidden)
+    if interrupted:
+        raise Interrupted(result)
+    return result
+
+
+def _result(data: datasets.Dataset, runs: List[Dict[str, Any]], *, started_at: str, clock: float, jobs: int,
+            interrupted: bool, not_run: int, describe: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The report of a simulation whose finished runs are ``runs`` (``not_run`` counted when it was stopped)."""
     summary = shards.summarise(runs)
     if interrupted:
-        summary["not_run"] = len(rows) - len(runs)
+        summary["not_run"] = not_run
     result: Dict[str, Any] = {
         "kind": "pipelines_port.simulation",
         "version": 1,
         "started_at": started_at,
         "duration_ms": round((time.monotonic() - clock) * 1000, 1),
-        "jobs": len(workers),
+        "jobs": jobs,
         "interrupted": interrupted,
         "dataset": {"file": data.name, "rows": data.rows, "problems": [p.to_json() for p in data.problems]},
         "summary": summary,
         "runs": runs,
     }
     result.update(describe or {})
-    result = _scrub(result, hidden)
-    if interrupted:
-        raise Interrupted(result)
     return result
 
 
@@ -1031,11 +1134,58 @@ def _agent_token(args: argparse.Namespace) -> Optional[str]:
     return args.token
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class _Roles(NamedTuple):
+    """The model-backed roles of one simulation (``None`` where the options ask for none) and their maker."""
+
+    models: ModelRoles
+    judge: Optional[judging.Judge]
+    tool_model: Optional[ToolModel]
+    user: Optional[UserModel]
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """The simulate command after option parsing; raises :class:`SetupError` when nothing can run."""
-    def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+    min_pass_rate, shard = _checked_options(args)
+    data, fixtures, tools_schema = _inputs(args)
+    agent, hidden = _agent(args)
+    model = _choose_model(args, agent)
+    all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
+                                                     if p.row is not None and p.severity == "error"})
+    shard_rows = shards.shard_rows(all_rows, shard)
+    if shard:
+        _say(f"simulate: shard {shard}: {len(shard_rows)} of {len(all_rows)} rows")
+    scope = contextlib.ExitStack()  # the scripted stand-in's server, when a role names it
+    try:
+        roles = _model_roles(args, scope, data, agent, tools_schema)
+        describe = _description(args, agent, model, roles)
+        result_file = _result_file(args, data, agent, model, roles, shard, shard_rows, all_rows,
+                                   _scrub(describe, hidden)) if args.jsonl else None
+    except BaseException:
+        scope.close()
+        raise
+    try:
+        with scope as stack:
+            if model == "scripted":
+                stack.enter_context(_scripted_model(agent, _say))
+            result, interrupted = _simulate_rows(args, data, agent, fixtures, tools_schema, hidden, describe, roles,
+                                                 shard_rows, result_file, label=f"[shard {shard}] " if shard else "")
+    finally:
+        if result_file is not None:
+            result_file.close()
+    if shard:
+        result["shard"] = str(shard)
+    failed_gate = _finish(args, result, roles, min_pass_rate)
+    if interrupted:
+        return 130
+    return 1 if failed_gate or result["summary"]["errors"] else 0
 
+
+def _checked_options(args: argparse.Namespace) -> Tuple[Optional[float], Optional[shards.Shard]]:
+    """The options that need no file checked against each other; ``--min-pass-rate`` and ``--shard`` parsed."""
     if args.timeout <= 0:
         raise SetupError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if not 1 <= args.jobs <= 256:
@@ -1049,14 +1199,20 @@ def run_cli(args: argparse.Namespace) -> int:
         shard = shards.parse_shard(args.shard) if args.shard is not None else None
     except shards.ShardError as exc:
         raise SetupError(str(exc)) from None
+    return min_pass_rate, shard
+
+
+def _inputs(args: argparse.Namespace) -> Tuple[datasets.Dataset, Optional[Dict[str, Any]],
+                                                 Optional[List[Dict[str, Any]]]]:
+    """The dataset (its problems said), the fixtures and the tools schema; raises :class:`SetupError`."""
     data = datasets.load_dataset(args.csv)
     for line in datasets.format_problems(data):
-        say(line)
+        _say(line)
     if any(p.severity == "error" and p.row is None for p in data.problems):
         raise SetupError(f"{args.csv}: the file or its header has errors; fix them first")
     if not data.tasks and not [p for p in data.problems if p.row is not None]:
         raise SetupError(f"{args.csv}: nothing to run ({datasets.summary(data)})")
-    fixtures = _load_fixtures(args.responses, say) if args.responses else None
+    fixtures = _load_fixtures(args.responses, _say) if args.responses else None
     tools_schema = None
     if args.tools:
         try:
@@ -1064,9 +1220,13 @@ def run_cli(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SetupError(f"--tools: {exc}") from None
     if any(t.workspace for t in data.tasks):
-        say("note: workspace columns (scenario_ref, workspace_seed, setup_command) are not simulated; "
-            "rows run as ledger tasks")
+        _say("note: workspace columns (scenario_ref, workspace_seed, setup_command) are not simulated; "
+             "rows run as ledger tasks")
+    return data, fixtures, tools_schema
 
+
+def _agent(args: argparse.Namespace) -> Tuple[Any, List[str]]:
+    """The agent (a --url one pinged) and the secrets to keep out of every report (its token)."""
     token = _agent_token(args)
     agent: Any
     if args.code:
@@ -1075,21 +1235,25 @@ def run_cli(args: argparse.Namespace) -> int:
         agent = UrlAgent(args.url, token=token, auth_header=args.auth_header, timeout=args.timeout)
         warning = agent.check()
         if warning:
-            say(f"warning: {warning}")
-    hidden = [token] if token else []
-    model = _choose_model(args, agent)
+            _say(f"warning: {warning}")
+    return agent, [token] if token else []
+
+
+def _model_roles(args: argparse.Namespace, scope: contextlib.ExitStack, data: datasets.Dataset, agent: Any,
+                 tools_schema: Optional[List[Dict[str, Any]]]) -> _Roles:
+    """The judge, the simulated backend and (when a row is a session) the simulated user the options ask for."""
+    models = ModelRoles(args, scope)
     sessions = [t.row for t in data.tasks if (args.turn_mode or t.turn_mode) == "model_as_user"]
-    scope = contextlib.ExitStack()
-    try:
-        roles = ModelRoles(args, scope)
-        judge = roles.judge()
-        tool_model = roles.tool_model(tools_schema if tools_schema is not None else _agent_tools(args, agent))
-        user = roles.user() if sessions else None
-    except BaseException:
-        scope.close()
-        raise
-    describe = {"agent": {"mode": agent.mode, "target": agent.target},
-                "fixtures": args.responses, "tools_schema": args.tools, "model": model}
+    return _Roles(models, models.judge(),
+                  models.tool_model(tools_schema if tools_schema is not None else _agent_tools(args, agent)),
+                  models.user() if sessions else None)
+
+
+def _description(args: argparse.Namespace, agent: Any, model: Optional[str], roles: _Roles) -> Dict[str, Any]:
+    """What the report's header says of the simulation: the agent, the fixtures, the model and each role."""
+    describe: Dict[str, Any] = {"agent": {"mode": agent.mode, "target": agent.target},
+                                "fixtures": args.responses, "tools_schema": args.tools, "model": model}
+    judge, tool_model, user = roles.judge, roles.tool_model, roles.user
     if judge is not None:
         describe["judge"] = dict(judge.identity(), server=judge.client.endpoint.describe(),
                                  prompt=args.judge_prompt or "the kit's (prompts/judge.md)")
@@ -1098,67 +1262,66 @@ def run_cli(args: argparse.Namespace) -> int:
                                      tools_known=sorted(tool_model.tools))
     if user is not None:
         describe["user_model"] = dict(user.identity(), server=user.client.endpoint.describe())
-    all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
-                                                     if p.row is not None and p.severity == "error"})
-    shard_rows = shards.shard_rows(all_rows, shard)
-    label = f"[shard {shard}] " if shard else ""
-    if shard:
-        say(f"simulate: shard {shard}: {len(shard_rows)} of {len(all_rows)} rows")
-    result_file: Optional[shards.ResultFile] = None
-    if args.jsonl:
-        header = shards.header_record(
-            dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
-                     "problems": [p.to_json() for p in data.problems]},
-            agent=_agent_identity(agent), options=_option_identity(args, model, judge, tool_model, user), shard=shard,
-            rows=shard_rows,
-            all_rows=all_rows)
-        header["describe"] = _scrub(describe, hidden)
-        header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            result_file = shards.ResultFile(args.jsonl, header, resume=args.resume)
-        except OSError as exc:
-            raise SetupError(f"--jsonl: cannot write {args.jsonl}: {exc.strerror or exc}") from None
-        except shards.ShardError as exc:
-            raise SetupError(str(exc)) from None
-        if result_file.done:
-            say(f"simulate: --resume: {len(result_file.done)} row(s) already in {args.jsonl}, "
-                f"{len([r for r in shard_rows if r not in result_file.done])} to run")
-        if result_file.dropped_partial:
-            say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its row runs again")
-    interrupted = False
-    try:
-        with scope as stack:
-            if model == "scripted":
-                stack.enter_context(_scripted_model(agent, say))
-            try:
-                result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say,
-                                  hidden=hidden, describe=describe, jobs=args.jobs, only_rows=shard_rows,
-                                  done=result_file.done if result_file else None,
-                                  on_record=result_file.add if result_file else None, label=label,
-                                  grade=(lambda record: judging.judged(record, judge)) if judge else None,
-                                  grade_jobs=args.judge_jobs, tool_model=tool_model, user=user,
-                                  turn_mode=args.turn_mode)
-            except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
-                result, interrupted = stopped.result, True
-                say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
-                    f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
-    finally:
-        if result_file is not None:
-            result_file.close()
-    if shard:
-        result["shard"] = str(shard)
+    return describe
 
+
+def _result_file(args: argparse.Namespace, data: datasets.Dataset, agent: Any, model: Optional[str], roles: _Roles,
+                 shard: Optional[shards.Shard], shard_rows: List[int], all_rows: List[int],
+                 describe: Dict[str, Any]) -> shards.ResultFile:
+    """The ``--jsonl`` file opened (or, with ``--resume``, read and continued); raises :class:`SetupError`."""
+    header = shards.header_record(
+        dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
+                 "problems": [p.to_json() for p in data.problems]},
+        agent=_agent_identity(agent), options=_option_identity(args, model, roles.judge, roles.tool_model, roles.user),
+        shard=shard, rows=shard_rows, all_rows=all_rows)
+    header["describe"] = describe
+    header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        result_file = shards.ResultFile(args.jsonl, header, resume=args.resume)
+    except OSError as exc:
+        raise SetupError(f"--jsonl: cannot write {args.jsonl}: {exc.strerror or exc}") from None
+    except shards.ShardError as exc:
+        raise SetupError(str(exc)) from None
+    if result_file.done:
+        _say(f"simulate: --resume: {len(result_file.done)} row(s) already in {args.jsonl}, "
+             f"{len([r for r in shard_rows if r not in result_file.done])} to run")
+    if result_file.dropped_partial:
+        _say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its row runs again")
+    return result_file
+
+
+def _simulate_rows(args: argparse.Namespace, data: datasets.Dataset, agent: Any, fixtures: Optional[Dict[str, Any]],
+                   tools_schema: Optional[List[Dict[str, Any]]], hidden: List[str], describe: Dict[str, Any],
+                   roles: _Roles, shard_rows: List[int], result_file: Optional[shards.ResultFile],
+                   label: str) -> Tuple[Dict[str, Any], bool]:
+    """:func:`simulate` with the command's options: the report, and whether Ctrl-C stopped it (its finished rows
+    reported all the same)."""
+    judge = roles.judge
+    try:
+        return simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=_say, hidden=hidden,
+                        describe=describe, jobs=args.jobs, only_rows=shard_rows,
+                        done=result_file.done if result_file else None,
+                        on_record=result_file.add if result_file else None, label=label,
+                        grade=(lambda record: judging.judged(record, judge)) if judge else None,
+                        grade_jobs=args.judge_jobs, tool_model=roles.tool_model, user=roles.user,
+                        turn_mode=args.turn_mode), False
+    except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
+        result = stopped.result
+        _say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
+             f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
+        return result, True
+
+
+def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, min_pass_rate: Optional[float]) -> bool:
+    """The reports written and printed, the cache's problems said, the gate applied: True when the gate fails."""
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
-    for cache in roles.caches:
+    for cache in roles.models.caches:
         if cache.problem:
-            say(f"simulate: warning: the model cache was not used in full: {cache.problem}")
-    failed_gate = gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write, say=say,
-                             command="simulate")
-    if interrupted:
-        return 130
-    return 1 if failed_gate or result["summary"]["errors"] else 0
+            _say(f"simulate: warning: the model cache was not used in full: {cache.problem}")
+    return gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write, say=_say,
+                      command="simulate")
 
 
 def check_gate_options(args: argparse.Namespace) -> Optional[float]:
