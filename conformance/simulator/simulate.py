@@ -99,6 +99,7 @@ __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "Url
            "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TRIALS = 100
 _REDACTED = "[redacted]"
 
 
@@ -538,13 +539,17 @@ def run_task(
     tool_model: Optional[ToolModel] = None,
     user: Optional[UserModel] = None,
     turn_mode: Optional[str] = None,
+    trial: int = 1,
+    run_id: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run one task end to end and return its record (secrets scrubbed).
 
     ``tool_model`` answers the calls nothing else answers (``--simulator``); a row whose turn mode
     (``turn_mode`` overrides the row's) is ``model_as_user`` runs as a session with ``user`` playing the user.
+    ``trial`` is which of the row's runs this is (``--trials``), ``run_id`` its run id (default: the row's number);
+    every trial starts afresh: its own token, proxy and session, the ledger booted from the row's state.
     """
-    run_id = task.row
+    run_id = task.row if run_id is None else run_id
     token = "sim-" + secrets.token_urlsafe(24)
     backend = engine.Backend(task.initial_state, task.failure_rules, fixtures=fixtures,
                              seed=engine.task_seed(task.row, task.user_instruction))
@@ -554,7 +559,8 @@ def run_task(
     session = (turn_mode or task.turn_mode) == "model_as_user"
     ran = _run_agent(task, agent, _Run(backend, time.monotonic(), ask), token=token, run_id=run_id,
                      tools_schema=tools_schema, user=user, session=session)
-    record = _record(task, ran, run_id=run_id, backend=backend, fixtures=fixtures, tools_schema=tools_schema)
+    record = _record(task, ran, run_id=run_id, trial=trial, backend=backend, fixtures=fixtures,
+                     tools_schema=tools_schema)
     if ran.conversation is not None:
         if user is None:
             record["notes"].append("a model_as_user row: only its first turn ran, as no one plays the user "
@@ -635,7 +641,7 @@ def _fired(calls: Sequence[Mapping[str, Any]]) -> Dict[int, int]:
     return fired
 
 
-def _record(task: datasets.Task, ran: _Ran, *, run_id: int, backend: engine.Backend,
+def _record(task: datasets.Task, ran: _Ran, *, run_id: int, trial: int, backend: engine.Backend,
             fixtures: Optional[Mapping[str, Any]], tools_schema: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
     """The run's record, as the reports show it (before the session's fields, the usage and the scrub)."""
     body, errors, warnings = _response(ran, tools_schema)
@@ -646,6 +652,7 @@ def _record(task: datasets.Task, ran: _Ran, *, run_id: int, backend: engine.Back
         "line": task.line,
         "task_id": task.row,
         "run_id": run_id,
+        "trial": trial,
         "status": "error" if errors else "ok",
         "user_instruction": task.user_instruction,
         "behavior_instructions": task.behavior_instructions,
@@ -687,8 +694,10 @@ def _converse(task: datasets.Task, agent: Callable[[Dispatch], Outcome], dispatc
 
     Without a user model only the first turn runs (the instruction; no one to answer the agent).
     """
-    # The session id is the row's, as the seed is: a re-run sends the same, so its answers replay from the cache.
-    conversation = Conversation(task, user, f"sim-{task.row}-{engine.task_seed(task.row, task.user_instruction)[:8]}")
+    # The session id is the run's (a trial's own), fixed as the seed is: a re-run sends the same, so its answers
+    # replay from the cache.
+    seed = engine.task_seed(task.row, task.user_instruction)
+    conversation = Conversation(task, user, f"sim-{dispatch.run_id}-{seed[:8]}")
 
     def send(fields: Dict[str, Any]) -> Tuple[Any, Optional[str]]:
         outcome = agent(dispatch._replace(turn=fields))
@@ -737,11 +746,12 @@ def outcome_check(expected_outcome: str, calls: Sequence[Mapping[str, Any]]) -> 
     return result
 
 
-def _invalid_run(row: int, problems: Sequence[datasets.Problem]) -> Dict[str, Any]:
+def _invalid_run(row: int, problems: Sequence[datasets.Problem], trial: int = 1) -> Dict[str, Any]:
     line = next((p.line for p in problems if p.line is not None), None)
     return {
         "row": row,
         "line": line,
+        "trial": trial,
         "status": "invalid",
         "errors": [f"{p.where + ': ' if p.where else ''}{p.message}" for p in problems if p.severity == "error"],
         "warnings": [],
@@ -761,37 +771,39 @@ class Interrupted(Exception):
         self.result = result
 
 
-def _eta(done: int, total: int, elapsed: float) -> str:
-    """``12.3 rows/s, ETA 41 s`` after ``done`` of ``total`` rows in ``elapsed`` seconds."""
+def _eta(done: int, total: int, elapsed: float, unit: str = "rows") -> str:
+    """``12.3 rows/s, ETA 41 s`` after ``done`` of ``total`` rows (or runs) in ``elapsed`` seconds."""
     rate = done / elapsed if elapsed > 0 else 0.0
     left = (total - done) / rate if rate > 0 else 0.0
     eta = f"{left:.0f} s" if left < 120 else f"{left / 60:.1f} min"
-    return f"{rate:.1f} rows/s, ETA {eta}" if done < total else f"{rate:.1f} rows/s"
+    return f"{rate:.1f} {unit}/s, ETA {eta}" if done < total else f"{rate:.1f} {unit}/s"
 
 
 class _Rows(NamedTuple):
-    """The rows a simulation covers, in row order: the tasks to run and the rows the dataset check rejected."""
+    """A dataset's rows, in row order: the tasks to run and the rows the dataset check rejected."""
 
     order: List[int]
     tasks: Dict[int, datasets.Task]
     rejected: Dict[int, List[datasets.Problem]]
 
 
-def _rows(data: datasets.Dataset, only_rows: Optional[Sequence[int]]) -> _Rows:
-    """Every row of ``data`` with a task or a rejection, limited to ``only_rows`` (a shard) when given."""
+def _rows(data: datasets.Dataset) -> _Rows:
+    """Every row of ``data`` with a task or a rejection."""
     tasks = {t.row: t for t in data.tasks}
     rejected: Dict[int, List[datasets.Problem]] = {}
     for p in data.problems:
         if p.row is not None and p.severity == "error":
             rejected.setdefault(p.row, []).append(p)
-    order = sorted(set(tasks) | set(rejected))
-    if only_rows is not None:
-        wanted = set(only_rows)
-        order = [row for row in order if row in wanted]
-    return _Rows(order, tasks, rejected)
+    return _Rows(sorted(set(tasks) | set(rejected)), tasks, rejected)
 
 
-Unit = Any  # what one worker runs and one record reports: a row
+def run_id_of(row: int, trial: int, rows: int) -> int:
+    """The run id of a row's trial in a dataset of ``rows`` rows: trial 1's are the rows' numbers, and each later
+    trial's follow the one before's, as a platform numbers the runs it creates (fixed, so a re-run sends the same)."""
+    return (trial - 1) * rows + row
+
+
+Unit = shards.Unit
 Record = Dict[str, Any]
 
 
@@ -887,17 +899,18 @@ def simulate(
     hidden: Sequence[str] = (),
     describe: Optional[Dict[str, Any]] = None,
     jobs: int = 1,
-    only_rows: Optional[Sequence[int]] = None,
-    done: Optional[Mapping[int, Dict[str, Any]]] = None,
-    on_record: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+    only_units: Optional[Sequence[Unit]] = None,
+    done: Optional[Mapping[Unit, Dict[str, Any]]] = None,
+    on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
     label: str = "",
     grade: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
     grade_jobs: int = 16,
     tool_model: Optional[ToolModel] = None,
     user: Optional[UserModel] = None,
     turn_mode: Optional[str] = None,
+    trials: int = 1,
 ) -> Dict[str, Any]:
-    """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
+    """Run every row of a checked dataset against ``agent``, ``trials`` times; the whole report as a JSON-ready dict.
 
     Rows the dataset check rejected are listed with status ``invalid`` and
     not run.  ``hidden`` strings (the agent token) are scrubbed from the report
@@ -907,9 +920,11 @@ def simulate(
     Ctrl-C raises :class:`Interrupted` carrying the report of the finished rows
     (running ones are abandoned: their threads are daemons).
 
-    ``only_rows`` limits the run to those rows (a shard); ``done`` holds records of rows already run (a resumed
-    result file), which are reported and not run again; ``on_record(row, record)`` gets each new record, scrubbed,
-    as it finishes (the result file's writer); ``label`` prefixes each progress line (``[shard 2/3] ``).
+    The unit of work is one trial of one row, ``(row, trial)``: each trial is a run of its own (its run id from
+    :func:`run_id_of`), and the runs are listed by row, then trial.  ``only_units`` limits the run to those units
+    (a shard); ``done`` holds records of units already run (a resumed result file), which are reported and not run
+    again; ``on_record(record)`` gets each new record, scrubbed, as it finishes (the result file's writer);
+    ``label`` prefixes each progress line (``[shard 2/3] ``).
 
     ``grade(record)`` (the judge) returns the record with its verdict.  It runs on ``grade_jobs`` threads of
     its own, beside the rows' workers, so judging one row overlaps running the next: the judge adds its
@@ -918,43 +933,51 @@ def simulate(
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
-    rows = _rows(data, only_rows)
-    records: Dict[int, Dict[str, Any]] = {row: record for row, record in (done or {}).items() if row in rows.order}
+    rows = _rows(data)
+    units = shards.shard_units(rows.order, trials, None)
+    if only_units is not None:
+        wanted = set(only_units)
+        units = [unit for unit in units if unit in wanted]
+    planned = set(units)
+    records: Dict[Unit, Dict[str, Any]] = {unit: record for unit, record in (done or {}).items() if unit in planned}
     resumed = len(records)
 
-    def run_row(row: int) -> Dict[str, Any]:
+    def run_unit(unit: Unit) -> Dict[str, Any]:
+        row, trial = unit
         if row not in rows.tasks:
-            return _invalid_run(row, rows.rejected[row])
+            return _invalid_run(row, rows.rejected[row], trial)
+        run_id = run_id_of(row, trial, data.rows)
         try:
             return run_task(rows.tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden,
-                            tool_model=tool_model, user=user, turn_mode=turn_mode)
+                            tool_model=tool_model, user=user, turn_mode=turn_mode, trial=trial, run_id=run_id)
         except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
-            return _failed_run(rows.tasks[row], f"the simulator failed on this row: {_describe(exc)}")
+            return _failed_run(rows.tasks[row], f"the simulator failed on this row: {_describe(exc)}", trial, run_id)
 
-    def keep(row: int, record: Dict[str, Any], show: bool) -> None:
-        records[row] = record
+    def keep(unit: Unit, record: Dict[str, Any], show: bool) -> None:
+        records[unit] = record
         if on_record is not None:
-            on_record(row, _scrub(record, hidden))
+            on_record(_scrub(record, hidden))
         if show and progress is not None:
-            rate = _eta(len(records) - resumed, len(rows.order) - resumed, time.monotonic() - clock)
-            progress(f"{label}[{len(records)}/{len(rows.order)}] {rate} | " + report.progress_line(record))
+            rate = _eta(len(records) - resumed, len(units) - resumed, time.monotonic() - clock,
+                        "rows" if trials == 1 else "runs")
+            progress(f"{label}[{len(records)}/{len(units)}] {rate} | " + report.progress_line(record, trials))
 
-    todo = [row for row in rows.order if row not in records]
-    workers = _Workers(run_row, grade, jobs=jobs, grade_jobs=grade_jobs, count=len(todo))
+    todo = [unit for unit in units if unit not in records]
+    workers = _Workers(run_unit, grade, jobs=jobs, grade_jobs=grade_jobs, count=len(todo))
     interrupted = workers.run(todo, keep)
-    runs = [records[row] for row in rows.order if row in records]
+    runs = [records[unit] for unit in units if unit in records]
     result: Dict[str, Any] = _scrub(_result(data, runs, started_at=started_at, clock=clock, jobs=len(workers.workers),
-                                            interrupted=interrupted, not_run=len(rows.order) - len(runs),
-                                            describe=describe), hidden)
+                                            interrupted=interrupted, not_run=len(units) - len(runs),
+                                            describe=describe, trials=trials), hidden)
     if interrupted:
         raise Interrupted(result)
     return result
 
 
 def _result(data: datasets.Dataset, runs: List[Dict[str, Any]], *, started_at: str, clock: float, jobs: int,
-            interrupted: bool, not_run: int, describe: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+            interrupted: bool, not_run: int, describe: Optional[Dict[str, Any]], trials: int) -> Dict[str, Any]:
     """The report of a simulation whose finished runs are ``runs`` (``not_run`` counted when it was stopped)."""
-    summary = shards.summarise(runs)
+    summary = shards.summarise(runs, trials)
     if interrupted:
         summary["not_run"] = not_run
     result: Dict[str, Any] = {
@@ -972,8 +995,9 @@ def _result(data: datasets.Dataset, runs: List[Dict[str, Any]], *, started_at: s
     return result
 
 
-def _failed_run(task: datasets.Task, error: str) -> Dict[str, Any]:
-    return {"row": task.row, "line": task.line, "task_id": task.row, "run_id": task.row, "status": "error",
+def _failed_run(task: datasets.Task, error: str, trial: int = 1, run_id: Optional[int] = None) -> Dict[str, Any]:
+    return {"row": task.row, "line": task.line, "task_id": task.row,
+            "run_id": task.row if run_id is None else run_id, "trial": trial, "status": "error",
             "user_instruction": task.user_instruction, "expected_outcome": task.expected_outcome,
             "expected_outcome_given": task.expected_outcome_given, "errors": [error], "warnings": [],
             "tool_calls": [], "ledger_changes": [], "trace_events": [], "failure_rules": [], "notes": []}
@@ -1022,6 +1046,10 @@ def _parser() -> argparse.ArgumentParser:
                              "set (the process environment is shared): run() gets its run through its arguments")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"per-row limit for the agent (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--trials", type=int, default=1, metavar="K",
+                        help="run every row K times (default 1), each trial a run of its own (its run id, session "
+                             "and verdict; the ledger booted afresh from the row), to tell a flaky row from a broken "
+                             "one: the reports show each row's passes out of K, pass^k and pass@k")
     parser.add_argument("--shard", metavar="K/N",
                         help="run only the K-th of N shards of the dataset (rows K, K+N, K+2N, ... in file order; "
                              "JOB_COMPLETION_INDEX+1 in a Kubernetes indexed Job)")
@@ -1082,9 +1110,11 @@ def add_judge_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-model-cache", "--no-judge-cache", dest="no_model_cache", action="store_true",
                        help="ask the model every time, keep nothing")
     group.add_argument("--min-pass-rate", metavar="F",
-                       help="exit 1 when PASS / rows is below F (0.8 or 80%%; a row not judged is not a pass)")
-    group.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row (FAIL a failure, not "
-                                                       "judged an error)")
+                       help="exit 1 when PASS / runs is below F (0.8 or 80%%; a run not judged is not a pass)")
+    group.add_argument("--min-pass-hat-k", metavar="F",
+                       help="exit 1 when pass^k, the share of rows whose K trials (--trials K) all passed, is below F")
+    group.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row, failed unless all its "
+                                                       "trials passed (FAIL a failure, not judged an error)")
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -1138,6 +1168,13 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+class _Gate(NamedTuple):
+    """What the command's exit status is held to beyond the runs' own errors."""
+
+    min_pass_rate: Optional[float]
+    min_pass_hat_k: Optional[float]
+
+
 class _Roles(NamedTuple):
     """The model-backed roles of one simulation (``None`` where the options ask for none) and their maker."""
 
@@ -1149,20 +1186,20 @@ class _Roles(NamedTuple):
 
 def run_cli(args: argparse.Namespace) -> int:
     """The simulate command after option parsing; raises :class:`SetupError` when nothing can run."""
-    min_pass_rate, shard = _checked_options(args)
+    gate_options, shard = _checked_options(args)
     data, fixtures, tools_schema = _inputs(args)
     agent, hidden = _agent(args)
     model = _choose_model(args, agent)
-    all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
-                                                     if p.row is not None and p.severity == "error"})
-    shard_rows = shards.shard_rows(all_rows, shard)
+    all_rows = _rows(data).order
+    units = shards.shard_units(all_rows, args.trials, shard)
     if shard:
-        _say(f"simulate: shard {shard}: {len(shard_rows)} of {len(all_rows)} rows")
+        what = "rows" if args.trials == 1 else f"runs ({args.trials} trials of each row)"
+        _say(f"simulate: shard {shard}: {len(units)} of {len(all_rows) * args.trials} {what}")
     scope = contextlib.ExitStack()  # the scripted stand-in's server, when a role names it
     try:
         roles = _model_roles(args, scope, data, agent, tools_schema)
         describe = _description(args, agent, model, roles)
-        result_file = _result_file(args, data, agent, model, roles, shard, shard_rows, all_rows,
+        result_file = _result_file(args, data, agent, model, roles, shard, units, all_rows,
                                    _scrub(describe, hidden)) if args.jsonl else None
     except BaseException:
         scope.close()
@@ -1172,20 +1209,20 @@ def run_cli(args: argparse.Namespace) -> int:
             if model == "scripted":
                 stack.enter_context(_scripted_model(agent, _say))
             result, interrupted = _simulate_rows(args, data, agent, fixtures, tools_schema, hidden, describe, roles,
-                                                 shard_rows, result_file, label=f"[shard {shard}] " if shard else "")
+                                                 units, result_file, label=f"[shard {shard}] " if shard else "")
     finally:
         if result_file is not None:
             result_file.close()
     if shard:
         result["shard"] = str(shard)
-    failed_gate = _finish(args, result, roles, min_pass_rate)
+    failed_gate = _finish(args, result, roles, gate_options)
     if interrupted:
         return 130
     return 1 if failed_gate or result["summary"]["errors"] else 0
 
 
-def _checked_options(args: argparse.Namespace) -> Tuple[Optional[float], Optional[shards.Shard]]:
-    """The options that need no file checked against each other; ``--min-pass-rate`` and ``--shard`` parsed."""
+def _checked_options(args: argparse.Namespace) -> Tuple[_Gate, Optional[shards.Shard]]:
+    """The options that need no file checked against each other; the gate's and ``--shard`` parsed."""
     if args.timeout <= 0:
         raise SetupError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if not 1 <= args.jobs <= 256:
@@ -1194,12 +1231,14 @@ def _checked_options(args: argparse.Namespace) -> Tuple[Optional[float], Optiona
         raise SetupError("--token/--token-env are for --url agents; a --code agent is called directly")
     if args.resume and not args.jsonl:
         raise SetupError("--resume continues a --jsonl result file: give --jsonl OUT.jsonl")
-    min_pass_rate = check_gate_options(args)
+    if not 1 <= args.trials <= MAX_TRIALS:
+        raise SetupError(f"--trials must be between 1 and {MAX_TRIALS}, got {args.trials}")
+    gate_options = check_gate_options(args)
     try:
         shard = shards.parse_shard(args.shard) if args.shard is not None else None
     except shards.ShardError as exc:
         raise SetupError(str(exc)) from None
-    return min_pass_rate, shard
+    return gate_options, shard
 
 
 def _inputs(args: argparse.Namespace) -> Tuple[datasets.Dataset, Optional[Dict[str, Any]],
@@ -1266,14 +1305,14 @@ def _description(args: argparse.Namespace, agent: Any, model: Optional[str], rol
 
 
 def _result_file(args: argparse.Namespace, data: datasets.Dataset, agent: Any, model: Optional[str], roles: _Roles,
-                 shard: Optional[shards.Shard], shard_rows: List[int], all_rows: List[int],
+                 shard: Optional[shards.Shard], units: List[Unit], all_rows: List[int],
                  describe: Dict[str, Any]) -> shards.ResultFile:
     """The ``--jsonl`` file opened (or, with ``--resume``, read and continued); raises :class:`SetupError`."""
     header = shards.header_record(
         dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
                  "problems": [p.to_json() for p in data.problems]},
         agent=_agent_identity(agent), options=_option_identity(args, model, roles.judge, roles.tool_model, roles.user),
-        shard=shard, rows=shard_rows, all_rows=all_rows)
+        shard=shard, rows=sorted({row for row, _ in units}), all_rows=all_rows)
     header["describe"] = describe
     header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
@@ -1282,37 +1321,39 @@ def _result_file(args: argparse.Namespace, data: datasets.Dataset, agent: Any, m
         raise SetupError(f"--jsonl: cannot write {args.jsonl}: {exc.strerror or exc}") from None
     except shards.ShardError as exc:
         raise SetupError(str(exc)) from None
+    what = "row(s)" if args.trials == 1 else "run(s)"
     if result_file.done:
-        _say(f"simulate: --resume: {len(result_file.done)} row(s) already in {args.jsonl}, "
-             f"{len([r for r in shard_rows if r not in result_file.done])} to run")
+        _say(f"simulate: --resume: {len(result_file.done)} {what} already in {args.jsonl}, "
+             f"{len([u for u in units if u not in result_file.done])} to run")
     if result_file.dropped_partial:
-        _say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its row runs again")
+        _say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its run runs again")
     return result_file
 
 
 def _simulate_rows(args: argparse.Namespace, data: datasets.Dataset, agent: Any, fixtures: Optional[Dict[str, Any]],
                    tools_schema: Optional[List[Dict[str, Any]]], hidden: List[str], describe: Dict[str, Any],
-                   roles: _Roles, shard_rows: List[int], result_file: Optional[shards.ResultFile],
+                   roles: _Roles, units: List[Unit], result_file: Optional[shards.ResultFile],
                    label: str) -> Tuple[Dict[str, Any], bool]:
     """:func:`simulate` with the command's options: the report, and whether Ctrl-C stopped it (its finished rows
     reported all the same)."""
     judge = roles.judge
     try:
         return simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=_say, hidden=hidden,
-                        describe=describe, jobs=args.jobs, only_rows=shard_rows,
+                        describe=describe, jobs=args.jobs, only_units=units,
                         done=result_file.done if result_file else None,
                         on_record=result_file.add if result_file else None, label=label,
                         grade=(lambda record: judging.judged(record, judge)) if judge else None,
                         grade_jobs=args.judge_jobs, tool_model=roles.tool_model, user=roles.user,
-                        turn_mode=args.turn_mode), False
+                        turn_mode=args.turn_mode, trials=args.trials), False
     except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
         result = stopped.result
-        _say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
+        what = "row(s)" if args.trials == 1 else "run(s)"
+        _say(f"simulate: interrupted: {result['summary']['runs']} {what} finished, "
              f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
         return result, True
 
 
-def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, min_pass_rate: Optional[float]) -> bool:
+def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, gate_options: _Gate) -> bool:
     """The reports written and printed, the cache's problems said, the gate applied: True when the gate fails."""
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
@@ -1320,21 +1361,24 @@ def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, min
     for cache in roles.models.caches:
         if cache.problem:
             _say(f"simulate: warning: the model cache was not used in full: {cache.problem}")
-    return gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write, say=_say,
-                      command="simulate")
+    return gate.apply(result, junit=args.junit, min_pass_rate=gate_options.min_pass_rate, write=_write, say=_say,
+                      command="simulate", min_pass_hat_k=gate_options.min_pass_hat_k)
 
 
-def check_gate_options(args: argparse.Namespace) -> Optional[float]:
-    """``--min-pass-rate`` as a number, once the judge's and the gate's options are known to fit together."""
+def check_gate_options(args: argparse.Namespace) -> _Gate:
+    """The gate's thresholds as numbers, once the judge's and the gate's options are known to fit together."""
     if not 1 <= args.judge_jobs <= 256:
         raise SetupError(f"--judge-jobs must be between 1 and 256, got {args.judge_jobs}")
     if not args.judge:
-        given = [f"--{name.replace('_', '-')}" for name in ("min_pass_rate", "junit", "judge_url", "judge_key_env",
-                                                            "judge_prompt") if getattr(args, name) is not None]
+        given = [f"--{name.replace('_', '-')}" for name in ("min_pass_rate", "min_pass_hat_k", "junit", "judge_url",
+                                                            "judge_key_env", "judge_prompt")
+                 if getattr(args, name) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} go(es) with --judge MODEL (--judge scripted runs offline)")
     try:
-        return gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None
+        return _Gate(gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None,
+                     gate.parse_rate(args.min_pass_hat_k, "--min-pass-hat-k") if args.min_pass_hat_k is not None
+                     else None)
     except ValueError as exc:
         raise SetupError(str(exc)) from None
 
@@ -1356,7 +1400,7 @@ class ModelRoles:
 
     def client(self, model: str, url: Optional[str], key_env: Optional[str], *, option: str,
                concurrency: int) -> ChatClient:
-        scripted = model.strip().lower() == "scripted"
+        scripted = _scripted(model)
         try:
             if scripted:
                 if self._scripted is None:
@@ -1409,6 +1453,11 @@ class ModelRoles:
                                      concurrency=max(16, args.jobs)), prompt, args.max_turns)
 
 
+def _scripted(model: Optional[str]) -> bool:
+    """Whether a role's model option names the kit's offline stand-in."""
+    return (model or "").strip().lower() == "scripted"
+
+
 def _file_identity(path: Optional[str]) -> Optional[Dict[str, str]]:
     """A file as a result file's header names it: its base name and content hash (paths differ between machines)."""
     if not path:
@@ -1431,11 +1480,16 @@ def _option_identity(args: argparse.Namespace, model: Optional[str], judge: Opti
     """The options that change what a row's run gives (so shards of one simulation must share them)."""
     identity: Dict[str, Any] = {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
                                 "model": model, "strict": bool(args.code) and not args.lenient}
-    for name, role in (("judge", judge), ("simulator", tool_model), ("user_model", user)):
+    for name, role, option in (("judge", judge, args.judge), ("simulator", tool_model, args.simulator),
+                               ("user_model", user, args.user_model)):
         if role is not None:
             identity[name] = role.identity()
+            if _scripted(option) and "server" in identity[name]:  # the stand-in's port differs from run to run
+                identity[name]["server"] = "the kit's scripted stand-in"
     if args.turn_mode:
         identity["turn_mode"] = args.turn_mode
+    if args.trials > 1:  # a file from before --trials holds trial 1 of each row: it is a --trials 1 simulation
+        identity["trials"] = args.trials
     return identity
 
 
