@@ -9,14 +9,18 @@ transcript and its final response.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import os
 import re
+import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import gate
 
-__all__ = ["progress_line", "render_text", "render_html"]
+__all__ = ["progress_line", "render_text", "render_html", "write_reports", "write_file", "render_comparison_text",
+           "render_comparison_html"]
 
 # "ran": the run ended without error and its response is valid.  It is no verdict on the expected outcome.
 _STATUS_WORD = {"ok": "ran", "error": "ERROR", "invalid": "INVALID"}
@@ -262,6 +266,7 @@ margin:12px 0}.toolbar input{flex:1;min-width:200px;padding:5px 8px;border:1px s
 table.trials{border-collapse:collapse;margin:8px 0 16px;background:#fff;font-size:13px}
 table.trials th,table.trials td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:top}
 table.trials th{color:#5a6478;font-weight:600}table.trials a{text-decoration:none}
+table.trials td:first-child,table.trials td:nth-child(2){white-space:nowrap}
 .pass{background:#d7f2df;color:#135c2b}.fail{background:#fbdcdc;color:#8a1c1c}.not-judged{background:#eee3c6;color:#5c4a12}
 .body.judged{display:grid;grid-template-columns:minmax(0,1fr) 300px;gap:16px;align-items:start}
 .verdict{position:sticky;top:8px;border:1px solid #dde1e8;border-radius:8px;padding:8px 12px;margin-top:16px;
@@ -355,10 +360,7 @@ def render_html(result: Mapping[str, Any]) -> str:
         judge = result["judge"]
         meta.append(f"judge {judge.get('model')} ({judge.get('server')}), rubric {judge.get('prompt')}")
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        _head(title),
         f"<header><h1>{_e(title)}</h1><div class=\"meta\">{_e(' · '.join(meta))}</div>",
         '<div class="summary">',
         _pill(_plural(s["runs"], "run")),
@@ -393,6 +395,13 @@ def render_html(result: Mapping[str, Any]) -> str:
             parts.append(f'<details class="run" open><summary>{_e(_where(run, trials))}</summary>{_pre(run)}</details>')
     parts.append(f"</main><script>{_SCRIPT}</script></body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _head(title: str) -> str:
+    """A page's start, up to its body: the title and the report's style."""
+    return "\n".join(['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8">',
+                      '<meta name="viewport" content="width=device-width, initial-scale=1">',
+                      f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"])
 
 
 def _verdict_pills(verdicts: Optional[Mapping[str, Any]], trials: int = 1) -> List[str]:
@@ -502,7 +511,7 @@ def _run_html(run: Mapping[str, Any], *, simulated: bool = False, trials: int = 
         out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p>")
         out.append(_close_body(run, judge))
         return "\n".join(out)
-    out.append(_task_html(run, simulated))
+    out.append(_task_html(run, simulated, trials))
     if check.get("flags") or check.get("attempted"):
         out.append('<h3>Expected outcome</h3><div class="errors"><ul>')
         out += [f"<li><b>flagged:</b> {_e(f)}</li>" for f in check.get("flags") or []]
@@ -562,7 +571,7 @@ def _conversation_html(run: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _task_html(run: Mapping[str, Any], simulated: bool = False) -> str:
+def _task_html(run: Mapping[str, Any], simulated: bool = False, trials: int = 1) -> str:
     outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
     how = ("given to the simulated backend's model (--simulator), for the calls it answers" if simulated else
            "shown, not enforced (the platform's simulator applies it with an LLM; --simulator MODEL does here)")
@@ -571,7 +580,9 @@ def _task_html(run: Mapping[str, Any], simulated: bool = False) -> str:
         ("expected outcome", _e(f"{outcome}: {outcome_word(run)}")),
         ("behavior", (f"<pre>{_e(run['behavior_instructions'])}</pre><span class=\"lbl\">{_e(how)}</span>")
          if run.get("behavior_instructions") else '<span class="muted">none</span>'),
-        ("run", _e(f"task {run.get('task_id')}, run {run.get('run_id')}, {run.get('duration_ms', 0):.0f} ms")),
+        ("run", _e(f"task {run.get('task_id')}, run {run.get('run_id')}"
+                   + (f", trial {run.get('trial')} of {trials}" if trials > 1 else "")
+                   + f", {run.get('duration_ms', 0):.0f} ms")),
     ]
     rules = run.get("failure_rules") or []
     if rules:
@@ -718,3 +729,99 @@ def write_reports(result: Mapping[str, Any], json_path: Optional[str], html_path
             write(json_path, text + "\n")
     if html_path:
         write(html_path, render_html(result))
+
+
+def write_file(path: str, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: a temporary file beside it, then renamed; raises ``OSError``."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# A comparison of two reports (compare.py)
+# ---------------------------------------------------------------------------
+
+_CHANGES = (("regressed", "regressed", "its share of passing trials fell"),
+            ("fixed", "fixed", "its share of passing trials rose"),
+            ("added", "added", "a row (a seed) the baseline does not have"),
+            ("removed", "removed", "a row (a seed) only the baseline has"))
+
+
+def _side(side: Mapping[str, Any]) -> str:
+    """One report in a line: its file, rows and trials, pass rate and pass^k, judge."""
+    k = side.get("trials", 1)
+    rates = f"pass rate {side.get('pass_rate', 0.0):.1%}" + (f", pass^{k} {side.get('pass_hat_k', 0.0):.1%}"
+                                                             if k > 1 else "")
+    return (f"{side.get('file')}: {_plural(side.get('rows', 0), 'row')}"
+            + (f", {k} trials each" if k > 1 else "") + f", {rates}, judge {side.get('judge', {}).get('model')}")
+
+
+def _row_change(entry: Mapping[str, Any]) -> str:
+    """``row 2 -> row 3``, ``row 5`` (added: its new number), ``row 4`` (removed: its old one)."""
+    rows = entry.get("row") or {}
+    before, after = rows.get("before"), rows.get("after")
+    if before is not None and after is not None:
+        return f"row {before}" if before == after else f"row {before} -> row {after}"
+    return f"row {after if after is not None else before}"
+
+
+def render_comparison_text(comparison: Mapping[str, Any]) -> str:
+    """The comparison for the terminal: the notes first, the two reports, the counts, then each changed row."""
+    lines = [f"NOTE: {note}" for note in comparison.get("notes") or []]
+    lines += [f"before: {_side(comparison['before'])}", f"after:  {_side(comparison['after'])}"]
+    counts = [f"{len(comparison[key])} {word}" for key, word, _ in _CHANGES]
+    lines.append(", ".join([*counts[:2], f"{comparison['unchanged']} unchanged", *counts[2:]]))
+    for key, word, _ in _CHANGES:
+        if not comparison[key]:
+            continue
+        lines += ["", f"{word}:"]
+        for entry in comparison[key]:
+            modes = entry.get("failure_modes") or {}
+            why = "; ".join(f"{side}: {', '.join(modes[side])}" for side in ("before", "after") if modes.get(side))
+            lines.append(f"  {_row_change(entry)}  {entry.get('before') or '-'} -> {entry.get('after') or '-'}  "
+                         f"{_short(entry.get('user_instruction') or '', 70)}" + (f"  [{why}]" if why else ""))
+    return "\n".join(lines)
+
+
+def render_comparison_html(comparison: Mapping[str, Any]) -> str:
+    """The comparison as one self-contained page: the notes, the two reports, a table per kind of change."""
+    before, after = comparison["before"], comparison["after"]
+    title = f"Comparison: {before.get('file')} → {after.get('file')}"
+    pills = [_pill(f"{len(comparison['regressed'])} regressed", "fail" if comparison["regressed"] else ""),
+             _pill(f"{len(comparison['fixed'])} fixed", "pass" if comparison["fixed"] else ""),
+             _pill(f"{comparison['unchanged']} unchanged"), _pill(f"{len(comparison['added'])} added"),
+             _pill(f"{len(comparison['removed'])} removed")]
+    parts = [_head(title),
+             (f'<header><h1>{_e(title)}</h1><div class="meta">before: {_e(_side(before))}</div>'
+              f'<div class="meta">after: {_e(_side(after))}</div><div class="summary">{"".join(pills)}</div>'
+              "</header><main>")]
+    if comparison.get("notes"):
+        parts.append('<div class="warnings" id="notes"><ul>'
+                     + "".join(f"<li><b>Note:</b> {_e(n)}</li>" for n in comparison["notes"]) + "</ul></div>")
+    for key, word, meaning in _CHANGES:
+        entries = comparison[key]
+        parts.append(f'<h3 id="{key}">{_e(word)} ({len(entries)})</h3><p class="muted">{_e(meaning)}</p>')
+        if not entries:
+            continue
+        rows = "".join(
+            f"<tr><td>{_e(_row_change(entry))}</td><td>{_e(entry.get('before') or '-')}</td>"
+            f"<td>{_e(entry.get('after') or '-')}</td><td>{_e(_modes_text(entry, 'before'))}</td>"
+            f"<td>{_e(_modes_text(entry, 'after'))}</td><td>{_e(_short(entry.get('user_instruction') or '', 120))}</td>"
+            "</tr>" for entry in entries)
+        parts.append(f'<table class="trials {key}"><tr><th>row</th><th>before</th><th>after</th>'
+                     f"<th>failure modes before</th><th>failure modes after</th><th>user instruction</th></tr>{rows}"
+                     "</table>")
+    parts.append("</main></body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _modes_text(entry: Mapping[str, Any], side: str) -> str:
+    modes = (entry.get("failure_modes") or {}).get(side)
+    return ", ".join(modes) if modes else ""

@@ -352,11 +352,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)  # never a half-written report
+        report.write_file(path, text)  # never a half-written report
     except OSError as exc:
         raise ShardError(f"cannot write {path}: {exc.strerror or exc}") from None
 

@@ -85,7 +85,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pipelines_port as pp
 
 from . import dataset as datasets
-from . import engine, gate, prompts, report, session, shards
+from . import compare, engine, gate, prompts, report, session, shards
 from . import judge as judging
 from .backend_model import ToolModel
 from .session import Conversation, UserModel
@@ -1115,6 +1115,12 @@ def add_judge_options(parser: argparse.ArgumentParser) -> None:
                        help="exit 1 when pass^k, the share of rows whose K trials (--trials K) all passed, is below F")
     group.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row, failed unless all its "
                                                        "trials passed (FAIL a failure, not judged an error)")
+    group.add_argument("--baseline", metavar="OLD.json",
+                       help="after the run, compare it with this judged report (simulate, merge or test --json), "
+                            "rows matched by their seed, and print which rows regressed or were fixed (as "
+                            f"{prog('compare')})")
+    group.add_argument("--fail-on-regression", action="store_true",
+                       help="with --baseline: exit 1 when a row's share of passing trials fell")
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -1141,15 +1147,10 @@ def _load_fixtures(path: str, say: Callable[[str], None]) -> Dict[str, Any]:
 
 
 def _write(path: str, text: str) -> None:
-    """``text`` into ``path`` whole or not at all: a temporary file beside it, then renamed."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    """``text`` into ``path`` whole or not at all (:func:`report.write_file`)."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        report.write_file(path, text)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise SetupError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
@@ -1173,6 +1174,8 @@ class _Gate(NamedTuple):
 
     min_pass_rate: Optional[float]
     min_pass_hat_k: Optional[float]
+    baseline: Optional[Dict[str, Any]]  # --baseline's report, read before anything runs
+    fail_on_regression: bool
 
 
 class _Roles(NamedTuple):
@@ -1218,6 +1221,7 @@ def run_cli(args: argparse.Namespace) -> int:
     failed_gate = _finish(args, result, roles, gate_options)
     if interrupted:
         return 130
+    failed_gate = _against_baseline(args, result, gate_options) or failed_gate
     return 1 if failed_gate or result["summary"]["errors"] else 0
 
 
@@ -1366,21 +1370,44 @@ def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, gat
 
 
 def check_gate_options(args: argparse.Namespace) -> _Gate:
-    """The gate's thresholds as numbers, once the judge's and the gate's options are known to fit together."""
+    """The gate's thresholds as numbers and the baseline read, once the judge's and the gate's options are known to
+    fit together."""
     if not 1 <= args.judge_jobs <= 256:
         raise SetupError(f"--judge-jobs must be between 1 and 256, got {args.judge_jobs}")
     if not args.judge:
         given = [f"--{name.replace('_', '-')}" for name in ("min_pass_rate", "min_pass_hat_k", "junit", "judge_url",
-                                                            "judge_key_env", "judge_prompt")
+                                                            "judge_key_env", "judge_prompt", "baseline")
                  if getattr(args, name) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} go(es) with --judge MODEL (--judge scripted runs offline)")
+    if args.fail_on_regression and not args.baseline:
+        raise SetupError("--fail-on-regression goes with --baseline OLD.json (the report to hold this run to)")
+    if args.baseline and args.shard:
+        raise SetupError(f"--baseline compares a whole run: merge the shards' files, then {prog('compare')} OLD.json "
+                         "MERGED.json")
     try:
-        return _Gate(gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None,
-                     gate.parse_rate(args.min_pass_hat_k, "--min-pass-hat-k") if args.min_pass_hat_k is not None
-                     else None)
-    except ValueError as exc:
-        raise SetupError(str(exc)) from None
+        thresholds = (gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None,
+                      gate.parse_rate(args.min_pass_hat_k, "--min-pass-hat-k") if args.min_pass_hat_k is not None
+                      else None)
+        baseline = compare.load_report(args.baseline) if args.baseline else None
+    except (ValueError, compare.CompareError) as exc:
+        raise SetupError(f"--baseline: {exc}" if isinstance(exc, compare.CompareError) else str(exc)) from None
+    return _Gate(*thresholds, baseline, args.fail_on_regression)
+
+
+def _against_baseline(args: argparse.Namespace, result: Dict[str, Any], gate_options: _Gate) -> bool:
+    """The run compared with ``--baseline``'s report and the comparison printed (on stderr when the JSON report
+    goes to stdout); True when a row regressed and ``--fail-on-regression`` makes that a failure."""
+    if gate_options.baseline is None:
+        return False
+    comparison = compare.compare(gate_options.baseline, result, before_file=args.baseline,
+                                 after_file=args.json if args.json and args.json != "-" else "this run")
+    print("\n" + report.render_comparison_text(comparison), file=sys.stderr if args.json == "-" else sys.stdout)
+    if gate_options.fail_on_regression and compare.regressed(comparison):
+        _say(f"simulate: FAILED --fail-on-regression: {len(comparison['regressed'])} row(s) regressed against "
+             f"{args.baseline}")
+        return True
+    return False
 
 
 class ModelRoles:
