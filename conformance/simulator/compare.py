@@ -35,7 +35,7 @@ import argparse
 import json
 import sys
 from fractions import Fraction
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 from . import gate, report
 from ..kit import prog
@@ -77,7 +77,7 @@ def load_report(path: str) -> Dict[str, Any]:
     if not any(isinstance(run.get("judge"), dict) for run in runs):
         raise CompareError(f"{path} has no judge verdicts to compare: run simulate with --judge MODEL "
                            "(--judge scripted runs offline)")
-    return result
+    return cast(Dict[str, Any], result)
 
 
 def seed_of(run: Mapping[str, Any]) -> Dict[str, Any]:

@@ -49,14 +49,22 @@ agent sees the same keys whether a call failed for real or by a rule.
 The model-backed roles, each on any OpenAI-compatible server (``scripted``: the kit's offline stand-in), with
 one answer cache: ``--judge`` grades each run (``judge.py``), ``--simulator`` answers the tool calls nothing
 else answers (``backend_model.py``), ``--user-model`` plays the user of a ``model_as_user`` row, which runs
-as a conversation of dispatches (``session.py``).  ``--min-pass-rate`` and ``--junit`` make the verdicts a
-CI gate (``gate.py``).
+as a conversation of dispatches (``session.py``).  ``--min-pass-rate``, ``--min-pass-hat-k`` and ``--junit``
+make the verdicts a CI gate (``gate.py``); ``--baseline OLD.json`` compares the run with an earlier report
+(``compare.py``).
+
+Trials.  ``--trials K`` runs every row K times, each trial a run of its own: its run id (:func:`run_id_of`),
+token, proxy, session id and verdict, the ledger booted afresh from the row's state (and the failure rules'
+RNG seeded by the row, so every trial sees the same injected pattern).  The unit of work is ``(row, trial)``:
+the workers, the shards, the result file and ``--resume`` count in trials.
 
 Exit status: 0 when every row ran and returned a valid response, 1 when any
 row errored (agent exception, invalid response, timeout, or a row the
 dataset check rejected), 2 when nothing could run (bad options, unreadable
-or invalid files, an agent that cannot be imported or reached); 1 as well
-when the pass rate is below ``--min-pass-rate``.  The run token, the agent
+or invalid files, an agent that cannot be imported or reached, a baseline
+that cannot be compared); 1 as well when the pass rate is below
+``--min-pass-rate``, pass^k below ``--min-pass-hat-k``, or a row regressed
+against ``--baseline`` with ``--fail-on-regression``.  The run token, the agent
 token and the models' API keys are never printed, logged or written to a report.
 """
 
@@ -95,8 +103,8 @@ from ..models import cache as _cache
 from ..models.client import ChatClient, Endpoint, endpoint_from_options
 from ..models.scripted import scripted_endpoint
 
-__all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
-           "main"]
+__all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "run_id_of",
+           "simulate", "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TRIALS = 100
@@ -1012,8 +1020,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog("simulate"),
         description="Run every row of a task-seeding CSV against an agent through a local simulated proxy.",
-        epilog="Exit status: 0 all rows ok, 1 some row errored or the pass rate is below --min-pass-rate, 2 nothing "
-               "could run.",
+        epilog="Exit status: 0 all rows ok, 1 some row errored, the pass rate is below --min-pass-rate, pass^k below "
+               "--min-pass-hat-k or a row regressed (--fail-on-regression), 2 nothing could run.",
     )
     parser.add_argument("--csv", required=True, metavar="FILE.csv",
                         help="the dataset (checked as by the `dataset` command)")
