@@ -223,14 +223,19 @@ def test_shards_and_merge_carry_trials(trial_agent: Dict[str, Any], capsys: pyte
     assert simulate_cli(capsys, *common, "--json", out / "whole.json")[0] == 0
     units = []
     for k in (1, 2, 3, 4):
-        code, _, err = simulate_cli(capsys, *common, "--shard", f"{k}/4", "--jsonl", out / f"s{k}.jsonl")
+        code, _, err = simulate_cli(capsys, *common, "--shard", f"{k}/4", "--jsonl", out / f"s{k}.jsonl", "--junit",
+                                    out / f"s{k}.xml")
         assert code == 0, err
-        assert f"simulate: shard {k}/4: " in err and "of 15 runs (3 trials of each row)" in err
+        assert f"simulate: shard {k}/4: {2 if k == 1 else 1} of 5 rows, 3 trials each" in err
         records = [json.loads(line) for line in (out / f"s{k}.jsonl").read_text(encoding="utf-8").splitlines()]
         units.append([(r["row"], r["trial"]) for r in records[1:]])
-    assert [len(u) for u in units] == [4, 4, 4, 3]  # a trial is the unit: a row's trials go to different shards
+    assert [len(u) for u in units] == [6, 3, 3, 3]  # rows 1 and 5, 2, 3, 4: each with its three trials
     assert sorted(unit for shard in units for unit in shard) == [(row, t) for row in range(1, 6) for t in (1, 2, 3)]
-    assert units[0] == [(1, 1), (2, 2), (3, 3), (5, 1)]
+    assert units[0] == [(1, 1), (1, 2), (1, 3), (5, 1), (5, 2), (5, 3)]
+    # a shard's own JUnit holds whole rows: shard 1's rows 1 and 5 passed every trial, shard 2's row 2 is flaky
+    for k, expected in ((1, ("2", "0")), (2, ("1", "1"))):
+        shard_suite = ET.parse(out / f"s{k}.xml").getroot().find("testsuite")
+        assert shard_suite is not None and (shard_suite.get("tests"), shard_suite.get("failures")) == expected
     files = [out / f"s{k}.jsonl" for k in (3, 1, 4, 2)]
     code, _, err = simulate_cli_merge(capsys, *files, "--json", out / "all.json", "--junit", out / "all.xml")
     assert code == 0, err
@@ -240,8 +245,7 @@ def test_shards_and_merge_carry_trials(trial_agent: Dict[str, Any], capsys: pyte
     suite = ET.parse(out / "all.xml").getroot().find("testsuite")
     assert suite is not None and (suite.get("tests"), suite.get("failures")) == ("5", "3")
     code, _, err = simulate_cli_merge(capsys, *files[:3])
-    assert code == 2 and "4 of 15 runs have no record (row 1 trial 2, row 2 trial 3, row 4 trial 1, row 5 trial 2)" \
-        in err  # shard 2's
+    assert code == 2 and "3 of 15 runs have no record (row 2 trial 1, row 2 trial 2, row 2 trial 3)" in err
     # a --trials 1 shard and a --trials 3 shard are not one simulation
     assert simulate_cli(capsys, *common[:-2], "--shard", "2/4", "--jsonl", out / "k1.jsonl")[0] == 0
     code, _, err = simulate_cli_merge(capsys, out / "s1.jsonl", out / "k1.jsonl")
@@ -317,4 +321,4 @@ def test_sessions_get_a_session_of_their_own_per_trial(trial_agent: Dict[str, An
 def test_run_ids_follow_the_rows_trial_after_trial() -> None:
     assert [simulate.run_id_of(row, trial, 4) for trial in (1, 2, 3) for row in (1, 2, 3, 4)] == list(range(1, 13))
     assert shards.shard_units([1, 2], 1, None) == [(1, 1), (2, 1)]
-    assert shards.shard_units([1, 2, 3], 2, shards.Shard(2, 4)) == [(1, 2), (3, 2)]
+    assert shards.shard_units([1, 2, 3, 4, 5], 2, shards.Shard(2, 3)) == [(2, 1), (2, 2), (5, 1), (5, 2)]

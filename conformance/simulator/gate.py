@@ -109,10 +109,9 @@ def judge_summary(runs: Sequence[Mapping[str, Any]], trials: Optional[int] = Non
         mode = (run.get("judge") or {}).get("failure_mode") if verdict == "FAIL" else None
         if verdict == "FAIL":
             modes[str(mode) if mode else "(none given)"] = modes.get(str(mode) if mode else "(none given)", 0) + 1
-    rows = row_verdicts(runs, trials)
     return {"pass": counts["PASS"], "fail": counts["FAIL"], "not_judged": counts[NOT_JUDGED],
-            "pass_rate": pass_rate(runs), "pass_hat_k": _share(rows, lambda r: r.passed_all),
-            "pass_at_k": _share(rows, lambda r: r.passes > 0), "flaky": sum(1 for r in rows if r.flaky),
+            "pass_rate": pass_rate(runs), "pass_hat_k": pass_hat_k(runs, trials), "pass_at_k": pass_at_k(runs),
+            "flaky": sum(1 for r in row_verdicts(runs, trials) if r.flaky),
             "failure_modes": dict(sorted(modes.items(), key=lambda kv: (-kv[1], kv[0]))),
             "usage": usage_total(runs, "judge")}
 

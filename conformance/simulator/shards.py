@@ -9,10 +9,11 @@ makes the report of the whole dataset from the shards' files (``pipelines-port m
 The unit of work is one trial of one row, ``(row, trial)`` (``simulate --trials K``; trial 1 alone without it):
 a record holds one, a resumed file runs only the trials it lacks, a merge wants every row's K trials.
 
-The split: the units in file order, each row's trials together (row 1's trials 1..K, then row 2's ...), unit
-number ``i`` (counting from 0 in that order) going to shard ``i % N + 1``.  It depends only on the dataset and K,
-so every job of an N-way split computes the same shards with no coordination, re-runs give the same units, and
-the shards differ in size by one unit at most.
+The split: the dataset's rows in file order, row number ``i`` (counting from 0 in that order) going to shard
+``i % N + 1``, with all its K trials.  It depends only on the dataset, so every job of an N-way split computes the
+same shards with no coordination, re-runs give the same rows, and the shards differ in size by one row at most.
+A row's trials stay in one shard so that a shard's own report, gate and JUnit hold whole rows (pass^k is a
+row's measure).
 
 A record is one line: its JSON, then ``\\n``, written by one ``write`` and flushed.  A crash can leave at most
 the last line cut short; ``--resume`` drops such a line (its run runs again) and ``merge`` names it.
@@ -31,8 +32,8 @@ from typing import Any, Dict, IO, List, Mapping, NamedTuple, Optional, Sequence,
 from . import gate, report
 from ..kit import prog
 
-__all__ = ["Unit", "Shard", "parse_shard", "shard_units", "unit_name", "ResultFile", "ShardFile", "read_result_file",
-           "trials_in", "merge_files", "summarise", "main"]
+__all__ = ["Unit", "Shard", "parse_shard", "shard_rows", "shard_units", "unit_name", "ResultFile", "ShardFile",
+           "read_result_file", "trials_in", "merge_files", "summarise", "main"]
 
 HEADER_KIND = "pipelines_port.simulation.header"
 RUN_KIND = "pipelines_port.simulation.run"
@@ -67,13 +68,17 @@ def parse_shard(text: str) -> Shard:
     return Shard(index, count)
 
 
-def shard_units(rows: Sequence[int], trials: int, shard: Optional[Shard]) -> List[Unit]:
-    """The units of ``shard`` (all of them without one): every N-th ``(row, trial)`` in file order, each row's
-    trials together, starting at the K-th."""
-    ordered = [(row, trial) for row in sorted(rows) for trial in range(1, trials + 1)]
+def shard_rows(rows: Sequence[int], shard: Optional[Shard]) -> List[int]:
+    """The rows of ``shard`` (all of them without one): every N-th row in file order, starting at the K-th."""
+    ordered = sorted(rows)
     if shard is None:
         return ordered
-    return [unit for i, unit in enumerate(ordered) if i % shard.count == shard.index - 1]
+    return [row for i, row in enumerate(ordered) if i % shard.count == shard.index - 1]
+
+
+def shard_units(rows: Sequence[int], trials: int, shard: Optional[Shard]) -> List[Unit]:
+    """The units of ``shard`` (all of them without one): its rows, each with its ``trials`` trials, in order."""
+    return [(row, trial) for row in shard_rows(rows, shard) for trial in range(1, trials + 1)]
 
 
 def unit_name(unit: Unit, trials: int) -> str:

@@ -56,7 +56,7 @@ make the verdicts a CI gate (``gate.py``); ``--baseline OLD.json`` compares the 
 Trials.  ``--trials K`` runs every row K times, each trial a run of its own: its run id (:func:`run_id_of`),
 token, proxy, session id and verdict, the ledger booted afresh from the row's state (and the failure rules'
 RNG seeded by the row, so every trial sees the same injected pattern).  The unit of work is ``(row, trial)``:
-the workers, the shards, the result file and ``--resume`` count in trials.
+the workers, the result file and ``--resume`` count in trials; a shard takes its rows with all their trials.
 
 Exit status: 0 when every row ran and returned a valid response, 1 when any
 row errored (agent exception, invalid response, timeout, or a row the
@@ -1059,8 +1059,8 @@ def _parser() -> argparse.ArgumentParser:
                              "and verdict; the ledger booted afresh from the row), to tell a flaky row from a broken "
                              "one: the reports show each row's passes out of K, pass^k and pass@k")
     parser.add_argument("--shard", metavar="K/N",
-                        help="run only the K-th of N shards of the dataset (rows K, K+N, K+2N, ... in file order; "
-                             "JOB_COMPLETION_INDEX+1 in a Kubernetes indexed Job)")
+                        help="run only the K-th of N shards of the dataset (rows K, K+N, K+2N, ... in file order, "
+                             "each with all its --trials; JOB_COMPLETION_INDEX+1 in a Kubernetes indexed Job)")
     parser.add_argument("--jsonl", metavar="OUT.jsonl",
                         help="append each finished row to OUT.jsonl at once (a header record first): a crash loses "
                              f"only the rows in flight; merge shards' files with {prog('merge')}")
@@ -1204,8 +1204,8 @@ def run_cli(args: argparse.Namespace) -> int:
     all_rows = _rows(data).order
     units = shards.shard_units(all_rows, args.trials, shard)
     if shard:
-        what = "rows" if args.trials == 1 else f"runs ({args.trials} trials of each row)"
-        _say(f"simulate: shard {shard}: {len(units)} of {len(all_rows) * args.trials} {what}")
+        each = f", {args.trials} trials each" if args.trials > 1 else ""
+        _say(f"simulate: shard {shard}: {len(units) // args.trials} of {len(all_rows)} rows{each}")
     scope = contextlib.ExitStack()  # the scripted stand-in's server, when a role names it
     try:
         roles = _model_roles(args, scope, data, agent, tools_schema)
