@@ -190,6 +190,18 @@ def test_shares_of_passing_trials_and_plain_notes() -> None:
     assert other_judge["notes"][0].startswith("different judges: scripted before, gpt-4.1-mini after")
     other_rubric = compare.compare(one, report(("a", ["PASS"]), ("b", ["FAIL"]), prompt="p2"))
     assert other_rubric["notes"][0].startswith("different rubrics (--judge-prompt)")
+    # a platform test run's report (pipelines-port test --json) compares too: its judge is the platform
+    platform = {"kind": "pipelines_port.platform_test_run", "summary": {}, "runs": [
+        {"row": n, "user_instruction": text, "expected_outcome": "completion", "status": "ok",
+         "judge": {"verdict": verdict, "failure_mode": None if verdict == "PASS" else "incorrect_completion",
+                   "model": "platform"}} for n, (text, verdict) in enumerate([("a", "PASS"), ("b", "FAIL")], 1)]}
+    later = json.loads(json.dumps(platform))
+    later["runs"].reverse()
+    later["runs"][1]["judge"] = {"verdict": "FAIL", "failure_mode": "incorrect_completion", "model": "platform"}
+    on_the_platform = compare.compare(platform, later)
+    assert [(e["row"], e["before"], e["after"]) for e in on_the_platform["regressed"]] == [
+        ({"before": 1, "after": 1}, "1/1", "0/1")]
+    assert on_the_platform["unchanged"] == 1 and on_the_platform["before"]["judge"]["model"] == "platform"
     # a row the dataset check rejected has no seed: it is matched by its number
     rejected = {"row": 3, "status": "invalid", "errors": ["bad cell"], "tool_calls": []}
     a, b = report(("a", ["PASS"])), report(("a", ["PASS"]))
