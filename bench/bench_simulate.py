@@ -1,11 +1,13 @@
 """``simulate --jobs``: wall time of a 500-row dataset against an agent whose model call takes 1 s.
 
-    python3 bench/bench_simulate.py [--rows 500] [--jobs 1,32] [--model-s 1.0]
+    python3 bench/bench_simulate.py [--rows 500] [--jobs 1,32] [--model-s 1.0] [--trials 1]
 
 Writes the dataset (the sample rows, repeated) and a code-mode agent that waits ``--model-s`` seconds (its
 "model call"), then calls one tool through the proxy, into a temporary folder; runs
-``python3 -m conformance simulate --csv ... --code ... --jobs N`` once per N, as its own process, and prints
-the wall time of each and the speed-up against the first.  Every run must succeed (exit 0).
+``python3 -m conformance simulate --csv ... --code ... --jobs N --trials K`` once per N, as its own process, and
+prints the wall time of each, the runs per second, and the speed-up against the first.  Every run must succeed
+(exit 0).  ``--trials K`` runs every row K times: ``--rows 100 --trials 3`` and ``--rows 300`` are both 300 runs,
+so their times show what a trial costs beside a row.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=500)
     parser.add_argument("--jobs", default="1,32")
     parser.add_argument("--model-s", type=float, default=1.0)
+    parser.add_argument("--trials", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp)
@@ -64,7 +67,8 @@ def main() -> int:
             out = folder / f"report-{jobs}.json"
             started = time.monotonic()
             done = subprocess.run([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
-                                   str(agent), "--responses", str(FIXTURES), "--jobs", str(jobs), "--json", str(out)],
+                                   str(agent), "--responses", str(FIXTURES), "--jobs", str(jobs), "--trials",
+                                   str(args.trials), "--json", str(out)],
                                   cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "PYTHONPATH": str(ROOT), "BENCH_MODEL_S": str(args.model_s)})
             times[jobs] = time.monotonic() - started
@@ -72,8 +76,9 @@ def main() -> int:
             if done.returncode != 0:
                 print(done.stderr[-2000:], file=sys.stderr)
                 return 1
-            print(f"--jobs {jobs:>3}: {times[jobs]:7.1f} s wall for {summary['runs']} rows "
-                  f"({summary['runs'] / times[jobs]:.1f} rows/s, {summary['tool_calls']} tool calls, "
+            over = f" ({args.rows} rows x {args.trials} trials)" if args.trials > 1 else ""
+            print(f"--jobs {jobs:>3}: {times[jobs]:7.1f} s wall for {summary['runs']} runs{over} "
+                  f"({summary['runs'] / times[jobs]:.1f} runs/s, {summary['tool_calls']} tool calls, "
                   f"{summary['injected']} injected)", flush=True)
         first = next(iter(times))
         for jobs, seconds in times.items():

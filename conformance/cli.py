@@ -30,6 +30,7 @@ COMMANDS: Dict[str, Tuple[Optional[str], str]] = {
     "dataset": ("simulator.dataset", "validate a task-seeding CSV (CONTRACT §6)"),
     "simulate": ("simulator.simulate", "run every dataset row against an agent through a local proxy"),
     "merge": ("simulator.shards", "merge simulate --jsonl result files (one per shard) into one report"),
+    "compare": ("simulator.compare", "compare two judged reports: the rows that regressed, were fixed, added, removed"),
     "demo": ("project.demo", "the bundled sample dataset against a template agent, judged, all offline"),
     "model": ("models.scripted", "a scripted stand-in for the OpenAI and Anthropic APIs, to run agents offline"),
     "proxy": ("simulator.proxy_cli", "a mock per-run proxy and a curl dispatch to paste, to try an agent by hand"),

@@ -26,8 +26,8 @@ import pipelines_port as pp
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-COMMANDS = ["serve", "init", "doctor", "mcp", "check", "dataset", "simulate", "merge", "demo", "model", "proxy",
-            "register", "test"]
+COMMANDS = ["serve", "init", "doctor", "mcp", "check", "dataset", "simulate", "merge", "compare", "demo", "model",
+            "proxy", "register", "test"]
 
 
 def _project_version() -> str:

@@ -141,8 +141,9 @@ def test_sample_dataset_end_to_end_in_code_mode(capsys: pytest.CaptureFixture, t
                                   "--json", out_json, "--html", out_html)
     assert code == 0, err
     report = json.loads(out_json.read_text(encoding="utf-8"))
-    assert report["summary"] == {"runs": 7, "ok": 7, "errors": 0, "tool_calls": 7, "injected": 2, "flagged": 0,
-                                 "sessions": {"runs": 1, "turns": 1}}  # row 7's first turn: no --user-model
+    assert report["summary"] == {"runs": 7, "trials": 1, "ok": 7, "errors": 0, "tool_calls": 7, "injected": 2,
+                                 "flagged": 0, "sessions": {"runs": 1, "turns": 1}}  # row 7's first turn: no --user-model
+    assert [r["trial"] for r in report["runs"]] == [1] * 7 and [r["run_id"] for r in report["runs"]] == list(range(1, 8))
     assert report["agent"] == {"mode": "code", "target": f"{MINIMAL}:run"}
     runs = report["runs"]
     assert [r["status"] for r in runs] == ["ok"] * 7

@@ -9,12 +9,18 @@ transcript and its final response.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import os
 import re
+import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["progress_line", "render_text", "render_html"]
+from . import gate
+
+__all__ = ["progress_line", "render_text", "render_html", "write_reports", "write_file", "render_comparison_text",
+           "render_comparison_html"]
 
 # "ran": the run ended without error and its response is valid.  It is no verdict on the expected outcome.
 _STATUS_WORD = {"ok": "ran", "error": "ERROR", "invalid": "INVALID"}
@@ -32,8 +38,10 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _where(run: Mapping[str, Any]) -> str:
-    return f"row {run['row']}" + (f" (line {run['line']})" if run.get("line") is not None else "")
+def _where(run: Mapping[str, Any], trials: int = 1) -> str:
+    """``row 3 (line 4)``, and ``trial 2/3`` after it when rows run more than one trial."""
+    where = f"row {run['row']}" + (f" (line {run['line']})" if run.get("line") is not None else "")
+    return where + (f" trial {run.get('trial', 1)}/{trials}" if trials > 1 else "")
 
 
 def _source_label(call: Mapping[str, Any]) -> str:
@@ -54,13 +62,14 @@ def _source_label(call: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def progress_line(run: Mapping[str, Any]) -> str:
-    """One line for a finished run, for stderr while the simulation goes on."""
+def progress_line(run: Mapping[str, Any], trials: int = 1) -> str:
+    """One line for a finished run (of ``trials`` per row), for stderr while the simulation goes on."""
+    where = _where(run, trials)
     if run["status"] == "invalid":
-        return f"{_where(run)}: not run, the dataset check rejected it ({_plural(len(run['errors']), 'error')})"
+        return f"{where}: not run, the dataset check rejected it ({_plural(len(run['errors']), 'error')})"
     calls = run["tool_calls"]
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
-    head = (f"{_where(run)}: {_STATUS_WORD[run['status']]}, {_plural(len(calls), 'tool call')}, {injected} injected, "
+    head = (f"{where}: {_STATUS_WORD[run['status']]}, {_plural(len(calls), 'tool call')}, {injected} injected, "
             f"{run.get('duration_ms', 0):.0f} ms")
     if "judge" in run:
         head += f", {verdict_text(run['judge'], 120)}"
@@ -82,11 +91,13 @@ def verdict_text(judge: Mapping[str, Any], limit: int = 300) -> str:
 def render_text(result: Mapping[str, Any]) -> str:
     """The terminal report: per row the instruction, calls, errors and final response; a summary last."""
     agent = result.get("agent") or {}
+    trials = gate.trials_of(result)
     lines = [f"simulation of {result['dataset']['file']}" + (f" against {agent.get('mode')} agent {agent.get('target')}"
                                                                if agent else "")]
     for run in result["runs"]:
         lines.append("")
-        lines.append(f"{_where(run)}  {_STATUS_WORD[run['status']]}  {_short(run.get('user_instruction', ''), 80)}")
+        lines.append(f"{_where(run, trials)}  {_STATUS_WORD[run['status']]}  "
+                     f"{_short(run.get('user_instruction', ''), 80)}")
         if run["status"] == "invalid":
             lines += [f"    dataset error: {e}" for e in run["errors"]]
             if "judge" in run:
@@ -125,8 +136,11 @@ def render_text(result: Mapping[str, Any]) -> str:
         if run.get("final_response") is not None:
             lines.append(f"    final response: {_short(run['final_response'], 200)}")
     s = result["summary"]
+    if trials > 1 and s.get("judge"):
+        lines += ["", *trials_text(result["runs"], trials)]
     lines.append("")
-    lines.append(f"{_plural(s['runs'], 'run')}: {s['ok']} ran without error, {_plural(s['errors'], 'error')}; "
+    over = f" ({_plural(len(gate.row_verdicts(result['runs'])), 'row')}, {trials} trials each)" if trials > 1 else ""
+    lines.append(f"{_plural(s['runs'], 'run')}{over}: {s['ok']} ran without error, {_plural(s['errors'], 'error')}; "
                  f"{_plural(s['tool_calls'], 'tool call')}, {s['injected']} injected")
     if s.get("sessions"):
         turns = _plural(s["sessions"]["turns"], "turn")
@@ -138,7 +152,7 @@ def render_text(result: Mapping[str, Any]) -> str:
                          f"{spent['completion_tokens']:,} completion tokens, {spent['cached']} answered from the cache")
     verdicts = s.get("judge")
     if verdicts:
-        lines.append(judge_summary_text(verdicts, (result.get("judge") or {}).get("model")))
+        lines.append(judge_summary_text(verdicts, (result.get("judge") or {}).get("model"), trials))
     else:
         lines.append(f"expected outcomes: not judged (no --judge); {s.get('flagged', 0)} refusal row(s) flagged "
                      "for an action carried out")
@@ -161,13 +175,29 @@ def _conversation_text(run: Mapping[str, Any]) -> List[str]:
     return lines
 
 
-def judge_summary_text(verdicts: Mapping[str, Any], model: Optional[str]) -> str:
-    """The judge's summary: the pass rate, verdict counts, failure modes, requests and tokens."""
+def trials_text(runs: List[Mapping[str, Any]], trials: int) -> List[str]:
+    """Each row over its trials: its passes out of K, FLAKY when its verdicts are mixed, each trial's verdict."""
+    lines = [f"rows over {trials} trials:"]
+    for row in gate.row_verdicts(runs, trials):
+        said = ", ".join(gate.verdict_word(run) for run in row.runs)
+        flaky = "  FLAKY" if row.flaky else ""
+        lines.append(f"  {_where(row.runs[0])}  {row.score} passed{flaky}  [{said}]  "
+                     f"{_short(row.runs[0].get('user_instruction', ''), 60)}")
+    return lines
+
+
+def judge_summary_text(verdicts: Mapping[str, Any], model: Optional[str], trials: int = 1) -> str:
+    """The judge's summary: the pass rate (and pass^k, pass@k), verdict counts, failure modes, requests, tokens."""
     modes = ", ".join(f"{mode} {count}" for mode, count in (verdicts.get("failure_modes") or {}).items())
     usage = verdicts.get("usage") or {}
+    over_trials = ""
+    if trials > 1 and "pass_hat_k" in verdicts:
+        over_trials = (f"\nover {trials} trials: pass^{trials} {verdicts['pass_hat_k']:.1%} (rows that passed every "
+                       f"trial), pass@{trials} {verdicts['pass_at_k']:.1%} (rows that passed at least once), "
+                       f"{verdicts.get('flaky', 0)} flaky row(s)")
     return (f"judge{f' ({model})' if model else ''}: pass rate {verdicts['pass_rate']:.1%}: {verdicts['pass']} PASS, "
             f"{verdicts['fail']} FAIL, {verdicts['not_judged']} not judged"
-            + (f"; failure modes: {modes}" if modes else "")
+            + (f"; failure modes: {modes}" if modes else "") + over_trials
             + f"\njudge usage: {_plural(usage.get('requests', 0), 'request')}, "
               f"{usage.get('prompt_tokens', 0):,} prompt + {usage.get('completion_tokens', 0):,} completion tokens, "
               f"{usage.get('cached', 0)} answered from the cache")
@@ -232,6 +262,11 @@ padding:6px 12px}.muted{color:#5a6478}ul{margin:4px 0;padding-left:20px}
 margin:12px 0}.toolbar input{flex:1;min-width:200px;padding:5px 8px;border:1px solid #c9d0dc;border-radius:6px}
 .toolbar button,.toolbar select{padding:4px 10px;border:1px solid #c9d0dc;border-radius:6px;background:#fff}
 .turn{font-size:12px;color:#5a6478}.said{white-space:pre-wrap}
+.flaky{background:#e6dcfa;color:#4a2590}
+table.trials{border-collapse:collapse;margin:8px 0 16px;background:#fff;font-size:13px}
+table.trials th,table.trials td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:top}
+table.trials th{color:#5a6478;font-weight:600}table.trials a{text-decoration:none}
+table.trials td:first-child,table.trials td:nth-child(2){white-space:nowrap}
 .pass{background:#d7f2df;color:#135c2b}.fail{background:#fbdcdc;color:#8a1c1c}.not-judged{background:#eee3c6;color:#5c4a12}
 .body.judged{display:grid;grid-template-columns:minmax(0,1fr) 300px;gap:16px;align-items:start}
 .verdict{position:sticky;top:8px;border:1px solid #dde1e8;border-radius:8px;padding:8px 12px;margin-top:16px;
@@ -293,11 +328,12 @@ def _tag(text: str) -> str:
     return "-".join(re.findall(r"[a-z0-9]+", text.lower())) or "none"
 
 
-def _toolbar(result: Mapping[str, Any]) -> str:
+def _toolbar(result: Mapping[str, Any], trials: int) -> str:
     filters = list(_FILTERS)
     verdicts = (result.get("summary") or {}).get("judge")
     if verdicts:
         filters += [("pass", "judged PASS"), ("fail", "judged FAIL"), ("not-judged", "not judged")]
+        filters += [("flaky", "flaky rows (mixed verdicts over the trials)")] if trials > 1 else []
         filters += [(f"mode-{_tag(mode)}", f"failure mode: {mode}") for mode in verdicts.get("failure_modes") or {}]
     options = "".join(f'<option value="{_e(value)}">{_e(label)}</option>' for value, label in filters)
     return ('<div class="toolbar" id="toolbar" hidden><button id="expand" type="button">Expand all</button>'
@@ -311,6 +347,9 @@ def render_html(result: Mapping[str, Any]) -> str:
     """The whole report as one self-contained HTML page."""
     s = result["summary"]
     agent = result.get("agent") or {}
+    trials = gate.trials_of(result)
+    rows = gate.row_verdicts(result["runs"], trials) if trials > 1 and s.get("judge") else []
+    flaky = {row.row for row in rows if row.flaky}
     title = f"Simulation: {result['dataset']['file']}"
     meta = [f"started {result.get('started_at', '')}", f"{result.get('duration_ms', 0):.0f} ms"]
     if agent:
@@ -321,10 +360,7 @@ def render_html(result: Mapping[str, Any]) -> str:
         judge = result["judge"]
         meta.append(f"judge {judge.get('model')} ({judge.get('server')}), rubric {judge.get('prompt')}")
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        _head(title),
         f"<header><h1>{_e(title)}</h1><div class=\"meta\">{_e(' · '.join(meta))}</div>",
         '<div class="summary">',
         _pill(_plural(s["runs"], "run")),
@@ -333,9 +369,9 @@ def render_html(result: Mapping[str, Any]) -> str:
         _pill(_plural(s["tool_calls"], "tool call")),
         _pill(f"{s['injected']} injected", "injected" if s["injected"] else ""),
         _pill(f"{s.get('flagged', 0)} flagged", "flagged" if s.get("flagged") else ""),
-        *_verdict_pills(s.get("judge")),
+        *_verdict_pills(s.get("judge"), trials),
         "</div></header><main>",
-        _toolbar(result),
+        _toolbar(result, trials),
         _HONEST_JUDGED.format(model=_e((result.get("judge") or {}).get("model") or "a model")) if s.get("judge")
         else _HONEST,
     ]
@@ -349,21 +385,58 @@ def render_html(result: Mapping[str, Any]) -> str:
             parts.append(f"<li>{_pill(p['severity'], 'error' if p['severity'] == 'error' else 'injected')} "
                          f"{_e(where)}{': ' if where else ''}{_e(p['message'])}</li>")
         parts.append("</ul>")
+    if rows:
+        parts.append(_trials_html(rows))
     for run in result["runs"]:
         try:
-            parts.append(_run_html(run, simulated=bool(result.get("simulator"))))
+            parts.append(_run_html(run, simulated=bool(result.get("simulator")), trials=trials,
+                                   flaky=run.get("row") in flaky))
         except Exception:  # noqa: BLE001 - an agent's odd output must never cost the whole report
-            parts.append(f'<details class="run" open><summary>{_e(_where(run))}</summary>{_pre(run)}</details>')
+            parts.append(f'<details class="run" open><summary>{_e(_where(run, trials))}</summary>{_pre(run)}</details>')
     parts.append(f"</main><script>{_SCRIPT}</script></body></html>")
     return "\n".join(parts) + "\n"
 
 
-def _verdict_pills(verdicts: Optional[Mapping[str, Any]]) -> List[str]:
+def _head(title: str) -> str:
+    """A page's start, up to its body: the title and the report's style."""
+    return "\n".join(['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8">',
+                      '<meta name="viewport" content="width=device-width, initial-scale=1">',
+                      f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"])
+
+
+def _verdict_pills(verdicts: Optional[Mapping[str, Any]], trials: int = 1) -> List[str]:
     if not verdicts:
         return []
-    return [_pill(f"pass rate {verdicts['pass_rate']:.1%}"), _pill(f"{verdicts['pass']} PASS", "pass"),
-            _pill(f"{verdicts['fail']} FAIL", "fail" if verdicts["fail"] else ""),
-            _pill(f"{verdicts['not_judged']} not judged", "not-judged" if verdicts["not_judged"] else "")]
+    pills = [_pill(f"pass rate {verdicts['pass_rate']:.1%}"), _pill(f"{verdicts['pass']} PASS", "pass"),
+             _pill(f"{verdicts['fail']} FAIL", "fail" if verdicts["fail"] else ""),
+             _pill(f"{verdicts['not_judged']} not judged", "not-judged" if verdicts["not_judged"] else "")]
+    if trials > 1 and "pass_hat_k" in verdicts:
+        pills += [_pill(f"{trials} trials per row"), _pill(f"pass^{trials} {verdicts['pass_hat_k']:.1%}"),
+                  _pill(f"pass@{trials} {verdicts['pass_at_k']:.1%}"),
+                  _pill(f"{verdicts.get('flaky', 0)} flaky", "flaky" if verdicts.get("flaky") else "")]
+    return pills
+
+
+def _run_anchor(run: Mapping[str, Any]) -> str:
+    """A run's id in the page: ``row-3`` for a row's first trial, ``row-3-t2`` for its second."""
+    trial = run.get("trial", 1)
+    return f"row-{run['row']}" + (f"-t{trial}" if trial != 1 else "")
+
+
+def _trials_html(rows: List[gate.RowVerdicts]) -> str:
+    """Each row over its trials: its passes out of K, flaky or not, each trial's verdict linking to its run."""
+    out = [(f'<h3>Rows over {rows[0].trials} trials</h3><table class="trials" id="trials"><tr><th>row</th>'
+            "<th>passed</th><th>trials</th><th>user instruction</th></tr>")]
+    for row in rows:
+        first = row.runs[0]
+        links = " ".join(f'<a href="#{_e(_run_anchor(run))}">{_verdict_pill(run.get("judge")) or _pill("not run")}</a>'
+                         for run in row.runs)
+        css = "pass" if row.passed_all else "flaky" if row.flaky else "fail"
+        out.append(f'<tr data-row="{_e(row.row)}"><td><a href="#{_e(_run_anchor(first))}">{_e(_where(first))}</a>'
+                   f"</td><td>{_pill(row.score, css)}{' ' + _pill('flaky', 'flaky') if row.flaky else ''}</td>"
+                   f"<td>{links}</td><td>{_e(_short(first.get('user_instruction', ''), 100))}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
 
 
 def _verdict_tags(judge: Any) -> List[str]:
@@ -407,7 +480,7 @@ def _verdict_html(judge: Mapping[str, Any], usage: Any) -> str:
     return "".join(out)
 
 
-def _run_html(run: Mapping[str, Any], *, simulated: bool = False) -> str:
+def _run_html(run: Mapping[str, Any], *, simulated: bool = False, trials: int = 1, flaky: bool = False) -> str:
     status = run["status"]
     calls: List[Dict[str, Any]] = run.get("tool_calls") or []
     injected = sum(1 for c in calls if c.get("source") == "injected" and not c.get("replayed"))
@@ -415,14 +488,14 @@ def _run_html(run: Mapping[str, Any], *, simulated: bool = False) -> str:
     judge = run.get("judge") if isinstance(run.get("judge"), Mapping) else None
     tags = ["ran" if status == "ok" else status] + (["injected"] if injected else []) + (
         ["refusal"] if run.get("expected_outcome") == "refusal" else []) + (
-        ["flagged"] if check.get("flags") else []) + _verdict_tags(judge)
+        ["flagged"] if check.get("flags") else []) + _verdict_tags(judge) + (["flaky"] if flaky else [])
     opened = " open" if status != "ok" or check.get("flags") or (judge and judge.get("verdict") != "PASS") else ""
     out = [
-        f'<details class="run" id="row-{_e(run["row"])}" data-tags="{_e(" ".join(tags))}"{opened}>',
-        f"<summary>{_pill(_STATUS_WORD[status], status)} {_verdict_pill(judge)} <b>{_e(_where(run))}</b>",
+        f'<details class="run" id="{_e(_run_anchor(run))}" data-tags="{_e(" ".join(tags))}"{opened}>',
+        f"<summary>{_pill(_STATUS_WORD[status], status)} {_verdict_pill(judge)} <b>{_e(_where(run, trials))}</b>",
         f'<span class="instr">{_e(run.get("user_instruction", ""))}</span>',
         _pill(_plural(len(calls), "call")) + (_pill(f"{injected} injected", "injected") if injected else "")
-        + (_pill("flagged", "flagged") if check.get("flags") else ""),
+        + (_pill("flagged", "flagged") if check.get("flags") else "") + (_pill("flaky row", "flaky") if flaky else ""),
         "</summary>",
         f'<div class="body{" judged" if judge else ""}">',
     ]
@@ -438,7 +511,7 @@ def _run_html(run: Mapping[str, Any], *, simulated: bool = False) -> str:
         out.append(f"<p class=\"muted\">{_e('; '.join(run.get('notes') or []))}</p>")
         out.append(_close_body(run, judge))
         return "\n".join(out)
-    out.append(_task_html(run, simulated))
+    out.append(_task_html(run, simulated, trials))
     if check.get("flags") or check.get("attempted"):
         out.append('<h3>Expected outcome</h3><div class="errors"><ul>')
         out += [f"<li><b>flagged:</b> {_e(f)}</li>" for f in check.get("flags") or []]
@@ -498,7 +571,7 @@ def _conversation_html(run: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _task_html(run: Mapping[str, Any], simulated: bool = False) -> str:
+def _task_html(run: Mapping[str, Any], simulated: bool = False, trials: int = 1) -> str:
     outcome = run["expected_outcome"] + ("" if run.get("expected_outcome_given") else " (default)")
     how = ("given to the simulated backend's model (--simulator), for the calls it answers" if simulated else
            "shown, not enforced (the platform's simulator applies it with an LLM; --simulator MODEL does here)")
@@ -507,7 +580,9 @@ def _task_html(run: Mapping[str, Any], simulated: bool = False) -> str:
         ("expected outcome", _e(f"{outcome}: {outcome_word(run)}")),
         ("behavior", (f"<pre>{_e(run['behavior_instructions'])}</pre><span class=\"lbl\">{_e(how)}</span>")
          if run.get("behavior_instructions") else '<span class="muted">none</span>'),
-        ("run", _e(f"task {run.get('task_id')}, run {run.get('run_id')}, {run.get('duration_ms', 0):.0f} ms")),
+        ("run", _e(f"task {run.get('task_id')}, run {run.get('run_id')}"
+                   + (f", trial {run.get('trial')} of {trials}" if trials > 1 else "")
+                   + f", {run.get('duration_ms', 0):.0f} ms")),
     ]
     rules = run.get("failure_rules") or []
     if rules:
@@ -654,3 +729,99 @@ def write_reports(result: Mapping[str, Any], json_path: Optional[str], html_path
             write(json_path, text + "\n")
     if html_path:
         write(html_path, render_html(result))
+
+
+def write_file(path: str, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: a temporary file beside it, then renamed; raises ``OSError``."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# A comparison of two reports (compare.py)
+# ---------------------------------------------------------------------------
+
+_CHANGES = (("regressed", "regressed", "its share of passing trials fell"),
+            ("fixed", "fixed", "its share of passing trials rose"),
+            ("added", "added", "a row (a seed) the baseline does not have"),
+            ("removed", "removed", "a row (a seed) only the baseline has"))
+
+
+def _side(side: Mapping[str, Any]) -> str:
+    """One report in a line: its file, rows and trials, pass rate and pass^k, judge."""
+    k = side.get("trials", 1)
+    rates = f"pass rate {side.get('pass_rate', 0.0):.1%}" + (f", pass^{k} {side.get('pass_hat_k', 0.0):.1%}"
+                                                             if k > 1 else "")
+    return (f"{side.get('file')}: {_plural(side.get('rows', 0), 'row')}"
+            + (f", {k} trials each" if k > 1 else "") + f", {rates}, judge {side.get('judge', {}).get('model')}")
+
+
+def _row_change(entry: Mapping[str, Any]) -> str:
+    """``row 2 -> row 3``, ``row 5`` (added: its new number), ``row 4`` (removed: its old one)."""
+    rows = entry.get("row") or {}
+    before, after = rows.get("before"), rows.get("after")
+    if before is not None and after is not None:
+        return f"row {before}" if before == after else f"row {before} -> row {after}"
+    return f"row {after if after is not None else before}"
+
+
+def render_comparison_text(comparison: Mapping[str, Any]) -> str:
+    """The comparison for the terminal: the notes first, the two reports, the counts, then each changed row."""
+    lines = [f"NOTE: {note}" for note in comparison.get("notes") or []]
+    lines += [f"before: {_side(comparison['before'])}", f"after:  {_side(comparison['after'])}"]
+    counts = [f"{len(comparison[key])} {word}" for key, word, _ in _CHANGES]
+    lines.append(", ".join([*counts[:2], f"{comparison['unchanged']} unchanged", *counts[2:]]))
+    for key, word, _ in _CHANGES:
+        if not comparison[key]:
+            continue
+        lines += ["", f"{word}:"]
+        for entry in comparison[key]:
+            modes = entry.get("failure_modes") or {}
+            why = "; ".join(f"{side}: {', '.join(modes[side])}" for side in ("before", "after") if modes.get(side))
+            lines.append(f"  {_row_change(entry)}  {entry.get('before') or '-'} -> {entry.get('after') or '-'}  "
+                         f"{_short(entry.get('user_instruction') or '', 70)}" + (f"  [{why}]" if why else ""))
+    return "\n".join(lines)
+
+
+def render_comparison_html(comparison: Mapping[str, Any]) -> str:
+    """The comparison as one self-contained page: the notes, the two reports, a table per kind of change."""
+    before, after = comparison["before"], comparison["after"]
+    title = f"Comparison: {before.get('file')} → {after.get('file')}"
+    pills = [_pill(f"{len(comparison['regressed'])} regressed", "fail" if comparison["regressed"] else ""),
+             _pill(f"{len(comparison['fixed'])} fixed", "pass" if comparison["fixed"] else ""),
+             _pill(f"{comparison['unchanged']} unchanged"), _pill(f"{len(comparison['added'])} added"),
+             _pill(f"{len(comparison['removed'])} removed")]
+    parts = [_head(title),
+             (f'<header><h1>{_e(title)}</h1><div class="meta">before: {_e(_side(before))}</div>'
+              f'<div class="meta">after: {_e(_side(after))}</div><div class="summary">{"".join(pills)}</div>'
+              "</header><main>")]
+    if comparison.get("notes"):
+        parts.append('<div class="warnings" id="notes"><ul>'
+                     + "".join(f"<li><b>Note:</b> {_e(n)}</li>" for n in comparison["notes"]) + "</ul></div>")
+    for key, word, meaning in _CHANGES:
+        entries = comparison[key]
+        parts.append(f'<h3 id="{key}">{_e(word)} ({len(entries)})</h3><p class="muted">{_e(meaning)}</p>')
+        if not entries:
+            continue
+        rows = "".join(
+            f"<tr><td>{_e(_row_change(entry))}</td><td>{_e(entry.get('before') or '-')}</td>"
+            f"<td>{_e(entry.get('after') or '-')}</td><td>{_e(_modes_text(entry, 'before'))}</td>"
+            f"<td>{_e(_modes_text(entry, 'after'))}</td><td>{_e(_short(entry.get('user_instruction') or '', 120))}</td>"
+            "</tr>" for entry in entries)
+        parts.append(f'<table class="trials {key}"><tr><th>row</th><th>before</th><th>after</th>'
+                     f"<th>failure modes before</th><th>failure modes after</th><th>user instruction</th></tr>{rows}"
+                     "</table>")
+    parts.append("</main></body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _modes_text(entry: Mapping[str, Any], side: str) -> str:
+    modes = (entry.get("failure_modes") or {}).get(side)
+    return ", ".join(modes) if modes else ""

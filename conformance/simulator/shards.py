@@ -1,17 +1,22 @@
 """Simulations beyond one machine: shards of a dataset, a streamed result file, resume, merge.
 
-``simulate --shard K/N`` runs the K-th of N shards; ``--jsonl OUT.jsonl`` appends every finished row to OUT as
+``simulate --shard K/N`` runs the K-th of N shards; ``--jsonl OUT.jsonl`` appends every finished run to OUT as
 one JSON record, flushed at once, after a header record (dataset, agent, options, shard); ``--resume`` skips
-the rows OUT already holds; ``merge A.jsonl B.jsonl ... --json ALL.json --html report.html``
+the runs OUT already holds; ``merge A.jsonl B.jsonl ... --json ALL.json --html report.html``
 makes the report of the whole dataset from the shards' files (``pipelines-port merge``, or
 ``python3 -m conformance merge`` in a checkout).
 
+The unit of work is one trial of one row, ``(row, trial)`` (``simulate --trials K``; trial 1 alone without it):
+a record holds one, a resumed file runs only the trials it lacks, a merge wants every row's K trials.
+
 The split: the dataset's rows in file order, row number ``i`` (counting from 0 in that order) going to shard
-``i % N + 1``.  It depends only on the dataset, so every job of an N-way split computes the same shards with no
-coordination, re-runs give the same rows, and the shards differ in size by one row at most.
+``i % N + 1``, with all its K trials.  It depends only on the dataset, so every job of an N-way split computes the
+same shards with no coordination, re-runs give the same rows, and the shards differ in size by one row at most.
+A row's trials stay in one shard so that a shard's own report, gate and JUnit hold whole rows (pass^k is a
+row's measure).
 
 A record is one line: its JSON, then ``\\n``, written by one ``write`` and flushed.  A crash can leave at most
-the last line cut short; ``--resume`` drops such a line (its row runs again) and ``merge`` names it.
+the last line cut short; ``--resume`` drops such a line (its run runs again) and ``merge`` names it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from typing import Any, Dict, IO, List, Mapping, NamedTuple, Optional, Sequence,
 from . import gate, report
 from ..kit import prog
 
-__all__ = ["Shard", "parse_shard", "shard_rows", "ResultFile", "ShardFile", "read_result_file", "merge_files",
-           "summarise", "main"]
+__all__ = ["Unit", "Shard", "parse_shard", "shard_rows", "shard_units", "unit_name", "ResultFile", "ShardFile",
+           "read_result_file", "trials_in", "merge_files", "summarise", "main"]
 
 HEADER_KIND = "pipelines_port.simulation.header"
 RUN_KIND = "pipelines_port.simulation.run"
 VERSION = 1
+
+Unit = Tuple[int, int]  # (row, trial): one run of one row, the unit of work
 
 
 class ShardError(Exception):
@@ -69,6 +76,16 @@ def shard_rows(rows: Sequence[int], shard: Optional[Shard]) -> List[int]:
     return [row for i, row in enumerate(ordered) if i % shard.count == shard.index - 1]
 
 
+def shard_units(rows: Sequence[int], trials: int, shard: Optional[Shard]) -> List[Unit]:
+    """The units of ``shard`` (all of them without one): its rows, each with its ``trials`` trials, in order."""
+    return [(row, trial) for row in shard_rows(rows, shard) for trial in range(1, trials + 1)]
+
+
+def unit_name(unit: Unit, trials: int) -> str:
+    """``row 3``, or ``row 3 trial 2`` when rows run more than one trial."""
+    return f"row {unit[0]}" + (f" trial {unit[1]}" if trials > 1 else "")
+
+
 def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -83,11 +100,11 @@ def file_sha256(path: str) -> str:
 
 
 class ShardFile(NamedTuple):
-    """What a result file holds: its header, its runs by row, and whether its last line was cut short."""
+    """What a result file holds: its header, its runs by unit, and whether its last line was cut short."""
 
     path: str
     header: Dict[str, Any]
-    runs: Dict[int, Dict[str, Any]]
+    runs: Dict[Unit, Dict[str, Any]]
     partial_line: Optional[int]  # the line number of a cut-short last record, if any
     good_bytes: int  # the length of the file up to its last whole record
 
@@ -102,7 +119,7 @@ def read_result_file(path: str) -> ShardFile:
     lines = data.split(b"\n")
     last_complete = data.endswith(b"\n")
     header: Optional[Dict[str, Any]] = None
-    runs: Dict[int, Dict[str, Any]] = {}
+    runs: Dict[Unit, Dict[str, Any]] = {}
     partial: Optional[int] = None
     good = 0
     for number, raw in enumerate(lines, 1):
@@ -126,18 +143,30 @@ def read_result_file(path: str) -> ShardFile:
             if record.get("version") != VERSION:
                 raise ShardError(f"{path}: result file version {record.get('version')!r}; this kit reads {VERSION}")
             header = record
-        elif record.get("kind") == RUN_KIND and isinstance(record.get("row"), int) and isinstance(record.get("run"),
-                                                                                                    dict):
-            row = record["row"]
-            if row in runs:
-                raise ShardError(f"{path}:{number}: row {row} is recorded twice")
-            runs[row] = record["run"]
+        elif _is_run_record(record):
+            unit = (record["row"], record.get("trial", 1))  # a file from before trials holds trial 1s
+            if unit in runs:
+                raise ShardError(f"{path}:{number}: {unit_name(unit, trials_in(header or {}))} is recorded twice")
+            runs[unit] = record["run"]
         else:
             raise ShardError(f"{path}:{number}: not a run record")
         good += len(raw) + 1
     if header is None:
         raise ShardError(f"{path}: empty: no header record (was the simulation killed before it started?)")
     return ShardFile(path, header, runs, partial, good)
+
+
+def _is_run_record(record: Mapping[str, Any]) -> bool:
+    trial = record.get("trial", 1)
+    return (record.get("kind") == RUN_KIND and isinstance(record.get("row"), int)
+            and isinstance(record.get("run"), dict) and isinstance(trial, int) and not isinstance(trial, bool)
+            and trial >= 1)
+
+
+def trials_in(header: Mapping[str, Any]) -> int:
+    """K, the trials per row of the simulation a result file's header describes (1 before trials)."""
+    trials = (header.get("options") or {}).get("trials", 1)
+    return trials if isinstance(trials, int) and not isinstance(trials, bool) and trials >= 1 else 1
 
 
 def _same_run(header: Mapping[str, Any], other: Mapping[str, Any]) -> List[str]:
@@ -153,11 +182,11 @@ def _same_run(header: Mapping[str, Any], other: Mapping[str, Any]) -> List[str]:
 
 
 class ResultFile:
-    """A ``--jsonl`` file being written: its header first, then one flushed line per finished row."""
+    """A ``--jsonl`` file being written: its header first, then one flushed line per finished run."""
 
     def __init__(self, path: str, header: Dict[str, Any], *, resume: bool) -> None:
         self.path = path
-        self.done: Dict[int, Dict[str, Any]] = {}
+        self.done: Dict[Unit, Dict[str, Any]] = {}
         self.dropped_partial = False
         exists = os.path.exists(path) and os.path.getsize(path) > 0
         if exists and not resume:
@@ -170,7 +199,7 @@ class ResultFile:
             if differences:
                 raise ShardError(f"--resume: {path} was written for another simulation: " + "; ".join(differences))
             self.done = found.runs
-            if found.partial_line is not None:  # a crash cut the last record short: that row runs again
+            if found.partial_line is not None:  # a crash cut the last record short: that run runs again
                 with open(path, "r+b") as f:
                     f.truncate(found.good_bytes)
                 self.dropped_partial = True
@@ -183,8 +212,9 @@ class ResultFile:
         self._file.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")  # one write: one whole line
         self._file.flush()
 
-    def add(self, row: int, run: Mapping[str, Any]) -> None:
-        self._write({"kind": RUN_KIND, "row": row, "run": run})
+    def add(self, run: Mapping[str, Any]) -> None:
+        """One finished run (its ``row`` and ``trial`` name its unit)."""
+        self._write({"kind": RUN_KIND, "row": run["row"], "trial": run.get("trial", 1), "run": run})
 
     def close(self) -> None:
         self._file.close()
@@ -202,10 +232,12 @@ def header_record(*, dataset: Mapping[str, Any], agent: Any, options: Mapping[st
 # ---------------------------------------------------------------------------
 
 
-def summarise(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
-    """The report's ``summary`` of ``runs`` (what ``simulate`` writes); ``judge`` when runs were judged."""
+def summarise(runs: Sequence[Mapping[str, Any]], trials: int = 1) -> Dict[str, Any]:
+    """The report's ``summary`` of ``runs``, ``trials`` (K) per row (what ``simulate`` writes); ``judge`` when
+    runs were judged."""
     summary = {
         "runs": len(runs),
+        "trials": trials,
         "ok": sum(1 for r in runs if r["status"] == "ok"),
         "errors": sum(1 for r in runs if r["status"] != "ok"),
         "tool_calls": sum(len(r["tool_calls"]) for r in runs),
@@ -213,7 +245,7 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
                         if c.get("source") == "injected" and not c.get("replayed")),
         "flagged": sum(1 for r in runs if (r.get("outcome") or {}).get("flags")),
     }
-    verdicts = gate.judge_summary(runs)
+    verdicts = gate.judge_summary(runs, trials)
     if verdicts is not None:
         summary["judge"] = verdicts
     roles = sorted({role for run in runs for role in (run.get("usage") or {})})
@@ -237,27 +269,29 @@ def merge_files(paths: Sequence[str], *, allow_partial: bool = False) -> Tuple[D
             raise ShardError(f"merge: {other.path} and {first.path} come from different simulations: "
                              + "; ".join(differences))
     warnings: List[str] = []
-    owner: Dict[int, str] = {}
-    runs: Dict[int, Dict[str, Any]] = {}
+    owner: Dict[Unit, str] = {}
+    runs: Dict[Unit, Dict[str, Any]] = {}
+    trials = trials_in(first.header)
     for found in files:
-        for row, run in found.runs.items():
-            if row in owner:
-                raise ShardError(f"merge: row {row} is in both {owner[row]} and {found.path} (the same shard "
-                                 "twice, or overlapping splits)")
-            owner[row], runs[row] = found.path, run
+        for unit, run in found.runs.items():
+            if unit in owner:
+                raise ShardError(f"merge: {unit_name(unit, trials)} is in both {owner[unit]} and {found.path} (the "
+                                 "same shard twice, or overlapping splits)")
+            owner[unit], runs[unit] = found.path, run
         if found.partial_line is not None:
-            warnings.append(f"{found.path}:{found.partial_line}: a record cut short (a crash?); its row counts as "
+            warnings.append(f"{found.path}:{found.partial_line}: a record cut short (a crash?); its run counts as "
                             f"missing: finish that shard with simulate --resume")
-    all_rows = [int(r) for r in first.header.get("all_rows") or []]
-    missing = [row for row in all_rows if row not in runs]
+    all_units = shard_units([int(r) for r in first.header.get("all_rows") or []], trials, None)
+    missing = [unit for unit in all_units if unit not in runs]
     if missing:
-        shown = ", ".join(str(r) for r in missing[:10]) + (" ..." if len(missing) > 10 else "")
-        message = f"{len(missing)} of {len(all_rows)} rows have no record ({shown})"
+        names = [str(row) for row, _ in missing] if trials == 1 else [unit_name(u, trials) for u in missing]
+        shown = ", ".join(names[:10]) + (" ..." if len(missing) > 10 else "")
+        message = f"{len(missing)} of {len(all_units)} {'rows' if trials == 1 else 'runs'} have no record ({shown})"
         if not allow_partial:
             raise ShardError(f"merge: {message}: merge every shard's file, or pass --allow-partial"
                              + (f" ({warnings[0]})" if warnings else ""))
         warnings.append(f"merge: {message}; the report covers the others (--allow-partial)")
-    ordered = [runs[row] for row in sorted(runs)]
+    ordered = [runs[unit] for unit in sorted(runs)]
     dataset = dict(first.header["dataset"])
     result: Dict[str, Any] = {
         "kind": "pipelines_port.simulation",
@@ -267,7 +301,7 @@ def merge_files(paths: Sequence[str], *, allow_partial: bool = False) -> Tuple[D
         "jobs": len(files),
         "interrupted": False,
         "dataset": {"file": dataset.get("file"), "rows": dataset.get("rows"), "problems": dataset.get("problems", [])},
-        "summary": summarise(ordered),
+        "summary": summarise(ordered, trials),
         "runs": ordered,
         "merged_from": [{"file": f.path, "shard": f.header.get("shard"), "runs": len(f.runs)} for f in files],
     }
@@ -289,7 +323,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-pass-rate", metavar="F",
                         help="exit 1 when PASS / rows is below F (0.8 or 80%%; the shards' verdicts, from simulate "
                              "--judge; a row not judged is not a pass)")
-    parser.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row")
+    parser.add_argument("--min-pass-hat-k", metavar="F",
+                        help="exit 1 when pass^k (the share of rows whose K trials all passed, simulate --trials K) "
+                             "is below F")
+    parser.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row (failed unless all its "
+                                                       "trials passed)")
     return parser
 
 
@@ -297,6 +335,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         min_pass_rate = gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None
+        min_pass_hat_k = gate.parse_rate(args.min_pass_hat_k, "--min-pass-hat-k") \
+            if args.min_pass_hat_k is not None else None
     except ValueError as exc:
         print(f"merge: {exc}", file=sys.stderr)
         return 2
@@ -308,7 +348,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json != "-":
             print(report.render_text(result))
         failed_gate = gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write,
-                                 say=lambda text: print(text, file=sys.stderr), command="merge")
+                                 say=lambda text: print(text, file=sys.stderr), command="merge",
+                                 min_pass_hat_k=min_pass_hat_k)
     except ShardError as exc:
         print(str(exc) if str(exc).startswith("merge") else f"merge: {exc}", file=sys.stderr)
         return 2
@@ -316,11 +357,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)  # never a half-written report
+        report.write_file(path, text)  # never a half-written report
     except OSError as exc:
         raise ShardError(f"cannot write {path}: {exc.strerror or exc}") from None
 

@@ -49,14 +49,22 @@ agent sees the same keys whether a call failed for real or by a rule.
 The model-backed roles, each on any OpenAI-compatible server (``scripted``: the kit's offline stand-in), with
 one answer cache: ``--judge`` grades each run (``judge.py``), ``--simulator`` answers the tool calls nothing
 else answers (``backend_model.py``), ``--user-model`` plays the user of a ``model_as_user`` row, which runs
-as a conversation of dispatches (``session.py``).  ``--min-pass-rate`` and ``--junit`` make the verdicts a
-CI gate (``gate.py``).
+as a conversation of dispatches (``session.py``).  ``--min-pass-rate``, ``--min-pass-hat-k`` and ``--junit``
+make the verdicts a CI gate (``gate.py``); ``--baseline OLD.json`` compares the run with an earlier report
+(``compare.py``).
+
+Trials.  ``--trials K`` runs every row K times, each trial a run of its own: its run id (:func:`run_id_of`),
+token, proxy, session id and verdict, the ledger booted afresh from the row's state (and the failure rules'
+RNG seeded by the row, so every trial sees the same injected pattern).  The unit of work is ``(row, trial)``:
+the workers, the result file and ``--resume`` count in trials; a shard takes its rows with all their trials.
 
 Exit status: 0 when every row ran and returned a valid response, 1 when any
 row errored (agent exception, invalid response, timeout, or a row the
 dataset check rejected), 2 when nothing could run (bad options, unreadable
-or invalid files, an agent that cannot be imported or reached); 1 as well
-when the pass rate is below ``--min-pass-rate``.  The run token, the agent
+or invalid files, an agent that cannot be imported or reached, a baseline
+that cannot be compared); 1 as well when the pass rate is below
+``--min-pass-rate``, pass^k below ``--min-pass-hat-k``, or a row regressed
+against ``--baseline`` with ``--fail-on-regression``.  The run token, the agent
 token and the models' API keys are never printed, logged or written to a report.
 """
 
@@ -85,7 +93,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pipelines_port as pp
 
 from . import dataset as datasets
-from . import engine, gate, prompts, report, session, shards
+from . import compare, engine, gate, prompts, report, session, shards
 from . import judge as judging
 from .backend_model import ToolModel
 from .session import Conversation, UserModel
@@ -95,10 +103,11 @@ from ..models import cache as _cache
 from ..models.client import ChatClient, Endpoint, endpoint_from_options
 from ..models.scripted import scripted_endpoint
 
-__all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "simulate",
-           "main"]
+__all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "run_id_of",
+           "simulate", "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TRIALS = 100
 _REDACTED = "[redacted]"
 
 
@@ -516,6 +525,18 @@ def _rule_notes(task: datasets.Task, fixtures: Optional[Mapping[str, Any]]) -> L
     return notes
 
 
+class _Ran(NamedTuple):
+    """What the proxy side saw of one run, once the agent was done with it."""
+
+    outcome: Outcome
+    conversation: Optional[Conversation]  # a model_as_user session's turns, else None
+    calls: List[Dict[str, Any]]
+    problems: List[str]
+    replays: int
+    events: List[Dict[str, Any]]
+    duration_ms: float
+
+
 def run_task(
     task: datasets.Task,
     agent: Callable[[Dispatch], Outcome],
@@ -526,26 +547,50 @@ def run_task(
     tool_model: Optional[ToolModel] = None,
     user: Optional[UserModel] = None,
     turn_mode: Optional[str] = None,
+    trial: int = 1,
+    run_id: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run one task end to end and return its record (secrets scrubbed).
 
     ``tool_model`` answers the calls nothing else answers (``--simulator``); a row whose turn mode
     (``turn_mode`` overrides the row's) is ``model_as_user`` runs as a session with ``user`` playing the user.
+    ``trial`` is which of the row's runs this is (``--trials``), ``run_id`` its run id (default: the row's number);
+    every trial starts afresh: its own token, proxy and session, the ledger booted from the row's state.
     """
-    run_id = task_id = task.row
+    run_id = task.row if run_id is None else run_id
     token = "sim-" + secrets.token_urlsafe(24)
     backend = engine.Backend(task.initial_state, task.failure_rules, fixtures=fixtures,
                              seed=engine.task_seed(task.row, task.user_instruction))
     usage: Dict[str, Dict[str, int]] = {}
     ask = tool_model.asker(backend, task.behavior_instructions, usage.setdefault("simulator", {})) \
         if tool_model is not None else None
-    started = time.monotonic()
-    recorder = _Run(backend, started, ask)
+    session = (turn_mode or task.turn_mode) == "model_as_user"
+    ran = _run_agent(task, agent, _Run(backend, time.monotonic(), ask), token=token, run_id=run_id,
+                     tools_schema=tools_schema, user=user, session=session)
+    record = _record(task, ran, run_id=run_id, trial=trial, backend=backend, fixtures=fixtures,
+                     tools_schema=tools_schema)
+    if ran.conversation is not None:
+        if user is None:
+            record["notes"].append("a model_as_user row: only its first turn ran, as no one plays the user "
+                                   "(give --user-model MODEL; scripted runs offline)")
+        _session_fields(record, ran.conversation)
+        usage["user"] = ran.conversation.usage
+    if any(usage.values()):
+        record["usage"] = {role: spent for role, spent in usage.items() if spent}
+    return _scrub(record, [token, *hidden])
+
+
+def _run_agent(task: datasets.Task, agent: Callable[[Dispatch], Outcome], recorder: _Run, *, token: str,
+               run_id: int, tools_schema: Optional[List[Dict[str, Any]]], user: Optional[UserModel],
+               session: bool) -> _Ran:
+    """The agent dispatched once (or once per turn of a session) against a proxy of its own, and what it saw."""
+    started = recorder.started
     conversation: Optional[Conversation] = None
     with MockProxy(tokens=[token], base_path=f"/api/odyssey-proxy/runs/{run_id}") as proxy:
         proxy.script("*", recorder.answer)
-        dispatch = Dispatch(task_id, run_id, token, uuid.uuid4().hex, proxy.url, task.user_instruction, tools_schema)
-        if (turn_mode or task.turn_mode) == "model_as_user":
+        dispatch = Dispatch(task.row, run_id, token, uuid.uuid4().hex, proxy.url, task.user_instruction,
+                            tools_schema)
+        if session:
             conversation = _converse(task, agent, dispatch, user, started)
             outcome = Outcome()
         else:
@@ -553,27 +598,37 @@ def run_task(
         duration_ms = round((time.monotonic() - started) * 1000, 1)
         calls, problems, replays = _trajectory(proxy, recorder)
         events = _trace_events(proxy, started)
+    return _Ran(outcome, conversation, calls, problems, replays, events, duration_ms)
 
+
+def _response(ran: _Ran, tools_schema: Optional[List[Dict[str, Any]]]) -> Tuple[Any, List[str], List[str]]:
+    """The run's response body (a session's last message and transcript), its errors and its warnings."""
     errors: List[str] = []
     warnings: List[str] = []
-    body = outcome.body
-    if conversation is not None:
-        errors += conversation.errors
-        _turns_of(calls, conversation)
-        body = {"final_response": conversation.final_message, "messages": conversation.transcript()}
-    elif outcome.error:
-        errors.append(outcome.error)
+    body = ran.outcome.body
+    if ran.conversation is not None:
+        errors += ran.conversation.errors
+        _turns_of(ran.calls, ran.conversation)
+        body = {"final_response": ran.conversation.final_message, "messages": ran.conversation.transcript()}
+    elif ran.outcome.error:
+        errors.append(ran.outcome.error)
     else:
         for problem in pp.validate_response(body):
             if problem.startswith("warning: "):
                 warnings.append("response: " + problem[len("warning: "):])
             else:
                 errors.append("invalid response: " + problem)
-    errors += problems
+    errors += ran.problems
     known = {t.get("name") for t in tools_schema or []}
     if tools_schema is not None:
-        for name in sorted({c["tool_name"] for c in calls} - known):
+        for name in sorted({c["tool_name"] for c in ran.calls} - known):
             warnings.append(f"the agent called {name!r}, which is not in the tools schema (--tools)")
+    return body, errors, warnings
+
+
+def _run_notes(task: datasets.Task, fixtures: Optional[Mapping[str, Any]], replays: int,
+               backend: engine.Backend) -> List[str]:
+    """What the report should say of how the row was simulated: rules that cannot fire, replays, gaps."""
     notes = _rule_notes(task, fixtures)
     if replays:
         notes.append(f"{replays} call(s) were retries the proxy answered from its Idempotency-Key replay memory")
@@ -582,54 +637,63 @@ def run_task(
     if backend.unanswered:
         notes.append("no answer for " + ", ".join(backend.unanswered) + ": no fixture, and not a ledger lookup "
                      "(give fixtures with --responses, or let a model answer them: --simulator MODEL)")
+    return notes
+
+
+def _fired(calls: Sequence[Mapping[str, Any]]) -> Dict[int, int]:
+    """How often each failure rule answered a call (replays of an answered call not counted again)."""
     fired: Dict[int, int] = {}
     for call in calls:
         if call.get("matched_rule_index") is not None and not call.get("replayed"):
             fired[call["matched_rule_index"]] = fired.get(call["matched_rule_index"], 0) + 1
+    return fired
+
+
+def _record(task: datasets.Task, ran: _Ran, *, run_id: int, trial: int, backend: engine.Backend,
+            fixtures: Optional[Mapping[str, Any]], tools_schema: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The run's record, as the reports show it (before the session's fields, the usage and the scrub)."""
+    body, errors, warnings = _response(ran, tools_schema)
+    fired = _fired(ran.calls)
     body_dict = body if isinstance(body, dict) else {}
-    verdict = outcome_check(task.expected_outcome, calls)
-    record = {
+    return {
         "row": task.row,
         "line": task.line,
-        "task_id": task_id,
+        "task_id": task.row,
         "run_id": run_id,
+        "trial": trial,
         "status": "error" if errors else "ok",
         "user_instruction": task.user_instruction,
         "behavior_instructions": task.behavior_instructions,
         "expected_outcome": task.expected_outcome,
         "expected_outcome_given": task.expected_outcome_given,
-        "outcome": verdict,
+        "outcome": outcome_check(task.expected_outcome, ran.calls),
         "initial_state": task.initial_state,
         "failure_rules": [
             {"index": i, "rule": rule, "summary": engine.describe_rule(rule), "fired": fired.get(i, 0)}
             for i, rule in enumerate(task.failure_rules)
         ],
-        "notes": notes,
+        "notes": _run_notes(task, fixtures, ran.replays, backend),
         "final_response": body_dict.get("final_response") if isinstance(body_dict.get("final_response"), str) else None,
         "messages": body_dict.get("messages"),
         "metadata": body_dict.get("metadata"),
         "errors": errors,
         "warnings": warnings,
-        "traceback": outcome.traceback,
-        "tool_calls": calls,
-        "ledger_changes": [dict(change, call=c["index"]) for c in calls for change in c.get("changes") or []],
+        "traceback": ran.outcome.traceback,
+        "tool_calls": ran.calls,
+        "ledger_changes": [dict(change, call=c["index"]) for c in ran.calls for change in c.get("changes") or []],
         "final_state": backend.ledger.snapshot(),
         "flags": sorted(backend.ledger.flags),
-        "trace_events": events,
-        "duration_ms": duration_ms,
+        "trace_events": ran.events,
+        "duration_ms": ran.duration_ms,
     }
-    if conversation is not None and user is None:
-        notes.append("a model_as_user row: only its first turn ran, as no one plays the user "
-                     "(give --user-model MODEL; scripted runs offline)")
-    if conversation is not None:
-        record["turn_mode"] = "model_as_user"
-        record["session"] = {"session_id": conversation.session_id, "turns": len(conversation.turns),
-                             "ended": conversation.ended}
-        record["conversation"] = conversation.turns
-        usage["user"] = conversation.usage
-    if any(usage.values()):
-        record["usage"] = {role: spent for role, spent in usage.items() if spent}
-    return _scrub(record, [token, *hidden])
+
+
+def _session_fields(record: Dict[str, Any], conversation: Conversation) -> None:
+    """A session's own fields in its record: the turn mode, the session, the conversation turn by turn."""
+    record["turn_mode"] = "model_as_user"
+    record["session"] = {"session_id": conversation.session_id, "turns": len(conversation.turns),
+                         "ended": conversation.ended}
+    record["conversation"] = conversation.turns
 
 
 def _converse(task: datasets.Task, agent: Callable[[Dispatch], Outcome], dispatch: Dispatch,
@@ -638,8 +702,10 @@ def _converse(task: datasets.Task, agent: Callable[[Dispatch], Outcome], dispatc
 
     Without a user model only the first turn runs (the instruction; no one to answer the agent).
     """
-    # The session id is the row's, as the seed is: a re-run sends the same, so its answers replay from the cache.
-    conversation = Conversation(task, user, f"sim-{task.row}-{engine.task_seed(task.row, task.user_instruction)[:8]}")
+    # The session id is the run's (a trial's own), fixed as the seed is: a re-run sends the same, so its answers
+    # replay from the cache.
+    seed = engine.task_seed(task.row, task.user_instruction)
+    conversation = Conversation(task, user, f"sim-{dispatch.run_id}-{seed[:8]}")
 
     def send(fields: Dict[str, Any]) -> Tuple[Any, Optional[str]]:
         outcome = agent(dispatch._replace(turn=fields))
@@ -688,11 +754,12 @@ def outcome_check(expected_outcome: str, calls: Sequence[Mapping[str, Any]]) -> 
     return result
 
 
-def _invalid_run(row: int, problems: Sequence[datasets.Problem]) -> Dict[str, Any]:
+def _invalid_run(row: int, problems: Sequence[datasets.Problem], trial: int = 1) -> Dict[str, Any]:
     line = next((p.line for p in problems if p.line is not None), None)
     return {
         "row": row,
         "line": line,
+        "trial": trial,
         "status": "invalid",
         "errors": [f"{p.where + ': ' if p.where else ''}{p.message}" for p in problems if p.severity == "error"],
         "warnings": [],
@@ -712,12 +779,122 @@ class Interrupted(Exception):
         self.result = result
 
 
-def _eta(done: int, total: int, elapsed: float) -> str:
-    """``12.3 rows/s, ETA 41 s`` after ``done`` of ``total`` rows in ``elapsed`` seconds."""
+def _eta(done: int, total: int, elapsed: float, unit: str = "rows") -> str:
+    """``12.3 rows/s, ETA 41 s`` after ``done`` of ``total`` rows (or runs) in ``elapsed`` seconds."""
     rate = done / elapsed if elapsed > 0 else 0.0
     left = (total - done) / rate if rate > 0 else 0.0
     eta = f"{left:.0f} s" if left < 120 else f"{left / 60:.1f} min"
-    return f"{rate:.1f} rows/s, ETA {eta}" if done < total else f"{rate:.1f} rows/s"
+    return f"{rate:.1f} {unit}/s, ETA {eta}" if done < total else f"{rate:.1f} {unit}/s"
+
+
+class _Rows(NamedTuple):
+    """A dataset's rows, in row order: the tasks to run and the rows the dataset check rejected."""
+
+    order: List[int]
+    tasks: Dict[int, datasets.Task]
+    rejected: Dict[int, List[datasets.Problem]]
+
+
+def _rows(data: datasets.Dataset) -> _Rows:
+    """Every row of ``data`` with a task or a rejection."""
+    tasks = {t.row: t for t in data.tasks}
+    rejected: Dict[int, List[datasets.Problem]] = {}
+    for p in data.problems:
+        if p.row is not None and p.severity == "error":
+            rejected.setdefault(p.row, []).append(p)
+    return _Rows(sorted(set(tasks) | set(rejected)), tasks, rejected)
+
+
+def run_id_of(row: int, trial: int, rows: int) -> int:
+    """The run id of a row's trial in a dataset of ``rows`` rows: trial 1's are the rows' numbers, and each later
+    trial's follow the one before's, as a platform numbers the runs it creates (fixed, so a re-run sends the same)."""
+    return (trial - 1) * rows + row
+
+
+Unit = shards.Unit
+Record = Dict[str, Any]
+
+
+class _Workers:
+    """Runs units of work on ``jobs`` threads, and grades their records on ``grade_jobs`` threads beside them.
+
+    ``run_one(unit)`` gives a unit's record, ``grade(record)`` (the judge) the record with its verdict; a judge
+    that raises makes the record's ``judge`` "not judged", never a lost unit.  The threads are daemons: on
+    Ctrl-C the running units are abandoned.
+    """
+
+    def __init__(self, run_one: Callable[[Unit], Record], grade: Optional[Callable[[Record], Record]], *,
+                 jobs: int, grade_jobs: int, count: int) -> None:
+        self.run_one = run_one
+        self.grade = grade
+        self.pending: queue.Queue[Unit] = queue.Queue()
+        self.finished: queue.Queue[Tuple[Unit, Record]] = queue.Queue()
+        self.to_grade: queue.Queue[Optional[Tuple[Unit, Record]]] = queue.Queue()
+        self.stop = threading.Event()
+        self.workers = [threading.Thread(target=self._work, name=f"simulate-{i}", daemon=True)
+                        for i in range(max(1, min(jobs, count)))]
+        self.graders = [threading.Thread(target=self._grade, name=f"judge-{i}", daemon=True)
+                        for i in range(max(1, min(grade_jobs, count)) if grade is not None else 0)]
+
+    def _work(self) -> None:
+        while not self.stop.is_set():
+            try:
+                unit = self.pending.get_nowait()
+            except queue.Empty:
+                return
+            record = self.run_one(unit)
+            (self.to_grade if self.grade is not None else self.finished).put((unit, record))
+
+    def _grade(self) -> None:
+        while not self.stop.is_set():
+            item = self.to_grade.get()
+            if item is None:
+                return
+            unit, record = item
+            try:
+                record = self.grade(record) if self.grade is not None else record
+            except Exception as exc:  # noqa: BLE001 - a judge bug is the row's "not judged", never a lost row
+                record["judge"] = {"verdict": None, "error": f"the judge failed: {_describe(exc)}"}
+            self.finished.put((unit, record))
+
+    def run(self, units: Sequence[Unit], keep: Callable[[Unit, Record, bool], None]) -> bool:
+        """Every unit run (and graded), each record handed to ``keep(unit, record, finished_in_order)`` as it
+        finishes; False when done, True when Ctrl-C stopped it (the records finished by then are kept too)."""
+        for unit in units:
+            self.pending.put(unit)
+        for thread in self.workers + self.graders:
+            thread.start()
+        kept = 0
+        handed_over = False
+        try:
+            while kept < len(units):
+                try:
+                    unit, record = self.finished.get(timeout=0.2)  # a timeout, so Ctrl-C reaches this thread
+                except queue.Empty:
+                    if not any(w.is_alive() for w in self.workers):
+                        if not handed_over:  # every unit is queued for the graders: they end after the last one
+                            handed_over = True
+                            for _ in self.graders:
+                                self.to_grade.put(None)
+                        if not any(g.is_alive() for g in self.graders) and self.finished.empty():
+                            break
+                    continue
+                kept += 1
+                keep(unit, record, True)
+        except KeyboardInterrupt:
+            self.stop.set()
+            self._drain(keep)
+            return True
+        return False
+
+    def _drain(self, keep: Callable[[Unit, Record, bool], None]) -> None:
+        """The records that finished while Ctrl-C was stopping the run: they still count."""
+        while True:
+            try:
+                unit, record = self.finished.get_nowait()
+            except queue.Empty:
+                return
+            keep(unit, record, False)
 
 
 def simulate(
@@ -730,17 +907,18 @@ def simulate(
     hidden: Sequence[str] = (),
     describe: Optional[Dict[str, Any]] = None,
     jobs: int = 1,
-    only_rows: Optional[Sequence[int]] = None,
-    done: Optional[Mapping[int, Dict[str, Any]]] = None,
-    on_record: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+    only_units: Optional[Sequence[Unit]] = None,
+    done: Optional[Mapping[Unit, Dict[str, Any]]] = None,
+    on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
     label: str = "",
     grade: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
     grade_jobs: int = 16,
     tool_model: Optional[ToolModel] = None,
     user: Optional[UserModel] = None,
     turn_mode: Optional[str] = None,
+    trials: int = 1,
 ) -> Dict[str, Any]:
-    """Run every row of a checked dataset against ``agent``; the whole report as a JSON-ready dict.
+    """Run every row of a checked dataset against ``agent``, ``trials`` times; the whole report as a JSON-ready dict.
 
     Rows the dataset check rejected are listed with status ``invalid`` and
     not run.  ``hidden`` strings (the agent token) are scrubbed from the report
@@ -750,9 +928,11 @@ def simulate(
     Ctrl-C raises :class:`Interrupted` carrying the report of the finished rows
     (running ones are abandoned: their threads are daemons).
 
-    ``only_rows`` limits the run to those rows (a shard); ``done`` holds records of rows already run (a resumed
-    result file), which are reported and not run again; ``on_record(row, record)`` gets each new record, scrubbed,
-    as it finishes (the result file's writer); ``label`` prefixes each progress line (``[shard 2/3] ``).
+    The unit of work is one trial of one row, ``(row, trial)``: each trial is a run of its own (its run id from
+    :func:`run_id_of`), and the runs are listed by row, then trial.  ``only_units`` limits the run to those units
+    (a shard); ``done`` holds records of units already run (a resumed result file), which are reported and not run
+    again; ``on_record(record)`` gets each new record, scrubbed, as it finishes (the result file's writer);
+    ``label`` prefixes each progress line (``[shard 2/3] ``).
 
     ``grade(record)`` (the judge) returns the record with its verdict.  It runs on ``grade_jobs`` threads of
     its own, beside the rows' workers, so judging one row overlaps running the next: the judge adds its
@@ -761,116 +941,71 @@ def simulate(
     """
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     clock = time.monotonic()
-    tasks = {t.row: t for t in data.tasks}
-    rejected: Dict[int, List[datasets.Problem]] = {}
-    for p in data.problems:
-        if p.row is not None and p.severity == "error":
-            rejected.setdefault(p.row, []).append(p)
-    rows = sorted(set(tasks) | set(rejected))
-    if only_rows is not None:
-        wanted = set(only_rows)
-        rows = [row for row in rows if row in wanted]
-    records: Dict[int, Dict[str, Any]] = {row: record for row, record in (done or {}).items() if row in rows}
-    pending: queue.Queue[int] = queue.Queue()
-    for row in rows:
-        if row not in records:
-            pending.put(row)
-    finished: queue.Queue[Tuple[int, Dict[str, Any]]] = queue.Queue()
-    to_grade: queue.Queue[Optional[Tuple[int, Dict[str, Any]]]] = queue.Queue()
-    stop = threading.Event()
-
-    def graded() -> None:
-        while not stop.is_set():
-            item = to_grade.get()
-            if item is None:
-                return
-            row, record = item
-            try:
-                record = grade(record) if grade is not None else record
-            except Exception as exc:  # noqa: BLE001 - a judge bug is the row's "not judged", never a lost row
-                record["judge"] = {"verdict": None, "error": f"the judge failed: {_describe(exc)}"}
-            finished.put((row, record))
-
-    def work() -> None:
-        while not stop.is_set():
-            try:
-                row = pending.get_nowait()
-            except queue.Empty:
-                return
-            if row in tasks:
-                try:
-                    record = run_task(tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden,
-                                      tool_model=tool_model, user=user, turn_mode=turn_mode)
-                except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
-                    record = _failed_run(tasks[row], f"the simulator failed on this row: {_describe(exc)}")
-            else:
-                record = _invalid_run(row, rejected[row])
-            (to_grade if grade is not None else finished).put((row, record))
-
-    count = max(1, min(jobs, len(rows) - len(records)))
-    workers = [threading.Thread(target=work, name=f"simulate-{i}", daemon=True) for i in range(count)]
-    graders = [threading.Thread(target=graded, name=f"judge-{i}", daemon=True)
-               for i in range(max(1, min(grade_jobs, len(rows) - len(records))) if grade is not None else 0)]
-    for worker in workers + graders:
-        worker.start()
-    interrupted = False
-    handed_over = False
+    rows = _rows(data)
+    units = shards.shard_units(rows.order, trials, None)
+    if only_units is not None:
+        wanted = set(only_units)
+        units = [unit for unit in units if unit in wanted]
+    planned = set(units)
+    records: Dict[Unit, Dict[str, Any]] = {unit: record for unit, record in (done or {}).items() if unit in planned}
     resumed = len(records)
-    try:
-        while len(records) < len(rows):
-            try:
-                row, record = finished.get(timeout=0.2)  # a timeout, so Ctrl-C reaches this thread
-            except queue.Empty:
-                if not any(w.is_alive() for w in workers):
-                    if not handed_over:  # every row is queued for the graders: they end after the last one
-                        handed_over = True
-                        for _ in graders:
-                            to_grade.put(None)
-                    if not any(g.is_alive() for g in graders) and finished.empty():
-                        break
-                continue
-            records[row] = record
-            if on_record is not None:
-                on_record(row, _scrub(record, hidden))
-            if progress is not None:
-                count_done = len(records)
-                rate = _eta(count_done - resumed, len(rows) - resumed, time.monotonic() - clock)
-                progress(f"{label}[{count_done}/{len(rows)}] {rate} | " + report.progress_line(record))
-    except KeyboardInterrupt:
-        stop.set()
-        interrupted = True
-        while True:  # rows that finished meanwhile still count
-            try:
-                row, record = finished.get_nowait()
-            except queue.Empty:
-                break
-            records[row] = record
-            if on_record is not None:
-                on_record(row, _scrub(record, hidden))
-    runs = [records[row] for row in rows if row in records]
-    summary = shards.summarise(runs)
+
+    def run_unit(unit: Unit) -> Dict[str, Any]:
+        row, trial = unit
+        if row not in rows.tasks:
+            return _invalid_run(row, rows.rejected[row], trial)
+        run_id = run_id_of(row, trial, data.rows)
+        try:
+            return run_task(rows.tasks[row], agent, fixtures=fixtures, tools_schema=tools_schema, hidden=hidden,
+                            tool_model=tool_model, user=user, turn_mode=turn_mode, trial=trial, run_id=run_id)
+        except Exception as exc:  # noqa: BLE001 - a simulator bug on one row is that row's error, not a hang
+            return _failed_run(rows.tasks[row], f"the simulator failed on this row: {_describe(exc)}", trial, run_id)
+
+    def keep(unit: Unit, record: Dict[str, Any], show: bool) -> None:
+        records[unit] = record
+        if on_record is not None:
+            on_record(_scrub(record, hidden))
+        if show and progress is not None:
+            rate = _eta(len(records) - resumed, len(units) - resumed, time.monotonic() - clock,
+                        "rows" if trials == 1 else "runs")
+            progress(f"{label}[{len(records)}/{len(units)}] {rate} | " + report.progress_line(record, trials))
+
+    todo = [unit for unit in units if unit not in records]
+    workers = _Workers(run_unit, grade, jobs=jobs, grade_jobs=grade_jobs, count=len(todo))
+    interrupted = workers.run(todo, keep)
+    runs = [records[unit] for unit in units if unit in records]
+    result: Dict[str, Any] = _scrub(_result(data, runs, started_at=started_at, clock=clock, jobs=len(workers.workers),
+                                            interrupted=interrupted, not_run=len(units) - len(runs),
+                                            describe=describe, trials=trials), hidden)
     if interrupted:
-        summary["not_run"] = len(rows) - len(runs)
+        raise Interrupted(result)
+    return result
+
+
+def _result(data: datasets.Dataset, runs: List[Dict[str, Any]], *, started_at: str, clock: float, jobs: int,
+            interrupted: bool, not_run: int, describe: Optional[Dict[str, Any]], trials: int) -> Dict[str, Any]:
+    """The report of a simulation whose finished runs are ``runs`` (``not_run`` counted when it was stopped)."""
+    summary = shards.summarise(runs, trials)
+    if interrupted:
+        summary["not_run"] = not_run
     result: Dict[str, Any] = {
         "kind": "pipelines_port.simulation",
         "version": 1,
         "started_at": started_at,
         "duration_ms": round((time.monotonic() - clock) * 1000, 1),
-        "jobs": len(workers),
+        "jobs": jobs,
         "interrupted": interrupted,
         "dataset": {"file": data.name, "rows": data.rows, "problems": [p.to_json() for p in data.problems]},
         "summary": summary,
         "runs": runs,
     }
     result.update(describe or {})
-    result = _scrub(result, hidden)
-    if interrupted:
-        raise Interrupted(result)
     return result
 
 
-def _failed_run(task: datasets.Task, error: str) -> Dict[str, Any]:
-    return {"row": task.row, "line": task.line, "task_id": task.row, "run_id": task.row, "status": "error",
+def _failed_run(task: datasets.Task, error: str, trial: int = 1, run_id: Optional[int] = None) -> Dict[str, Any]:
+    return {"row": task.row, "line": task.line, "task_id": task.row,
+            "run_id": task.row if run_id is None else run_id, "trial": trial, "status": "error",
             "user_instruction": task.user_instruction, "expected_outcome": task.expected_outcome,
             "expected_outcome_given": task.expected_outcome_given, "errors": [error], "warnings": [],
             "tool_calls": [], "ledger_changes": [], "trace_events": [], "failure_rules": [], "notes": []}
@@ -885,8 +1020,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog("simulate"),
         description="Run every row of a task-seeding CSV against an agent through a local simulated proxy.",
-        epilog="Exit status: 0 all rows ok, 1 some row errored or the pass rate is below --min-pass-rate, 2 nothing "
-               "could run.",
+        epilog="Exit status: 0 all rows ok, 1 some row errored, the pass rate is below --min-pass-rate, pass^k below "
+               "--min-pass-hat-k or a row regressed (--fail-on-regression), 2 nothing could run.",
     )
     parser.add_argument("--csv", required=True, metavar="FILE.csv",
                         help="the dataset (checked as by the `dataset` command)")
@@ -919,9 +1054,13 @@ def _parser() -> argparse.ArgumentParser:
                              "set (the process environment is shared): run() gets its run through its arguments")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"per-row limit for the agent (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--trials", type=int, default=1, metavar="K",
+                        help="run every row K times (default 1), each trial a run of its own (its run id, session "
+                             "and verdict; the ledger booted afresh from the row), to tell a flaky row from a broken "
+                             "one: the reports show each row's passes out of K, pass^k and pass@k")
     parser.add_argument("--shard", metavar="K/N",
-                        help="run only the K-th of N shards of the dataset (rows K, K+N, K+2N, ... in file order; "
-                             "JOB_COMPLETION_INDEX+1 in a Kubernetes indexed Job)")
+                        help="run only the K-th of N shards of the dataset (rows K, K+N, K+2N, ... in file order, "
+                             "each with all its --trials; JOB_COMPLETION_INDEX+1 in a Kubernetes indexed Job)")
     parser.add_argument("--jsonl", metavar="OUT.jsonl",
                         help="append each finished row to OUT.jsonl at once (a header record first): a crash loses "
                              f"only the rows in flight; merge shards' files with {prog('merge')}")
@@ -979,9 +1118,17 @@ def add_judge_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-model-cache", "--no-judge-cache", dest="no_model_cache", action="store_true",
                        help="ask the model every time, keep nothing")
     group.add_argument("--min-pass-rate", metavar="F",
-                       help="exit 1 when PASS / rows is below F (0.8 or 80%%; a row not judged is not a pass)")
-    group.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row (FAIL a failure, not "
-                                                       "judged an error)")
+                       help="exit 1 when PASS / runs is below F (0.8 or 80%%; a run not judged is not a pass)")
+    group.add_argument("--min-pass-hat-k", metavar="F",
+                       help="exit 1 when pass^k, the share of rows whose K trials (--trials K) all passed, is below F")
+    group.add_argument("--junit", metavar="FILE", help="write JUnit XML: one testcase per row, failed unless all its "
+                                                       "trials passed (FAIL a failure, not judged an error)")
+    group.add_argument("--baseline", metavar="OLD.json",
+                       help="after the run, compare it with this judged report (simulate, merge or test --json), "
+                            "rows matched by their seed, and print which rows regressed or were fixed (as "
+                            f"{prog('compare')})")
+    group.add_argument("--fail-on-regression", action="store_true",
+                       help="with --baseline: exit 1 when a row's share of passing trials fell")
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -1008,15 +1155,10 @@ def _load_fixtures(path: str, say: Callable[[str], None]) -> Dict[str, Any]:
 
 
 def _write(path: str, text: str) -> None:
-    """``text`` into ``path`` whole or not at all: a temporary file beside it, then renamed."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    """``text`` into ``path`` whole or not at all (:func:`report.write_file`)."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        report.write_file(path, text)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise SetupError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
@@ -1031,11 +1173,68 @@ def _agent_token(args: argparse.Namespace) -> Optional[str]:
     return args.token
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class _Gate(NamedTuple):
+    """What the command's exit status is held to beyond the runs' own errors."""
+
+    min_pass_rate: Optional[float]
+    min_pass_hat_k: Optional[float]
+    baseline: Optional[Dict[str, Any]]  # --baseline's report, read before anything runs
+    fail_on_regression: bool
+
+
+class _Roles(NamedTuple):
+    """The model-backed roles of one simulation (``None`` where the options ask for none) and their maker."""
+
+    models: ModelRoles
+    judge: Optional[judging.Judge]
+    tool_model: Optional[ToolModel]
+    user: Optional[UserModel]
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """The simulate command after option parsing; raises :class:`SetupError` when nothing can run."""
-    def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+    gate_options, shard = _checked_options(args)
+    data, fixtures, tools_schema = _inputs(args)
+    agent, hidden = _agent(args)
+    model = _choose_model(args, agent)
+    all_rows = _rows(data).order
+    units = shards.shard_units(all_rows, args.trials, shard)
+    if shard:
+        each = f", {args.trials} trials each" if args.trials > 1 else ""
+        _say(f"simulate: shard {shard}: {len(units) // args.trials} of {len(all_rows)} rows{each}")
+    scope = contextlib.ExitStack()  # the scripted stand-in's server, when a role names it
+    try:
+        roles = _model_roles(args, scope, data, agent, tools_schema)
+        describe = _description(args, agent, model, roles)
+        result_file = _result_file(args, data, agent, model, roles, shard, units, all_rows,
+                                   _scrub(describe, hidden)) if args.jsonl else None
+    except BaseException:
+        scope.close()
+        raise
+    try:
+        with scope as stack:
+            if model == "scripted":
+                stack.enter_context(_scripted_model(agent, _say))
+            result, interrupted = _simulate_rows(args, data, agent, fixtures, tools_schema, hidden, describe, roles,
+                                                 units, result_file, label=f"[shard {shard}] " if shard else "")
+    finally:
+        if result_file is not None:
+            result_file.close()
+    if shard:
+        result["shard"] = str(shard)
+    failed_gate = _finish(args, result, roles, gate_options)
+    if interrupted:
+        return 130
+    failed_gate = _against_baseline(args, result, gate_options) or failed_gate
+    return 1 if failed_gate or result["summary"]["errors"] else 0
 
+
+def _checked_options(args: argparse.Namespace) -> Tuple[_Gate, Optional[shards.Shard]]:
+    """The options that need no file checked against each other; the gate's and ``--shard`` parsed."""
     if args.timeout <= 0:
         raise SetupError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if not 1 <= args.jobs <= 256:
@@ -1044,19 +1243,27 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SetupError("--token/--token-env are for --url agents; a --code agent is called directly")
     if args.resume and not args.jsonl:
         raise SetupError("--resume continues a --jsonl result file: give --jsonl OUT.jsonl")
-    min_pass_rate = check_gate_options(args)
+    if not 1 <= args.trials <= MAX_TRIALS:
+        raise SetupError(f"--trials must be between 1 and {MAX_TRIALS}, got {args.trials}")
+    gate_options = check_gate_options(args)
     try:
         shard = shards.parse_shard(args.shard) if args.shard is not None else None
     except shards.ShardError as exc:
         raise SetupError(str(exc)) from None
+    return gate_options, shard
+
+
+def _inputs(args: argparse.Namespace) -> Tuple[datasets.Dataset, Optional[Dict[str, Any]],
+                                                 Optional[List[Dict[str, Any]]]]:
+    """The dataset (its problems said), the fixtures and the tools schema; raises :class:`SetupError`."""
     data = datasets.load_dataset(args.csv)
     for line in datasets.format_problems(data):
-        say(line)
+        _say(line)
     if any(p.severity == "error" and p.row is None for p in data.problems):
         raise SetupError(f"{args.csv}: the file or its header has errors; fix them first")
     if not data.tasks and not [p for p in data.problems if p.row is not None]:
         raise SetupError(f"{args.csv}: nothing to run ({datasets.summary(data)})")
-    fixtures = _load_fixtures(args.responses, say) if args.responses else None
+    fixtures = _load_fixtures(args.responses, _say) if args.responses else None
     tools_schema = None
     if args.tools:
         try:
@@ -1064,9 +1271,13 @@ def run_cli(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SetupError(f"--tools: {exc}") from None
     if any(t.workspace for t in data.tasks):
-        say("note: workspace columns (scenario_ref, workspace_seed, setup_command) are not simulated; "
-            "rows run as ledger tasks")
+        _say("note: workspace columns (scenario_ref, workspace_seed, setup_command) are not simulated; "
+             "rows run as ledger tasks")
+    return data, fixtures, tools_schema
 
+
+def _agent(args: argparse.Namespace) -> Tuple[Any, List[str]]:
+    """The agent (a --url one pinged) and the secrets to keep out of every report (its token)."""
     token = _agent_token(args)
     agent: Any
     if args.code:
@@ -1075,21 +1286,25 @@ def run_cli(args: argparse.Namespace) -> int:
         agent = UrlAgent(args.url, token=token, auth_header=args.auth_header, timeout=args.timeout)
         warning = agent.check()
         if warning:
-            say(f"warning: {warning}")
-    hidden = [token] if token else []
-    model = _choose_model(args, agent)
+            _say(f"warning: {warning}")
+    return agent, [token] if token else []
+
+
+def _model_roles(args: argparse.Namespace, scope: contextlib.ExitStack, data: datasets.Dataset, agent: Any,
+                 tools_schema: Optional[List[Dict[str, Any]]]) -> _Roles:
+    """The judge, the simulated backend and (when a row is a session) the simulated user the options ask for."""
+    models = ModelRoles(args, scope)
     sessions = [t.row for t in data.tasks if (args.turn_mode or t.turn_mode) == "model_as_user"]
-    scope = contextlib.ExitStack()
-    try:
-        roles = ModelRoles(args, scope)
-        judge = roles.judge()
-        tool_model = roles.tool_model(tools_schema if tools_schema is not None else _agent_tools(args, agent))
-        user = roles.user() if sessions else None
-    except BaseException:
-        scope.close()
-        raise
-    describe = {"agent": {"mode": agent.mode, "target": agent.target},
-                "fixtures": args.responses, "tools_schema": args.tools, "model": model}
+    return _Roles(models, models.judge(),
+                  models.tool_model(tools_schema if tools_schema is not None else _agent_tools(args, agent)),
+                  models.user() if sessions else None)
+
+
+def _description(args: argparse.Namespace, agent: Any, model: Optional[str], roles: _Roles) -> Dict[str, Any]:
+    """What the report's header says of the simulation: the agent, the fixtures, the model and each role."""
+    describe: Dict[str, Any] = {"agent": {"mode": agent.mode, "target": agent.target},
+                                "fixtures": args.responses, "tools_schema": args.tools, "model": model}
+    judge, tool_model, user = roles.judge, roles.tool_model, roles.user
     if judge is not None:
         describe["judge"] = dict(judge.identity(), server=judge.client.endpoint.describe(),
                                  prompt=args.judge_prompt or "the kit's (prompts/judge.md)")
@@ -1098,82 +1313,109 @@ def run_cli(args: argparse.Namespace) -> int:
                                      tools_known=sorted(tool_model.tools))
     if user is not None:
         describe["user_model"] = dict(user.identity(), server=user.client.endpoint.describe())
-    all_rows = sorted({t.row for t in data.tasks} | {p.row for p in data.problems
-                                                     if p.row is not None and p.severity == "error"})
-    shard_rows = shards.shard_rows(all_rows, shard)
-    label = f"[shard {shard}] " if shard else ""
-    if shard:
-        say(f"simulate: shard {shard}: {len(shard_rows)} of {len(all_rows)} rows")
-    result_file: Optional[shards.ResultFile] = None
-    if args.jsonl:
-        header = shards.header_record(
-            dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
-                     "problems": [p.to_json() for p in data.problems]},
-            agent=_agent_identity(agent), options=_option_identity(args, model, judge, tool_model, user), shard=shard,
-            rows=shard_rows,
-            all_rows=all_rows)
-        header["describe"] = _scrub(describe, hidden)
-        header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            result_file = shards.ResultFile(args.jsonl, header, resume=args.resume)
-        except OSError as exc:
-            raise SetupError(f"--jsonl: cannot write {args.jsonl}: {exc.strerror or exc}") from None
-        except shards.ShardError as exc:
-            raise SetupError(str(exc)) from None
-        if result_file.done:
-            say(f"simulate: --resume: {len(result_file.done)} row(s) already in {args.jsonl}, "
-                f"{len([r for r in shard_rows if r not in result_file.done])} to run")
-        if result_file.dropped_partial:
-            say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its row runs again")
-    interrupted = False
-    try:
-        with scope as stack:
-            if model == "scripted":
-                stack.enter_context(_scripted_model(agent, say))
-            try:
-                result = simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=say,
-                                  hidden=hidden, describe=describe, jobs=args.jobs, only_rows=shard_rows,
-                                  done=result_file.done if result_file else None,
-                                  on_record=result_file.add if result_file else None, label=label,
-                                  grade=(lambda record: judging.judged(record, judge)) if judge else None,
-                                  grade_jobs=args.judge_jobs, tool_model=tool_model, user=user,
-                                  turn_mode=args.turn_mode)
-            except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
-                result, interrupted = stopped.result, True
-                say(f"simulate: interrupted: {result['summary']['runs']} row(s) finished, "
-                    f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
-    finally:
-        if result_file is not None:
-            result_file.close()
-    if shard:
-        result["shard"] = str(shard)
+    return describe
 
+
+def _result_file(args: argparse.Namespace, data: datasets.Dataset, agent: Any, model: Optional[str], roles: _Roles,
+                 shard: Optional[shards.Shard], units: List[Unit], all_rows: List[int],
+                 describe: Dict[str, Any]) -> shards.ResultFile:
+    """The ``--jsonl`` file opened (or, with ``--resume``, read and continued); raises :class:`SetupError`."""
+    header = shards.header_record(
+        dataset={"file": data.name, "sha256": shards.file_sha256(args.csv), "rows": data.rows,
+                 "problems": [p.to_json() for p in data.problems]},
+        agent=_agent_identity(agent), options=_option_identity(args, model, roles.judge, roles.tool_model, roles.user),
+        shard=shard, rows=sorted({row for row, _ in units}), all_rows=all_rows)
+    header["describe"] = describe
+    header["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        result_file = shards.ResultFile(args.jsonl, header, resume=args.resume)
+    except OSError as exc:
+        raise SetupError(f"--jsonl: cannot write {args.jsonl}: {exc.strerror or exc}") from None
+    except shards.ShardError as exc:
+        raise SetupError(str(exc)) from None
+    what = "row(s)" if args.trials == 1 else "run(s)"
+    if result_file.done:
+        _say(f"simulate: --resume: {len(result_file.done)} {what} already in {args.jsonl}, "
+             f"{len([u for u in units if u not in result_file.done])} to run")
+    if result_file.dropped_partial:
+        _say(f"simulate: --resume: {args.jsonl} ended in a record cut short (a crash?); dropped, its run runs again")
+    return result_file
+
+
+def _simulate_rows(args: argparse.Namespace, data: datasets.Dataset, agent: Any, fixtures: Optional[Dict[str, Any]],
+                   tools_schema: Optional[List[Dict[str, Any]]], hidden: List[str], describe: Dict[str, Any],
+                   roles: _Roles, units: List[Unit], result_file: Optional[shards.ResultFile],
+                   label: str) -> Tuple[Dict[str, Any], bool]:
+    """:func:`simulate` with the command's options: the report, and whether Ctrl-C stopped it (its finished rows
+    reported all the same)."""
+    judge = roles.judge
+    try:
+        return simulate(data, agent, fixtures=fixtures, tools_schema=tools_schema, progress=_say, hidden=hidden,
+                        describe=describe, jobs=args.jobs, only_units=units,
+                        done=result_file.done if result_file else None,
+                        on_record=result_file.add if result_file else None, label=label,
+                        grade=(lambda record: judging.judged(record, judge)) if judge else None,
+                        grade_jobs=args.judge_jobs, tool_model=roles.tool_model, user=roles.user,
+                        turn_mode=args.turn_mode, trials=args.trials), False
+    except Interrupted as stopped:  # Ctrl-C: the finished rows' reports are still written
+        result = stopped.result
+        what = "row(s)" if args.trials == 1 else "run(s)"
+        _say(f"simulate: interrupted: {result['summary']['runs']} {what} finished, "
+             f"{result['summary']['not_run']} not run; writing the reports of the finished ones")
+        return result, True
+
+
+def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, gate_options: _Gate) -> bool:
+    """The reports written and printed, the cache's problems said, the gate applied: True when the gate fails."""
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
-    for cache in roles.caches:
+    for cache in roles.models.caches:
         if cache.problem:
-            say(f"simulate: warning: the model cache was not used in full: {cache.problem}")
-    failed_gate = gate.apply(result, junit=args.junit, min_pass_rate=min_pass_rate, write=_write, say=say,
-                             command="simulate")
-    if interrupted:
-        return 130
-    return 1 if failed_gate or result["summary"]["errors"] else 0
+            _say(f"simulate: warning: the model cache was not used in full: {cache.problem}")
+    return gate.apply(result, junit=args.junit, min_pass_rate=gate_options.min_pass_rate, write=_write, say=_say,
+                      command="simulate", min_pass_hat_k=gate_options.min_pass_hat_k)
 
 
-def check_gate_options(args: argparse.Namespace) -> Optional[float]:
-    """``--min-pass-rate`` as a number, once the judge's and the gate's options are known to fit together."""
+def check_gate_options(args: argparse.Namespace) -> _Gate:
+    """The gate's thresholds as numbers and the baseline read, once the judge's and the gate's options are known to
+    fit together."""
     if not 1 <= args.judge_jobs <= 256:
         raise SetupError(f"--judge-jobs must be between 1 and 256, got {args.judge_jobs}")
     if not args.judge:
-        given = [f"--{name.replace('_', '-')}" for name in ("min_pass_rate", "junit", "judge_url", "judge_key_env",
-                                                            "judge_prompt") if getattr(args, name) is not None]
+        given = [f"--{name.replace('_', '-')}" for name in ("min_pass_rate", "min_pass_hat_k", "junit", "judge_url",
+                                                            "judge_key_env", "judge_prompt", "baseline")
+                 if getattr(args, name) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} go(es) with --judge MODEL (--judge scripted runs offline)")
+    if args.fail_on_regression and not args.baseline:
+        raise SetupError("--fail-on-regression goes with --baseline OLD.json (the report to hold this run to)")
+    if args.baseline and args.shard:
+        raise SetupError(f"--baseline compares a whole run: merge the shards' files, then {prog('compare')} OLD.json "
+                         "MERGED.json")
     try:
-        return gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None
-    except ValueError as exc:
-        raise SetupError(str(exc)) from None
+        thresholds = (gate.parse_rate(args.min_pass_rate) if args.min_pass_rate is not None else None,
+                      gate.parse_rate(args.min_pass_hat_k, "--min-pass-hat-k") if args.min_pass_hat_k is not None
+                      else None)
+        baseline = compare.load_report(args.baseline) if args.baseline else None
+    except (ValueError, compare.CompareError) as exc:
+        raise SetupError(f"--baseline: {exc}" if isinstance(exc, compare.CompareError) else str(exc)) from None
+    return _Gate(*thresholds, baseline, args.fail_on_regression)
+
+
+def _against_baseline(args: argparse.Namespace, result: Dict[str, Any], gate_options: _Gate) -> bool:
+    """The run compared with ``--baseline``'s report and the comparison printed (on stderr when the JSON report
+    goes to stdout); True when a row regressed and ``--fail-on-regression`` makes that a failure."""
+    if gate_options.baseline is None:
+        return False
+    comparison = compare.compare(gate_options.baseline, result, before_file=args.baseline,
+                                 after_file=args.json if args.json and args.json != "-" else "this run")
+    print("\n" + report.render_comparison_text(comparison), file=sys.stderr if args.json == "-" else sys.stdout)
+    if gate_options.fail_on_regression and compare.regressed(comparison):
+        _say(f"simulate: FAILED --fail-on-regression: {len(comparison['regressed'])} row(s) regressed against "
+             f"{args.baseline}")
+        return True
+    return False
 
 
 class ModelRoles:
@@ -1193,7 +1435,7 @@ class ModelRoles:
 
     def client(self, model: str, url: Optional[str], key_env: Optional[str], *, option: str,
                concurrency: int) -> ChatClient:
-        scripted = model.strip().lower() == "scripted"
+        scripted = _scripted(model)
         try:
             if scripted:
                 if self._scripted is None:
@@ -1246,6 +1488,11 @@ class ModelRoles:
                                      concurrency=max(16, args.jobs)), prompt, args.max_turns)
 
 
+def _scripted(model: Optional[str]) -> bool:
+    """Whether a role's model option names the kit's offline stand-in."""
+    return (model or "").strip().lower() == "scripted"
+
+
 def _file_identity(path: Optional[str]) -> Optional[Dict[str, str]]:
     """A file as a result file's header names it: its base name and content hash (paths differ between machines)."""
     if not path:
@@ -1268,11 +1515,16 @@ def _option_identity(args: argparse.Namespace, model: Optional[str], judge: Opti
     """The options that change what a row's run gives (so shards of one simulation must share them)."""
     identity: Dict[str, Any] = {"fixtures": _file_identity(args.responses), "tools_schema": _file_identity(args.tools),
                                 "model": model, "strict": bool(args.code) and not args.lenient}
-    for name, role in (("judge", judge), ("simulator", tool_model), ("user_model", user)):
+    for name, role, option in (("judge", judge, args.judge), ("simulator", tool_model, args.simulator),
+                               ("user_model", user, args.user_model)):
         if role is not None:
             identity[name] = role.identity()
+            if _scripted(option) and "server" in identity[name]:  # the stand-in's port differs from run to run
+                identity[name]["server"] = "the kit's scripted stand-in"
     if args.turn_mode:
         identity["turn_mode"] = args.turn_mode
+    if args.trials > 1:  # a file from before --trials holds trial 1 of each row: it is a --trials 1 simulation
+        identity["trials"] = args.trials
     return identity
 
 

@@ -5,7 +5,9 @@ The report comes from a real simulation: the sample dataset plus a refusal row, 
 and the scripted model, so it has injected failures, trace events (model turns, assistant messages), ledger
 changes and one flagged row, and the scripted judge's verdicts beside each run.  Chromium takes screenshots (kept beside the report) and dumps the DOM after its
 script ran; the toolbar's state is set through the URL fragment (``#status=flagged&open=all``), which the page
-reads the same way a click would set it.  Skipped when Chromium is not installed (``.ci/run`` installs it).
+reads the same way a click would set it.  A second report runs rows three times each (``--trials 3``, an agent whose
+answer depends on the trial: two flaky rows), and a third page compares it with a one-trial run (``compare``).
+Skipped when Chromium is not installed (``.ci/run`` installs it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Dict
 import pytest
 
 from tests.interop.hosts import ROOT
+from tests.test_trials import TRIAL_AGENT, dataset
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 if CHROMIUM is None:
@@ -69,7 +72,7 @@ def runs(html: str) -> Dict[str, Dict[str, bool]]:
     """Each run's id: whether it is hidden and open, from the dumped DOM."""
     found = {}
     for tag in re.findall(r'<details class="run"[^>]*>', html):
-        run_id = re.search(r'id="(row-\d+)"', tag).group(1)  # type: ignore[union-attr]
+        run_id = re.search(r'id="(row-\d+(?:-t\d+)?)"', tag).group(1)  # type: ignore[union-attr]
         found[run_id] = {"hidden": " hidden" in tag, "open": " open" in tag}
     return found
 
@@ -130,4 +133,58 @@ def test_the_verdicts_filter_and_sit_beside_the_trace(report: Path) -> None:
     shot = report.parent / "report-verdicts.png"  # the panel beside the trace, for a person to look at
     done = chromium(f"--screenshot={shot}", "--window-size=1400,1600", "--virtual-time-budget=3000",
                     report.as_uri() + "#status=fail&open=all")
+    assert done.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+@pytest.fixture(scope="module")
+def trials(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """A report of five rows over three trials (rows 2 and 4 flaky), and its comparison with one trial of each."""
+    folder = tmp_path_factory.mktemp("trials")
+    agent = folder / "trial_agent.py"
+    agent.write_text(TRIAL_AGENT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIALS_TEST_LOG": str(folder / "runs.log")}
+    common = [sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset(folder / "rows.csv")), "--code",
+              str(agent), "--judge", "scripted"]
+    for argv in ([*common, "--json", str(folder / "one.json")],
+                 [*common, "--trials", "3", "--json", str(folder / "three.json"), "--html", str(folder / "report.html")],
+                 [sys.executable, "-m", "conformance", "compare", str(folder / "one.json"), str(folder / "three.json"),
+                  "--html", str(folder / "compare.html")]):
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return {"report": folder / "report.html", "compare": folder / "compare.html"}
+
+
+def test_trials_show_each_rows_passes_and_the_flaky_ones(trials: Dict[str, Path]) -> None:
+    page = trials["report"]
+    html = dom(page)
+    every = runs(html)
+    assert len(every) == 15 and "row-2-t3" in every and not any(r["hidden"] for r in every.values())
+    table = html.split('<table class="trials" id="trials">', 1)[1].split("</table>", 1)[0]
+    cells = re.findall(r'<tr data-row="(\d+)">.*?<span class="pill (\w+)">(\d/3)</span>', table)
+    assert cells == [("1", "pass", "3/3"), ("2", "flaky", "2/3"), ("3", "fail", "0/3"), ("4", "flaky", "1/3"),
+                     ("5", "pass", "3/3")]
+    assert table.count('href="#row-4-t') == 2 and 'href="#row-4"' in table  # each trial's pill links to its run
+    for pill in ("3 trials per row", "pass^3 40.0%", "pass@3 80.0%", "2 flaky"):
+        assert f">{pill}</span>" in html
+    flaky = [k for k, r in runs(dom(page, "#status=flaky")).items() if not r["hidden"]]
+    assert flaky == ["row-2", "row-2-t2", "row-2-t3", "row-4", "row-4-t2", "row-4-t3"]
+    assert "6 of 15 shown" in dom(page, "#status=flaky")
+    failed = [k for k, r in runs(dom(page, "#status=fail")).items() if not r["hidden"]]
+    assert failed == ["row-2-t2", "row-3", "row-3-t2", "row-3-t3", "row-4", "row-4-t2"]
+    for name, fragment in (("report-trials.png", ""), ("report-trials-flaky.png", "#status=flaky&open=all")):
+        shot = page.parent / name
+        done = chromium(f"--screenshot={shot}", "--window-size=1280,1400", "--virtual-time-budget=3000",
+                        page.as_uri() + fragment)
+        assert done.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_the_comparison_page_renders(trials: Dict[str, Path]) -> None:
+    page = trials["compare"]
+    html = dom(page)
+    assert "1 regressed" in html and "1 fixed" in html and "3 unchanged" in html
+    assert "different trials: 1 per row before, 3 after" in html
+    regressed = html.split('<table class="trials regressed">', 1)[1].split("</table>", 1)[0]
+    assert re.findall(r"<td>(row \d)</td><td>([\d/]+)</td><td>([\d/]+)</td>", regressed) == [("row 2", "1/1", "2/3")]
+    shot = page.parent / "compare.png"
+    done = chromium(f"--screenshot={shot}", "--window-size=1280,900", page.as_uri())
     assert done.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
