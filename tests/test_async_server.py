@@ -367,7 +367,7 @@ def test_a_cancel_in_the_turn_the_connect_deadline_fires_is_passed_on_not_taken_
 
     async def main() -> str:
         loop = asyncio.get_running_loop()
-        attempt = asyncio.ensure_future(pp._AsyncTransport()._connect(
+        attempt = asyncio.ensure_future(pp._Transport()._connect(
             loop, "http", "127.0.0.1", listener.getsockname()[1], loop.time() + 30, 30))
         await asyncio.sleep(0.1)  # connecting, and getting no answer
         assert len(timers) == 1 and not attempt.done()
@@ -404,7 +404,7 @@ def test_a_connect_cancelled_at_any_moment_leaves_no_connection_open() -> None:
 
     async def main() -> Tuple[int, int, List[Any]]:
         loop = asyncio.get_running_loop()
-        transport = pp._AsyncTransport()
+        transport = pp._Transport()
         handed_over, cancelled = [], 0
         for turns in range(12):
             attempt = asyncio.ensure_future(transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5))
@@ -451,8 +451,8 @@ def test_the_pool_reaper_closes_what_idled_too_long_and_keeps_the_rest() -> None
 
     async def main() -> Tuple[List[bool], List[bool], int, bool]:
         loop = asyncio.get_running_loop()
-        pool = pp._AsyncPool(loop, max_idle=100, idle_s=1.0)  # a sweep every 0.5 s
-        transport = pp._AsyncTransport()
+        pool = pp._Pool(loop, max_idle=100, idle_s=1.0)  # a sweep every 0.5 s
+        transport = pp._Transport()
         conns = [await transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5) for _ in range(40)]
         for conn in conns[:30]:
             pool.give(key, conn)
