@@ -2662,13 +2662,12 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with Python's standard library: part 1's
-#   speed paths, the envelope bound per dispatch (ContextVars), keep-alive
-#   connections and the retry loop, the proxy client, the dispatch app that
-#   runs the agent, the servers (asyncio, http.server, WSGI, ASGI) and code
-#   mode.  This is where sockets, threads, the environment and the log live;
-#   every protocol decision is delegated to part 1.  Global state is limited
-#   to ContextVars and the lazily built, lock-guarded singletons below.
+#   Carries out part 1's decisions with the standard library: its speed paths,
+#   the envelope bound per dispatch, the event loops every exchange and run
+#   happen on, one transport, the retry loop of both drivers, the proxy client,
+#   the dispatch app, the servers (asyncio, threads, WSGI, ASGI) and code mode.
+#   Sockets, threads, the environment and the log live here; every protocol
+#   decision is part 1's.  Global state: ContextVars and lazy singletons.
 #
 # ###########################################################################
 
@@ -2677,11 +2676,7 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-    """A value built on first use, exactly once, under a lock: the module's one lazy-singleton idiom.
-
-    Import stays cheap (nothing is built until needed) and no two threads
-    build it twice.  :meth:`replace` swaps it (tests, a custom default client).
-    """
+    """A value built on first use, exactly once, under a lock (import stays cheap); :meth:`replace` swaps it."""
 
     __slots__ = ("_make", "_lock", "_value")
 
@@ -2699,7 +2694,7 @@ class _Once(Generic[_T]):
                 value = self._value
         return value
 
-    def replace(self, value: _T) -> None:
+    def replace(self, value: Optional[_T]) -> None:
         with self._lock:
             self._value = value
 
@@ -2835,10 +2830,10 @@ _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
-    """Bind ``envelope`` to the current context for the ``with`` block, so that :func:`proxy_call` finds it.
+    """Bind ``envelope`` to this context for the ``with`` block, where :func:`proxy_call` finds it.
 
-    Each thread and each asyncio task has its own context: concurrent dispatches never see each other's
-    envelope.  A fresh thread does not inherit the binding: bind inside it (or use ``contextvars.copy_context``).
+    Each thread and asyncio task has its own context, so concurrent dispatches never see each other's envelope;
+    a fresh thread does not inherit it (bind inside it, or use ``contextvars.copy_context``).
     """
     if not isinstance(envelope, Envelope):
         raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
@@ -2850,11 +2845,8 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound to this context; else the sandbox's run from its ``PIPELINES_*`` environment (§5).
-
-    The environment counts only when it carries a run token (§5 child-env-explicit: a dispatch server's
-    environment never does).  :class:`EnvelopeError` when neither is there.
-    """
+    """The envelope bound to this context, else the sandbox's run from a ``PIPELINES_*`` environment that carries
+    a run token (§5 child-env-explicit); :class:`EnvelopeError` when neither is there."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
@@ -2867,18 +2859,18 @@ def current_envelope() -> Envelope:
     )
 
 # ---------------------------------------------------------------------------
-# Event loops: every network exchange and every agent run happens on one.  An
-# ``async def`` caller uses its own; a blocking caller hands its coroutine to the
-# loop of the server that started its thread, else to the module's loop thread.
+# Event loops: every exchange runs on one.  An ``async def`` caller uses its
+# own; a blocking caller hands the coroutine to the loop of the server that
+# started its thread, else to the module's own loop thread, and waits.
 # ---------------------------------------------------------------------------
 
-# The loop of the server that started this sync agent on a thread of its own: that thread's exchanges run there,
-# so a thousand agent threads wait on futures instead of each driving a socket under the GIL.
+# Set in the context of a sync agent's thread to its server's loop: a thousand agent threads then wait on
+# futures instead of each driving a socket under the GIL.
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
 
 def _runs_on(loop: Any) -> bool:
-    """True on the thread running ``loop``: waiting there for the loop's own work would never end."""
+    """True on the thread running ``loop`` (waiting there for the loop's own work would never end)."""
     import asyncio
 
     try:
@@ -2887,36 +2879,25 @@ def _runs_on(loop: Any) -> bool:
         return False
 
 
-class _LoopThread:
-    """An event loop on a daemon thread of its own, started on first use (and again in a forked child)."""
+def _start_loop() -> Any:
+    import asyncio
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: Any = None
-        self._pid = 0
-
-    def __call__(self) -> Any:
-        if self._loop is None or self._pid != os.getpid():
-            with self._lock:
-                if self._loop is None or self._pid != os.getpid():
-                    import asyncio
-
-                    loop = asyncio.new_event_loop()
-                    threading.Thread(target=loop.run_forever, name="pipelines-loop", daemon=True).start()
-                    self._loop, self._pid = loop, os.getpid()
-        return self._loop
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="pipelines-loop", daemon=True).start()
+    return loop
 
 
-_loop_thread = _LoopThread()
+_loop_thread = _Once(_start_loop)  # the module's own event loop, on a daemon thread started on first use
+if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
+    os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
 
 
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
     """Run ``coroutine`` for this blocking thread on an event loop, in a copy of this context, and wait for it.
 
-    The loop is the one of the server that started this thread (``_server_loop``), else the module's loop
-    thread; a thread running that very loop (a blocking call inside an ``async def`` agent) runs it on a fresh
-    thread instead.  After ``timeout`` seconds, ``TimeoutError``.  Whatever interrupts the wait (a signal, a
-    host's worker abort) cancels the coroutine and goes on.
+    On the server's loop (``_server_loop``), else the module's loop thread; a thread that runs that very loop (a
+    blocking call inside an ``async def`` agent) runs it on a fresh thread instead.  ``TimeoutError`` after
+    ``timeout``; whatever interrupts the wait (a signal, a host's worker abort) cancels it and goes on.
     """
     import asyncio
     import concurrent.futures
@@ -2933,7 +2914,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
             error = raised.error
         raise error  # outside the except clause: no _AgentRaised in its context
     try:
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)  # the task runs in a copy of this context
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)  # its task runs in a copy of this context
     except RuntimeError:  # the server's loop closed after the check
         future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
     try:
@@ -2946,8 +2927,8 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
         raise
 
 # ---------------------------------------------------------------------------
-# The deadline wheel: the long timeouts of a loop (per connection, run and
-# exchange, almost none of which fire) for one asyncio timer per 0.25 s tick
+# The deadline wheel: a loop's long timeouts (per connection, run and
+# exchange; almost none fire) for one asyncio timer per 0.25 s tick
 # ---------------------------------------------------------------------------
 
 class _Deadline:
@@ -2971,28 +2952,25 @@ class _Deadline:
 
     def _run(self) -> None:
         callback, args = self._callback, self._args
-        self._tick, self._callback, self._args = None, None, ()
+        self.cancel()
         if callback is not None:  # not cancelled between its tick and now
             callback(*args)
 
 
 class _Deadlines:
-    """The long timeouts of one event loop, on the loop's thread only.
-
-    A timeout at least ``COARSE_AFTER_S`` away joins the tick of ``GRAIN_S`` it falls in (one asyncio timer per
-    tick, cancelling is a set removal) and fires at most ``GRAIN_S`` late; nearer ones are plain, exact
-    ``loop.call_at``.  At thousands of dispatches at once, a ``TimerHandle`` each was a real share of the loop.
-    """
+    """The timeouts of one event loop (its thread only): one at least ``COARSE_AFTER_S`` away joins the tick of
+    ``GRAIN_S`` it falls in and fires at most ``GRAIN_S`` late; nearer ones are exact ``loop.call_at``.  At
+    thousands of dispatches at once, a ``TimerHandle`` each was a real share of the loop's work."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
-    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use under _lock)
+    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use)
     _lock = threading.Lock()
 
     def __init__(self, loop: Any) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # the value of a weak-keyed entry must not keep its key (the loop) alive
+        self._loop = weakref.proxy(loop)  # a weak-keyed entry's value must not keep its key (the loop) alive
         self._ticks: Dict[int, Set[_Deadline]] = {}
 
     @classmethod
@@ -3016,8 +2994,7 @@ class _Deadlines:
 
     @classmethod
     def _for(cls, loop: Any) -> _Deadlines:
-        of_loop = cls._of_loop
-        deadlines = of_loop.get(loop) if of_loop is not None else None
+        deadlines = cls._of_loop.get(loop) if cls._of_loop is not None else None
         if deadlines is None:
             with cls._lock:
                 if cls._of_loop is None:
@@ -3032,13 +3009,13 @@ class _Deadlines:
             self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops none of the others
 
 # ---------------------------------------------------------------------------
-# Transport: HTTP/1.1 exchanges on asyncio, replies read as they arrive,
-# keep-alive connections pooled per event loop
+# Transport: HTTP/1.1 exchanges on asyncio, replies read as they arrive
+# (sans-IO), keep-alive connections pooled per event loop
 # ---------------------------------------------------------------------------
 
 class _TransportFailure(Exception):
-    """No usable reply arrived (the socket or protocol error is ``__cause__``); ``stale``: a reused keep-alive
-    connection the server had closed, worth an immediate retry."""
+    """No usable reply arrived (the cause is ``__cause__``); ``stale``: a reused keep-alive connection the server
+    had closed, worth an immediate retry."""
 
     def __init__(self, stale: bool = False) -> None:
         super().__init__()
@@ -3056,13 +3033,9 @@ class _ReplyTooLarge(Exception):
 
 
 class _ReplyReader:
-    """One HTTP/1.1 reply, read from bytes as they arrive (sans-IO).
-
-    The status line and headers (1xx interim replies skipped), then the body framed by Content-Length, by
-    chunked coding, or by the end of the connection; at most ``max_reply`` body bytes (:class:`_ReplyTooLarge`,
-    from Content-Length before any is read).  A malformed reply raises ``ConnectionError``.  ``done`` once the
-    reply is whole; ``keep_alive`` when the connection may carry the next request.
-    """
+    """One HTTP/1.1 reply from bytes as they arrive: 1xx replies skipped, the body framed by Content-Length,
+    chunked coding or the connection's end, at most ``max_reply`` bytes of it.  ``ConnectionError`` when
+    malformed; ``done`` when whole; ``keep_alive`` when the connection may carry another request."""
 
     MAX_HEAD = 64 << 10
 
@@ -3197,11 +3170,9 @@ class _ReplyReader:
 
 
 class _ClientConnection:
-    """One keep-alive connection to an origin, as an asyncio protocol: one exchange at a time.
-
-    :meth:`exchange` writes a request and waits until :class:`_ReplyReader` has the whole reply, the deadline
-    passes (``TimeoutError``) or the connection drops.  A cancelled exchange leaves it unusable: the caller aborts it.
-    """
+    """One keep-alive connection, as an asyncio protocol: :meth:`exchange` writes a request and waits until the
+    reply is whole, the deadline passes (``TimeoutError``) or the connection drops.  A cancelled exchange leaves
+    it unusable: the caller aborts it."""
 
     __slots__ = ("loop", "transport", "closed", "received", "idle_since", "_reader", "_waiter", "_deadlines")
 
@@ -3233,14 +3204,14 @@ class _ClientConnection:
         if self.transport is not None:
             self.transport.close()
 
-    def _timed_out(self, timeout: float) -> None:
-        self._settle(TimeoutError(f"timed out: no complete reply within {timeout:g} s"))
-
     def abort(self) -> None:
         """Drop the connection at once (mid-exchange: nothing more of it can be trusted)."""
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+    def _timed_out(self, timeout: float) -> None:
+        self._settle(TimeoutError(f"timed out: no complete reply within {timeout:g} s"))
 
     def _settle(self, error: Optional[BaseException]) -> None:
         waiter = self._waiter
@@ -3249,8 +3220,6 @@ class _ClientConnection:
                 waiter.set_result(None)
             else:
                 waiter.set_exception(error)
-
-    # -- the asyncio protocol ------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -3294,9 +3263,8 @@ class _ClientConnection:
 
 
 class _Pool:
-    """The idle keep-alive connections of one event loop, per (scheme, host, port): at most ``max_idle`` per
-    origin, each closed after ``idle_s`` by a housekeeping task that lives while the pool holds any (and closes
-    them all when its loop shuts down)."""
+    """A loop's idle keep-alive connections per (scheme, host, port): at most ``max_idle`` per origin, each closed
+    after ``idle_s`` by a reaper task that lives while any are idle (and closes them all when the loop ends)."""
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
@@ -3340,9 +3308,7 @@ class _Pool:
         import asyncio
 
         try:
-            # Sleeps first: a pool emptied by the next take right after a give keeps its reaper (one task per
-            # exchange otherwise); it ends after a sleep that left nothing idle.
-            while True:
+            while True:  # sleeps first, and ends after a sleep that left nothing idle: not a task per exchange
                 await asyncio.sleep(self._idle_s / 2)
                 if not any(self._idle.values()):
                     break
@@ -3352,7 +3318,7 @@ class _Pool:
                         for conn in conns:
                             if conn.closed or conn.idle_since <= cutoff:
                                 conn.close()
-                        conns[:] = [c for c in conns if not c.closed]  # in place, once
+                        conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
             self.close()  # the loop is shutting down (or the client closing): leave no socket open
             raise
@@ -3361,19 +3327,14 @@ class _Pool:
 
 
 class _Transport:
-    """HTTP(S) exchanges: the one I/O layer of every outbound call, blocking (:meth:`exchange`) and asyncio
-    (:meth:`aexchange`) alike.  ``(status, headers, body)`` of one request, or :class:`_TransportFailure` /
-    :class:`_ReplyTooLarge`.
-
-    Keep-alive connections are pooled per event loop and origin; ``timeout`` bounds the whole attempt,
-    connecting included; a cancelled exchange closes its connection.  A reused connection that drops before any
-    byte of the reply is ``stale``: the retry policy re-sends at once, with the same Idempotency-Key.
-    """
+    """HTTP(S) exchanges, the one I/O layer of every outbound call: :meth:`aexchange` on the running loop,
+    :meth:`exchange` from a blocking thread (run on a loop by :func:`_on_loop`).  Each gives ``(status, headers,
+    body)`` or raises :class:`_TransportFailure` / :class:`_ReplyTooLarge`.  ``timeout`` bounds the whole attempt,
+    connecting included.  Connections are pooled per loop and origin; a reused one that drops before any byte
+    of the reply is ``stale`` (re-sent at once, same Idempotency-Key); a cancelled exchange closes its own."""
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
-    # At or below the idle timeout of the usual front ends (AWS ALB 60 s, nginx 75 s).  A server that closes an
-    # idle connection sooner is seen by its EOF; a close that crosses our request is the stale case.
-    IDLE_TIMEOUT_S = 60.0
+    IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
         import weakref
@@ -3388,14 +3349,14 @@ class _Transport:
             with self._lock:
                 pool = self._pools.get(loop)
                 if pool is None:
-                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most of
-                    # them after each call only to reconnect for the run's next one (bench/bench_fanout.py).
+                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most after
+                    # each call only to reconnect for the run's next one (bench/bench_fanout.py).
                     max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
                     pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
     def close(self) -> None:
-        """Close the idle connections, each pool on its own loop's thread."""
+        """Close the idle connections, each pool on its loop's thread."""
         for loop, pool in list(self._pools.items()):
             if _runs_on(loop) or not loop.is_running():
                 pool.close()
@@ -3405,7 +3366,7 @@ class _Transport:
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """:meth:`aexchange` for a blocking caller, run on a loop (:func:`_on_loop`) while this thread waits."""
+        """:meth:`aexchange` from a blocking thread."""
         import asyncio
         import concurrent.futures
 
@@ -3417,7 +3378,7 @@ class _Transport:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One request on the running loop (``base`` is the split URL); see the class."""
+        """One request on the running loop; ``base`` is the split URL."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -3431,7 +3392,7 @@ class _Transport:
         deadline = started + timeout
         pool = self._pool(loop)
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{_loggable_path(path)}" if debug else ""  # never userinfo or a query: keys
+        where = f"{host}:{port}{_loggable_path(path)}" if debug else ""
         if debug:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
@@ -3464,11 +3425,11 @@ class _Transport:
 
     async def _connect(self, loop: Any, scheme: str, host: str, port: int, deadline: float,
                        timeout: float) -> _ClientConnection:
-        """A new connection, TLS included, by ``deadline``, as ``asyncio.timeout`` bounds an await (3.11+).
+        """A new connection, TLS included, by ``deadline``, as ``asyncio.timeout`` (3.11+) bounds an await.
 
-        The deadline cancels this task where it waits, inside ``create_connection`` (which closes what it
-        opened); that cancellation becomes the timeout, any other is passed on.  Not ``asyncio.wait_for``: before
-        Python 3.12 it adds a task, a future and a timer per connect, and a fan-out connects thousands at once.
+        The deadline cancels this task where it waits in ``create_connection`` (which closes what it opened);
+        that cancellation becomes the timeout, any other is passed on.  Not ``asyncio.wait_for``: before 3.12 it
+        adds a task, a future and a timer per connect, and a fan-out connects thousands at once.
         """
         import asyncio
 
@@ -3501,9 +3462,8 @@ class _Transport:
 
 
 def _uncancel(task: Any) -> int:
-    """``task.uncancel()``: the cancellations still pending once one is withdrawn (Python 3.11+).  Before 3.11
-    there is no count (0): a cancellation in the very loop turn the deadline fires is taken for the timeout, as
-    ``asyncio.wait_for`` there takes it; a run cut that way has its further proxy calls refused all the same."""
+    """``task.uncancel()``: the cancellations still pending once one is withdrawn (3.11+).  Before 3.11, 0: a
+    cancellation in the very turn the deadline fires is taken for the timeout, as ``asyncio.wait_for`` takes it."""
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
@@ -3524,18 +3484,17 @@ def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, he
 
 
 def _loggable_path(path: str) -> str:
-    """A request path for a log line: a query string may carry a key, so it is cut."""
+    """A request path for a log line: a query string may carry a key, so it is cut (as are userinfo and host)."""
     return path.split("?", 1)[0] + ("?…" if "?" in path else "")
 
 
 def _make_tls_context() -> ssl.SSLContext:
-    """One verifying TLS context per process, created on first use (loading CAs is slow)."""
     import ssl
 
     return ssl.create_default_context()
 
 
-_default_tls_context = _Once(_make_tls_context)
+_default_tls_context = _Once(_make_tls_context)  # one per process: loading the CAs is slow
 _shared_transport = _Once(lambda: _Transport())  # probes and JSON APIs; each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
@@ -3547,31 +3506,23 @@ _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-ke
 
 def _debug_headers(headers: Mapping[str, str]) -> str:
     """Headers worth a debug line, secrets redacted."""
-    shown = [
-        f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}"
-        for k, v in headers.items()
-        if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())
-    ]
+    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
+             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
     return (", " + ", ".join(shown)) if shown else ""
 
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
+_Interpret = Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome]
 
 
-def _retry_loop(
-    send: Callable[[], _Reply],
-    interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
-    *,
-    policy: RetryPolicy,
-    sleep: Callable[[float], Any],
-    transport_error: Callable[[BaseException], PipelinesError],
-    before_attempt: Optional[Callable[[], float]] = None,
-) -> Any:
-    """The blocking driver of :class:`RetryState` (§3.3); :func:`_aretry_loop` is its asyncio twin, line for line.
+def _retry_loop(send: Callable[[], _Reply], interpret: _Interpret, *, policy: RetryPolicy,
+                sleep: Callable[[float], Any], transport_error: Callable[[BaseException], PipelinesError],
+                before_attempt: Optional[Callable[[], float]] = None) -> Any:
+    """The blocking driver of :class:`RetryState` (§3.3); :func:`_aretry_loop` is its twin, line for line.
 
     ``before_attempt`` runs before every attempt (it may refuse the call) and returns the seconds to wait for a
-    pacing slot; ``send`` makes one exchange, ``interpret`` says what its reply means, ``transport_error``
-    builds the error of an exchange that got no usable reply.
+    pacing slot; ``send`` makes one exchange, ``interpret`` says what its reply means, ``transport_error`` builds
+    the error of an exchange that got no usable reply.
     """
     state = RetryState(policy)
     while True:
@@ -3592,16 +3543,11 @@ def _retry_loop(
             sleep(step.wait_s)
 
 
-async def _aretry_loop(
-    send: Callable[[], Awaitable[_Reply]],
-    interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
-    *,
-    policy: RetryPolicy,
-    sleep: Callable[[float], Awaitable[Any]],
-    transport_error: Callable[[BaseException], PipelinesError],
-    before_attempt: Optional[Callable[[], float]] = None,
-) -> Any:
-    """The asyncio driver of :class:`RetryState` (§3.3): :func:`_retry_loop` with ``await`` at each wait and send."""
+async def _aretry_loop(send: Callable[[], Awaitable[_Reply]], interpret: _Interpret, *, policy: RetryPolicy,
+                       sleep: Callable[[float], Awaitable[Any]],
+                       transport_error: Callable[[BaseException], PipelinesError],
+                       before_attempt: Optional[Callable[[], float]] = None) -> Any:
+    """The asyncio driver of :class:`RetryState`: :func:`_retry_loop` with ``await`` at each wait and send."""
     state = RetryState(policy)
     while True:
         wait = before_attempt() if before_attempt is not None else 0.0
@@ -3623,8 +3569,7 @@ async def _aretry_loop(
 
 def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
                        ) -> ProxyOutcome:
-    """An exchange without a usable reply: ``"transport"`` (retried, same key), or ``"error"`` for a certificate or
-    DNS failure, which no retry fixes."""
+    """No usable reply: ``"transport"`` (retried, same key), or ``"error"`` for a certificate or DNS failure."""
     import socket
 
     cause = failure.__cause__ or failure
@@ -3767,9 +3712,7 @@ class ProxyClient:
         """
         _check_errors_mode(errors)
         try:
-            request = self._tool_call(envelope, name, args, actor, idempotency_key)
-            return _retry_loop(self._send(request, timeout), sleep=self._sleep or time.sleep,
-                               **self._policy(envelope, request))
+            return self._run(envelope, self._tool_call(envelope, name, args, actor, idempotency_key), timeout)
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
@@ -3779,9 +3722,7 @@ class ProxyClient:
         """The asyncio form of :meth:`call`, awaited on this loop."""
         _check_errors_mode(errors)
         try:
-            request = self._tool_call(envelope, name, args, actor, idempotency_key)
-            return await _aretry_loop(self._asend(request, timeout), sleep=self._asleep,
-                                      **self._policy(envelope, request))
+            return await self._arun(envelope, self._tool_call(envelope, name, args, actor, idempotency_key), timeout)
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
@@ -3794,9 +3735,7 @@ class ProxyClient:
         is stamped once, before the first attempt.  ``best_effort=True``: a failure is logged, ``None`` returned.
         """
         try:
-            request = self._trace(envelope, event_type, payload, actor)
-            return _trace_result(_retry_loop(self._send(request, timeout), sleep=self._sleep or time.sleep,
-                                             **self._policy(envelope, request)))
+            return _trace_result(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
             return _trace_failed(exc, event_type, best_effort)
 
@@ -3805,9 +3744,7 @@ class ProxyClient:
                      best_effort: bool = False) -> Optional[Dict[str, Any]]:
         """The asyncio form of :meth:`trace`."""
         try:
-            request = self._trace(envelope, event_type, payload, actor)
-            return _trace_result(await _aretry_loop(self._asend(request, timeout), sleep=self._asleep,
-                                                    **self._policy(envelope, request)))
+            return _trace_result(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
             return _trace_failed(exc, event_type, best_effort)
 
@@ -3855,7 +3792,7 @@ class ProxyClient:
                              occurred_at=_utc_now_iso(), actor=actor)
 
     def _policy(self, envelope: Envelope, request: ProxyRequest) -> Dict[str, Any]:
-        """The arguments both retry loops take but ``send`` and ``sleep``: interpretation, errors, pacing."""
+        """What both retry loops take but ``send`` and ``sleep``: interpretation, errors, pacing."""
         name = request.name
         stats = _dispatch_stats.get()
         if stats is not None:
@@ -3881,7 +3818,7 @@ class ProxyClient:
             "before_attempt": before_attempt,
         }
 
-    def _send(self, request: ProxyRequest, timeout: Optional[float]) -> Callable[[], _Reply]:
+    def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
         seconds = self.timeout if timeout is None else float(timeout)
 
         def send() -> _Reply:
@@ -3891,9 +3828,9 @@ class ProxyClient:
             except _ReplyTooLarge as big:
                 raise _reply_too_large(big, request.name) from None
 
-        return send
+        return _retry_loop(send, sleep=self._sleep or time.sleep, **self._policy(envelope, request))
 
-    def _asend(self, request: ProxyRequest, timeout: Optional[float]) -> Callable[[], Awaitable[_Reply]]:
+    async def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
         seconds = self.timeout if timeout is None else float(timeout)
 
         async def send() -> _Reply:
@@ -3903,7 +3840,7 @@ class ProxyClient:
             except _ReplyTooLarge as big:
                 raise _reply_too_large(big, request.name) from None
 
-        return send
+        return await _aretry_loop(send, sleep=self._asleep, **self._policy(envelope, request))
 
     async def _asleep(self, seconds: float) -> None:
         if self._sleep is None:
@@ -4158,8 +4095,8 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
     return body
 
 # ---------------------------------------------------------------------------
-# Running agents: a sync agent on a fresh thread, an ``async def`` one as a task
-# of the loop; a deadline; exceptions kept apart from the waiter's own
+# Running agents: a sync one on a fresh thread, an ``async def`` one as a task
+# of the loop, within a deadline; the run token kept out of what they raise
 # ---------------------------------------------------------------------------
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
@@ -4172,8 +4109,7 @@ class _Overran(RunTimeoutError):
 
 
 class _AgentRaised(Exception):
-    """Carries what the agent raised (``error``) to the waiter, apart from what is raised in the waiter itself (a
-    server's worker abort, a signal), which is never taken for the agent's."""
+    """What the agent raised (``error``), kept apart from what hits the waiter itself (a worker abort, a signal)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__()
@@ -4207,7 +4143,7 @@ class _RedactedError(Exception):
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
-    """``value`` with each secret replaced by ``[redacted]``: strings and bytes, inside lists, tuples and dicts."""
+    """``value`` with each secret replaced by ``[redacted]``, in strings and bytes, lists, tuples and dicts."""
     if isinstance(value, str):
         return redact(value, *secrets)
     if isinstance(value, (bytes, bytearray)):
@@ -4222,13 +4158,9 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
 
 
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """``exc`` and its whole chain (``__cause__``, ``__context__``, group members) with no secret left in them.
-
-    Cleaned in place (``args``, ``__notes__``, string attributes, ``OSError.filename``); a link whose text still
-    shows a secret (its class builds the text some other way) is replaced by a ``_RedactedError`` naming its type,
-    with its traceback.  Returns what stands for ``exc`` now.  IPython prints the whole chain of what ``run()``
-    raises, and a log line formats it: no link may show the token.
-    """
+    """``exc`` and its whole chain (``__cause__``, ``__context__``, group members) with no secret left: cleaned in
+    place, and a link whose text still shows one replaced by a ``_RedactedError`` with its traceback.  Returns
+    what stands for ``exc`` now.  IPython prints the whole chain of what ``run()`` raises: no link may show it."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
@@ -4322,10 +4254,9 @@ def _is_async_callable(fn: Any) -> bool:
 
 
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
-    """Run ``agent`` on ``envelope`` from the running loop: an ``async def`` one as a task of it, a sync one on a
-    fresh thread whose exchanges come back to it (``_server_loop``), each in a copy of this context.  Its result;
-    :class:`_AgentRaised` with what it raised; :class:`_Overran` after ``timeout_s`` (the task is cancelled, a
-    thread runs on).  Cancelling the waiter cancels the task too."""
+    """``agent(envelope)`` from the running loop, in a copy of this context: an ``async def`` one as a task of it,
+    a sync one on a fresh thread whose exchanges come back to it.  Its result, :class:`_AgentRaised`, or
+    :class:`_Overran` after ``timeout_s`` (the task cancelled; a thread runs on)."""
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -4384,15 +4315,13 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 
 
 class DispatchApp:
-    """An agent function and its endpoint settings; :meth:`handle` and :meth:`ahandle` answer every request (§2).
+    """An agent and its endpoint settings; :meth:`ahandle` (and :meth:`handle`) answer every request (§2).
 
-    An instance is an ASGI3 application; :attr:`wsgi` is its WSGI application; :func:`serve` and
-    :func:`start_server` serve it.  ``agent(envelope)`` may be sync or ``async def`` and may return anything
-    :func:`build_response` accepts.  Auth (step 1) uses ``token`` or the environment variable ``token_env``,
-    read at each request, and is off only with ``no_auth=True``; ``auth_header`` is ``Authorization``
-    (``Bearer <token>``) or a custom header carrying the raw value.  ``strict`` as for :func:`build_response`;
-    ``proxy_hosts`` (default ``PIPELINES_PROXY_ALLOWED_HOSTS``) is the allow-list of proxy hosts a dispatch
-    may name (:func:`proxy_host_allowed`).
+    An ASGI3 application itself, :attr:`wsgi` its WSGI application; :func:`serve` serves it.  ``agent(envelope)``,
+    sync or ``async def``, returns anything :func:`build_response` takes.  Auth uses ``token`` or the variable
+    ``token_env`` read at each request (off only with ``no_auth=True``), in ``auth_header``: ``Authorization``
+    (``Bearer <token>``) or a custom header with the raw value.  ``strict`` as for :func:`build_response`;
+    ``proxy_hosts`` (default ``PIPELINES_PROXY_ALLOWED_HOSTS``) as for :func:`proxy_host_allowed`.
     """
 
     def __init__(
@@ -4500,17 +4429,15 @@ class DispatchApp:
     # -- the core ---------------------------------------------------------------
 
     def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The reply to one request, from a blocking caller (a thread per request): :meth:`ahandle`, run on the
-        module's event loop thread while this one waits."""
+        """:meth:`ahandle` from a blocking thread (run on the module's loop thread while it waits)."""
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
         """The reply to one request: :func:`decide`, then the probe or the agent run it asks for, on this loop.
 
-        ``body`` is what :func:`request_body_length` allowed the adapter to read (``None``: nothing).  An ``async
-        def`` agent runs as a task of this loop (every dispatch on one loop, so clients a framework shares across
-        runs work), a sync one on a thread of its own.  One log line per request (ids, status, duration, proxy
-        calls; never a token); health probes and pings at DEBUG.
+        ``body`` is what :func:`request_body_length` let the adapter read (``None``: nothing).  An ``async def``
+        agent runs as a task of this loop (every dispatch on one loop, so clients a framework shares across runs
+        work), a sync one on a thread of its own.  One log line per request (never a token); pings at DEBUG.
         """
         started = time.monotonic()
         headers = _lower_headers(headers)
@@ -4522,7 +4449,7 @@ class DispatchApp:
 
     def carry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
                   started: float) -> HttpReply:
-        """:meth:`acarry_out` from a blocking caller."""
+        """:meth:`acarry_out` from a blocking thread."""
         return _on_loop(self.acarry_out(decision, method, target, headers, started))
 
     async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
@@ -4541,8 +4468,6 @@ class DispatchApp:
     def _log_request(self, decision: Decision, reply: HttpReply, method: str, target: str,
                      headers: Mapping[str, str], started: float, stats: _DispatchStats) -> None:
         what = decision.what
-        # Health probes and accepted pings come often and mean little: DEBUG, so they neither flood the log nor
-        # queue every handler thread on the log's lock.
         level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
         if not _access_log.isEnabledFor(level):
             return
@@ -4559,7 +4484,7 @@ class DispatchApp:
                         stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
 
     def connectivity_check(self, proxy_url: str) -> HttpReply:
-        """:meth:`aconnectivity_check` from a blocking caller."""
+        """:meth:`aconnectivity_check` from a blocking thread."""
         return _on_loop(self.aconnectivity_check(proxy_url))
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
@@ -4580,7 +4505,7 @@ class DispatchApp:
         return known
 
     def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
-        """:meth:`arun_agent` from a blocking caller."""
+        """:meth:`arun_agent` from a blocking thread."""
         return _on_loop(self.arun_agent(envelope, stats))
 
     async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
@@ -4638,8 +4563,6 @@ class DispatchApp:
         """``text`` without the run token or the agent token (an agent's error may quote either)."""
         return cast(str, redact(text, *self.secrets(envelope)))
 
-    # -- adapters (the server adapters section) ---------------------------------------
-
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
         return _wsgi(self, environ, start_response)
@@ -4660,11 +4583,8 @@ class DispatchApp:
 
 
 def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
-    """§3.7 reachability probe: ``{reachable, status_code, latency_ms, error}``; never raises.
-
-    POSTs ``{}`` to ``{proxy_url}/tools/__reachability_probe__`` with a fake bearer: 401/403 (or 2xx) means
-    reachable; a connection or DNS error means egress is blocked.
-    """
+    """§3.7 reachability probe, never raising: ``{reachable, status_code, latency_ms, error}``.  POSTs ``{}`` to
+    ``{proxy_url}/tools/__reachability_probe__`` with a fake bearer: 401/403 (or 2xx) means reachable."""
     return cast(Dict[str, Any], _on_loop(aprobe_proxy(proxy_url, timeout=timeout)))
 
 

@@ -125,13 +125,13 @@ def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() ->
     client = pp.ProxyClient(rate_per_minute=0, timeout=60)
     ran_on: List[str] = []
     agent_threads: List[str] = []
-    exchange = client._atransport.exchange
+    exchange = client._transport.aexchange
 
     async def recording(*args: Any) -> Any:
         ran_on.append(threading.current_thread().name)
         return await exchange(*args)
 
-    client._atransport.exchange = recording  # type: ignore[method-assign]
+    client._transport.aexchange = recording  # type: ignore[method-assign]
 
     def agent(env: pp.Envelope) -> str:
         agent_threads.append(threading.current_thread().name)
@@ -148,12 +148,12 @@ def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() ->
     assert all(c.bearer == tokens[c.json["run_id"]] for c in calls) and len(calls) == 2 * count
     assert len(ran_on) == 2 * count and set(ran_on) == {"pipelines-server"}  # every exchange on the server's loop
     assert len(agent_threads) == count and "pipelines-server" not in agent_threads
-    # Outside a server's dispatch the same client drives its own sockets (the blocking transport).
+    # Outside a server's dispatch the same client's exchange runs on the module's own loop thread.
     with MockProxy(tokens=["run-token-outside-xxxxxxxxxx"]) as proxy:
         proxy.script("whoami", lambda r: {"response": {"args": r.json}})
         env = pp.Envelope(proxy_url=proxy.url, run_token="run-token-outside-xxxxxxxxxx")
         assert client.call(env, "whoami", {"n": 1}) == {"args": {"n": 1}}
-    assert len(ran_on) == 2 * count
+    assert len(ran_on) == 2 * count + 1 and ran_on[-1] == "pipelines-loop"
     client.close()
 
 
@@ -276,7 +276,7 @@ def test_cancelling_a_call_closes_its_connection_and_leaves_no_task() -> None:
         with pytest.raises(asyncio.CancelledError):
             await call
         left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        pooled = sum(len(c) for c in client._atransport._pool(asyncio.get_running_loop())._idle.values())
+        pooled = sum(len(c) for c in client._transport._pool(asyncio.get_running_loop())._idle.values())
         return pooled, left
 
     try:
@@ -526,7 +526,7 @@ def test_loops_that_ended_are_not_kept_alive_by_the_client_or_the_timeouts() -> 
     gc.collect()
     assert answers == [{"tool": "echo", "args": {"n": 1}}] * 5
     assert [ref() for ref in loops] == [None] * 5
-    assert len(client._atransport._pools) == 0
+    assert len(client._transport._pools) == 0
 
 def test_far_timeouts_share_one_timer_per_tick_fire_never_early_and_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Deadlines: timeouts far enough away join a tick (one asyncio timer for all of them); each fires, never
