@@ -3680,15 +3680,9 @@ class ProxyClient:
     - ``sleep``: how to wait between attempts (tests pass a fake; the asyncio forms await what it returns).
     """
 
-    def __init__(
-        self,
-        *,
-        timeout: Optional[float] = None,
-        retry: RetryPolicy = RetryPolicy(),
-        rate_per_minute: Optional[float] = None,
-        ssl_context: Optional[ssl.SSLContext] = None,
-        sleep: Optional[Callable[[float], Any]] = None,
-    ) -> None:
+    def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
+                 rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
+                 sleep: Optional[Callable[[float], Any]] = None) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
         if not self.timeout > 0:  # 0 would make every exchange fail at once
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
@@ -4014,9 +4008,8 @@ def post_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, *, 
 
 
 async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
-                      envelope: Optional[Envelope] = None, actor: Optional[str] = None,
-                      timeout: Optional[float] = None, best_effort: bool = False,
-                      client: Optional[ProxyClient] = None) -> Optional[Dict[str, Any]]:
+                      envelope: Optional[Envelope] = None, actor: Optional[str] = None, timeout: Optional[float] = None,
+                      best_effort: bool = False, client: Optional[ProxyClient] = None) -> Optional[Dict[str, Any]]:
     """The asyncio form of :func:`post_trace`."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
     if envelope is None:
@@ -4324,21 +4317,12 @@ class DispatchApp:
     ``proxy_hosts`` (default ``PIPELINES_PROXY_ALLOWED_HOSTS``) as for :func:`proxy_host_allowed`.
     """
 
-    def __init__(
-        self,
-        agent: Callable[[Envelope], Any],
-        *,
-        path: str = DEFAULT_DISPATCH_PATH,
-        token: Optional[str] = None,
-        token_env: Optional[str] = DEFAULT_TOKEN_ENV,
-        auth_header: str = "Authorization",
-        no_auth: bool = False,
-        max_body: int = DEFAULT_MAX_BODY_BYTES,
-        run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-        tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
-        proxy_hosts: Union[Sequence[str], str, None] = None,
-        strict: Optional[bool] = None,
-    ) -> None:
+    def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
+                 token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
+                 auth_header: str = "Authorization", no_auth: bool = False, max_body: int = DEFAULT_MAX_BODY_BYTES,
+                 run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+                 tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
+                 proxy_hosts: Union[Sequence[str], str, None] = None, strict: Optional[bool] = None) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
         if not path.startswith("/"):
