@@ -3032,87 +3032,54 @@ class _ReplyTooLarge(Exception):
         )
 
 
-class _ReplyReader:
-    """One HTTP/1.1 reply from bytes as they arrive: 1xx replies skipped, the body framed by Content-Length,
-    chunked coding or the connection's end, at most ``max_reply`` bytes of it.  ``ConnectionError`` when
-    malformed; ``done`` when whole; ``keep_alive`` when the connection may carry another request."""
+class _ClientConnection:
+    """A keep-alive connection (asyncio streams): :meth:`reply` reads one HTTP/1.1 reply, 1xx ones skipped, its
+    body framed by Content-Length, chunked coding or the connection's end and at most ``max_reply`` bytes
+    (:class:`_ReplyTooLarge`, from Content-Length before any is read); a malformed or cut one is a
+    ``ConnectionError``.  ``received``: a byte of the current reply arrived (so a drop is no stale connection)."""
 
-    MAX_HEAD = 64 << 10
+    __slots__ = ("reader", "writer", "idle_since", "received")
 
-    __slots__ = ("max_reply", "status", "headers", "keep_alive", "done", "_buffer", "_body", "_mode", "_left")
-
-    def __init__(self, max_reply: int) -> None:
-        self.max_reply = max_reply
-        self.status = 0
-        self.headers: List[Tuple[str, str]] = []
-        self.keep_alive = False
-        self.done = False
-        self._buffer = bytearray()
-        self._body = bytearray()
-        self._mode = "head"  # head | length | chunk-size | chunk-data | chunk-end | trailers | eof
-        self._left = 0
+    def __init__(self, reader: Any, writer: Any) -> None:
+        self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
 
     @property
-    def body(self) -> bytes:
-        return bytes(self._body)
+    def closed(self) -> bool:
+        return bool(self.reader.at_eof() or self.writer.is_closing())
 
-    def feed(self, data: bytes) -> None:
-        """Take the next bytes of the connection."""
-        buffer = self._buffer
-        buffer += data
-        while buffer and not self.done:
-            mode = self._mode
-            if mode == "head":
-                end = buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buffer) > self.MAX_HEAD:
-                        raise ConnectionError(f"malformed HTTP reply: no end of headers within {self.MAX_HEAD} bytes")
-                    return
-                head = bytes(buffer[:end])
-                del buffer[:end + 4]
-                self._start(head)
-            elif mode == "length" or mode == "chunk-data":
-                take = min(self._left, len(buffer))
-                self._body += buffer[:take]
-                del buffer[:take]
-                self._left -= take
-                if self._left == 0:
-                    self._mode = "chunk-end" if mode == "chunk-data" else "done"
-                    self.done = mode == "length"
-            elif mode == "eof":
-                self._take_body(len(buffer))
-                self._body += buffer
-                buffer.clear()
-            else:  # chunk-size, chunk-end, trailers: one line each
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    if len(buffer) > 4096:
-                        raise ConnectionError("malformed HTTP reply: a chunk line over 4096 bytes")
-                    return
-                line = bytes(buffer[:end])
-                del buffer[:end + 2]
-                self._chunk_line(mode, line)
-        if self.done and buffer:  # bytes past the end of the reply: nothing asked for them
-            self.keep_alive = False
+    def close(self) -> None:
+        self.writer.close()
 
-    def feed_eof(self) -> None:
-        """The peer closed the connection: the end of a body framed by it, or a reply cut short."""
-        if self._mode == "eof":
-            self.done = True
-        elif not self.done:
-            raise ConnectionError("the proxy closed the connection before the reply was complete")
+    def abort(self) -> None:
+        self.writer.transport.abort()
 
-    def _take_body(self, size: int) -> None:
-        if len(self._body) + size > self.max_reply:
-            raise _ReplyTooLarge(self.status, self.max_reply, None)
+    async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
+        """``(status, headers, body, keep_alive)`` of the reply to the request just written."""
+        import asyncio
 
-    def _start(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
-        code = rest[:3]
-        if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
-        status = int(code)
+        self.received = False
+        try:
+            return await self._reply(max_reply)
+        except asyncio.IncompleteReadError:
+            cut = "before the reply was complete" if self.received else "before replying"
+            raise ConnectionResetError(f"the proxy closed the connection {cut}") from None
+        except asyncio.LimitOverrunError:
+            raise ConnectionError("malformed HTTP reply: a line over 64 KiB") from None
+
+    async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
+        reader = self.reader
+        while True:
+            lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
+            self.received = True
+            version, _, rest = lines[0].partition(b" ")
+            code = rest[:3]
+            if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+                raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
+            status = int(code)
+            if status == 101:
+                raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
+            if not 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints): the real one follows
+                break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
             if line[:1] in (b" ", b"\t") and headers:  # obs-fold: a continuation of the header before
@@ -3122,144 +3089,50 @@ class _ReplyReader:
             if not colon or not name.strip():
                 raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
             headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
-        if 100 <= status < 200 and status != 101:
-            return  # an interim reply (100 Continue, 103 Early Hints): the real one follows
-        if status == 101:
-            raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
-        self.status, self.headers = status, headers
         lowered = _lower_headers(headers)
         connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
-        self.keep_alive = ("close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection)
+        keep_alive = "close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection
         coding = lowered.get("transfer-encoding")
+        body = bytearray()
         if status in (204, 304):
-            self._mode, self.done = "done", True
-        elif coding is not None:
-            if coding.split(",")[-1].strip().lower() != "chunked":  # RFC 9112 §6.3: the body ends with the connection
-                self._mode, self.keep_alive = "eof", False
-            else:
-                self._mode = "chunk-size"
-        elif "content-length" in lowered:
+            pass
+        elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
+            while True:
+                line = (await reader.readuntil(b"\r\n"))[:-2]
+                size_text = line.split(b";", 1)[0].strip()
+                size = int(size_text, 16) if size_text and size_text.isalnum() and all(
+                    c in b"0123456789abcdefABCDEF" for c in size_text) else -1
+                if size < 0:
+                    raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
+                if len(body) + size > max_reply:
+                    raise _ReplyTooLarge(status, max_reply, None)
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, up to the empty line
+                        pass
+                    break
+                chunk = await reader.readexactly(size + 2)
+                if chunk[-2:] != b"\r\n":
+                    raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
+                body += chunk[:-2]
+        elif coding is None and "content-length" in lowered:
             length = _content_length(lowered["content-length"])
             if length is None or _repeated(lowered, "content-length", conflicting=True):
                 raise ConnectionError(f"malformed HTTP reply: Content-Length {_short(lowered['content-length'], 40)!r}")
-            if length > self.max_reply:
-                raise _ReplyTooLarge(status, self.max_reply, length)
-            self._mode, self._left = "length", length
-            self.done = length == 0
-        else:
-            self._mode, self.keep_alive = "eof", False
-
-    def _chunk_line(self, mode: str, line: bytes) -> None:
-        if mode == "chunk-end":
-            if line:
-                raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
-            self._mode = "chunk-size"
-        elif mode == "trailers":
-            if not line:
-                self._mode, self.done = "done", True
-        else:
-            size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16) if size_text and size_text.isalnum() else -1
-            except ValueError:
-                size = -1
-            if size < 0:
-                raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
-            self._take_body(size)
-            self._mode, self._left = ("trailers", 0) if size == 0 else ("chunk-data", size)
-
-
-class _ClientConnection:
-    """One keep-alive connection, as an asyncio protocol: :meth:`exchange` writes a request and waits until the
-    reply is whole, the deadline passes (``TimeoutError``) or the connection drops.  A cancelled exchange leaves
-    it unusable: the caller aborts it."""
-
-    __slots__ = ("loop", "transport", "closed", "received", "idle_since", "_reader", "_waiter", "_deadlines")
-
-    def __init__(self, loop: Any) -> None:
-        self.loop = loop
-        self._deadlines = _Deadlines._for(loop)
-        self.transport: Any = None
-        self.closed = False
-        self.received = False  # a byte of the current reply arrived (so a drop is no stale connection)
-        self.idle_since = 0.0
-        self._reader: Optional[_ReplyReader] = None
-        self._waiter: Any = None
-
-    async def exchange(self, request: bytes, max_reply: int, deadline: float, timeout: float) -> _ReplyReader:
-        reader = self._reader = _ReplyReader(max_reply)
-        self.received = False
-        waiter = self._waiter = self.loop.create_future()
-        timer = self._deadlines.at(deadline, self._timed_out, timeout)
-        try:
-            self.transport.write(request)
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-        return reader
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    def abort(self) -> None:
-        """Drop the connection at once (mid-exchange: nothing more of it can be trusted)."""
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _timed_out(self, timeout: float) -> None:
-        self._settle(TimeoutError(f"timed out: no complete reply within {timeout:g} s"))
-
-    def _settle(self, error: Optional[BaseException]) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        reader = self._reader
-        if reader is None or reader.done or self._waiter is None:  # bytes no request asked for
-            self.abort()
-            return
-        self.received = True
-        try:
-            reader.feed(data)
-        except (ConnectionError, _ReplyTooLarge) as exc:
-            self._settle(exc)
-            return
-        if reader.done:
-            self._settle(None)
-
-    def eof_received(self) -> bool:
-        self.closed = True
-        reader = self._reader
-        if reader is not None and self._waiter is not None and not reader.done:
-            try:
-                reader.feed_eof()
-            except ConnectionError as exc:
-                self._settle(exc if self.received else ConnectionResetError("the proxy closed the connection "
-                                                                            "before replying"))
-                return False
-            self._settle(None)
-        return False
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        self.closed = True
-        self._settle(exc or ConnectionResetError("the connection to the proxy closed before a complete reply"))
-
-    def pause_writing(self) -> None:  # requests are at most 1 MiB: the transport buffers them whole
-        pass
-
-    def resume_writing(self) -> None:
-        pass
+            if length > max_reply:
+                raise _ReplyTooLarge(status, max_reply, length)
+            body += await reader.readexactly(length)
+        else:  # framed by the connection's end (RFC 9112 §6.3)
+            keep_alive = False
+            while True:
+                chunk = await reader.read(1 << 16)
+                if not chunk:
+                    break
+                if len(body) + len(chunk) > max_reply:
+                    raise _ReplyTooLarge(status, max_reply, None)
+                body += chunk
+        if reader._buffer:  # bytes past the end of the reply: nothing asked for them
+            keep_alive = False
+        return status, headers, bytes(body), keep_alive
 
 
 class _Pool:
@@ -3378,7 +3251,12 @@ class _Transport:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One request on the running loop; ``base`` is the split URL."""
+        """One request on the running loop (``base`` is the split URL).
+
+        Its deadline cancels this task where it waits, as ``asyncio.timeout`` does on 3.11+; that cancellation
+        becomes the timeout, any other is passed on.  Not ``asyncio.wait_for``: before Python 3.12 it adds a task, a
+        future and a timer per call, and a fan-out makes thousands at once.
+        """
         import asyncio
 
         problem = _header_problem(headers)
@@ -3401,64 +3279,59 @@ class _Transport:
             raise _TransportFailure() from exc
         conn = pool.take(key)
         reused = conn is not None
-        if conn is None:
-            conn = await self._connect(loop, scheme, host, port, deadline, timeout)
-        try:
-            reader = await conn.exchange(request, max_reply, deadline, timeout)
-        except _ReplyTooLarge:
-            conn.abort()
-            raise
-        except OSError as exc:  # TimeoutError and ConnectionError included
-            conn.abort()
-            raise _TransportFailure(stale=reused and not conn.received and not isinstance(exc, TimeoutError)) from exc
-        except BaseException:  # cancelled mid-exchange: what is left of the reply must not meet the next request
-            conn.abort()
-            raise
-        if reader.keep_alive and not conn.closed:
-            pool.give(key, conn)
-        else:
-            conn.close()
-        if debug:
-            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, reader.status, len(reader._body),
-                       (loop.time() - started) * 1000)
-        return reader.status, reader.headers, reader.body
-
-    async def _connect(self, loop: Any, scheme: str, host: str, port: int, deadline: float,
-                       timeout: float) -> _ClientConnection:
-        """A new connection, TLS included, by ``deadline``, as ``asyncio.timeout`` (3.11+) bounds an await.
-
-        The deadline cancels this task where it waits in ``create_connection`` (which closes what it opened);
-        that cancellation becomes the timeout, any other is passed on.  Not ``asyncio.wait_for``: before 3.12 it
-        adds a task, a future and a timer per connect, and a fan-out connects thousands at once.
-        """
-        import asyncio
-
-        context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         task = asyncio.current_task()
-        if task is None:  # not run by a task (no loop does that, but then there is nothing to cancel)
-            raise RuntimeError("the asyncio driver runs in a task of an event loop")
         expired: List[bool] = []
 
         def expire() -> None:
             expired.append(True)
-            task.cancel()
+            cast(Any, task).cancel()
 
         timer = _Deadlines.call_at(loop, deadline, expire)
         try:
-            _, conn = await loop.create_connection(lambda: _ClientConnection(loop), host, port, ssl=context,
-                                                   server_hostname=host if context is not None else None)
+            if conn is None:
+                conn = await self._connect(scheme, host, port)
+            conn.writer.write(request)
+            status, headers_, reply, keep_alive = await conn.reply(max_reply)
         except asyncio.CancelledError:
+            if conn is not None:  # what is left of the reply must not meet the next request
+                conn.abort()
             if expired and _uncancel(task) == 0:  # the deadline's own cancellation, and no other: a timeout
-                raise _TransportFailure() from TimeoutError(f"timed out: no connection within {timeout:g} s")
+                what = "connection" if conn is None else "complete reply"
+                raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
             raise
-        except OSError as exc:  # asyncio's text ("Connect call failed ('10.0.0.1', 443)") as the system words it
+        except _ReplyTooLarge:
+            cast(_ClientConnection, conn).abort()
+            raise
+        except OSError as exc:  # ConnectionError included
+            if conn is None:
+                raise
+            conn.abort()
+            raise _TransportFailure(stale=reused and not conn.received) from exc
+        finally:
+            timer.cancel()
+        if keep_alive and not conn.closed:
+            pool.give(key, conn)
+        else:
+            conn.close()
+        if debug:
+            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
+                       (loop.time() - started) * 1000)
+        return status, headers_, reply
+
+    async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
+        """A new connection, TLS included (:class:`_TransportFailure` for one that fails)."""
+        import asyncio
+
+        context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
+        try:
+            reader, writer = await asyncio.open_connection(host, port, ssl=context,
+                                                           server_hostname=host if context is not None else None)
+        except OSError as exc:
             worded = isinstance(exc, ConnectionError) and exc.errno
             raise _TransportFailure() from (type(exc)(exc.errno, os.strerror(exc.errno)) if worded else exc)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
-        finally:
-            timer.cancel()
-        return cast(_ClientConnection, conn)
+        return _ClientConnection(reader, writer)
 
 
 def _uncancel(task: Any) -> int:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Tuple
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -367,8 +368,8 @@ def test_a_cancel_in_the_turn_the_connect_deadline_fires_is_passed_on_not_taken_
 
     async def main() -> str:
         loop = asyncio.get_running_loop()
-        attempt = asyncio.ensure_future(pp._Transport()._connect(
-            loop, "http", "127.0.0.1", listener.getsockname()[1], loop.time() + 30, 30))
+        base = urlsplit(f"http://127.0.0.1:{listener.getsockname()[1]}")
+        attempt = asyncio.ensure_future(pp._Transport().aexchange(base, "POST", "/x", {}, b"", 30, 1 << 20))
         await asyncio.sleep(0.1)  # connecting, and getting no answer
         assert len(timers) == 1 and not attempt.done()
         if deadline_first:
@@ -407,7 +408,7 @@ def test_a_connect_cancelled_at_any_moment_leaves_no_connection_open() -> None:
         transport = pp._Transport()
         handed_over, cancelled = [], 0
         for turns in range(12):
-            attempt = asyncio.ensure_future(transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5))
+            attempt = asyncio.ensure_future(transport._connect("http", "127.0.0.1", port))
             for _ in range(turns):
                 await asyncio.sleep(0)
             attempt.cancel()
@@ -453,17 +454,17 @@ def test_the_pool_reaper_closes_what_idled_too_long_and_keeps_the_rest() -> None
         loop = asyncio.get_running_loop()
         pool = pp._Pool(loop, max_idle=100, idle_s=1.0)  # a sweep every 0.5 s
         transport = pp._Transport()
-        conns = [await transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5) for _ in range(40)]
+        conns = [await transport._connect("http", "127.0.0.1", port) for _ in range(40)]
         for conn in conns[:30]:
             pool.give(key, conn)
-        conns[3].closed = True  # as after the server's EOF
+        conns[3].close()  # as after the server's EOF
         await asyncio.sleep(0.6)
         for conn in conns[30:]:  # given later: still fresh at the sweep that closes the first 30
             pool.give(key, conn)
         await asyncio.sleep(0.7)  # the sweep at 0.5 s found none old enough; the one at 1 s closed the first 30
         kept = list(pool._idle[key])
-        first_30 = [c.transport.is_closing() for c in conns[:30]]
-        last_10 = [c.transport.is_closing() for c in conns[30:]]
+        first_30 = [c.writer.is_closing() for c in conns[:30]]
+        last_10 = [c.writer.is_closing() for c in conns[30:]]
         order_kept = kept == conns[30:]
         await asyncio.sleep(1.7)  # the rest age out at the 2 s sweep; the 2.5 s one finds nothing and ends
         return first_30, last_10, len(pool._idle[key]), order_kept and pool._reaper is None
