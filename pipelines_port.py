@@ -2662,13 +2662,12 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with Python's standard library: part 1's
-#   speed paths, the envelope bound per dispatch (ContextVars), keep-alive
-#   connections and the retry loop, the proxy client, the dispatch app that
-#   runs the agent, the servers (asyncio, http.server, WSGI, ASGI) and code
-#   mode.  This is where sockets, threads, the environment and the log live;
-#   every protocol decision is delegated to part 1.  Global state is limited
-#   to ContextVars and the lazily built, lock-guarded singletons below.
+#   Carries out part 1's decisions with the standard library: its speed paths,
+#   the envelope bound per dispatch, the event loops every exchange and run
+#   happen on, one transport, the retry loop of both drivers, the proxy client,
+#   the dispatch app, the servers (asyncio, threads, WSGI, ASGI) and code mode.
+#   Sockets, threads, the environment and the log live here; every protocol
+#   decision is part 1's.  Global state: ContextVars and lazy singletons.
 #
 # ###########################################################################
 
@@ -2677,11 +2676,7 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-    """A value built on first use, exactly once, under a lock: the module's one lazy-singleton idiom.
-
-    Import stays cheap (nothing is built until needed) and no two threads
-    build it twice.  :meth:`replace` swaps it (tests, a custom default client).
-    """
+    """A value built on first use, exactly once, under a lock (import stays cheap); :meth:`replace` swaps it."""
 
     __slots__ = ("_make", "_lock", "_value")
 
@@ -2699,7 +2694,7 @@ class _Once(Generic[_T]):
                 value = self._value
         return value
 
-    def replace(self, value: _T) -> None:
+    def replace(self, value: Optional[_T]) -> None:
         with self._lock:
             self._value = value
 
@@ -2835,12 +2830,10 @@ _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
-    """Bind ``envelope`` to the current context for the ``with`` block.
+    """Bind ``envelope`` to this context for the ``with`` block, where :func:`proxy_call` finds it.
 
-    Module-level tools can then call :func:`proxy_call` without being handed
-    the envelope.  Each thread and each asyncio task has its own context, so
-    concurrent dispatches never see each other's envelope.  A fresh thread does
-    not inherit the binding: bind inside it (or use ``contextvars.copy_context``).
+    Each thread and asyncio task has its own context, so concurrent dispatches never see each other's envelope;
+    a fresh thread does not inherit it (bind inside it, or use ``contextvars.copy_context``).
     """
     if not isinstance(envelope, Envelope):
         raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
@@ -2852,12 +2845,8 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound to this context; else the sandbox's run from its ``PIPELINES_*`` environment (§5).
-
-    The environment counts only when it carries a run token (a sandbox, or a child process given its run's
-    variables): a dispatch server's environment never does (§5 child-env-explicit).  :class:`EnvelopeError`
-    when neither is there.
-    """
+    """The envelope bound to this context, else the sandbox's run from a ``PIPELINES_*`` environment that carries
+    a run token (§5 child-env-explicit); :class:`EnvelopeError` when neither is there."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
@@ -2870,73 +2859,18 @@ def current_envelope() -> Envelope:
     )
 
 # ---------------------------------------------------------------------------
-# Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
+# Event loops: every exchange runs on one.  An ``async def`` caller uses its
+# own; a blocking caller hands the coroutine to the loop of the server that
+# started its thread, else to the module's own loop thread, and waits.
 # ---------------------------------------------------------------------------
 
-def _env_float(name: str, default: float) -> float:
-    text = (os.environ.get(name) or "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise PipelinesError(f"environment variable {name} must be a number, got {_short(text, 40)!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {text!r}")
-    return value
+# Set in the context of a sync agent's thread to its server's loop: a thousand agent threads then wait on
+# futures instead of each driving a socket under the GIL.
+_server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
-
-class _Pacer:
-    """Client-side pacing: at most ``limit`` requests per token in any ``window_s`` (§3.1 rate limit).
-
-    A sliding log per token; a caller over the limit is told how long to wait
-    for its reserved slot, so a burst is spread out instead of collecting 429s.
-    """
-
-    def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
-        self.limit = limit
-        self.window_s = window_s
-        self._max_tokens = max_tokens
-        self._log: OrderedDict[str, Deque[float]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def reserve(self, key: str, now: Optional[float] = None) -> float:
-        """Reserve the next slot for ``key``; return the seconds to wait for it."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            log = self._log.get(key)
-            if log is None:
-                log = self._log[key] = deque(maxlen=self.limit)
-                if len(self._log) > self._max_tokens:
-                    self._log.popitem(last=False)
-            else:
-                self._log.move_to_end(key)
-            slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
-            log.append(slot)
-            return slot - now
-
-
-class _DispatchStats:
-    """Proxy calls made by one dispatch (for the server's log line)."""
-
-    __slots__ = ("proxy_calls", "cancelled", "_lock")
-
-    def __init__(self) -> None:
-        self.proxy_calls = 0
-        self.cancelled = False  # set when the dispatch overran run_timeout_s
-        self._lock = threading.Lock()
-
-    def count(self) -> None:
-        with self._lock:
-            self.proxy_calls += 1
-
-
-_dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.ContextVar(
-    "pipelines_port_dispatch_stats", default=None
-)
 
 def _runs_on(loop: Any) -> bool:
-    """True on the thread running ``loop``: waiting there for the loop's own work would never end."""
+    """True on the thread running ``loop`` (waiting there for the loop's own work would never end)."""
     import asyncio
 
     try:
@@ -2945,271 +2879,56 @@ def _runs_on(loop: Any) -> bool:
         return False
 
 
-# The event loop of the server that started this sync agent on a thread of its own: the blocking driver's
-# exchanges run there (see ProxyClient.exchange), so a thousand agent threads wait on futures instead of each
-# driving a socket under the GIL.
-_server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
+def _start_loop() -> Any:
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="pipelines-loop", daemon=True).start()
+    return loop
 
 
-class _Connections:
-    """Idle keep-alive connections per (scheme, host, port), shared by every thread.
+_loop_thread = _Once(_start_loop)  # the module's own event loop, on a daemon thread started on first use
+if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
+    os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
 
-    ``http.client`` connections are not thread-safe, so one serves one exchange
-    at a time: :meth:`get` takes it out of the pool and :meth:`put` returns it
-    once the reply is read.  Connections thus move between threads (the server
-    runs each agent on a fresh one) but are never used by two at once.  An idle
-    connection the server has closed is detected and replaced.
+
+def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
+    """Run ``coroutine`` for this blocking thread on an event loop, in a copy of this context, and wait for it.
+
+    On the server's loop (``_server_loop``), else the module's loop thread; a thread that runs that very loop (a
+    blocking call inside an ``async def`` agent) runs it on a fresh thread instead.  ``TimeoutError`` after
+    ``timeout``; whatever interrupts the wait (a signal, a host's worker abort) cancels it and goes on.
     """
+    import asyncio
+    import concurrent.futures
 
-    MAX_IDLE_PER_HOST = 64
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: Dict[Tuple[str, str, int], List[Any]] = {}
-
-    def get(self, key: Tuple[str, str, int], timeout: float, make: Callable[[], Any]) -> Tuple[Any, bool]:
-        """``(connection, reused)`` for ``key``: the most recently used idle one, or a new one."""
-        while True:
-            with self._lock:
-                idle = self._idle.get(key)
-                conn = idle.pop() if idle else None
-            if conn is None:
-                return make(), False
-            if conn.sock is not None and not _peer_closed(conn.sock):
-                conn.timeout = timeout
-                conn.sock.settimeout(timeout)
-                return conn, True
-            conn.close()
-
-    def put(self, key: Tuple[str, str, int], conn: Any) -> None:
-        """Return ``conn`` to the pool (closed instead when the pool for ``key`` is full)."""
-        with self._lock:
-            idle = self._idle.setdefault(key, [])
-            if len(idle) < self.MAX_IDLE_PER_HOST:
-                idle.append(conn)
-                return
-        conn.close()
-
-    def close_idle(self) -> None:
-        """Close every idle connection (those in use finish their exchange first)."""
-        with self._lock:
-            idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
-
-
-def _peer_closed(sock: Any) -> bool:
-    """True when an idle keep-alive socket is readable: the server closed it (or sent junk)."""
-    try:
-        if hasattr(select, "poll"):  # select() cannot watch descriptors >= 1024
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            return bool(poller.poll(0))
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
-
-
-class _Watchdog:
-    """Shuts down sockets whose exchange overran its deadline: one lazily started daemon thread.
-
-    A socket timeout bounds each ``recv``, not a whole reply: a peer sending a
-    byte now and then would hold a call forever.  :meth:`watch` a socket for
-    an exchange, :meth:`done` when it ends; ``done`` says whether it fired.
-    """
-
-    def __init__(self) -> None:
-        self._wake = threading.Condition(threading.Lock())
-        self._heap: List[List[Any]] = []  # [deadline, sequence, socket, state]: 0 watched, 1 done, 2 fired
-        self._watched = 0
-        self._sequence = 0
-        self._thread: Optional[threading.Thread] = None
-
-    def watch(self, sock: Any, seconds: float) -> List[Any]:
-        import heapq
-
-        with self._wake:
-            self._sequence += 1
-            entry = [time.monotonic() + seconds, self._sequence, sock, 0]
-            heapq.heappush(self._heap, entry)
-            self._watched += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pipelines-watchdog", daemon=True)
-                self._thread.start()
-            if self._heap[0] is entry:  # the thread sleeps until the earliest deadline: wake it only for an earlier one
-                self._wake.notify()
-            return entry
-
-    def done(self, entry: List[Any]) -> bool:
-        import heapq
-
-        with self._wake:
-            fired = bool(entry[3] == 2)
-            if entry[3] == 0:
-                self._watched -= 1
-            entry[3], entry[2] = 1, None
-            if len(self._heap) > 64 and len(self._heap) > 4 * self._watched:  # drop finished entries now and then
-                self._heap = [e for e in self._heap if e[3] == 0]
-                heapq.heapify(self._heap)
-            return fired
-
-    def _run(self) -> None:
-        import heapq
-        import socket
-
-        while True:
-            with self._wake:
-                while not self._heap or (self._heap[0][3] == 0 and self._heap[0][0] > time.monotonic()):
-                    self._wake.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
-                entry = heapq.heappop(self._heap)
-                if entry[3] != 0:
-                    continue
-                entry[3] = 2
-                self._watched -= 1
-                sock = entry[2]
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
-            except OSError:
-                pass
-
-
-_watchdog = _Once(_Watchdog)
-
-
-def _loggable_path(path: str) -> str:
-    """A request path for a log line: a query string may carry a key, so it is cut."""
-    return path.split("?", 1)[0] + ("?…" if "?" in path else "")
-
-
-def _make_tls_context() -> ssl.SSLContext:
-    """One verifying TLS context per process, created on first use (loading CAs is slow)."""
-    import ssl
-
-    return ssl.create_default_context()
-
-
-_default_tls_context = _Once(_make_tls_context)
-
-
-class _TransportFailure(Exception):
-    """No usable reply arrived; the socket or protocol error is ``__cause__``.
-
-    ``stale`` marks a reused keep-alive connection the server had closed: worth
-    an immediate retry, without the backoff wait.
-    """
-
-    def __init__(self, stale: bool = False) -> None:
-        super().__init__()
-        self.stale = stale
-
-
-class _ReplyTooLarge(Exception):
-    """A reply body over the caller's cap; refused without reading it all."""
-
-    def __init__(self, status: int, cap: int, length: Optional[int]) -> None:
-        self.status = status
-        super().__init__(
-            f"is {length} bytes, over the {cap}-byte cap" if length is not None else f"exceeds the {cap}-byte cap"
-        )
-
-
-class _Transport:
-    """HTTP(S) exchanges over keep-alive connections: the one I/O layer of every outbound call."""
-
-    def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
-        self._ssl_context = ssl_context
-        self._connections = _Connections()
-
-    def close(self) -> None:
-        self._connections.close_idle()
-
-    def exchange(
-        self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float, max_reply: int
-    ) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """``(status, headers, body)`` of one request; raises :class:`_TransportFailure` or :class:`_ReplyTooLarge`.
-
-        An idle pooled connection the server closed is replaced before use; if
-        the server closes it while we send, the request is re-sent at once on a
-        fresh connection (it cannot have been read).  A reused connection that
-        drops while we await the reply is ambiguous (the request may have been
-        processed) and raises a ``stale`` :class:`_TransportFailure`.
-        """
-        import http.client
-
-        # UnicodeError: a host name that cannot be IDNA-encoded fails like an unreachable one.
-        transport_errors = (OSError, http.client.HTTPException, UnicodeError)
-        problem = _header_problem(headers)
-        if problem:
-            raise ValueError(problem)
-        scheme, host = base.scheme.lower(), base.hostname
-        port = base.port or (443 if scheme == "https" else 80)
-        key = (scheme, host, port)
-        debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{_loggable_path(path)}"  # never userinfo or a query: they may hold keys
-        for fresh_retry in (False, True):
-            conn, reused = self._connections.get(key, timeout, lambda: self._connect(scheme, host, port, timeout))
-            started = time.monotonic()
-            if debug:
-                _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
-            try:
-                conn.request(method, path, body, dict(headers))
-            except transport_errors as exc:
-                conn.close()
-                if reused and not fresh_retry and _is_stale_connection_error(exc):
-                    continue  # closed before it read our request: re-send once on a fresh connection
-                raise _TransportFailure() from exc
-            status, reply_headers, reply = self._reply(conn, key, reused, timeout, started, max_reply, transport_errors)
-            if debug:
-                _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
-                           (time.monotonic() - started) * 1000)
-            return status, reply_headers, reply
-        raise AssertionError("unreachable")
-
-    def _connect(self, scheme: str, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
-        """A new connection (not yet connected: ``http.client`` connects on the first request)."""
-        if scheme == "https":
-            context = self._ssl_context or _default_tls_context()
-            return cast("http.client.HTTPConnection", _http_classes()[1](host, port, timeout=timeout, context=context))
-        return cast("http.client.HTTPConnection", _http_classes()[0](host, port, timeout=timeout))
-
-    def _reply(self, conn: http.client.HTTPConnection, key: Tuple[str, str, int], reused: bool, timeout: float,
-               started: float, max_reply: int,
-               transport_errors: Tuple[Type[BaseException], ...]) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """The reply to the request sent on ``conn`` at ``started``, whole within ``timeout`` of it however slowly a
-        peer drips it (the watchdog shuts the socket then); ``conn`` goes back to the pool if the reply leaves it
-        reusable."""
-        watch = _watchdog().watch(conn.sock, max(timeout - (time.monotonic() - started), 0.001))
+    loop = _server_loop.get()
+    if loop is None or not loop.is_running() or _runs_on(loop):
+        loop = _loop_thread()
+    if _runs_on(loop):
         try:
-            response = conn.getresponse()
-            status = response.status
-            reply_headers = response.getheaders()
-            length = _content_length(response.getheader("Content-Length"))
-            if length is not None and length > max_reply:
-                conn.close()
-                raise _ReplyTooLarge(status, max_reply, length)
-            reply = response.read(max_reply + 1)
-            if len(reply) > max_reply:
-                conn.close()
-                raise _ReplyTooLarge(status, max_reply, None)
-        except transport_errors as exc:
-            conn.close()
-            if _watchdog().done(watch):
-                raise _TransportFailure() from TimeoutError(f"timed out: no complete reply within {timeout:g} s")
-            raise _TransportFailure(stale=reused and _is_stale_connection_error(exc)) from exc
-        if _watchdog().done(watch):  # fired just as the reply completed: the socket is shut
-            conn.close()
-        elif response.isclosed() and not response.will_close:
-            self._connections.put(key, conn)
-        else:
-            conn.close()
-        return status, reply_headers, reply
-
+            return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
+        except _Overran:
+            raise TimeoutError(f"no result within {timeout:g} s") from None
+        except _AgentRaised as raised:
+            error = raised.error
+        raise error  # outside the except clause: no _AgentRaised in its context
+    try:
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)  # its task runs in a copy of this context
+    except RuntimeError:  # the server's loop closed after the check
+        future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"no result within {timeout:g} s") from None
+    except BaseException:
+        future.cancel()
+        raise
 
 # ---------------------------------------------------------------------------
-# The deadline wheel: the asyncio driver's and server's timeouts, one timer per
-# 0.25 s tick for the far ones
+# The deadline wheel: a loop's long timeouts (per connection, run and
+# exchange; almost none fire) for one asyncio timer per 0.25 s tick
 # ---------------------------------------------------------------------------
 
 class _Deadline:
@@ -3233,50 +2952,49 @@ class _Deadline:
 
     def _run(self) -> None:
         callback, args = self._callback, self._args
-        self._tick, self._callback, self._args = None, None, ()
+        self.cancel()
         if callback is not None:  # not cancelled between its tick and now
             callback(*args)
 
 
 class _Deadlines:
-    """The long timeouts of one event loop, for the price of a few asyncio timers.
-
-    The server and the asyncio driver set a timeout per connection, per run and per proxy exchange, and almost
-    none of them fire: at thousands of dispatches at once, a ``TimerHandle`` each (its heap, compared in
-    Python) is a real share of the loop's work.  A timeout at least ``COARSE_AFTER_S`` away joins the tick of
-    ``GRAIN_S`` it falls in: one asyncio timer per tick, cancelling is a set removal, and it fires at most
-    ``GRAIN_S`` late (under 2.5 %).  Nearer ones are plain ``loop.call_at``, exact.  Used on the loop's thread only.
-    """
+    """The timeouts of one event loop (its thread only): one at least ``COARSE_AFTER_S`` away joins the tick of
+    ``GRAIN_S`` it falls in and fires at most ``GRAIN_S`` late; nearer ones are exact ``loop.call_at``.  At
+    thousands of dispatches at once, a ``TimerHandle`` each was a real share of the loop's work."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
-    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use under _lock)
+    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use)
     _lock = threading.Lock()
 
     def __init__(self, loop: Any) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # the value of a weak-keyed entry must not keep its key (the loop) alive
+        self._loop = weakref.proxy(loop)  # a weak-keyed entry's value must not keep its key (the loop) alive
         self._ticks: Dict[int, Set[_Deadline]] = {}
 
     @classmethod
     def call_at(cls, loop: Any, when: float, callback: Callable[..., Any], *args: Any) -> Any:
         """``loop.call_at(when, callback, *args)`` for a timeout: its handle has ``cancel()`` and ``when()``."""
-        if when - loop.time() < cls.COARSE_AFTER_S:
-            return loop.call_at(when, callback, *args)
-        return cls._for(loop)._at(when, callback, args)
+        return cls._for(loop).at(when, callback, *args)
 
     def at(self, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        """:meth:`call_at` on this loop, for a caller that keeps its loop's :class:`_Deadlines` (no lookup)."""
+        """:meth:`call_at` on this loop."""
         loop = self._loop
         if when - loop.time() < self.COARSE_AFTER_S:
             return loop.call_at(when, callback, *args)
-        return self._at(when, callback, args)
+        tick = math.ceil(when / self.GRAIN_S)
+        entries = self._ticks.get(tick)
+        if entries is None:
+            entries = self._ticks[tick] = set()
+            loop.call_at(tick * self.GRAIN_S, self._fire, tick)
+        deadline = _Deadline(when, callback, args, entries)
+        entries.add(deadline)
+        return deadline
 
     @classmethod
     def _for(cls, loop: Any) -> _Deadlines:
-        of_loop = cls._of_loop
-        deadlines = of_loop.get(loop) if of_loop is not None else None
+        deadlines = cls._of_loop.get(loop) if cls._of_loop is not None else None
         if deadlines is None:
             with cls._lock:
                 if cls._of_loop is None:
@@ -3286,111 +3004,82 @@ class _Deadlines:
                 deadlines = cls._of_loop.setdefault(loop, cls(loop))
         return cast(_Deadlines, deadlines)
 
-    def _at(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...]) -> _Deadline:
-        tick = math.ceil(when / self.GRAIN_S)
-        entries = self._ticks.get(tick)
-        if entries is None:
-            entries = self._ticks[tick] = set()
-            self._loop.call_at(tick * self.GRAIN_S, self._fire, tick)
-        deadline = _Deadline(when, callback, args, entries)
-        entries.add(deadline)
-        return deadline
-
     def _fire(self, tick: int) -> None:
         for deadline in self._ticks.pop(tick, ()):
             self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops none of the others
 
-
 # ---------------------------------------------------------------------------
-# Transport, asyncio: replies read as they arrive, connections pooled per loop
+# Transport: HTTP/1.1 exchanges on asyncio, replies read as they arrive
+# (sans-IO), keep-alive connections pooled per event loop
 # ---------------------------------------------------------------------------
 
-class _ReplyReader:
-    """One HTTP/1.1 reply, read from bytes as they arrive (sans-IO): the asyncio driver's parser.
+class _TransportFailure(Exception):
+    """No usable reply arrived (the cause is ``__cause__``); ``stale``: a reused keep-alive connection the server
+    had closed, worth an immediate retry."""
 
-    The status line and headers (1xx interim replies skipped), then the body framed by Content-Length,
-    by chunked coding, or by the end of the connection; at most ``max_reply`` body bytes
-    (:class:`_ReplyTooLarge`, from Content-Length before any is read).  A malformed reply raises
-    ``ConnectionError``.  ``done`` once the reply is whole; ``keep_alive`` when the connection may
-    carry the next request.
-    """
+    def __init__(self, stale: bool = False) -> None:
+        super().__init__()
+        self.stale = stale
 
-    MAX_HEAD = 64 << 10
 
-    __slots__ = ("max_reply", "status", "headers", "keep_alive", "done", "_buffer", "_body", "_mode", "_left")
+class _ReplyTooLarge(Exception):
+    """A reply body over the caller's cap; refused without reading it all."""
 
-    def __init__(self, max_reply: int) -> None:
-        self.max_reply = max_reply
-        self.status = 0
-        self.headers: List[Tuple[str, str]] = []
-        self.keep_alive = False
-        self.done = False
-        self._buffer = bytearray()
-        self._body = bytearray()
-        self._mode = "head"  # head | length | chunk-size | chunk-data | chunk-end | trailers | eof
-        self._left = 0
+    def __init__(self, status: int, cap: int, length: Optional[int]) -> None:
+        self.status = status
+        super().__init__(
+            f"is {length} bytes, over the {cap}-byte cap" if length is not None else f"exceeds the {cap}-byte cap"
+        )
+
+
+class _ClientConnection:
+    """A keep-alive connection (asyncio streams): :meth:`reply` reads one HTTP/1.1 reply, 1xx ones skipped, its
+    body framed by Content-Length, chunked coding or the connection's end and at most ``max_reply`` bytes
+    (:class:`_ReplyTooLarge`, from Content-Length before any is read); a malformed or cut one is a
+    ``ConnectionError``.  ``received``: a byte of the current reply arrived (so a drop is no stale connection)."""
+
+    __slots__ = ("reader", "writer", "idle_since", "received")
+
+    def __init__(self, reader: Any, writer: Any) -> None:
+        self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
 
     @property
-    def body(self) -> bytes:
-        return bytes(self._body)
+    def closed(self) -> bool:
+        return bool(self.reader.at_eof() or self.writer.is_closing())
 
-    def feed(self, data: bytes) -> None:
-        """Take the next bytes of the connection."""
-        buffer = self._buffer
-        buffer += data
-        while buffer and not self.done:
-            mode = self._mode
-            if mode == "head":
-                end = buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buffer) > self.MAX_HEAD:
-                        raise ConnectionError(f"malformed HTTP reply: no end of headers within {self.MAX_HEAD} bytes")
-                    return
-                head = bytes(buffer[:end])
-                del buffer[:end + 4]
-                self._start(head)
-            elif mode == "length" or mode == "chunk-data":
-                take = min(self._left, len(buffer))
-                self._body += buffer[:take]
-                del buffer[:take]
-                self._left -= take
-                if self._left == 0:
-                    self._mode = "chunk-end" if mode == "chunk-data" else "done"
-                    self.done = mode == "length"
-            elif mode == "eof":
-                self._take_body(len(buffer))
-                self._body += buffer
-                buffer.clear()
-            else:  # chunk-size, chunk-end, trailers: one line each
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    if len(buffer) > 4096:
-                        raise ConnectionError("malformed HTTP reply: a chunk line over 4096 bytes")
-                    return
-                line = bytes(buffer[:end])
-                del buffer[:end + 2]
-                self._chunk_line(mode, line)
-        if self.done and buffer:  # bytes past the end of the reply: nothing asked for them
-            self.keep_alive = False
+    def close(self) -> None:
+        self.writer.close()
 
-    def feed_eof(self) -> None:
-        """The peer closed the connection: the end of a body framed by it, or a reply cut short."""
-        if self._mode == "eof":
-            self.done = True
-        elif not self.done:
-            raise ConnectionError("the proxy closed the connection before the reply was complete")
+    def abort(self) -> None:
+        self.writer.transport.abort()
 
-    def _take_body(self, size: int) -> None:
-        if len(self._body) + size > self.max_reply:
-            raise _ReplyTooLarge(self.status, self.max_reply, None)
+    async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
+        """``(status, headers, body, keep_alive)`` of the reply to the request just written."""
+        import asyncio
 
-    def _start(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
-        code = rest[:3]
-        if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
-        status = int(code)
+        self.received = False
+        try:
+            return await self._reply(max_reply)
+        except asyncio.IncompleteReadError:
+            cut = "before the reply was complete" if self.received else "before replying"
+            raise ConnectionResetError(f"the proxy closed the connection {cut}") from None
+        except asyncio.LimitOverrunError:
+            raise ConnectionError("malformed HTTP reply: a line over 64 KiB") from None
+
+    async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
+        reader = self.reader
+        while True:
+            lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
+            self.received = True
+            version, _, rest = lines[0].partition(b" ")
+            code = rest[:3]
+            if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+                raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
+            status = int(code)
+            if status == 101:
+                raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
+            if not 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints): the real one follows
+                break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
             if line[:1] in (b" ", b"\t") and headers:  # obs-fold: a continuation of the header before
@@ -3400,157 +3089,55 @@ class _ReplyReader:
             if not colon or not name.strip():
                 raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
             headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
-        if 100 <= status < 200 and status != 101:
-            return  # an interim reply (100 Continue, 103 Early Hints): the real one follows
-        if status == 101:
-            raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
-        self.status, self.headers = status, headers
         lowered = _lower_headers(headers)
         connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
-        self.keep_alive = ("close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection)
+        keep_alive = "close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection
         coding = lowered.get("transfer-encoding")
+        body = bytearray()
         if status in (204, 304):
-            self._mode, self.done = "done", True
-        elif coding is not None:
-            if coding.split(",")[-1].strip().lower() != "chunked":  # RFC 9112 §6.3: the body ends with the connection
-                self._mode, self.keep_alive = "eof", False
-            else:
-                self._mode = "chunk-size"
-        elif "content-length" in lowered:
+            pass
+        elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
+            while True:
+                line = (await reader.readuntil(b"\r\n"))[:-2]
+                size_text = line.split(b";", 1)[0].strip()
+                size = int(size_text, 16) if size_text and size_text.isalnum() and all(
+                    c in b"0123456789abcdefABCDEF" for c in size_text) else -1
+                if size < 0:
+                    raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
+                if len(body) + size > max_reply:
+                    raise _ReplyTooLarge(status, max_reply, None)
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, up to the empty line
+                        pass
+                    break
+                chunk = await reader.readexactly(size + 2)
+                if chunk[-2:] != b"\r\n":
+                    raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
+                body += chunk[:-2]
+        elif coding is None and "content-length" in lowered:
             length = _content_length(lowered["content-length"])
             if length is None or _repeated(lowered, "content-length", conflicting=True):
                 raise ConnectionError(f"malformed HTTP reply: Content-Length {_short(lowered['content-length'], 40)!r}")
-            if length > self.max_reply:
-                raise _ReplyTooLarge(status, self.max_reply, length)
-            self._mode, self._left = "length", length
-            self.done = length == 0
-        else:
-            self._mode, self.keep_alive = "eof", False
-
-    def _chunk_line(self, mode: str, line: bytes) -> None:
-        if mode == "chunk-end":
-            if line:
-                raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
-            self._mode = "chunk-size"
-        elif mode == "trailers":
-            if not line:
-                self._mode, self.done = "done", True
-        else:
-            size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16) if size_text and size_text.isalnum() else -1
-            except ValueError:
-                size = -1
-            if size < 0:
-                raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
-            self._take_body(size)
-            self._mode, self._left = ("trailers", 0) if size == 0 else ("chunk-data", size)
+            if length > max_reply:
+                raise _ReplyTooLarge(status, max_reply, length)
+            body += await reader.readexactly(length)
+        else:  # framed by the connection's end (RFC 9112 §6.3)
+            keep_alive = False
+            while True:
+                chunk = await reader.read(1 << 16)
+                if not chunk:
+                    break
+                if len(body) + len(chunk) > max_reply:
+                    raise _ReplyTooLarge(status, max_reply, None)
+                body += chunk
+        if reader._buffer:  # bytes past the end of the reply: nothing asked for them
+            keep_alive = False
+        return status, headers, bytes(body), keep_alive
 
 
-class _ClientConnection:
-    """One keep-alive connection to a proxy origin, as an asyncio protocol: one exchange at a time.
-
-    :meth:`exchange` writes a request and waits for :class:`_ReplyReader` to have the whole reply, the
-    deadline to pass (``TimeoutError``) or the connection to drop.  A cancelled exchange leaves the
-    connection unusable: the caller aborts it.
-    """
-
-    __slots__ = ("loop", "transport", "closed", "received", "idle_since", "_reader", "_waiter", "_deadlines")
-
-    def __init__(self, loop: Any) -> None:
-        self.loop = loop
-        self._deadlines = _Deadlines._for(loop)
-        self.transport: Any = None
-        self.closed = False
-        self.received = False  # a byte of the current reply arrived (so a drop is no stale connection)
-        self.idle_since = 0.0
-        self._reader: Optional[_ReplyReader] = None
-        self._waiter: Any = None
-
-    async def exchange(self, request: bytes, max_reply: int, deadline: float, timeout: float) -> _ReplyReader:
-        reader = self._reader = _ReplyReader(max_reply)
-        self.received = False
-        waiter = self._waiter = self.loop.create_future()
-        timer = self._deadlines.at(deadline, self._timed_out, timeout)
-        try:
-            self.transport.write(request)
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-        return reader
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    def _timed_out(self, timeout: float) -> None:
-        self._settle(TimeoutError(f"timed out: no complete reply within {timeout:g} s"))
-
-    def abort(self) -> None:
-        """Drop the connection at once (mid-exchange: nothing more of it can be trusted)."""
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _settle(self, error: Optional[BaseException]) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
-
-    # -- the asyncio protocol ------------------------------------------------
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        reader = self._reader
-        if reader is None or reader.done or self._waiter is None:  # bytes no request asked for
-            self.abort()
-            return
-        self.received = True
-        try:
-            reader.feed(data)
-        except (ConnectionError, _ReplyTooLarge) as exc:
-            self._settle(exc)
-            return
-        if reader.done:
-            self._settle(None)
-
-    def eof_received(self) -> bool:
-        self.closed = True
-        reader = self._reader
-        if reader is not None and self._waiter is not None and not reader.done:
-            try:
-                reader.feed_eof()
-            except ConnectionError as exc:
-                self._settle(exc if self.received else ConnectionResetError("the proxy closed the connection "
-                                                                            "before replying"))
-                return False
-            self._settle(None)
-        return False
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        self.closed = True
-        self._settle(exc or ConnectionResetError("the connection to the proxy closed before a complete reply"))
-
-    def pause_writing(self) -> None:  # requests are at most 1 MiB: the transport buffers them whole
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-
-class _AsyncPool:
-    """The idle keep-alive connections of one event loop, per (scheme, host, port).
-
-    At most ``max_idle`` per origin; one idle over ``idle_s`` seconds is closed, by a housekeeping task that
-    lives while the pool holds any and closes them all when its loop shuts down (``asyncio.run`` cancels it).
-    """
+class _Pool:
+    """A loop's idle keep-alive connections per (scheme, host, port): at most ``max_idle`` per origin, each closed
+    after ``idle_s`` by a reaper task that lives while any are idle (and closes them all when the loop ends)."""
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
@@ -3594,20 +3181,17 @@ class _AsyncPool:
         import asyncio
 
         try:
-            # Sleeps first: a pool emptied by the next take right after a give keeps its reaper (one task per
-            # exchange otherwise); it ends after a sleep that left nothing idle.
-            while True:
+            while True:  # sleeps first, and ends after a sleep that left nothing idle: not a task per exchange
                 await asyncio.sleep(self._idle_s / 2)
                 if not any(self._idle.values()):
                     break
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
                     if any(c.closed or c.idle_since <= cutoff for c in conns):
-                        kept = [c for c in conns if not c.closed and c.idle_since > cutoff]
                         for conn in conns:
                             if conn.closed or conn.idle_since <= cutoff:
                                 conn.close()
-                        conns[:] = kept  # in place, once: not a list.remove per connection
+                        conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
             self.close()  # the loop is shutting down (or the client closing): leave no socket open
             raise
@@ -3615,55 +3199,63 @@ class _AsyncPool:
             self._reaper = None
 
 
-class _AsyncTransport:
-    """HTTP(S) exchanges on asyncio: the twin of :class:`_Transport`, same arguments, results and failures.
-
-    Keep-alive connections are pooled per event loop and origin (:class:`_AsyncPool`); the ``timeout``
-    bounds the whole attempt, connecting included; a cancelled exchange closes the connection it used.
-    """
+class _Transport:
+    """HTTP(S) exchanges, the one I/O layer of every outbound call: :meth:`aexchange` on the running loop,
+    :meth:`exchange` from a blocking thread (run on a loop by :func:`_on_loop`).  Each gives ``(status, headers,
+    body)`` or raises :class:`_TransportFailure` / :class:`_ReplyTooLarge`.  ``timeout`` bounds the whole attempt,
+    connecting included.  Connections are pooled per loop and origin; a reused one that drops before any byte
+    of the reply is ``stale`` (re-sent at once, same Idempotency-Key); a cancelled exchange closes its own."""
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
-    # Across an agent's model turns and between waves of dispatches, at or below the idle timeout of the usual
-    # front ends (AWS ALB 60 s, nginx 75 s; Go's client keeps 90 s, the blocking driver here until the server
-    # closes).  A server that closes an idle connection sooner (uvicorn after 5 s) is seen by its EOF and the
-    # connection not reused; a close that crosses our request is the stale case, re-sent at once.
-    IDLE_TIMEOUT_S = 60.0
+    IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
         import weakref
 
         self._ssl_context = ssl_context
-        self._pools: weakref.WeakKeyDictionary[Any, _AsyncPool] = weakref.WeakKeyDictionary()
+        self._pools: weakref.WeakKeyDictionary[Any, _Pool] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def _pool(self, loop: Any) -> _AsyncPool:
+    def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
         if pool is None:
             with self._lock:
                 pool = self._pools.get(loop)
                 if pool is None:
-                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most of
-                    # them after each call only to reconnect for the run's next one (bench/bench_fanout.py).
+                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most after
+                    # each call only to reconnect for the run's next one (bench/bench_fanout.py).
                     max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
-                    pool = self._pools[loop] = _AsyncPool(loop, max_idle, self.IDLE_TIMEOUT_S)
+                    pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
     def close(self) -> None:
-        """Close the idle connections of the running loop's pool (other loops' are closed on their shutdown)."""
-        import asyncio
-
-        with contextlib.suppress(RuntimeError):
-            pool = self._pools.pop(asyncio.get_running_loop(), None)
-            if pool is not None:
+        """Close the idle connections, each pool on its loop's thread."""
+        for loop, pool in list(self._pools.items()):
+            if _runs_on(loop) or not loop.is_running():
                 pool.close()
+            else:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(pool.close)
 
-    async def exchange(
-        self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float, max_reply: int
-    ) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """``(status, headers, body)`` of one request; raises :class:`_TransportFailure` or :class:`_ReplyTooLarge`.
+    def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
+                 max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """:meth:`aexchange` from a blocking thread."""
+        import asyncio
+        import concurrent.futures
 
-        A reused connection that drops before any byte of the reply is a ``stale`` failure (the retry
-        policy re-sends at once, with the same Idempotency-Key).
+        exchange = self.aexchange(base, method, path, headers, body, timeout, max_reply)
+        try:
+            return _on_loop(exchange, timeout + 5.0)  # the exchange bounds itself: the margin is for a stopped loop
+        except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
+            raise _TransportFailure() from exc
+
+    async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
+                        timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+        """One request on the running loop (``base`` is the split URL).
+
+        Its deadline cancels this task where it waits, as ``asyncio.timeout`` does on 3.11+; that cancellation
+        becomes the timeout, any other is passed on.  Not ``asyncio.wait_for``: before Python 3.12 it adds a task, a
+        future and a timer per call, and a fan-out makes thousands at once.
         """
         import asyncio
 
@@ -3687,68 +3279,64 @@ class _AsyncTransport:
             raise _TransportFailure() from exc
         conn = pool.take(key)
         reused = conn is not None
-        if conn is None:
-            conn = await self._connect(loop, scheme, host, port, deadline, timeout)
-        try:
-            reader = await conn.exchange(request, max_reply, deadline, timeout)
-        except _ReplyTooLarge:
-            conn.abort()
-            raise
-        except OSError as exc:  # TimeoutError and ConnectionError included
-            conn.abort()
-            raise _TransportFailure(stale=reused and not conn.received and not isinstance(exc, TimeoutError)) from exc
-        except BaseException:  # cancelled mid-exchange: what is left of the reply must not meet the next request
-            conn.abort()
-            raise
-        if reader.keep_alive and not conn.closed:
-            pool.give(key, conn)
-        else:
-            conn.close()
-        if debug:
-            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, reader.status, len(reader._body),
-                       (loop.time() - started) * 1000)
-        return reader.status, reader.headers, reader.body
-
-    async def _connect(self, loop: Any, scheme: str, host: str, port: int, deadline: float,
-                       timeout: float) -> _ClientConnection:
-        """A new connection, TLS included, by ``deadline``, as ``asyncio.timeout`` bounds an await (3.11+).
-
-        The deadline cancels this task where it waits, inside ``create_connection``, which closes what it
-        opened; that cancellation becomes the timeout, and any other is passed on.  Not ``asyncio.wait_for``:
-        before Python 3.12 it adds a task, a future and a timer on the loop's heap per connect, and a fan-out
-        connects thousands at once (bench/bench_fanout.py).
-        """
-        import asyncio
-
-        context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         task = asyncio.current_task()
-        if task is None:  # not run by a task (no loop does that, but then there is nothing to cancel)
-            raise RuntimeError("the asyncio driver runs in a task of an event loop")
         expired: List[bool] = []
 
         def expire() -> None:
             expired.append(True)
-            task.cancel()
+            cast(Any, task).cancel()
 
         timer = _Deadlines.call_at(loop, deadline, expire)
         try:
-            _, conn = await loop.create_connection(lambda: _ClientConnection(loop), host, port, ssl=context,
-                                                   server_hostname=host if context is not None else None)
+            if conn is None:
+                conn = await self._connect(scheme, host, port)
+            conn.writer.write(request)
+            status, headers_, reply, keep_alive = await conn.reply(max_reply)
         except asyncio.CancelledError:
+            if conn is not None:  # what is left of the reply must not meet the next request
+                conn.abort()
             if expired and _uncancel(task) == 0:  # the deadline's own cancellation, and no other: a timeout
-                raise _TransportFailure() from TimeoutError(f"timed out: no connection within {timeout:g} s")
+                what = "connection" if conn is None else "complete reply"
+                raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
             raise
-        except (OSError, UnicodeError) as exc:
-            raise _TransportFailure() from exc
+        except _ReplyTooLarge:
+            cast(_ClientConnection, conn).abort()
+            raise
+        except OSError as exc:  # ConnectionError included
+            if conn is None:
+                raise
+            conn.abort()
+            raise _TransportFailure(stale=reused and not conn.received) from exc
         finally:
             timer.cancel()
-        return cast(_ClientConnection, conn)
+        if keep_alive and not conn.closed:
+            pool.give(key, conn)
+        else:
+            conn.close()
+        if debug:
+            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
+                       (loop.time() - started) * 1000)
+        return status, headers_, reply
+
+    async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
+        """A new connection, TLS included (:class:`_TransportFailure` for one that fails)."""
+        import asyncio
+
+        context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
+        try:
+            reader, writer = await asyncio.open_connection(host, port, ssl=context,
+                                                           server_hostname=host if context is not None else None)
+        except OSError as exc:
+            worded = isinstance(exc, ConnectionError) and exc.errno
+            raise _TransportFailure() from (type(exc)(exc.errno, os.strerror(exc.errno)) if worded else exc)
+        except UnicodeError as exc:
+            raise _TransportFailure() from exc
+        return _ClientConnection(reader, writer)
 
 
 def _uncancel(task: Any) -> int:
-    """``task.uncancel()``: the cancellations still pending once one is withdrawn (Python 3.11+).  Before 3.11
-    there is no count (0): a cancellation in the very loop turn the deadline fires is taken for the timeout, as
-    ``asyncio.wait_for`` there takes it; a run cut that way has its further proxy calls refused all the same."""
+    """``task.uncancel()``: the cancellations still pending once one is withdrawn (3.11+).  Before 3.11, 0: a
+    cancellation in the very turn the deadline fires is taken for the timeout, as ``asyncio.wait_for`` takes it."""
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
@@ -3768,6 +3356,20 @@ def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, he
     return head + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
 
+def _loggable_path(path: str) -> str:
+    """A request path for a log line: a query string may carry a key, so it is cut (as are userinfo and host)."""
+    return path.split("?", 1)[0] + ("?…" if "?" in path else "")
+
+
+def _make_tls_context() -> ssl.SSLContext:
+    import ssl
+
+    return ssl.create_default_context()
+
+
+_default_tls_context = _Once(_make_tls_context)  # one per process: loading the CAs is slow
+_shared_transport = _Once(lambda: _Transport())  # probes and JSON APIs; each ProxyClient has its own
+
 # ---------------------------------------------------------------------------
 # The retry loop of both drivers (RetryState.step decides), and what they share
 # ---------------------------------------------------------------------------
@@ -3777,31 +3379,23 @@ _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-ke
 
 def _debug_headers(headers: Mapping[str, str]) -> str:
     """Headers worth a debug line, secrets redacted."""
-    shown = [
-        f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}"
-        for k, v in headers.items()
-        if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())
-    ]
+    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
+             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
     return (", " + ", ".join(shown)) if shown else ""
 
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
+_Interpret = Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome]
 
 
-def _retry_loop(
-    send: Callable[[], _Reply],
-    interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
-    *,
-    policy: RetryPolicy,
-    sleep: Callable[[float], Any],
-    transport_error: Callable[[BaseException], PipelinesError],
-    before_attempt: Optional[Callable[[], float]] = None,
-) -> Any:
-    """The blocking driver of :class:`RetryState` (§3.3); :func:`_aretry_loop` is its asyncio twin, line for line.
+def _retry_loop(send: Callable[[], _Reply], interpret: _Interpret, *, policy: RetryPolicy,
+                sleep: Callable[[float], Any], transport_error: Callable[[BaseException], PipelinesError],
+                before_attempt: Optional[Callable[[], float]] = None) -> Any:
+    """The blocking driver of :class:`RetryState` (§3.3); :func:`_aretry_loop` is its twin, line for line.
 
-    ``before_attempt`` runs before every attempt, retries included (it may refuse the call) and returns the
-    seconds to wait for a pacing slot.  ``send`` makes one exchange, ``interpret`` says what its reply means,
-    and ``transport_error`` builds the error for an exchange that got no usable reply.
+    ``before_attempt`` runs before every attempt (it may refuse the call) and returns the seconds to wait for a
+    pacing slot; ``send`` makes one exchange, ``interpret`` says what its reply means, ``transport_error`` builds
+    the error of an exchange that got no usable reply.
     """
     state = RetryState(policy)
     while True:
@@ -3822,16 +3416,11 @@ def _retry_loop(
             sleep(step.wait_s)
 
 
-async def _aretry_loop(
-    send: Callable[[], Awaitable[_Reply]],
-    interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
-    *,
-    policy: RetryPolicy,
-    sleep: Callable[[float], Awaitable[Any]],
-    transport_error: Callable[[BaseException], PipelinesError],
-    before_attempt: Optional[Callable[[], float]] = None,
-) -> Any:
-    """The asyncio driver of :class:`RetryState` (§3.3): :func:`_retry_loop` with ``await`` at each wait and send."""
+async def _aretry_loop(send: Callable[[], Awaitable[_Reply]], interpret: _Interpret, *, policy: RetryPolicy,
+                       sleep: Callable[[float], Awaitable[Any]],
+                       transport_error: Callable[[BaseException], PipelinesError],
+                       before_attempt: Optional[Callable[[], float]] = None) -> Any:
+    """The asyncio driver of :class:`RetryState`: :func:`_retry_loop` with ``await`` at each wait and send."""
     state = RetryState(policy)
     while True:
         wait = before_attempt() if before_attempt is not None else 0.0
@@ -3853,11 +3442,14 @@ async def _aretry_loop(
 
 def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
                        ) -> ProxyOutcome:
-    """What an exchange without a usable reply comes to: ``"transport"`` (retry with the same key) or ``"error"``."""
+    """No usable reply: ``"transport"`` (retried, same key), or ``"error"`` for a certificate or DNS failure."""
+    import socket
+
     cause = failure.__cause__ or failure
     error = transport_error(cause)
     error.__cause__, error.__suppress_context__ = cause, True
-    if not _is_retryable_transport(cause):
+    ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
+    if isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(cause, ssl.SSLCertVerificationError)):
         return ProxyOutcome("error", error=error)
     return ProxyOutcome("transport", error=error, stale=failure.stale)
 
@@ -3871,92 +3463,101 @@ def _log_retry(step: RetryStep, outcome: ProxyOutcome, state: RetryState) -> Non
         _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
 
 
-def _make_http_classes() -> Tuple[type, type]:
-    """``http.client`` connections with TCP_NODELAY, built on first use so import stays cheap.
-
-    Without TCP_NODELAY a keep-alive request can stall ~40 ms on delayed ACKs.
-    """
-    import http.client
-    import socket
-
-    class HTTPConnection(http.client.HTTPConnection):
-        def connect(self) -> None:
-            super().connect()
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    class HTTPSConnection(http.client.HTTPSConnection):
-        def connect(self) -> None:
-            super().connect()
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    return HTTPConnection, HTTPSConnection
-
-
-_http_classes = _Once(_make_http_classes)
-
-
-def _is_stale_connection_error(exc: BaseException) -> bool:
-    import http.client
-
-    return isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
-                            http.client.RemoteDisconnected, http.client.BadStatusLine))
-
-
 def _failed_before_reply(what: str, cause: BaseException) -> str:
     reason = str(cause) or type(cause).__name__
     return f"{what} failed before a reply arrived: {type(cause).__name__}: {_short(reason, 200)}"
-
-
-def _is_retryable_transport(cause: BaseException) -> bool:
-    """Timeouts and refused, reset or dropped connections; not certificate or DNS failures."""
-    import socket
-
-    ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
-    if ssl is not None and isinstance(cause, ssl.SSLCertVerificationError):
-        return False
-    return not isinstance(cause, socket.gaierror)
 
 
 def _utc_now_iso() -> str:
     now = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
-
-_shared_transport = _Once(lambda: _Transport())  # probes and model-API calls; each ProxyClient has its own
-_shared_atransport = _Once(lambda: _AsyncTransport())
-
-
 # ---------------------------------------------------------------------------
 # Proxy client (§3): tool calls, trace events, actors
 # ---------------------------------------------------------------------------
 
+def _env_float(name: str, default: float) -> float:
+    text = (os.environ.get(name) or "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise PipelinesError(f"environment variable {name} must be a number, got {_short(text, 40)!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {text!r}")
+    return value
+
+
+class _Pacer:
+    """Client-side pacing (§3.1 rate limit): at most ``limit`` requests per token in any ``window_s``.
+
+    A sliding log per token; a caller over the limit is told how long to wait for its reserved slot, so a burst
+    is spread out instead of collecting 429s.
+    """
+
+    def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._max_tokens = max_tokens
+        self._log: OrderedDict[str, Deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def reserve(self, key: str, now: Optional[float] = None) -> float:
+        """Reserve the next slot for ``key``; return the seconds to wait for it."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            log = self._log.get(key)
+            if log is None:
+                log = self._log[key] = deque(maxlen=self.limit)
+                if len(self._log) > self._max_tokens:
+                    self._log.popitem(last=False)
+            else:
+                self._log.move_to_end(key)
+            slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
+            log.append(slot)
+            return slot - now
+
+
+class _DispatchStats:
+    """Proxy calls made by one dispatch (for the server's log line); ``cancelled`` once the run is over."""
+
+    __slots__ = ("proxy_calls", "cancelled", "_lock")
+
+    def __init__(self) -> None:
+        self.proxy_calls = 0
+        self.cancelled = False  # its further proxy calls are refused
+        self._lock = threading.Lock()
+
+    def count(self) -> None:
+        with self._lock:
+            self.proxy_calls += 1
+
+
+_dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.ContextVar(
+    "pipelines_port_dispatch_stats", default=None
+)
+
+
 class ProxyClient:
     """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries; blocking and asyncio alike.
 
-    :meth:`call` and :meth:`trace` block (``http.client``); :meth:`acall` and :meth:`atrace` are their
-    asyncio twins (``asyncio`` streams on the running loop: no thread per call), with the same arguments,
-    results, errors and redaction.  Both run part 1's one policy (:class:`RetryState`).  One instance is safe
-    to share between threads, event loops and tasks; the module functions use a shared default.  Knobs:
+    :meth:`call` and :meth:`trace` block; :meth:`acall` and :meth:`atrace` are their asyncio twins, with the
+    same arguments, results, errors and redaction, and both run part 1's one policy (:class:`RetryState`).  One
+    instance is safe to share between threads, event loops and tasks; the module functions use a shared default.
 
     - ``timeout``: seconds per attempt (default ``PIPELINES_PROXY_TIMEOUT_S`` or 120).
     - ``retry``: a :class:`RetryPolicy`.
-    - ``rate_per_minute``: client-side pacing per run token (default
-      ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0 turns pacing off).
+    - ``rate_per_minute``: pacing per run token (default ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0: off).
     - ``ssl_context``: for https proxies (default: the system CAs).
     - ``sleep``: how to wait between attempts (tests pass a fake; the asyncio forms await what it returns).
     """
 
-    def __init__(
-        self,
-        *,
-        timeout: Optional[float] = None,
-        retry: RetryPolicy = RetryPolicy(),
-        rate_per_minute: Optional[float] = None,
-        ssl_context: Optional[ssl.SSLContext] = None,
-        sleep: Optional[Callable[[float], Any]] = None,
-    ) -> None:
+    def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
+                 rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
+                 sleep: Optional[Callable[[float], Any]] = None) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
-        if not self.timeout > 0:  # 0 would make every socket non-blocking and every call fail
+        if not self.timeout > 0:  # 0 would make every exchange fail at once
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
         self.retry = retry
@@ -3965,162 +3566,81 @@ class ProxyClient:
         self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
         self._sleep = sleep
         self._transport = _Transport(ssl_context)
-        self._atransport = _AsyncTransport(ssl_context)
 
     # -- public ---------------------------------------------------------------
 
-    def call(
-        self,
-        envelope: Envelope,
-        name: str,
-        args: Optional[Mapping[str, Any]] = None,
-        *,
-        actor: Optional[str] = None,
-        timeout: Optional[float] = None,
-        idempotency_key: Optional[str] = None,
-        errors: str = "raise",
-    ) -> Any:
-        """POST ``args`` to ``{proxy_url}/tools/{name}`` and return the unwrapped ``response``.
+    def call(self, envelope: Envelope, name: str, args: Optional[Mapping[str, Any]] = None, *,
+             actor: Optional[str] = None, timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
+             errors: str = "raise") -> Any:
+        """POST ``args`` to ``{proxy_url}/tools/{name}``; the unwrapped ``response`` (§3.2).
 
-        ``errors="return"`` turns a failed call into an ``{"error": ...}``
-        value for the model to read instead of an exception; a stale run token
-        still raises, because the run is over.
+        ``errors="return"`` turns a failed call into an ``{"error": ...}`` value for the model to read; a stale
+        run token still raises, because the run is over.
         """
         _check_errors_mode(errors)
         try:
-            request = self._tool_call(envelope, name, args, actor, idempotency_key)
-            return _retry_loop(self._send(request, timeout), sleep=self._sleep or time.sleep,
-                               **self._policy(envelope, request))
+            return self._run(envelope, self._tool_call(envelope, name, args, actor, idempotency_key), timeout)
         except ProxyError as exc:
-            if errors == "raise" or isinstance(exc, StaleRunTokenError):
-                raise
-            return _error_value(exc, name)
+            return _call_failed(exc, name, errors)
 
-    async def acall(
-        self,
-        envelope: Envelope,
-        name: str,
-        args: Optional[Mapping[str, Any]] = None,
-        *,
-        actor: Optional[str] = None,
-        timeout: Optional[float] = None,
-        idempotency_key: Optional[str] = None,
-        errors: str = "raise",
-    ) -> Any:
-        """The asyncio form of :meth:`call`: the same request, policy, result and errors, awaited on this loop."""
+    async def acall(self, envelope: Envelope, name: str, args: Optional[Mapping[str, Any]] = None, *,
+                    actor: Optional[str] = None, timeout: Optional[float] = None,
+                    idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
+        """The asyncio form of :meth:`call`, awaited on this loop."""
         _check_errors_mode(errors)
         try:
-            request = self._tool_call(envelope, name, args, actor, idempotency_key)
-            return await _aretry_loop(self._asend(request, timeout), sleep=self._asleep,
-                                      **self._policy(envelope, request))
+            return await self._arun(envelope, self._tool_call(envelope, name, args, actor, idempotency_key), timeout)
         except ProxyError as exc:
-            if errors == "raise" or isinstance(exc, StaleRunTokenError):
-                raise
-            return _error_value(exc, name)
+            return _call_failed(exc, name, errors)
 
-    def trace(
-        self,
-        envelope: Envelope,
-        event_type: str,
-        payload: Optional[Mapping[str, Any]] = None,
-        *,
-        actor: Optional[str] = None,
-        timeout: Optional[float] = None,
-        best_effort: bool = False,
-    ) -> Optional[Dict[str, Any]]:
+    def trace(self, envelope: Envelope, event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
+              actor: Optional[str] = None, timeout: Optional[float] = None,
+              best_effort: bool = False) -> Optional[Dict[str, Any]]:
         """POST a live trace event to ``{proxy_url}/traces/{event_type}`` (§3.4).
 
-        Returns the proxy's ``{"accepted": true, "sequence": N}`` (``None`` when
-        an older platform answers with an empty body).  ``__occurred_at`` is
-        stamped once, before the first attempt.  With ``best_effort=True`` a
-        failure is logged as a warning and ``None`` returned.
+        Returns the proxy's ``{"accepted": true, "sequence": N}`` (``None`` for an empty body).  ``__occurred_at``
+        is stamped once, before the first attempt.  ``best_effort=True``: a failure is logged, ``None`` returned.
         """
         try:
-            request = self._trace(envelope, event_type, payload, actor)
-            result = _retry_loop(self._send(request, timeout), sleep=self._sleep or time.sleep,
-                                 **self._policy(envelope, request))
-            return result if isinstance(result, dict) else None
+            return _trace_result(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
-            if not best_effort:
-                raise
-            _log.warning("trace event %r not recorded: %s", event_type, exc)
-            return None
+            return _trace_failed(exc, event_type, best_effort)
 
-    async def atrace(
-        self,
-        envelope: Envelope,
-        event_type: str,
-        payload: Optional[Mapping[str, Any]] = None,
-        *,
-        actor: Optional[str] = None,
-        timeout: Optional[float] = None,
-        best_effort: bool = False,
-    ) -> Optional[Dict[str, Any]]:
+    async def atrace(self, envelope: Envelope, event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
+                     actor: Optional[str] = None, timeout: Optional[float] = None,
+                     best_effort: bool = False) -> Optional[Dict[str, Any]]:
         """The asyncio form of :meth:`trace`."""
         try:
-            request = self._trace(envelope, event_type, payload, actor)
-            result = await _aretry_loop(self._asend(request, timeout), sleep=self._asleep,
-                                        **self._policy(envelope, request))
-            return result if isinstance(result, dict) else None
+            return _trace_result(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
-            if not best_effort:
-                raise
-            _log.warning("trace event %r not recorded: %s", event_type, exc)
-            return None
+            return _trace_failed(exc, event_type, best_effort)
 
     def close(self) -> None:
-        """Close the idle keep-alive connections (of the blocking driver, and of the running loop if any)."""
+        """Close the idle keep-alive connections."""
         self._transport.close()
-        self._atransport.close()
 
     async def aclose(self) -> None:
-        """Close the idle keep-alive connections of both drivers, the running loop's included."""
+        """:meth:`close`, from a coroutine."""
         self.close()
 
     # -- seams: override in a subclass to observe or change the wire (tests, broken ports) ----
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL).
-
-        On a sync agent's thread started by a server's event loop, the exchange runs on that loop (the asyncio
-        transport, same results and failures) while this thread waits; elsewhere on the blocking transport.
-        """
-        loop = _server_loop.get()
-        if loop is not None and loop.is_running() and not _runs_on(loop):
-            return self._on_loop(loop, base, method, path, headers, body, timeout, max_reply)
+        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL)."""
         return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
         """The asyncio form of :meth:`exchange`."""
-        return await self._atransport.exchange(base, method, path, headers, body, timeout, max_reply)
-
-    def _on_loop(self, loop: Any, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                 timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """:meth:`exchange` run on ``loop`` from another thread; a loop that closes meanwhile is a transport
-        failure (the asyncio transport bounds the exchange by ``timeout``; the wait has a margin over it)."""
-        import asyncio
-        import concurrent.futures
-
-        exchange = self._atransport.exchange(base, method, path, headers, body, timeout, max_reply)
-        try:
-            future = asyncio.run_coroutine_threadsafe(exchange, loop)
-        except RuntimeError:  # the loop closed after the check: this thread can still reach the proxy itself
-            exchange.close()
-            return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
-        try:
-            return future.result(timeout + 5.0)
-        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as exc:
-            future.cancel()
-            raise _TransportFailure() from exc
+        return await self._transport.aexchange(base, method, path, headers, body, timeout, max_reply)
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                   run_token: Optional[str] = None) -> ProxyOutcome:
         """What one proxy reply means: :func:`interpret_reply` (both drivers)."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # -- internals: what both drivers share ----------------------------------
+    # -- what both drivers share -----------------------------------------------
 
     def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
                    idempotency_key: Optional[str]) -> ProxyRequest:
@@ -4139,7 +3659,7 @@ class ProxyClient:
                              occurred_at=_utc_now_iso(), actor=actor)
 
     def _policy(self, envelope: Envelope, request: ProxyRequest) -> Dict[str, Any]:
-        """The arguments both retry loops take but ``send`` and ``sleep``: interpretation, errors, pacing."""
+        """What both retry loops take but ``send`` and ``sleep``: interpretation, errors, pacing."""
         name = request.name
         stats = _dispatch_stats.get()
         if stats is not None:
@@ -4165,7 +3685,7 @@ class ProxyClient:
             "before_attempt": before_attempt,
         }
 
-    def _send(self, request: ProxyRequest, timeout: Optional[float]) -> Callable[[], _Reply]:
+    def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
         seconds = self.timeout if timeout is None else float(timeout)
 
         def send() -> _Reply:
@@ -4175,9 +3695,9 @@ class ProxyClient:
             except _ReplyTooLarge as big:
                 raise _reply_too_large(big, request.name) from None
 
-        return send
+        return _retry_loop(send, sleep=self._sleep or time.sleep, **self._policy(envelope, request))
 
-    def _asend(self, request: ProxyRequest, timeout: Optional[float]) -> Callable[[], Awaitable[_Reply]]:
+    async def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
         seconds = self.timeout if timeout is None else float(timeout)
 
         async def send() -> _Reply:
@@ -4187,7 +3707,7 @@ class ProxyClient:
             except _ReplyTooLarge as big:
                 raise _reply_too_large(big, request.name) from None
 
-        return send
+        return await _aretry_loop(send, sleep=self._asleep, **self._policy(envelope, request))
 
     async def _asleep(self, seconds: float) -> None:
         if self._sleep is None:
@@ -4210,10 +3730,22 @@ def _check_errors_mode(errors: str) -> None:
         raise ValueError("errors must be 'raise' or 'return'")
 
 
-def _error_value(exc: ProxyError, name: str) -> Dict[str, Any]:
-    """A failed tool call as the ``{"error": ...}`` value the model reads (``errors="return"``)."""
+def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
+    """A failed tool call: raised again, or (``errors="return"``, not a stale token) the ``{"error": ...}`` value."""
+    if errors == "raise" or isinstance(exc, StaleRunTokenError):
+        raise exc
     _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
     return exc.to_value()
+
+
+def _trace_result(result: Any) -> Optional[Dict[str, Any]]:
+    return result if isinstance(result, dict) else None
+
+
+def _trace_failed(exc: ProxyError, event_type: str, best_effort: bool) -> None:
+    if not best_effort:
+        raise exc
+    _log.warning("trace event %r not recorded: %s", event_type, exc)
 
 
 def _reply_too_large(big: _ReplyTooLarge, name: str) -> ProxyError:
@@ -4244,12 +3776,9 @@ _default_client = _Once(lambda: ProxyClient())
 
 
 def set_default_client(client: ProxyClient) -> ProxyClient:
-    """Make ``client`` the one :func:`proxy_call`, :func:`post_trace` and tools use when none is passed.
-
-    The supported way to change how every call of the process goes out (a
-    subclass overriding :meth:`ProxyClient.exchange` or :meth:`ProxyClient.interpret`,
-    other timeouts or pacing).  Returns the client it replaces, so a caller can put it back.
-    """
+    """Make ``client`` the one :func:`proxy_call`, :func:`post_trace` and tools use when none is passed (a
+    subclass overriding :meth:`ProxyClient.exchange` or :meth:`ProxyClient.interpret`, other timeouts or
+    pacing); returns the client it replaces."""
     if not isinstance(client, ProxyClient):
         raise TypeError(f"set_default_client() needs a ProxyClient, got {type(client).__name__}")
     previous = _default_client()
@@ -4257,42 +3786,23 @@ def set_default_client(client: ProxyClient) -> ProxyClient:
     return previous
 
 
-def proxy_call(
-    name: str,
-    args: Optional[Mapping[str, Any]] = None,
-    *,
-    envelope: Optional[Envelope] = None,
-    actor: Optional[str] = None,
-    timeout: Optional[float] = None,
-    idempotency_key: Optional[str] = None,
-    errors: str = "raise",
-    client: Optional[ProxyClient] = None,
-) -> Any:
-    """Call tool ``name`` through the per-run proxy; return the unwrapped ``response`` (§3).
-
-    Uses ``envelope`` or the one bound to this context.  Retries 429 and the
-    transient 503 classes; raises :class:`ProxyError` (or
-    :class:`StaleRunTokenError`) otherwise, or returns ``{"error": ...}`` with
-    ``errors="return"``.
-    """
+def proxy_call(name: str, args: Optional[Mapping[str, Any]] = None, *, envelope: Optional[Envelope] = None,
+               actor: Optional[str] = None, timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
+               errors: str = "raise", client: Optional[ProxyClient] = None) -> Any:
+    """Call tool ``name`` through the per-run proxy of ``envelope`` or the one bound here; the unwrapped
+    ``response`` (§3).  Retries as §3.3; raises :class:`ProxyError` (:class:`StaleRunTokenError` when the run is
+    over), or with ``errors="return"`` returns ``{"error": ...}``."""
     return (client or _default_client()).call(
         envelope or current_envelope(), name, args,
         actor=actor, timeout=timeout, idempotency_key=idempotency_key, errors=errors,
     )
 
 
-async def aproxy_call(
-    name: str,
-    args: Optional[Mapping[str, Any]] = None,
-    *,
-    envelope: Optional[Envelope] = None,
-    actor: Optional[str] = None,
-    timeout: Optional[float] = None,
-    idempotency_key: Optional[str] = None,
-    errors: str = "raise",
-    client: Optional[ProxyClient] = None,
-) -> Any:
-    """The asyncio form of :func:`proxy_call`: same arguments, result and errors, awaited on the running loop."""
+async def aproxy_call(name: str, args: Optional[Mapping[str, Any]] = None, *, envelope: Optional[Envelope] = None,
+                      actor: Optional[str] = None, timeout: Optional[float] = None,
+                      idempotency_key: Optional[str] = None, errors: str = "raise",
+                      client: Optional[ProxyClient] = None) -> Any:
+    """The asyncio form of :func:`proxy_call`."""
     return await (client or _default_client()).acall(
         envelope or current_envelope(), name, args,
         actor=actor, timeout=timeout, idempotency_key=idempotency_key, errors=errors,
@@ -4300,11 +3810,8 @@ async def aproxy_call(
 
 
 class Actor:
-    """Proxy calls and trace events attributed to one sub-agent (§3.5).
-
-    Every request carries ``X-Pipelines-Actor-Id: <label>``.  Build with
-    :func:`as_actor`.
-    """
+    """Proxy calls and trace events attributed to one sub-agent (§3.5): each carries ``X-Pipelines-Actor-Id``.
+    Build with :func:`as_actor`; ``options`` of each method as for the module function it names."""
 
     __slots__ = ("label", "_envelope", "_client")
 
@@ -4322,35 +3829,35 @@ class Actor:
     def __repr__(self) -> str:
         return f"Actor({self.label!r})"
 
+    def _options(self, options: Dict[str, Any], actor: bool = True) -> Dict[str, Any]:
+        return {"envelope": self._envelope, "client": self._client, **({"actor": self.label} if actor else {}),
+                **options}
+
     def call(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
         """:func:`proxy_call` as this actor."""
-        return proxy_call(name, args, envelope=self._envelope, actor=self.label, client=self._client, **options)
+        return proxy_call(name, args, **self._options(options))
 
     async def acall(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
         """:func:`aproxy_call` as this actor."""
-        return await aproxy_call(name, args, envelope=self._envelope, actor=self.label, client=self._client,
-                                 **options)
+        return await aproxy_call(name, args, **self._options(options))
 
     def trace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
               **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`post_trace` as this actor."""
-        return post_trace(event_type, payload, envelope=self._envelope, actor=self.label, client=self._client,
-                          **options)
+        return post_trace(event_type, payload, **self._options(options))
 
     async def atrace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
                      **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`apost_trace` as this actor."""
-        return await apost_trace(event_type, payload, envelope=self._envelope, actor=self.label,
-                                 client=self._client, **options)
+        return await apost_trace(event_type, payload, **self._options(options))
 
     def handoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`post_handoff` from this actor to ``to_sub_agent``."""
-        return post_handoff(self.label, to_sub_agent, envelope=self._envelope, client=self._client, **options)
+        return post_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
         """:func:`apost_handoff` from this actor to ``to_sub_agent``."""
-        return await apost_handoff(self.label, to_sub_agent, envelope=self._envelope, client=self._client,
-                                   **options)
+        return await apost_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     def actor(self, child: str) -> Actor:
         """A sub-actor one level down the call path (``parent/child``)."""
@@ -4362,16 +3869,9 @@ def as_actor(label: str, *, envelope: Optional[Envelope] = None, client: Optiona
     return Actor(label, envelope=envelope, client=client)
 
 
-def post_trace(
-    event_type: str,
-    payload: Optional[Mapping[str, Any]] = None,
-    *,
-    envelope: Optional[Envelope] = None,
-    actor: Optional[str] = None,
-    timeout: Optional[float] = None,
-    best_effort: bool = False,
-    client: Optional[ProxyClient] = None,
-) -> Optional[Dict[str, Any]]:
+def post_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, *, envelope: Optional[Envelope] = None,
+               actor: Optional[str] = None, timeout: Optional[float] = None, best_effort: bool = False,
+               client: Optional[ProxyClient] = None) -> Optional[Dict[str, Any]]:
     """Post a live trace event for the bound run (§3.4); see :meth:`ProxyClient.trace`."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
     if envelope is None:
@@ -4380,16 +3880,9 @@ def post_trace(
                                                best_effort=best_effort)
 
 
-async def apost_trace(
-    event_type: str,
-    payload: Optional[Mapping[str, Any]] = None,
-    *,
-    envelope: Optional[Envelope] = None,
-    actor: Optional[str] = None,
-    timeout: Optional[float] = None,
-    best_effort: bool = False,
-    client: Optional[ProxyClient] = None,
-) -> Optional[Dict[str, Any]]:
+async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
+                      envelope: Optional[Envelope] = None, actor: Optional[str] = None, timeout: Optional[float] = None,
+                      best_effort: bool = False, client: Optional[ProxyClient] = None) -> Optional[Dict[str, Any]]:
     """The asyncio form of :func:`post_trace`."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
     if envelope is None:
@@ -4402,40 +3895,25 @@ def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: 
     """The envelope a trace event goes to; ``None`` (logged) for a best-effort event with none bound."""
     if envelope is not None:
         return envelope
-    if not best_effort:
-        return current_envelope()
     try:
         return current_envelope()
     except EnvelopeError as exc:
+        if not best_effort:
+            raise
         _log.warning("trace event %r not recorded: %s", event_type, exc)
         return None
 
 
-def post_handoff(
-    from_sub_agent: str,
-    to_sub_agent: str,
-    *,
-    reason: Optional[str] = None,
-    payload_preview: Optional[str] = None,
-    **options: Any,
-) -> Optional[Dict[str, Any]]:
-    """Record a control transfer between sub-agents as a ``handoff`` event (§3.4).
-
-    Both labels are validated as §3.5; a self-handoff is dropped (logged, not sent).  ``options`` as for
-    :func:`post_trace`.
-    """
+def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
+                 payload_preview: Optional[str] = None, **options: Any) -> Optional[Dict[str, Any]]:
+    """Record a control transfer between sub-agents as a ``handoff`` event (§3.4): both labels validated (§3.5),
+    a self-handoff dropped (logged, not sent); ``options`` as for :func:`post_trace`."""
     event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
     return None if event is None else post_trace("handoff", event, **options)
 
 
-async def apost_handoff(
-    from_sub_agent: str,
-    to_sub_agent: str,
-    *,
-    reason: Optional[str] = None,
-    payload_preview: Optional[str] = None,
-    **options: Any,
-) -> Optional[Dict[str, Any]]:
+async def apost_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
+                        payload_preview: Optional[str] = None, **options: Any) -> Optional[Dict[str, Any]]:
     """The asyncio form of :func:`post_handoff`."""
     event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
     return None if event is None else await apost_trace("handoff", event, **options)
@@ -4456,18 +3934,12 @@ def _strict(strict: Optional[bool]) -> bool:
     return _truthy(os.environ.get(ENV_STRICT)) if strict is None else strict
 
 
-def build_response(
-    value: Any,
-    *,
-    messages: Optional[Sequence[Mapping[str, Any]]] = None,
-    metadata: Optional[Mapping[str, Any]] = None,
-    strict: Optional[bool] = None,
-) -> Dict[str, Any]:
+def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
+                   metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None) -> Dict[str, Any]:
     """The v1 response envelope (§4) from what an agent returned: :func:`response_envelope`, each warning logged.
 
-    Lenient by default: what the platform would drop is dropped the same way
-    and logged once as a warning naming its JSON path.  ``strict=True`` (or
-    ``PIPELINES_PORT_STRICT=1`` when ``strict`` is not given) raises
+    Lenient by default: what the platform would drop is dropped the same way and logged once, naming its JSON
+    path.  ``strict=True`` (or ``PIPELINES_PORT_STRICT=1`` when ``strict`` is not given) raises
     :class:`ResponseError` listing every problem instead.
     """
     return _built(value, messages=messages, metadata=metadata, strict=strict)
@@ -4488,9 +3960,9 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
         _log.warning("response: %s", redact(warning, *hidden))
     return body
 
-
 # ---------------------------------------------------------------------------
-# Running agents: a fresh thread per run, an optional deadline
+# Running agents: a sync one on a fresh thread, an ``async def`` one as a task
+# of the loop, within a deadline; the run token kept out of what they raise
 # ---------------------------------------------------------------------------
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
@@ -4499,29 +3971,20 @@ _PROBE_TOOL = "__reachability_probe__"
 
 
 class _Overran(RunTimeoutError):
-    """Raised by :func:`_on_fresh_thread` when its deadline passes (the agent itself never raises this)."""
+    """The run's deadline passed (the agent itself never raises this)."""
 
 
 class _AgentRaised(Exception):
-    """Carries what the agent raised on its thread (``error``) to the waiting one, apart from what hits the waiter."""
+    """What the agent raised (``error``), kept apart from what hits the waiter itself (a worker abort, a signal)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
 
 
-def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None, *, wrap: bool = False) -> Any:
-    """Run ``fn()`` in a copy of this context on a new daemon thread; its result, or its exception re-raised.
-
-    The one way this module runs agent code off the caller's thread: the
-    sandbox kernel's thread already runs an event loop (§5), and the server
-    must be able to stop waiting.  With ``timeout_s``, :class:`RunTimeoutError`
-    after that long; a Python thread cannot be killed, so the agent runs on in
-    the background (the caller refuses its further proxy calls).  With
-    ``wrap``, what ``fn`` raised comes as :class:`_AgentRaised`, so an
-    exception raised in the waiting thread itself (a server's worker abort,
-    a signal) is never taken for the agent's.
-    """
+def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+    """``fn()`` in a copy of this context on a new daemon thread; its result, or :class:`_AgentRaised`.  After
+    ``timeout_s``, :class:`_Overran`: a Python thread cannot be killed, so ``fn`` runs on in the background."""
     context = contextvars.copy_context()
     outcome: Dict[str, Any] = {}
 
@@ -4537,7 +4000,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None, *
     if worker.is_alive():
         raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
     if "error" in outcome:
-        raise _AgentRaised(outcome["error"]) if wrap else outcome["error"]
+        raise _AgentRaised(outcome["error"])
     return outcome.get("result")
 
 
@@ -4546,7 +4009,7 @@ class _RedactedError(Exception):
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
-    """``value`` with each secret replaced by ``[redacted]``: strings and bytes, inside lists, tuples and dicts."""
+    """``value`` with each secret replaced by ``[redacted]``, in strings and bytes, lists, tuples and dicts."""
     if isinstance(value, str):
         return redact(value, *secrets)
     if isinstance(value, (bytes, bytearray)):
@@ -4561,13 +4024,9 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
 
 
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """``exc`` and its whole chain (``__cause__``, ``__context__``, group members) with no secret left in them.
-
-    Cleaned in place: ``args``, ``__notes__`` and string attributes (``OSError.filename`` too).  An exception
-    whose text still shows a secret (its class builds the text some other way) is replaced in the chain by a
-    ``_RedactedError`` naming its type, with its traceback.  Returns what stands for ``exc`` now.  IPython
-    prints the whole chain of what ``run()`` raises, and a log line formats it: no link may show the token.
-    """
+    """``exc`` and its whole chain (``__cause__``, ``__context__``, group members) with no secret left: cleaned in
+    place, and a link whose text still shows one replaced by a ``_RedactedError`` with its traceback.  Returns
+    what stands for ``exc`` now.  IPython prints the whole chain of what ``run()`` raises: no link may show it."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
@@ -4632,7 +4091,7 @@ def _settle(result: Any) -> Any:
 
 
 def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
-    """Call a sync or ``async def`` agent with the envelope bound."""
+    """Call a sync agent with the envelope bound (an awaitable it returns is run to its end)."""
     with bind_envelope(envelope):
         return _settle(agent(envelope))
 
@@ -4660,49 +4119,15 @@ def _is_async_callable(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
 
 
-async def _await_task(start: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float) -> Any:
-    """:func:`_on_fresh_thread` for a coroutine: run ``start()`` as a task of this loop (in a copy of this context),
-    wait up to ``timeout_s``; its result, :class:`_AgentRaised` with what it raised, or :class:`_Overran` (the
-    task cancelled).  Cancelling the waiter cancels the task too."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    task: asyncio.Task[Any] = loop.create_task(start())
-    waiter = loop.create_future()
-
-    def wake(_: Any = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    task.add_done_callback(wake)
-    timer = _Deadlines.call_at(loop, loop.time() + timeout_s, wake)
-    try:
-        await waiter
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        timer.cancel()
-    if not task.done():
-        task.cancel()
-        raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
-    if task.cancelled():
-        raise _AgentRaised(asyncio.CancelledError())
-    error = task.exception()
-    if error is not None:
-        raise _AgentRaised(error)
-    return task.result()
-
-
-async def _await_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
-    """:func:`_on_fresh_thread` awaited: ``fn()`` on a new daemon thread in a copy of this context; its result,
-    :class:`_AgentRaised` with what it raised, or :class:`_Overran` after ``timeout_s`` (it runs on)."""
+async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
+    """``agent(envelope)`` from the running loop, in a copy of this context: an ``async def`` one as a task of it,
+    a sync one on a fresh thread whose exchanges come back to it.  Its result, :class:`_AgentRaised`, or
+    :class:`_Overran` after ``timeout_s`` (the task cancelled; a thread runs on)."""
     import asyncio
 
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
-    context = contextvars.copy_context()
-    context.run(_server_loop.set, loop)
+    task: Any = None
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
         if waiter.done():  # timed out, or the awaiting task was cancelled
@@ -4712,24 +4137,34 @@ async def _await_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None
         else:
             waiter.set_exception(error)
 
-    def target() -> None:
-        try:
-            outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            outcome = (None, _AgentRaised(exc))
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
-            loop.call_soon_threadsafe(settle, *outcome)
+    if is_async:
+        def finished(done: Any) -> None:
+            error = asyncio.CancelledError() if done.cancelled() else done.exception()
+            settle(None if error else done.result(), None if error is None else _AgentRaised(error))
 
-    threading.Thread(target=target, name="pipelines-agent", daemon=True).start()
-    timer = None
-    if timeout_s is not None:
-        timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
-                                   _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
+        task = loop.create_task(_acall_agent(agent, envelope))
+        task.add_done_callback(finished)
+    else:
+        context = contextvars.copy_context()
+        context.run(_server_loop.set, loop)
+
+        def target() -> None:
+            try:
+                outcome: Tuple[Any, Optional[BaseException]] = (context.run(_call_agent, agent, envelope), None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                outcome = (None, _AgentRaised(exc))
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        threading.Thread(target=target, name="pipelines-agent", daemon=True).start()
+    timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
+                               _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
         return await waiter
     finally:
-        if timer is not None:
-            timer.cancel()
+        timer.cancel()
+        if task is not None:
+            task.cancel()  # a no-op once it is done
 
 
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
@@ -4740,45 +4175,27 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
     _log.warning("the agent's response contained the run token; it was redacted")
     return cast(Dict[str, Any], redact(body, envelope.run_token))
 
-
 # ---------------------------------------------------------------------------
 # The dispatch app (§2): decide(), then probe the proxy or run the agent
 # ---------------------------------------------------------------------------
 
 
 class DispatchApp:
-    """An agent function and its endpoint settings; :meth:`handle` answers every request (§2).
+    """An agent and its endpoint settings; :meth:`ahandle` (and :meth:`handle`) answer every request (§2).
 
-    An instance is an ASGI3 application; :attr:`wsgi` is its WSGI application.
-
-    ``agent(envelope)`` may be sync or ``async def`` and may return anything
-    :func:`build_response` accepts.  Auth (step 1) uses ``token`` or, by
-    default, the environment variable ``token_env`` read at each request; it is
-    off only with ``no_auth=True``.  ``auth_header`` is ``Authorization``
-    (``Bearer <token>``) or a custom header carrying the raw value.
-    ``strict`` as for :func:`build_response`; ``proxy_hosts`` (default
-    ``PIPELINES_PROXY_ALLOWED_HOSTS``) is the allow-list of proxy hosts a
-    dispatch may name (:func:`proxy_host_allowed`).
-
-    Serve it with :func:`serve` / :func:`start_server`, under a WSGI server
-    (:attr:`wsgi`) or an ASGI server (:attr:`asgi`): all three call :meth:`handle`.
+    An ASGI3 application itself, :attr:`wsgi` its WSGI application; :func:`serve` serves it.  ``agent(envelope)``,
+    sync or ``async def``, returns anything :func:`build_response` takes.  Auth uses ``token`` or the variable
+    ``token_env`` read at each request (off only with ``no_auth=True``), in ``auth_header``: ``Authorization``
+    (``Bearer <token>``) or a custom header with the raw value.  ``strict`` as for :func:`build_response`;
+    ``proxy_hosts`` (default ``PIPELINES_PROXY_ALLOWED_HOSTS``) as for :func:`proxy_host_allowed`.
     """
 
-    def __init__(
-        self,
-        agent: Callable[[Envelope], Any],
-        *,
-        path: str = DEFAULT_DISPATCH_PATH,
-        token: Optional[str] = None,
-        token_env: Optional[str] = DEFAULT_TOKEN_ENV,
-        auth_header: str = "Authorization",
-        no_auth: bool = False,
-        max_body: int = DEFAULT_MAX_BODY_BYTES,
-        run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-        tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
-        proxy_hosts: Union[Sequence[str], str, None] = None,
-        strict: Optional[bool] = None,
-    ) -> None:
+    def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
+                 token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
+                 auth_header: str = "Authorization", no_auth: bool = False, max_body: int = DEFAULT_MAX_BODY_BYTES,
+                 run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+                 tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
+                 proxy_hosts: Union[Sequence[str], str, None] = None, strict: Optional[bool] = None) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
         if not path.startswith("/"):
@@ -4869,20 +4286,16 @@ class DispatchApp:
     # -- the core ---------------------------------------------------------------
 
     def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The reply to one request: :func:`decide`, then the probe or the agent run it asks for.
-
-        ``body`` is what :func:`request_body_length` allowed the adapter to read
-        (``None``: nothing).  Writes one log line per request (ids, status,
-        duration, proxy calls; never a token); health probes and pings at DEBUG.
-        The agent runs on a thread of its own (an ``async def`` one on a loop of its own there).
-        """
-        started = time.monotonic()
-        headers = _lower_headers(headers)
-        return self.carry_out(self.decide(method, target, headers, body), method, target, headers, started)
+        """:meth:`ahandle` from a blocking thread (run on the module's loop thread while it waits)."""
+        return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The asyncio form of :meth:`handle`: an ``async def`` agent runs on the running loop, a sync one on a
-        thread of its own; the probe uses the asyncio driver."""
+        """The reply to one request: :func:`decide`, then the probe or the agent run it asks for, on this loop.
+
+        ``body`` is what :func:`request_body_length` let the adapter read (``None``: nothing).  An ``async def``
+        agent runs as a task of this loop (every dispatch on one loop, so clients a framework shares across runs
+        work), a sync one on a thread of its own.  One log line per request (never a token); pings at DEBUG.
+        """
         started = time.monotonic()
         headers = _lower_headers(headers)
         return await self.acarry_out(self.decide(method, target, headers, body), method, target, headers, started)
@@ -4893,41 +4306,25 @@ class DispatchApp:
 
     def carry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
                   started: float) -> HttpReply:
-        """Do what ``decision`` asks (reply, probe, run the agent) and log the request."""
-        stats = _DispatchStats()
-        if decision.action == "run":
-            assert decision.envelope is not None
-            reply = self.run_agent(decision.envelope, stats)
-        elif decision.action == "probe":
-            assert decision.proxy_url is not None
-            reply = self.connectivity_check(decision.proxy_url)
-        else:
-            assert decision.reply is not None
-            reply = decision.reply
-        self._log_request(decision, reply, method, target, headers, started, stats)
-        return reply
+        """:meth:`acarry_out` from a blocking thread."""
+        return _on_loop(self.acarry_out(decision, method, target, headers, started))
 
     async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
                          started: float) -> HttpReply:
-        """The asyncio form of :meth:`carry_out`."""
+        """Do what ``decision`` asks (reply, probe, run the agent) and log the request."""
         stats = _DispatchStats()
         if decision.action == "run":
-            assert decision.envelope is not None
-            reply = await self.arun_agent(decision.envelope, stats)
+            reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
         elif decision.action == "probe":
-            assert decision.proxy_url is not None
-            reply = await self.aconnectivity_check(decision.proxy_url)
+            reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
         else:
-            assert decision.reply is not None
-            reply = decision.reply
+            reply = cast(HttpReply, decision.reply)
         self._log_request(decision, reply, method, target, headers, started, stats)
         return reply
 
     def _log_request(self, decision: Decision, reply: HttpReply, method: str, target: str,
                      headers: Mapping[str, str], started: float, stats: _DispatchStats) -> None:
         what = decision.what
-        # Health probes and accepted pings come often and mean little: DEBUG, so they neither
-        # flood the log nor queue every handler thread on the log's lock.
         level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
         if not _access_log.isEnabledFor(level):
             return
@@ -4940,26 +4337,21 @@ class DispatchApp:
         if what != "dispatch" and reply.status >= 400:
             what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
         _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
-                 method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
-                 stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
+                        method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
+                        stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
 
     def connectivity_check(self, proxy_url: str) -> HttpReply:
-        """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code.
-
-        Without a proxy-host allow-list the answer says only whether a proxy answered (§7.1
-        kit-proxy-host-allow-list): what else a probe met (a refused port, another service's status) would
-        let a token holder map the server's network."""
-        return json_reply(200, {"ok": True, "outbound": self._outbound(probe_proxy(proxy_url))})
+        """:meth:`aconnectivity_check` from a blocking thread."""
+        return _on_loop(self.aconnectivity_check(proxy_url))
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
-        """The asyncio form of :meth:`connectivity_check`."""
-        return json_reply(200, {"ok": True, "outbound": self._outbound(await aprobe_proxy(proxy_url))})
-
-    def _outbound(self, probe: Dict[str, Any]) -> Dict[str, Any]:
-        if self.endpoint.proxy_hosts is not None or probe["reachable"]:
-            return probe
-        return {"reachable": False, "status_code": None, "latency_ms": None,
-                "error": "no proxy answered at this URL (details are given only with a proxy-host allow-list)"}
+        """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code.  Without a proxy-host
+        allow-list the answer says only whether a proxy answered (§7.1 kit-proxy-host-allow-list)."""
+        probe = await aprobe_proxy(proxy_url)
+        if self.endpoint.proxy_hosts is None and not probe["reachable"]:
+            probe = {"reachable": False, "status_code": None, "latency_ms": None,
+                     "error": "no proxy answered at this URL (details are given only with a proxy-host allow-list)"}
+        return json_reply(200, {"ok": True, "outbound": probe})
 
     @property
     def agent_is_async(self) -> bool:
@@ -4970,34 +4362,16 @@ class DispatchApp:
         return known
 
     def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
-        """Run the agent on ``envelope`` within ``run_timeout_s`` on a thread of its own; the response envelope
-        or the error reply.  An ``async def`` agent gets an event loop of its own on that thread."""
-        stats = _DispatchStats() if stats is None else stats
-        bound = _dispatch_stats.set(stats)
-        try:
-            result = _on_fresh_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s,
-                                      wrap=True)
-        except (_Overran, _AgentRaised, ResponseError) as failed:
-            return self._failed(failed, envelope, stats)
-        finally:
-            _dispatch_stats.reset(bound)
-        return self._respond(result, envelope)
+        """:meth:`arun_agent` from a blocking thread."""
+        return _on_loop(self.arun_agent(envelope, stats))
 
     async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
-        """The asyncio form of :meth:`run_agent`: an ``async def`` agent runs as a task on this loop (every dispatch
-        on the one loop, so clients a framework shares across runs work), a sync one on a thread of its own, whose
-        proxy exchanges run on this loop while the thread waits (:meth:`ProxyClient.exchange`).
-
-        Cancelled (a server shutting down), the run is cut: the agent's task is cancelled with it, its further
-        proxy calls refused, and the cut logged.
-        """
+        """Run the agent on ``envelope`` within ``run_timeout_s`` (:func:`_run_agent`); the response envelope or the
+        error reply.  Cancelled (a server shutting down), the run is cut: its further proxy calls are refused."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
         try:
-            if self.agent_is_async:
-                result = await _await_task(functools.partial(_acall_agent, self.agent, envelope), self.run_timeout_s)
-            else:
-                result = await _await_thread(functools.partial(_call_agent, self.agent, envelope), self.run_timeout_s)
+            result = await _run_agent(self.agent, envelope, self.run_timeout_s, self.agent_is_async)
         except (_Overran, _AgentRaised) as failed:
             return self._failed(failed, envelope, stats)
         except BaseException:  # this dispatch itself was cancelled: the run is cut short
@@ -5046,8 +4420,6 @@ class DispatchApp:
         """``text`` without the run token or the agent token (an agent's error may quote either)."""
         return cast(str, redact(text, *self.secrets(envelope)))
 
-    # -- adapters (below: the server adapters section) ------------------------------
-
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
         return _wsgi(self, environ, start_response)
@@ -5068,50 +4440,26 @@ class DispatchApp:
 
 
 def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
-    """§3.7 reachability probe: ``{reachable, status_code, latency_ms, error}``.
-
-    POSTs ``{}`` to ``{proxy_url}/tools/__reachability_probe__`` with a fake
-    bearer: 401/403 (or 2xx) means reachable; a connection or DNS error means
-    egress is blocked.  Never raises.
-    """
-    started = time.monotonic()
-    try:
-        request = _probe_request(proxy_url)
-        status, _, _ = _shared_transport().exchange(request.url, "POST", request.path, request.headers, request.body,
-                                                    timeout, 64 << 10)
-    except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
-        return _probe_failed(failure, started)
-    return _probe_result(status, started)
+    """§3.7 reachability probe, never raising: ``{reachable, status_code, latency_ms, error}``.  POSTs ``{}`` to
+    ``{proxy_url}/tools/__reachability_probe__`` with a fake bearer: 401/403 (or 2xx) means reachable."""
+    return cast(Dict[str, Any], _on_loop(aprobe_proxy(proxy_url, timeout=timeout)))
 
 
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """The asyncio form of :func:`probe_proxy`."""
     started = time.monotonic()
     try:
-        request = _probe_request(proxy_url)
-        status, _, _ = await _shared_atransport().exchange(request.url, "POST", request.path, request.headers,
+        request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools", _PROBE_TOOL, b"{}")
+        del request.headers["Idempotency-Key"], request.headers["Accept"]
+        status, _, _ = await _shared_transport().aexchange(request.url, "POST", request.path, request.headers,
                                                            request.body, timeout, 64 << 10)
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
-        return _probe_failed(failure, started)
-    return _probe_result(status, started)
-
-
-def _probe_request(proxy_url: str) -> ProxyRequest:
-    request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools", _PROBE_TOOL, b"{}")
-    del request.headers["Idempotency-Key"], request.headers["Accept"]
-    return request
-
-
-def _probe_result(status: int, started: float) -> Dict[str, Any]:
+        cause = (failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure
+        return {"reachable": False, "status_code": getattr(failure, "status", None),
+                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(cause, 200)}
     reachable = status in (401, 403) or 200 <= status < 300
     return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
             "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
-
-
-def _probe_failed(failure: BaseException, started: float) -> Dict[str, Any]:
-    cause = (failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure
-    return {"reachable": False, "status_code": getattr(failure, "status", None),
-            "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(cause, 200)}
 
 
 def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
@@ -5122,7 +4470,6 @@ def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
 def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., Any]:
     """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
     return DispatchApp(agent, **options).asgi
-
 
 # ---------------------------------------------------------------------------
 # Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin
@@ -5175,9 +4522,8 @@ def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..
     headers = _lower_headers(pairs)
     length = request_body_length(headers, app.max_body)
     body = _read_exactly(environ["wsgi.input"].read, length) if length else (b"" if length == 0 else None)
-    started, method, target = time.monotonic(), environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/"
     try:
-        reply = app.carry_out(app.decide(method, target, headers, body), method, target, headers, started)
+        reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers, body)
     except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
         _log.exception("building the reply failed")
         reply = _fallback_reply(exc)
@@ -5187,19 +4533,8 @@ def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..
     return [reply.body]
 
 
-def _host_reply_headers(reply: HttpReply, decision: Decision, length: Optional[int]) -> List[Tuple[str, str]]:
-    """``reply``'s headers for an ASGI host, with ``Connection: close`` when the body was not read or the request
-    was refused before any agent ran: the host's framing may differ from what a front end meant (uvicorn and
-    hypercorn unfold obs-fold, losing a folded Content-Length), so what it would read next on that connection
-    is not trusted to be a request (kit-strict-request-head)."""
-    if length is None or (decision.action == "reply" and reply.status >= 400):
-        return [*reply.headers, ("Connection", "close")]
-    return list(reply.headers)
-
-
 async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """HTTP and lifespan scopes, on the host's own loop: an ``async def`` agent runs there as a task (no thread,
-    no loop of its own), a sync one on a thread of its own, so a slow agent never blocks the loop."""
+    """HTTP and lifespan scopes, on the host's own loop (:meth:`DispatchApp.ahandle`)."""
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -5228,7 +4563,11 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
     try:
         decision = app.decide(method, target, headers, body)
         reply = await app.acarry_out(decision, method, target, headers, started)
-        reply_headers = _host_reply_headers(reply, decision, length)
+        # Connection: close when the body was not read or the request was refused before any agent ran: the
+        # host's framing may differ from what a front end meant (uvicorn and hypercorn unfold obs-fold, losing a
+        # folded Content-Length), so what it would read next is not trusted to be a request (kit-strict-request-head).
+        close = length is None or (decision.action == "reply" and reply.status >= 400)
+        reply_headers = [*reply.headers, ("Connection", "close")] if close else reply.headers
     except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
         _log.exception("building the reply failed")
         reply = _fallback_reply(exc)
@@ -6068,14 +5407,12 @@ def serve(
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` on a new thread and hand back its result or exception.
+    """``fn(*args, **kwargs)`` on a new thread, its result or exception handed back.
 
-    For the sandbox, whose Jupyter kernel already runs an event loop on the
-    calling thread (``asyncio.run`` raises there).  ``fn`` may be ``async def``:
-    it gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the one
-    bound here, if any) is bound inside the new thread.  An exception is
-    re-raised with its traceback, the envelope's run token redacted from its
-    whole chain.
+    For the sandbox, whose Jupyter kernel already runs an event loop on the calling thread (``asyncio.run``
+    raises there): an ``async def`` ``fn`` gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the
+    one bound here) is bound there.  An exception is re-raised with its traceback, the run token redacted from
+    its whole chain.
     """
     envelope = envelope if envelope is not None else _current.get()
 
@@ -6086,7 +5423,7 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[E
             return _settle(fn(*args, **kwargs))
 
     try:
-        return _on_fresh_thread(call, wrap=True)
+        return _on_fresh_thread(call)
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
@@ -6109,14 +5446,15 @@ def _code_mode_envelope(task_input: Any, proxy_url: Optional[str], run_token: Op
 
 
 def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float) -> Any:
-    """What ``agent`` returned for ``envelope``, run on a fresh thread within ``limit`` seconds; else the failure
-    :func:`code_mode` names: :class:`RunTimeoutError`, :class:`AgentError`, or the kit's own error as it is, each
-    without the run token.  From an overrun or an interrupt on, the agent's further proxy calls are refused."""
+    """What ``agent`` returned for ``envelope``, run on a fresh thread (an ``async def`` one on a loop of its own
+    there) within ``limit`` seconds; else :class:`RunTimeoutError`, :class:`AgentError`, or the kit's own error
+    as it is, each without the run token.  From an overrun or an interrupt on, the agent's further proxy calls
+    are refused."""
     stats = _DispatchStats()
     bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
     failure: Optional[BaseException] = None
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit, wrap=True)
+        return _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit)
     except _Overran:
         stats.cancelled = True
         failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
@@ -6138,9 +5476,8 @@ def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limi
 
 
 def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> Dict[str, Any]:
-    """The response body ``run()`` returns for ``result``: built, without the run token, and sure to serialise as
-    the JSON and UTF-8 the sandbox sends; else a :class:`ResponseError` without the run token, never a half-built
-    dict."""
+    """The response body ``run()`` returns for ``result``: built, without the run token, sure to serialise as JSON
+    and UTF-8; else a :class:`ResponseError` without the run token, never a half-built dict."""
     try:
         body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
         json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
@@ -6156,23 +5493,16 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
 
-    The same ``agent(envelope)`` function (sync or ``async def``) serves HTTP
-    mode.  It runs on a fresh thread with the envelope bound, so it works under
-    the kernel's running loop.  The result goes through :func:`build_response`;
-    a raising agent gives :class:`AgentError` (original exception chained), a
-    :class:`PipelinesError` it raises (a stale run token, say) propagates as it
-    is, and a result that cannot become a response gives :class:`ResponseError`,
-    never a half-built dict (``strict`` as for :func:`build_response`).  The run
-    token is redacted from the returned body, from error messages and from the
-    whole chain of a raised exception, as the server does.
-
-    An agent that overruns ``run_timeout_s`` (300 s by default, at most 1800 s,
-    as in HTTP mode) gives :class:`RunTimeoutError` naming the limit; so does a
-    kernel interrupt, by its own exception.  Either way the abandoned agent's
-    further proxy calls are refused, so it cannot act on a run that is over.
-    Missing ``proxy_url`` / ``run_token`` arguments are read from the sandbox's
-    ``PIPELINES_ODYSSEY_PROXY_URL`` / ``PIPELINES_RUN_TOKEN``; ``run()`` with no
-    argument at all reads the whole run from the environment (§7.8 kit-code-mode-env).
+    The same ``agent(envelope)`` (sync or ``async def``) serves HTTP mode; it runs on a fresh thread with the
+    envelope bound, so it works under the kernel's running loop.  The result goes through :func:`build_response` (``strict``
+    as there); a raising agent gives :class:`AgentError` (original chained), a :class:`PipelinesError` it raises
+    (a stale run token) propagates as it is, and a result that cannot become a response gives
+    :class:`ResponseError`, never a half-built dict.  The run token is redacted from the body, from messages and
+    from the whole chain of a raised exception.  Overrunning ``run_timeout_s`` (300 s, at most 1800 s) gives
+    :class:`RunTimeoutError`; a kernel interrupt its own exception; either way the agent's further proxy calls
+    are refused.  Missing ``proxy_url`` / ``run_token`` come from ``PIPELINES_ODYSSEY_PROXY_URL`` /
+    ``PIPELINES_RUN_TOKEN``; ``run()`` with no argument reads the whole run from the environment (§7.8
+    kit-code-mode-env).
     """
     limit = check_run_timeout(run_timeout_s)
 

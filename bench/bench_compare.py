@@ -16,7 +16,10 @@ Measured, in rounds that alternate which side goes first:
 
 1. import time: ``python3 -c "import pipelines_port"`` minus ``python3 -c
    "pass"`` with bytecode cached (PYTHONPYCACHEPREFIX in a temp dir, warmed
-   first), and the module's own line of ``-X importtime`` (self and cumulative);
+   first); the same compiling the module at every import, as a fresh sandbox
+   does (``python3 -B``, no cache for the copy; the standard library's own
+   bytecode read as usual); and the module's own line of ``-X importtime``
+   (self and cumulative);
 2. proxy-call latency: sequential ``pp.ProxyClient(rate_per_minute=0).call(...)``
    against a MockProxy in its own process (plain HTTP, 127.0.0.1), each side in
    a worker process of its own, taking turns call by call with a bare
@@ -180,6 +183,9 @@ def measure_import(sides: Dict[str, Side], env: Dict[str, str], args: argparse.N
     """Wall time of fresh interpreters importing each copy against ``pass``, and -X importtime lines."""
     envs = {name: side.env(env) for name, side in sides.items()}
     bare_env, bare_dir = dict(env, PYTHONPATH=benchlib.ROOT), sides["before"].dir
+    # Compiling: no bytecode prefix (the copies' folders hold no __pycache__) and -B (none written).
+    compiling = {name: {k: v for k, v in e.items() if k != "PYTHONPYCACHEPREFIX"} for name, e in envs.items()}
+    compiling["bare"] = {k: v for k, v in bare_env.items() if k != "PYTHONPYCACHEPREFIX"}
     for name, side in sides.items():  # warm: the bytecode cache, the page cache, the binary
         for _ in range(2):
             run_python(["-c", f"import {MODULE}"], side.dir, envs[name], f"{name}: warm-up")
@@ -189,12 +195,15 @@ def measure_import(sides: Dict[str, Side], env: Dict[str, str], args: argparse.N
     for round_number in range(args.import_rounds):
         order = rotated(round_number)
         wall: Dict[str, List[float]] = {"bare": [], **{name: [] for name in SIDES}}
+        cold: Dict[str, List[float]] = {"bare": [], **{name: [] for name in SIDES}}
         for _ in range(args.import_runs):
             for name in ["bare"] + order:
                 cwd, run_env = (bare_dir, bare_env) if name == "bare" else (sides[name].dir, envs[name])
-                started = time.perf_counter()
-                run_python(["-c", "pass" if name == "bare" else f"import {MODULE}"], cwd, run_env, name)
-                wall[name].append((time.perf_counter() - started) * 1000)
+                program = "pass" if name == "bare" else f"import {MODULE}"
+                for times, flags, environment in ((wall, [], run_env), (cold, ["-B"], compiling[name])):
+                    started = time.perf_counter()
+                    run_python([*flags, "-c", program], cwd, environment, name)
+                    times[name].append((time.perf_counter() - started) * 1000)
         importtime: Dict[str, List[Tuple[float, float]]] = {name: [] for name in SIDES}
         for _ in range(args.importtime_runs):
             for name in order:
@@ -205,17 +214,23 @@ def measure_import(sides: Dict[str, Side], env: Dict[str, str], args: argparse.N
             "order": order,
             "wall_ms": wall,
             "adds_ms": {name: median(wall[name]) - bare for name in SIDES},
+            "cold_ms": cold,
+            "compiling_adds_ms": {name: median(cold[name]) - median(cold["bare"]) for name in SIDES},
             "self_us": {name: [s for s, _ in importtime[name]] for name in SIDES},
             "cumulative_us": {name: [c for _, c in importtime[name]] for name in SIDES},
         })
         print(f"  import round {round_number + 1}/{args.import_rounds}: adds before "
               f"{rounds[-1]['adds_ms']['before']:.1f} ms, after {rounds[-1]['adds_ms']['after']:.1f} ms", flush=True)
     pooled = {key: [v for r in rounds for v in r["wall_ms"][key]] for key in ("bare",) + SIDES}
+    pooled_cold = {key: [v for r in rounds for v in r["cold_ms"][key]] for key in ("bare",) + SIDES}
     bare_all = median(pooled["bare"])
     metrics = {
         "import adds ms (cached)": metric(
             {name: median(pooled[name]) - bare_all for name in SIDES},
             [{name: r["adds_ms"][name] for name in SIDES} for r in rounds], lower_is_better=True),
+        "import adds ms (compiling)": metric(
+            {name: median(pooled_cold[name]) - median(pooled_cold["bare"]) for name in SIDES},
+            [{name: r["compiling_adds_ms"][name] for name in SIDES} for r in rounds], lower_is_better=True),
         "importtime self us": metric(
             {name: median([v for r in rounds for v in r["self_us"][name]]) for name in SIDES},
             [{name: median(r["self_us"][name]) for name in SIDES} for r in rounds], lower_is_better=True),

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Tuple
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -125,13 +126,13 @@ def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() ->
     client = pp.ProxyClient(rate_per_minute=0, timeout=60)
     ran_on: List[str] = []
     agent_threads: List[str] = []
-    exchange = client._atransport.exchange
+    exchange = client._transport.aexchange
 
     async def recording(*args: Any) -> Any:
         ran_on.append(threading.current_thread().name)
         return await exchange(*args)
 
-    client._atransport.exchange = recording  # type: ignore[method-assign]
+    client._transport.aexchange = recording  # type: ignore[method-assign]
 
     def agent(env: pp.Envelope) -> str:
         agent_threads.append(threading.current_thread().name)
@@ -148,12 +149,12 @@ def test_a_sync_agents_calls_run_on_the_servers_loop_while_its_thread_waits() ->
     assert all(c.bearer == tokens[c.json["run_id"]] for c in calls) and len(calls) == 2 * count
     assert len(ran_on) == 2 * count and set(ran_on) == {"pipelines-server"}  # every exchange on the server's loop
     assert len(agent_threads) == count and "pipelines-server" not in agent_threads
-    # Outside a server's dispatch the same client drives its own sockets (the blocking transport).
+    # Outside a server's dispatch the same client's exchange runs on the module's own loop thread.
     with MockProxy(tokens=["run-token-outside-xxxxxxxxxx"]) as proxy:
         proxy.script("whoami", lambda r: {"response": {"args": r.json}})
         env = pp.Envelope(proxy_url=proxy.url, run_token="run-token-outside-xxxxxxxxxx")
         assert client.call(env, "whoami", {"n": 1}) == {"args": {"n": 1}}
-    assert len(ran_on) == 2 * count
+    assert len(ran_on) == 2 * count + 1 and ran_on[-1] == "pipelines-loop"
     client.close()
 
 
@@ -276,7 +277,7 @@ def test_cancelling_a_call_closes_its_connection_and_leaves_no_task() -> None:
         with pytest.raises(asyncio.CancelledError):
             await call
         left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        pooled = sum(len(c) for c in client._atransport._pool(asyncio.get_running_loop())._idle.values())
+        pooled = sum(len(c) for c in client._transport._pool(asyncio.get_running_loop())._idle.values())
         return pooled, left
 
     try:
@@ -367,8 +368,8 @@ def test_a_cancel_in_the_turn_the_connect_deadline_fires_is_passed_on_not_taken_
 
     async def main() -> str:
         loop = asyncio.get_running_loop()
-        attempt = asyncio.ensure_future(pp._AsyncTransport()._connect(
-            loop, "http", "127.0.0.1", listener.getsockname()[1], loop.time() + 30, 30))
+        base = urlsplit(f"http://127.0.0.1:{listener.getsockname()[1]}")
+        attempt = asyncio.ensure_future(pp._Transport().aexchange(base, "POST", "/x", {}, b"", 30, 1 << 20))
         await asyncio.sleep(0.1)  # connecting, and getting no answer
         assert len(timers) == 1 and not attempt.done()
         if deadline_first:
@@ -404,10 +405,10 @@ def test_a_connect_cancelled_at_any_moment_leaves_no_connection_open() -> None:
 
     async def main() -> Tuple[int, int, List[Any]]:
         loop = asyncio.get_running_loop()
-        transport = pp._AsyncTransport()
+        transport = pp._Transport()
         handed_over, cancelled = [], 0
         for turns in range(12):
-            attempt = asyncio.ensure_future(transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5))
+            attempt = asyncio.ensure_future(transport._connect("http", "127.0.0.1", port))
             for _ in range(turns):
                 await asyncio.sleep(0)
             attempt.cancel()
@@ -451,19 +452,19 @@ def test_the_pool_reaper_closes_what_idled_too_long_and_keeps_the_rest() -> None
 
     async def main() -> Tuple[List[bool], List[bool], int, bool]:
         loop = asyncio.get_running_loop()
-        pool = pp._AsyncPool(loop, max_idle=100, idle_s=1.0)  # a sweep every 0.5 s
-        transport = pp._AsyncTransport()
-        conns = [await transport._connect(loop, "http", "127.0.0.1", port, loop.time() + 5, 5) for _ in range(40)]
+        pool = pp._Pool(loop, max_idle=100, idle_s=1.0)  # a sweep every 0.5 s
+        transport = pp._Transport()
+        conns = [await transport._connect("http", "127.0.0.1", port) for _ in range(40)]
         for conn in conns[:30]:
             pool.give(key, conn)
-        conns[3].closed = True  # as after the server's EOF
+        conns[3].close()  # as after the server's EOF
         await asyncio.sleep(0.6)
         for conn in conns[30:]:  # given later: still fresh at the sweep that closes the first 30
             pool.give(key, conn)
         await asyncio.sleep(0.7)  # the sweep at 0.5 s found none old enough; the one at 1 s closed the first 30
         kept = list(pool._idle[key])
-        first_30 = [c.transport.is_closing() for c in conns[:30]]
-        last_10 = [c.transport.is_closing() for c in conns[30:]]
+        first_30 = [c.writer.is_closing() for c in conns[:30]]
+        last_10 = [c.writer.is_closing() for c in conns[30:]]
         order_kept = kept == conns[30:]
         await asyncio.sleep(1.7)  # the rest age out at the 2 s sweep; the 2.5 s one finds nothing and ends
         return first_30, last_10, len(pool._idle[key]), order_kept and pool._reaper is None
@@ -526,7 +527,7 @@ def test_loops_that_ended_are_not_kept_alive_by_the_client_or_the_timeouts() -> 
     gc.collect()
     assert answers == [{"tool": "echo", "args": {"n": 1}}] * 5
     assert [ref() for ref in loops] == [None] * 5
-    assert len(client._atransport._pools) == 0
+    assert len(client._transport._pools) == 0
 
 def test_far_timeouts_share_one_timer_per_tick_fire_never_early_and_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Deadlines: timeouts far enough away join a tick (one asyncio timer for all of them); each fires, never

@@ -353,15 +353,6 @@ def test_doctor_finds_tools_schema_at_the_root_whatever_the_dispatch_path(tmp_pa
     assert "✓ tools_schema matches the app" in out.stdout, out.stdout
 
 
-def test_the_watchdog_forgets_finished_exchanges() -> None:
-    watchdog = pp._Watchdog()
-    with socket.socket() as s:
-        entries = [watchdog.watch(s, 60) for _ in range(1000)]
-        for entry in entries:
-            assert watchdog.done(entry) is False
-    assert len(watchdog._heap) <= 64 and watchdog._watched == 0
-
-
 def test_a_token_where_the_500_detail_is_cut_is_redacted_before_the_cut() -> None:
     """describe_error redacts the whole text, then shortens it: no part of a token survives the cut."""
     token = "run-token-" + "0123456789abcdef" * 2

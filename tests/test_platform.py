@@ -274,20 +274,22 @@ def test_register_a_code_agent_uploads_its_python_and_skips_secrets_tooling_and_
     assert body["mode"] == "sandbox" and set(body) == {"name", "mode", "config", "tools_schema", "concurrency_cap",
                                                       "run_timeout_s"}
     assert (config["entrypoint_file"], config["entrypoint"]) == ("agent.py", "run")
-    assert sorted(config["source_files"]) == ["_pipelines_port_part1.py", "agent.py", "helpers/__init__.py",
-                                              "helpers/text.py", "pipelines_port.py"]
+    assert sorted(config["source_files"]) == ["agent.py", "helpers/__init__.py", "helpers/text.py",
+                                              "pipelines_port.py"]
     assert all(len(t.encode()) <= reg.MAX_FILE_BYTES for t in config["source_files"].values())
+    # The module goes up as it is: the very file a user copies, within the platform's per-file limit.
+    assert config["source_files"]["pipelines_port.py"] == (ROOT / "pipelines_port.py").read_text(encoding="utf-8")
     for shown in ("skipped (a secret: it stays local): .env", "skipped (hidden): .git/", "venv/", "myenv/",
                   "__pycache__/", "skipped (.pipelinesignore): scratch_notes.py",
-                  "(not Python: code agents upload .py files only): tasks.csv, tools_schema.json",
-                  "pipelines_port.py: 3", "uploaded packed"):
+                  "(not Python: code agents upload .py files only): tasks.csv, tools_schema.json"):
         assert shown in err, shown
+    assert "packed" not in err
     assert len(body["tools_schema"]) == 3
 
 
-def test_the_packed_module_is_the_module_and_the_agent_runs_from_the_upload(
+def test_the_uploaded_module_is_the_module_and_the_agent_runs_from_the_upload(
         platform: FakePlatform, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
-    """The upload, written out as the sandbox writes it: ``run()`` imports the packed module and answers."""
+    """The upload, written out as the sandbox writes it: ``run()`` imports the uploaded module and answers."""
     project(tmp_path)
     assert run(capsys, "register", "--name", "coded", "--code", ".", "--entrypoint", "agent.py:run")[0] == 0
     sandbox = tmp_path / "sandbox"
@@ -298,7 +300,7 @@ def test_the_packed_module_is_the_module_and_the_agent_runs_from_the_upload(
 import inspect, json, sys, traceback
 import pipelines_port as pp
 sys.path.insert(0, sys.argv[1])
-import pipelines_port as kit_side  # the same module: the packed one was imported first
+import pipelines_port as kit_side  # the same module: the uploaded one was imported first
 original = open(sys.argv[2], encoding="utf-8").read()
 assert pp is kit_side and pp.__file__.startswith(sys.argv[3])
 assert inspect.getsource(pp).rstrip("\\n") != ""  # tracebacks and inspect read the module's own lines
@@ -312,10 +314,10 @@ reply = agent.run({"user_instruction": "returns policy?"}, proxy_url=sys.argv[4]
 print(json.dumps({"version": pp.__version__, "doc": pp.__doc__ == __import__("ast").get_docstring(
     __import__("ast").parse(original), clean=False), "shown": "raise EnvelopeError" in shown, "reply": reply}))
 """
-    with MockProxy(tokens=["run-token-for-the-packed-agent"]) as proxy:
+    with MockProxy(tokens=["run-token-for-the-uploaded-agent"]) as proxy:
         proxy.script("search_kb", [{"response": {"articles": ["Opened electronics: 14 days"]}}])
         done = subprocess.run([sys.executable, "-c", script, str(ROOT), str(ROOT / "pipelines_port.py"), str(sandbox),
-                               proxy.url, "run-token-for-the-packed-agent"], cwd=sandbox, capture_output=True,
+                               proxy.url, "run-token-for-the-uploaded-agent"], cwd=sandbox, capture_output=True,
                               text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""})
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout)
@@ -324,21 +326,15 @@ print(json.dumps({"version": pp.__version__, "doc": pp.__doc__ == __import__("as
     assert "Opened electronics: 14 days" in seen["reply"]["final_response"]
 
 
-def test_a_packed_module_whose_source_was_altered_refuses_to_import(tmp_path: pathlib.Path) -> None:
-    files = reg.pack_module((ROOT / "pipelines_port.py").read_text(encoding="utf-8"), limit=60_000)
-    assert len(files) > 2 and all(len(t.encode()) <= 60_000 for t in files.values())  # split into parts
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    ok = subprocess.run([sys.executable, "-c", "import pipelines_port as pp; print(pp.__version__)"], cwd=tmp_path,
-                        capture_output=True, text=True, timeout=60)
-    assert ok.stdout.strip() == pp.__version__, ok.stderr
-    part = tmp_path / "_pipelines_port_part2.py"
-    text = part.read_text()
-    part.write_text(text.replace(text[200:210], text[210:220]))
-    bad = subprocess.run([sys.executable, "-c", "import pipelines_port"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode != 0
-    assert "ImportError: pipelines_port: the packed source is damaged" in bad.stderr and "upload it again" in bad.stderr
+def test_a_module_over_the_platforms_file_limit_is_refused_before_anything_is_sent(
+        platform: FakePlatform, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    project(tmp_path)
+    module = tmp_path / "pipelines_port.py"
+    text = module.read_text(encoding="utf-8")
+    module.write_text(text + "#" * (reg.MAX_FILE_BYTES + 1 - len(text.encode("utf-8")) - 1) + "\n", encoding="utf-8")
+    code, _, err = run(capsys, "register", "--name", "coded", "--code", ".", "--entrypoint", "agent.py:run")
+    assert code == 2 and platform.requests == []
+    assert "pipelines_port.py is 200,001 bytes: the platform takes at most 200,000 per file" in err
 
 
 def test_register_refuses_to_upload_a_file_holding_a_secret(platform: FakePlatform, tmp_path: pathlib.Path,

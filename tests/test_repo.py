@@ -124,6 +124,20 @@ def test_the_contract_part_keeps_its_rules() -> None:
         assert name in defined, name
 
 
+def test_the_module_fits_where_it_is_copied() -> None:
+    """The module goes up to the platform as it is, and the platform takes at most 200,000 bytes per file (the
+    limit ``register`` checks, as the platform SDK's validator does): it fits, and part 1, the contract a porter
+    reads alone, stays a short read."""
+    from conformance.platform_api.register import MAX_FILE_BYTES
+
+    data = (ROOT / "pipelines_port.py").read_bytes()
+    assert MAX_FILE_BYTES == 200_000
+    assert len(data) <= MAX_FILE_BYTES, f"pipelines_port.py is {len(data):,} bytes: over {MAX_FILE_BYTES:,} per file"
+    lines = data.decode("utf-8").splitlines()
+    part1, part2 = (next(i for i, line in enumerate(lines) if line.startswith(f"#   PART {n} - ")) for n in (1, 2))
+    assert part2 - part1 <= 1500, f"part 1 is {part2 - part1} lines"
+
+
 def _module_sections(lines: List[str]) -> List[Tuple[int, int, str]]:
     """``(line, level, title)`` of each part banner (``#   PART n - ...``, level 0) and each section's opening
     (a ``# ----`` rule, then its title line: level 1) in the module's lines."""

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import base64
 import fnmatch
-import hashlib
 import ipaddress
 import json
 import os
 import re
 import sys
-import zlib
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
@@ -37,7 +34,7 @@ import pipelines_port as pp
 from ..kit import prog
 from . import client as api
 
-__all__ = ["Upload", "walk_upload", "pack_module", "load_tools", "http_config", "build_body", "update_body",
+__all__ = ["Upload", "walk_upload", "load_tools", "http_config", "build_body", "update_body",
            "masked", "main"]
 
 # The platform's limits on a code agent's files (the SDK mirrors them from the platform's validator, 0.1.15).
@@ -50,7 +47,6 @@ DEFAULT_CONCURRENCY = 5  # the SDK's defaults on create
 DEFAULT_RUN_TIMEOUT_S = 300
 MASK = "********"
 MODULE = "pipelines_port.py"
-PART = "_pipelines_port_part{}.py"
 TOOLING_DIRS = {"__pycache__", "node_modules", "build", "dist", "site-packages"}
 VENV_DIRS = {"venv", "env"}
 
@@ -115,8 +111,8 @@ def walk_upload(root: str, *, module_source: Optional[str] = None,
                 secrets: Optional[Mapping[str, str]] = None) -> Upload:
     """The files of a code agent in ``root``: its ``.py`` files, nothing hidden, secret, tooling or venv.
 
-    ``pipelines_port.py`` is the folder's own copy, else ``module_source`` (the kit's); a copy over the
-    platform's per-file limit is packed (:func:`pack_module`).  ``secrets`` (variable -> value): a file that
+    ``pipelines_port.py`` is the folder's own copy, else ``module_source`` (the kit's), uploaded as it is, like
+    every file (within the platform's per-file limit).  ``secrets`` (variable -> value): a file that
     holds one of the values is refused, naming the file and the variable.  Raises :class:`SetupError`.
     """
     root = os.path.abspath(root)
@@ -167,15 +163,7 @@ def walk_upload(root: str, *, module_source: Optional[str] = None,
             raise SetupError(f"{MODULE} is not in {root}: copy it there (code agents import it in the sandbox)")
         source = module_source
         notes.append(f"{MODULE}: the kit's copy (version {pp.__version__}); the folder has none")
-    size = len(source.encode("utf-8"))
-    if size > MAX_FILE_BYTES:
-        packed = pack_module(source)
-        files.update(packed)
-        notes.append(f"{MODULE}: {size:,} bytes is over the platform's {MAX_FILE_BYTES:,} bytes per file: uploaded "
-                     f"packed ({MODULE} unpacks the same source from {', '.join(sorted(set(packed) - {MODULE}))} "
-                     "and checks its SHA-256 at import)")
-    else:
-        files[MODULE] = source
+    files[MODULE] = source
     lowered: Dict[str, str] = {}
     for path in files:
         if path.lower() in lowered:
@@ -204,59 +192,6 @@ def _check_limits(files: Mapping[str, str]) -> None:
         total += size
     if total > MAX_TOTAL_BYTES:
         raise SetupError(f"the upload is {total:,} bytes: the platform takes at most {MAX_TOTAL_BYTES:,} in all")
-
-
-_LOADER = '''"""pipelines_port {version}, packed: the platform takes files of {limit:,} bytes at most; it is {size:,}.
-
-`pipelines-port register` uploads it this way.  This file unpacks the module's source from
-{parts} (zlib, base85), checks its SHA-256 and runs it as this module: `import pipelines_port`
-gives the module itself, and tracebacks show its own lines.
-"""
-
-import base64 as _pp_base64
-import hashlib as _pp_hashlib
-import linecache as _pp_linecache
-import sys as _pp_sys
-import zlib as _pp_zlib
-
-{imports}
-try:
-    _pp_source = _pp_zlib.decompress(_pp_base64.b85decode({joined})).decode("utf-8")
-except (ValueError, _pp_zlib.error) as _pp_error:
-    raise ImportError(f"pipelines_port: the packed source is damaged ({{_pp_error}}); upload it again") from None
-if _pp_hashlib.sha256(_pp_source.encode("utf-8")).hexdigest() != "{digest}":
-    raise ImportError("pipelines_port: the packed source is damaged (its SHA-256 differs); upload it again")
-_pp_linecache.cache[__file__] = (len(_pp_source), None, _pp_source.splitlines(True), __file__)
-for _pp_part in {modules!r}:
-    _pp_sys.modules.pop(_pp_part, None)
-del {names}, _pp_part
-exec(compile(_pp_source, __file__, "exec", dont_inherit=True), globals())
-del _pp_source, _pp_base64, _pp_hashlib, _pp_linecache, _pp_sys, _pp_zlib
-'''
-
-
-def pack_module(source: str, *, limit: int = MAX_FILE_BYTES) -> Dict[str, str]:
-    """``pipelines_port.py`` as files under ``limit`` bytes each: a loader and the zlib'd, base85 source in parts.
-
-    Importing the loader runs the very source (checked by its SHA-256) as the module ``pipelines_port``.
-    """
-    data = source.encode("utf-8")
-    blob = base64.b85encode(zlib.compress(data, 9)).decode("ascii")  # no quote or backslash in base85
-    digest = hashlib.sha256(data).hexdigest()
-    per_part = (limit - 1000) * 100 // 107  # lines of 100 characters, each 7 bytes more in the source
-    chunks = [blob[i:i + per_part] for i in range(0, len(blob), per_part)] or [""]
-    files: Dict[str, str] = {}
-    for n, chunk in enumerate(chunks, 1):
-        lines = "".join(f'    "{chunk[i:i + 100]}"\n' for i in range(0, len(chunk), 100))
-        files[PART.format(n)] = (f'"""Part {n} of {len(chunks)} of pipelines_port {pp.__version__}\'s source '
-                                 f'(zlib, base85): {MODULE} loads it."""\n\nSOURCE = (\n{lines})\n')
-    modules = [PART.format(n)[:-3] for n in range(1, len(chunks) + 1)]
-    aliases = [f"_pp_part{n}" for n in range(1, len(chunks) + 1)]
-    files[MODULE] = _LOADER.format(
-        version=pp.__version__, limit=limit, size=len(data), digest=digest, parts=", ".join(sorted(files)),
-        imports="\n".join(f"from {m} import SOURCE as {a}" for m, a in zip(modules, aliases)),
-        joined=" + ".join(aliases), modules=modules, names=", ".join(aliases))
-    return files
 
 
 def parse_entrypoint(text: str) -> Tuple[str, str]:

@@ -194,9 +194,10 @@ def code_project(tmp_path: pathlib.Path, with_module: bool = True) -> pathlib.Pa
 def test_code_agent_bodies_equal_the_sdks_and_the_upload_is_what_its_walk_takes(
         platform: FakePlatform, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
     folder = code_project(tmp_path)
-    # The SDK refuses the module as it is: over the platform's per-file limit.  The kit packs it.
-    with pytest.raises(ValueError, match="exceeds per-file cap"):
-        sdk_registration.walk_agent_source_dir(folder)
+    # The SDK's own upload validator takes the module as it is, beside a template agent: within the platform's
+    # per-file limit, and nothing else in the folder it would refuse.
+    walked_with_module = sdk_registration.walk_agent_source_dir(folder)
+    assert walked_with_module["pipelines_port.py"] == (ROOT / "pipelines_port.py").read_text(encoding="utf-8")
     code, _, err = kit(capsys, "register", "--name", "coded", "--code", str(folder), "--entrypoint", "agent.py:run")
     assert code == 0, err
     ours = last_body(platform, "POST", "/api/agents")
@@ -204,12 +205,11 @@ def test_code_agent_bodies_equal_the_sdks_and_the_upload_is_what_its_walk_takes(
     platform.agents.clear()
     sdk_registration.create_code_agent(name="coded", entrypoint="run", entrypoint_file="agent.py", files=files,
                                        tools_schema=[], api_key=platform.api_key, base_url=platform.url)
-    assert ours == last_body(platform, "POST", "/api/agents")  # and the SDK's validator takes the packed files
+    assert ours == last_body(platform, "POST", "/api/agents")  # the SDK sends the very same body
     # The user's own files: what the SDK's walk takes from the folder (without the module) is what the kit took.
     (folder / "pipelines_port.py").unlink()
     walked = sdk_registration.walk_agent_source_dir(folder)
-    assert {k: v for k, v in files.items() if k != "pipelines_port.py" and not k.startswith("_pipelines_port")} \
-        == walked
+    assert files == walked_with_module and {k: v for k, v in files.items() if k != "pipelines_port.py"} == walked
     # an update: the whole tree again (the platform replaces a code agent's config), as update_code_agent sends it
     agent = next(iter(platform.agents.values()))
     shutil.copy(ROOT / "pipelines_port.py", folder / "pipelines_port.py")

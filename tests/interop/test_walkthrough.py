@@ -146,8 +146,8 @@ def test_the_readme_platform_section_against_a_stand_in_of_the_api(fresh: Dict[s
     agents = {agent["name"]: agent for agent in platform.agents.values()}
     assert agents["my-agent"]["mode"] == "external_http" and agents["my-agent"]["config"]["has_auth_credential"]
     assert agents["my-agent-code"]["mode"] == "sandbox"
-    assert {"agent.py", "pipelines_port.py", "_pipelines_port_part1.py"} <= set(
-        agents["my-agent-code"]["config"]["source_files"])
+    uploaded = agents["my-agent-code"]["config"]["source_files"]
+    assert "agent.py" in uploaded and uploaded["pipelines_port.py"] == (project / "pipelines_port.py").read_text()
     assert [run.agent_id for run in platform.runs.values()] == [agents["my-agent"]["id"]]
     results = json.loads((project / "results.json").read_text(encoding="utf-8"))
     assert results["summary"]["judge"]["pass"] == len(results["runs"]) == 7 and (project / "junit.xml").is_file()
