@@ -5239,292 +5239,325 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# The http.server server: a thread per connection, its classes built on first use
+# The built-in servers' core: one request reader, one reply writer, one
+# start and drain; the threads server, a thin adapter over them
 # ---------------------------------------------------------------------------
 
-if TYPE_CHECKING:
-    from http.server import BaseHTTPRequestHandler as _HandlerBase
-    from http.server import ThreadingHTTPServer as _ServerBase
-else:  # http.server's classes join these parts on first use (_make_server_classes): importing it costs time
-    _HandlerBase = _ServerBase = object
+class _Request(NamedTuple):
+    """One request as :class:`_RequestReader` read it."""
+
+    head: RequestHead
+    headers: Dict[str, str]  # lower-cased
+    body: Optional[bytes]  # None: not read (request_body_length)
+    close: bool  # the connection closes after the reply: an unread body is no next request
 
 
-class _DrainingServer(_ServerBase):
-    """What the ``http.server`` dispatch server adds to ``ThreadingHTTPServer``: one :class:`DispatchApp`, the
-    requests in flight, and a graceful drain that answers 503 to those its grace period cuts."""
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
-    daemon_threads = True
-    allow_reuse_address = True
-    block_on_close = False
-    request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
-    handler_class: type  # the request handler, joined with it in _make_server_classes
 
-    def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
+class _RequestReader:
+    """A connection's requests from its bytes, sans-IO as h11 reads them: a server adds what arrives to
+    :attr:`buffer` (sets :attr:`eof` at the end) and acts on :meth:`next_event`.  Heads are read strictly
+    (kit-strict-request-head), bodies as :func:`request_body_length` allows."""
+
+    __slots__ = ("buffer", "eof", "max_body", "head", "headers", "length")
+
+    def __init__(self, max_body: int) -> None:
+        self.buffer = bytearray()
+        self.eof = False
+        self.max_body = max_body
+        self.head: Optional[RequestHead] = None  # read, its body not yet whole
+        self.headers: Dict[str, str] = {}
+        self.length: Optional[int] = 0
+
+    @property
+    def begun(self) -> bool:
+        """Part of a request has arrived: its read timeout runs."""
+        return self.head is not None or bool(self.buffer)
+
+    def next_event(self) -> Union[bytes, _Request, PipelinesError, None]:
+        """The next request; a refusal (answer it, then close: what follows cannot be framed); :data:`_CONTINUE`
+        (send it); or ``None``: more bytes needed.  At EOF a body cut short is passed on (:func:`decide` names it)."""
+        buffer = self.buffer
+        if self.head is None:
+            while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
+                del buffer[:2]
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if b"\n\n" in buffer:  # refused now, not left to the read timeout
+                    return FramingError("a line of the request head ends in a bare LF: every line must end in CRLF "
+                                        "(RFC 9112 §2.2)")
+                if len(buffer) > MAX_REQUEST_LINE_BYTES and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0:
+                    return TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
+                if len(buffer) > MAX_REQUEST_HEAD_BYTES:
+                    return HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
+                return None
+            raw = bytes(buffer[:end])
+            del buffer[:end + 4]
+            try:
+                self.head = head = _well_formed_head(raw) or parse_request_head(raw)
+            except PipelinesError as exc:
+                return exc
+            self.headers = _lower_headers(head.headers)
+            self.length = request_body_length(self.headers, self.max_body)
+            if self.length and len(buffer) < self.length and self.headers.get("expect", "").lower() == "100-continue":
+                return _CONTINUE
+        need = self.length or 0
+        if len(buffer) < need and not self.eof:
+            return None
+        head, self.head = self.head, None
+        body = None if self.length is None else bytes(buffer[:need])
+        del buffer[:need]
+        return _Request(head, self.headers, body, self.length is None or not head.keep_alive() or self.eof)
+
+
+@functools.lru_cache(maxsize=4)
+def _http_date_at(second: int) -> str:
+    """The ``Date`` header value (RFC 9110 §5.6.7) for one second since the epoch."""
+    t = time.gmtime(second)
+    day = "Mon Tue Wed Thu Fri Sat Sun".split()[t.tm_wday]
+    month = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()[t.tm_mon - 1]
+    return f"{day}, {t.tm_mday:02d} {month} {t.tm_year} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
+
+
+def _reply_bytes(reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> Tuple[bytes, bool]:
+    """``reply`` to ``request`` as HTTP/1.1 bytes, and whether the connection closes after it: status line,
+    ``Server``, ``Date``, its headers, ``Connection`` when it matters, no body to a HEAD.  Headers that cannot be
+    sent make it :func:`_fallback_reply`'s, then a close."""
+    lines = [f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\nServer: pipelines-port/{__version__}\r\n",
+             f"Date: {_http_date_at(int(time.time()))}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
+    if close:
+        lines.append("Connection: close\r\n")
+    elif request is not None and request.version == "HTTP/1.0":
+        lines.append("Connection: keep-alive\r\n")
+    lines.append("\r\n")
+    try:
+        head = "".join(lines).encode("latin-1")
+    except UnicodeEncodeError as exc:
+        return _reply_bytes(_fallback_reply(exc), True)
+    return (head if request is not None and request.method == "HEAD" else head + reply.body), close
+
+
+def _fallback_reply(exc: BaseException) -> HttpReply:
+    """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
+    name = type(exc).__name__.encode("ascii", "replace")
+    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
+    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+
+
+def _shutting_down(cut: bool) -> HttpReply:
+    """A draining server's 503 (retryable): to a request that came after the drain began, or (``cut``) to a
+    dispatch still running when its grace period ran out."""
+    return error_reply(ShuttingDownError("the server shut down before this dispatch finished: retry it" if cut
+                                         else "server is shutting down: retry on another instance"))
+
+
+class _Server:
+    """What the built-in servers share: the bound socket, the app, the limits (§7.1 kit-server-timeouts), and a
+    start and a close that cannot miss each other (``serve`` closes on SIGTERM, maybe before serving began).
+
+    A request's head and body must arrive within ``read_timeout_s`` of its first byte (408 after); an idle
+    keep-alive connection closes after ``keepalive_s``.  :meth:`close` drains: new connections are refused at
+    once, new requests answered 503, running dispatches get ``grace_s``, and those still running then are
+    answered 503 (retryable), logged, and their connections closed.
+    """
+
+    def __init__(self, app: DispatchApp, host: str, port: int, *, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 keepalive_s: float = DEFAULT_KEEPALIVE_S, backlog: int = 4096) -> None:
+        import socket
+
+        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.app = app
-        self.read_timeout_s = read_timeout_s
-        self.draining = threading.Event()
-        self._in_flight = 0
-        self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
-        self._idle = threading.Condition()
+        self.read_timeout_s, self.keepalive_s, self.backlog = float(read_timeout_s), float(keepalive_s), backlog
+        self.draining = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
+        self._lock = threading.Condition()  # draining against the start; the threads server's dispatches
+        self._started = False
+        self._stopped = threading.Event()  # serve_forever has returned
+        self._result: Optional[bool] = None
         self._thread: Optional[threading.Thread] = None
-        super().__init__(address, self.handler_class)
 
     @property
     def url(self) -> str:
         return _server_url(self.server_address, self.app.path)
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve on this thread until :meth:`close` (which the threads server sees within ``poll_interval``)."""
+        with self._lock:
+            if self.draining:
+                return
+            self._started = True
+        try:
+            self._serve(poll_interval)
+        finally:
+            self.socket.close()
+            self._stopped.set()
+
+    def close(self, grace_s: float = 5.0) -> bool:
+        """Drain and stop, from any thread but the serving one: True when every running dispatch finished within
+        ``grace_s``."""
+        with self._lock:
+            self.draining = True
+            started = self._started
+        if self._result is None:
+            self._result = self._drain(grace_s) if started else True
+            if not started:
+                self.socket.close()
+        if self._thread is not None:
+            self._thread.join(10)
+        return self._result
+
+    def shutdown(self) -> None:
+        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
+        self.close(0)
+
+    server_close = shutdown
+
+    def _serve(self, poll_interval: float) -> None:
+        raise NotImplementedError
+
+    def _drain(self, grace_s: float) -> bool:
+        raise NotImplementedError
+
+
+class _ThreadsServer(_Server):
+    """``server="threads"``: a thread per connection, each a :class:`_ThreadsConnection`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dispatching: Set[_ThreadsConnection] = set()
+
     @property
     def in_flight(self) -> int:
         """Requests being handled now."""
-        return self._in_flight
+        return len(self.dispatching)
 
-    def enter(self, handler: Any) -> bool:
-        with self._idle:
-            if self.draining.is_set():
-                return False
-            self._in_flight += 1
-            self._handlers.add(handler)
-            return True
+    def _serve(self, poll_interval: float) -> None:
+        self.socket.settimeout(poll_interval)  # to see a close() within poll_interval
+        while not self.draining:
+            try:
+                sock, address = self.socket.accept()
+            except OSError:  # the poll's timeout, or a connection that failed before it was accepted
+                continue
+            threading.Thread(target=_ThreadsConnection(self, sock, address).run, daemon=True).start()
 
-    def leave(self, handler: Any) -> None:
-        with self._idle:
-            self._in_flight -= 1
-            self._handlers.discard(handler)
-            self._idle.notify_all()
-
-    def drain(self, grace_s: float) -> bool:
-        """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
-        still running then are answered 503 (retryable) and their connections closed."""
-        self.draining.set()
+    def _drain(self, grace_s: float) -> bool:
+        self._stopped.wait(10)  # no more connections
         deadline = time.monotonic() + grace_s
-        with self._idle:
-            while self._in_flight > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._idle.wait(left)
-            cut = list(self._handlers)
-        if not cut:
-            return True
-        _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                     grace_s, len(cut))
-        for handler in cut:
-            _log.warning("%s was cut before it finished: the server is shutting down",
-                         _run_label(*handler.request_info))
-            handler.cut()
-        return False
-
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
-        if self.socket.fileno() < 0:  # closed before it served: nothing to serve
-            return
-        super().serve_forever(poll_interval)
-
-    def close(self, grace_s: float = 5.0) -> bool:
-        """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
-        self.draining.set()
-        if self._thread is not None:
-            self.shutdown()
-        self.server_close()  # new connections are refused at once, not queued until the grace period ends
-        return self.drain(grace_s)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+        with self._lock:
+            while self.dispatching and time.monotonic() < deadline:
+                self._lock.wait(max(deadline - time.monotonic(), 0))
+            cut = list(self.dispatching)
+        if cut:
+            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                         grace_s, len(cut))
+        for conn in cut:
+            conn.cut()
+        return not cut
 
 
-class _DispatchRequests(_HandlerBase):
-    """What the ``http.server`` request handler adds to ``BaseHTTPRequestHandler``: heads read strictly
-    (:meth:`parse_request`), every method served by :meth:`_serve` through the server's :class:`DispatchApp`,
-    replies written by one writer at a time so a drain's 503 and the agent's late reply never mix."""
+class _ThreadsConnection:
+    """One client connection of the threads server, on a thread of its own: blocking reads feed a
+    :class:`_RequestReader`, each read given only the time left before the request's deadline, however slowly
+    the bytes come."""
 
-    protocol_version = "HTTP/1.1"
-    default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
-    server_version = "pipelines-port/" + __version__
-    sys_version = ""
-    server: _DrainingServer  # pyright: ignore[reportIncompatibleVariableOverride]
-    run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
-    _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
-    wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
+    def __init__(self, server: _ThreadsServer, sock: Any, address: Any) -> None:
+        self.server, self.sock, self.peer = server, sock, str(address[0])
+        self.lock = threading.Lock()  # one writer at a time: a drain's 503 and the agent's late reply never mix
+        self.request: Optional[_Request] = None  # dispatched and not yet answered
+        self.cut_off = False
 
-    # -- the request head -----------------------------------------------------
-
-    def parse_request(self) -> bool:
-        """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
-        lenient parser: a refusal is a JSON reply with ``Connection: close``."""
-        import email.message
-
-        self.command, self.request_version = "", self.default_request_version
-        line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
-        self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
-        try:
-            raw = self._head_after(line)
-            if raw is None:  # the client went away mid-head
-                self.close_connection = True
-                return False
-            head = _well_formed_head(raw) or parse_request_head(raw)
-        except PipelinesError as exc:
-            self._send(error_reply(exc), close=True)
-            return False
-        self.command, self.path, self.request_version = head.method, head.target, head.version
-        self.requestline = f"{head.method} {head.target} {head.version}"
-        self.headers = email.message.Message()
-        for name, value in head.headers:
-            self.headers[name] = value
-        self.close_connection = not head.keep_alive()
-        if self.headers.get("Expect", "").lower() == "100-continue":
-            return self.handle_expect_100()
-        return True
-
-    def _head_after(self, line: bytes) -> Optional[bytes]:
-        """The whole head, from its first ``line`` (already read) up to the empty line after the request line, without
-        the final CRLF CRLF; ``None`` when the client goes away first.  Over :data:`MAX_REQUEST_HEAD_BYTES`, or
-        ending in a bare LF, it is refused."""
-        lines, size = [line], len(line)
-        started = bool(line.strip(b"\r\n"))
-        while not started or line.strip(b"\r\n"):
-            line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
-            size += len(line)
-            if not line:
-                return None
-            if size > MAX_REQUEST_HEAD_BYTES:
-                raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
-            started = started or bool(line.strip(b"\r\n"))
-            lines.append(line)
-        if line != b"\r\n":
-            raise FramingError("the request head ends in a bare LF: every line must end in CRLF (RFC 9112 §2.2)")
-        return b"".join(lines)[:-4]
-
-    def handle_expect_100(self) -> bool:
-        super().handle_expect_100()
-        self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
-        return True
-
-    # -- the connection ---------------------------------------------------------
-
-    def setup(self) -> None:
+    def run(self) -> None:
         import socket
 
-        self.reply_lock = threading.Lock()
-        self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
-        super().setup()
-        self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("%s %s", self.address_string(), format % args)
-
-    # -- every method: one path through the DispatchApp -----------------------------------
-
-    def do_GET(self) -> None:
-        self._serve()
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
-
-    def _serve(self) -> None:
-        app = self.server.app
-        if not self.server.enter(self):
-            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
-                       close=True)
-            return
+        server, sock = self.server, self.sock
+        reader = _RequestReader(server.app.max_body)
+        deadline: Optional[float] = time.monotonic() + server.read_timeout_s  # for the first request, from the connect
         try:
-            headers = _lower_headers(self.headers.items())
-            length = request_body_length(headers, app.max_body)
-            # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
-            # connection closes after the reply rather than parse that body as the next request.
-            close = self.server.draining.is_set() or length is None
-            body: Optional[bytes] = None
-            if length is not None:
-                body = self._body(length)
-                if body is None:  # a client too slow or gone
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                event = reader.next_event()
+                if event is None:
+                    if reader.eof:
+                        return
+                    if deadline is None and reader.begun:
+                        deadline = time.monotonic() + server.read_timeout_s
+                    sock.settimeout(server.keepalive_s if deadline is None else max(deadline - time.monotonic(), 1e-3))
+                    try:
+                        data = sock.recv(1 << 18)  # as asyncio reads: a refused head is read whole, no reset
+                    except socket.timeout:
+                        if reader.begun:
+                            self.send(error_reply(RequestTimeoutError(
+                                f"the request did not arrive whole within {server.read_timeout_s:g} s")), True)
+                        return
+                    reader.buffer += data
+                    reader.eof = not data
+                elif isinstance(event, _Request):
+                    if not self.dispatch(event):
+                        return
+                    deadline = None
+                elif isinstance(event, PipelinesError):
+                    _log.info("refused a request from %s: %s", self.peer, event)
+                    self.send(error_reply(event), True)
                     return
-                close = close or len(body) < length
-            self.request_info = (headers, body)
+                else:
+                    sock.sendall(event)  # _CONTINUE
+        except Exception:  # noqa: BLE001 - a connection's end, however it came: nothing else to answer
+            _log.debug("connection from %s ended with an error", self.peer, exc_info=True)
+        finally:
+            sock.close()
+
+    def dispatch(self, request: _Request) -> bool:
+        """Answer ``request`` through the app (503 when draining); whether the connection stays open."""
+        server = self.server
+        with server._lock:
+            if not server.draining:
+                self.request = request
+                server.dispatching.add(self)
+        if self.request is None:
+            return self.send(_shutting_down(False), True)
+        try:
+            self.sock.settimeout(server.read_timeout_s)  # the reply must leave within it, as a request must arrive
             try:
-                reply = app.handle(self.command, self.path, headers, body)
+                reply = server.app.handle(request.head.method, request.head.target, request.headers, request.body)
             except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
                 _log.exception("building the reply failed")
-                reply, close = _fallback_reply(exc), True
-            self._send(reply, close=close)
+                reply = _fallback_reply(exc)
+            return self.send(reply, request.close or server.draining, request.head)
         finally:
-            self.server.leave(self)
+            with server._lock:
+                server.dispatching.discard(self)
+                server._lock.notify_all()
 
-    def _body(self, length: int) -> Optional[bytes]:
-        """Up to ``length`` body bytes, all within the read timeout however slowly they come (the watchdog shuts
-        the socket after it); ``None`` when the client is too slow or gone: the connection then closes."""
-        watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
-        try:
-            return _read_exactly(self.rfile.read, length)
-        except (OSError, ValueError):  # the watchdog may have shut the socket
-            self.close_connection = True
-            return None
-        finally:
-            if _watchdog().done(watch):
-                self.close_connection = True
-
-    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-        """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
-        from http import HTTPStatus
-
-        try:
-            phrase = HTTPStatus(code).phrase
-        except ValueError:
-            phrase = "Error"
-        detail = f"{phrase}: {message}" if message and message != phrase else phrase
-        self._send(json_reply(code, {"detail": detail}), close=True)
-
-    # -- replies: one writer at a time ----------------------------------------------------
-
-    def _send(self, reply: HttpReply, *, close: bool = False) -> None:
-        with self.reply_lock:
-            if not self._cut:
-                self._write(reply, close)
+    def send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> bool:
+        """Write ``reply`` unless a drain cut this connection; whether the connection stays open."""
+        with self.lock:
+            if self.cut_off:
+                return False
+            self.request = None
+            data, close = _reply_bytes(reply, close, request)
+            self.sock.sendall(data)
+        return not close
 
     def cut(self) -> None:
-        """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
+        """From the draining thread: answer the dispatch 503 now (if it is still unanswered), then close."""
         import socket
 
-        with self.reply_lock:
-            if self._cut:
+        with self.lock:
+            request, self.request = self.request, None
+            if request is None:
                 return
-            self._cut = True
-            self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                      "retry it")), True)
+            self.cut_off = True
+            _log.warning("%s was cut before it finished: the server is shutting down",
+                         _run_label(request.headers, request.body))
             with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RDWR)
-
-    def _write(self, reply: HttpReply, close: bool) -> None:
-        self.send_response(reply.status)
-        for name, value in reply.headers:
-            self.send_header(name, value)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        try:
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(reply.body)
-            self.wfile.flush()
-        except OSError:
-            self.close_connection = True
-
-
-def _make_server_classes() -> Tuple[type, type]:
-    """The ``http.server`` dispatch server and its request handler: the parts above joined with ``http.server``'s
-    own classes on first use, so importing this module does not import ``http.server``."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class DispatchHandler(_DispatchRequests, BaseHTTPRequestHandler):  # pyright: ignore[reportIncompatibleVariableOverride]
-        """One client connection of the ``http.server`` dispatch server."""
-
-    class DispatchServer(_DrainingServer, ThreadingHTTPServer):
-        """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
-
-        handler_class = DispatchHandler
-
-    return DispatchServer, DispatchHandler
-
-
-_server_classes = _Once(_make_server_classes)
+                self.sock.sendall(_reply_bytes(_shutting_down(True), True)[0])
+                self.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
@@ -5557,6 +5590,240 @@ def default_max_connections() -> int:
     return max(16, min(10_000, (soft - 32) // 2))
 
 
+class _ServerConnection:
+    """One client connection of :class:`AsyncDispatchServer`: an asyncio protocol feeding a :class:`_RequestReader`.
+
+    A dispatch or probe runs as a task while reading goes on (a client that leaves is seen), pausing only once
+    more than ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait: no pause and resume per dispatch.  One timer
+    at a time: the request's read timeout, or the idle keep-alive period.
+    """
+
+    __slots__ = ("server", "transport", "reader", "task", "timer", "closing")
+
+    def __init__(self, server: AsyncDispatchServer) -> None:
+        self.server = server
+        self.transport: Any = None
+        self.reader = _RequestReader(server.app.max_body)
+        self.task: Any = None
+        self.timer: Any = None
+        self.closing = False
+
+    # -- the asyncio protocol ------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        server = self.server
+        server.connections.add(self)
+        if len(server.connections) > server.max_connections:
+            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
+                                                   "connections: retry shortly")), True)
+        else:
+            self._arm(server.read_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.reader.buffer += data
+        if self.task is None:
+            self._advance()
+        elif len(self.reader.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined bytes while a dispatch runs: enough
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        # The client sent all it will send: a running dispatch still gets its reply, a body cut short its 400.
+        self.reader.eof = True
+        if self.task is None:
+            self._advance()
+        if self.task is not None:
+            return True
+        self.closing = True
+        return False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        # A running dispatch finishes (a thread cannot be stopped, and the run's tool calls are real); its reply
+        # has nowhere to go.
+        self.closing = True
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- requests and replies ---------------------------------------------------
+
+    def _advance(self) -> None:
+        """Read as far as the buffer goes; start at most one request."""
+        reader, server = self.reader, self.server
+        while self.task is None and not self.closing:
+            event = reader.next_event()
+            if event is None:
+                if reader.begun and (self.timer is None
+                                     or self.timer.when() > server.loop.time() + server.read_timeout_s):
+                    self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
+                return
+            if isinstance(event, _Request):
+                if server.draining:
+                    self._send(_shutting_down(False), True)
+                    return
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
+                self.task = server.loop.create_task(self._run(event))
+                server.tasks.add(self.task)
+            elif isinstance(event, PipelinesError):
+                _log.info("refused a request from %s: %s", self._peer(), event)
+                self._send(error_reply(event), True)
+            else:
+                self.transport.write(event)  # _CONTINUE
+
+    async def _run(self, request: _Request) -> None:
+        server, close = self.server, request.close
+        try:
+            reply = await server.app.ahandle(request.head.method, request.head.target, request.headers, request.body)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+            _log.exception("building the reply failed")
+            reply = _fallback_reply(exc)
+        except BaseException:  # cancelled: a drain whose grace ran out answers 503
+            if not server.cutting:
+                raise
+            reply, close = _shutting_down(True), True
+        finally:
+            server.tasks.discard(self.task)
+            self.task = None
+        self._send(reply, close or server.draining or self.reader.eof, request.head)
+        if not self.closing:
+            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
+            self._advance()
+
+    def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
+        if self.closing or self.transport.is_closing():
+            self.closing = True
+            return
+        data, close = _reply_bytes(reply, close, request)
+        self.transport.write(data)
+        if close:
+            self.closing = True
+            self.transport.close()  # after what was written has gone out
+        elif not self.reader.buffer:
+            self._arm(self.server.keepalive_s)
+
+    def _arm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        server = self.server
+        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.task is not None or self.closing:
+            return
+        if self.reader.begun:  # a request begun and not finished within read_timeout_s
+            self._send(error_reply(RequestTimeoutError(
+                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
+        else:  # idle: the keep-alive period is over
+            self.cut()
+
+    def cut(self) -> None:
+        """Close now if idle or mid-read (draining); a running dispatch is left to the server's grace period."""
+        if self.task is None and not self.closing:
+            self.closing = True
+            self.transport.close()
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername")
+        return str(peer[0]) if isinstance(peer, tuple) else "a client"
+
+
+class AsyncDispatchServer(_Server):
+    """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
+
+    Every connection is a :class:`_ServerConnection`.  An ``async def`` agent runs as a task on the server's
+    loop, so every dispatch shares one loop (and what a framework shares across runs); a sync agent runs on a
+    thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves on the calling thread until
+    :meth:`close`; limits and the drain as :class:`_Server` says, and past ``max_connections`` open connections
+    a new one is answered 503 and closed.
+    """
+
+    def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 max_connections: Optional[int] = None, backlog: int = 4096) -> None:
+        super().__init__(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, backlog=backlog)
+        self.max_connections = max_connections or default_max_connections()
+        self.connections: Set[_ServerConnection] = set()
+        self.tasks: Set[Any] = set()
+        self.cutting = False
+        self.loop: Any = None
+        self.deadlines: Any = None  # the loop's _Deadlines
+        self._listener: Any = None  # set once serving
+        self._stop: Any = None
+
+    @property
+    def in_flight(self) -> int:
+        """Dispatches and probes running now."""
+        return len(self.tasks)
+
+    def _serve(self, poll_interval: float) -> None:
+        import asyncio
+
+        asyncio.run(self._aserve())
+
+    async def _aserve(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        self.deadlines = _Deadlines._for(self.loop)
+        self._stop = asyncio.Event()
+        listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
+                                                 backlog=self.backlog)
+        with self._lock:
+            if self.draining:  # close() came while the loop was starting: it found nothing to drain
+                listener.close()
+                return
+            self._listener = listener
+        await self._stop.wait()
+
+    def _drain(self, grace_s: float) -> bool:
+        import asyncio
+
+        if self._listener is None or self._stopped.is_set():  # not serving: _aserve sees draining and returns
+            return True
+        finished = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop).result()
+        self._stopped.wait(10)
+        return finished
+
+    async def aclose(self, grace_s: float = 5.0) -> bool:
+        """:meth:`close` from the server's own loop."""
+        import asyncio
+
+        self.draining = True
+        self._listener.close()  # new connections are refused at once, not queued for the grace period
+        for conn in list(self.connections):
+            conn.cut()
+        finished = True
+        if self.tasks:
+            _done, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
+            if pending:
+                finished = False
+                self.cutting = True
+                _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                             grace_s, len(pending))
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=5)
+        for conn in list(self.connections):
+            conn.transport.close()
+        self._stop.set()
+        return finished
+
+
+# ---------------------------------------------------------------------------
+# Starting a server: make_server, start_server, serve (signals and the drain)
+# ---------------------------------------------------------------------------
+
 def _raise_file_limit() -> None:
     """Raise this process's soft limit on open files to its hard limit (at most 65536), as servers do."""
     try:
@@ -5583,387 +5850,6 @@ def _tune_gc(threshold: int) -> None:
         gc.set_threshold(threshold, *rest)
 
 
-_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
-_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
-
-
-@functools.lru_cache(maxsize=4)
-def _http_date_at(second: int) -> str:
-    """The ``Date`` header value (RFC 9110 §5.6.7) for one second since the epoch."""
-    t = time.gmtime(second)
-    return (f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year} "
-            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT")
-
-
-def _reply_bytes(reply: HttpReply, *, close: bool, keep_alive: bool = False, head_only: bool = False) -> bytes:
-    """``reply`` as HTTP/1.1 bytes: status line, ``Server``, ``Date``, its headers, ``Connection`` when it matters."""
-    reason = _reason(reply.status)
-    lines = [f"HTTP/1.1 {reply.status} {reason}\r\nServer: pipelines-port/{__version__}\r\n",
-             f"Date: {_http_date_at(int(time.time()))}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
-    if close:
-        lines.append("Connection: close\r\n")
-    elif keep_alive:
-        lines.append("Connection: keep-alive\r\n")
-    lines.append("\r\n")
-    head = "".join(lines).encode("latin-1")
-    return head if head_only else head + reply.body
-
-
-def _fallback_reply(exc: BaseException) -> HttpReply:
-    """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
-    name = type(exc).__name__.encode("ascii", "replace")
-    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
-    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
-
-
-class _ServerConnection:
-    """One client connection of :class:`AsyncDispatchServer`, as an asyncio protocol.
-
-    One request at a time: its head (:func:`parse_request_head`), then the body :func:`request_body_length`
-    allows, all within ``read_timeout_s`` of its first byte.  A decided refusal is answered at once; a dispatch
-    or probe runs as a task while reading goes on (a client that leaves is seen), pausing only once more than
-    ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait: no pause and resume per dispatch.  The connection
-    closes after a framing refusal, on ``Connection: close``, after ``keepalive_s`` idle, and when the server
-    drains.
-    """
-
-    __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof")
-
-    def __init__(self, server: AsyncDispatchServer) -> None:
-        self.server = server
-        self.transport: Any = None
-        self.buffer = bytearray()
-        self.head: Optional[RequestHead] = None
-        self.headers: Dict[str, str] = {}
-        self.length: Optional[int] = 0
-        self.task: Any = None
-        self.timer: Any = None
-        self.closing = False
-        self.eof = False
-
-    # -- the asyncio protocol ------------------------------------------------
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        server = self.server
-        server.connections.add(self)
-        if len(server.connections) > server.max_connections:
-            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
-                                                   "connections: retry shortly")), close=True)
-            return
-        self._arm(server.read_timeout_s)
-
-    def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
-        self.buffer += data
-        if self.task is None:
-            self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined bytes while a dispatch runs: enough for now
-            self.transport.pause_reading()
-
-    def eof_received(self) -> bool:
-        # The client sent all it will send: a running dispatch still gets its reply, a body cut short gets its
-        # 400 (decide names the truncation), then the connection closes.
-        self.eof = True
-        if self.task is None and self.head is not None and not self.closing:
-            head, self.head = self.head, None
-            body = None if self.length is None else bytes(self.buffer[:self.length])
-            self.buffer.clear()
-            self._start(head, body)
-        if self.task is not None:
-            return True
-        self.closing = True
-        return False
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        self.closing = True
-        self.server.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-        # A running dispatch finishes (a thread cannot be stopped, and the run's tool calls are real); its reply
-        # has nowhere to go.
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-    # -- reading requests ------------------------------------------------------
-
-    def _advance(self) -> None:
-        """Read as far as the buffer goes; start at most one request."""
-        buffer = self.buffer
-        while self.task is None and not self.closing:
-            if self.head is None:
-                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
-                    del buffer[:2]
-                if not buffer:
-                    return
-                if self.timer is None or self.timer.when() > self.server.loop.time() + self.server.read_timeout_s:
-                    self._arm(self.server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
-                end = buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if b"\n\n" in buffer:  # lines ended by a bare LF: refused now, not left to the read timeout
-                        self._refuse(FramingError("a line of the request head ends in a bare LF: every line must "
-                                                  "end in CRLF (RFC 9112 §2.2)"))
-                    elif (len(buffer) > MAX_REQUEST_LINE_BYTES
-                          and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0):
-                        self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
-                    elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
-                        self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
-                    return
-                raw = bytes(buffer[:end])
-                del buffer[:end + 4]
-                try:
-                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
-                except PipelinesError as exc:
-                    self._refuse(exc)
-                    return
-                self.headers = _lower_headers(head.headers)
-                self.length = request_body_length(self.headers, self.server.app.max_body)
-                if (self.length and len(buffer) < self.length
-                        and self.headers.get("expect", "").lower() == "100-continue"):
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            need = self.length or 0
-            if len(buffer) < need:
-                return
-            body = None if self.length is None else bytes(buffer[:need])
-            del buffer[:need]
-            head, self.head = self.head, None
-            self._start(head, body)
-
-    def _start(self, head: RequestHead, body: Optional[bytes]) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        server = self.server
-        close = self.length is None or not head.keep_alive() or self.eof  # an unread body is no next request
-        if server.draining:
-            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
-                       close=True)
-            return
-        self.task = server.loop.create_task(self._run(head, body, close))
-        server.tasks.add(self.task)
-
-    async def _run(self, head: RequestHead, body: Optional[bytes], close: bool) -> None:
-        import asyncio
-
-        try:
-            reply = await self.server.app.ahandle(head.method, head.target, self.headers, body)
-        except asyncio.CancelledError:
-            if not self.server.cutting:
-                raise
-            reply, close = error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                         "retry it")), True
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-            _log.exception("building the reply failed")
-            reply = _fallback_reply(exc)
-        finally:
-            self.server.tasks.discard(asyncio.current_task())
-            self.task = None
-        self._send(reply, close=close or self.server.draining or self.eof, head=head)
-        if not self.closing:
-            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
-            self._advance()
-
-    # -- replying ---------------------------------------------------------------
-
-    def _refuse(self, exc: PipelinesError) -> None:
-        """A framing refusal: the reply, then the connection closes (what follows cannot be framed)."""
-        _log.info("refused a request from %s: %s", self._peer(), exc)
-        self._send(error_reply(exc), close=True)
-
-    def _send(self, reply: HttpReply, *, close: bool, head: Optional[RequestHead] = None) -> None:
-        if self.closing or self.transport.is_closing():
-            self.closing = True
-            return
-        keep_alive = head is not None and head.version == "HTTP/1.0" and not close
-        try:
-            data = _reply_bytes(reply, close=close, keep_alive=keep_alive,
-                                head_only=head is not None and head.method == "HEAD")
-        except Exception as exc:  # noqa: BLE001 - a header that cannot be sent: still a JSON reply
-            data, close = _reply_bytes(_fallback_reply(exc), close=True), True
-        self.transport.write(data)
-        if close:
-            self.closing = True
-            self.transport.close()  # after what was written has gone out
-        elif not self.buffer:
-            self._arm(self.server.keepalive_s)
-
-    def _arm(self, seconds: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        server = self.server
-        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
-
-    def _timed_out(self) -> None:
-        self.timer = None
-        if self.task is not None or self.closing:
-            return
-        if self.buffer or self.head is not None:  # a request begun and not finished within read_timeout_s
-            self._send(error_reply(RequestTimeoutError(
-                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), close=True)
-        else:  # idle: the keep-alive period is over
-            self.closing = True
-            self.transport.close()
-
-    def cut(self) -> None:
-        """Close now if idle or mid-read (draining); a running dispatch is left to the server's grace period."""
-        if self.task is None and not self.closing:
-            self.closing = True
-            self.transport.close()
-
-    def _peer(self) -> str:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        return str(peer[0]) if isinstance(peer, tuple) else "a client"
-
-
-class AsyncDispatchServer:
-    """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
-
-    Every connection is a :class:`_ServerConnection`.  An ``async def`` agent runs as a task on the server's
-    loop, so every dispatch shares one loop (and what a framework shares across runs); a sync agent runs on a
-    thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves on the calling thread until
-    :meth:`close`, which drains: no new requests, running dispatches get ``grace_s``, and those still running
-    then are answered 503 (retryable) before their connections close.
-
-    Limits (§7.1 kit-server-timeouts): a request's head and body must arrive within ``read_timeout_s`` of its
-    first byte (408 after); an idle keep-alive connection closes after ``keepalive_s``; past
-    ``max_connections`` open connections a new one is answered 503 and closed.
-    """
-
-    def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 max_connections: Optional[int] = None, backlog: int = 4096) -> None:
-        import socket
-
-        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.app = app
-        self.read_timeout_s = float(read_timeout_s)
-        self.keepalive_s = float(keepalive_s)
-        self.max_connections = max_connections or default_max_connections()
-        self.connections: Set[_ServerConnection] = set()
-        self.tasks: Set[Any] = set()
-        self.draining = False
-        self.cutting = False
-        self.loop: Any = None
-        self.deadlines: Any = None  # the loop's _Deadlines, once it runs
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
-        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
-        self._backlog = backlog
-        self._listener: Any = None
-        self._stopped: Any = None
-        self._serving = threading.Event()
-        self._finished = threading.Event()
-        self._closing = False  # close() was called: a serve_forever starting after it returns at once
-        self._started = False  # serve_forever began: it closes the socket when it ends
-        self._state_lock = threading.Lock()
-        self._result: Optional[bool] = None
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def url(self) -> str:
-        return _server_url(self.server_address, self.app.path)
-
-    @property
-    def in_flight(self) -> int:
-        """Dispatches and probes running now."""
-        return len(self.tasks)
-
-    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
-        """Serve on this thread (on an event loop of its own) until :meth:`close`."""
-        import asyncio
-
-        with self._state_lock:
-            if self._closing:
-                return
-            self._started = True
-        try:
-            asyncio.run(self._serve())
-        finally:
-            self.socket.close()
-            self._finished.set()
-
-    async def _serve(self) -> None:
-        import asyncio
-
-        self.loop = asyncio.get_running_loop()
-        self.deadlines = _Deadlines._for(self.loop)
-        self._stopped = asyncio.Event()
-        self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
-                                                       backlog=self._backlog)
-        with self._state_lock:
-            if self._closing:  # close() came while the loop was starting: it found nothing to drain
-                self._listener.close()
-                return
-            self._serving.set()
-        await self._stopped.wait()
-
-    def close(self, grace_s: float = 5.0) -> bool:
-        """Drain and stop (from any thread but the server's own): True when every running dispatch finished
-        within ``grace_s``; those that did not were answered 503 and are logged."""
-        import asyncio
-
-        with self._state_lock:  # against _serve: either it is serving and is drained, or it will not serve
-            self._closing = True
-            serving = self._serving.is_set() and not self._finished.is_set()
-            started = self._started
-        if self._result is None:
-            if serving:
-                future = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop)
-                self._result = future.result()
-                self._finished.wait(10)
-            else:
-                self._result = True
-                if not started:
-                    self.socket.close()
-        if self._thread is not None:
-            self._thread.join(10)
-        return self._result
-
-    def shutdown(self) -> None:
-        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
-        self.close(0)
-
-    def server_close(self) -> None:
-        self.close(0)
-
-    async def aclose(self, grace_s: float = 5.0) -> bool:
-        """:meth:`close` from the server's own loop."""
-        import asyncio
-
-        self.draining = True
-        self._listener.close()  # new connections are refused at once, not queued for the grace period
-        for conn in list(self.connections):
-            conn.cut()
-        finished = True
-        if self.tasks:
-            _done, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
-            if pending:
-                finished = False
-                self.cutting = True
-                _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                             grace_s, len(pending))
-                for task in pending:
-                    task.cancel()
-                await asyncio.wait(pending, timeout=5)
-        for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
-        self._stopped.set()
-        return finished
-
-
-# ---------------------------------------------------------------------------
-# Starting a server: make_server, start_server, serve (signals and the drain)
-# ---------------------------------------------------------------------------
-
 def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
     if isinstance(agent, DispatchApp):
         if options:
@@ -5989,8 +5875,8 @@ def make_server(
     """A bound, not yet serving dispatch server; ``options`` as for :class:`DispatchApp`.
 
     ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop.
-    ``server="threads"``: ``http.server``'s ``ThreadingHTTPServer``, a thread per connection.  Both have
-    ``.url``, ``.server_address``, ``.serve_forever()`` and ``.close(grace_s)``.
+    ``server="threads"``: a thread per connection (``max_connections`` does not apply).  Both read requests
+    alike and have ``.url``, ``.server_address``, ``.serve_forever()`` and ``.close(grace_s)``.
     """
     app = _as_app(agent, options)
     if app.no_auth:
@@ -5999,8 +5885,7 @@ def make_server(
         return AsyncDispatchServer(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s,
                                    max_connections=max_connections)
     if server == "threads":
-        server_class, _ = _server_classes()
-        return server_class((host, port), app, read_timeout_s)
+        return _ThreadsServer(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s)
     raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
 
 
@@ -6036,18 +5921,11 @@ def serve(
     import signal
 
     _raise_file_limit()  # a thousand dispatches at once need more than the usual 1024 open files
-    server = make_server(agent, host=host, port=port, **options)
-    _tune_gc(gc_threshold)
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-    server._thread = thread
-    thread.start()
+    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        server = start_server(agent, host=host, port=port, **options)
+        _tune_gc(gc_threshold)
         if ready is not None:
             ready(server)
         while not stop.wait(0.5):
