@@ -5239,77 +5239,9 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# The built-in servers' core: one request reader, one reply writer, one
-# start and drain; the threads server, a thin adapter over them
+# The built-in server: HTTP/1.1 on one asyncio event loop, server="threads"
+# a thread per connection over it
 # ---------------------------------------------------------------------------
-
-class _Request(NamedTuple):
-    """One request as :class:`_RequestReader` read it."""
-
-    head: RequestHead
-    headers: Dict[str, str]  # lower-cased
-    body: Optional[bytes]  # None: not read (request_body_length)
-    close: bool  # the connection closes after the reply: an unread body is no next request
-
-
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class _RequestReader:
-    """A connection's requests from its bytes, sans-IO as h11 reads them: a server adds what arrives to
-    :attr:`buffer` (sets :attr:`eof` at the end) and acts on :meth:`next_event`.  Heads are read strictly
-    (kit-strict-request-head), bodies as :func:`request_body_length` allows."""
-
-    __slots__ = ("buffer", "eof", "max_body", "head", "headers", "length")
-
-    def __init__(self, max_body: int) -> None:
-        self.buffer = bytearray()
-        self.eof = False
-        self.max_body = max_body
-        self.head: Optional[RequestHead] = None  # read, its body not yet whole
-        self.headers: Dict[str, str] = {}
-        self.length: Optional[int] = 0
-
-    @property
-    def begun(self) -> bool:
-        """Part of a request has arrived: its read timeout runs."""
-        return self.head is not None or bool(self.buffer)
-
-    def next_event(self) -> Union[bytes, _Request, PipelinesError, None]:
-        """The next request; a refusal (answer it, then close: what follows cannot be framed); :data:`_CONTINUE`
-        (send it); or ``None``: more bytes needed.  At EOF a body cut short is passed on (:func:`decide` names it)."""
-        buffer = self.buffer
-        if self.head is None:
-            while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
-                del buffer[:2]
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if b"\n\n" in buffer:  # refused now, not left to the read timeout
-                    return FramingError("a line of the request head ends in a bare LF: every line must end in CRLF "
-                                        "(RFC 9112 §2.2)")
-                if len(buffer) > MAX_REQUEST_LINE_BYTES and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0:
-                    return TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
-                if len(buffer) > MAX_REQUEST_HEAD_BYTES:
-                    return HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
-                return None
-            raw = bytes(buffer[:end])
-            del buffer[:end + 4]
-            try:
-                self.head = head = _well_formed_head(raw) or parse_request_head(raw)
-            except PipelinesError as exc:
-                return exc
-            self.headers = _lower_headers(head.headers)
-            self.length = request_body_length(self.headers, self.max_body)
-            if self.length and len(buffer) < self.length and self.headers.get("expect", "").lower() == "100-continue":
-                return _CONTINUE
-        need = self.length or 0
-        if len(buffer) < need and not self.eof:
-            return None
-        head, self.head = self.head, None
-        body = None if self.length is None else bytes(buffer[:need])
-        del buffer[:need]
-        return _Request(head, self.headers, body, self.length is None or not head.keep_alive() or self.eof)
-
 
 @functools.lru_cache(maxsize=4)
 def _http_date_at(second: int) -> str:
@@ -5320,25 +5252,6 @@ def _http_date_at(second: int) -> str:
     return f"{day}, {t.tm_mday:02d} {month} {t.tm_year} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
 
 
-def _reply_bytes(reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> Tuple[bytes, bool]:
-    """``reply`` to ``request`` as HTTP/1.1 bytes, and whether the connection closes after it: status line,
-    ``Server``, ``Date``, its headers, ``Connection`` when it matters, no body to a HEAD.  Headers that cannot be
-    sent make it :func:`_fallback_reply`'s, then a close."""
-    lines = [f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\nServer: pipelines-port/{__version__}\r\n",
-             f"Date: {_http_date_at(int(time.time()))}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
-    if close:
-        lines.append("Connection: close\r\n")
-    elif request is not None and request.version == "HTTP/1.0":
-        lines.append("Connection: keep-alive\r\n")
-    lines.append("\r\n")
-    try:
-        head = "".join(lines).encode("latin-1")
-    except UnicodeEncodeError as exc:
-        return _reply_bytes(_fallback_reply(exc), True)
-    return (head if request is not None and request.method == "HEAD" else head + reply.body), close
-
-
 def _fallback_reply(exc: BaseException) -> HttpReply:
     """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
     name = type(exc).__name__.encode("ascii", "replace")
@@ -5346,235 +5259,197 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
 
-def _shutting_down(cut: bool) -> HttpReply:
-    """A draining server's 503 (retryable): to a request that came after the drain began, or (``cut``) to a
-    dispatch still running when its grace period ran out."""
-    return error_reply(ShuttingDownError("the server shut down before this dispatch finished: retry it" if cut
-                                         else "server is shutting down: retry on another instance"))
+class _ServerConnection:
+    """One client connection of :class:`AsyncDispatchServer`, as an asyncio protocol: one request at a time, its
+    head read strictly (kit-strict-request-head), then the body :func:`request_body_length` allows.  A dispatch runs
+    as a task while reading goes on (a client that leaves is seen), paused only once more than
+    ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait."""
 
+    __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof",
+                 "jobs")
 
-class _Server:
-    """What the built-in servers share: the bound socket, the app, the limits (§7.1 kit-server-timeouts), and a
-    start and a close that cannot miss each other (``serve`` closes on SIGTERM, maybe before serving began).
+    def __init__(self, server: AsyncDispatchServer) -> None:
+        self.server = server
+        self.transport: Any = None
+        self.buffer = bytearray()
+        self.head: Optional[RequestHead] = None  # read, its body not yet whole
+        self.headers: Dict[str, str] = {}
+        self.length: Optional[int] = 0
+        self.task: Any = None
+        self.timer: Any = None  # the read timeout, or the idle keep-alive period
+        self.closing = self.eof = False
+        self.jobs: Any = None  # server="threads": the queue of the connection's thread
 
-    A request's head and body must arrive within ``read_timeout_s`` of its first byte (408 after); an idle
-    keep-alive connection closes after ``keepalive_s``.  :meth:`close` drains: new connections are refused at
-    once, new requests answered 503, running dispatches get ``grace_s``, and those still running then are
-    answered 503 (retryable), logged, and their connections closed.
-    """
-
-    def __init__(self, app: DispatchApp, host: str, port: int, *, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 keepalive_s: float = DEFAULT_KEEPALIVE_S, backlog: int = 4096) -> None:
-        import socket
-
-        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.app = app
-        self.read_timeout_s, self.keepalive_s, self.backlog = float(read_timeout_s), float(keepalive_s), backlog
-        self.draining = False
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
-        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
-        self._lock = threading.Condition()  # draining against the start; the threads server's dispatches
-        self._started = False
-        self._stopped = threading.Event()  # serve_forever has returned
-        self._result: Optional[bool] = None
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def url(self) -> str:
-        return _server_url(self.server_address, self.app.path)
-
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Serve on this thread until :meth:`close` (which the threads server sees within ``poll_interval``)."""
-        with self._lock:
-            if self.draining:
-                return
-            self._started = True
-        try:
-            self._serve(poll_interval)
-        finally:
-            self.socket.close()
-            self._stopped.set()
-
-    def close(self, grace_s: float = 5.0) -> bool:
-        """Drain and stop, from any thread but the serving one: True when every running dispatch finished within
-        ``grace_s``."""
-        with self._lock:
-            self.draining = True
-            started = self._started
-        if self._result is None:
-            self._result = self._drain(grace_s) if started else True
-            if not started:
-                self.socket.close()
-        if self._thread is not None:
-            self._thread.join(10)
-        return self._result
-
-    def shutdown(self) -> None:
-        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
-        self.close(0)
-
-    server_close = shutdown
-
-    def _serve(self, poll_interval: float) -> None:
-        raise NotImplementedError
-
-    def _drain(self, grace_s: float) -> bool:
-        raise NotImplementedError
-
-
-class _ThreadsServer(_Server):
-    """``server="threads"``: a thread per connection, each a :class:`_ThreadsConnection`."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.dispatching: Set[_ThreadsConnection] = set()
-
-    @property
-    def in_flight(self) -> int:
-        """Requests being handled now."""
-        return len(self.dispatching)
-
-    def _serve(self, poll_interval: float) -> None:
-        self.socket.settimeout(poll_interval)  # to see a close() within poll_interval
-        while not self.draining:
-            try:
-                sock, address = self.socket.accept()
-            except OSError:  # the poll's timeout, or a connection that failed before it was accepted
-                continue
-            threading.Thread(target=_ThreadsConnection(self, sock, address).run, daemon=True).start()
-
-    def _drain(self, grace_s: float) -> bool:
-        self._stopped.wait(10)  # no more connections
-        deadline = time.monotonic() + grace_s
-        with self._lock:
-            while self.dispatching and time.monotonic() < deadline:
-                self._lock.wait(max(deadline - time.monotonic(), 0))
-            cut = list(self.dispatching)
-        if cut:
-            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                         grace_s, len(cut))
-        for conn in cut:
-            conn.cut()
-        return not cut
-
-
-class _ThreadsConnection:
-    """One client connection of the threads server, on a thread of its own: blocking reads feed a
-    :class:`_RequestReader`, each read given only the time left before the request's deadline, however slowly
-    the bytes come."""
-
-    def __init__(self, server: _ThreadsServer, sock: Any, address: Any) -> None:
-        self.server, self.sock, self.peer = server, sock, str(address[0])
-        self.lock = threading.Lock()  # one writer at a time: a drain's 503 and the agent's late reply never mix
-        self.request: Optional[_Request] = None  # dispatched and not yet answered
-        self.cut_off = False
-
-    def run(self) -> None:
-        import socket
-
-        server, sock = self.server, self.sock
-        reader = _RequestReader(server.app.max_body)
-        deadline: Optional[float] = time.monotonic() + server.read_timeout_s  # for the first request, from the connect
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                event = reader.next_event()
-                if event is None:
-                    if reader.eof:
-                        return
-                    if deadline is None and reader.begun:
-                        deadline = time.monotonic() + server.read_timeout_s
-                    sock.settimeout(server.keepalive_s if deadline is None else max(deadline - time.monotonic(), 1e-3))
-                    try:
-                        data = sock.recv(1 << 18)  # as asyncio reads: a refused head is read whole, no reset
-                    except socket.timeout:
-                        if reader.begun:
-                            self.send(error_reply(RequestTimeoutError(
-                                f"the request did not arrive whole within {server.read_timeout_s:g} s")), True)
-                        return
-                    reader.buffer += data
-                    reader.eof = not data
-                elif isinstance(event, _Request):
-                    if not self.dispatch(event):
-                        return
-                    deadline = None
-                elif isinstance(event, PipelinesError):
-                    _log.info("refused a request from %s: %s", self.peer, event)
-                    self.send(error_reply(event), True)
-                    return
-                else:
-                    sock.sendall(event)  # _CONTINUE
-        except Exception:  # noqa: BLE001 - a connection's end, however it came: nothing else to answer
-            _log.debug("connection from %s ended with an error", self.peer, exc_info=True)
-        finally:
-            sock.close()
-
-    def dispatch(self, request: _Request) -> bool:
-        """Answer ``request`` through the app (503 when draining); whether the connection stays open."""
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
         server = self.server
-        with server._lock:
-            if not server.draining:
-                self.request = request
-                server.dispatching.add(self)
-        if self.request is None:
-            return self.send(_shutting_down(False), True)
-        try:
-            self.sock.settimeout(server.read_timeout_s)  # the reply must leave within it, as a request must arrive
-            try:
-                reply = server.app.handle(request.head.method, request.head.target, request.headers, request.body)
-            except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-                _log.exception("building the reply failed")
-                reply = _fallback_reply(exc)
-            return self.send(reply, request.close or server.draining, request.head)
-        finally:
-            with server._lock:
-                server.dispatching.discard(self)
-                server._lock.notify_all()
+        server.connections.add(self)
+        if len(server.connections) > server.max_connections:
+            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
+                                                   "connections: retry shortly")), True)
+        else:
+            self._arm(server.read_timeout_s)
 
-    def send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> bool:
-        """Write ``reply`` unless a drain cut this connection; whether the connection stays open."""
-        with self.lock:
-            if self.cut_off:
-                return False
-            self.request = None
-            data, close = _reply_bytes(reply, close, request)
-            self.sock.sendall(data)
-        return not close
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.buffer += data
+        if self.task is None:
+            self._advance()
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined while a dispatch runs: enough for now
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        # A running dispatch still gets its reply, a body cut short its 400 (decide names it); then a close.
+        self.eof = True
+        if self.task is None:
+            self._advance()
+        if self.task is not None:
+            return True
+        self.closing = True
+        return False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        # A running dispatch finishes (a thread cannot be stopped, the run's tool calls are real), unanswered.
+        self.closing = True
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.jobs is not None:
+            self.jobs.put(None)  # its thread ends
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    def _advance(self) -> None:
+        """Read as far as the buffer goes; start at most one request."""
+        buffer, server = self.buffer, self.server
+        while self.task is None and not self.closing:
+            if self.head is None:
+                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
+                    del buffer[:2]
+                if not buffer:
+                    return
+                if self.timer is None or self.timer.when() > server.loop.time() + server.read_timeout_s:
+                    self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if b"\n\n" in buffer:  # refused now, not left to the read timeout
+                        self._refuse(FramingError("a line of the request head ends in a bare LF: every line must "
+                                                  "end in CRLF (RFC 9112 §2.2)"))
+                    elif (len(buffer) > MAX_REQUEST_LINE_BYTES
+                          and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0):
+                        self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
+                    elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
+                        self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
+                    return
+                raw = bytes(buffer[:end])
+                del buffer[:end + 4]
+                try:
+                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
+                except PipelinesError as exc:
+                    self._refuse(exc)
+                    return
+                self.headers = _lower_headers(head.headers)
+                self.length = request_body_length(self.headers, server.app.max_body)
+                if (self.length and len(buffer) < self.length
+                        and self.headers.get("expect", "").lower() == "100-continue"):
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            need = self.length or 0
+            if len(buffer) < need and not self.eof:
+                return
+            body = None if self.length is None else bytes(buffer[:need])
+            del buffer[:need]
+            head, self.head = self.head, None
+            self._start(head, body)
+
+    def _start(self, head: RequestHead, body: Optional[bytes]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        server = self.server
+        if server.draining:
+            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")), True)
+            return
+        close = self.length is None or not head.keep_alive()  # an unread body is no next request
+        self.task = server.loop.create_task(self._run(head, body, close))
+        server.tasks.add(self.task)
+
+    async def _run(self, head: RequestHead, body: Optional[bytes], close: bool) -> None:
+        server = self.server
+        try:
+            reply = await server._answer(self, head, body)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+            _log.exception("building the reply failed")
+            reply = _fallback_reply(exc)
+        except BaseException:  # cancelled: when a drain's grace period runs out, 503
+            if not server.cutting:
+                raise
+            reply, close = error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
+                                                         "retry it")), True
+        finally:
+            server.tasks.discard(self.task)
+            self.task = None
+        self._send(reply, close or server.draining or self.eof, head)
+        if not self.closing:
+            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
+            self._advance()
+
+    def _refuse(self, exc: PipelinesError) -> None:
+        peer = self.transport.get_extra_info("peername")
+        _log.info("refused a request from %s: %s", peer[0] if isinstance(peer, tuple) else "a client", exc)
+        self._send(error_reply(exc), True)
+
+    def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
+        """Write ``reply`` to ``request`` (``Server`` and ``Date`` added, ``Connection`` when it matters, no body to a
+        HEAD); headers that cannot be sent make it a fallback, and a close."""
+        if self.closing or self.transport.is_closing():
+            self.closing = True
+            return
+        lines = [f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\nServer: pipelines-port/{__version__}\r\n",
+                 f"Date: {_http_date_at(int(time.time()))}\r\n"]
+        lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
+        if close:
+            lines.append("Connection: close\r\n")
+        elif request is not None and request.version == "HTTP/1.0":
+            lines.append("Connection: keep-alive\r\n")
+        lines.append("\r\n")
+        try:
+            head = "".join(lines).encode("latin-1")
+        except UnicodeEncodeError as exc:
+            return self._send(_fallback_reply(exc), True)
+        self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
+        if close:
+            self.closing = True
+            self.transport.close()  # once what was written has gone out
+        elif not self.buffer:
+            self._arm(self.server.keepalive_s)
+
+    def _arm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        server = self.server
+        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.task is not None or self.closing:
+            return
+        if self.buffer or self.head is not None:  # a request begun and not whole within read_timeout_s
+            self._send(error_reply(RequestTimeoutError(
+                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
+        else:  # idle for keepalive_s
+            self.cut()
 
     def cut(self) -> None:
-        """From the draining thread: answer the dispatch 503 now (if it is still unanswered), then close."""
-        import socket
+        """Close now if idle or mid-read (a drain); a running dispatch is left to the grace period."""
+        if self.task is None and not self.closing:
+            self.closing = True
+            self.transport.close()
 
-        with self.lock:
-            request, self.request = self.request, None
-            if request is None:
-                return
-            self.cut_off = True
-            _log.warning("%s was cut before it finished: the server is shutting down",
-                         _run_label(request.headers, request.body))
-            with contextlib.suppress(OSError):
-                self.sock.sendall(_reply_bytes(_shutting_down(True), True)[0])
-                self.sock.shutdown(socket.SHUT_RDWR)
-
-
-def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
-    """``run 17`` for the log, from a dispatch's body or its ``X-Pipelines-Run-Id``; ``a request`` otherwise."""
-    try:
-        payload = json.loads(body) if body else None
-    except ValueError:
-        payload = None
-    run_id = payload.get("run_id") if isinstance(payload, dict) else None
-    if run_id is None:
-        run_id = headers.get(HEADER_RUN_ID)
-    return f"run {_short(str(run_id), 40)}" if run_id is not None else "a request"
-
-
-# ---------------------------------------------------------------------------
-# The asyncio server: one event loop, a protocol per connection
-# ---------------------------------------------------------------------------
 
 def default_max_connections() -> int:
     """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
@@ -5590,217 +5465,107 @@ def default_max_connections() -> int:
     return max(16, min(10_000, (soft - 32) // 2))
 
 
-class _ServerConnection:
-    """One client connection of :class:`AsyncDispatchServer`: an asyncio protocol feeding a :class:`_RequestReader`.
-
-    A dispatch or probe runs as a task while reading goes on (a client that leaves is seen), pausing only once
-    more than ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait: no pause and resume per dispatch.  One timer
-    at a time: the request's read timeout, or the idle keep-alive period.
-    """
-
-    __slots__ = ("server", "transport", "reader", "task", "timer", "closing")
-
-    def __init__(self, server: AsyncDispatchServer) -> None:
-        self.server = server
-        self.transport: Any = None
-        self.reader = _RequestReader(server.app.max_body)
-        self.task: Any = None
-        self.timer: Any = None
-        self.closing = False
-
-    # -- the asyncio protocol ------------------------------------------------
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        server = self.server
-        server.connections.add(self)
-        if len(server.connections) > server.max_connections:
-            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
-                                                   "connections: retry shortly")), True)
-        else:
-            self._arm(server.read_timeout_s)
-
-    def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
-        self.reader.buffer += data
-        if self.task is None:
-            self._advance()
-        elif len(self.reader.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined bytes while a dispatch runs: enough
-            self.transport.pause_reading()
-
-    def eof_received(self) -> bool:
-        # The client sent all it will send: a running dispatch still gets its reply, a body cut short its 400.
-        self.reader.eof = True
-        if self.task is None:
-            self._advance()
-        if self.task is not None:
-            return True
-        self.closing = True
-        return False
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        # A running dispatch finishes (a thread cannot be stopped, and the run's tool calls are real); its reply
-        # has nowhere to go.
-        self.closing = True
-        self.server.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-    # -- requests and replies ---------------------------------------------------
-
-    def _advance(self) -> None:
-        """Read as far as the buffer goes; start at most one request."""
-        reader, server = self.reader, self.server
-        while self.task is None and not self.closing:
-            event = reader.next_event()
-            if event is None:
-                if reader.begun and (self.timer is None
-                                     or self.timer.when() > server.loop.time() + server.read_timeout_s):
-                    self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
-                return
-            if isinstance(event, _Request):
-                if server.draining:
-                    self._send(_shutting_down(False), True)
-                    return
-                if self.timer is not None:
-                    self.timer.cancel()
-                    self.timer = None
-                self.task = server.loop.create_task(self._run(event))
-                server.tasks.add(self.task)
-            elif isinstance(event, PipelinesError):
-                _log.info("refused a request from %s: %s", self._peer(), event)
-                self._send(error_reply(event), True)
-            else:
-                self.transport.write(event)  # _CONTINUE
-
-    async def _run(self, request: _Request) -> None:
-        server, close = self.server, request.close
-        try:
-            reply = await server.app.ahandle(request.head.method, request.head.target, request.headers, request.body)
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-            _log.exception("building the reply failed")
-            reply = _fallback_reply(exc)
-        except BaseException:  # cancelled: a drain whose grace ran out answers 503
-            if not server.cutting:
-                raise
-            reply, close = _shutting_down(True), True
-        finally:
-            server.tasks.discard(self.task)
-            self.task = None
-        self._send(reply, close or server.draining or self.reader.eof, request.head)
-        if not self.closing:
-            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
-            self._advance()
-
-    def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
-        if self.closing or self.transport.is_closing():
-            self.closing = True
-            return
-        data, close = _reply_bytes(reply, close, request)
-        self.transport.write(data)
-        if close:
-            self.closing = True
-            self.transport.close()  # after what was written has gone out
-        elif not self.reader.buffer:
-            self._arm(self.server.keepalive_s)
-
-    def _arm(self, seconds: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        server = self.server
-        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
-
-    def _timed_out(self) -> None:
-        self.timer = None
-        if self.task is not None or self.closing:
-            return
-        if self.reader.begun:  # a request begun and not finished within read_timeout_s
-            self._send(error_reply(RequestTimeoutError(
-                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
-        else:  # idle: the keep-alive period is over
-            self.cut()
-
-    def cut(self) -> None:
-        """Close now if idle or mid-read (draining); a running dispatch is left to the server's grace period."""
-        if self.task is None and not self.closing:
-            self.closing = True
-            self.transport.close()
-
-    def _peer(self) -> str:
-        peer = self.transport.get_extra_info("peername")
-        return str(peer[0]) if isinstance(peer, tuple) else "a client"
-
-
-class AsyncDispatchServer(_Server):
+class AsyncDispatchServer:
     """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
 
-    Every connection is a :class:`_ServerConnection`.  An ``async def`` agent runs as a task on the server's
-    loop, so every dispatch shares one loop (and what a framework shares across runs); a sync agent runs on a
-    thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves on the calling thread until
-    :meth:`close`; limits and the drain as :class:`_Server` says, and past ``max_connections`` open connections
-    a new one is answered 503 and closed.
+    An ``async def`` agent runs as a task on the loop, every dispatch on it (so what a framework shares across runs
+    works); a sync agent on a thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves until
+    :meth:`close`.  Limits (§7.1 kit-server-timeouts): a request whole within ``read_timeout_s`` of its first byte
+    (408 after), an idle connection closed after ``keepalive_s``, past ``max_connections`` a new one answered 503.
     """
 
     def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
                  max_connections: Optional[int] = None, backlog: int = 4096) -> None:
-        super().__init__(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, backlog=backlog)
+        import socket
+
+        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.app = app
+        self.read_timeout_s, self.keepalive_s = float(read_timeout_s), float(keepalive_s)
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
-        self.cutting = False
+        self.draining = self.cutting = False
         self.loop: Any = None
         self.deadlines: Any = None  # the loop's _Deadlines
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
+        self._backlog = backlog
         self._listener: Any = None  # set once serving
         self._stop: Any = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()  # serve_forever has returned
+        self._result: Optional[bool] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        return _server_url(self.server_address, self.app.path)
 
     @property
     def in_flight(self) -> int:
         """Dispatches and probes running now."""
         return len(self.tasks)
 
-    def _serve(self, poll_interval: float) -> None:
+    def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> Awaitable[HttpReply]:
+        return self.app.ahandle(head.method, head.target, conn.headers, body)
+
+    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
+        """Serve on this thread (on an event loop of its own) until :meth:`close`."""
         import asyncio
 
-        asyncio.run(self._aserve())
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self.socket.close()
+            self._stopped.set()
 
-    async def _aserve(self) -> None:
+    async def _serve(self) -> None:
         import asyncio
 
         self.loop = asyncio.get_running_loop()
         self.deadlines = _Deadlines._for(self.loop)
         self._stop = asyncio.Event()
-        listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
-                                                 backlog=self.backlog)
-        with self._lock:
-            if self.draining:  # close() came while the loop was starting: it found nothing to drain
-                listener.close()
+        with self._lock:  # close() may come first (serve's SIGTERM): it then found nothing to drain, and closed
+            if self.draining:
                 return
-            self._listener = listener
+            self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
+                                                           backlog=self._backlog)
         await self._stop.wait()
 
-    def _drain(self, grace_s: float) -> bool:
+    def close(self, grace_s: float = 5.0) -> bool:
+        """:meth:`aclose` from any thread but the server's own."""
         import asyncio
 
-        if self._listener is None or self._stopped.is_set():  # not serving: _aserve sees draining and returns
-            return True
-        finished = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop).result()
-        self._stopped.wait(10)
-        return finished
+        with self._lock:
+            self.draining = True
+        if self._result is None:
+            self._result = True
+            if self._listener is None:
+                self.socket.close()
+            elif not self._stopped.is_set():
+                self._result = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop).result()
+                self._stopped.wait(10)
+        if self._thread is not None:
+            self._thread.join(10)
+        return self._result
+
+    def shutdown(self) -> None:
+        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
+        self.close(0)
+
+    server_close = shutdown
 
     async def aclose(self, grace_s: float = 5.0) -> bool:
-        """:meth:`close` from the server's own loop."""
+        """Drain and stop: new connections refused, new requests answered 503, running dispatches given
+        ``grace_s``; True when all finished, those still running then answered 503 (retryable) and logged."""
         import asyncio
 
         self.draining = True
-        self._listener.close()  # new connections are refused at once, not queued for the grace period
+        self._listener.close()  # at once: not queued for the grace period
         for conn in list(self.connections):
             conn.cut()
         finished = True
@@ -5818,6 +5583,54 @@ class AsyncDispatchServer(_Server):
             conn.transport.close()
         self._stop.set()
         return finished
+
+
+class _ThreadsServer(AsyncDispatchServer):
+    """``server="threads"``: this server with a thread per connection answering its requests through the blocking
+    :meth:`DispatchApp.handle`, so nothing but reading and writing runs on the loop."""
+
+    async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
+        import queue
+
+        if conn.jobs is None:  # its first request
+            conn.jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
+        future = self.loop.create_future()
+        conn.jobs.put((future, head, conn.headers, body))
+        try:
+            return cast(HttpReply, await future)
+        except BaseException:  # cut by a drain: its 503 goes instead, the thread runs on, its reply dropped
+            _log.warning("%s was cut before it finished: the server is shutting down", _run_label(conn.headers, body))
+            raise
+
+    def _work(self, jobs: Any) -> None:
+        """A connection's thread: its requests one at a time, until it closes."""
+        for future, head, headers, body in iter(jobs.get, None):
+            try:
+                reply = self.app.handle(head.method, head.target, headers, body)
+            except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+                _log.exception("building the reply failed")
+                reply = _fallback_reply(exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                self.loop.call_soon_threadsafe(_resolve, future, reply)
+
+
+def _resolve(future: Any, result: Any) -> None:
+    """``future``'s result, unless it was cancelled meanwhile."""
+    if not future.done():
+        future.set_result(result)
+
+
+def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
+    """``run 17`` for the log, from a dispatch's body or its ``X-Pipelines-Run-Id``; ``a request`` otherwise."""
+    try:
+        payload = json.loads(body) if body else None
+    except ValueError:
+        payload = None
+    run_id = payload.get("run_id") if isinstance(payload, dict) else None
+    if run_id is None:
+        run_id = headers.get(HEADER_RUN_ID)
+    return f"run {_short(str(run_id), 40)}" if run_id is not None else "a request"
 
 
 # ---------------------------------------------------------------------------
@@ -5850,43 +5663,28 @@ def _tune_gc(threshold: int) -> None:
         gc.set_threshold(threshold, *rest)
 
 
-def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
-    if isinstance(agent, DispatchApp):
-        if options:
-            raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
-        return agent
-    return DispatchApp(agent, **options)
-
-
 SERVERS = ("asyncio", "threads")
 
 
-def make_server(
-    agent: Union[DispatchApp, Callable[[Envelope], Any]],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    server: str = "asyncio",
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-    keepalive_s: float = DEFAULT_KEEPALIVE_S,
-    max_connections: Optional[int] = None,
-    **options: Any,
-) -> Any:
+def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
+                server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: Optional[int] = None,
+                **options: Any) -> Any:
     """A bound, not yet serving dispatch server; ``options`` as for :class:`DispatchApp`.
 
-    ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop.
-    ``server="threads"``: a thread per connection (``max_connections`` does not apply).  Both read requests
-    alike and have ``.url``, ``.server_address``, ``.serve_forever()`` and ``.close(grace_s)``.
+    ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop;
+    ``server="threads"``: the same, a thread per connection answering through the blocking
+    :meth:`DispatchApp.handle`.  Both have ``.url``, ``.server_address``, ``.serve_forever()``, ``.close(grace_s)``.
     """
-    app = _as_app(agent, options)
+    if server not in SERVERS:
+        raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
+    if isinstance(agent, DispatchApp) and options:
+        raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
+    app = agent if isinstance(agent, DispatchApp) else DispatchApp(agent, **options)
     if app.no_auth:
         _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
-    if server == "asyncio":
-        return AsyncDispatchServer(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s,
-                                   max_connections=max_connections)
-    if server == "threads":
-        return _ThreadsServer(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s)
-    raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
+    return (AsyncDispatchServer if server == "asyncio" else _ThreadsServer)(
+        app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, max_connections=max_connections)
 
 
 def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
@@ -5895,28 +5693,19 @@ def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: 
 
     ``options`` as for :func:`make_server`."""
     server = make_server(agent, host=host, port=port, **options)
-    server._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                                      name="pipelines-server", daemon=True)
+    server._thread = threading.Thread(target=server.serve_forever, name="pipelines-server", daemon=True)
     server._thread.start()
     return server
 
 
-def serve(
-    agent: Union[DispatchApp, Callable[[Envelope], Any]],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    grace_s: float = DEFAULT_GRACE_S,
-    ready: Optional[Callable[[Any], None]] = None,
-    gc_threshold: int = SERVE_GC_THRESHOLD,
-    **options: Any,
-) -> int:
+def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
+          grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
+          gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
     """Serve until SIGTERM or SIGINT, then drain: refuse new dispatches, let in-flight ones finish.
 
-    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is
-    called once listening.  Returns 0 when every dispatch finished, 1 otherwise.
-    Like a server's file limit, the process's garbage collector is tuned for serving (see
-    :data:`SERVE_GC_THRESHOLD`); ``gc_threshold=0`` leaves it as it is.
+    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is called once listening.  Returns 0
+    when every dispatch finished, 1 otherwise.  Like a server's file limit, the process's garbage collector is
+    tuned for serving (see :data:`SERVE_GC_THRESHOLD`); ``gc_threshold=0`` leaves it as it is.
     """
     import signal
 
