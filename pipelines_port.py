@@ -5590,9 +5590,9 @@ class _ThreadsServer(AsyncDispatchServer):
     :meth:`DispatchApp.handle`, so nothing but reading and writing runs on the loop."""
 
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
-        import queue
-
         if conn.jobs is None:  # its first request
+            import queue
+
             conn.jobs = queue.SimpleQueue()
             threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
         future = self.loop.create_future()
