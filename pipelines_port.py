@@ -5239,8 +5239,8 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio event loop, server="threads"
-# a thread per connection over it
+# The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
+# the same, with a thread per connection answering through handle)
 # ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4)
