@@ -4578,35 +4578,267 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
 
 
 # ---------------------------------------------------------------------------
-# The http.server server: a thread per connection, its classes built on first use
+# The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
+# the same, with a thread per connection answering through handle)
 # ---------------------------------------------------------------------------
 
-if TYPE_CHECKING:
-    from http.server import BaseHTTPRequestHandler as _HandlerBase
-    from http.server import ThreadingHTTPServer as _ServerBase
-else:  # http.server's classes join these parts on first use (_make_server_classes): importing it costs time
-    _HandlerBase = _ServerBase = object
+@functools.lru_cache(maxsize=4)
+def _http_date_at(second: int) -> str:
+    """The ``Date`` header value (RFC 9110 §5.6.7) for one second since the epoch."""
+    t = time.gmtime(second)
+    day = "Mon Tue Wed Thu Fri Sat Sun".split()[t.tm_wday]
+    month = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()[t.tm_mon - 1]
+    return f"{day}, {t.tm_mday:02d} {month} {t.tm_year} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
 
 
-class _DrainingServer(_ServerBase):
-    """What the ``http.server`` dispatch server adds to ``ThreadingHTTPServer``: one :class:`DispatchApp`, the
-    requests in flight, and a graceful drain that answers 503 to those its grace period cuts."""
+def _fallback_reply(exc: BaseException) -> HttpReply:
+    """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
+    name = type(exc).__name__.encode("ascii", "replace")
+    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
+    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
-    daemon_threads = True
-    allow_reuse_address = True
-    block_on_close = False
-    request_queue_size = 4096  # socketserver's 5 resets connections in a burst (the kernel caps it at somaxconn)
-    handler_class: type  # the request handler, joined with it in _make_server_classes
 
-    def __init__(self, address: Tuple[str, int], app: DispatchApp, read_timeout_s: float) -> None:
+class _ServerConnection:
+    """One client connection of :class:`AsyncDispatchServer`, as an asyncio protocol: one request at a time, its
+    head read strictly (kit-strict-request-head), then the body :func:`request_body_length` allows.  A dispatch runs
+    as a task while reading goes on (a client that leaves is seen), paused only once more than
+    ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait."""
+
+    __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof",
+                 "jobs")
+
+    def __init__(self, server: AsyncDispatchServer) -> None:
+        self.server = server
+        self.transport: Any = None
+        self.buffer = bytearray()
+        self.head: Optional[RequestHead] = None  # read, its body not yet whole
+        self.headers: Dict[str, str] = {}
+        self.length: Optional[int] = 0
+        self.task: Any = None
+        self.timer: Any = None  # the read timeout, or the idle keep-alive period
+        self.closing = self.eof = False
+        self.jobs: Any = None  # server="threads": the queue of the connection's thread
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        server = self.server
+        server.connections.add(self)
+        if len(server.connections) > server.max_connections:
+            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
+                                                   "connections: retry shortly")), True)
+        else:
+            self._arm(server.read_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.buffer += data
+        if self.task is None:
+            self._advance()
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined while a dispatch runs: enough for now
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        # A running dispatch still gets its reply, a body cut short its 400 (decide names it); then a close.
+        self.eof = True
+        if self.task is None:
+            self._advance()
+        if self.task is not None:
+            return True
+        self.closing = True
+        return False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        # A running dispatch finishes (a thread cannot be stopped, the run's tool calls are real), unanswered.
+        self.closing = True
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.jobs is not None:
+            self.jobs.put(None)  # its thread ends
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    def _advance(self) -> None:
+        """Read as far as the buffer goes; start at most one request."""
+        buffer, server = self.buffer, self.server
+        while self.task is None and not self.closing:
+            if self.head is None:
+                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
+                    del buffer[:2]
+                if not buffer:
+                    return
+                if self.timer is None or self.timer.when() > server.loop.time() + server.read_timeout_s:
+                    self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if b"\n\n" in buffer:  # refused now, not left to the read timeout
+                        self._refuse(FramingError("a line of the request head ends in a bare LF: every line must "
+                                                  "end in CRLF (RFC 9112 §2.2)"))
+                    elif (len(buffer) > MAX_REQUEST_LINE_BYTES
+                          and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0):
+                        self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
+                    elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
+                        self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
+                    return
+                raw = bytes(buffer[:end])
+                del buffer[:end + 4]
+                try:
+                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
+                except PipelinesError as exc:
+                    self._refuse(exc)
+                    return
+                self.headers = _lower_headers(head.headers)
+                self.length = request_body_length(self.headers, server.app.max_body)
+                if (self.length and len(buffer) < self.length
+                        and self.headers.get("expect", "").lower() == "100-continue"):
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            need = self.length or 0
+            if len(buffer) < need and not self.eof:
+                return
+            body = None if self.length is None else bytes(buffer[:need])
+            del buffer[:need]
+            head, self.head = self.head, None
+            self._start(head, body)
+
+    def _start(self, head: RequestHead, body: Optional[bytes]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        server = self.server
+        if server.draining:
+            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")), True)
+            return
+        close = self.length is None or not head.keep_alive()  # an unread body is no next request
+        self.task = server.loop.create_task(self._run(head, body, close))
+        server.tasks.add(self.task)
+
+    async def _run(self, head: RequestHead, body: Optional[bytes], close: bool) -> None:
+        server = self.server
+        try:
+            reply = await server._answer(self, head, body)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+            _log.exception("building the reply failed")
+            reply = _fallback_reply(exc)
+        except BaseException:  # cancelled: when a drain's grace period runs out, 503
+            if not server.cutting:
+                raise
+            reply, close = error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
+                                                         "retry it")), True
+        finally:
+            server.tasks.discard(self.task)
+            self.task = None
+        self._send(reply, close or server.draining or self.eof, head)
+        if not self.closing:
+            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
+            self._advance()
+
+    def _refuse(self, exc: PipelinesError) -> None:
+        peer = self.transport.get_extra_info("peername")
+        _log.info("refused a request from %s: %s", peer[0] if isinstance(peer, tuple) else "a client", exc)
+        self._send(error_reply(exc), True)
+
+    def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
+        """Write ``reply`` to ``request`` (``Server`` and ``Date`` added, ``Connection`` when it matters, no body to a
+        HEAD); headers that cannot be sent make it a fallback, and a close."""
+        if self.closing or self.transport.is_closing():
+            self.closing = True
+            return
+        lines = [f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\nServer: pipelines-port/{__version__}\r\n",
+                 f"Date: {_http_date_at(int(time.time()))}\r\n"]
+        lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
+        if close:
+            lines.append("Connection: close\r\n")
+        elif request is not None and request.version == "HTTP/1.0":
+            lines.append("Connection: keep-alive\r\n")
+        lines.append("\r\n")
+        try:
+            head = "".join(lines).encode("latin-1")
+        except UnicodeEncodeError as exc:
+            return self._send(_fallback_reply(exc), True)
+        self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
+        if close:
+            self.closing = True
+            self.transport.close()  # once what was written has gone out
+        elif not self.buffer:
+            self._arm(self.server.keepalive_s)
+
+    def _arm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        server = self.server
+        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.task is not None or self.closing:
+            return
+        if self.buffer or self.head is not None:  # a request begun and not whole within read_timeout_s
+            self._send(error_reply(RequestTimeoutError(
+                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
+        else:  # idle for keepalive_s
+            self.cut()
+
+    def cut(self) -> None:
+        """Close now if idle or mid-read (a drain); a running dispatch is left to the grace period."""
+        if self.task is None and not self.closing:
+            self.closing = True
+            self.transport.close()
+
+
+def default_max_connections() -> int:
+    """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
+    (every dispatch needs its inbound connection and its proxy connections)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        return 1000
+    if soft == resource.RLIM_INFINITY:
+        return 10_000
+    return max(16, min(10_000, (soft - 32) // 2))
+
+
+class AsyncDispatchServer:
+    """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
+
+    An ``async def`` agent runs as a task on the loop, every dispatch on it (so what a framework shares across runs
+    works); a sync agent on a thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves until
+    :meth:`close`.  Limits (§7.1 kit-server-timeouts): a request whole within ``read_timeout_s`` of its first byte
+    (408 after), an idle connection closed after ``keepalive_s``, past ``max_connections`` a new one answered 503.
+    """
+
+    def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 max_connections: Optional[int] = None, backlog: int = 4096) -> None:
+        import socket
+
+        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.app = app
-        self.read_timeout_s = read_timeout_s
-        self.draining = threading.Event()
-        self._in_flight = 0
-        self._handlers: Set[Any] = set()  # the handlers of the requests being handled now
-        self._idle = threading.Condition()
+        self.read_timeout_s, self.keepalive_s = float(read_timeout_s), float(keepalive_s)
+        self.max_connections = max_connections or default_max_connections()
+        self.connections: Set[_ServerConnection] = set()
+        self.tasks: Set[Any] = set()
+        self.draining = self.cutting = False
+        self.loop: Any = None
+        self.deadlines: Any = None  # the loop's _Deadlines
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
+        self._backlog = backlog
+        self._listener: Any = None  # set once serving
+        self._stop: Any = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()  # serve_forever has returned
+        self._result: Optional[bool] = None
         self._thread: Optional[threading.Thread] = None
-        super().__init__(address, self.handler_class)
 
     @property
     def url(self) -> str:
@@ -4614,256 +4846,118 @@ class _DrainingServer(_ServerBase):
 
     @property
     def in_flight(self) -> int:
-        """Requests being handled now."""
-        return self._in_flight
+        """Dispatches and probes running now."""
+        return len(self.tasks)
 
-    def enter(self, handler: Any) -> bool:
-        with self._idle:
-            if self.draining.is_set():
-                return False
-            self._in_flight += 1
-            self._handlers.add(handler)
-            return True
+    def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> Awaitable[HttpReply]:
+        return self.app.ahandle(head.method, head.target, conn.headers, body)
 
-    def leave(self, handler: Any) -> None:
-        with self._idle:
-            self._in_flight -= 1
-            self._handlers.discard(handler)
-            self._idle.notify_all()
+    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
+        """Serve on this thread (on an event loop of its own) until :meth:`close`."""
+        import asyncio
 
-    def drain(self, grace_s: float) -> bool:
-        """Refuse new dispatches, wait up to ``grace_s`` for in-flight ones; True if all finished.  Those
-        still running then are answered 503 (retryable) and their connections closed."""
-        self.draining.set()
-        deadline = time.monotonic() + grace_s
-        with self._idle:
-            while self._in_flight > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._idle.wait(left)
-            cut = list(self._handlers)
-        if not cut:
-            return True
-        _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                     grace_s, len(cut))
-        for handler in cut:
-            _log.warning("%s was cut before it finished: the server is shutting down",
-                         _run_label(*handler.request_info))
-            handler.cut()
-        return False
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self.socket.close()
+            self._stopped.set()
 
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
-        if self.socket.fileno() < 0:  # closed before it served: nothing to serve
-            return
-        super().serve_forever(poll_interval)
+    async def _serve(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        self.deadlines = _Deadlines._for(self.loop)
+        self._stop = asyncio.Event()
+        with self._lock:  # close() may come first (serve's SIGTERM): it then found nothing to drain, and closed
+            if self.draining:
+                return
+            self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
+                                                           backlog=self._backlog)
+        await self._stop.wait()
 
     def close(self, grace_s: float = 5.0) -> bool:
-        """Stop accepting, let in-flight dispatches finish within ``grace_s``, close the socket."""
-        self.draining.set()
+        """:meth:`aclose` from any thread but the server's own."""
+        import asyncio
+
+        with self._lock:
+            self.draining = True
+        if self._result is None:
+            self._result = True
+            if self._listener is None:
+                self.socket.close()
+            elif not self._stopped.is_set():
+                self._result = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop).result()
+                self._stopped.wait(10)
         if self._thread is not None:
-            self.shutdown()
-        self.server_close()  # new connections are refused at once, not queued until the grace period ends
-        return self.drain(grace_s)
+            self._thread.join(10)
+        return self._result
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+    def shutdown(self) -> None:
+        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
+        self.close(0)
+
+    server_close = shutdown
+
+    async def aclose(self, grace_s: float = 5.0) -> bool:
+        """Drain and stop: new connections refused, new requests answered 503, running dispatches given
+        ``grace_s``; True when all finished, those still running then answered 503 (retryable) and logged."""
+        import asyncio
+
+        self.draining = True
+        self._listener.close()  # at once: not queued for the grace period
+        for conn in list(self.connections):
+            conn.cut()
+        finished = True
+        if self.tasks:
+            _done, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
+            if pending:
+                finished = False
+                self.cutting = True
+                _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                             grace_s, len(pending))
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=5)
+        for conn in list(self.connections):
+            conn.transport.close()
+        self._stop.set()
+        return finished
 
 
-class _DispatchRequests(_HandlerBase):
-    """What the ``http.server`` request handler adds to ``BaseHTTPRequestHandler``: heads read strictly
-    (:meth:`parse_request`), every method served by :meth:`_serve` through the server's :class:`DispatchApp`,
-    replies written by one writer at a time so a drain's 503 and the agent's late reply never mix."""
+class _ThreadsServer(AsyncDispatchServer):
+    """``server="threads"``: this server with a thread per connection answering its requests through the blocking
+    :meth:`DispatchApp.handle`, so nothing but reading and writing runs on the loop."""
 
-    protocol_version = "HTTP/1.1"
-    default_request_version = "HTTP/1.1"  # a refusal before the version is read still gets a status line
-    server_version = "pipelines-port/" + __version__
-    sys_version = ""
-    server: _DrainingServer  # pyright: ignore[reportIncompatibleVariableOverride]
-    run_label = ""  # "run 17" once a dispatch's body is read, for the log when a drain cuts it
-    _cut = False  # answered 503 by a drain whose grace ran out: the agent's late reply is dropped
-    wbufsize = -1  # buffered: a reply's headers and body leave in one send, not two
+    async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
+        if conn.jobs is None:  # its first request
+            import queue
 
-    # -- the request head -----------------------------------------------------
-
-    def parse_request(self) -> bool:
-        """The head read strictly by :func:`parse_request_head` (kit-strict-request-head), not http.server's
-        lenient parser: a refusal is a JSON reply with ``Connection: close``."""
-        import email.message
-
-        self.command, self.request_version = "", self.default_request_version
-        line: bytes = getattr(self, "raw_requestline", b"")  # set by handle_one_request
-        self.requestline = line.decode("latin-1").rstrip("\r\n")  # what send_response logs
+            conn.jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
+        future = self.loop.create_future()
+        conn.jobs.put((future, head, conn.headers, body))
         try:
-            raw = self._head_after(line)
-            if raw is None:  # the client went away mid-head
-                self.close_connection = True
-                return False
-            head = _well_formed_head(raw) or parse_request_head(raw)
-        except PipelinesError as exc:
-            self._send(error_reply(exc), close=True)
-            return False
-        self.command, self.path, self.request_version = head.method, head.target, head.version
-        self.requestline = f"{head.method} {head.target} {head.version}"
-        self.headers = email.message.Message()
-        for name, value in head.headers:
-            self.headers[name] = value
-        self.close_connection = not head.keep_alive()
-        if self.headers.get("Expect", "").lower() == "100-continue":
-            return self.handle_expect_100()
-        return True
+            return cast(HttpReply, await future)
+        except BaseException:  # cut by a drain: its 503 goes instead, the thread runs on, its reply dropped
+            _log.warning("%s was cut before it finished: the server is shutting down", _run_label(conn.headers, body))
+            raise
 
-    def _head_after(self, line: bytes) -> Optional[bytes]:
-        """The whole head, from its first ``line`` (already read) up to the empty line after the request line, without
-        the final CRLF CRLF; ``None`` when the client goes away first.  Over :data:`MAX_REQUEST_HEAD_BYTES`, or
-        ending in a bare LF, it is refused."""
-        lines, size = [line], len(line)
-        started = bool(line.strip(b"\r\n"))
-        while not started or line.strip(b"\r\n"):
-            line = self.rfile.readline(MAX_REQUEST_HEAD_BYTES + 1)
-            size += len(line)
-            if not line:
-                return None
-            if size > MAX_REQUEST_HEAD_BYTES:
-                raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
-            started = started or bool(line.strip(b"\r\n"))
-            lines.append(line)
-        if line != b"\r\n":
-            raise FramingError("the request head ends in a bare LF: every line must end in CRLF (RFC 9112 §2.2)")
-        return b"".join(lines)[:-4]
-
-    def handle_expect_100(self) -> bool:
-        super().handle_expect_100()
-        self.wfile.flush()  # the interim 100 Continue must leave now: the client waits for it to send the body
-        return True
-
-    # -- the connection ---------------------------------------------------------
-
-    def setup(self) -> None:
-        import socket
-
-        self.reply_lock = threading.Lock()
-        self.request_info: Tuple[Dict[str, str], Optional[bytes]] = ({}, None)
-        super().setup()
-        self.connection.settimeout(self.server.read_timeout_s)  # slow or truncated clients cannot hold a worker
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("%s %s", self.address_string(), format % args)
-
-    # -- every method: one path through the DispatchApp -----------------------------------
-
-    def do_GET(self) -> None:
-        self._serve()
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
-
-    def _serve(self) -> None:
-        app = self.server.app
-        if not self.server.enter(self):
-            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
-                       close=True)
-            return
-        try:
-            headers = _lower_headers(self.headers.items())
-            length = request_body_length(headers, app.max_body)
-            # A body that cannot be read (chunked, unreadable or oversized length) is not read: the
-            # connection closes after the reply rather than parse that body as the next request.
-            close = self.server.draining.is_set() or length is None
-            body: Optional[bytes] = None
-            if length is not None:
-                body = self._body(length)
-                if body is None:  # a client too slow or gone
-                    return
-                close = close or len(body) < length
-            self.request_info = (headers, body)
+    def _work(self, jobs: Any) -> None:
+        """A connection's thread: its requests one at a time, until it closes."""
+        for future, head, headers, body in iter(jobs.get, None):
             try:
-                reply = app.handle(self.command, self.path, headers, body)
+                reply = self.app.handle(head.method, head.target, headers, body)
             except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
                 _log.exception("building the reply failed")
-                reply, close = _fallback_reply(exc), True
-            self._send(reply, close=close)
-        finally:
-            self.server.leave(self)
-
-    def _body(self, length: int) -> Optional[bytes]:
-        """Up to ``length`` body bytes, all within the read timeout however slowly they come (the watchdog shuts
-        the socket after it); ``None`` when the client is too slow or gone: the connection then closes."""
-        watch = _watchdog().watch(self.connection, self.server.read_timeout_s)
-        try:
-            return _read_exactly(self.rfile.read, length)
-        except (OSError, ValueError):  # the watchdog may have shut the socket
-            self.close_connection = True
-            return None
-        finally:
-            if _watchdog().done(watch):
-                self.close_connection = True
-
-    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-        """http.server's own refusals (a bad request line, 414, 431, an unknown method) as JSON, like ours."""
-        from http import HTTPStatus
-
-        try:
-            phrase = HTTPStatus(code).phrase
-        except ValueError:
-            phrase = "Error"
-        detail = f"{phrase}: {message}" if message and message != phrase else phrase
-        self._send(json_reply(code, {"detail": detail}), close=True)
-
-    # -- replies: one writer at a time ----------------------------------------------------
-
-    def _send(self, reply: HttpReply, *, close: bool = False) -> None:
-        with self.reply_lock:
-            if not self._cut:
-                self._write(reply, close)
-
-    def cut(self) -> None:
-        """From the draining thread: answer 503 now (if nothing was sent yet), close, drop any later reply."""
-        import socket
-
-        with self.reply_lock:
-            if self._cut:
-                return
-            self._cut = True
-            self._write(error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                      "retry it")), True)
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RDWR)
-
-    def _write(self, reply: HttpReply, close: bool) -> None:
-        self.send_response(reply.status)
-        for name, value in reply.headers:
-            self.send_header(name, value)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        try:
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(reply.body)
-            self.wfile.flush()
-        except OSError:
-            self.close_connection = True
+                reply = _fallback_reply(exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                self.loop.call_soon_threadsafe(_resolve, future, reply)
 
 
-def _make_server_classes() -> Tuple[type, type]:
-    """The ``http.server`` dispatch server and its request handler: the parts above joined with ``http.server``'s
-    own classes on first use, so importing this module does not import ``http.server``."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class DispatchHandler(_DispatchRequests, BaseHTTPRequestHandler):  # pyright: ignore[reportIncompatibleVariableOverride]
-        """One client connection of the ``http.server`` dispatch server."""
-
-    class DispatchServer(_DrainingServer, ThreadingHTTPServer):
-        """A threading HTTP/1.1 server over one :class:`DispatchApp`, with graceful shutdown."""
-
-        handler_class = DispatchHandler
-
-    return DispatchServer, DispatchHandler
-
-
-_server_classes = _Once(_make_server_classes)
+def _resolve(future: Any, result: Any) -> None:
+    """``future``'s result, unless it was cancelled meanwhile."""
+    if not future.done():
+        future.set_result(result)
 
 
 def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
@@ -4879,22 +4973,8 @@ def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The asyncio server: one event loop, a protocol per connection
+# Starting a server: make_server, start_server, serve (signals and the drain)
 # ---------------------------------------------------------------------------
-
-def default_max_connections() -> int:
-    """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
-    (every dispatch needs its inbound connection and its proxy connections)."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no resource module (Windows)
-        return 1000
-    if soft == resource.RLIM_INFINITY:
-        return 10_000
-    return max(16, min(10_000, (soft - 32) // 2))
-
 
 def _raise_file_limit() -> None:
     """Raise this process's soft limit on open files to its hard limit (at most 65536), as servers do."""
@@ -4922,425 +5002,28 @@ def _tune_gc(threshold: int) -> None:
         gc.set_threshold(threshold, *rest)
 
 
-_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
-_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
-
-
-@functools.lru_cache(maxsize=4)
-def _http_date_at(second: int) -> str:
-    """The ``Date`` header value (RFC 9110 §5.6.7) for one second since the epoch."""
-    t = time.gmtime(second)
-    return (f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year} "
-            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT")
-
-
-def _reply_bytes(reply: HttpReply, *, close: bool, keep_alive: bool = False, head_only: bool = False) -> bytes:
-    """``reply`` as HTTP/1.1 bytes: status line, ``Server``, ``Date``, its headers, ``Connection`` when it matters."""
-    reason = _reason(reply.status)
-    lines = [f"HTTP/1.1 {reply.status} {reason}\r\nServer: pipelines-port/{__version__}\r\n",
-             f"Date: {_http_date_at(int(time.time()))}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
-    if close:
-        lines.append("Connection: close\r\n")
-    elif keep_alive:
-        lines.append("Connection: keep-alive\r\n")
-    lines.append("\r\n")
-    head = "".join(lines).encode("latin-1")
-    return head if head_only else head + reply.body
-
-
-def _fallback_reply(exc: BaseException) -> HttpReply:
-    """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
-    name = type(exc).__name__.encode("ascii", "replace")
-    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
-    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
-
-
-class _ServerConnection:
-    """One client connection of :class:`AsyncDispatchServer`, as an asyncio protocol.
-
-    One request at a time: its head (:func:`parse_request_head`), then the body :func:`request_body_length`
-    allows, all within ``read_timeout_s`` of its first byte.  A decided refusal is answered at once; a dispatch
-    or probe runs as a task while reading goes on (a client that leaves is seen), pausing only once more than
-    ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait: no pause and resume per dispatch.  The connection
-    closes after a framing refusal, on ``Connection: close``, after ``keepalive_s`` idle, and when the server
-    drains.
-    """
-
-    __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof")
-
-    def __init__(self, server: AsyncDispatchServer) -> None:
-        self.server = server
-        self.transport: Any = None
-        self.buffer = bytearray()
-        self.head: Optional[RequestHead] = None
-        self.headers: Dict[str, str] = {}
-        self.length: Optional[int] = 0
-        self.task: Any = None
-        self.timer: Any = None
-        self.closing = False
-        self.eof = False
-
-    # -- the asyncio protocol ------------------------------------------------
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        server = self.server
-        server.connections.add(self)
-        if len(server.connections) > server.max_connections:
-            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
-                                                   "connections: retry shortly")), close=True)
-            return
-        self._arm(server.read_timeout_s)
-
-    def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
-        self.buffer += data
-        if self.task is None:
-            self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined bytes while a dispatch runs: enough for now
-            self.transport.pause_reading()
-
-    def eof_received(self) -> bool:
-        # The client sent all it will send: a running dispatch still gets its reply, a body cut short gets its
-        # 400 (decide names the truncation), then the connection closes.
-        self.eof = True
-        if self.task is None and self.head is not None and not self.closing:
-            head, self.head = self.head, None
-            body = None if self.length is None else bytes(self.buffer[:self.length])
-            self.buffer.clear()
-            self._start(head, body)
-        if self.task is not None:
-            return True
-        self.closing = True
-        return False
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        self.closing = True
-        self.server.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-        # A running dispatch finishes (a thread cannot be stopped, and the run's tool calls are real); its reply
-        # has nowhere to go.
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-    # -- reading requests ------------------------------------------------------
-
-    def _advance(self) -> None:
-        """Read as far as the buffer goes; start at most one request."""
-        buffer = self.buffer
-        while self.task is None and not self.closing:
-            if self.head is None:
-                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
-                    del buffer[:2]
-                if not buffer:
-                    return
-                if self.timer is None or self.timer.when() > self.server.loop.time() + self.server.read_timeout_s:
-                    self._arm(self.server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
-                end = buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if b"\n\n" in buffer:  # lines ended by a bare LF: refused now, not left to the read timeout
-                        self._refuse(FramingError("a line of the request head ends in a bare LF: every line must "
-                                                  "end in CRLF (RFC 9112 §2.2)"))
-                    elif (len(buffer) > MAX_REQUEST_LINE_BYTES
-                          and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0):
-                        self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
-                    elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
-                        self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
-                    return
-                raw = bytes(buffer[:end])
-                del buffer[:end + 4]
-                try:
-                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
-                except PipelinesError as exc:
-                    self._refuse(exc)
-                    return
-                self.headers = _lower_headers(head.headers)
-                self.length = request_body_length(self.headers, self.server.app.max_body)
-                if (self.length and len(buffer) < self.length
-                        and self.headers.get("expect", "").lower() == "100-continue"):
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            need = self.length or 0
-            if len(buffer) < need:
-                return
-            body = None if self.length is None else bytes(buffer[:need])
-            del buffer[:need]
-            head, self.head = self.head, None
-            self._start(head, body)
-
-    def _start(self, head: RequestHead, body: Optional[bytes]) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        server = self.server
-        close = self.length is None or not head.keep_alive() or self.eof  # an unread body is no next request
-        if server.draining:
-            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")),
-                       close=True)
-            return
-        self.task = server.loop.create_task(self._run(head, body, close))
-        server.tasks.add(self.task)
-
-    async def _run(self, head: RequestHead, body: Optional[bytes], close: bool) -> None:
-        import asyncio
-
-        try:
-            reply = await self.server.app.ahandle(head.method, head.target, self.headers, body)
-        except asyncio.CancelledError:
-            if not self.server.cutting:
-                raise
-            reply, close = error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                         "retry it")), True
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-            _log.exception("building the reply failed")
-            reply = _fallback_reply(exc)
-        finally:
-            self.server.tasks.discard(asyncio.current_task())
-            self.task = None
-        self._send(reply, close=close or self.server.draining or self.eof, head=head)
-        if not self.closing:
-            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
-            self._advance()
-
-    # -- replying ---------------------------------------------------------------
-
-    def _refuse(self, exc: PipelinesError) -> None:
-        """A framing refusal: the reply, then the connection closes (what follows cannot be framed)."""
-        _log.info("refused a request from %s: %s", self._peer(), exc)
-        self._send(error_reply(exc), close=True)
-
-    def _send(self, reply: HttpReply, *, close: bool, head: Optional[RequestHead] = None) -> None:
-        if self.closing or self.transport.is_closing():
-            self.closing = True
-            return
-        keep_alive = head is not None and head.version == "HTTP/1.0" and not close
-        try:
-            data = _reply_bytes(reply, close=close, keep_alive=keep_alive,
-                                head_only=head is not None and head.method == "HEAD")
-        except Exception as exc:  # noqa: BLE001 - a header that cannot be sent: still a JSON reply
-            data, close = _reply_bytes(_fallback_reply(exc), close=True), True
-        self.transport.write(data)
-        if close:
-            self.closing = True
-            self.transport.close()  # after what was written has gone out
-        elif not self.buffer:
-            self._arm(self.server.keepalive_s)
-
-    def _arm(self, seconds: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        server = self.server
-        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
-
-    def _timed_out(self) -> None:
-        self.timer = None
-        if self.task is not None or self.closing:
-            return
-        if self.buffer or self.head is not None:  # a request begun and not finished within read_timeout_s
-            self._send(error_reply(RequestTimeoutError(
-                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), close=True)
-        else:  # idle: the keep-alive period is over
-            self.closing = True
-            self.transport.close()
-
-    def cut(self) -> None:
-        """Close now if idle or mid-read (draining); a running dispatch is left to the server's grace period."""
-        if self.task is None and not self.closing:
-            self.closing = True
-            self.transport.close()
-
-    def _peer(self) -> str:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        return str(peer[0]) if isinstance(peer, tuple) else "a client"
-
-
-class AsyncDispatchServer:
-    """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
-
-    Every connection is a :class:`_ServerConnection`.  An ``async def`` agent runs as a task on the server's
-    loop, so every dispatch shares one loop (and what a framework shares across runs); a sync agent runs on a
-    thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves on the calling thread until
-    :meth:`close`, which drains: no new requests, running dispatches get ``grace_s``, and those still running
-    then are answered 503 (retryable) before their connections close.
-
-    Limits (§7.1 kit-server-timeouts): a request's head and body must arrive within ``read_timeout_s`` of its
-    first byte (408 after); an idle keep-alive connection closes after ``keepalive_s``; past
-    ``max_connections`` open connections a new one is answered 503 and closed.
-    """
-
-    def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 max_connections: Optional[int] = None, backlog: int = 4096) -> None:
-        import socket
-
-        for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.app = app
-        self.read_timeout_s = float(read_timeout_s)
-        self.keepalive_s = float(keepalive_s)
-        self.max_connections = max_connections or default_max_connections()
-        self.connections: Set[_ServerConnection] = set()
-        self.tasks: Set[Any] = set()
-        self.draining = False
-        self.cutting = False
-        self.loop: Any = None
-        self.deadlines: Any = None  # the loop's _Deadlines, once it runs
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
-        self.server_address: Tuple[Any, ...] = self.socket.getsockname()
-        self._backlog = backlog
-        self._listener: Any = None
-        self._stopped: Any = None
-        self._serving = threading.Event()
-        self._finished = threading.Event()
-        self._closing = False  # close() was called: a serve_forever starting after it returns at once
-        self._started = False  # serve_forever began: it closes the socket when it ends
-        self._state_lock = threading.Lock()
-        self._result: Optional[bool] = None
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def url(self) -> str:
-        return _server_url(self.server_address, self.app.path)
-
-    @property
-    def in_flight(self) -> int:
-        """Dispatches and probes running now."""
-        return len(self.tasks)
-
-    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
-        """Serve on this thread (on an event loop of its own) until :meth:`close`."""
-        import asyncio
-
-        with self._state_lock:
-            if self._closing:
-                return
-            self._started = True
-        try:
-            asyncio.run(self._serve())
-        finally:
-            self.socket.close()
-            self._finished.set()
-
-    async def _serve(self) -> None:
-        import asyncio
-
-        self.loop = asyncio.get_running_loop()
-        self.deadlines = _Deadlines._for(self.loop)
-        self._stopped = asyncio.Event()
-        self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
-                                                       backlog=self._backlog)
-        with self._state_lock:
-            if self._closing:  # close() came while the loop was starting: it found nothing to drain
-                self._listener.close()
-                return
-            self._serving.set()
-        await self._stopped.wait()
-
-    def close(self, grace_s: float = 5.0) -> bool:
-        """Drain and stop (from any thread but the server's own): True when every running dispatch finished
-        within ``grace_s``; those that did not were answered 503 and are logged."""
-        import asyncio
-
-        with self._state_lock:  # against _serve: either it is serving and is drained, or it will not serve
-            self._closing = True
-            serving = self._serving.is_set() and not self._finished.is_set()
-            started = self._started
-        if self._result is None:
-            if serving:
-                future = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop)
-                self._result = future.result()
-                self._finished.wait(10)
-            else:
-                self._result = True
-                if not started:
-                    self.socket.close()
-        if self._thread is not None:
-            self._thread.join(10)
-        return self._result
-
-    def shutdown(self) -> None:
-        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
-        self.close(0)
-
-    def server_close(self) -> None:
-        self.close(0)
-
-    async def aclose(self, grace_s: float = 5.0) -> bool:
-        """:meth:`close` from the server's own loop."""
-        import asyncio
-
-        self.draining = True
-        self._listener.close()  # new connections are refused at once, not queued for the grace period
-        for conn in list(self.connections):
-            conn.cut()
-        finished = True
-        if self.tasks:
-            _done, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
-            if pending:
-                finished = False
-                self.cutting = True
-                _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                             grace_s, len(pending))
-                for task in pending:
-                    task.cancel()
-                await asyncio.wait(pending, timeout=5)
-        for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
-        self._stopped.set()
-        return finished
-
-
-# ---------------------------------------------------------------------------
-# Starting a server: make_server, start_server, serve (signals and the drain)
-# ---------------------------------------------------------------------------
-
-def _as_app(agent: Union[DispatchApp, Callable[[Envelope], Any]], options: Dict[str, Any]) -> DispatchApp:
-    if isinstance(agent, DispatchApp):
-        if options:
-            raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
-        return agent
-    return DispatchApp(agent, **options)
-
-
 SERVERS = ("asyncio", "threads")
 
 
-def make_server(
-    agent: Union[DispatchApp, Callable[[Envelope], Any]],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    server: str = "asyncio",
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-    keepalive_s: float = DEFAULT_KEEPALIVE_S,
-    max_connections: Optional[int] = None,
-    **options: Any,
-) -> Any:
+def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
+                server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: Optional[int] = None,
+                **options: Any) -> Any:
     """A bound, not yet serving dispatch server; ``options`` as for :class:`DispatchApp`.
 
-    ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop.
-    ``server="threads"``: ``http.server``'s ``ThreadingHTTPServer``, a thread per connection.  Both have
-    ``.url``, ``.server_address``, ``.serve_forever()`` and ``.close(grace_s)``.
+    ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop;
+    ``server="threads"``: the same, a thread per connection answering through the blocking
+    :meth:`DispatchApp.handle`.  Both have ``.url``, ``.server_address``, ``.serve_forever()``, ``.close(grace_s)``.
     """
-    app = _as_app(agent, options)
+    if server not in SERVERS:
+        raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
+    if isinstance(agent, DispatchApp) and options:
+        raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
+    app = agent if isinstance(agent, DispatchApp) else DispatchApp(agent, **options)
     if app.no_auth:
         _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
-    if server == "asyncio":
-        return AsyncDispatchServer(app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s,
-                                   max_connections=max_connections)
-    if server == "threads":
-        server_class, _ = _server_classes()
-        return server_class((host, port), app, read_timeout_s)
-    raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
+    return (AsyncDispatchServer if server == "asyncio" else _ThreadsServer)(
+        app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, max_connections=max_connections)
 
 
 def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
@@ -5349,44 +5032,28 @@ def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: 
 
     ``options`` as for :func:`make_server`."""
     server = make_server(agent, host=host, port=port, **options)
-    server._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                                      name="pipelines-server", daemon=True)
+    server._thread = threading.Thread(target=server.serve_forever, name="pipelines-server", daemon=True)
     server._thread.start()
     return server
 
 
-def serve(
-    agent: Union[DispatchApp, Callable[[Envelope], Any]],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    grace_s: float = DEFAULT_GRACE_S,
-    ready: Optional[Callable[[Any], None]] = None,
-    gc_threshold: int = SERVE_GC_THRESHOLD,
-    **options: Any,
-) -> int:
+def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
+          grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
+          gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
     """Serve until SIGTERM or SIGINT, then drain: refuse new dispatches, let in-flight ones finish.
 
-    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is
-    called once listening.  Returns 0 when every dispatch finished, 1 otherwise.
-    Like a server's file limit, the process's garbage collector is tuned for serving (see
-    :data:`SERVE_GC_THRESHOLD`); ``gc_threshold=0`` leaves it as it is.
+    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is called once listening.  Returns 0
+    when every dispatch finished, 1 otherwise.  Like a server's file limit, the process's garbage collector is
+    tuned for serving (see :data:`SERVE_GC_THRESHOLD`); ``gc_threshold=0`` leaves it as it is.
     """
     import signal
 
     _raise_file_limit()  # a thousand dispatches at once need more than the usual 1024 open files
-    server = make_server(agent, host=host, port=port, **options)
-    _tune_gc(gc_threshold)
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
-    server._thread = thread
-    thread.start()
+    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        server = start_server(agent, host=host, port=port, **options)
+        _tune_gc(gc_threshold)
         if ready is not None:
             ready(server)
         while not stop.wait(0.5):

@@ -618,12 +618,19 @@ def sdk_style_error_detail() -> None:
 
 @variant("lenient_request_heads", "http.no_smuggling")
 def lenient_request_heads() -> None:
-    """http.server's own lenient head parser instead of the strict one: whitespace before a colon, obs-fold and
-    the like pass, so a request hidden in a body can be read as the next one."""
-    from http.server import BaseHTTPRequestHandler
+    """Heads read as http.server reads them instead of strictly: the request line split on whitespace, the fields
+    by ``http.client.parse_headers`` (the email parser), so whitespace before a colon, obs-fold and the like pass
+    and a request hidden in a body can be read as the next one."""
+    import http.client
+    import io
 
-    _, handler = pp._server_classes()
-    handler.parse_request = BaseHTTPRequestHandler.parse_request  # type: ignore[attr-defined]
+    def lenient(head: bytes) -> pp.RequestHead:
+        line, _, fields = head.lstrip(b"\r\n").partition(b"\r\n")
+        method, target, version = line.decode("latin-1").split()
+        message = http.client.parse_headers(io.BytesIO(fields + b"\r\n\r\n"))
+        return pp.RequestHead(method, target, version, list(message.items()))
+
+    pp._well_formed_head = lenient  # the servers' first reading of every head: the strict one is never reached
 
 
 @variant("other_jitter", None)

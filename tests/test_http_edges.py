@@ -10,6 +10,7 @@ allow-list (empty lists, ports, wildcards, what a connectivity check tells witho
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import socket
@@ -209,6 +210,37 @@ def test_threads_server_answers_503_to_each_dispatch_still_running_when_grace_ru
         assert "shut down before this dispatch finished" in json.loads(reply.body)["detail"]
     assert "run 41 was cut" in caplog.text and "run 42 was cut" in caplog.text
     assert RUN_TOKEN not in caplog.text
+
+
+def test_threads_server_answers_each_connection_on_a_thread_of_its_own() -> None:
+    """``server="threads"``: every request goes through the blocking ``DispatchApp.handle`` (the seam
+    tests/broken_ports.py patches), on its connection's thread, never on the server's loop; ``ahandle`` never runs."""
+    seen: List[Tuple[int, str]] = []
+
+    class Recording(pp.DispatchApp):
+        def handle(self, method: str, target: str, headers: Any, body: Any) -> pp.HttpReply:
+            seen.append((int(headers["x-connection"]), threading.current_thread().name))
+            return super().handle(method, target, headers, body)
+
+        async def ahandle(self, *args: Any) -> pp.HttpReply:
+            raise AssertionError("the threads server answers through handle")
+
+    server = pp.start_server(Recording(lambda env: "ok", token=AGENT_TOKEN), server="threads")
+    try:
+        for connection in range(3):
+            client = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+            for _ in range(2):  # keep-alive: a connection closed after the first would show as a second thread
+                client.request("POST", "/dispatch", body=b'{"ping": true}',
+                               headers={"Authorization": f"Bearer {AGENT_TOKEN}", "X-Connection": str(connection)})
+                reply = client.getresponse()
+                assert (reply.status, reply.read()) == (200, b'{"ok":true}')
+            client.close()
+    finally:
+        server.close(2)
+    assert [c for c, _ in seen] == [0, 0, 1, 1, 2, 2]
+    threads = {c: {name for k, name in seen if k == c} for c in range(3)}
+    assert all(len(names) == 1 for names in threads.values())  # one thread per connection, for all its requests
+    assert len(set.union(*threads.values())) == 3 and "pipelines-server" not in set.union(*threads.values())
 
 
 # -- the proxy-host allow-list -----------------------------------------------------------------------------
