@@ -214,16 +214,13 @@ def test_threads_server_answers_503_to_each_dispatch_still_running_when_grace_ru
 
 def test_threads_server_answers_each_connection_on_a_thread_of_its_own() -> None:
     """``server="threads"``: every request goes through the blocking ``DispatchApp.handle`` (the seam
-    tests/broken_ports.py patches), on its connection's thread, never on the server's loop; ``ahandle`` never runs."""
+    tests/broken_ports.py patches), on its connection's thread, never on the server's loop."""
     seen: List[Tuple[int, str]] = []
 
     class Recording(pp.DispatchApp):
         def handle(self, method: str, target: str, headers: Any, body: Any) -> pp.HttpReply:
             seen.append((int(headers["x-connection"]), threading.current_thread().name))
             return super().handle(method, target, headers, body)
-
-        async def ahandle(self, *args: Any) -> pp.HttpReply:
-            raise AssertionError("the threads server answers through handle")
 
     server = pp.start_server(Recording(lambda env: "ok", token=AGENT_TOKEN), server="threads")
     try:
