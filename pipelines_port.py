@@ -255,20 +255,17 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions: the contract's
-#   names and numbers, the errors and the HTTP status of each, the dispatch
-#   envelope, the inbound decision (``decide``), how a proxy request is
-#   encoded and its reply interpreted, when to retry, and the response
-#   envelope.  No sockets, threads, logging or environment reads (a caller
-#   that omits ``environ`` gets ``os.environ``, read there only): inputs in,
-#   values or one of the errors below out, so a TypeScript, Go or Rust port
-#   translates it function by function.  CONTRACT.md states each rule; the
-#   code names it (``§7.7 kit-json-safe-response``).  What only Python needs
-#   lives in part 2's first sections, called here where a port uses what its
-#   own language gives: the speed paths (``_json_from_bytes`` for json.loads,
-#   ``_idempotency_key`` for a fresh version-4 UUID, ``_int_limit`` for
-#   10 ** MAX_INT_DIGITS), read-only containers (``_freeze``, ``_thaw``) and
-#   Python values as JSON (``_jsonable``, ``_unsendable``, ``_safe_text``).
+#   What a port must agree on, as data and pure functions: names and
+#   numbers, the errors (each with its HTTP status), the dispatch envelope,
+#   the inbound decision (``decide``), proxy requests and replies, retries,
+#   and the response envelope.  No sockets, threads, logging or environment
+#   reads (an omitted ``environ`` is ``os.environ``, read there only).
+#   CONTRACT.md states each rule, and the code names it (``§7.3
+#   kit-run-timeout-range``).  Part 1 calls part 2's first sections for what
+#   a port's own language gives: speed paths (``_json_from_bytes``: json.loads;
+#   ``_idempotency_key``: a UUID4; ``_int_limit``), read-only containers and
+#   header dicts (``_freeze``, ``_thaw``, ``_lower_headers``) and Python
+#   values as JSON (``_jsonable``, ``_unsendable``, ``_safe_text``).
 #
 # ###########################################################################
 
@@ -344,9 +341,8 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors.  Each carries the HTTP status a dispatch endpoint answers when it ends a request (``http_status``,
-# like h11's ``error_status_hint``): the classes are the status table of §7.1 kit-error-statuses, and
-# ``error_reply`` turns any of them into the JSON ``{"detail": ...}`` reply.
+# Errors.  Each carries the HTTP status an endpoint answers when it ends a request (``http_status``, like h11's
+# ``error_status_hint``): the status table of §7.1 kit-error-statuses, turned into a reply by ``error_reply``.
 # ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
@@ -375,7 +371,6 @@ class NotFoundError(RequestError, status=404):
 
 class MethodNotAllowedError(RequestError, status=405):
     """The path exists, the method does not; ``headers`` carry ``Allow``."""
-
     def __init__(self, message: str, allowed: Sequence[str]) -> None:
         super().__init__(message)
         self.headers = (("Allow", ", ".join(allowed)),)
@@ -419,7 +414,6 @@ class RequestTimeoutError(RequestError, status=408):
 
 class AuthError(PipelinesError, status=401):
     """Missing or wrong inbound credential (§2 step 1); the message never echoes what was sent."""
-
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
@@ -447,28 +441,19 @@ class AgentError(PipelinesError):
 
 class ResponseError(PipelinesError, ValueError):
     """A value cannot become a valid response envelope (§4); ``problems`` lists every problem found."""
-
     def __init__(self, problems: Union[str, Sequence[str]]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A proxy call or trace post failed (§3.3); the message never shows the run token.
-
-    ``status_code`` is ``None`` when no reply came or the call was refused before sending; ``error_class`` is read
-    from any of the three error body shapes; ``body`` is the reply parsed (not JSON: its first 200 characters).
-    """
-
+    """A proxy call or trace post failed (§3.3), never showing the run token; ``status_code`` is ``None`` when no reply
+    came, ``body`` the reply parsed (not JSON: its first 200 characters)."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.error_class = error_class
-        self.body = body
-        self.tool_name = tool_name
-        self.retry_after = retry_after
+        self.message, self.status_code, self.error_class = message, status_code, error_class
+        self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
 
     def to_value(self) -> Dict[str, Any]:
         """The failure as an ``{"error": ...}`` tool result a model can read (§7.4 kit-errors-return)."""
@@ -498,43 +483,6 @@ class StaleRunTokenError(ProxyError):
 
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
-
-
-class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name, each with its first value; ``repeats`` holds the further values of a name."""
-
-    __slots__ = ("repeats",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.repeats: Dict[str, List[str]] = {}
-
-
-def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Header names lower-cased (§2.1, §7.2 kit-repeated-header) from a mapping, an ``email.message.Message`` or
-    pairs (bytes as latin-1, as ASGI sends them); its own result as it is."""
-    if isinstance(headers, _LowerHeaders):
-        return headers
-    out = _LowerHeaders()
-    items = getattr(headers, "items", None)  # a mapping or an email.message.Message
-    for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
-        if isinstance(name, bytes):
-            name = name.decode("latin-1")
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        key, text = str(name).lower(), str(value)
-        if key in out:
-            out.repeats.setdefault(key, []).append(text)
-        else:
-            out[key] = text
-    return out
-
-
-def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
-    """Whether header ``name`` came more than once (with ``conflicting``: with another value)."""
-    extra = getattr(headers, "repeats", {}).get(name, ())
-    first = (headers.get(name) or "").strip()
-    return any(value.strip() != first for value in extra) if conflicting else bool(extra)
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -627,12 +575,8 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
 
 
 class Envelope:
-    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope).
-
-    Build it with :meth:`from_dispatch` (HTTP mode), :meth:`from_run` or :meth:`from_env` (code mode).  ``raw`` is
-    the whole dispatch body, unknown fields included; ``repr`` and ``str`` never show the run token.
-    """
-
+    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope): build it with
+    :meth:`from_dispatch`, :meth:`from_run` or :meth:`from_env`; ``raw`` is the whole body; ``repr`` hides the token."""
     __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
                  "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
                  "workspace", "tools_schema", "sub_agents", "raw")
@@ -704,16 +648,14 @@ class Envelope:
     @property
     def api_url(self) -> str:
         """Origin of the proxy URL (``PIPELINES_API_URL`` in code mode, §5)."""
-        parts = urlsplit(self.proxy_url)
-        return f"{parts.scheme}://{parts.netloc}"
+        return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
     def is_multi_turn(self) -> bool:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages for a model API: the earlier user and assistant text, then the prompt
-        (``latest_user_prompt``, else ``user_instruction`` and the task input as JSON) unless the history ends so."""
+        """This turn as chat messages for a model API: the earlier user and assistant text, then this prompt."""
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
                  and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                  and m["content"].strip()]
@@ -725,8 +667,7 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """A new dict: ``base`` (default ``os.environ``, never changed) and this run's ``PIPELINES_*`` variables, for
-        ``subprocess.Popen(env=...)`` (§5 child-env-vars, child-env-explicit)."""
+        """A new dict: ``base`` (default ``os.environ``) and this run's ``PIPELINES_*`` variables (§5 child-env-*)."""
         env = dict(os.environ if base is None else base)
         env.update({ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url})
         for key, value in ((ENV_RUN_TOKEN_JTI, self.run_token_jti), (ENV_RUN_ID, self.run_id),
@@ -775,8 +716,7 @@ class Envelope:
     @classmethod
     def from_run(cls, task_input: Optional[Mapping[str, Any]], *, proxy_url: str, run_token: str,
                  environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read code mode's ``run()`` arguments (§5), the ids, jti and tools schema from ``environ`` (``os.environ``);
-        ``raw`` is the dispatch body that would carry the same."""
+        """Read code mode's ``run()`` arguments (§5), the ids, jti and tools schema from ``environ`` (os.environ)."""
         if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
@@ -794,8 +734,7 @@ class Envelope:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read the code-mode ``PIPELINES_*`` environment (§5), the task from ``_PIPELINES_TASK_INPUT_JSON`` or
-        ``_PIPELINES_TASK_INPUT_B64``."""
+        """Read the code-mode ``PIPELINES_*`` environment (§5 code-mode-env), the task from its JSON or base64."""
         env = os.environ if environ is None else environ
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not (env.get(name) or "").strip()]
         if missing:
@@ -875,22 +814,12 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope.
-# ``decide`` is the one function that decides what a dispatch request gets; an adapter reads the body
-# ``request_body_length`` allows, calls it once, and carries out its decision (§7.1 kit-body-framing).
+# Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope.  ``decide`` decides what a request
+# gets; an adapter reads the body ``request_body_length`` allows, calls it once, and carries the decision out.
 # ---------------------------------------------------------------------------
 
-def check_run_timeout(run_timeout_s: Any) -> float:
-    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range); ``ValueError`` naming it otherwise."""
-    if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
-            0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
-        raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
-    return float(run_timeout_s)
-
-
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """Whether the request carries the credential, compared in constant time (§2 step 1, §7.1 kit-bearer-case):
-    ``Bearer <expected>`` in ``Authorization``, the bare value in a custom header; an empty ``expected`` never."""
+    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), compared in constant time."""
     expected = (expected or "").strip()
     received = _lower_headers(headers).get(header_name.lower())
     if not expected or received is None:
@@ -918,8 +847,7 @@ def _content_length(value: Optional[str]) -> Optional[int]:
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
-    """How many body bytes an adapter reads before :func:`decide` (§7.1 kit-body-framing; ``headers`` lower-cased):
-    ``None`` when it must read none and close the connection after answering."""
+    """How many body bytes an adapter reads for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
     try:
@@ -962,7 +890,6 @@ _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 
 class RequestHead(NamedTuple):
     """A request line and its header fields, as :func:`parse_request_head` read them."""
-
     method: str
     target: str
     version: str  # "HTTP/1.1" or "HTTP/1.0"
@@ -979,10 +906,7 @@ def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head (the bytes before the empty line ending it) strictly: §7.1 kit-strict-request-head.
-
-    Empty lines before the request line are skipped (RFC 9112 §2.2); a :class:`FramingError` names any problem.
-    """
+    """Read a request head (the bytes before its empty line) strictly, as RFC 9112 asks: kit-strict-request-head."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     line_end = head.find(b"\r\n")
@@ -1013,10 +937,10 @@ def parse_request_head(head: bytes) -> RequestHead:
 
 def _head_problem(lines: List[bytes]) -> FramingError:
     """The error naming the first rule broken by a head the patterns refused, in RFC 9112's order."""
-    for number, line in enumerate(lines):
-        if b"\r" in line or b"\n" in line:
-            where = "the request line" if number == 0 else f"header line {number}"
-            return FramingError(f"{where} has a bare CR or LF: every line must end in CRLF (RFC 9112 §2.2)")
+    bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
+    if bare is not None:
+        return FramingError(f"{'the request line' if bare == 0 else f'header line {bare}'} has a bare CR or LF: "
+                            "every line must end in CRLF (RFC 9112 §2.2)")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not re.fullmatch(_TOKEN, parts[0]) or not parts[1] or re.search(
             rb"[\x00-\x20\x7f-\xff]", parts[1]):
@@ -1044,7 +968,6 @@ def _head_problem(lines: List[bytes]) -> FramingError:
 
 class Endpoint(NamedTuple):
     """A dispatch endpoint's settings, as :func:`decide` sees them."""
-
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
     token_env: Optional[str] = DEFAULT_TOKEN_ENV  # named in the 503 when it is unset
@@ -1063,9 +986,7 @@ class Endpoint(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What to do with one request: ``"reply"`` (send ``reply``), ``"probe"`` (the connectivity check: probe
-    ``proxy_url``, §3.7) or ``"run"`` (run the agent on ``envelope``); ``what`` names it for the log line."""
-
+    """What to do with a request: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` with ``envelope``."""
     action: str
     reply: Optional[HttpReply] = None
     proxy_url: Optional[str] = None
@@ -1075,11 +996,8 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: Optional[bytes], *,
            expected_token: Optional[str]) -> Decision:
-    """What one request gets, in §2.3's order: route, auth, framing, JSON, ping, connectivity, envelope.
-
-    ``body`` is what :func:`request_body_length` let the adapter read (``None``: nothing); ``expected_token`` the
-    agent token (``""`` when its variable is unset: 503).  A refusal is an error :func:`error_reply` answers.
-    """
+    """What one request gets, in §2.3's order (route, auth, framing, JSON, ping, connectivity, envelope): ``body`` is
+    what :func:`request_body_length` let the adapter read, ``expected_token`` ``""`` when its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -1142,38 +1060,6 @@ def _authenticate(endpoint: Endpoint, headers: Mapping[str, str], expected_token
 
 _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
                          r"(?::(?P<port>[0-9]{1,5}))?")
-
-
-def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """The allow-list in ``text`` (``"api.pipelines.tech, .example.com, 127.0.0.1:8080"``), ``None`` when none is
-    given; ``ValueError`` for a list set but empty or a malformed entry (§7.1 kit-proxy-host-allow-list)."""
-    if text is None:
-        return None
-    entries = tuple(e.strip() for e in text.split(",") if e.strip())
-    if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
-                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
-    return tuple(_normal_host_entry(entry) for entry in entries)
-
-
-def _normal_host_entry(entry: str) -> str:
-    """An allow-list entry lower-cased, ``*.suffix`` as ``.suffix``, a bare IPv6 address in its short form."""
-    shown = _short(entry, 100)
-    if entry.startswith("*."):
-        entry = entry[1:]
-    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
-        import ipaddress
-
-        try:
-            return str(ipaddress.IPv6Address(entry))
-        except ValueError:
-            pass
-    elif _HOST_ENTRY.fullmatch(entry):
-        port = _split_host_entry(entry)[1]
-        if port is None or 0 < port < 65536:
-            return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
-                     "optionally with :port, without scheme, path or other wildcards")
 
 
 def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
@@ -1246,8 +1132,7 @@ def validate_tool_name(name: Any) -> str:
 
 
 def validate_actor_label(label: Any) -> Optional[str]:
-    """The actor label trimmed (§3.5), ``None`` for an empty one; :class:`ProxyRequestError` (``error_class``
-    ``actor_id_invalid``) for a malformed one."""
+    """The actor label trimmed, ``None`` for an empty one, :class:`ProxyRequestError` for a bad one (§3.5)."""
     if label is None:
         return None
     if not isinstance(label, str):
@@ -1302,7 +1187,6 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
 
 class ProxyRequest(NamedTuple):
     """One proxy request as it goes on the wire (§3.1, §3.4); every retry of the logical call sends it unchanged."""
-
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
     url: Any  # the split proxy URL (urllib.parse.SplitResult): scheme, host and port to connect to
@@ -1313,16 +1197,10 @@ class ProxyRequest(NamedTuple):
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
                   actor: Optional[str] = None, idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """``POST {proxy_url}/{kind}/{name}``: the run token as bearer, one Idempotency-Key (a fresh one unless given),
-    ``actor`` in ``X-Pipelines-Actor-Id`` (§3.1, §3.5); ``name`` percent-encoded (§3.1 tool-name-path-safe)."""
+    """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5): the run token as bearer, one Idempotency-Key, the actor."""
     url = urlsplit(proxy_url)
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": "application/json",
-        "Authorization": "Bearer " + run_token,
-        "Idempotency-Key": idempotency_key or _idempotency_key(),
-        "User-Agent": _USER_AGENT,
-    }
+    headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
+               "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
     quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")  # such a name has nothing to encode
@@ -1340,8 +1218,7 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped once (kept when the
-    payload has one, so every retry carries the same time)."""
+    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped once (kept if set)."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
@@ -1362,12 +1239,8 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
     if source == target:
         return None
-    event: Dict[str, Any] = {"from_sub_agent": source, "to_sub_agent": target}
-    if reason is not None:
-        event["reason"] = reason
-    if payload_preview is not None:
-        event["payload_preview"] = payload_preview
-    return event
+    extra = {"reason": reason, "payload_preview": payload_preview}
+    return {"from_sub_agent": source, "to_sub_agent": target, **{k: v for k, v in extra.items() if v is not None}}
 
 
 # ---------------------------------------------------------------------------
@@ -1375,9 +1248,7 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
 # ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to (§3.2, §3.3); ``"transport"``: no usable reply, retried with the same key (§7.4
-    kit-transport-retries), at once when ``stale`` (a pooled connection the server had closed)."""
-
+    """What one attempt came to (§3.2, §3.3); ``stale``: a pooled connection the server had closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: Optional[PipelinesError] = None  # ProxyError for proxy replies; post_json's HTTPStatusError
@@ -1388,37 +1259,26 @@ class ProxyOutcome(NamedTuple):
 def _model_retry_after(headers: Any) -> Optional[float]:
     """The wait a model API asks for: ``retry-after-ms`` (OpenAI, milliseconds) first, else ``Retry-After``."""
     lowered = _lower_headers(headers)
-    millis = (lowered.get("retry-after-ms") or "").strip()
-    if millis:
-        try:
-            value = float(millis) / 1000
-        except ValueError:
-            value = float("nan")
-        if value == value and value >= 0:  # not NaN
-            return value
-    return parse_retry_after(lowered.get("retry-after"))
+    try:
+        seconds = float(lowered.get("retry-after-ms") or "") / 1000
+    except ValueError:
+        seconds = math.nan  # absent or unreadable: Retry-After decides
+    return seconds if seconds >= 0 else parse_retry_after(lowered.get("retry-after"))
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
+    text = (value or "").strip()
     try:
-        seconds = float(value)
+        seconds = float(text)
     except ValueError:
         from email.utils import parsedate_to_datetime
 
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
+        try:  # an unreadable date raises, or on Python 3.9 gives None
+            seconds = parsedate_to_datetime(text).timestamp() - (time.time() if now is None else now)
+        except (TypeError, ValueError, IndexError, AttributeError):
             return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if math.isnan(seconds):
-        return None
-    return max(0.0, seconds)
+    return None if math.isnan(seconds) else max(0.0, seconds)
 
 
 def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
@@ -1448,13 +1308,9 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
         return body.decode("utf-8", "replace"), False
 
 
-# §3.3 the retry decision as data: (status, error classes or None for any) -> what the client does.
-# "retry": wait (Retry-After, else backoff) and try again; "stale": the run is over; anything else fails.
+# §3.3 the retry decision as data: (status, error classes or None for any) -> "retry", or "stale" (the run is over).
 RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
-    (429, None, "retry"),
-    (503, TRANSIENT_503_CLASSES, "retry"),
-    (401, STALE_TOKEN_CLASSES, "stale"),
-)
+    (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
 
 def retry_decision(status: int, error_class: Optional[str]) -> str:
@@ -1467,8 +1323,7 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: Optional[str] = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body): the unwrapped value of a 2xx, else
-    :data:`RETRY_TABLE`'s outcome with a :class:`ProxyError`; ``run_token`` is scrubbed from it."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body); ``run_token`` is scrubbed from errors."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
@@ -1482,11 +1337,8 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
         message = _short(value if isinstance(value, str) else (json.dumps(value) if value is not None else ""), 200)
     body_kept = value if is_json else (_short(value, 200) if isinstance(value, str) else value)
     retry_after = parse_retry_after(h.get("retry-after"))
-    text = f"proxy call {tool_name!r} failed: HTTP {status}"
-    if error_class:
-        text += f" {error_class}"
-    if message:
-        text += f": {message}"
+    text = f"proxy call {tool_name!r} failed: HTTP {status}" + (f" {error_class}" if error_class else "") + (
+        f": {message}" if message else "")
     decision = retry_decision(status, error_class)
     error_type = StaleRunTokenError if decision == "stale" else ProxyError
     error = error_type(text + (" (the run is over)" if decision == "stale" else ""), status_code=status,
@@ -1495,9 +1347,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
 
 
 class RetryPolicy(NamedTuple):
-    """The retry policy of proxy calls and trace posts (§3.3; §7.4 kit-retry-numbers, kit-retry-after-cap,
-    kit-transport-retries); ``max_attempts`` counts the first try."""
-
+    """The retry policy of proxy calls and trace posts (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
     max_attempts: int = 4
     base_delay_s: float = 0.5
     max_delay_s: float = 4.0
@@ -1509,15 +1359,12 @@ class RetryPolicy(NamedTuple):
         """Seconds to wait before retry ``retry_number`` (1 for the first retry)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
-        wait = self.base_delay_s * (2 ** (retry_number - 1))
-        wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        wait = self.base_delay_s * (2 ** (retry_number - 1)) * random.uniform(1 - self.jitter, 1 + self.jitter)
         return float(max(0.0, min(wait, self.max_delay_s)))
 
 
 class RetryStep(NamedTuple):
-    """What a driver does after one attempt: ``"return"`` ``value``, ``"raise"`` ``error``, or ``"retry"`` after
-    ``wait_s`` seconds (``None``: at once) with the same request, its Idempotency-Key included."""
-
+    """What a driver does next: return ``value``, raise ``error``, or retry the same request after ``wait_s`` s."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1525,15 +1372,11 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One logical call's way through the retry policy (§3.3): a driver makes an attempt, hands its outcome
-    (:func:`interpret_reply`, or ``"transport"``) to :meth:`step`, and returns, raises or waits and loops."""
-
+    """One call's way through the retry policy (§3.3): a driver loops, an attempt, then what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
-        self.policy = policy
-        self.attempts = 0
-        self.transport_failures = 0
+        self.policy, self.attempts, self.transport_failures = policy, 0, 0
 
     def step(self, outcome: ProxyOutcome) -> RetryStep:
         """The next step after an attempt that came to ``outcome``."""
@@ -1546,8 +1389,7 @@ class RetryState:
                 return RetryStep("raise", error=outcome.error)
             wait = None if outcome.stale else self.policy.delay(self.transport_failures)
             return RetryStep("retry", error=outcome.error, wait_s=wait)
-        if outcome.kind == "retry" and outcome.retry_after is not None and (
-                outcome.retry_after > self.policy.max_retry_after_s):
+        if outcome.kind == "retry" and (outcome.retry_after or 0) > self.policy.max_retry_after_s:
             return RetryStep("raise", error=_not_waited(outcome, self.policy))
         if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
             return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
@@ -1576,11 +1418,8 @@ _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 
 
 def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
-    """The final response as a string (§7.7 kit-result-shapes): a non-string becomes its JSON text (``42`` ->
-    ``"42"``), or its ``str()``; a non-string ``final_response`` is refused when ``strict``."""
-    if value is None:
-        return None
-    if isinstance(value, str):
+    """The final response as a string, a non-string as its JSON text or ``str()`` (§7.7 kit-result-shapes)."""
+    if value is None or isinstance(value, str):
         return value
     if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
@@ -1594,8 +1433,7 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 
 def _unpack_result(value: Any, strict: bool = True,
                    notes: Optional[List[str]] = None) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object (§7.7 kit-result-shapes):
-    an envelope-shaped value (with ``final_response``) gives all four, a framework's result its text alone."""
+    """``(final, messages, metadata, extra_keys)`` of a result (§7.7 kit-result-shapes); a framework's: its text."""
     if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
@@ -1653,9 +1491,8 @@ def _well_formed(text: str) -> str:
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` changed as the platform treats what it cannot use (§7.7 kit-lenient-response), a note per change:
-    values made JSON-safe, tool calls without a name dropped, ``messages`` or ``metadata`` that still break the
-    schema or the pairing rule dropped whole.  ``final_response`` is never touched."""
+    """``body`` changed as the platform treats what it cannot use, a note per change (§7.7 kit-lenient-response):
+    values made JSON-safe, nameless tool calls dropped, a ``messages`` or ``metadata`` still malformed dropped whole."""
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
@@ -1664,10 +1501,9 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
         for i, message in enumerate(messages):
             calls = message.get("tool_calls") if isinstance(message, dict) else None
             if isinstance(calls, list):
-                kept = [c for c in calls if _tool_call_name(c) is not None]
-                for j in [j for j, c in enumerate(calls) if _tool_call_name(c) is None]:
-                    notes.append(f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped")
-                message["tool_calls"] = [_normalise_tool_call(c) for c in kept]
+                notes.extend(f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
+                             for j, c in enumerate(calls) if _tool_call_name(c) is None)
+                message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
     problems = _message_problems(messages)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -1683,21 +1519,14 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                       metadata: Optional[Mapping[str, Any]] = None,
                       strict: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned (§7.7 kit-result-shapes).
-
-    ``messages`` and ``metadata`` override those found in ``value``; nested OpenAI tool calls become the flat form.
-    Lenient (the default, §7.7 kit-lenient-response): the body the platform would grade, each change and soft
-    problem a warning; only a missing or empty ``final_response`` raises :class:`ResponseError`.  ``strict=True``
-    (kit-strict-mode): :class:`ResponseError` lists every problem, soft ones but the truncation warning included.
-    """
+    """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned (§7.7 kit-result-shapes), with
+    ``messages`` and ``metadata`` overriding those found there: lenient (kit-lenient-response) the body the platform
+    would grade, with a warning per change; ``strict`` (kit-strict-mode) :class:`ResponseError` for any problem."""
     unpacked: List[str] = []
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
-    if messages is None:
-        messages = found_messages
-    if metadata is None:
-        metadata = found_metadata
-    body: Dict[str, Any] = dict(extra)
-    body["final_response"] = final
+    messages = found_messages if messages is None else messages
+    metadata = found_metadata if metadata is None else metadata
+    body: Dict[str, Any] = {**extra, "final_response": final}
     if messages is not None:
         body["messages"] = _normalise_messages(messages)
     if metadata is not None:
@@ -1748,16 +1577,15 @@ def _metadata_warnings(metadata: Any) -> List[str]:
     warnings = []
     try:
         for key in _METADATA_STR_KEYS:
-            if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
+            if metadata.get(key) is not None and not isinstance(metadata[key], str):
                 warnings.append(f"warning: metadata.{key}: should be a string, got {json_type(metadata[key])}")
         for key in _METADATA_INT_KEYS:
             v = metadata.get(key)
-            if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got "
                                 f"{_short(_safe_repr(v), 40)}")
         v = metadata.get("agent_runtime_ms")
-        if "agent_runtime_ms" in metadata and v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
             warnings.append(f"warning: metadata.agent_runtime_ms: should be a non-negative number, got "
                             f"{_short(_safe_repr(v), 40)}")
     except Exception:  # noqa: BLE001 - a mapping that raises when read: _jsonable names it
@@ -1785,23 +1613,19 @@ def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> Li
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list, tuple)):
             problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
-        if "tool_calls" in message:
-            tool_calls = message["tool_calls"]
-            if not isinstance(tool_calls, (list, tuple)):
-                problems.append(f"{at}.tool_calls: must be an array, got {json_type(tool_calls)}")
-            else:
-                if role != "assistant" and tool_calls:
-                    soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, "
-                                f"this one is {role!r}")
-                for j, call in enumerate(tool_calls):
-                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids, soft))
-        if "thinking" in message:
-            thinking = message["thinking"]
-            if not isinstance(thinking, (list, tuple)):
-                problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
-            else:
-                problems.extend(f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                                for j, block in enumerate(thinking) if not isinstance(block, Mapping))
+        tool_calls = message.get("tool_calls", ())
+        if not isinstance(tool_calls, (list, tuple)):
+            problems.append(f"{at}.tool_calls: must be an array, got {json_type(tool_calls)}")
+        elif role != "assistant" and tool_calls:
+            soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
+        for j, call in enumerate(tool_calls if isinstance(tool_calls, (list, tuple)) else ()):
+            problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids, soft))
+        thinking = message.get("thinking", ())
+        if not isinstance(thinking, (list, tuple)):
+            problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
+        else:
+            problems.extend(f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                            for j, block in enumerate(thinking) if not isinstance(block, Mapping))
         call_id = message.get("tool_call_id")
         if "tool_call_id" in message and not isinstance(call_id, str):
             problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
@@ -1828,12 +1652,10 @@ def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: L
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it"]
     problems = []
-    call_id = call.get("id")
-    if "id" in call:
-        if not isinstance(call_id, str):
-            problems.append(f"{at}.id: must be a string, got {json_type(call_id)}")
-        else:
-            seen_call_ids.add(call_id)
+    if "id" in call and not isinstance(call["id"], str):
+        problems.append(f"{at}.id: must be a string, got {json_type(call['id'])}")
+    elif "id" in call:
+        seen_call_ids.add(call["id"])
     arguments = call["arguments"] if flat and "arguments" in call else (
         function.get("arguments") if nested and isinstance(function, Mapping) else None)
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
@@ -1849,8 +1671,7 @@ def validate_response(body: Any) -> List[str]:
 
 
 def _response_problems(body: Any, json_safe: bool) -> List[str]:
-    """:func:`validate_response`; ``json_safe`` skips the walk for what JSON cannot carry (a body the lenient
-    builder made has none)."""
+    """:func:`validate_response`; ``json_safe``: the lenient builder made the body, so nothing in it needs a change."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     problems: List[str] = []
@@ -1882,7 +1703,6 @@ def _response_problems(body: Any, json_safe: bool) -> List[str]:
 
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers: a status, headers and a JSON body."""
-
     status: int
     headers: List[Tuple[str, str]]
     body: bytes
@@ -1894,22 +1714,19 @@ def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
     except UnicodeEncodeError:
         body = _COMPACT_JSON.encode(_jsonable(payload, "reply", [])).encode("utf-8")
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-    headers.extend(extra_headers)
-    return HttpReply(status, headers, body)
+    return HttpReply(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra_headers],
+                     body)
 
 
 def error_reply(exc: BaseException) -> HttpReply:
-    """The one error path (§7.1 kit-error-statuses): ``exc.http_status`` (500 for anything not ours) with
-    ``{"detail": message}`` of at most :data:`DETAIL_LIMIT` characters, anything not ours as ``Type: message``."""
+    """The one error path (§7.1 kit-error-statuses): ``exc.http_status`` (else 500) and ``{"detail": message}``."""
     if isinstance(exc, PipelinesError):
         return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
 def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Optional[str]) -> str:
-    """``"TypeName: message"`` on one line of at most ``limit`` characters, ``secrets`` redacted before it is cut
-    (§7.3 kit-error-detail-shape): a cut must never leave part of a token."""
+    """``"TypeName: message"`` on one line of at most ``limit`` characters, ``secrets`` redacted before the cut."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
@@ -2060,7 +1877,8 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Frozen data: read-only JSON containers that still serialise as JSON
+# Python data: read-only JSON containers that still serialise as JSON (§7.2 kit-read-only-envelope), and
+# headers in any of Python's forms read as one dict (§2.1, §7.2 kit-repeated-header)
 # ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -2069,7 +1887,6 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 class _FrozenDict(Dict[Any, Any]):
     """A dict that refuses mutation; ``json.dumps`` and ``isinstance(x, dict)`` still work."""
-
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
@@ -2079,7 +1896,6 @@ class _FrozenDict(Dict[Any, Any]):
 
 class _FrozenList(List[Any]):
     """A list that refuses mutation; ``json.dumps`` and ``isinstance(x, list)`` still work."""
-
     __slots__ = ()
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
@@ -2110,6 +1926,42 @@ def _thaw(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_thaw(v) for v in value]
     return value
+
+
+class _LowerHeaders(Dict[str, str]):
+    """Headers by lower-cased name, each with its first value; ``repeats`` holds the further values of a name."""
+    __slots__ = ("repeats",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repeats: Dict[str, List[str]] = {}
+
+
+def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
+    """Header names lower-cased (§2.1, §7.2 kit-repeated-header) from a mapping, an ``email.message.Message`` or
+    pairs (bytes as latin-1, as ASGI sends them); its own result as it is."""
+    if isinstance(headers, _LowerHeaders):
+        return headers
+    out = _LowerHeaders()
+    items = getattr(headers, "items", None)  # a mapping or an email.message.Message
+    for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
+        if isinstance(name, bytes):
+            name = name.decode("latin-1")
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        key, text = str(name).lower(), str(value)
+        if key in out:
+            out.repeats.setdefault(key, []).append(text)
+        else:
+            out[key] = text
+    return out
+
+
+def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
+    """Whether header ``name`` came more than once (with ``conflicting``: with another value)."""
+    extra = getattr(headers, "repeats", {}).get(name, ())
+    first = (headers.get(name) or "").strip()
+    return any(value.strip() != first for value in extra) if conflicting else bool(extra)
 
 
 # ---------------------------------------------------------------------------
@@ -2288,6 +2140,51 @@ def _safe_repr(value: Any) -> str:
         return repr(value)
     except Exception:  # noqa: BLE001
         return f"<{type(value).__name__}>"
+
+
+# ---------------------------------------------------------------------------
+# Start-up settings: the run timeout (§7.3 kit-run-timeout-range) and the proxy host allow-list (§7.1
+# kit-proxy-host-allow-list), checked once, where serve, DispatchApp and code mode read them
+# ---------------------------------------------------------------------------
+
+def check_run_timeout(run_timeout_s: Any) -> float:
+    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range); ``ValueError`` naming it otherwise."""
+    if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
+            0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
+        raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
+    return float(run_timeout_s)
+
+
+def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """The allow-list in ``text`` (``"api.pipelines.tech, .example.com, 127.0.0.1:8080"``), ``None`` when none is
+    given; ``ValueError`` for a list set but empty or a malformed entry (§7.1 kit-proxy-host-allow-list)."""
+    if text is None:
+        return None
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    if not entries:
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
+                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
+    return tuple(_normal_host_entry(entry) for entry in entries)
+
+
+def _normal_host_entry(entry: str) -> str:
+    """An allow-list entry lower-cased, ``*.suffix`` as ``.suffix``, a bare IPv6 address in its short form."""
+    shown = _short(entry, 100)
+    if entry.startswith("*."):
+        entry = entry[1:]
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
+        import ipaddress
+
+        try:
+            return str(ipaddress.IPv6Address(entry))
+        except ValueError:
+            pass
+    elif _HOST_ENTRY.fullmatch(entry):
+        port = _split_host_entry(entry)[1]
+        if port is None or 0 < port < 65536:
+            return entry.lower()
+    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
+                     "optionally with :port, without scheme, path or other wildcards")
 
 
 # ---------------------------------------------------------------------------
