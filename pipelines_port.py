@@ -274,7 +274,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # Constants: the contract's names and numbers
 # ---------------------------------------------------------------------------
 
-# §2.1 inbound headers (compared case-insensitively; stored lower-case) and §2.2 body fields.
+# §2.1 inbound headers (compared case-insensitively; stored lower-case), §2.2 body fields, §3.5 the actor header.
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -283,7 +283,6 @@ HEADER_TASK_ID = "x-pipelines-task-id"
 HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
 BODY_PROXY_URL = "odyssey_proxy_url"
 BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
-# §3.5 outbound multi-agent attribution.
 HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
 # §5 code-mode environment, §3.6 inline tools schema, §3.1 client knobs.
 ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
@@ -299,18 +298,16 @@ ENV_TOOLS_SCHEMA_B64 = "PIPELINES_TOOLS_SCHEMA_B64"
 ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
 ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
 ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
-# §3.1 tool names, §3.5 actor labels.
+# §3.1 tool names, caps and limits, §3.5 actor labels.
 TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
-ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-ACTOR_MAX_SEGMENTS = 8
-ACTOR_MAX_LENGTH = 256
-# Control characters that break an HTTP header value (a tab is allowed).
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-# §3.1 caps and limits.
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
 DEFAULT_PROXY_TIMEOUT_S = 120.0
 RATE_LIMIT_PER_MINUTE = 60
+ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+ACTOR_MAX_SEGMENTS = 8
+ACTOR_MAX_LENGTH = 256
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # what breaks an HTTP header value (a tab does not)
 # §3.3 retry classification, §3.4 reserved trace event types.
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -524,10 +521,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
 
 
 def _valid_host(host: str) -> bool:
-    """Whether IDNA encodes ``host``: an ASCII one needs labels of 1 to 63 characters (the last may be empty)."""
-    if host.isascii():
-        labels = host.split(".")
-        return all(0 < len(label) < 64 for label in labels[:-1]) and len(labels[-1]) < 64
+    """Whether IDNA encodes ``host`` (labels of 1 to 63 characters, for one)."""
     try:
         host.encode("idna")
     except UnicodeError:
@@ -606,16 +600,17 @@ class Envelope:
                  messages: Optional[Sequence[Any]] = None, scenario_state: Optional[Mapping[str, Any]] = None,
                  workspace: Optional[Mapping[str, Any]] = None, tools_schema: Optional[Sequence[Any]] = None,
                  sub_agents: Iterable[Any] = (), raw: Optional[Mapping[str, Any]] = None) -> None:
-        self._fill(validate_proxy_url(proxy_url, "the proxy_url argument"),
-                   _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id, run_token_jti,
-                   user_instruction if isinstance(user_instruction, str) else "", dict(task_input or {}),
-                   latest_user_prompt, session_id, turn_id, messages, scenario_state, workspace, tools_schema,
-                   _sub_agent_catalog(list(sub_agents)), dict(raw or {}))
+        instruction = user_instruction if isinstance(user_instruction, str) else ""
+        self._fill(*map(_freeze, (validate_proxy_url(proxy_url, "the proxy_url argument"),
+                                  _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id,
+                                  run_token_jti, instruction, dict(task_input or {}), latest_user_prompt, session_id,
+                                  turn_id, messages, scenario_state, workspace, tools_schema)),
+                   _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
     def _fill(self, *values: Any) -> None:
-        """Set the fields, in ``__slots__`` order, from checked values: every container frozen, ``sub_agents`` kept."""
+        """Set the fields, in ``__slots__`` order, from checked values, every container frozen."""
         for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value if name == "sub_agents" else _freeze(value))
+            object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any = None) -> None:
         raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
@@ -764,14 +759,13 @@ class Envelope:
 
         envelope = cls.__new__(cls)
         envelope._fill(
-            proxy_url, run_token,
-            _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
+            proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
             _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
             _first_id(raw.get("agent_id")),
             jti.strip() if isinstance(jti, str) and jti.strip() else _header(headers, HEADER_RUN_TOKEN_JTI),
-            typed("user_instruction", str) or "", typed("input", dict) or {}, typed("latest_user_prompt", str),
-            _first_id(task.get("session_id")), task.get("turn_id"), typed("messages", list),
-            typed("scenario_state", dict), typed("workspace", dict),
+            typed("user_instruction", str) or "", typed("input", dict) or _FrozenDict(),
+            typed("latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
+            typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
             raw["tools_schema"] if isinstance(raw.get("tools_schema"), list) else None,
             _sub_agent_catalog(raw.get("sub_agents")), raw)
         return envelope
@@ -897,12 +891,8 @@ class RequestHead(NamedTuple):
 
     def keep_alive(self) -> bool:
         """Whether the connection may carry another request after this one (RFC 9112 §9.3)."""
-        tokens = {t.strip().lower() for v in _all_values(self.headers, "connection") for t in v.split(",")}
+        tokens = {t.strip().lower() for k, v in self.headers if k.lower() == "connection" for t in v.split(",")}
         return "close" not in tokens if self.version == "HTTP/1.1" else "keep-alive" in tokens
-
-
-def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
-    return [v for k, v in headers if k.lower() == name]
 
 
 def parse_request_head(head: bytes) -> RequestHead:
@@ -918,18 +908,31 @@ def parse_request_head(head: bytes) -> RequestHead:
     if len(lines) - 1 > MAX_REQUEST_FIELDS:
         raise HeadersTooLargeError(f"request has {len(lines) - 1} header fields, over {MAX_REQUEST_FIELDS}")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    fields = [_FIELD_LINE_RE.fullmatch(line) for line in lines[1:]]
-    if request is None or None in fields:
+    if request is None:
         raise _head_problem(lines)
+    headers: List[Tuple[str, str]] = []
+    hosts, lengths, coded = 0, [], False
+    for line in lines[1:]:
+        field = _FIELD_LINE_RE.fullmatch(line)
+        if field is None:
+            raise _head_problem(lines)
+        name_bytes, value_bytes = field.groups()
+        name, value = name_bytes.decode("ascii"), value_bytes.strip(b" \t").decode("latin-1")
+        lowered = name.lower()
+        if lowered == "host":
+            hosts += 1
+        elif lowered == "content-length":
+            lengths += [v.strip() for v in value.split(",")]
+        elif lowered == "transfer-encoding":
+            coded = True
+        headers.append((name, value))
     version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
-    headers = [(f.group(1).decode("ascii"), f.group(2).strip(b" \t").decode("latin-1")) for f in fields if f]
-    if version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
+    if version == "HTTP/1.1" and hosts != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
-    lengths = [v.strip() for value in _all_values(headers, "content-length") for v in value.split(",")]
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
-    if _all_values(headers, "transfer-encoding") and (lengths or version == "HTTP/1.0"):
+    if coded and (lengths or version == "HTTP/1.0"):
         raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be HTTP/1.0 "
                            "(RFC 9112 §6.1)")
     return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
@@ -980,9 +983,8 @@ class Endpoint(NamedTuple):
         """The methods routed at ``path``, or ``None`` for no route (§7.1 kit-routes)."""
         if path == self.path:
             return ("POST",)
-        if path == HEALTH_PATH or (path == TOOLS_SCHEMA_PATH and self.tools_schema is not None):
-            return ("GET",)
-        return None
+        tools = path == TOOLS_SCHEMA_PATH and self.tools_schema is not None
+        return ("GET",) if path == HEALTH_PATH or tools else None
 
 
 class Decision(NamedTuple):
@@ -1286,15 +1288,13 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
     if not isinstance(body, dict):
         return None, None
     detail = body.get("detail")
+    cls, msg = body.get("error_class"), body.get("message") or body.get("error")
     if isinstance(detail, dict):
-        cls = detail.get("error_class")
-        msg = detail.get("message") or detail.get("detail")
+        cls, msg = detail.get("error_class"), detail.get("message") or detail.get("detail")
     elif isinstance(detail, str):
-        cls, msg = body.get("error_class"), detail
-    else:
-        cls, msg = body.get("error_class"), body.get("message") or body.get("error")
-        if detail is not None and msg is None:
-            msg = json.dumps(detail)[:200]
+        msg = detail
+    elif detail is not None and msg is None:
+        msg = json.dumps(detail)[:200]
     return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
 
 
@@ -1866,12 +1866,13 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
     if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
         return None
     body: Dict[str, Any] = {}
-    for key, item in (extra or {}).items():
-        if key == "final_response":
-            continue
-        if type(key) is not str or not _plain_text(key) or not _plain_scalar(item):
-            return None
-        body[key] = item
+    if extra is not None:
+        for key, item in extra.items():
+            if key == "final_response":
+                continue
+            if type(key) is not str or not _plain_text(key) or not _plain_scalar(item):
+                return None
+            body[key] = item
     body["final_response"] = final  # last, as response_envelope puts it
     return body
 
