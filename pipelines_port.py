@@ -255,41 +255,36 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions: the contract's
-#   names and numbers, the errors and the HTTP status each one means, the
-#   dispatch envelope, the inbound decision (``decide``), how a proxy request
-#   is encoded and its reply interpreted, when to retry, and the response
-#   envelope.  Rules this part keeps: no sockets, no threads, no environment
-#   reads (a caller that omits an ``environ`` mapping gets ``os.environ``,
-#   read there and nowhere else), no logging.  Everything here takes its
-#   inputs as arguments and returns values or raises one of the errors below,
-#   so a TypeScript, Go or Rust port can translate it function by function.
-#   What only makes Python faster lives in part 2 ("Speed paths"); three of
-#   its names are called here, each meaning what a port's own library gives:
-#   ``_json_from_bytes`` (json.loads), ``_idempotency_key`` (a fresh version-4
-#   UUID as text) and ``_int_limit`` (10 ** MAX_INT_DIGITS).
+#   What a port must agree on, as data and pure functions: names and
+#   numbers, the errors (each with its HTTP status), the dispatch envelope,
+#   the inbound decision (``decide``), proxy requests and replies, retries,
+#   and the response envelope.  No sockets, threads, logging or environment
+#   reads (an omitted ``environ`` is ``os.environ``, read there only).
+#   CONTRACT.md states each rule, and the code names it (``§7.3
+#   kit-run-timeout-range``).  Part 1 calls part 2's first sections for what
+#   a port's own language gives: speed paths (``_json_from_bytes``: json.loads;
+#   ``_idempotency_key``: a UUID4; ``_int_limit``), read-only containers and
+#   header dicts (``_freeze``, ``_thaw``, ``_lower_headers``) and Python
+#   values as JSON (``_jsonable``, ``_unsendable``, ``_safe_text``).
 #
 # ###########################################################################
-
 
 
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
 # ---------------------------------------------------------------------------
 
-# §2 inbound headers (compared case-insensitively; stored lower-case).
+# §2.1 inbound headers (compared case-insensitively; stored lower-case), §2.2 body fields, §3.5 the actor header.
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
 HEADER_RUN_ID = "x-pipelines-run-id"
 HEADER_TASK_ID = "x-pipelines-task-id"
 HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
-# §3.5 outbound multi-agent attribution.
-HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
-# §2 body fields.
 BODY_PROXY_URL = "odyssey_proxy_url"
 BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
-# §5 code-mode environment.
+HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
+# §5 code-mode environment, §3.6 inline tools schema, §3.1 client knobs.
 ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
 ENV_RUN_TOKEN = "PIPELINES_RUN_TOKEN"
 ENV_RUN_TOKEN_JTI = "PIPELINES_RUN_TOKEN_JTI"
@@ -299,47 +294,43 @@ ENV_AGENT_ID = "PIPELINES_AGENT_ID"
 ENV_API_URL = "PIPELINES_API_URL"
 ENV_TASK_INPUT_JSON = "_PIPELINES_TASK_INPUT_JSON"
 ENV_TASK_INPUT_B64 = "_PIPELINES_TASK_INPUT_B64"
-# §3.6 inline tools schema.
 ENV_TOOLS_SCHEMA_B64 = "PIPELINES_TOOLS_SCHEMA_B64"
 ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
-# §3.1 client knobs.
 ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
 ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
-# §3.1 tool names, §3.5 actor labels.
+# §3.1 tool names, caps and limits, §3.5 actor labels.
 TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
-ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-ACTOR_MAX_SEGMENTS = 8
-ACTOR_MAX_LENGTH = 256
-# Control characters that break an HTTP header value (a tab is allowed).
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-# §3.1 caps and limits.
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
 DEFAULT_PROXY_TIMEOUT_S = 120.0
 RATE_LIMIT_PER_MINUTE = 60
-# §3.3 retry classification.
-TRANSIENT_503_CLASSES = frozenset(
-    {"lock_contention", "context_store_unavailable", "trace_sequence_contended"}
-)
-STALE_TOKEN_CLASSES = frozenset(
-    {"run_token_expired", "run_token_invalid", "run_token_rejected"}
-)
-# §3.4 reserved trace event types.
-TRACE_EVENT_TYPES = frozenset(
-    {
-        "assistant_message",
-        "thinking",
-        "system_prompt",
-        "custom",
-        "llm_payload",
-        "handoff",
-        "subagent_message",
-        "subagent_final",
-    }
-)
-# §4 response envelope.
+ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+ACTOR_MAX_SEGMENTS = 8
+ACTOR_MAX_LENGTH = 256
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # what breaks an HTTP header value (a tab does not)
+# §3.3 retry classification, §3.4 reserved trace event types.
+TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
+STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
+TRACE_EVENT_TYPES = frozenset({"assistant_message", "thinking", "system_prompt", "custom", "llm_payload", "handoff",
+                               "subagent_message", "subagent_final"})
+# §2, §7.1 the dispatch endpoint: routes, limits, the run timeout.
+DEFAULT_DISPATCH_PATH = "/dispatch"
+HEALTH_PATH = "/healthz"
+TOOLS_SCHEMA_PATH = "/tools_schema"
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+DEFAULT_TOKEN_ENV = "AGENT_TOKEN"
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+MAX_REQUEST_LINE_BYTES = 8 << 10
+MAX_REQUEST_HEAD_BYTES = 64 << 10
+MAX_REQUEST_FIELDS = 100
+DEFAULT_RUN_TIMEOUT_S = 300.0
+MAX_RUN_TIMEOUT_S = 1800.0
+DETAIL_LIMIT = 500  # characters of an error ``detail``: one readable line, never a traceback
+# §4 response envelope, §7.7 what the builder keeps.
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
+MAX_JSON_DEPTH = 100  # nesting the builder keeps; deeper is cut
+MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits: the platform's JSON parser reads no longer integer
 _METADATA_INT_KEYS = ("total_input_tokens", "total_output_tokens")
 _METADATA_STR_KEYS = ("model", "system_prompt_id")
 _REDACTED = "[redacted]"
@@ -347,192 +338,122 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors.  Each class carries the HTTP status a dispatch endpoint answers when
-# it is raised while handling a request (``http_status``, like h11's
-# ``error_status_hint``), so the inbound statuses come from this one table:
-#
-#   RequestError 400 (EnvelopeError 400, NotFoundError 404,
-#       MethodNotAllowedError 405, LengthRequiredError 411, BodyTooLargeError 413)
-#   AuthError 401          MisconfiguredError 503     ShuttingDownError 503
-#   AgentError 500         ResponseError 500          RunTimeoutError 504
-#
-# ``error_reply(exc)`` turns any of them into the JSON ``{"detail": ...}`` reply.
+# Errors.  Each carries the HTTP status an endpoint answers when it ends a request (``http_status``, like h11's
+# ``error_status_hint``): the status table of §7.1 kit-error-statuses, turned into a reply by ``error_reply``.
 # ---------------------------------------------------------------------------
 
-
 class PipelinesError(Exception):
-    """Base class of every error this module raises on purpose.
-
-    ``http_status`` is what a dispatch endpoint answers when the error ends a
-    request; ``headers`` are extra reply headers (``Allow``, ``WWW-Authenticate``).
-    """
-
+    """Base class of every error this module raises on purpose; ``headers`` are extra reply headers."""
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
+    def __init_subclass__(cls, status: Optional[int] = None, **kwargs: Any) -> None:
+        """``class NotFoundError(RequestError, status=404)`` sets the subclass's ``http_status``."""
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.http_status = status
 
-class RequestError(PipelinesError, ValueError):
+
+class RequestError(PipelinesError, ValueError, status=400):
     """The request cannot be handled as sent: not JSON, not an object, truncated (§2)."""
-
-    http_status = 400
 
 
 class EnvelopeError(RequestError):
     """A dispatch envelope is missing, malformed, or not bound (§2, §5)."""
 
 
-class NotFoundError(RequestError):
+class NotFoundError(RequestError, status=404):
     """No route for the request's path."""
 
-    http_status = 404
 
-
-class MethodNotAllowedError(RequestError):
+class MethodNotAllowedError(RequestError, status=405):
     """The path exists, the method does not; ``headers`` carry ``Allow``."""
-
-    http_status = 405
-
     def __init__(self, message: str, allowed: Sequence[str]) -> None:
         super().__init__(message)
         self.headers = (("Allow", ", ".join(allowed)),)
 
 
-class UnknownMethodError(RequestError):
-    """A request method HTTP does not define (RFC 9110 §9): 501, as an origin server answers one it does not know."""
-
-    http_status = 501
+class UnknownMethodError(RequestError, status=501):
+    """A request method HTTP does not define (RFC 9110 §9)."""
 
 
-class LengthRequiredError(RequestError):
+class LengthRequiredError(RequestError, status=411):
     """A POST without a usable Content-Length (chunked, absent or not a decimal number)."""
 
-    http_status = 411
 
-
-class BodyTooLargeError(RequestError):
+class BodyTooLargeError(RequestError, status=413):
     """A request body over the endpoint's cap, refused before it is read."""
 
-    http_status = 413
 
-
-class UnsupportedTransferCodingError(RequestError):
-    """A ``Transfer-Encoding`` other than chunked (which gets 411): not a coding this endpoint reads (RFC 9112 §6.1)."""
-
-    http_status = 501
+class UnsupportedTransferCodingError(RequestError, status=501):
+    """A ``Transfer-Encoding`` other than chunked (RFC 9112 §6.1)."""
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112's grammar (§7.1 kit-strict-request-head): where this request ends is
-    uncertain, so the connection closes after the reply; nothing after it is read as another request."""
+    """A request head that breaks RFC 9112 (§7.1 kit-strict-request-head): the connection closes after the reply."""
 
 
-class TargetTooLongError(FramingError):
+class TargetTooLongError(FramingError, status=414):
     """A request line over :data:`MAX_REQUEST_LINE_BYTES`."""
 
-    http_status = 414
 
-
-class HeadersTooLargeError(FramingError):
+class HeadersTooLargeError(FramingError, status=431):
     """A request head over :data:`MAX_REQUEST_HEAD_BYTES` or with more than :data:`MAX_REQUEST_FIELDS` fields."""
 
-    http_status = 431
+
+class VersionNotSupportedError(FramingError, status=505):
+    """A well-formed HTTP version other than 1.x."""
 
 
-class VersionNotSupportedError(FramingError):
-    """A well-formed HTTP version other than 1.x (``HTTP/2.0`` on a cleartext HTTP/1 connection, ``HTTP/9.9``)."""
-
-    http_status = 505
-
-
-class RequestTimeoutError(RequestError):
+class RequestTimeoutError(RequestError, status=408):
     """A request's head and body did not arrive within the server's ``read_timeout_s`` of its first byte."""
 
-    http_status = 408
 
-
-class AuthError(PipelinesError):
+class AuthError(PipelinesError, status=401):
     """Missing or wrong inbound credential (§2 step 1); the message never echoes what was sent."""
-
-    http_status = 401
-
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
 
 
-class MisconfiguredError(PipelinesError):
+class MisconfiguredError(PipelinesError, status=503):
     """The endpoint cannot check credentials: its token variable is unset (§2 step 1)."""
 
-    http_status = 503
 
-
-class ShuttingDownError(PipelinesError):
+class ShuttingDownError(PipelinesError, status=503):
     """The server is draining after SIGTERM and takes no new requests."""
 
-    http_status = 503
 
-
-class OverloadedError(PipelinesError):
+class OverloadedError(PipelinesError, status=503):
     """The server is at its limit of open connections (``max_connections``): retry shortly or elsewhere."""
 
-    http_status = 503
 
-
-class RunTimeoutError(PipelinesError):
+class RunTimeoutError(PipelinesError, status=504):
     """The agent did not finish within ``run_timeout_s`` (§2 step 7)."""
-
-    http_status = 504
 
 
 class AgentError(PipelinesError):
     """The agent function raised; the message is ``Type: message``, the original is ``__cause__``."""
 
-    http_status = 500
-
 
 class ResponseError(PipelinesError, ValueError):
-    """A value cannot become a valid response envelope (§4).
-
-    ``problems`` lists every problem found, one readable string each.
-    """
-
-    http_status = 500
-
+    """A value cannot become a valid response envelope (§4); ``problems`` lists every problem found."""
     def __init__(self, problems: Union[str, Sequence[str]]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A proxy call or trace post failed (§3.3).
-
-    ``status_code`` is the HTTP status (``None`` when no reply arrived or the
-    call was refused before sending), ``error_class`` the platform's machine-
-    readable class from any of the three error body shapes, ``body`` the parsed
-    reply body (or its first 200 characters when it is not JSON), ``tool_name``
-    the tool or trace path called.  Messages never contain the run token.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: Optional[int] = None,
-        error_class: Optional[str] = None,
-        body: Any = None,
-        tool_name: Optional[str] = None,
-        retry_after: Optional[float] = None,
-    ) -> None:
+    """A proxy call or trace post failed (§3.3), never showing the run token; ``status_code`` is ``None`` when no reply
+    came, ``body`` the reply parsed (not JSON: its first 200 characters)."""
+    def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
+                 body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.error_class = error_class
-        self.body = body
-        self.tool_name = tool_name
-        self.retry_after = retry_after
+        self.message, self.status_code, self.error_class = message, status_code, error_class
+        self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
 
     def to_value(self) -> Dict[str, Any]:
-        """The failure as an ``{"error": ...}`` tool result a model can read."""
+        """The failure as an ``{"error": ...}`` tool result a model can read (§7.4 kit-errors-return)."""
         value: Dict[str, Any] = {"error": self.message}
         if self.error_class:
             value["error_class"] = self.error_class
@@ -542,7 +463,7 @@ class ProxyError(PipelinesError):
 
 
 class ProxyRequestError(ProxyError, ValueError):
-    """The call was refused locally before sending: bad tool name, args, size or actor label."""
+    """The call was refused locally before sending: bad tool name, args, size or actor label (§7.5)."""
 
 
 class ProxyTransportError(ProxyError):
@@ -552,72 +473,6 @@ class ProxyTransportError(ProxyError):
 class StaleRunTokenError(ProxyError):
     """The proxy rejected the run token as expired, invalid or revoked: the run is over (§3.3)."""
 
-# ---------------------------------------------------------------------------
-# Frozen data: read-only JSON containers that still serialise as JSON
-# ---------------------------------------------------------------------------
-
-def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
-    raise TypeError(
-        "envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))"
-    )
-
-
-class _FrozenDict(Dict[Any, Any]):
-    """A dict that refuses mutation.  ``json.dumps`` and ``isinstance(x, dict)`` still work."""
-
-    __slots__ = ()
-    __setitem__ = __delitem__ = __ior__ = _read_only
-    clear = pop = popitem = setdefault = update = _read_only
-
-    def __copy__(self) -> Dict[Any, Any]:
-        return dict(self)
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> Dict[Any, Any]:
-        return cast(Dict[Any, Any], _thaw(self))
-
-    def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
-
-
-class _FrozenList(List[Any]):
-    """A list that refuses mutation.  ``json.dumps`` and ``isinstance(x, list)`` still work."""
-
-    __slots__ = ()
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
-    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
-
-    def __copy__(self) -> List[Any]:
-        return list(self)
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> List[Any]:
-        return cast(List[Any], _thaw(self))
-
-    def __reduce__(self) -> Any:
-        return (list, (list(self),))
-
-
-_LEAVES = frozenset({str, int, float, bool, type(None)})  # what _freeze keeps as it is without a call
-
-
-def _freeze(value: Any) -> Any:
-    """Deep copy of a JSON value with every dict and list made read-only (a frozen one is kept: it is already)."""
-    kind = type(value)
-    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:  # exactly ours: already deep read-only
-        return value
-    if isinstance(value, dict):
-        return _FrozenDict({k: v if type(v) in _LEAVES else _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return _FrozenList([v if type(v) in _LEAVES else _freeze(v) for v in value])
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    """Deep copy of a JSON value with plain, mutable dicts and lists."""
-    if isinstance(value, dict):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
 
 # ---------------------------------------------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
@@ -627,73 +482,23 @@ Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 
 
-class _LowerHeaders(Dict[str, str]):
-    """Headers whose names are already lower-cased: :func:`_lower_headers` returns them as they are.
-
-    ``repeats`` holds the further values of a name sent more than once (the
-    first value is the mapping's): a repeated credential or a conflicting
-    Content-Length is refused, never resolved by order.
-    """
-
-    __slots__ = ("repeats",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.repeats: Dict[str, List[str]] = {}
-
-
-def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Header names lower-cased (§2: case-insensitive); the first value of a repeated name wins.
-
-    Accepts a mapping, an ``email.message.Message`` or a list of pairs; bytes
-    (ASGI) are decoded as latin-1.  Cheap to call again on its own result.
-    """
-    if isinstance(headers, _LowerHeaders):
-        return headers
-    out = _LowerHeaders()
-    if headers is None:
-        return out
-    items = getattr(headers, "items", None)  # a mapping or an email.message.Message
-    pairs = cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers)
-    for name, value in pairs:
-        if isinstance(name, bytes):
-            name = name.decode("latin-1")
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        key, text = str(name).lower(), str(value)
-        if key in out:
-            out.repeats.setdefault(key, []).append(text)
-        else:
-            out[key] = text
-    return out
-
-
-def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
-    """True when header ``name`` came more than once (with ``conflicting``: with a different value)."""
-    extra = getattr(headers, "repeats", {}).get(name, ())
-    if conflicting:
-        first = (headers.get(name) or "").strip()
-        return any(value.strip() != first for value in extra)
-    return bool(extra)
-
-
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
-    value = headers.get(name)
-    if value is None:
-        return None
-    value = value.strip()
-    return value or None
+    return (headers.get(name) or "").strip() or None
 
 
 def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+def _title(lower_header: str) -> str:
+    return "-".join(part.capitalize() for part in lower_header.split("-"))
+
+
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
 
 def validate_proxy_url(url: Any, where: str) -> str:
-    """The proxy base URL without its trailing ``/``; http(s) with a host only."""
+    """The proxy base URL without its trailing ``/`` (§2.2, §7.2 kit-proxy-url-checked); ``where`` is its source."""
     if not isinstance(url, str) or not url.strip():
         raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
     text: str = url.strip().rstrip("/")
@@ -703,68 +508,59 @@ def validate_proxy_url(url: Any, where: str) -> str:
     except ValueError as exc:
         raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} is not a valid URL: {exc}") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise EnvelopeError(
-            f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host"
-        )
-    if parts.query or parts.fragment:
-        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must not carry a query or fragment")
-    try:
-        parts.hostname.encode("idna")
-    except UnicodeError:
-        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} has a host name that is not valid") from None
-    if _SPACE_OR_CONTROL.search(text):
+        problem = "must be an http:// or https:// URL with a host"
+    elif parts.query or parts.fragment:
+        problem = "must not carry a query or fragment"
+    elif not _valid_host(parts.hostname):
+        problem = "has a host name that is not valid"
+    elif _SPACE_OR_CONTROL.search(text):
         raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
-    return text
+    else:
+        return text
+    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
+
+
+def _valid_host(host: str) -> bool:
+    """Whether IDNA encodes ``host`` (labels of 1 to 63 characters, for one)."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 def _check_run_token(token: Any, where: str) -> str:
+    """The run token trimmed (§7.2 kit-run-token-checked), never shown in an error: it is a secret."""
     if not isinstance(token, str) or not token.strip():
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    text: str = token.strip()
-    if _CONTROL_CHARACTER.search(text) or "\t" in text:
-        # Never echo it: it is a secret.
+    if _CONTROL_CHARACTER.search(token.strip()) or "\t" in token.strip():
         raise EnvelopeError(f"run token from {where} contains control characters")
-    return text
-
-
-def _native_id(value: Any) -> Optional[Id]:
-    """An id as the body carries it (int or str); anything else counts as absent."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip():
-        return value.strip()
-    return None
+    return token.strip()
 
 
 def _env_id(value: Optional[str]) -> Optional[Id]:
-    """An id from a ``PIPELINES_*`` variable: decimal digits become an int, as the task JSON carries ids."""
+    """An id from a ``PIPELINES_*`` variable (§7.2 kit-env-ids-numeric): decimal digits become an int."""
     text = (value or "").strip()
-    if text.isascii() and text.isdigit() and len(text) <= 18:
-        return int(text)
-    return text or None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else text or None
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
-    for candidate in candidates:
-        value = _native_id(candidate)
-        if value is not None:
+    """The first candidate that is an id: an int (no bool: §7.2 kit-float-ids-absent) or a non-blank string, trimmed."""
+    for value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.strip():
+            return value.strip()
     return None
 
 
 def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
-    """§2 ``sub_agents``: strings or ``{"actor_id": ...}``; malformed entries skipped."""
-    if not isinstance(value, list):
-        return ()
+    """§2.2 ``sub_agents``, labels or ``{"actor_id": label}`` (§7.2 kit-sub-agents-catalog, -normalised)."""
     labels: List[str] = []
-    for entry in value:
+    for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
-        if not isinstance(label, str):
-            continue
         try:
-            label = validate_actor_label(label)
+            label = validate_actor_label(label) if isinstance(label, str) else None
         except ProxyRequestError:
             continue
         if label and label not in labels:
@@ -772,38 +568,12 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
     return tuple(labels)
 
 
-def _object_or(value: Any, default: Any) -> Any:
-    return value if isinstance(value, dict) else default
-
-
 class Envelope:
-    """One run's dispatch context (§2), read-only.
-
-    Build it with :meth:`from_dispatch` (HTTP mode), :meth:`from_run` (code-mode
-    ``run()`` arguments) or :meth:`from_env` (code-mode environment).  Every
-    container field is a read-only deep copy; ``raw`` is the whole dispatch
-    body, unknown fields included.  ``repr`` and ``str`` never show the run token.
-    """
-
-    __slots__ = (
-        "proxy_url",
-        "run_token",
-        "run_id",
-        "task_id",
-        "agent_id",
-        "run_token_jti",
-        "user_instruction",
-        "task_input",
-        "latest_user_prompt",
-        "session_id",
-        "turn_id",
-        "messages",
-        "scenario_state",
-        "workspace",
-        "tools_schema",
-        "sub_agents",
-        "raw",
-    )
+    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope): build it with
+    :meth:`from_dispatch`, :meth:`from_run` or :meth:`from_env`; ``raw`` is the whole body; ``repr`` hides the token."""
+    __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
+                 "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
+                 "workspace", "tools_schema", "sub_agents", "raw")
 
     proxy_url: str
     run_token: str
@@ -823,68 +593,33 @@ class Envelope:
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]
 
-    def __init__(
-        self,
-        *,
-        proxy_url: str,
-        run_token: str,
-        run_id: Optional[Id] = None,
-        task_id: Optional[Id] = None,
-        agent_id: Optional[Id] = None,
-        run_token_jti: Optional[str] = None,
-        user_instruction: str = "",
-        task_input: Optional[Mapping[str, Any]] = None,
-        latest_user_prompt: Optional[str] = None,
-        session_id: Optional[Id] = None,
-        turn_id: Optional[Any] = None,
-        messages: Optional[Sequence[Any]] = None,
-        scenario_state: Optional[Mapping[str, Any]] = None,
-        workspace: Optional[Mapping[str, Any]] = None,
-        tools_schema: Optional[Sequence[Any]] = None,
-        sub_agents: Iterable[Any] = (),
-        raw: Optional[Mapping[str, Any]] = None,
-    ) -> None:
-        self._fill(validate_proxy_url(proxy_url, "the proxy_url argument"),
-                   _check_run_token(run_token, "the run_token argument"),
-                   run_id, task_id, agent_id, run_token_jti, user_instruction, task_input, latest_user_prompt,
-                   session_id, turn_id, messages, scenario_state, workspace, tools_schema, sub_agents, raw)
+    def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
+                 agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
+                 task_input: Optional[Mapping[str, Any]] = None, latest_user_prompt: Optional[str] = None,
+                 session_id: Optional[Id] = None, turn_id: Optional[Any] = None,
+                 messages: Optional[Sequence[Any]] = None, scenario_state: Optional[Mapping[str, Any]] = None,
+                 workspace: Optional[Mapping[str, Any]] = None, tools_schema: Optional[Sequence[Any]] = None,
+                 sub_agents: Iterable[Any] = (), raw: Optional[Mapping[str, Any]] = None) -> None:
+        instruction = user_instruction if isinstance(user_instruction, str) else ""
+        self._fill(*map(_freeze, (validate_proxy_url(proxy_url, "the proxy_url argument"),
+                                  _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id,
+                                  run_token_jti, instruction, dict(task_input or {}), latest_user_prompt, session_id,
+                                  turn_id, messages, scenario_state, workspace, tools_schema)),
+                   _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
-    def _fill(self, proxy_url: str, run_token: str, run_id: Optional[Id], task_id: Optional[Id],
-              agent_id: Optional[Id], run_token_jti: Optional[str], user_instruction: Any,
-              task_input: Optional[Mapping[str, Any]], latest_user_prompt: Optional[str], session_id: Optional[Id],
-              turn_id: Any, messages: Any, scenario_state: Any, workspace: Any, tools_schema: Any,
-              sub_agents: Iterable[Any], raw: Optional[Mapping[str, Any]]) -> None:
-        """Set every field, containers frozen; ``proxy_url`` and ``run_token`` come checked."""
-        setter = object.__setattr__
-        setter(self, "proxy_url", proxy_url)
-        setter(self, "run_token", run_token)
-        setter(self, "run_id", run_id)
-        setter(self, "task_id", task_id)
-        setter(self, "agent_id", agent_id)
-        setter(self, "run_token_jti", run_token_jti)
-        setter(self, "user_instruction", user_instruction if isinstance(user_instruction, str) else "")
-        setter(self, "task_input", _freeze(task_input if type(task_input) is _FrozenDict else dict(task_input or {})))
-        setter(self, "latest_user_prompt", latest_user_prompt)
-        setter(self, "session_id", session_id)
-        setter(self, "turn_id", _freeze(turn_id))
-        setter(self, "messages", _freeze(messages))
-        setter(self, "scenario_state", _freeze(scenario_state))
-        setter(self, "workspace", _freeze(workspace))
-        setter(self, "tools_schema", _freeze(tools_schema))
-        setter(self, "sub_agents", _sub_agent_catalog(list(sub_agents)))
-        setter(self, "raw", _freeze(raw if type(raw) is _FrozenDict else dict(raw or {})))
+    def _fill(self, *values: Any) -> None:
+        """Set the fields, in ``__slots__`` order, from checked values, every container frozen."""
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: Any = None) -> None:
         raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
 
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
+    __delattr__ = __setattr__
 
     def __repr__(self) -> str:
-        return (
-            f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
-            f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})"
-        )
+        return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
+                f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
     __str__ = __repr__
 
@@ -900,39 +635,25 @@ class Envelope:
 
     def replace(self, **changes: Any) -> Envelope:
         """A copy with some fields changed (like ``dataclasses.replace``)."""
-        fields = {n: _thaw(getattr(self, n)) for n in self.__slots__}
-        unknown = set(changes) - set(fields)
+        unknown = set(changes) - set(self.__slots__)
         if unknown:
             raise TypeError(f"Envelope has no field(s) {sorted(unknown)}")
-        fields.update(changes)
-        return Envelope(**fields)
-
-    # -- derived --------------------------------------------------------------
+        return Envelope(**{**{n: _thaw(getattr(self, n)) for n in self.__slots__}, **changes})
 
     @property
     def api_url(self) -> str:
         """Origin of the proxy URL (``PIPELINES_API_URL`` in code mode, §5)."""
-        parts = urlsplit(self.proxy_url)
-        return f"{parts.scheme}://{parts.netloc}"
+        return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
     def is_multi_turn(self) -> bool:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages, ``[{"role", "content"}, ...]``, for a model API.
-
-        The earlier user and assistant text of a multi-turn run (``messages``),
-        then the prompt: ``latest_user_prompt``, else ``user_instruction`` with
-        a non-empty task input appended as JSON (§2), else a placeholder.  The
-        prompt is not repeated when the history already ends with it.
-        """
-        turns = [
-            {"role": m["role"], "content": m["content"]}
-            for m in self.messages or ()
-            if isinstance(m, Mapping) and m.get("role") in ("user", "assistant")
-            and isinstance(m.get("content"), str) and m["content"].strip()
-        ]
+        """This turn as chat messages for a model API: the earlier user and assistant text, then this prompt."""
+        turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
+                 and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+                 and m["content"].strip()]
         prompt = self.latest_user_prompt or self.user_instruction or "(no instruction given)"
         if self.task_input and not self.latest_user_prompt:
             prompt += "\n\nTask input:\n" + json.dumps(self.task_input, indent=2)
@@ -941,22 +662,11 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """The ``PIPELINES_*`` environment for a child process of this run (§5).
-
-        Returns a new dict (``base`` or ``os.environ`` plus this run's
-        variables) for ``subprocess.Popen(env=...)``.  ``os.environ`` itself is
-        never touched: concurrent dispatches share the process.
-        """
+        """A new dict: ``base`` (default ``os.environ``) and this run's ``PIPELINES_*`` variables (§5 child-env-*)."""
         env = dict(os.environ if base is None else base)
-        env[ENV_PROXY_URL] = self.proxy_url
-        env[ENV_RUN_TOKEN] = self.run_token
-        env[ENV_API_URL] = self.api_url
-        for key, value in (
-            (ENV_RUN_TOKEN_JTI, self.run_token_jti),
-            (ENV_RUN_ID, self.run_id),
-            (ENV_TASK_ID, self.task_id),
-            (ENV_AGENT_ID, self.agent_id),
-        ):
+        env.update({ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url})
+        for key, value in ((ENV_RUN_TOKEN_JTI, self.run_token_jti), (ENV_RUN_ID, self.run_id),
+                           (ENV_TASK_ID, self.task_id), (ENV_AGENT_ID, self.agent_id), (ENV_TASK_INPUT_B64, None)):
             if value is None:
                 env.pop(key, None)
             else:
@@ -965,23 +675,14 @@ class Envelope:
         if self.task_id is not None:
             task["task_id"] = self.task_id
         env[ENV_TASK_INPUT_JSON] = json.dumps(task, separators=(",", ":"))
-        env.pop(ENV_TASK_INPUT_B64, None)
         if self.tools_schema is not None:
             encoded = json.dumps(self.tools_schema, separators=(",", ":")).encode()
             env[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(encoded).decode("ascii")
         return env
 
-    # -- constructors ---------------------------------------------------------
-
     @classmethod
     def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
-        """Parse an HTTP dispatch (§2): the JSON body plus the request headers.
-
-        Body fields win; ids, the jti and the proxy URL fall back to the
-        ``X-Pipelines-*`` headers (and the legacy ``pwsa`` names).  The run
-        token comes from ``X-Pipelines-Run-Token``.  Raises :class:`EnvelopeError`
-        naming what is missing and where it was looked for.
-        """
+        """Read an HTTP dispatch (§2.2): the JSON body, then the headers (§7.2 kit-missing-says-where)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
@@ -990,181 +691,114 @@ class Envelope:
         if not isinstance(body, Mapping):
             raise EnvelopeError(f"dispatch body must be a JSON object, got {json_type(body)}")
         h = _lower_headers(headers)
-
-        missing: List[str] = []
-        url_field, url = None, None
-        for field in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
-            if isinstance(body.get(field), str) and body[field].strip():
-                url_field, url = f"body field {field!r}", body[field]
-                break
-        else:
-            for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
-                if _header(h, name):
-                    url_field, url = f"header {_title(name)}", _header(h, name)
-                    break
+        url_from, url = next(((f"body field {f!r}", body[f]) for f in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY)
+                              if isinstance(body.get(f), str) and body[f].strip()), ("", None))
         if url is None:
-            missing.append(
-                f"proxy URL (looked for body field {BODY_PROXY_URL!r}, legacy {BODY_PROXY_URL_LEGACY!r}, "
-                f"and headers {_title(HEADER_PROXY_URL)}, legacy {_title(HEADER_PROXY_URL_LEGACY)})"
-            )
+            url_from, url = next(((f"header {_title(n)}", _header(h, n)) for n in (HEADER_PROXY_URL,
+                                  HEADER_PROXY_URL_LEGACY) if _header(h, n)), ("", None))
         token = _header(h, HEADER_RUN_TOKEN)
+        missing: List[str] = []
+        if url is None:
+            missing.append(f"proxy URL (looked for body field {BODY_PROXY_URL!r}, legacy {BODY_PROXY_URL_LEGACY!r}, "
+                           f"and headers {_title(HEADER_PROXY_URL)}, legacy {_title(HEADER_PROXY_URL_LEGACY)})")
         if token is None:
             missing.append(f"run token (looked for header {_title(HEADER_RUN_TOKEN)})")
         if missing:
             raise EnvelopeError("dispatch is missing " + " and ".join(missing))
-        proxy_url = validate_proxy_url(url, url_field or "")
-        run_token = _check_run_token(token, f"header {_title(HEADER_RUN_TOKEN)}")
-
-        # The body frozen once; the task's fields are parts of that copy (already frozen, so kept as they are).
-        raw = _freeze(body if isinstance(body, dict) else dict(body))
-        task = _object_or(raw.get("input"), {})
-        jti = raw.get("run_token_jti")
-        fields = _task_fields(task)
-        envelope = cls.__new__(cls)
-        envelope._fill(
-            proxy_url, run_token,
-            _first_id(raw.get("run_id"), _header(h, HEADER_RUN_ID)),
-            _first_id(raw.get("task_id"), task.get("task_id"), _header(h, HEADER_TASK_ID)),
-            _first_id(raw.get("agent_id")),
-            jti.strip() if isinstance(jti, str) and jti.strip() else _header(h, HEADER_RUN_TOKEN_JTI),
-            fields["user_instruction"], fields["task_input"], fields["latest_user_prompt"], fields["session_id"],
-            fields["turn_id"], fields["messages"], fields["scenario_state"], fields["workspace"],
-            raw.get("tools_schema") if isinstance(raw.get("tools_schema"), list) else None,
-            raw["sub_agents"] if isinstance(raw.get("sub_agents"), list) else (),
-            raw,
-        )
-        return envelope
+        proxy_url = validate_proxy_url(url, url_from)
+        return cls._read(body, proxy_url, _check_run_token(token, f"header {_title(HEADER_RUN_TOKEN)}"), h)
 
     @classmethod
-    def from_run(
-        cls,
-        task_input: Optional[Mapping[str, Any]],
-        *,
-        proxy_url: str,
-        run_token: str,
-        environ: Optional[Mapping[str, str]] = None,
-    ) -> Envelope:
-        """Build the envelope from code-mode ``run(task_input, *, proxy_url, run_token)`` (§5).
-
-        The ids, jti and inline tools schema come from ``environ`` (default
-        ``os.environ``) when the sandbox sets them.  ``raw`` is a synthesised
-        dispatch body, so code-mode agents see the same shape as HTTP agents.
-        """
-        if task_input is None:
-            task_input = {}
-        if not isinstance(task_input, Mapping):
+    def from_run(cls, task_input: Optional[Mapping[str, Any]], *, proxy_url: str, run_token: str,
+                 environ: Optional[Mapping[str, str]] = None) -> Envelope:
+        """Read code mode's ``run()`` arguments (§5), the ids, jti and tools schema from ``environ`` (os.environ)."""
+        if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
         run_token = _check_run_token(run_token, "the run_token argument")
-        task = dict(task_input)
-        run_id = _env_id(env.get(ENV_RUN_ID))
-        task_id = _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))
-        agent_id = _env_id(env.get(ENV_AGENT_ID))
-        jti = (env.get(ENV_RUN_TOKEN_JTI) or "").strip() or None
-        tools_schema = _tools_schema_from_env(env)
+        task = dict(task_input or {})
         raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
-        for key, value in (("task_id", task_id), ("run_id", run_id), ("agent_id", agent_id), ("run_token_jti", jti)):
+        for key, value in (("task_id", _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))),
+                           ("run_id", _env_id(env.get(ENV_RUN_ID))), ("agent_id", _env_id(env.get(ENV_AGENT_ID))),
+                           ("run_token_jti", (env.get(ENV_RUN_TOKEN_JTI) or "").strip() or None),
+                           ("tools_schema", _tools_schema_from_env(env))):
             if value is not None:
                 raw[key] = value
-        if tools_schema is not None:
-            raw["tools_schema"] = tools_schema
-        return cls(
-            proxy_url=proxy_url,
-            run_token=run_token,
-            run_id=run_id,
-            task_id=task_id,
-            agent_id=agent_id,
-            run_token_jti=jti,
-            tools_schema=tools_schema,
-            raw=raw,
-            **_task_fields(task),
-        )
+        return cls._read(raw, proxy_url, run_token, {})
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Build the envelope from the code-mode ``PIPELINES_*`` environment (§5).
-
-        The task comes from ``_PIPELINES_TASK_INPUT_JSON`` or ``_PIPELINES_TASK_INPUT_B64``.
-        """
+        """Read the code-mode ``PIPELINES_*`` environment (§5 code-mode-env), the task from its JSON or base64."""
         env = os.environ if environ is None else environ
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not (env.get(name) or "").strip()]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         task: Any = {}
         if (env.get(ENV_TASK_INPUT_JSON) or "").strip():
-            try:
-                task = json.loads(env[ENV_TASK_INPUT_JSON])
-            except ValueError as exc:
-                raise EnvelopeError(f"{ENV_TASK_INPUT_JSON} is not valid JSON: {exc}") from None
+            task = _env_json(env[ENV_TASK_INPUT_JSON], ENV_TASK_INPUT_JSON, "valid JSON")
         elif (env.get(ENV_TASK_INPUT_B64) or "").strip():
-            try:
-                task = json.loads(base64.b64decode(env[ENV_TASK_INPUT_B64], validate=True))
-            except (ValueError, binascii.Error) as exc:
-                raise EnvelopeError(f"{ENV_TASK_INPUT_B64} is not base64-encoded JSON: {exc}") from None
+            task = _env_json(env[ENV_TASK_INPUT_B64], ENV_TASK_INPUT_B64, "base64-encoded JSON")
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
 
+    @classmethod
+    def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
+        """The envelope of a dispatch body, its proxy URL and run token checked: wrong types read as absent, the ids
+        and the jti falling back to ``headers`` (§2.2, §7.2)."""
+        raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields below are its parts
+        task = raw["input"] if isinstance(raw.get("input"), dict) else {}
+        jti = raw.get("run_token_jti")
 
-def _task_fields(task: Mapping[str, Any]) -> Dict[str, Any]:
-    """The envelope fields read from the task payload (``body["input"]``, §2), wrong types dropped."""
-    def typed(key: str, kind: type) -> Any:
-        value = task.get(key)
-        return value if isinstance(value, kind) else None
+        def typed(key: str, kind: type) -> Any:
+            value = task.get(key)
+            return value if isinstance(value, kind) else None
 
-    return {
-        "user_instruction": typed("user_instruction", str) or "",
-        "task_input": typed("input", dict) or {},
-        "latest_user_prompt": typed("latest_user_prompt", str),
-        "session_id": _native_id(task.get("session_id")),
-        "turn_id": task.get("turn_id"),
-        "messages": typed("messages", list),
-        "scenario_state": typed("scenario_state", dict),
-        "workspace": typed("workspace", dict),
-    }
+        envelope = cls.__new__(cls)
+        envelope._fill(
+            proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
+            _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
+            _first_id(raw.get("agent_id")),
+            jti.strip() if isinstance(jti, str) and jti.strip() else _header(headers, HEADER_RUN_TOKEN_JTI),
+            typed("user_instruction", str) or "", typed("input", dict) or _FrozenDict(),
+            typed("latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
+            typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
+            raw["tools_schema"] if isinstance(raw.get("tools_schema"), list) else None,
+            _sub_agent_catalog(raw.get("sub_agents")), raw)
+        return envelope
 
 
 def _rebuild_envelope(fields: Dict[str, Any]) -> Envelope:
     return Envelope(**fields)
 
 
-def _title(lower_header: str) -> str:
-    return "-".join(part.capitalize() for part in lower_header.split("-"))
-
-
 def json_type(value: Any) -> str:
     """The JSON type of ``value`` as messages name it: ``"an object"``, ``"a string"``, ``"null"``, ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "an object"
+    for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+                        ((list, tuple), "an array"), (Mapping, "an object")):
+        if isinstance(value, kinds):
+            return name
     return type(value).__name__
 
 
+def _env_json(text: str, name: str, what: str) -> Any:
+    """The JSON value of environment variable ``name`` (base64 for a ``_B64`` one); ``what`` it should be."""
+    try:
+        return json.loads(base64.b64decode(text, validate=True) if name.endswith("_B64") else text)
+    except (ValueError, binascii.Error) as exc:
+        raise EnvelopeError(f"{name} is not {what}: {exc}") from None
+
+
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
-    """§3.6 inline tools schema: ``PIPELINES_TOOLS_SCHEMA_B64``, else legacy ``_JSON``."""
-    for name, decode in (
-        (ENV_TOOLS_SCHEMA_B64, lambda s: base64.b64decode(s, validate=True)),
-        (ENV_TOOLS_SCHEMA_JSON, lambda s: s),
-    ):
+    """§3.6 the inline tools schema: ``PIPELINES_TOOLS_SCHEMA_B64``, else ``_JSON`` (§7.2 kit-tools-schema-wrapped)."""
+    for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
         text = (env.get(name) or "").strip()
         if not text:
             continue
-        try:
-            value = json.loads(decode(text))
-        except (ValueError, binascii.Error) as exc:
-            raise EnvelopeError(f"{name} is not a valid JSON tools list: {exc}") from None
+        value = _env_json(text, name, "a valid JSON tools list")
         if isinstance(value, dict) and isinstance(value.get("tools"), list):
             value = value["tools"]
         if not isinstance(value, list):
@@ -1174,56 +808,25 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope.
-# ``decide`` is the one function that decides what a dispatch request gets;
-# the adapters (http.server, WSGI, ASGI) read the body ``request_body_length``
-# allows, call it once, and carry out its decision.
+# Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope.  ``decide`` decides what a request
+# gets; an adapter reads the body ``request_body_length`` allows, calls it once, and carries the decision out.
 # ---------------------------------------------------------------------------
 
-DEFAULT_DISPATCH_PATH = "/dispatch"
-DEFAULT_TOKEN_ENV = "AGENT_TOKEN"
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_RUN_TIMEOUT_S = 300.0
-MAX_RUN_TIMEOUT_S = 1800.0
-
-
-def check_run_timeout(run_timeout_s: Any) -> float:
-    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range); ``ValueError`` naming it otherwise."""
-    if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
-            0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
-        raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
-    return float(run_timeout_s)
-HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
-HEALTH_PATH = "/healthz"
-TOOLS_SCHEMA_PATH = "/tools_schema"
-
-
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """True when the request carries the expected credential, compared in constant time (§2 step 1).
-
-    With ``header_name="Authorization"`` the header must read ``Bearer <expected>``
-    (the scheme is case-insensitive); a custom header (e.g. ``X-API-Key``)
-    carries the raw value.  An empty ``expected`` never matches.
-    """
+    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), compared in constant time."""
     expected = (expected or "").strip()
-    if not expected:
-        return False
     received = _lower_headers(headers).get(header_name.lower())
-    if received is None:
+    if not expected or received is None:
         return False
-    received = received.strip()
+    scheme, received = "bearer", received.strip()
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
-        if scheme.lower() != "bearer":
-            # Still compare, so a wrong scheme costs the same time as a wrong token.
-            hmac.compare_digest(b"", expected.encode("utf-8", "surrogateescape"))
-            return False
-        received = received.strip()
+        received = received.strip() if scheme.lower() == "bearer" else ""  # still compared: the same time taken
     try:  # http.server and ASGI hand over header bytes as latin-1 text: compare the bytes that arrived
-        received_bytes = received.encode("latin-1")
+        sent = received.encode("latin-1")
     except UnicodeEncodeError:
-        received_bytes = received.encode("utf-8", "surrogateescape")
-    return hmac.compare_digest(received_bytes, expected.encode("utf-8", "surrogateescape"))
+        sent = received.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(sent, expected.encode("utf-8", "surrogateescape")) and scheme.lower() == "bearer"
 
 
 def is_ping(body: Any) -> bool:
@@ -1238,38 +841,49 @@ def _content_length(value: Optional[str]) -> Optional[int]:
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
-    """How many body bytes an adapter reads before calling :func:`decide` (lower-cased ``headers``).
-
-    The Content-Length when it is a decimal number within ``max_body``; 0 when
-    the request has no body headers at all; ``None`` when the body must not be
-    read: chunked or any Transfer-Encoding (its framing could disagree with
-    Content-Length), Content-Length headers that disagree, an unreadable
-    length, or one over the cap.  After a
-    ``None`` the adapter closes the connection once it has answered, rather
-    than parse the unread body as the next request.
-    """
-    if "transfer-encoding" in headers or _repeated(headers, "content-length", conflicting=True):
-        return None
-    if "content-length" not in headers:
+    """How many body bytes an adapter reads for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
+    if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
-    length = _content_length(headers["content-length"])
-    return length if length is not None and length <= max_body else None
+    try:
+        return _body_length(headers, max_body)
+    except RequestError:
+        return None
 
 
-MAX_REQUEST_LINE_BYTES = 8 << 10
-MAX_REQUEST_HEAD_BYTES = 64 << 10
-MAX_REQUEST_FIELDS = 100
-# RFC 9112's pieces, as patterns re compiles on first use and keeps: only a head the servers' fast path declines
-# is read with them, so most processes never compile them.
+def _body_length(headers: Mapping[str, str], max_body: int) -> int:
+    """The body's length: one Content-Length within the cap, no Transfer-Encoding (§7.1 kit-body-framing)."""
+    coding = headers.get("transfer-encoding")
+    if coding is not None and coding.strip().lower() == "chunked":
+        raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a Content-Length "
+                                  "header")
+    if coding is not None:
+        raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported: send the "
+                                             "JSON body as it is, with a Content-Length header")
+    if _repeated(headers, "content-length", conflicting=True):
+        raise RequestError("the request has Content-Length headers that disagree: send one (RFC 9112 §6.3)")
+    declared = headers.get("content-length")
+    if declared is None:
+        raise LengthRequiredError("a Content-Length header is required: send the JSON body with its length")
+    length = _content_length(declared)
+    if length is None and declared.strip().isascii() and declared.strip().isdigit():
+        raise BodyTooLargeError(f"request body of {len(declared.strip())}-digit length is over this endpoint's "
+                                f"{max_body}-byte cap")
+    if length is None:
+        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number (RFC 9112 §6.3)")
+    if length > max_body:
+        raise BodyTooLargeError(f"request body of {length} bytes is over this endpoint's {max_body}-byte cap")
+    return length
+
+
+# RFC 9112's request line and field line: a field name is a token right before its colon (so no folding), its
+# value has no control character but HTAB (so no bare CR or LF).  A line they refuse, _head_problem names why.
+_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
+_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_FIELD_VALUE_BAD = rb"[\x00-\x08\x0a-\x1f\x7f]"  # control characters but HTAB
-_TARGET_BAD = rb"[\x00-\x20\x7f-\xff]"
-_VERSION = rb"HTTP/([0-9])\.([0-9])"
 
 
 class RequestHead(NamedTuple):
     """A request line and its header fields, as :func:`parse_request_head` read them."""
-
     method: str
     target: str
     version: str  # "HTTP/1.1" or "HTTP/1.0"
@@ -1277,34 +891,12 @@ class RequestHead(NamedTuple):
 
     def keep_alive(self) -> bool:
         """Whether the connection may carry another request after this one (RFC 9112 §9.3)."""
-        tokens = {t.strip().lower() for v in _all_values(self.headers, "connection") for t in v.split(",")}
+        tokens = {t.strip().lower() for k, v in self.headers if k.lower() == "connection" for t in v.split(",")}
         return "close" not in tokens if self.version == "HTTP/1.1" else "keep-alive" in tokens
 
 
-def _all_values(headers: Sequence[Tuple[str, str]], name: str) -> List[str]:
-    return [v for k, v in headers if k.lower() == name]
-
-
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request's head strictly (RFC 9112): the bytes before the empty line that ends it.
-
-    A request a front end could frame differently is refused, never guessed at: every line ends in CRLF (a
-    bare CR or LF is a 400), a field name is a token right before its colon (``Content-Length : 5`` is a
-    400), no line folding, no control character in a value, one Host (HTTP/1.1), a Content-Length that is
-    one decimal number, and not both Content-Length and Transfer-Encoding.  Empty lines before the request
-    line are skipped (§2.2).  Raises :class:`FramingError` (400), :class:`TargetTooLongError` (414),
-    :class:`HeadersTooLargeError` (431) or :class:`VersionNotSupportedError` (505), naming the problem.
-    """
-    lines = _head_lines(head)
-    method, target, version = _request_line(lines[0])
-    headers = [_header_field(line) for line in lines[1:]]
-    _check_framing(version, headers)
-    return RequestHead(method, target, version, headers)
-
-
-def _head_lines(head: bytes) -> List[bytes]:
-    """The head's lines, empty ones before the request line skipped: within the size limits, and each one
-    ending in CRLF (no bare CR or LF inside a line)."""
+    """Read a request head (the bytes before its empty line) strictly, as RFC 9112 asks: kit-strict-request-head."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     line_end = head.find(b"\r\n")
@@ -1315,64 +907,70 @@ def _head_lines(head: bytes) -> List[bytes]:
     lines = head.split(b"\r\n")
     if len(lines) - 1 > MAX_REQUEST_FIELDS:
         raise HeadersTooLargeError(f"request has {len(lines) - 1} header fields, over {MAX_REQUEST_FIELDS}")
-    for number, line in enumerate(lines):
-        if b"\r" in line or b"\n" in line:
-            where = "the request line" if number == 0 else f"header line {number}"
-            raise FramingError(f"{where} has a bare CR or LF: every line must end in CRLF (RFC 9112 §2.2)")
-    return lines
-
-
-def _request_line(line: bytes) -> Tuple[str, str, str]:
-    """``(method, target, version)``: a token, a target and ``HTTP/1.x``, single spaces between (RFC 9112 §3)."""
-    parts = line.split(b" ")
-    if len(parts) != 3 or not re.fullmatch(_TOKEN, parts[0]) or not parts[1] or re.search(_TARGET_BAD, parts[1]):
-        raise FramingError(f"malformed request line {_short(repr(line), 100)}: expected "
-                           "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
-    version = re.fullmatch(_VERSION, parts[2])
-    if version is None:
-        raise FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)}: expected HTTP/1.1 (RFC 9112 §2.3)")
-    if version.group(1) != b"1":
-        raise VersionNotSupportedError(f"HTTP/{version.group(1).decode()}.{version.group(2).decode()} is not "
-                                       "supported here: send HTTP/1.1")
-    http_version = "HTTP/1.0" if version.group(2) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
-    return parts[0].decode("ascii"), parts[1].decode("ascii"), http_version
-
-
-def _header_field(line: bytes) -> Tuple[str, str]:
-    """One header line as ``(name, value)``: a token right before the colon, no folding, no control character
-    in the value (RFC 9112 §5, RFC 9110 §5.5); the value without the whitespace around it."""
-    if line[:1] in (b" ", b"\t"):
-        raise FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
-    name, colon, value = line.partition(b":")
-    if not colon:
-        raise FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
-    if not re.fullmatch(_TOKEN, name):
-        raise FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
-                           "colon (RFC 9112 §5.1)")
-    value = value.strip(b" \t")
-    if re.search(_FIELD_VALUE_BAD, value):
-        raise FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
-    return name.decode("ascii"), value.decode("latin-1")
-
-
-def _check_framing(version: str, headers: Sequence[Tuple[str, str]]) -> None:
-    """Where the request ends must be certain: one Host (HTTP/1.1), a Content-Length that is one decimal number,
-    and Transfer-Encoding neither beside a Content-Length nor on HTTP/1.0 (RFC 9112 §3.2, §6)."""
-    if version == "HTTP/1.1" and len(_all_values(headers, "host")) != 1:
+    request = _REQUEST_LINE_RE.fullmatch(lines[0])
+    if request is None:
+        raise _head_problem(lines)
+    headers: List[Tuple[str, str]] = []
+    hosts, lengths, coded = 0, [], False
+    for line in lines[1:]:
+        field = _FIELD_LINE_RE.fullmatch(line)
+        if field is None:
+            raise _head_problem(lines)
+        name_bytes, value_bytes = field.groups()
+        name, value = name_bytes.decode("ascii"), value_bytes.strip(b" \t").decode("latin-1")
+        lowered = name.lower()
+        if lowered == "host":
+            hosts += 1
+        elif lowered == "content-length":
+            lengths += [v.strip() for v in value.split(",")]
+        elif lowered == "transfer-encoding":
+            coded = True
+        headers.append((name, value))
+    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
+    if version == "HTTP/1.1" and hosts != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
-    lengths = [v.strip() for value in _all_values(headers, "content-length") for v in value.split(",")]
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
-    codings = _all_values(headers, "transfer-encoding")
-    if codings and (lengths or version == "HTTP/1.0"):
-        raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be "
-                           "HTTP/1.0 (RFC 9112 §6.1)")
+    if coded and (lengths or version == "HTTP/1.0"):
+        raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be HTTP/1.0 "
+                           "(RFC 9112 §6.1)")
+    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
+
+
+def _head_problem(lines: List[bytes]) -> FramingError:
+    """The error naming the first rule broken by a head the patterns refused, in RFC 9112's order."""
+    bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
+    if bare is not None:
+        return FramingError(f"{'the request line' if bare == 0 else f'header line {bare}'} has a bare CR or LF: "
+                            "every line must end in CRLF (RFC 9112 §2.2)")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not re.fullmatch(_TOKEN, parts[0]) or not parts[1] or re.search(
+            rb"[\x00-\x20\x7f-\xff]", parts[1]):
+        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)}: expected "
+                            "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
+    version = re.fullmatch(rb"HTTP/([0-9])\.([0-9])", parts[2])
+    if version is None:
+        return FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)}: expected HTTP/1.1 (RFC 9112 §2.3)")
+    if version.group(1) != b"1":
+        return VersionNotSupportedError(f"HTTP/{version.group(1).decode()}.{version.group(2).decode()} is not "
+                                        "supported here: send HTTP/1.1")
+    for line in lines[1:]:
+        name, colon, _ = line.partition(b":")
+        if line[:1] in (b" ", b"\t"):
+            return FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
+        if not colon:
+            return FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
+        if not re.fullmatch(_TOKEN, name):
+            return FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
+                                "colon (RFC 9112 §5.1)")
+        if _FIELD_LINE_RE.fullmatch(line) is None:
+            return FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
+    return FramingError("malformed request head")  # not reached: the patterns refuse only what a rule above names
 
 
 class Endpoint(NamedTuple):
-    """A dispatch endpoint's settings, as :func:`decide` sees them (:class:`DispatchApp` builds one)."""
-
+    """A dispatch endpoint's settings, as :func:`decide` sees them."""
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
     token_env: Optional[str] = DEFAULT_TOKEN_ENV  # named in the 503 when it is unset
@@ -1382,24 +980,15 @@ class Endpoint(NamedTuple):
     proxy_hosts: Optional[Tuple[str, ...]] = None  # the proxy hosts dispatches may name; None: any
 
     def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
-        """The methods routed at ``path``, or ``None`` for no route."""
+        """The methods routed at ``path``, or ``None`` for no route (§7.1 kit-routes)."""
         if path == self.path:
             return ("POST",)
-        if path == HEALTH_PATH:
-            return ("GET",)
-        if path == TOOLS_SCHEMA_PATH and self.tools_schema is not None:
-            return ("GET",)
-        return None
+        tools = path == TOOLS_SCHEMA_PATH and self.tools_schema is not None
+        return ("GET",) if path == HEALTH_PATH or tools else None
 
 
 class Decision(NamedTuple):
-    """What to do with one request.
-
-    ``action`` is ``"reply"`` (send ``reply``), ``"probe"`` (the connectivity
-    check: probe ``proxy_url``, §3.7) or ``"run"`` (run the agent on
-    ``envelope``).  ``what`` names the request for the log line.
-    """
-
+    """What to do with a request: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` with ``envelope``."""
     action: str
     reply: Optional[HttpReply] = None
     proxy_url: Optional[str] = None
@@ -1407,23 +996,10 @@ class Decision(NamedTuple):
     what: str = "rejected"
 
 
-def decide(
-    endpoint: Endpoint,
-    method: str,
-    target: str,
-    headers: HeadersLike,
-    body: Optional[bytes],
-    *,
-    expected_token: Optional[str],
-) -> Decision:
-    """Decide what one request gets, in §2's order: route, auth, framing, JSON, ping, connectivity, envelope.
-
-    ``body`` is what :func:`request_body_length` allowed the adapter to read
-    (``None`` when it read nothing).  ``expected_token`` is the configured
-    agent token (``""`` when its variable is unset: 503; ignored with
-    ``endpoint.no_auth``).  Pure: every refusal is an error class whose
-    ``http_status`` :func:`error_reply` turns into the reply.
-    """
+def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: Optional[bytes], *,
+           expected_token: Optional[str]) -> Decision:
+    """What one request gets, in §2.3's order (route, auth, framing, JSON, ping, connectivity, envelope): ``body`` is
+    what :func:`request_body_length` let the adapter read, ``expected_token`` ``""`` when its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -1434,20 +1010,32 @@ def decide(
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
-    path = _route(endpoint, method, target)
+    if method not in HTTP_METHODS:
+        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
+    path = urlsplit(target).path.rstrip("/") or "/"
+    allowed = endpoint.allowed_methods(path)
+    if allowed is None:
+        raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
+    if method not in allowed:
+        raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
     if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
     if not endpoint.no_auth:
         _authenticate(endpoint, headers, expected_token)
-    data = _framed_body(endpoint, headers, body)
+    length = _body_length(headers, endpoint.max_body)
+    if body is not None and len(body) > endpoint.max_body:
+        raise BodyTooLargeError(f"request body of {len(body)} bytes is over this endpoint's {endpoint.max_body}-byte "
+                                "cap")
+    if body is None or len(body) < length:
+        raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
     try:
-        payload = _json_from_bytes(data)
+        payload = _json_from_bytes(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
     if is_ping(payload):
-        json.loads(data, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
+        json.loads(body, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -1459,73 +1047,35 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     return Decision("run", envelope=envelope, what="dispatch")
 
 
-def _route(endpoint: Endpoint, method: str, target: str) -> str:
-    """The request's path, once its method is known (501 otherwise) and routed there: 404 for no route, 405 for
-    a method the path does not take."""
-    if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
-    path = urlsplit(target).path.rstrip("/") or "/"
-    allowed = endpoint.allowed_methods(path)
-    if allowed is None:
-        raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
-    if method not in allowed:
-        raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    return path
-
-
 def _authenticate(endpoint: Endpoint, headers: Mapping[str, str], expected_token: Optional[str]) -> None:
-    """§2 step 1: 503 when the agent token's variable is unset; 401 when the credential is sent twice, missing or
-    wrong."""
+    """§2 step 1: 503 when the agent token's variable is unset; 401 for a credential sent twice, missing or wrong."""
     if not (expected_token or "").strip():
         raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
                                  f"{endpoint.token_env}, which is not set")
+    bearer = endpoint.auth_header.lower() == "authorization"
     if _repeated(headers, endpoint.auth_header.lower()):
         raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
-                        bearer=endpoint.auth_header.lower() == "authorization")
+                        bearer=bearer)
     if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
-        raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header",
-                        bearer=endpoint.auth_header.lower() == "authorization")
+        raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header", bearer=bearer)
 
 
-def _framed_body(endpoint: Endpoint, headers: Mapping[str, str], body: Optional[bytes]) -> bytes:
-    """The body, framed by one Content-Length within the cap and read whole: 411 for a chunked body or none
-    declared, 501 for another Transfer-Encoding, 413 over the cap, 400 for lengths that disagree, an unreadable
-    one or a truncated body (kit-body-framing)."""
-    coding = headers.get("transfer-encoding")
-    if coding is not None:
-        if coding.strip().lower() == "chunked":
-            raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a "
-                                      "Content-Length header")
-        raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported: send the "
-                                             "JSON body as it is, with a Content-Length header")
-    if _repeated(headers, "content-length", conflicting=True):
-        raise RequestError("the request has Content-Length headers that disagree: send one (RFC 9112 §6.3)")
-    declared = headers.get("content-length")
-    if declared is None:
-        raise LengthRequiredError("a Content-Length header is required: send the JSON body with its length")
-    length = _content_length(declared)
-    if length is None:
-        if declared.strip().isascii() and declared.strip().isdigit():
-            raise BodyTooLargeError(f"request body of {len(declared.strip())}-digit length is over this "
-                                    f"endpoint's {endpoint.max_body}-byte cap")
-        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number (RFC 9112 §6.3)")
-    if length > endpoint.max_body or (body is not None and len(body) > endpoint.max_body):
-        raise BodyTooLargeError(f"request body of {max(length, len(body or b''))} bytes is over this endpoint's "
-                                f"{endpoint.max_body}-byte cap")
-    if body is None or len(body) < length:
-        raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
-    return body
+_HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
+                         r"(?::(?P<port>[0-9]{1,5}))?")
+
+
+def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
+    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` as ``("::1", None)``."""
+    entry = entry.strip().lower()
+    match = _HOST_ENTRY.fullmatch(entry)
+    if match is None or (entry.count(":") > 1 and not entry.startswith("[")):  # a bare IPv6 address: no port
+        return entry, None
+    port = match.group("port")
+    return match.group("name").strip("[]").rstrip("."), int(port) if port else None
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
-    """Whether a proxy URL's host (and port) is on an allow-list (``None``: no list, any host).
-
-    An entry (as :func:`parse_proxy_hosts` leaves it) is a host name or IP address matched exactly, or a
-    suffix starting with ``.`` matching that domain and every name under it (``.pipelines.tech`` matches
-    ``pipelines.tech`` and ``api.pipelines.tech``), either with ``:port`` (that port only; the URL's
-    default port counts: 80 for http, 443 for https) or without (any port).  Case-insensitive; a
-    trailing dot is ignored.
-    """
+    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any host)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -1536,66 +1086,11 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         return False
     for entry in allowed:
         name, entry_port = _split_host_entry(entry)
-        if entry_port is not None and entry_port != port:
+        if entry_port not in (None, port):
             continue
-        if name.startswith("."):
-            if host == name[1:] or host.endswith(name):
-                return True
-        elif name and host == name:
+        if (name.startswith(".") and (host == name[1:] or host.endswith(name))) or (name and host == name):
             return True
     return False
-
-
-_HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
-                         r"(?::(?P<port>[0-9]{1,5}))?")
-
-
-def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
-    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` as ``("::1", None)``."""
-    entry = entry.strip().lower()
-    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address: no port possible
-        return entry, None
-    match = _HOST_ENTRY.fullmatch(entry)
-    if match is None:
-        return entry, None
-    port = match.group("port")
-    return match.group("name").strip("[]").rstrip("."), int(port) if port else None
-
-
-def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """An allow-list from text (``"api.pipelines.tech, .example.com, 127.0.0.1:8080"``); ``None`` for none given.
-
-    An entry is a host name, an IP address (IPv6 in brackets when it carries a port), or a ``.suffix``
-    (``*.example.com`` is taken as ``.example.com``), each optionally with ``:port``.  Text with no entry
-    at all (``""``, ``" , "``) is refused: an allow-list that is set but empty is a mistake, and neither
-    guess (any host, no host) is safe to make silently.
-    """
-    if text is None:
-        return None
-    entries = tuple(e.strip() for e in text.split(",") if e.strip())
-    if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
-                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
-    return tuple(_normal_host_entry(entry) for entry in entries)
-
-
-def _normal_host_entry(entry: str) -> str:
-    shown = _short(entry, 100)
-    if entry.startswith("*."):
-        entry = entry[1:]
-    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
-        import ipaddress
-
-        try:
-            return str(ipaddress.IPv6Address(entry))
-        except ValueError:
-            pass
-    elif _HOST_ENTRY.fullmatch(entry):
-        port = _split_host_entry(entry)[1]
-        if port is None or 0 < port < 65536:
-            return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
-                     "optionally with :port, without scheme, path or other wildcards")
 
 
 def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
@@ -1607,15 +1102,13 @@ def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
 
 
 def _unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    """A JSON object's ``object_pairs_hook`` refusing a key that appears twice (which one would count is a guess)."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: Set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise RequestError(f"body has the key {_short(key, 60)!r} twice: send each key once")
-            seen.add(key)
-    return obj
+    """An ``object_pairs_hook`` refusing a key sent twice: which one would count is a guess (§7.1 kit-hostile-input)."""
+    seen: Set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RequestError(f"body has the key {_short(key, 60)!r} twice: send each key once")
+        seen.add(key)
+    return dict(pairs)
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
@@ -1627,55 +1120,40 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
                             f"or header {_title(HEADER_PROXY_URL)}")
     return validate_proxy_url(url, "the connectivity check")
 
+
 # ---------------------------------------------------------------------------
 # Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
 # ---------------------------------------------------------------------------
 
 def validate_tool_name(name: Any) -> str:
-    """Return ``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1)."""
+    """Return ``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
-        shown = _short(repr(name), 80)
-        raise ProxyRequestError(
-            f"invalid tool name {shown}: must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$",
-            tool_name=name if isinstance(name, str) else None,
-        )
+        raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match "
+                                "^[A-Za-z_][A-Za-z0-9_-]{0,127}$", tool_name=name if isinstance(name, str) else None)
     return name
 
 
 def validate_actor_label(label: Any) -> Optional[str]:
-    """The normalised actor label (§3.5), or ``None`` for an empty one.
-
-    Surrounding whitespace is trimmed; at most 8 ``/``-separated segments of
-    1–64 characters from ``[A-Za-z0-9_.:-]``, at most 256 characters in all.
-    Raises :class:`ProxyRequestError` (``error_class="actor_id_invalid"``).
-    """
+    """The actor label trimmed, ``None`` for an empty one, :class:`ProxyRequestError` for a bad one (§3.5)."""
     if label is None:
         return None
     if not isinstance(label, str):
-        raise ProxyRequestError(
-            f"actor label must be a string, got {type(label).__name__}", error_class="actor_id_invalid"
-        )
-    label = str(label).strip()
-    if not label:
+        raise ProxyRequestError(f"actor label must be a string, got {type(label).__name__}",
+                                error_class="actor_id_invalid")
+    text = label.strip()
+    segments = text.split("/")
+    bad = [segment for segment in segments if not ACTOR_SEGMENT_RE.fullmatch(segment)]
+    if not text:
         return None
-    problem = None
-    segments = label.split("/")
-    if len(label) > ACTOR_MAX_LENGTH:
-        problem = f"is {len(label)} characters long (at most {ACTOR_MAX_LENGTH})"
+    if len(text) > ACTOR_MAX_LENGTH:
+        problem = f"is {len(text)} characters long (at most {ACTOR_MAX_LENGTH})"
     elif len(segments) > ACTOR_MAX_SEGMENTS:
         problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
+    elif bad:
+        problem = f"has segment {_short(repr(bad[0]), 80)}: each segment is 1-64 characters from [A-Za-z0-9_.:-]"
     else:
-        for segment in segments:
-            if not ACTOR_SEGMENT_RE.fullmatch(segment):
-                problem = (
-                    f"has segment {_short(repr(segment), 80)}: each segment is 1-64 characters "
-                    "from [A-Za-z0-9_.:-]"
-                )
-                break
-    if problem:
-        raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}",
-                                error_class="actor_id_invalid")
-    return cast(str, label)
+        return text
+    raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
 
 
 # The JSON this part writes: compact, non-ASCII characters as they are; the strict one (request bodies) refuses
@@ -1685,7 +1163,7 @@ _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """Compact JSON for the request body; must be a JSON object under the 1 MiB cap."""
+    """Compact JSON for a request body: a JSON object (``None`` as ``{}``) within the 1 MiB cap (§3.1, §7.5)."""
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
@@ -1695,14 +1173,13 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     except (TypeError, ValueError) as exc:
         raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
     if len(body) > MAX_REQUEST_BYTES:
-        raise ProxyRequestError(
-            f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte cap", tool_name=name
-        )
+        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte "
+                                "cap", tool_name=name)
     return body
 
 
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
-    """A header whose value would break the request (a line break, a control character), named without its value."""
+    """A header whose value would break the request, named without its value (§7.5 kit-header-values)."""
     for name, value in headers.items():
         if _CONTROL_CHARACTER.search(value):
             return (f"header {name} has a line break or control character in its value (not shown: it may be "
@@ -1712,7 +1189,6 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
 
 class ProxyRequest(NamedTuple):
     """One proxy request as it goes on the wire (§3.1, §3.4); every retry of the logical call sends it unchanged."""
-
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
     url: Any  # the split proxy URL (urllib.parse.SplitResult): scheme, host and port to connect to
@@ -1723,19 +1199,10 @@ class ProxyRequest(NamedTuple):
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
                   actor: Optional[str] = None, idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """``POST {proxy_url}/{kind}/{name}`` with the run token as bearer and one Idempotency-Key (§3.1).
-
-    ``name`` is percent-encoded, so no name can move the request to another path; ``actor`` (validated)
-    goes in ``X-Pipelines-Actor-Id``.  A fresh key unless ``idempotency_key`` is given.
-    """
+    """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5): the run token as bearer, one Idempotency-Key, the actor."""
     url = urlsplit(proxy_url)
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": "application/json",
-        "Authorization": "Bearer " + run_token,
-        "Idempotency-Key": idempotency_key or _idempotency_key(),
-        "User-Agent": _USER_AGENT,
-    }
+    headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
+               "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
     quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")  # such a name has nothing to encode
@@ -1744,8 +1211,7 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
                       idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """A tool call, checked before anything is sent: the name pattern, the actor label, a JSON object of
-    arguments under the 1 MiB cap (§3.1, §3.5, §7.5); :class:`ProxyRequestError` naming the problem."""
+    """A tool call, its name, actor label and arguments checked before anything is sent (§3.1, §3.5, §7.5)."""
     validate_tool_name(name)
     label = validate_actor_label(actor)
     return proxy_request(proxy_url, run_token, "tools", name, encode_args(name, args), actor=label,
@@ -1754,14 +1220,10 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known event type, a JSON object payload, ``__occurred_at`` stamped once
-    (kept when the payload has one, so every retry carries the same time)."""
+    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped once (kept if set)."""
     if event_type not in TRACE_EVENT_TYPES:
-        raise ProxyRequestError(
-            f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
-            + ", ".join(sorted(TRACE_EVENT_TYPES)),
-            tool_name=str(event_type),
-        )
+        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
+                                + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
     label = validate_actor_label(actor)
     event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
     if not isinstance(event, dict):
@@ -1770,34 +1232,25 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
     return proxy_request(proxy_url, run_token, "traces", event_type,
                          encode_args(event_type, event, what="trace payload"), actor=label)
 
+
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
                   payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """The payload of a ``handoff`` trace event (§3.4): both labels validated as §3.5; ``None`` for a
-    self-handoff (equal once trimmed), which is dropped rather than sent."""
+    """The payload of a ``handoff`` trace event (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
     if source == target:
         return None
-    event: Dict[str, Any] = {"from_sub_agent": source, "to_sub_agent": target}
-    if reason is not None:
-        event["reason"] = reason
-    if payload_preview is not None:
-        event["payload_preview"] = payload_preview
-    return event
+    extra = {"reason": reason, "payload_preview": payload_preview}
+    return {"from_sub_agent": source, "to_sub_agent": target, **{k: v for k, v in extra.items() if v is not None}}
+
 
 # ---------------------------------------------------------------------------
 # Reply interpretation (§3.2, §3.3) and the retry decision
 # ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to (§3.2, §3.3): ``kind`` is ``"value"``, ``"error"``, ``"retry"`` or ``"transport"``.
-
-    ``"transport"``: no usable reply, and a failure worth retrying with the same Idempotency-Key (a timeout,
-    a refused or dropped connection); ``stale`` marks a pooled keep-alive connection the server had closed,
-    retried at once.  A transport failure not worth retrying (a certificate or DNS failure) is an ``"error"``.
-    """
-
+    """What one attempt came to (§3.2, §3.3); ``stale``: a pooled connection the server had closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: Optional[PipelinesError] = None  # ProxyError for proxy replies; post_json's HTTPStatusError
@@ -1808,54 +1261,39 @@ class ProxyOutcome(NamedTuple):
 def _model_retry_after(headers: Any) -> Optional[float]:
     """The wait a model API asks for: ``retry-after-ms`` (OpenAI, milliseconds) first, else ``Retry-After``."""
     lowered = _lower_headers(headers)
-    millis = (lowered.get("retry-after-ms") or "").strip()
-    if millis:
-        try:
-            value = float(millis) / 1000
-        except ValueError:
-            value = float("nan")
-        if value == value and value >= 0:  # not NaN
-            return value
-    return parse_retry_after(lowered.get("retry-after"))
+    try:
+        seconds = float(lowered.get("retry-after-ms") or "") / 1000
+    except ValueError:
+        seconds = math.nan  # absent or unreadable: Retry-After decides
+    return seconds if seconds >= 0 else parse_retry_after(lowered.get("retry-after"))
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
     """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
+    text = (value or "").strip()
     try:
-        seconds = float(value)
+        seconds = float(text)
     except ValueError:
         from email.utils import parsedate_to_datetime
 
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
+        try:  # an unreadable date raises, or on Python 3.9 gives None
+            seconds = parsedate_to_datetime(text).timestamp() - (time.time() if now is None else now)
+        except (TypeError, ValueError, IndexError, AttributeError):
             return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if math.isnan(seconds):
-        return None
-    return max(0.0, seconds)
+    return None if math.isnan(seconds) else max(0.0, seconds)
 
 
 def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
-    """``(error_class, message)`` from the three error body shapes (§3.3)."""
+    """``(error_class, message)`` from the three error body shapes (§3.3 error-body-shapes)."""
     if not isinstance(body, dict):
         return None, None
     detail = body.get("detail")
+    cls, msg = body.get("error_class"), body.get("message") or body.get("error")
     if isinstance(detail, dict):
-        cls = detail.get("error_class")
-        msg = detail.get("message") or detail.get("detail")
-        return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
-    if isinstance(detail, str):
-        cls = body.get("error_class")
-        return (cls if isinstance(cls, str) else None), detail
-    cls = body.get("error_class")
-    msg = body.get("message") or body.get("error")
-    if detail is not None and msg is None:
+        cls, msg = detail.get("error_class"), detail.get("message") or detail.get("detail")
+    elif isinstance(detail, str):
+        msg = detail
+    elif detail is not None and msg is None:
         msg = json.dumps(detail)[:200]
     return (cls if isinstance(cls, str) else None), (msg if isinstance(msg, str) else None)
 
@@ -1869,13 +1307,10 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
     except ValueError:
         return body.decode("utf-8", "replace"), False
 
-# §3.3 the retry decision as data: (status, error classes or None for any) -> what the client does.
-# "retry": wait (Retry-After, else backoff) and try again; "stale": the run is over; anything else fails.
+
+# §3.3 the retry decision as data: (status, error classes or None for any) -> "retry", or "stale" (the run is over).
 RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
-    (429, None, "retry"),
-    (503, TRANSIENT_503_CLASSES, "retry"),
-    (401, STALE_TOKEN_CLASSES, "stale"),
-)
+    (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
 
 def retry_decision(status: int, error_class: Optional[str]) -> str:
@@ -1886,23 +1321,15 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
     return "fail"
 
 
-def interpret_reply(
-    status: int, headers: HeadersLike, body: bytes, *, tool_name: str, run_token: Optional[str] = None
-) -> ProxyOutcome:
-    """Decide what a proxy reply means, with no I/O (§3.2, §3.3).
-
-    2xx: the unwrapped ``response`` (legacy bodies without it returned whole,
-    non-JSON text as the string).  429 and the transient 503 classes: retry.
-    401 with a stale-token class: :class:`StaleRunTokenError`.  Anything else:
-    :class:`ProxyError`.  ``run_token`` is scrubbed from error bodies and messages.
-    """
+def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
+                    run_token: Optional[str] = None) -> ProxyOutcome:
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body); ``run_token`` is scrubbed from errors."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
         if is_json and isinstance(value, dict) and "response" in value:
             return ProxyOutcome("value", value["response"])
         return ProxyOutcome("value", value)
-
     if run_token:  # an error body is kept and shown: scrub the token from it
         value = redact(value, run_token)
     error_class, message = error_fields(value) if is_json else (None, None)
@@ -1910,11 +1337,8 @@ def interpret_reply(
         message = _short(value if isinstance(value, str) else (json.dumps(value) if value is not None else ""), 200)
     body_kept = value if is_json else (_short(value, 200) if isinstance(value, str) else value)
     retry_after = parse_retry_after(h.get("retry-after"))
-    text = f"proxy call {tool_name!r} failed: HTTP {status}"
-    if error_class:
-        text += f" {error_class}"
-    if message:
-        text += f": {message}"
+    text = f"proxy call {tool_name!r} failed: HTTP {status}" + (f" {error_class}" if error_class else "") + (
+        f": {message}" if message else "")
     decision = retry_decision(status, error_class)
     error_type = StaleRunTokenError if decision == "stale" else ProxyError
     error = error_type(text + (" (the run is over)" if decision == "stale" else ""), status_code=status,
@@ -1923,16 +1347,7 @@ def interpret_reply(
 
 
 class RetryPolicy(NamedTuple):
-    """The one retry policy of proxy calls and trace posts (§3.3).
-
-    ``max_attempts`` counts the first try (429 / transient 503).  Waits grow
-    ``base_delay_s * 2**n`` with ±``jitter`` and are capped at ``max_delay_s``;
-    a ``Retry-After`` header replaces the computed wait; one longer than
-    ``max_retry_after_s`` is not waited: the call fails at once.  Transport failures (timeout, refused or reset
-    connection) are retried ``transport_retries`` more times with the same
-    Idempotency-Key.
-    """
-
+    """The retry policy of proxy calls and trace posts (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
     max_attempts: int = 4
     base_delay_s: float = 0.5
     max_delay_s: float = 4.0
@@ -1944,15 +1359,12 @@ class RetryPolicy(NamedTuple):
         """Seconds to wait before retry ``retry_number`` (1 for the first retry)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
-        wait = self.base_delay_s * (2 ** (retry_number - 1))
-        wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        wait = self.base_delay_s * (2 ** (retry_number - 1)) * random.uniform(1 - self.jitter, 1 + self.jitter)
         return float(max(0.0, min(wait, self.max_delay_s)))
 
 
 class RetryStep(NamedTuple):
-    """What a driver does after one attempt: ``"return"`` ``value``, ``"raise"`` ``error``, or ``"retry"``
-    after waiting ``wait_s`` seconds (``None``: at once) with the same request, its Idempotency-Key included."""
-
+    """What a driver does next: return ``value``, raise ``error``, or retry the same request after ``wait_s`` s."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1960,29 +1372,11 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One logical call's way through the retry policy (§3.3): every driver loops over :meth:`step`.
-
-    A driver (blocking or asyncio here; each port has its own) makes an attempt, turns what came back into
-    a :class:`ProxyOutcome` (:func:`interpret_reply`, or ``"transport"`` when no reply arrived), and does
-    what ``step`` answers::
-
-        state = RetryState(policy)
-        while True:
-            (refuse if the dispatch is over; wait for a pacing slot)
-            step = state.step(outcome of one attempt)
-            "return" -> step.value;  "raise" -> step.error;  "retry" -> wait step.wait_s, loop
-
-    ``attempts`` counts every attempt, transport failures included; ``max_attempts`` bounds the 429 and
-    transient-503 retries, ``transport_retries`` the transport ones (a stale pooled connection is retried
-    without a wait, but counts).
-    """
-
+    """One call's way through the retry policy (§3.3): a driver loops, an attempt, then what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
-        self.policy = policy
-        self.attempts = 0
-        self.transport_failures = 0
+        self.policy, self.attempts, self.transport_failures = policy, 0, 0
 
     def step(self, outcome: ProxyOutcome) -> RetryStep:
         """The next step after an attempt that came to ``outcome``."""
@@ -1995,20 +1389,15 @@ class RetryState:
                 return RetryStep("raise", error=outcome.error)
             wait = None if outcome.stale else self.policy.delay(self.transport_failures)
             return RetryStep("retry", error=outcome.error, wait_s=wait)
-        if outcome.kind == "retry" and _waits_too_long(outcome.retry_after, self.policy):
+        if outcome.kind == "retry" and (outcome.retry_after or 0) > self.policy.max_retry_after_s:
             return RetryStep("raise", error=_not_waited(outcome, self.policy))
         if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
             return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
         return RetryStep("raise", error=outcome.error)
 
 
-def _waits_too_long(retry_after: Optional[float], policy: RetryPolicy) -> bool:
-    return retry_after is not None and retry_after > policy.max_retry_after_s
-
-
 def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
-    """The error of a reply whose ``Retry-After`` is past the cap (§7.4 kit-retry-after-cap): retrying sooner
-    than asked would hammer the proxy, sleeping that long would outlast the run, so the call fails now."""
+    """The error of a reply whose ``Retry-After`` is past the cap, saying so (§7.4 kit-retry-after-cap)."""
     error = outcome.error
     note = (f" (the proxy asked to wait {outcome.retry_after:g} s before a retry, longer than the "
             f"{policy.max_retry_after_s:g} s this client waits: not retried)")
@@ -2020,6 +1409,7 @@ def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
         return error
     return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
 
+
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation
 # ---------------------------------------------------------------------------
@@ -2028,14 +1418,8 @@ _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 
 
 def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
-    """The final response as a string; frameworks' non-string outputs become JSON or ``str()``.
-
-    A non-string ``final_response`` is refused in strict mode; otherwise it
-    becomes its JSON text (``42`` -> ``"42"``, an object -> ``'{"a": 1}'``).
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
+    """The final response as a string, a non-string as its JSON text or ``str()`` (§7.7 kit-result-shapes)."""
+    if value is None or isinstance(value, str):
         return value
     if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
@@ -2043,54 +1427,37 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
         return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
     dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
     if callable(dump):
-        return _called_text(dump, value)
+        return _safe_text(value, dump)
     return _safe_text(value)
 
 
 def _unpack_result(value: Any, strict: bool = True,
                    notes: Optional[List[str]] = None) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra_keys)`` from a string, mapping or result object.
-
-    Only an envelope-shaped value (one with ``final_response``) contributes its
-    messages, metadata and extra top-level keys; a framework's result
-    (``final_output`` / ``output`` / ``message``) contributes its text alone,
-    since its other fields are rarely JSON.
-    """
-    if isinstance(value, str):
+    """``(final, messages, metadata, extra_keys)`` of a result (§7.7 kit-result-shapes); a framework's: its text."""
+    if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
         if "final_response" in value:
             extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
             final = _final_text(value["final_response"], "final_response", strict, notes)
             return final, value.get("messages"), value.get("metadata"), extra
-        for key in _FINAL_KEYS[1:]:
-            if value.get(key) is not None:
-                return _final_text(value[key], key, notes=notes), None, None, {}
-        return None, None, None, {}
-    if value is None:
-        return None, None, None, {}
+        key = next((k for k in _FINAL_KEYS[1:] if value.get(k) is not None), None)
+        return (None if key is None else _final_text(value[key], key, notes=notes)), None, None, {}
     for key in _FINAL_KEYS:
         attr = getattr(value, key, None)
         if attr is not None and not callable(attr):
-            if key == "final_response":
-                final = _final_text(attr, key, strict, notes)
-                return final, getattr(value, "messages", None), getattr(value, "metadata", None), {}
-            return _final_text(attr, key, notes=notes), None, None, {}
-    raise ResponseError(
-        f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
-        "'final_response', or an object with final_response / final_output / output / message"
-    )
+            whole = key == "final_response"  # an envelope-shaped object
+            return (_final_text(attr, key, strict, notes), getattr(value, "messages", None) if whole else None,
+                    getattr(value, "metadata", None) if whole else None, {})
+    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
+                        "'final_response', or an object with final_response / final_output / output / message")
 
 
 def _tool_call_name(call: Any) -> Optional[str]:
     """The resolvable name of a tool call (flat ``name`` or nested ``function.name``), else ``None``."""
-    if not isinstance(call, Mapping):
-        return None
-    if isinstance(call.get("name"), str) and call["name"]:
-        return str(call["name"])
-    function = call.get("function")
-    if isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]:
-        return str(function["name"])
+    for holder in (call, call.get("function") if isinstance(call, Mapping) else None):
+        if isinstance(holder, Mapping) and isinstance(holder.get("name"), str) and holder["name"]:
+            return str(holder["name"])
     return None
 
 
@@ -2108,134 +1475,14 @@ def _normalise_tool_call(call: Any) -> Any:
 def _normalise_messages(messages: Any) -> Any:
     if not isinstance(messages, (list, tuple)):
         return messages
-    out = []
-    for message in messages:
-        if isinstance(message, Mapping):
-            message = dict(message)
-            if isinstance(message.get("tool_calls"), (list, tuple)):
-                message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
-        out.append(message)
+    out = [dict(message) if isinstance(message, Mapping) else message for message in messages]
+    for message in out:
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), (list, tuple)):
+            message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
     return out
 
 
-MAX_JSON_DEPTH = 100  # nesting the builder keeps; deeper is cut (§7.7 kit-json-safe-response)
-MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits: the platform's JSON parser reads no longer integer
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
-
-
-def _jsonable(value: Any, path: str, notes: List[str], depth: int = 0,
-              active: Optional[Set[int]] = None) -> Any:
-    """A JSON-safe copy of ``value``: what JSON (or UTF-8) cannot carry is converted, each change noted with its
-    path, nothing dropped silently (§7.7 kit-json-safe-response).
-
-    NaN and infinities become ``null`` (as FastAPI sends them); lone surrogates U+FFFD (a pair split into two
-    code points is joined); integers of more than :data:`MAX_INT_DIGITS` digits their decimal text; datetimes,
-    dates and times their ISO text; sets and tuples lists; bytes their UTF-8 text; other objects their text
-    (``repr``, then the type name, when ``str`` raises); non-string keys their text, renamed ``"1 (int)"`` when
-    that text is taken; a value containing itself, or nested deeper than :data:`MAX_JSON_DEPTH`, is cut to a
-    marker string.
-    """
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        if _SURROGATE_RE.search(value) is None:
-            return value
-        notes.append(f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8; sent as U+FFFD "
-                     "(a pair split into two code points joined)")
-        return _well_formed(value)
-    if isinstance(value, int):
-        if value.bit_length() < 14_000 or abs(value) < _int_limit():  # 10**4300 has 14,284 bits
-            return int(value)
-        notes.append(f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers read; "
-                     "sent as its decimal text")
-        return _int_text(int(value))
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
-        notes.append(f"{path}: {float.__repr__(value)} is not JSON; sent as null")
-        return None
-    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
-        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    return _jsonable_other(value, path, notes, depth, active)
-
-
-def _jsonable_container(value: Any, path: str, notes: List[str], depth: int, active: Set[int]) -> Any:
-    """:func:`_jsonable` of a mapping, list, tuple or set: a cycle or nesting past :data:`MAX_JSON_DEPTH` cut to a
-    marker, a set sorted into a list, a container that raises when read cut."""
-    if id(value) in active:
-        notes.append(f"{_short(path, 200)}: contains itself (a cycle); cut there")
-        return "[cycle]"
-    if depth >= MAX_JSON_DEPTH:
-        notes.append(f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels; cut there")
-        return "[nested too deeply]"
-    active.add(id(value))
-    try:
-        if isinstance(value, Mapping):
-            return _jsonable_object(value, path, notes, depth, active)
-        if not isinstance(value, (list, tuple)):
-            notes.append(f"{path}: {type(value).__name__} is not JSON; sent as an array")
-            value = sorted(value, key=_safe_repr)
-        return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
-        notes.append(f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}; "
-                     "cut there")
-        return f"[unreadable {type(value).__name__}]"
-    finally:
-        active.discard(id(value))
-
-
-def _jsonable_other(value: Any, path: str, notes: List[str], depth: int, active: Optional[Set[int]]) -> Any:
-    """:func:`_jsonable` of what is no JSON type: a date or time its ISO text, bytes their UTF-8 text, anything
-    else its text."""
-    iso = getattr(value, "isoformat", None)
-    if callable(iso):
-        notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its ISO text")
-        return _jsonable(_called_text(iso, value), path, notes, depth, active)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        notes.append(f"{path}: bytes are not JSON; sent as UTF-8 text")
-        return bytes(value).decode("utf-8", "replace")
-    notes.append(f"{path}: {type(value).__name__} is not JSON; sent as its text")
-    return _jsonable(_safe_text(value), path, notes, depth, active)
-
-
-def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str], depth: int,
-                     active: Set[int]) -> Dict[str, Any]:
-    """:func:`_jsonable` of a mapping: every key a string, none lost to a collision."""
-    out: Dict[str, Any] = {}
-    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
-    for key, item in value.items():
-        if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
-            name = str.__str__(key)  # a str subclass's own __str__ may raise
-        elif isinstance(key, str):  # a lone surrogate: U+FFFD, and never onto another key's name
-            name = _jsonable(str.__str__(key), f"{path}: key {_short(repr(_well_formed(key)), 40)}", notes)
-            if name in taken or name in out:
-                base, n = name, 2
-                while name in taken or name in out:
-                    name, n = f"{base} {n}", n + 1
-                shown = _short(repr(_well_formed(key)), 40)
-                notes.append(f"{path}: key {shown} would collide with another key once its lone surrogates are "
-                             f"replaced; sent as {name!r}")
-        else:
-            name = _key_text(key)
-            shown = _short(_safe_repr(key), 40)
-            if name in taken or name in out:
-                base, n = f"{name} ({type(key).__name__})", 2
-                name = base
-                while name in taken or name in out:
-                    name, n = f"{base} {n}", n + 1
-                notes.append(f"{path}: key {shown} is not a string and its text is taken; sent as {name!r}")
-            else:
-                notes.append(f"{path}: key {shown} is not a string; sent as its text")
-        out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
-    return out
-
-
-def _copied(mapping: Mapping[Any, Any]) -> Any:
-    """``dict(mapping)``; a mapping that raises when read is left for :func:`_jsonable` to cut (strict: named)."""
-    try:
-        return dict(mapping)
-    except Exception:  # noqa: BLE001
-        return mapping
 
 
 def _well_formed(text: str) -> str:
@@ -2243,71 +1490,20 @@ def _well_formed(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def _int_text(number: int) -> str:
-    """The decimal text of any integer, without ``str()``'s digit limit (divide and conquer)."""
-    if number < 0:
-        return "-" + _int_text(-number)
-    if number.bit_length() < 3000:  # well under any int_max_str_digits a process may set (640 at the least)
-        return str(number)
-    half = number.bit_length() * 30103 // 200000  # about half its decimal digits
-    high, low = divmod(number, 10 ** half)
-    return _int_text(high) + _int_text(low).zfill(half)
-
-
-def _key_text(key: Any) -> str:
-    """A non-string key's text, as ``json.dumps`` writes the ones it knows (``true``, ``null``, ``1``)."""
-    if key is None or isinstance(key, bool):
-        return json.dumps(key)
-    if isinstance(key, int):
-        return _int_text(int.__int__(key))  # any size: no quotes, no digit limit
-    if isinstance(key, float):
-        return json.dumps(_jsonable(key, "key", []))
-    return _well_formed(_safe_text(key))
-
-
-def _safe_text(value: Any) -> str:
-    """``str(value)``, else ``repr``, else ``<TypeName>``: never raises."""
-    try:
-        return str(value)
-    except Exception:  # noqa: BLE001 - an object whose __str__ raises still gets a text
-        return _safe_repr(value)
-
-
-def _called_text(method: Callable[[], Any], value: Any) -> str:
-    """The text of ``method()`` (``isoformat``, ``model_dump_json``), else :func:`_safe_text` of ``value``."""
-    try:
-        return str(method())
-    except Exception:  # noqa: BLE001
-        return _safe_text(value)
-
-
-def _safe_repr(value: Any) -> str:
-    try:
-        return repr(value)
-    except Exception:  # noqa: BLE001
-        return f"<{type(value).__name__}>"
-
-
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` changed the way the platform treats what it cannot use (§4), and a note per change.
-
-    Values JSON cannot carry are converted (:func:`_jsonable`); tool calls with
-    no resolvable name are dropped; a ``messages`` or ``metadata`` value that
-    still breaks the schema or the pairing rule is dropped whole, as the
-    platform drops it to null.  ``final_response`` is never touched.
-    """
+    """``body`` changed as the platform treats what it cannot use, a note per change (§7.7 kit-lenient-response):
+    values made JSON-safe, nameless tool calls dropped, a ``messages`` or ``metadata`` still malformed dropped whole."""
     notes: List[str] = []
-    body = _jsonable_object(body, "body", notes, 0, set())
+    body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
     messages = body.get("messages")
     if isinstance(messages, list):
         for i, message in enumerate(messages):
             calls = message.get("tool_calls") if isinstance(message, dict) else None
             if isinstance(calls, list):
-                kept = [c for c in calls if _tool_call_name(c) is not None]
-                for j in [j for j, c in enumerate(calls) if _tool_call_name(c) is None]:
-                    notes.append(f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped")
-                message["tool_calls"] = [_normalise_tool_call(c) for c in kept]
+                notes.extend(f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
+                             for j, c in enumerate(calls) if _tool_call_name(c) is None)
+                message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
     problems = _message_problems(messages)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -2320,39 +1516,17 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
     return body, notes
 
 
-def response_envelope(
-    value: Any,
-    *,
-    messages: Optional[Sequence[Mapping[str, Any]]] = None,
-    metadata: Optional[Mapping[str, Any]] = None,
-    strict: bool = False,
-) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned.
-
-    ``value`` is a string, a mapping (``final_response`` and friends, plus any
-    extra top-level keys, kept), or a result object exposing ``final_response``
-    / ``final_output`` / ``output`` / ``message``.  ``messages`` and
-    ``metadata`` override those found in ``value``.  Nested OpenAI tool calls
-    become the flat form.
-
-    Lenient (the default): the body the platform would grade goes out.  A
-    non-string ``final_response`` becomes its JSON text; what the platform
-    would drop is dropped the same way (:func:`_as_the_platform_keeps`) and
-    named in ``warnings``, with the soft problems (a truncated or blank final
-    response, mistyped metadata).  Only a missing or empty ``final_response``
-    raises :class:`ResponseError`: there is nothing to grade.
-
-    ``strict=True`` refuses instead: :class:`ResponseError` lists every
-    problem, the soft ones too, except the truncation warning.
-    """
+def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
+                      metadata: Optional[Mapping[str, Any]] = None,
+                      strict: bool = False) -> Tuple[Dict[str, Any], List[str]]:
+    """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned (§7.7 kit-result-shapes), with
+    ``messages`` and ``metadata`` overriding those found there: lenient (kit-lenient-response) the body the platform
+    would grade, with a warning per change; ``strict`` (kit-strict-mode) :class:`ResponseError` for any problem."""
     unpacked: List[str] = []
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
-    if messages is None:
-        messages = found_messages
-    if metadata is None:
-        metadata = found_metadata
-    body: Dict[str, Any] = dict(extra)
-    body["final_response"] = final
+    messages = found_messages if messages is None else messages
+    metadata = found_metadata if metadata is None else metadata
+    body: Dict[str, Any] = {**extra, "final_response": final}
     if messages is not None:
         body["messages"] = _normalise_messages(messages)
     if metadata is not None:
@@ -2361,7 +1535,7 @@ def response_envelope(
     if not strict:
         body, kept = _as_the_platform_keeps(body)
         notes = notes + kept
-    found = validate_response(body)
+    found = _response_problems(body, json_safe=not strict)
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
@@ -2374,7 +1548,7 @@ def response_envelope(
 def build_turn_reply(
     message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False
 ) -> Dict[str, Any]:
-    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4)."""
+    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4.2, §7.7 kit-turn-reply-checked)."""
     text = _final_text(message, "message") if not isinstance(message, str) else message
     if not text or not text.strip():
         raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
@@ -2397,36 +1571,30 @@ def _metadata_problems(metadata: Any) -> List[str]:
 
 
 def _metadata_warnings(metadata: Any) -> List[str]:
-    """The first-class keys the platform renders, mistyped: the schema allows them, the renderer cannot use them."""
+    """The first-class keys the platform renders, mistyped (§7.7 kit-metadata-types): the schema allows them."""
     if not isinstance(metadata, Mapping):
         return []
-    try:
-        return _first_class_warnings(metadata)
-    except Exception:  # noqa: BLE001 - a mapping that raises when read: _unencodable names it
-        return []
-
-
-def _first_class_warnings(metadata: Mapping[Any, Any]) -> List[str]:
     warnings = []
-    for key in _METADATA_STR_KEYS:
-        if key in metadata and metadata[key] is not None and not isinstance(metadata[key], str):
-            warnings.append(f"warning: metadata.{key}: should be a string, got {json_type(metadata[key])}")
-    for key in _METADATA_INT_KEYS:
-        v = metadata.get(key)
-        if key in metadata and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            shown = _short(_safe_repr(v), 40)
-            warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got {shown}")
-    v = metadata.get("agent_runtime_ms")
-    if "agent_runtime_ms" in metadata and v is not None and (
-        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-    ):
-        shown = _short(_safe_repr(v), 40)
-        warnings.append(f"warning: metadata.agent_runtime_ms: should be a non-negative number, got {shown}")
+    try:
+        for key in _METADATA_STR_KEYS:
+            if metadata.get(key) is not None and not isinstance(metadata[key], str):
+                warnings.append(f"warning: metadata.{key}: should be a string, got {json_type(metadata[key])}")
+        for key in _METADATA_INT_KEYS:
+            v = metadata.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got "
+                                f"{_short(_safe_repr(v), 40)}")
+        v = metadata.get("agent_runtime_ms")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            warnings.append(f"warning: metadata.agent_runtime_ms: should be a non-negative number, got "
+                            f"{_short(_safe_repr(v), 40)}")
+    except Exception:  # noqa: BLE001 - a mapping that raises when read: _jsonable names it
+        return []
     return warnings
 
 
 def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> List[str]:
-    """Schema and pairing problems of ``messages``; soft ones are appended to ``warnings`` when given."""
+    """Schema and pairing problems of ``messages`` (§4.1, §7.7 kit-strict-transcript); soft ones go to ``warnings``."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
@@ -2445,35 +1613,27 @@ def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> Li
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list, tuple)):
             problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
-        if "tool_calls" in message:
-            tool_calls = message["tool_calls"]
-            if not isinstance(tool_calls, (list, tuple)):
-                problems.append(f"{at}.tool_calls: must be an array, got {json_type(tool_calls)}")
-            else:
-                if role != "assistant" and tool_calls:
-                    soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, "
-                                f"this one is {role!r}")
-                for j, call in enumerate(tool_calls):
-                    problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids, soft))
-        if "thinking" in message:
-            thinking = message["thinking"]
-            if not isinstance(thinking, (list, tuple)):
-                problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
-            else:
-                for j, block in enumerate(thinking):
-                    if not isinstance(block, Mapping):
-                        problems.append(f"{at}.thinking[{j}]: must be an object, got {json_type(block)}")
+        tool_calls = message.get("tool_calls", ())
+        if not isinstance(tool_calls, (list, tuple)):
+            problems.append(f"{at}.tool_calls: must be an array, got {json_type(tool_calls)}")
+        elif role != "assistant" and tool_calls:
+            soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
+        for j, call in enumerate(tool_calls if isinstance(tool_calls, (list, tuple)) else ()):
+            problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids, soft))
+        thinking = message.get("thinking", ())
+        if not isinstance(thinking, (list, tuple)):
+            problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
+        else:
+            problems.extend(f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                            for j, block in enumerate(thinking) if not isinstance(block, Mapping))
         call_id = message.get("tool_call_id")
         if "tool_call_id" in message and not isinstance(call_id, str):
             problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
-        elif role == "tool":
-            if not call_id:
-                problems.append(f"{at}.tool_call_id: required on role 'tool'")
-            elif call_id not in seen_call_ids:
-                problems.append(
-                    f"{at}.tool_call_id: {_short(repr(call_id), 60)} does not match the id of an earlier "
-                    "assistant tool_calls entry"
-                )
+        elif role == "tool" and not call_id:
+            problems.append(f"{at}.tool_call_id: required on role 'tool'")
+        elif role == "tool" and call_id not in seen_call_ids:
+            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} does not match the id of an earlier "
+                            "assistant tool_calls entry")
     return problems
 
 
@@ -2492,12 +1652,10 @@ def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: L
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it"]
     problems = []
-    call_id = call.get("id")
-    if "id" in call:
-        if not isinstance(call_id, str):
-            problems.append(f"{at}.id: must be a string, got {json_type(call_id)}")
-        else:
-            seen_call_ids.add(call_id)
+    if "id" in call and not isinstance(call["id"], str):
+        problems.append(f"{at}.id: must be a string, got {json_type(call['id'])}")
+    elif "id" in call:
+        seen_call_ids.add(call["id"])
     arguments = call["arguments"] if flat and "arguments" in call else (
         function.get("arguments") if nested and isinstance(function, Mapping) else None)
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
@@ -2506,66 +1664,14 @@ def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: L
     return problems
 
 
-def _unencodable(value: Any, path: str, depth: int = 0, active: Optional[Set[int]] = None) -> Optional[str]:
-    """The first place in ``value`` that JSON (or the platform's parser, or UTF-8) cannot carry, with the fix,
-    or ``None``: NaN, infinity, a non-JSON type, a non-string key, a lone surrogate, an integer of more than
-    :data:`MAX_INT_DIGITS` digits, a value containing itself, nesting deeper than :data:`MAX_JSON_DEPTH`."""
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        surrogate = _SURROGATE_RE.search(value)
-        if surrogate is None:
-            return None
-        return (f"{path}: a lone surrogate (U+{ord(surrogate.group()):04X}) at character {surrogate.start()} is "
-                "not valid UTF-8 (text cut mid-character?): replace it, e.g. text.encode('utf-16', 'surrogatepass')"
-                ".decode('utf-16', 'replace')")
-    if isinstance(value, int):
-        if value.bit_length() < 14_000 or abs(value) < _int_limit():
-            return None
-        return (f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers (the platform's "
-                "included) read: send it as a string")
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path}: {float.__repr__(value)} is not JSON: send null or a string"
-    if not isinstance(value, (Mapping, list, tuple)):
-        return f"{path}: {type(value).__name__} is not a JSON type: convert it (to a string, a list or an object)"
-    active = set() if active is None else active
-    if id(value) in active:
-        return f"{path}: contains itself (a cycle), which JSON cannot carry: send a copy without the back-reference"
-    if depth >= MAX_JSON_DEPTH:
-        return f"{path}: nested more than {MAX_JSON_DEPTH} levels: flatten it or send that part as text"
-    active.add(id(value))
-    try:
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    return f"{path}: key {_short(_safe_repr(key), 40)} is not a string: use string keys"
-                found_key = _unencodable(key, f"{path}: key {_short(repr(_well_formed(key)), 40)}", depth, active)
-                found = found_key or _unencodable(item, f"{path}.{str.__str__(key)}", depth + 1, active)
-                if found:
-                    return found
-            return None
-        for i, item in enumerate(value):
-            found = _unencodable(item, f"{path}[{i}]", depth + 1, active)
-            if found:
-                return found
-        return None
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping)
-        return (f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}: "
-                "send plain dicts, lists, strings and numbers")
-    finally:
-        active.discard(id(value))
-
-
 def validate_response(body: Any) -> List[str]:
-    """Every problem of a response body against §4 and its JSON Schema, each starting with its JSON path.
+    """Every problem of a response body against §4 and its JSON Schema (§4.1, §7.7 kit-strict-transcript), each
+    starting with its JSON path: hard ones first, then soft ones starting with ``warning:``; empty: sent as it is."""
+    return _response_problems(body, json_safe=False)
 
-    Hard problems (no prefix) are what the schema rejects, the contract's
-    rules (a non-empty ``final_response``, ``tool_call_id`` pairing) and values
-    JSON cannot carry: the platform refuses the body or drops the part.  Soft
-    ones start with ``warning:``: a final response the platform truncates, a
-    blank one, mistyped first-class metadata, odd tool arguments.  An empty
-    list means the body is accepted as sent.
-    """
+
+def _response_problems(body: Any, json_safe: bool) -> List[str]:
+    """:func:`validate_response`; ``json_safe``: the lenient builder made the body, so nothing in it needs a change."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     problems: List[str] = []
@@ -2580,16 +1686,14 @@ def validate_response(body: Any) -> List[str]:
     elif not final.strip():
         warnings.append("warning: final_response: blank (only whitespace): the judge has nothing to grade")
     elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
-        warnings.append(
-            f"warning: final_response: {len(final)} characters; the platform truncates it at "
-            f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning"
-        )
+        warnings.append(f"warning: final_response: {len(final)} characters; the platform truncates it at "
+                        f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning")
     problems.extend(_message_problems(body.get("messages"), warnings))
     problems.extend(_metadata_problems(body.get("metadata")))
     warnings.extend(_metadata_warnings(body.get("metadata")))
-    unencodable = _unencodable(body, "body")
-    if unencodable:
-        problems.append(unencodable[len("body."):] if unencodable.startswith("body.") else unencodable)
+    unsendable = None if json_safe else _unsendable(body, "body")
+    if unsendable:
+        problems.append(unsendable[len("body."):] if unsendable.startswith("body.") else unsendable)
     return problems + warnings
 
 
@@ -2597,45 +1701,32 @@ def validate_response(body: Any) -> List[str]:
 # HTTP replies of a dispatch endpoint: JSON bodies, one error path
 # ---------------------------------------------------------------------------
 
-DETAIL_LIMIT = 500  # characters of an error ``detail``: one readable line, never a traceback
-
-
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers: a status, headers and a JSON body."""
-
     status: int
     headers: List[Tuple[str, str]]
     body: bytes
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """A reply with ``payload`` as compact JSON (valid UTF-8: a lone surrogate goes as U+FFFD) and its
-    Content-Length."""
+    """A reply of ``payload`` as compact JSON (valid UTF-8: a lone surrogate goes as U+FFFD) and its length."""
     try:
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
     except UnicodeEncodeError:
-        body = json.dumps(_jsonable(payload, "reply", []), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-    headers.extend(extra_headers)
-    return HttpReply(status, headers, body)
+        body = _COMPACT_JSON.encode(_jsonable(payload, "reply", [])).encode("utf-8")
+    return HttpReply(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra_headers],
+                     body)
 
 
 def error_reply(exc: BaseException) -> HttpReply:
-    """The one error path: ``exc.http_status`` (500 for anything not ours) with ``{"detail": message}``.
-
-    Our errors' messages are written to be shown; anything else is described as
-    ``Type: message`` (§2 step 8).  At most :data:`DETAIL_LIMIT` characters.
-    """
+    """The one error path (§7.1 kit-error-statuses): ``exc.http_status`` (else 500) and ``{"detail": message}``."""
     if isinstance(exc, PipelinesError):
         return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
 def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Optional[str]) -> str:
-    """``"TypeName: message"`` of an exception, one line of at most ``limit`` characters: what the platform shows.
-
-    Each of ``secrets`` is redacted from the whole text before it is shortened: a cut must never leave part
-    of a token that redaction would no longer recognise (§7.6 kit-error-detail-shape)."""
+    """``"TypeName: message"`` on one line of at most ``limit`` characters, ``secrets`` redacted before the cut."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
@@ -2657,6 +1748,7 @@ def _redact_one(value: Any, secret: str) -> Any:
     if isinstance(value, list):
         return [_redact_one(v, secret) for v in value]
     return value
+
 
 # ###########################################################################
 #
@@ -2701,9 +1793,8 @@ class _Once(Generic[_T]):
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: what part 1 computes, computed faster in Python.  Each gives
-# exactly what part 1's own reading gives, or hands over to it (a test holds
-# the two to agreeing).  A port needs none of them.
+# Speed paths: what part 1 computes, computed faster in Python.  Each gives exactly what part 1's own reading
+# gives, or hands over to it (a test holds the two to agreeing); a port needs none of them.
 # ---------------------------------------------------------------------------
 
 def _json_from_bytes(data: bytes) -> Any:
@@ -2729,46 +1820,13 @@ def _int_limit() -> int:
     return int(10 ** MAX_INT_DIGITS)
 
 
-# One pass per line for the common, well-formed head; any line it does not match goes to parse_request_head,
-# which names the problem.  The value class excludes CR, LF and every control character but HTAB, so a
-# match also means no bare CR or LF; a name that is a token right before the colon means no folding.
-_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
-_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
-
-
 def _well_formed_head(head: bytes) -> Optional[RequestHead]:
-    """:func:`parse_request_head` of a head with nothing unusual in it, or ``None``: the servers then read it with
-    ``parse_request_head`` itself, which names the problem (tests/test_request_head_fast_path.py holds the two
-    to agreeing)."""
-    if len(head) > MAX_REQUEST_LINE_BYTES or head.startswith(b"\r\n"):
+    """:func:`parse_request_head`'s reading, or ``None`` for a head it refuses (the servers then call it for the
+    error): the servers' old fast path, kept for their calls; parse_request_head is as fast now."""
+    try:
+        return parse_request_head(head)
+    except PipelinesError:
         return None
-    lines = head.split(b"\r\n")
-    if len(lines) - 1 > MAX_REQUEST_FIELDS:
-        return None
-    request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if request is None:
-        return None
-    headers: List[Tuple[str, str]] = []
-    hosts = lengths = 0
-    for line in lines[1:]:
-        field = _FIELD_LINE_RE.fullmatch(line)
-        if field is None:
-            return None
-        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
-        lowered = name.lower()
-        if lowered == "host":
-            hosts += 1
-        elif lowered == "content-length":
-            lengths += 1
-            if not (value.isascii() and value.isdigit()):
-                return None
-        elif lowered == "transfer-encoding":
-            return None
-        headers.append((name, value))
-    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"
-    if (version == "HTTP/1.1" and hosts != 1) or lengths > 1:  # framing the full reading decides
-        return None
-    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
 
 
 def _plain_text(text: str) -> bool:
@@ -2776,16 +1834,23 @@ def _plain_text(text: str) -> bool:
     return text.isascii() or _SURROGATE_RE.search(text) is None
 
 
-def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """The body :func:`response_envelope` builds, with no note and no warning, for the commonest results: a string,
-    or a dict of plain scalars (no ``messages``, no ``metadata``) whose ``final_response`` is a string; ``None``
-    for anything ``response_envelope`` has to look at, which :func:`build_response` then calls
-    (tests/test_response_fast_path.py holds the two to agreeing).
+def _plain_scalar(item: Any) -> bool:
+    """A value of an exact JSON scalar type that :func:`response_envelope` sends as it is."""
+    kind = type(item)
+    if kind is str:
+        return _plain_text(item)
+    if kind is int:
+        return cast(int, item).bit_length() < 14_000  # maybe over MAX_INT_DIGITS digits: response_envelope decides
+    if kind is float:
+        return math.isfinite(item)
+    return item is None or kind is bool
 
-    Only exact types pass (``str``, ``int``, ``float``, ``bool``, ``None``; no subclass), every string free of lone
-    surrogates, every number one JSON carries, the final response non-blank and within the soft limit: then
-    neither leniency nor strictness changes anything, so either gives this body.
-    """
+
+def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
+    """:func:`response_envelope`'s body for a string, or a dict of plain scalars (no ``messages``, no ``metadata``)
+    with a string ``final_response``, when it has no note and no warning; ``None`` for anything else, which
+    :func:`build_response` then hands to ``response_envelope`` (tests/test_response_fast_path.py holds the two to
+    agreeing).  Exact types only, no subclass: then neither leniency nor strictness changes the body."""
     if type(value) is str:
         final, extra = value, None
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
@@ -2800,23 +1865,322 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
         for key, item in extra.items():
             if key == "final_response":
                 continue
-            if type(key) is not str or not _plain_text(key):
-                return None
-            kind = type(item)
-            if kind is str:
-                if not _plain_text(item):
-                    return None
-            elif kind is int:
-                if item.bit_length() >= 14_000:  # maybe over MAX_INT_DIGITS digits: response_envelope decides
-                    return None
-            elif kind is float:
-                if not math.isfinite(item):
-                    return None
-            elif item is not None and kind is not bool:
+            if type(key) is not str or not _plain_text(key) or not _plain_scalar(item):
                 return None
             body[key] = item
     body["final_response"] = final  # last, as response_envelope puts it
     return body
+
+
+# ---------------------------------------------------------------------------
+# Python data: read-only JSON containers that still serialise as JSON (§7.2 kit-read-only-envelope), and
+# headers in any of Python's forms read as one dict (§2.1, §7.2 kit-repeated-header)
+# ---------------------------------------------------------------------------
+
+def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise TypeError("envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))")
+
+
+class _FrozenDict(Dict[Any, Any]):
+    """A dict that refuses mutation; ``json.dumps`` and ``isinstance(x, dict)`` still work."""
+    __slots__ = ()
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self) -> Any:  # so copy.copy, copy.deepcopy and pickle give plain, mutable containers
+        return (dict, (dict(self),))
+
+
+class _FrozenList(List[Any]):
+    """A list that refuses mutation; ``json.dumps`` and ``isinstance(x, list)`` still work."""
+    __slots__ = ()
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+
+    def __reduce__(self) -> Any:
+        return (list, (list(self),))
+
+
+_LEAVES = frozenset({str, int, float, bool, type(None)})  # what _freeze keeps as it is without a call
+
+
+def _freeze(value: Any) -> Any:
+    """Deep copy of a JSON value with every dict and list made read-only (a frozen one is kept: it is already)."""
+    kind = type(value)
+    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:  # exactly ours: already deep read-only
+        return value
+    if isinstance(value, dict):
+        return _FrozenDict({k: v if type(v) in _LEAVES else _freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return _FrozenList([v if type(v) in _LEAVES else _freeze(v) for v in value])
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Deep copy of a JSON value with plain, mutable dicts and lists."""
+    if isinstance(value, dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
+
+
+class _LowerHeaders(Dict[str, str]):
+    """Headers by lower-cased name, each with its first value; ``repeats`` holds the further values of a name."""
+    __slots__ = ("repeats",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repeats: Dict[str, List[str]] = {}
+
+
+def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
+    """Header names lower-cased (§2.1, §7.2 kit-repeated-header) from a mapping, an ``email.message.Message`` or
+    pairs (bytes as latin-1, as ASGI sends them); its own result as it is."""
+    if isinstance(headers, _LowerHeaders):
+        return headers
+    out = _LowerHeaders()
+    items = getattr(headers, "items", None)  # a mapping or an email.message.Message
+    for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
+        if isinstance(name, bytes):
+            name = name.decode("latin-1")
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        key, text = str(name).lower(), str(value)
+        if key in out:
+            out.repeats.setdefault(key, []).append(text)
+        else:
+            out[key] = text
+    return out
+
+
+def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
+    """Whether header ``name`` came more than once (with ``conflicting``: with another value)."""
+    extra = getattr(headers, "repeats", {}).get(name, ())
+    first = (headers.get(name) or "").strip()
+    return any(value.strip() != first for value in extra) if conflicting else bool(extra)
+
+
+# ---------------------------------------------------------------------------
+# Python values as JSON (§7.7 kit-json-safe-response): what part 1's response builder sends for a value JSON,
+# UTF-8 or the platform's parser cannot carry (lenient), or names as the problem (strict).  A port's own
+# encoder decides this for its language's values.
+# ---------------------------------------------------------------------------
+
+_CONVERT = "convert it (to a string, a list or an object)"
+_CUT = "cut there"
+
+
+class _Unsendable(Exception):
+    """What strict :func:`_jsonable` found JSON cannot carry: the path, the problem and the fix."""
+
+
+def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
+    """Note how a value JSON cannot carry is sent (lenient), or refuse it naming the fix (strict: ``notes`` None)."""
+    if notes is None:
+        raise _Unsendable(f"{problem}: {fix}")
+    notes.append(f"{problem}; {sent}")
+
+
+def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
+               active: Optional[Set[int]] = None) -> Any:
+    """``value`` as JSON, UTF-8 and the platform's parser carry it (§7.7 kit-json-safe-response): a copy, each change
+    noted with its path in ``notes``; with ``notes`` None (strict), :class:`_Unsendable` at the first change."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if _SURROGATE_RE.search(value) is None:
+            return value
+        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8", "sent as U+FFFD "
+                "(a pair split into two code points joined)", "replace it, e.g. text.encode('utf-16', "
+                "'surrogatepass').decode('utf-16', 'replace')")
+        return _well_formed(value)
+    if isinstance(value, int):
+        if value.bit_length() < 14_000 or abs(value) < _int_limit():  # 10**4300 has 14,284 bits
+            return int(value)
+        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers (the "
+                "platform's included) read", "sent as its decimal text", "send it as a string")
+        return _int_text(int(value))
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
+        _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
+        return None
+    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
+    problem = f"{path}: {type(value).__name__} is not a JSON type"
+    iso = getattr(value, "isoformat", None)
+    if callable(iso):
+        _change(notes, problem, "sent as its ISO text", _CONVERT)
+        return _jsonable(_safe_text(value, iso), path, notes, depth, active)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        _change(notes, problem, "sent as UTF-8 text", _CONVERT)
+        return bytes(value).decode("utf-8", "replace")
+    _change(notes, problem, "sent as its text", _CONVERT)
+    return _jsonable(_safe_text(value), path, notes, depth, active)
+
+
+def _unsendable(value: Any, path: str) -> Optional[str]:
+    """Strict :func:`_jsonable`: the first place in ``value`` that needs a change, with the fix; ``None`` for none."""
+    try:
+        _jsonable(value, path, None)
+    except _Unsendable as exc:
+        return str(exc)
+    return None
+
+
+def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
+    """:func:`_jsonable` of a mapping, list, tuple or set; a cycle, nesting past :data:`MAX_JSON_DEPTH` or a
+    container that raises when read is cut to a marker."""
+    if id(value) in active:
+        _change(notes, f"{_short(path, 200)}: contains itself (a cycle)", _CUT,
+                "send a copy without the back-reference")
+        return "[cycle]"
+    if depth >= MAX_JSON_DEPTH:
+        _change(notes, f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels", _CUT,
+                "flatten it or send that part as text")
+        return "[nested too deeply]"
+    active.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            return _jsonable_object(value, path, notes, depth, active)
+        if not isinstance(value, (list, tuple)):
+            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", _CONVERT)
+            value = sorted(value, key=_safe_repr)
+        return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+    except _Unsendable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
+        _change(notes, f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}", _CUT,
+                "send plain dicts, lists, strings and numbers")
+        return f"[unreadable {type(value).__name__}]"
+    finally:
+        active.discard(id(value))
+
+
+def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
+                      active: Set[int]) -> Dict[str, Any]:
+    """:func:`_jsonable` of a mapping: every key a string, none lost to a collision."""
+    out: Dict[str, Any] = {}
+    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
+    for key, item in value.items():
+        if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
+            name = str.__str__(key)  # a str subclass's own __str__ may raise
+        elif isinstance(key, str):  # a lone surrogate: U+FFFD, and never onto another key's name
+            shown = _short(repr(_well_formed(key)), 40)
+            text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
+            name = _free_name(text, taken, out)
+            if name != text:
+                cast(List[str], notes).append(f"{path}: key {shown} would collide with another key once its lone "
+                                              f"surrogates are replaced; sent as {name!r}")
+        else:
+            name = _key_text(key)
+            if name in taken or name in out:
+                name = _free_name(f"{name} ({type(key).__name__})", taken, out)
+                sent = f"its text is taken: sent as {name!r}"
+            else:
+                sent = "sent as its text"
+            _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
+        out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
+    return out
+
+
+def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
+    """``name``, else ``"name 2"``, ``"name 3"``, ...: the first neither ``taken`` nor ``out`` holds."""
+    base, n = name, 2
+    while name in taken or name in out:
+        name, n = f"{base} {n}", n + 1
+    return name
+
+
+def _copied(mapping: Mapping[Any, Any]) -> Any:
+    """``dict(mapping)``; a mapping that raises when read is left for :func:`_jsonable` to cut (strict: named)."""
+    try:
+        return dict(mapping)
+    except Exception:  # noqa: BLE001
+        return mapping
+
+
+def _int_text(number: int) -> str:
+    """The decimal text of any integer, without ``str()``'s digit limit (divide and conquer)."""
+    if number < 0:
+        return "-" + _int_text(-number)
+    if number.bit_length() < 3000:  # well under any int_max_str_digits a process may set (640 at the least)
+        return str(number)
+    half = number.bit_length() * 30103 // 200000  # about half its decimal digits
+    high, low = divmod(number, 10 ** half)
+    return _int_text(high) + _int_text(low).zfill(half)
+
+
+def _key_text(key: Any) -> str:
+    """A non-string key's text, as ``json.dumps`` writes the ones it knows (``true``, ``null``, ``1``)."""
+    if key is None or isinstance(key, bool):
+        return json.dumps(key)
+    if isinstance(key, int):
+        return _int_text(int.__int__(key))  # any size: no quotes, no digit limit
+    if isinstance(key, float):
+        return json.dumps(_jsonable(key, "key", []))
+    return _well_formed(_safe_text(key))
+
+
+def _safe_text(value: Any, method: Optional[Callable[[], Any]] = None) -> str:
+    """The text of ``method()`` (``isoformat``, ``model_dump_json``), else ``str(value)``, else its ``repr``, else
+    ``<TypeName>``: never raises."""
+    try:
+        return str(value if method is None else method())
+    except Exception:  # noqa: BLE001 - an object whose __str__ raises still gets a text
+        return _safe_repr(value) if method is None else _safe_text(value)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__}>"
+
+
+# ---------------------------------------------------------------------------
+# Start-up settings: the run timeout (§7.3 kit-run-timeout-range) and the proxy host allow-list (§7.1
+# kit-proxy-host-allow-list), checked once, where serve, DispatchApp and code mode read them
+# ---------------------------------------------------------------------------
+
+def check_run_timeout(run_timeout_s: Any) -> float:
+    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range); ``ValueError`` naming it otherwise."""
+    if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
+            0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
+        raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
+    return float(run_timeout_s)
+
+
+def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """The allow-list in ``text`` (``"api.pipelines.tech, .example.com, 127.0.0.1:8080"``), ``None`` when none is
+    given; ``ValueError`` for a list set but empty or a malformed entry (§7.1 kit-proxy-host-allow-list)."""
+    if text is None:
+        return None
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    if not entries:
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
+                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
+    return tuple(_normal_host_entry(entry) for entry in entries)
+
+
+def _normal_host_entry(entry: str) -> str:
+    """An allow-list entry lower-cased, ``*.suffix`` as ``.suffix``, a bare IPv6 address in its short form."""
+    shown = _short(entry, 100)
+    if entry.startswith("*."):
+        entry = entry[1:]
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
+        import ipaddress
+
+        try:
+            return str(ipaddress.IPv6Address(entry))
+        except ValueError:
+            pass
+    elif _HOST_ENTRY.fullmatch(entry):
+        port = _split_host_entry(entry)[1]
+        if port is None or 0 < port < 65536:
+            return entry.lower()
+    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
+                     "optionally with :port, without scheme, path or other wildcards")
 
 
 # ---------------------------------------------------------------------------
