@@ -6667,11 +6667,8 @@ def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The platform ``tools_schema`` (§3.6) of a framework's tools, or of an agent holding them (``.tools``).
-
-    Tool objects (OpenAI Agents SDK, LangChain/LangGraph, Strands, MCP) get ``default_execution_mode:
-    sandbox``; tools_schema entries may come in any shape :func:`convert_tools` reads.
-    """
+    """The platform ``tools_schema`` (§3.6) of a framework's tools (OpenAI Agents SDK, LangChain/LangGraph,
+    Strands, MCP; tools_schema entries too), or of an agent holding them (``.tools``)."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t)[1], "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
@@ -6685,10 +6682,9 @@ def _as_tool_output(value: Any) -> str:
 def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
     """The same tools, of the same framework types, whose bodies call the per-run proxy (the guide's step 2).
 
-    Names, descriptions and schemas are kept; the body is ``proxy_call(name, args, actor=actor,
-    errors="return")``.  Takes OpenAI Agents SDK ``FunctionTool`` (an async body), LangChain/LangGraph tools
-    (a ``StructuredTool``, sync and async) and Strands tools (a ``PythonAgentTool``).  The envelope bound here
-    goes with the tools (a framework may call them on threads of its own); with none, the one bound at the call.
+    Names, descriptions and schemas are kept; a body is ``proxy_call(name, args, actor=actor, errors="return")``
+    with the envelope bound here, if any (a framework may call tools on threads of its own).  Takes OpenAI
+    Agents SDK ``FunctionTool``, LangChain/LangGraph tools (made ``StructuredTool``) and Strands tools.
     """
     envelope = _current.get()
     out: List[Any] = []
@@ -6837,55 +6833,52 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         if all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items):
-            final, messages, metadata = _read_messages([_from_langchain(m) for m in items], "text")
+            final, messages, metadata = _read_turns([_langchain_turn(m) for m in items])
         elif all(_anthropic_message(m) is not None for m in items):
-            final, messages, metadata = _read_messages([cast(Dict[str, Any], _anthropic_message(m)) for m in items])
+            final, messages, metadata = _read_turns([_anthropic_turn(cast(Dict[str, Any], _anthropic_message(m)))
+                                                     for m in items])
         else:
             return build_response(result, **fields)
     strict = fields.pop("strict", None)
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields}, strict=strict)
 
 
-def _read_messages(items: Sequence[Mapping[str, Any]], thinking: str = "thinking",
-                   ) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """The bridges' one reader: Anthropic Messages (the other frameworks' readers convert to them) as
-    ``(final answer, v1 transcript, tokens and model)``; ``thinking`` is the ``type`` of thinking entries.
+class _Turn(NamedTuple):
+    """One message of a framework's transcript, as each framework's reader gives it to :func:`_read_turns`."""
 
-    An assistant message gives one transcript message (its text, tool_use and thinking blocks); another gives
-    a tool message per tool_result block, then its text (kept, empty, when there is nothing else).  The answer
-    is the last assistant text that called no tool.
+    role: str
+    text: str = ""
+    tool_calls: Sequence[Dict[str, Any]] = ()
+    thinking: Sequence[Dict[str, Any]] = ()
+    results: Sequence[Tuple[Any, Any]] = ()  # (tool call id, output) of a user or tool turn
+    usage: Any = None
+    model: Any = None
+
+
+def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """The bridges' shared reader: ``(final answer, v1 transcript, tokens and model)`` of the turns.
+
+    An assistant turn is one message; another is a tool message per result, then its text (kept, empty, when
+    there is nothing else).  The answer is the last assistant text that called no tool.
     """
     messages: List[Dict[str, Any]] = []
-    usages: List[Any] = []
-    model = None
-    for item in items:
-        content = item.get("content")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
-            b for b in content or () if isinstance(b, Mapping)]
-        text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
-        if item.get("role") == "assistant":
-            message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-            calls = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}}
-                     for b in blocks if b.get("type") == "tool_use"]
-            thoughts = [{"type": thinking, "text": b["thinking"]} for b in blocks
-                        if b.get("type") == "thinking" and b.get("thinking")]
-            messages.append({**message, **({"tool_calls": calls} if calls else {}),
-                             **({"thinking": thoughts} if thoughts else {})})
-            usages.append(item.get("usage"))
-            model = item.get("model") or model
+    for turn in turns:
+        if turn.role == "assistant":
+            message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
+            if turn.tool_calls:
+                message["tool_calls"] = list(turn.tool_calls)
+            if turn.thinking:
+                message["thinking"] = list(turn.thinking)
+            messages.append(message)
             continue
-        results = [b for b in blocks if b.get("type") == "tool_result"]
-        for block in results:
-            output = block.get("content")
-            if isinstance(output, list):
-                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-            messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                             "content": _as_tool_output(output)})
-        if text or not results:
-            messages.append({"role": item.get("role"), "content": text})
+        messages += [{"role": "tool", "tool_call_id": i, "content": _as_tool_output(o)} for i, o in turn.results]
+        if turn.text or not turn.results:
+            messages.append({"role": turn.role, "content": turn.text})
     final = next((m["content"] for m in reversed(messages)
                   if m["role"] == "assistant" and m["content"] and "tool_calls" not in m), "")
-    return final, messages, _run_metadata(usages, model)
+    answers = [t for t in turns if t.role == "assistant"]
+    model = next((t.model for t in reversed(answers) if t.model), None)
+    return final, messages, _run_metadata([t.usage for t in answers], model)
 
 
 def _field(item: Any, key: str) -> Any:
@@ -6914,85 +6907,94 @@ def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _anthropic_turn(item: Dict[str, Any]) -> _Turn:
+    """An Anthropic message: text, tool_use, tool_result and thinking blocks, its usage and model."""
+    content = item["content"]
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
+        b for b in content if isinstance(b, Mapping)]
+    of = {kind: [b for b in blocks if b.get("type") == kind] for kind in ("text", "tool_use", "tool_result",
+                                                                          "thinking")}
+    results: List[Tuple[Any, Any]] = []
+    for block in of["tool_result"]:
+        output = block.get("content")
+        if isinstance(output, list):
+            output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
+        results.append((block.get("tool_use_id"), output))
+    return _Turn(item["role"], "".join(str(b.get("text") or "") for b in of["text"]),
+                 [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}}
+                  for b in of["tool_use"]],
+                 [{"type": "thinking", "text": b["thinking"]} for b in of["thinking"] if b.get("thinking")],
+                 results, item.get("usage"), item.get("model"))
+
+
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
 
 
-def _from_langchain(item: Any) -> Dict[str, Any]:
-    """A LangChain or LangGraph message (``type`` human, ai, tool or system) as an Anthropic one."""
+def _langchain_turn(item: Any) -> _Turn:
+    """A LangChain or LangGraph message (``type`` human, ai, tool or system)."""
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
     text = content if isinstance(content, str) else "".join(
         str(b.get("text") or "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
     if role == "tool":
-        return {"role": role, "content": [{"type": "tool_result", "tool_use_id": getattr(item, "tool_call_id", None),
-                                           "content": text}]}
-    blocks: List[Mapping[str, Any]] = [{"type": "text", "text": text}]
-    if role == "assistant":
-        calls = getattr(item, "tool_calls", None) or ()
-        blocks += [{"type": "tool_use", "id": c.get("id"), "name": c.get("name"), "input": c.get("args")}
-                   for c in calls]
-        for block in content if isinstance(content, list) else ():
-            if isinstance(block, Mapping) and block.get("type") in ("thinking", "reasoning"):
-                blocks.append({"type": "thinking", "thinking": block.get("thinking") or block.get("text")})
-    return {"role": role, "content": blocks, "usage": getattr(item, "usage_metadata", None),
-            "model": (getattr(item, "response_metadata", None) or {}).get("model_name")}
+        return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
+    thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping) and b.get("type") in (
+        "thinking", "reasoning")] if isinstance(content, list) else []
+    calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
+             for c in getattr(item, "tool_calls", None) or ()]
+    return _Turn(role, text, calls, [{"type": "text", "text": t} for t in thoughts if t],
+                 usage=getattr(item, "usage_metadata", None),
+                 model=(getattr(item, "response_metadata", None) or {}).get("model_name"))
 
 
 def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     """A Strands ``Agent`` after its run: its conversation, the tokens its event loop counted, its model."""
-    final, messages, _ = _read_messages([_from_bedrock(m) for m in agent.messages], "text")
+    final, messages, _ = _read_turns([_bedrock_turn(m) for m in agent.messages])
     usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
     model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
     return final, messages, _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
                                           ("inputTokens", "outputTokens"))
 
 
-def _from_bedrock(message: Mapping[str, Any]) -> Dict[str, Any]:
-    """A Bedrock Converse message (Strands: text, toolUse, toolResult, reasoningContent blocks) as an Anthropic one."""
-    blocks: List[Mapping[str, Any]] = []
-    for block in message.get("content") or ():
-        if not isinstance(block, Mapping):
-            continue
-        use, result, reasoning = block.get("toolUse"), block.get("toolResult"), block.get("reasoningContent")
-        if isinstance(block.get("text"), str):
-            blocks.append({"type": "text", "text": block["text"]})
-        if isinstance(use, Mapping):
-            blocks.append({"type": "tool_use", "id": use.get("toolUseId"), "name": use.get("name"),
-                           "input": use.get("input")})
-        if isinstance(result, Mapping):
-            parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
-                     for p in result.get("content") or () if isinstance(p, Mapping)]
-            blocks.append({"type": "tool_result", "tool_use_id": result.get("toolUseId"),
-                           "content": "".join(str(p) for p in parts)})
-        if isinstance(reasoning, Mapping):
-            blocks.append({"type": "thinking", "thinking": (reasoning.get("reasoningText") or {}).get("text")})
-    return {"role": "assistant" if message.get("role") == "assistant" else "user", "content": blocks}
+def _bedrock_turn(message: Mapping[str, Any]) -> _Turn:
+    """A Bedrock Converse message (Strands): text, toolUse, toolResult and reasoningContent blocks."""
+    blocks = [b for b in message.get("content") or () if isinstance(b, Mapping)]
+    of = {key: [b[key] for b in blocks if isinstance(b.get(key), Mapping)]
+          for key in ("toolUse", "toolResult", "reasoningContent")}
+    results = [(r.get("toolUseId"), "".join(str(p.get("text") if "text" in p else _as_tool_output(p.get("json")))
+                                            for p in r.get("content") or () if isinstance(p, Mapping)))
+               for r in of["toolResult"]]
+    thoughts = [(r.get("reasoningText") or {}).get("text") for r in of["reasoningContent"]]
+    calls = [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}}
+             for u in of["toolUse"]]
+    return _Turn("assistant" if message.get("role") == "assistant" else "user",
+                 "".join(b["text"] for b in blocks if isinstance(b.get("text"), str)), calls,
+                 [{"type": "text", "text": t} for t in thoughts if t], results)
 
 
 def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     """An OpenAI Agents SDK ``RunResult``: its input and items as the transcript (reasoning is the thinking of
     the next assistant message), the tokens of its raw responses, its last agent's model."""
-    items: List[Dict[str, Any]] = [{"role": "user", "content": result.input}] if isinstance(result.input, str) else []
+    turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
     thinking: List[Dict[str, Any]] = []
     for item in result.new_items:
         kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
         if kind == "reasoning_item":
-            thinking += [{"type": "thinking", "thinking": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
+            thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
         elif kind == "message_output_item":
             text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
-            items.append({"role": "assistant", "content": [*thinking, {"type": "text", "text": text}]})
+            turns.append(_Turn("assistant", text, thinking=thinking))
             thinking = []
         elif kind in ("tool_call_item", "handoff_call_item"):  # a handoff is the model calling transfer_to_X
-            call = {"type": "tool_use", "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                    "input": _field(raw, "arguments") or "{}"}
-            items.append({"role": "assistant", "content": [*thinking, call]})
+            call = {"id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
+                    "arguments": _field(raw, "arguments") or "{}"}
+            turns.append(_Turn("assistant", tool_calls=[call], thinking=thinking))
             thinking = []
         elif kind in ("tool_call_output_item", "handoff_output_item"):
             output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
-            items.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": _field(raw, "call_id"),
-                                                       "content": _as_tool_output(output)}]})
+            turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
     model = getattr(getattr(result, "last_agent", None), "model", None)
     usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
-    return result.final_output, _read_messages(items, "text")[1], _run_metadata(
+    return result.final_output, _read_turns(turns)[1], _run_metadata(
         usages, model if isinstance(model, str) else getattr(model, "model", None))
 
 
