@@ -6229,16 +6229,16 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
                              "OpenAI and Anthropic tool names are at most 64: shorten it")
         seen.add(name)
         schema = _thaw(schema) if schema is not None else {"type": "object", "properties": {}}
-        tool: Dict[str, Any] = {"name": name, "description": str(spec.get("description") or "")}
+        description = str(spec.get("description") or "")
+        tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
         if to == "openai_chat":
-            tool = {"type": "function", "function": {**tool, "parameters": schema}}
+            tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
         elif to == "openai_responses":  # strict said out loud: by default it would make every property required
-            tool = {"type": "function", **tool, "parameters": schema, "strict": False}
-        else:
-            tool["input_schema"] = schema
-            if to == "platform":
-                extras = ("output_schema", "default_execution_mode", "passthrough_binding")
-                tool.update((key, _thaw(value)) for key, value in entry.items() if key in extras)
+            tool = {"type": "function", "name": name, "description": description, "parameters": schema,
+                    "strict": False}
+        elif to == "platform":
+            extras = ("output_schema", "default_execution_mode", "passthrough_binding")
+            tool.update((key, _thaw(value)) for key, value in entry.items() if key in extras)
         out.append(tool)
     return out
 
@@ -6438,7 +6438,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
     for key, kind, holds, refusal in _BOUNDS:
-        if actual == kind and json_type(schema.get(key)) == "a number":
+        if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure = value if kind == "number" else len(value)
             if not holds(measure, schema[key]):
                 problems.append(f"{path}: " + refusal.format(measure, schema[key]))
@@ -6862,28 +6862,30 @@ def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
     there is nothing else).  The answer is the last assistant text that called no tool.
     """
     messages: List[Dict[str, Any]] = []
+    usages: List[Any] = []
+    final, model = "", None
     for turn in turns:
         if turn.role == "assistant":
             message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
             if turn.tool_calls:
-                message["tool_calls"] = list(turn.tool_calls)
+                message["tool_calls"] = turn.tool_calls
+            elif turn.text:
+                final = turn.text
             if turn.thinking:
-                message["thinking"] = list(turn.thinking)
+                message["thinking"] = turn.thinking
             messages.append(message)
+            usages.append(turn.usage)
+            model = turn.model or model
             continue
         messages += [{"role": "tool", "tool_call_id": i, "content": _as_tool_output(o)} for i, o in turn.results]
         if turn.text or not turn.results:
             messages.append({"role": turn.role, "content": turn.text})
-    final = next((m["content"] for m in reversed(messages)
-                  if m["role"] == "assistant" and m["content"] and "tool_calls" not in m), "")
-    answers = [t for t in turns if t.role == "assistant"]
-    model = next((t.model for t in reversed(answers) if t.model), None)
-    return final, messages, _run_metadata([t.usage for t in answers], model)
+    return final, messages, _run_metadata(usages, model)
 
 
 def _field(item: Any, key: str) -> Any:
     """``item[key]`` of a mapping, ``item.key`` of another object; ``None`` when missing."""
-    return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
+    return item.get(key) if isinstance(item, (dict, Mapping)) else getattr(item, key, None)
 
 
 def _run_metadata(usages: Optional[List[Any]], model: Any,
@@ -6910,21 +6912,24 @@ def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
 def _anthropic_turn(item: Dict[str, Any]) -> _Turn:
     """An Anthropic message: text, tool_use, tool_result and thinking blocks, its usage and model."""
     content = item["content"]
-    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
-        b for b in content if isinstance(b, Mapping)]
-    of = {kind: [b for b in blocks if b.get("type") == kind] for kind in ("text", "tool_use", "tool_result",
-                                                                          "thinking")}
+    text: List[str] = [content] if isinstance(content, str) else []
+    calls: List[Dict[str, Any]] = []
+    thinking: List[Dict[str, Any]] = []
     results: List[Tuple[Any, Any]] = []
-    for block in of["tool_result"]:
-        output = block.get("content")
-        if isinstance(output, list):
-            output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-        results.append((block.get("tool_use_id"), output))
-    return _Turn(item["role"], "".join(str(b.get("text") or "") for b in of["text"]),
-                 [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}}
-                  for b in of["tool_use"]],
-                 [{"type": "thinking", "text": b["thinking"]} for b in of["thinking"] if b.get("thinking")],
-                 results, item.get("usage"), item.get("model"))
+    for block in content if isinstance(content, list) else ():
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if kind == "text":
+            text.append(str(block.get("text") or ""))
+        elif kind == "tool_use":
+            calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input") or {}})
+        elif kind == "thinking" and block.get("thinking"):
+            thinking.append({"type": "thinking", "text": block["thinking"]})
+        elif kind == "tool_result":
+            output = block.get("content")
+            if isinstance(output, list):
+                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
+            results.append((block.get("tool_use_id"), output))
+    return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
 
 
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
@@ -6937,13 +6942,15 @@ def _langchain_turn(item: Any) -> _Turn:
         str(b.get("text") or "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
     if role == "tool":
         return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
+    if role != "assistant":
+        return _Turn(role, text)
     thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping) and b.get("type") in (
         "thinking", "reasoning")] if isinstance(content, list) else []
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
-    return _Turn(role, text, calls, [{"type": "text", "text": t} for t in thoughts if t],
-                 usage=getattr(item, "usage_metadata", None),
-                 model=(getattr(item, "response_metadata", None) or {}).get("model_name"))
+    model = (getattr(item, "response_metadata", None) or {}).get("model_name")
+    return _Turn(role, text, calls, [{"type": "text", "text": t} for t in thoughts if t], (),
+                 getattr(item, "usage_metadata", None), model)
 
 
 def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
