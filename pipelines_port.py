@@ -6832,13 +6832,11 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         items = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
-        if all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items):
-            final, messages, metadata = _read_turns([_langchain_turn(m) for m in items])
-        elif all(_anthropic_message(m) is not None for m in items):
-            final, messages, metadata = _read_turns([_anthropic_turn(cast(Dict[str, Any], _anthropic_message(m)))
-                                                     for m in items])
-        else:
+        langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
+        turns = [_langchain_turn(m) if langchain else _anthropic_turn(m) for m in items]
+        if None in turns:
             return build_response(result, **fields)
+        final, messages, metadata = _read_turns(cast(List[_Turn], turns))
     strict = fields.pop("strict", None)
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields}, strict=strict)
 
@@ -6899,19 +6897,14 @@ def _run_metadata(usages: Optional[List[Any]], model: Any,
     return metadata
 
 
-def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
-    """An Anthropic Messages API message (a dict, or the SDK's ``Message`` object) as a dict; else ``None``."""
+def _anthropic_turn(item: Any) -> Optional[_Turn]:
+    """An Anthropic Messages API message (a dict, or the SDK's ``Message`` object): text, tool_use, tool_result
+    and thinking blocks, its usage and model; ``None`` for anything else."""
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
-    if isinstance(item, Mapping) and item.get("role") in ("user", "assistant") and isinstance(
-            item.get("content"), (str, list)):
-        return dict(item)
-    return None
-
-
-def _anthropic_turn(item: Dict[str, Any]) -> _Turn:
-    """An Anthropic message: text, tool_use, tool_result and thinking blocks, its usage and model."""
-    content = item["content"]
+    content = item.get("content") if isinstance(item, Mapping) else None
+    if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
+        return None
     text: List[str] = [content] if isinstance(content, str) else []
     calls: List[Dict[str, Any]] = []
     thinking: List[Dict[str, Any]] = []
@@ -7212,10 +7205,10 @@ def load_agent(spec: str) -> Callable[..., Any]:
     except SyntaxError as exc:
         raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
     except (Exception, SystemExit) as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:  # the innermost frame: where it went wrong
-            tb = tb.tb_next
-        raised = f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}, line {tb.tb_lineno})" if tb else ""
+        import traceback
+
+        frames = traceback.extract_tb(exc.__traceback__)  # the last one is where it went wrong
+        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
     target: Any = module
     for part in attr.split("."):
