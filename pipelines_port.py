@@ -6626,8 +6626,8 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
-# Framework bridges (the porting guide's steps 1 and 2; kit-framework-bridges):
-# a framework's tools as tools_schema and proxied, its run result as the response.
+# Framework bridges (the porting guide's steps 1 and 2): a framework's tools as
+# tools_schema and proxied, its run result as the response (kit-framework-bridges)
 # ---------------------------------------------------------------------------
 
 
@@ -7326,7 +7326,7 @@ _KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
 
 
 def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
-    """Log to stderr: every proxy request and reply with ``debug`` (or PIPELINES_DEBUG), else from ``level``."""
+    """Log to stderr from ``level``, or every proxy request and reply with ``debug`` or ENV_DEBUG set."""
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
     if not access_log:
