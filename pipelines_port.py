@@ -7094,8 +7094,9 @@ class McpShim:
                 inline = _tools_schema_from_env(self.environ)
             except EnvelopeError as exc:
                 raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
+            entries = inline if inline is not None else self._fetch_tools()
             try:
-                tools = self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
+                tools = self._tools = convert_tools(entries, "platform")
             except ValueError as exc:
                 raise _RpcError(_RPC_INTERNAL_ERROR, f"the tools schema is invalid: {exc}") from None
         return tools
@@ -7319,8 +7320,9 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
      "tools list served at GET /tools_schema (default: tools_schema.json beside the agent file)"),
     ("--debug", None, False, None, f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no log line per request; agents' errors still show"),
-    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
-     "collect garbage every N allocations, not 700, after freezing what is loaded (default %(default)s; 0: off)"),
+    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N", (
+        "collect garbage every N allocations, not 700, once what is loaded is frozen (default %(default)s; 0 keeps "
+        "Python's setting)")),
 )
 _KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
 
