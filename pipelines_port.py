@@ -4553,12 +4553,8 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 #
 #   PART 3 - CONVENIENCES
 #
-#   Helpers for writing the agent itself, built on parts 1 and 2 and needed
-#   by neither: agent-loop helpers (tool formats, concurrent tool calls,
-#   bounded output, a retrying JSON client for model APIs), tools from code
-#   (JSON Schema from type hints), framework bridges and the MCP shim; last,
-#   the command line (``serve``, ``mcp``), which uses all three parts.  The
-#   dispatch app uses only ``convert_tools`` / ``load_tools_schema`` from here.
+#   Helpers for writing the agent, needed by neither part above (the dispatch
+#   app uses only convert_tools and load_tools_schema); last, the command line.
 #
 # ###########################################################################
 
@@ -4571,80 +4567,52 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
 
-def _tool_parts(entry: Any, index: int) -> Tuple[str, str, Dict[str, Any]]:
-    """``(name, description, input_schema)`` of one tool in any accepted shape (§3.6).
-
-    Platform ``{name, description?, input_schema}``, the Import-JSON shapes
-    ``{name, description, parameters}`` (OpenAI) and ``{name, description,
-    input_schema}`` (Anthropic), and Chat Completions' ``{type: function, function: {...}}``.
-    """
-    if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping):
-        entry = entry["function"]
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"tools[{index}]: must be an object, got {json_type(entry)}")
-    name = entry.get("name")
-    if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
-        raise ValueError(f"tools[{index}].name: {_short(repr(name), 60)} must match ^[A-Za-z_][A-Za-z0-9_-]{{0,127}}$")
-    schema = entry.get("input_schema", entry.get("parameters"))
-    if schema is None:
-        schema = {"type": "object", "properties": {}}
-    if not isinstance(schema, Mapping):
-        raise ValueError(f"tools[{index}] ({name}): input_schema must be a JSON Schema object")
-    description = entry.get("description") or ""
-    return name, str(description), _thaw(schema)
-
-
 def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
-    """A tool list in another API's format: ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic``.
-
-    Accepts any shape :func:`load_tools_schema` accepts; raises ``ValueError``
-    naming the first bad entry or a duplicate name.
-    """
+    """A tool list in format ``to``, from entries in any of :data:`TOOL_FORMATS` (§3.6, kit-model-tool-names);
+    ``ValueError`` names the first bad entry."""
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
     out: List[Dict[str, Any]] = []
     seen: Set[str] = set()
     for i, entry in enumerate(tools):
-        name, description, schema = _tool_parts(entry, i)
+        spec = entry["function"] if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping) else entry
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"tools[{i}]: must be an object, got {json_type(spec)}")
+        name, schema = spec.get("name"), spec.get("input_schema", spec.get("parameters"))
+        if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+            raise ValueError(f"tools[{i}].name: {_short(repr(name), 60)} must match ^{TOOL_NAME_RE.pattern}$")
+        if not isinstance(schema, (Mapping, type(None))):
+            raise ValueError(f"tools[{i}] ({name}): input_schema must be a JSON Schema object")
         if name in seen:
             raise ValueError(f"tools[{i}].name: {name!r} is declared twice; tool names are unique per agent")
         if to != "platform" and len(name) > 64:
             raise ValueError(f"tools[{i}].name: {name!r} is {len(name)} characters; the platform allows 128, but "
                              "OpenAI and Anthropic tool names are at most 64: shorten it")
         seen.add(name)
-        if to == "platform":
-            tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
-            for key in ("output_schema", "default_execution_mode", "passthrough_binding"):
-                if isinstance(entry, Mapping) and key in entry:
-                    tool[key] = _thaw(entry[key])
-        elif to == "openai_chat":
+        schema = _thaw(schema) if schema is not None else {"type": "object", "properties": {}}
+        description = str(spec.get("description") or "")
+        tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
+        if to == "openai_chat":
             tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
-        elif to == "openai_responses":
-            # strict false said out loud: the Responses API defaults function tools to strict mode, which
-            # rewrites the schema so every property is required (the model could no longer omit one).
+        elif to == "openai_responses":  # strict said out loud: by default it would make every property required
             tool = {"type": "function", "name": name, "description": description, "parameters": schema,
                     "strict": False}
-        else:
-            tool = {"name": name, "description": description, "input_schema": schema}
+        elif to == "platform":
+            extras = ("output_schema", "default_execution_mode", "passthrough_binding")
+            tool.update((key, _thaw(value)) for key, value in entry.items() if key in extras)
         out.append(tool)
     return out
 
 
 def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
-    """The tool list in the platform's shape, from a JSON file or the environment (§3.6).
-
-    ``source`` is a path to a JSON list (or ``{"tools": [...]}`` / ``{"tools_schema": [...]}``);
-    with no source, ``PIPELINES_TOOLS_SCHEMA_B64`` or ``PIPELINES_TOOLS_SCHEMA_JSON``.
-    Raises ``ValueError`` naming the file and the problem.
-    """
+    """The platform's tool list from a JSON file (see :func:`_read_tools_file`) or, with no ``source``, the
+    environment (§3.6); ``ValueError`` names where and what."""
     if source is None:
-        tools = _tools_schema_from_env(os.environ)
-        where = "the environment"
+        where, tools = "the environment", _tools_schema_from_env(os.environ)
         if tools is None:
             raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
     else:
-        where = os.fspath(source)
-        tools = _read_tools_file(source)
+        where, tools = os.fspath(source), _read_tools_file(source)
     try:
         return convert_tools(tools, "platform")
     except ValueError as exc:
@@ -4652,7 +4620,7 @@ def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List
 
 
 def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
-    """The tool entries of a JSON file, as written; ``ValueError`` naming the file when it has none."""
+    """The entries of a JSON file holding a tool list, ``{"tools": [...]}`` or ``{"tools_schema": [...]}``."""
     where = os.fspath(source)
     try:
         with open(source, encoding="utf-8") as f:
@@ -4669,30 +4637,20 @@ def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
 
 
 def tools_schema_beside(agent_spec: str) -> Optional[str]:
-    """The ``tools_schema.json`` beside an agent file named as ``PATH.py:NAME``, if there is one (§3.6).
-
-    ``serve`` serves it at ``GET /tools_schema`` and the kit's ``doctor`` checks it.
-    """
+    """The ``tools_schema.json`` beside the agent file of ``PATH.py:NAME``, if there is one."""
     where = agent_spec.rpartition(":")[0]
-    if not where.endswith(".py"):
-        return None
     beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
-    return beside if os.path.isfile(beside) else None
+    return beside if where.endswith(".py") and os.path.isfile(beside) else None
 
 
 def bound_output(text: Any, limit: int = 8000) -> str:
-    """``text`` (JSON-encoded when not a string) cut to about ``limit`` characters, head and tail kept.
-
-    The middle is replaced by a marker saying how many characters were cut, so
-    a model sees both how a long tool result starts and how it ends.
-    """
+    """``text`` (JSON when not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
     shown: str = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
     if len(shown) <= limit:
         return shown
     keep = max(limit - 40, 2)
     head, tail = keep - keep // 2, keep // 2
-    cut = len(shown) - head - tail
-    return f"{shown[:head]}\n...[{cut} characters truncated]...\n{shown[len(shown) - tail:]}"
+    return f"{shown[:head]}\n...[{len(shown) - head - tail} characters truncated]...\n{shown[len(shown) - tail:]}"
 
 
 def call_tools(
@@ -4702,19 +4660,11 @@ def call_tools(
     errors: str = "return",
     **options: Any,
 ) -> List[Any]:
-    """Run one model turn's tool calls through the proxy concurrently; results in call order.
+    """One model turn's tool calls through the proxy, ``max_concurrency`` at a time, results in call order.
 
-    Arguments may be objects or the JSON text models produce (decoded here;
-    text that is not a JSON object is refused before sending).  At most
-    ``max_concurrency`` run at once; the client's pacing keeps them under the
-    platform's rate limit.  Each call sees this context's bound envelope.  With
-    ``errors="return"`` (the default here) a failed or refused call gives its
-    ``{"error": ...}`` value, so the model can react; a stale run token still
-    raises.  ``options`` go to :func:`proxy_call`.
+    Arguments may be the JSON text models write.  ``errors`` and ``options`` go to :func:`proxy_call`.
     """
-    calls = [(name, args) for name, args in calls]
-    if not calls:
-        return []
+    calls = list(calls)
 
     def one(name: str, args: Any) -> Any:
         if isinstance(args, (str, bytes)):
@@ -4728,7 +4678,7 @@ def call_tools(
                 raise error from None
         return proxy_call(name, args, errors=errors, **options)
 
-    if len(calls) == 1 or max_concurrency <= 1:
+    if len(calls) <= 1 or max_concurrency <= 1:
         return [one(name, args) for name, args in calls]
     from concurrent.futures import ThreadPoolExecutor
 
@@ -4813,112 +4763,58 @@ def post_json(
 # ---------------------------------------------------------------------------
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-
-
-def _is_json_type(value: Any, kind: str) -> bool:
-    if kind == "null":
-        return value is None
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer())
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "array":
-        return isinstance(value, (list, tuple))
-    if kind == "object":
-        return isinstance(value, Mapping)
-    return True  # an unknown type name constrains nothing
+# validate_args's bounds: (keyword, the JSON type it bounds, holds(measure, bound), the refusal); a string or
+# an array is measured by its length.
+_BOUNDS: Tuple[Tuple[str, str, Callable[[float, float], bool], str], ...] = (
+    ("minimum", "number", lambda v, b: v >= b, "{} is not at least {}"),
+    ("maximum", "number", lambda v, b: v <= b, "{} is not at most {}"),
+    ("exclusiveMinimum", "number", lambda v, b: v > b, "{} is not more than {}"),
+    ("exclusiveMaximum", "number", lambda v, b: v < b, "{} is not less than {}"),
+    ("minLength", "string", lambda v, b: v >= b, "{} characters, fewer than minLength {}"),
+    ("maxLength", "string", lambda v, b: v <= b, "{} characters, more than maxLength {}"),
+    ("minItems", "array", lambda v, b: v >= b, "{} items, fewer than minItems {}"),
+    ("maxItems", "array", lambda v, b: v <= b, "{} items, more than maxItems {}"),
+)
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
-    """Every way ``value`` breaks ``schema``, one readable string each (empty: valid).
+    """Every way ``value`` breaks ``schema``, one readable line each (empty: valid).
 
-    The JSON Schema subset tools use: ``type`` (one or a list), ``properties``,
-    ``required``, ``additionalProperties``, ``enum``, ``const``, ``items``,
-    ``minimum`` / ``maximum`` (and exclusive), ``minLength`` / ``maxLength``,
-    ``minItems`` / ``maxItems``, ``anyOf`` / ``oneOf``.  Other keywords are ignored.
+    The subset of JSON Schema tools use: ``type``, ``enum``, ``const``, the bounds above, ``items``,
+    ``properties``, ``required``, ``additionalProperties``, ``anyOf``, ``oneOf``.
     """
     if not isinstance(schema, Mapping):
         return []
+    actual = json_type(value).split()[-1]  # null, boolean, number, string, array, object (or a class name)
     kinds = schema.get("type")
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-        if not any(_is_json_type(value, k) for k in kinds):
+        if not any(k == actual or k not in (*_JSON_TYPES.values(), "array", "object")
+                   or (k == "integer" and actual == "number" and value % 1 == 0) for k in kinds):
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
-    problems = _value_problems(schema, value, path)
-    if isinstance(value, (list, tuple)):
-        problems += _array_problems(schema, value, path)
-    if isinstance(value, Mapping):
-        problems += _object_problems(schema, value, path)
-    return problems + _alternative_problems(schema, value, path)
-
-
-# validate_args's numeric bounds: (keyword, holds(value, bound), the words for a value it refuses).
-_NUMBER_BOUNDS: Tuple[Tuple[str, Callable[[float, float], bool], str], ...] = (
-    ("minimum", lambda v, b: v >= b, "at least"), ("maximum", lambda v, b: v <= b, "at most"),
-    ("exclusiveMinimum", lambda v, b: v > b, "more than"), ("exclusiveMaximum", lambda v, b: v < b, "less than"))
-
-
-def _value_problems(schema: Mapping[str, Any], value: Any, path: str) -> List[str]:
-    """:func:`validate_args` for any value: ``enum`` and ``const``, a number's bounds, a string's length."""
     problems: List[str] = []
     if "enum" in schema and value not in schema["enum"]:
         shown = ", ".join(json.dumps(v) for v in schema["enum"])
         problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        for key, holds, word in _NUMBER_BOUNDS:
-            bound = schema.get(key)
-            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not holds(value, bound):
-                problems.append(f"{path}: {value} is not {word} {bound}")
-    if isinstance(value, str):
-        if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
-            problems.append(f"{path}: {len(value)} characters, fewer than minLength {schema['minLength']}")
-        if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
-            problems.append(f"{path}: {len(value)} characters, more than maxLength {schema['maxLength']}")
-    return problems
-
-
-def _array_problems(schema: Mapping[str, Any], value: Sequence[Any], path: str) -> List[str]:
-    """:func:`validate_args` for an array: ``minItems`` / ``maxItems``, then each item against ``items``."""
-    problems: List[str] = []
-    if isinstance(schema.get("minItems"), int) and len(value) < schema["minItems"]:
-        problems.append(f"{path}: {len(value)} items, fewer than minItems {schema['minItems']}")
-    if isinstance(schema.get("maxItems"), int) and len(value) > schema["maxItems"]:
-        problems.append(f"{path}: {len(value)} items, more than maxItems {schema['maxItems']}")
-    if isinstance(schema.get("items"), Mapping):
+    for key, kind, holds, refusal in _BOUNDS:
+        if actual == kind and key in schema and json_type(schema[key]) == "a number":
+            measure = value if kind == "number" else len(value)
+            if not holds(measure, schema[key]):
+                problems.append(f"{path}: " + refusal.format(measure, schema[key]))
+    if actual == "array" and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
-            problems.extend(validate_args(schema["items"], item, f"{path}[{i}]"))
-    return problems
-
-
-def _object_problems(schema: Mapping[str, Any], value: Mapping[str, Any], path: str) -> List[str]:
-    """:func:`validate_args` for an object: ``required``, then each member against its property's schema, or
-    ``additionalProperties`` for a member with none."""
-    problems: List[str] = []
-    properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
-    for name in schema.get("required") or ():
-        if name not in value:
-            problems.append(f"{path}.{name}: required")
-    extra = schema.get("additionalProperties", True)
-    for name, item in value.items():
-        if name in properties:
-            problems.extend(validate_args(properties[name], item, f"{path}.{name}"))
-        elif extra is False:
-            problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
-        elif isinstance(extra, Mapping):
-            problems.extend(validate_args(extra, item, f"{path}.{name}"))
-    return problems
-
-
-def _alternative_problems(schema: Mapping[str, Any], value: Any, path: str) -> List[str]:
-    """:func:`validate_args` for ``anyOf`` (at least one alternative matches) and ``oneOf`` (exactly one)."""
-    problems: List[str] = []
+            problems += validate_args(schema["items"], item, f"{path}[{i}]")
+    if actual == "object":
+        properties = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
+        problems += [f"{path}.{name}: required" for name in schema.get("required") or () if name not in value]
+        extra = schema.get("additionalProperties", True)
+        for name, item in value.items():
+            if name in properties or isinstance(extra, Mapping):
+                problems += validate_args(properties.get(name, extra), item, f"{path}.{name}")
+            elif extra is False:
+                problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
@@ -4929,27 +4825,37 @@ def _alternative_problems(schema: Mapping[str, Any], value: Any, path: str) -> L
 
 
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
-    """The JSON Schema for a Python type hint: str, int, float, bool, None, Optional/Union,
-    list/tuple/set[X], dict[str, X], Literal, Enum, Any.  Raises ``TypeError`` for anything else."""
+    """The JSON Schema of a type hint: str, int, float, bool, None, Any, Optional/Union, list/tuple/set[X],
+    dict[str, X], Literal or an Enum; ``TypeError`` for anything else."""
     import typing
 
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    schema: Dict[str, Any]
     if annotation is Any:
         return {}
-    if annotation in _JSON_TYPES:
-        return {"type": _JSON_TYPES[annotation]}
-    if annotation is None:
-        return {"type": "null"}
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return _enum_schema([m.value for m in annotation])
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return _enum_schema(list(args))
+    if annotation is None or annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES.get(annotation, "null")}
+    if origin is typing.Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
+        schema = {"enum": list(args) if origin is typing.Literal else [m.value for m in annotation]}
+        kinds = {_JSON_TYPES.get(type(v)) for v in schema["enum"]}
+        if len(kinds) == 1 and None not in kinds:
+            schema["type"] = kinds.pop()
+        return schema
     if origin is Union or type(annotation).__name__ == "UnionType":
-        return _union_schema(args)
+        members = [schema_for_type(a) for a in args if a is not type(None)]
+        null = [{"type": "null"}] if len(members) < len(args) else []
+        if len(members) == 1 and null and set(members[0]) == {"type"} and isinstance(members[0]["type"], str):
+            return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
+        return members[0] if len(members) == 1 and not null else {"anyOf": members + null}
     if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
-        return _array_schema(args)
+        schema = {"type": "array"}
+        items = list(dict.fromkeys(a for a in args if a is not Ellipsis))
+        if items:  # a fixed-shape tuple's items are any of its types
+            schema["items"] = schema_for_type(items[0]) if len(items) == 1 else {
+                "anyOf": [schema_for_type(a) for a in items]}
+        return schema
     if annotation is dict or origin is dict:
-        schema: Dict[str, Any] = {"type": "object"}
+        schema = {"type": "object"}
         if len(args) == 2 and args[1] is not Any:
             schema["additionalProperties"] = schema_for_type(args[1])
         return schema
@@ -4957,89 +4863,39 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
                     "list/dict of those, Literal or an Enum")
 
 
-def _enum_schema(values: List[Any]) -> Dict[str, Any]:
-    """An Enum's or a Literal's schema: its values, and their JSON type when they share one."""
-    schema: Dict[str, Any] = {"enum": values}
-    kinds = {_JSON_TYPES.get(type(v)) for v in values}
-    if len(kinds) == 1 and None not in kinds:
-        schema["type"] = kinds.pop()
-    return schema
-
-
-def _union_schema(args: Tuple[Any, ...]) -> Dict[str, Any]:
-    """A Union's (``Optional``'s, ``X | Y``'s) schema: ``anyOf`` its members, or a type list for a plain
-    ``Optional[X]``."""
-    members = [a for a in args if a is not type(None)]
-    nullable = len(members) < len(args)
-    parts = [schema_for_type(a) for a in members]
-    if len(parts) == 1:
-        only = parts[0]
-        if nullable and isinstance(only.get("type"), str) and set(only) == {"type"}:
-            return {"type": [only["type"], "null"]}
-        return {"anyOf": [only, {"type": "null"}]} if nullable else only
-    return {"anyOf": parts + ([{"type": "null"}] if nullable else [])}
-
-
-def _array_schema(args: Tuple[Any, ...]) -> Dict[str, Any]:
-    """A list's, tuple's or set's schema: an array whose ``items`` are its one member type, or any of a
-    fixed-shape tuple's."""
-    schema: Dict[str, Any] = {"type": "array"}
-    members = [a for a in args if a is not Ellipsis]
-    if len(set(members)) == 1:
-        schema["items"] = schema_for_type(members[0])
-    elif members:  # a fixed-shape tuple: each item is one of its types
-        schema["items"] = {"anyOf": [schema_for_type(a) for a in dict.fromkeys(members)]}
-    return schema
-
-
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
-    """``(description, {param: description})`` from a Google-style (``Args:``) or Sphinx (``:param x:``) docstring."""
+    """``(description, {argument: its description})`` of a Google-style (``Args:``) or Sphinx (``:param x:``)
+    docstring."""
     import inspect
 
-    text = inspect.cleandoc(doc or "")
     params: Dict[str, str] = {}
     summary: List[str] = []
-    section = None
-    current = None
-    for line in text.splitlines():
+    section = current = None
+    for line in inspect.cleandoc(doc or "").splitlines():
         stripped = line.strip()
         sphinx = re.match(r":param\s+(?:[\w\[\], ]+\s+)?(\w+):\s*(.*)", stripped)
+        google = re.match(r"(\w+)\s*(\([^)]*\))?:\s*(.*)", stripped)
         if sphinx:
-            current = sphinx.group(1)
+            section, current = "sphinx", sphinx.group(1)
             params[current] = sphinx.group(2)
-            section = "sphinx"
-            continue
-        if re.fullmatch(r"(Args|Arguments|Parameters):", stripped):
+        elif re.fullmatch(r"(Args|Arguments|Parameters):", stripped):
             section, current = "args", None
-            continue
-        if re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", stripped) or stripped.startswith(":"):
+        elif re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", stripped) or stripped.startswith(":"):
             section, current = "other", None
-            continue
-        if section == "args":
-            m = re.match(r"(\w+)\s*(\([^)]*\))?:\s*(.*)", stripped)
-            if m and line.startswith(("    ", "\t")) and not line.startswith(("        ", "\t\t")):
-                current = m.group(1)
-                params[current] = m.group(3)
-            elif current and stripped:
-                params[current] = (params[current] + " " + stripped).strip()
-            continue
-        if section == "sphinx" and current and stripped and line.startswith((" ", "\t")):
-            params[current] = (params[current] + " " + stripped).strip()
-            continue
-        if section is None:
+        elif section == "args" and google and line.startswith(("    ", "\t")) and not line.startswith(
+                ("        ", "\t\t")):
+            current = google.group(1)
+            params[current] = google.group(3)
+        elif current and stripped and (section == "args" or line.startswith((" ", "\t"))):
+            params[current] = f"{params[current]} {stripped}".strip()  # a continuation line
+        elif section is None:
             summary.append(line)
-    description = "\n".join(summary).strip()
-    return re.sub(r"\s*\n\s*\n\s*", "\n\n", description), params
+    return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
 
 
 class Tool:
-    """A tool declared from a plain function with :func:`tool`.
-
-    Inside a dispatch (an envelope is bound) a call validates its arguments
-    against the derived input schema, then goes through the proxy and returns
-    the unwrapped result; outside one it runs the function locally.  An ``async
-    def`` function gives an awaitable either way.
-    """
+    """A tool made from a plain function by :func:`tool`: inside a dispatch a call checks its arguments against
+    ``input_schema`` and goes through the proxy; outside one the function runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
                  default_execution_mode: Optional[str] = None) -> None:
@@ -5071,10 +4927,8 @@ class Tool:
                 required.append(param.name)
             else:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
-                try:
+                with contextlib.suppress(TypeError, ValueError):
                     prop["default"] = json.loads(json.dumps(default))  # as the JSON a model would send
-                except (TypeError, ValueError):
-                    pass
             properties[param.name] = prop
         self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
         if required:
@@ -5089,7 +4943,7 @@ class Tool:
 
     @property
     def schema(self) -> Dict[str, Any]:
-        """This tool in the platform's tools_schema shape."""
+        """This tool as a tools_schema entry."""
         entry: Dict[str, Any] = {"name": self.name, "description": self.description,
                                  "input_schema": _thaw(self.input_schema)}
         if self.default_execution_mode:
@@ -5097,11 +4951,11 @@ class Tool:
         return entry
 
     def validate(self, arguments: Mapping[str, Any]) -> List[str]:
-        """Every way ``arguments`` break this tool's input schema."""
+        """Every way ``arguments`` break the input schema."""
         return validate_args(self.input_schema, arguments)
 
     def arguments(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """The JSON arguments object a call sends (enum members become their values)."""
+        """The JSON arguments a call sends (enum members as their values)."""
         bound = self.signature.bind(*args, **kwargs)
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in bound.arguments.items()}
 
@@ -5120,12 +4974,8 @@ class Tool:
 
 def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, description: Optional[str] = None,
          default_execution_mode: Optional[str] = None) -> Any:
-    """Declare a tool from a plain function: ``@tool`` or ``@tool(name=..., description=...)``.
-
-    The input schema comes from the signature and type hints, the description
-    from the docstring (its ``Args:`` / ``:param:`` lines describe the arguments).
-    Inside a dispatch a call goes through the proxy; outside, the function runs.
-    """
+    """``@tool`` or ``@tool(name=..., ...)``: a :class:`Tool` whose input schema comes from the signature's type
+    hints, its description from the docstring (whose ``Args:`` or ``:param:`` lines describe the arguments)."""
     def wrap(f: Callable[..., Any]) -> Tool:
         return Tool(f, name=name, description=description, default_execution_mode=default_execution_mode)
 
@@ -5133,168 +4983,127 @@ def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
 
 
 def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
-    """The tool list for registration or a model API: ``Tool`` objects and/or tools_schema entries
-    in ``platform``, ``openai_chat``, ``openai_responses`` or ``anthropic`` shape."""
+    """``Tool`` objects and tools_schema entries as one tool list in format ``to`` (see :func:`convert_tools`)."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
-# Framework bridges (the porting guide's steps 1 and 2): the tools_schema of a
-# framework's tools, the same tools with their bodies going through the proxy,
-# and a framework's run result as the response envelope.  Duck-typed on each
-# framework's public objects: nothing is imported here unless the caller's
-# objects come from that framework (the caller has it installed).
+# Framework bridges (the porting guide's steps 1 and 2): a framework's tools as
+# tools_schema and proxied, its run result as the response (kit-framework-bridges)
 # ---------------------------------------------------------------------------
 
 
-def _framework_tool_parts(tool: Any) -> Optional[Tuple[str, str, Dict[str, Any]]]:
-    """``(name, description, JSON Schema)`` of one framework tool object, or ``None`` for a mapping."""
-    if isinstance(tool, Mapping):
-        return None
-    name = getattr(tool, "name", None)
-    if isinstance(getattr(tool, "params_json_schema", None), Mapping):  # OpenAI Agents SDK FunctionTool
-        return str(name), str(getattr(tool, "description", "") or ""), dict(tool.params_json_schema)
-    spec = getattr(tool, "tool_spec", None)
-    if isinstance(spec, Mapping):  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-        schema = spec.get("inputSchema") or {}
+def _tools_of(source: Any) -> List[Any]:
+    """The tools of an agent (``.tools``), or a list of tools."""
+    tools = source if isinstance(source, (list, tuple)) else getattr(source, "tools", None)
+    if not isinstance(tools, (list, tuple)):
+        raise TypeError(f"give a list of tools or an agent with .tools, got {type(source).__name__}")
+    return list(tools)
+
+
+def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
+    """``(framework, tools_schema entry)`` of a tool object; the framework is ``agents`` (OpenAI Agents SDK),
+    ``strands``, ``mcp`` or ``langchain``."""
+    kind, name, description = "", getattr(tool, "name", None), getattr(tool, "description", "")
+    spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
+    schema = getattr(tool, "params_json_schema", None)  # an OpenAI Agents SDK FunctionTool
+    mcp_schemas = [s for s in (getattr(tool, "inputSchema", None), getattr(tool, "input_schema", None))
+                   if isinstance(s, Mapping)]  # an MCP Tool's (input_schema in the newer SDKs)
+    if isinstance(schema, Mapping):
+        kind = "agents"
+    elif isinstance(spec, Mapping):
+        kind, name, description, schema = "strands", spec.get("name"), spec.get("description"), spec.get("inputSchema")
         schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
-        return str(spec.get("name")), str(spec.get("description") or ""), dict(schema)
-    for attribute in ("inputSchema", "input_schema"):  # an MCP Tool (input_schema in the newer SDKs)
-        schema = getattr(tool, attribute, None)
-        if isinstance(schema, Mapping):
-            return str(name), str(getattr(tool, "description", "") or ""), dict(schema)
-    if hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain BaseTool
-        args_schema = getattr(tool, "args_schema", None)
-        if isinstance(args_schema, Mapping):
-            schema = dict(args_schema)
-        else:
+    elif mcp_schemas:
+        kind, schema = "mcp", mcp_schemas[0]
+    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # a LangChain BaseTool
+        kind, schema = "langchain", getattr(tool, "args_schema", None)
+        if not isinstance(schema, Mapping):
             model = getattr(tool, "tool_call_schema", None) or tool.get_input_schema()
             schema = model.model_json_schema() if hasattr(model, "model_json_schema") else model.schema()
-        schema.pop("title", None)
-        schema.pop("description", None)
-        return str(name), str(getattr(tool, "description", "") or ""), schema
-    raise TypeError(f"not a tool this module knows: {type(tool).__name__} (an OpenAI Agents FunctionTool, a "
-                    "LangChain tool, a Strands tool, an MCP Tool or a tools_schema mapping)")
-
-
-def _tools_of(source: Any) -> List[Any]:
-    """The tools of an agent object (``.tools``), or the items of a list of tools."""
-    if isinstance(source, (list, tuple)):
-        return list(source)
-    tools = getattr(source, "tools", None)
-    if isinstance(tools, (list, tuple)):
-        return list(tools)
-    raise TypeError(f"give a list of tools or an agent with .tools, got {type(source).__name__}")
+        schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
+    else:
+        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (an OpenAI Agents FunctionTool, a "
+                        "LangChain tool, a Strands tool, an MCP Tool or a tools_schema mapping)")
+    return kind, {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The platform ``tools_schema`` (§3.6) of a framework's tools or of an agent holding them (``.tools``).
-
-    Reads OpenAI Agents SDK ``FunctionTool`` (``params_json_schema``), LangChain and LangGraph tools
-    (``args_schema``), Strands tools (``tool_spec``), MCP ``Tool`` objects (``inputSchema``) and tools_schema
-    mappings in any shape :func:`convert_tools` reads.  Entries get ``default_execution_mode: sandbox``.
-    """
-    entries: List[Any] = []
-    for tool in _tools_of(source):
-        parts = _framework_tool_parts(tool)
-        if parts is None:
-            entries.append(tool)
-        else:
-            name, description, schema = parts
-            entries.append({"name": name, "description": description, "input_schema": schema,
-                            "default_execution_mode": "sandbox"})
+    """The platform ``tools_schema`` (§3.6) of a framework's tools (OpenAI Agents SDK, LangChain/LangGraph,
+    Strands, MCP; tools_schema entries too), or of an agent holding them (``.tools``)."""
+    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t)[1], "default_execution_mode": "sandbox"}
+               for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
 
 def _as_tool_output(value: Any) -> str:
-    """A tool result as the text a framework hands its model: strings as they are, anything else as JSON."""
+    """A tool result as the text a framework hands its model: a string as it is, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
 
 
 def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
     """The same tools, of the same framework types, whose bodies call the per-run proxy (the guide's step 2).
 
-    Names, descriptions and argument schemas stay as they were, so the framework and its planner behave as
-    before; only the body changes: ``proxy_call(name, args, actor=actor, errors="return")`` with the envelope
-    bound where the framework calls the tool (a dispatch, ``run()``, or ``bind_envelope``).  A failed call
-    reaches the model as ``{"error": ...}``.  Supported: OpenAI Agents SDK ``FunctionTool`` (async body),
-    LangChain/LangGraph tools (``StructuredTool`` with a sync and an async body) and Strands tools
-    (``PythonAgentTool``).  The envelope bound where ``proxied_tools`` is called (in a dispatch or ``run()``)
-    goes with the tools, so a framework running tools on threads of its own still reaches this run.
+    Names, descriptions and schemas are kept; a body is ``proxy_call(name, args, actor=actor, errors="return")``
+    with the envelope bound here, if any (a framework may call tools on threads of its own).  Takes OpenAI
+    Agents SDK ``FunctionTool``, LangChain/LangGraph tools (made ``StructuredTool``) and Strands tools.
     """
-    # The envelope bound here (proxied inside a dispatch or run()) goes with the tools: a framework that runs
-    # tools on threads of its own, without copying the context, still reaches this run.  Else: at call time.
     envelope = _current.get()
     out: List[Any] = []
     for tool in _tools_of(source):
-        parts = _framework_tool_parts(tool)
-        if parts is None:
-            raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
-                            "tools or Strands tools (for a tools_schema entry, call proxy_call in the tool's body)")
-        bridge = _BridgeCall(parts[0], actor, envelope)
-        if isinstance(getattr(tool, "params_json_schema", None), Mapping) and hasattr(tool, "on_invoke_tool"):
-            out.append(_proxied_function_tool(tool, bridge))
-        elif hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
-            out.append(_proxied_langchain_tool(tool, bridge))
-        elif isinstance(getattr(tool, "tool_spec", None), Mapping) and hasattr(tool, "stream"):
-            out.append(_proxied_strands_tool(tool, bridge))
+        kind, entry = ("", {"name": ""}) if isinstance(tool, Mapping) else _framework_tool(tool)
+        options: Dict[str, Any] = {"actor": actor, "errors": "return", "envelope": envelope}
+        call, acall = (functools.partial(f, entry["name"], **options) for f in (proxy_call, aproxy_call))
+        if kind == "agents" and hasattr(tool, "on_invoke_tool"):
+            out.append(_proxied_function_tool(tool, acall))
+        elif kind == "langchain" and hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
+            out.append(_proxied_langchain_tool(tool, call, acall))
+        elif kind == "strands" and hasattr(tool, "stream"):
+            out.append(_proxied_strands_tool(tool, acall))
         else:
             raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
-                            "tools or Strands tools (for others, call proxy_call in the tool's body)")
+                            "tools or Strands tools (for a tools_schema entry or others, call proxy_call in the "
+                            "tool's body)")
     return out
 
 
-class _BridgeCall(NamedTuple):
-    """One proxied tool's body, blocking (:meth:`call`) and awaitable (:meth:`acall`): the tool's name, the JSON
-    arguments; a failure comes back as ``{"error": ...}``."""
-
-    tool_name: str
-    actor: Optional[str]
-    envelope: Optional[Envelope]
-
-    def call(self, args: Mapping[str, Any]) -> Any:
-        return proxy_call(self.tool_name, dict(args), actor=self.actor, errors="return", envelope=self.envelope)
-
-    async def acall(self, args: Mapping[str, Any]) -> Any:
-        return await aproxy_call(self.tool_name, dict(args), actor=self.actor, errors="return",
-                                 envelope=self.envelope)
+# The proxied bodies: ``call`` and ``acall`` are proxy_call and aproxy_call of one tool, errors returned.
+_ToolCall = Callable[[Mapping[str, Any]], Any]
 
 
-def _proxied_function_tool(tool: Any, bridge: _BridgeCall) -> Any:
+def _proxied_function_tool(tool: Any, acall: _ToolCall) -> Any:
     import dataclasses
 
     async def on_invoke_tool(context: Any, arguments: str) -> str:
-        args = json.loads(arguments) if arguments and arguments.strip() else {}
-        return _as_tool_output(await bridge.acall(args))
+        return _as_tool_output(await acall(json.loads(arguments) if arguments and arguments.strip() else {}))
 
     return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
 
 
-def _proxied_langchain_tool(tool: Any, bridge: _BridgeCall) -> Any:
-    name = tool.name
-    # The caller's LangChain is loaded already (the tool is one of its objects): take its class from there.
+def _proxied_langchain_tool(tool: Any, call: _ToolCall, acall: _ToolCall) -> Any:
+    # The tool is one of the caller's LangChain objects, so LangChain is loaded: take its class from there.
     structured_tool = getattr(sys.modules.get("langchain_core.tools"), "StructuredTool", None)
     if structured_tool is None:
-        raise TypeError(f"cannot proxy {name!r}: langchain_core.tools is not loaded")
+        raise TypeError(f"cannot proxy {tool.name!r}: langchain_core.tools is not loaded")
 
     def sync_body(**kwargs: Any) -> str:
-        return _as_tool_output(bridge.call(_jsonable_args(kwargs)))
+        return _as_tool_output(call(_jsonable_args(kwargs)))
 
-    async def acall(**kwargs: Any) -> str:
-        return _as_tool_output(await bridge.acall(_jsonable_args(kwargs)))
+    async def async_body(**kwargs: Any) -> str:
+        return _as_tool_output(await acall(_jsonable_args(kwargs)))
 
     args_schema = tool.args_schema if tool.args_schema is not None else tool.get_input_schema()
-    return structured_tool.from_function(func=sync_body, coroutine=acall, name=name, description=tool.description,
-                                         args_schema=args_schema, return_direct=getattr(tool, "return_direct", False))
+    return structured_tool.from_function(func=sync_body, coroutine=async_body, name=tool.name,
+                                         description=tool.description, args_schema=args_schema,
+                                         return_direct=getattr(tool, "return_direct", False))
 
 
-def _proxied_strands_tool(tool: Any, bridge: _BridgeCall) -> Any:
-    # The caller's Strands is loaded already (the tool is one of its objects): take its class from there.
-    python_agent_tool = getattr(sys.modules.get("strands.tools.tools"), "PythonAgentTool", None)
+def _proxied_strands_tool(tool: Any, acall: _ToolCall) -> Any:
+    python_agent_tool = getattr(sys.modules.get("strands.tools.tools"), "PythonAgentTool", None)  # as for LangChain
     if python_agent_tool is None:
         raise TypeError(f"cannot proxy {tool.tool_name!r}: strands.tools.tools is not loaded")
 
     async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
-        result = await bridge.acall(tool_use.get("input") or {})
+        result = await acall(tool_use.get("input") or {})
         failed = isinstance(result, Mapping) and "error" in result
         return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
                 "content": [{"text": _as_tool_output(result)}]}
@@ -5302,14 +5111,18 @@ def _proxied_strands_tool(tool: Any, bridge: _BridgeCall) -> Any:
     return python_agent_tool(tool.tool_name, dict(tool.tool_spec), tool_func)
 
 
-class Handoffs:
-    """``handoff`` trace events (§3.4) from a framework's own control flow, each transfer once.
+def _jsonable_args(value: Any) -> Any:
+    """Tool arguments as JSON values (a framework may hand over pydantic models)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable_args(v) for k, v in value.items()}
+    return [_jsonable_args(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-    ``enter(label)`` marks the sub-agent now acting: when it differs from the one before, a handoff from that
-    one is posted (best-effort: tracing never ends a run).  ``node(label, fn)`` wraps a LangGraph node (sync
-    or async) so entering it is such a transfer; ``agents_hooks()`` gives OpenAI Agents SDK ``RunHooks`` that
-    post the SDK's own handoffs.  The envelope bound where the object is made goes with it.  One per run.
-    """
+
+class Handoffs:
+    """``handoff`` trace events (§3.4) from a framework's own control flow, one per change of the acting
+    sub-agent, best-effort; the envelope bound where it is made goes with it.  One per run."""
 
     def __init__(self, first: Optional[str] = None, *, envelope: Optional[Envelope] = None) -> None:
         self.current = validate_actor_label(first) if first else None
@@ -5317,7 +5130,7 @@ class Handoffs:
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: Optional[str] = None) -> None:
-        """``label`` acts from now on; a handoff from the sub-agent before it is posted."""
+        """``label`` acts from now on: a handoff from the sub-agent before it, if another, is posted."""
         moved = self._move_to(label)
         if moved:
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
@@ -5329,14 +5142,13 @@ class Handoffs:
             await apost_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
     def _move_to(self, label: str) -> Optional[Tuple[str, str]]:
-        """Make ``label`` current; ``(from, to)`` when control moved, else ``None``."""
         label = cast(str, validate_actor_label(label))
         with self._lock:
             previous, self.current = self.current, label
         return (previous, label) if previous and previous != label else None
 
     def node(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a graph node), entering ``label`` before each call."""
+        """``fn``, a LangGraph node (sync or async), entering ``label`` before each call."""
         import inspect
 
         if inspect.iscoroutinefunction(fn):
@@ -5353,7 +5165,7 @@ class Handoffs:
         return sync_node
 
     def agents_hooks(self) -> Any:
-        """OpenAI Agents SDK ``RunHooks`` posting each handoff between agents (by their names)."""
+        """OpenAI Agents SDK ``RunHooks`` entering each agent that starts (by its name)."""
         run_hooks = getattr(sys.modules.get("agents"), "RunHooks", None)
         if run_hooks is None:
             raise TypeError("agents_hooks() needs the OpenAI Agents SDK (the `agents` package) imported")
@@ -5366,284 +5178,185 @@ class Handoffs:
         return _Hooks()
 
 
-def _jsonable_args(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
-    """Tool arguments as JSON values (a framework may hand over pydantic models)."""
-    def plain(value: Any) -> Any:
-        if hasattr(value, "model_dump"):
-            return value.model_dump(mode="json")
-        if isinstance(value, Mapping):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return value
-    return {str(k): plain(v) for k, v in kwargs.items()}
-
-
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """A framework's run result as the v1 response envelope (§4): the answer, a transcript, model and tokens.
 
-    Reads an OpenAI Agents SDK ``RunResult`` (``final_output``, ``new_items``, ``raw_responses``), a Strands
-    ``Agent`` after its run (its ``messages``, Bedrock Converse blocks), a LangChain
-    or LangGraph message list (or a LangGraph state with ``messages``), and an Anthropic Messages conversation
-    (dicts or the SDK's ``Message`` objects, with ``tool_use`` / ``tool_result`` / ``thinking`` blocks);
-    anything else goes to :func:`build_response` as it is.  ``fields`` (``messages``, ``metadata``,
-    ``strict``) are passed to :func:`build_response` and win over what was read.
+    Reads an OpenAI Agents SDK ``RunResult``, a Strands ``Agent`` after its run, LangChain or LangGraph
+    messages (or a state holding them) and an Anthropic Messages conversation (dicts or SDK objects);
+    anything else goes to :func:`build_response` as it is, like ``fields``, which win over what was read.
     """
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
-    elif _is_strands_agent(result):
+    elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
         final, messages, metadata = _from_strands(result)
     else:
-        messages_in = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
-        if isinstance(messages_in, (list, tuple)) and messages_in and all(
-                hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in messages_in):
-            final, messages, metadata = _from_langchain(list(messages_in))
-        elif isinstance(messages_in, (list, tuple)) and messages_in and all(
-                _anthropic_message(m) is not None for m in messages_in):
-            final, messages, metadata = _from_anthropic([cast(Dict[str, Any], _anthropic_message(m))
-                                                         for m in messages_in])
-        else:
+        items = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
+        if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
+        langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
+        turns = [_langchain_turn(m) if langchain else _anthropic_turn(m) for m in items]
+        if None in turns:
+            return build_response(result, **fields)
+        final, messages, metadata = _read_turns(cast(List[_Turn], turns))
     strict = fields.pop("strict", None)
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields}, strict=strict)
 
 
-def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """An OpenAI Agents SDK ``RunResult``: its items as the v1 transcript, the usage of its raw responses."""
-    messages = _agents_run_messages(result)
-    metadata = _agents_run_metadata(result)
-    return result.final_output, messages, metadata
+class _Turn(NamedTuple):
+    """One message of a framework's transcript, as each framework's reader gives it to :func:`_read_turns`."""
+
+    role: str
+    text: str = ""
+    tool_calls: Sequence[Dict[str, Any]] = ()
+    thinking: Sequence[Dict[str, Any]] = ()
+    results: Sequence[Tuple[Any, Any]] = ()  # (tool call id, output) of a user or tool turn
+    usage: Any = None
+    model: Any = None
 
 
-def _agents_run_messages(result: Any) -> List[Dict[str, Any]]:
-    """The run's input, then its items: reasoning (as the thinking of the next assistant message), tool and
-    handoff calls, their outputs, and message outputs."""
+def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """The bridges' shared reader: ``(final answer, v1 transcript, tokens and model)`` of the turns.
+
+    An assistant turn is one message; another is a tool message per result, then its text (kept, empty, when
+    there is nothing else).  The answer is the last assistant text that called no tool.
+    """
     messages: List[Dict[str, Any]] = []
-    first = result.input
-    if isinstance(first, str):
-        messages.append({"role": "user", "content": first})
-    thinking: List[Dict[str, Any]] = []
-    for item in result.new_items:
-        kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
-
-        def get(key: str, raw: Any = raw) -> Any:
-            return raw.get(key) if isinstance(raw, Mapping) else getattr(raw, key, None)
-
-        if kind == "reasoning_item":
-            thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in get("summary") or ()]
-        elif kind in ("tool_call_item", "handoff_call_item"):  # a handoff is the model calling transfer_to_X
-            message: Dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": get("call_id") or get("id"), "name": get("name"), "arguments": get("arguments") or "{}"}]}
-            if thinking:
-                message["thinking"], thinking = thinking, []
+    usages: List[Any] = []
+    final, model = "", None
+    for turn in turns:
+        if turn.role == "assistant":
+            message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
+            if turn.tool_calls:
+                message["tool_calls"] = turn.tool_calls
+            elif turn.text:
+                final = turn.text
+            if turn.thinking:
+                message["thinking"] = turn.thinking
             messages.append(message)
-        elif kind in ("tool_call_output_item", "handoff_output_item"):
-            output = getattr(item, "output", None) if kind == "tool_call_output_item" else get("output")
-            messages.append({"role": "tool", "tool_call_id": get("call_id"), "content": _as_tool_output(output)})
-        elif kind == "message_output_item":
-            text = "".join(getattr(part, "text", "") or "" for part in get("content") or ())
-            message = {"role": "assistant", "content": text}
-            if thinking:
-                message["thinking"], thinking = thinking, []
-            messages.append(message)
-    return messages
+            usages.append(turn.usage)
+            model = turn.model or model
+            continue
+        messages += [{"role": "tool", "tool_call_id": i, "content": _as_tool_output(o)} for i, o in turn.results]
+        if turn.text or not turn.results:
+            messages.append({"role": turn.role, "content": turn.text})
+    return final, messages, _run_metadata(usages, model)
 
 
-def _agents_run_metadata(result: Any) -> Dict[str, Any]:
-    """The tokens of the run's raw responses, and the model of its last agent when it names one."""
-    usage = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
-    metadata: Dict[str, Any] = {
-        "total_input_tokens": sum(getattr(u, "input_tokens", 0) or 0 for u in usage if u is not None),
-        "total_output_tokens": sum(getattr(u, "output_tokens", 0) or 0 for u in usage if u is not None),
-    }
-    agent = getattr(result, "last_agent", None)
-    model = getattr(agent, "model", None)
-    if isinstance(model, str):
+def _field(item: Any, key: str) -> Any:
+    """``item[key]`` of a mapping, ``item.key`` of another object; ``None`` when missing."""
+    return item.get(key) if isinstance(item, (dict, Mapping)) else getattr(item, key, None)
+
+
+def _run_metadata(usages: Optional[List[Any]], model: Any,
+                  keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
+    """Token totals of ``usages`` (read by ``keys``; ``None``: no totals), and ``model`` when it is a name."""
+    metadata: Dict[str, Any] = {} if usages is None else {
+        "total_input_tokens": sum(int(_field(u, keys[0]) or 0) for u in usages),
+        "total_output_tokens": sum(int(_field(u, keys[1]) or 0) for u in usages)}
+    if isinstance(model, str) and model:
         metadata["model"] = model
-    elif model is not None and isinstance(getattr(model, "model", None), str):
-        metadata["model"] = model.model
     return metadata
 
 
-def _assistant_message(text: str, tool_calls: List[Dict[str, Any]], thinking: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """A transcript's assistant message: its text (``None`` when empty), then its tool calls and its thinking, each
-    only when there is some."""
-    message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    if thinking:
-        message["thinking"] = thinking
-    return message
-
-
-def _is_strands_agent(value: Any) -> bool:
-    """A Strands ``Agent`` after a run: its conversation in ``messages`` (Bedrock Converse blocks)."""
-    messages = getattr(value, "messages", None)
-    return hasattr(value, "tool_registry") and isinstance(messages, list)
-
-
-def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """A Strands ``Agent`` after its run: its Bedrock Converse messages, the tokens its event loop counted and the
-    model its configuration names."""
-    final, messages, metadata = _from_bedrock(list(agent.messages))
-    usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
-    if isinstance(usage, Mapping):
-        metadata = {"total_input_tokens": int(usage.get("inputTokens") or 0),
-                    "total_output_tokens": int(usage.get("outputTokens") or 0), **metadata}
-    model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
-    if isinstance(model_id, str):
-        metadata["model"] = model_id
-    return final, messages, metadata
-
-
-def _from_bedrock(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """Bedrock Converse messages (Strands): ``text``, ``toolUse``, ``toolResult``, ``reasoningContent`` blocks."""
-    messages: List[Dict[str, Any]] = []
-    final: Any = ""
-    for item in items:
-        blocks = [b for b in item.get("content") or () if isinstance(b, Mapping)]
-        text = "".join(str(b["text"]) for b in blocks if isinstance(b.get("text"), str))
-        if item.get("role") != "assistant":
-            messages += _bedrock_user_turn(blocks, text)
-            continue
-        message = _bedrock_assistant(blocks, text)
-        messages.append(message)
-        if text and "tool_calls" not in message:
-            final = text
-    return final, messages, {}
-
-
-def _bedrock_assistant(blocks: Sequence[Mapping[str, Any]], text: str) -> Dict[str, Any]:
-    """An assistant turn of Bedrock Converse blocks: its text, ``toolUse`` blocks and ``reasoningContent``."""
-    uses = [b["toolUse"] for b in blocks if isinstance(b.get("toolUse"), Mapping)]
-    thoughts = [((b["reasoningContent"].get("reasoningText") or {}).get("text"))
-                for b in blocks if isinstance(b.get("reasoningContent"), Mapping)]
-    return _assistant_message(
-        text, [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}} for u in uses],
-        [{"type": "text", "text": x} for x in thoughts if x])
-
-
-def _bedrock_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
-    """A user turn of Bedrock Converse blocks: each ``toolResult`` a tool message, then the user's text (kept,
-    empty, when there is nothing else)."""
-    messages: List[Dict[str, Any]] = []
-    results = [b["toolResult"] for b in blocks if isinstance(b.get("toolResult"), Mapping)]
-    for result in results:
-        parts = [p.get("text") if "text" in p else _as_tool_output(p.get("json"))
-                 for p in result.get("content") or () if isinstance(p, Mapping)]
-        messages.append({"role": "tool", "tool_call_id": result.get("toolUseId"),
-                         "content": "".join(str(p) for p in parts)})
-    if text or not results:
-        messages.append({"role": "user", "content": text})
-    return messages
-
-
-def _anthropic_message(item: Any) -> Optional[Dict[str, Any]]:
-    """An Anthropic Messages API message (a dict, or the SDK's ``Message`` object) as a dict; else ``None``."""
+def _anthropic_turn(item: Any) -> Optional[_Turn]:
+    """An Anthropic Messages API message (a dict, or the SDK's ``Message`` object): text, tool_use, tool_result
+    and thinking blocks, its usage and model; ``None`` for anything else."""
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
-    if isinstance(item, Mapping) and item.get("role") in ("user", "assistant") and isinstance(
-            item.get("content"), (str, list)):
-        return dict(item)
-    return None
-
-
-def _from_anthropic(items: List[Dict[str, Any]]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """Anthropic messages (text, tool_use, tool_result and thinking blocks) as the v1 transcript."""
-    messages: List[Dict[str, Any]] = []
-    final: Any = ""
-    inputs = outputs = 0
-    model = None
-    for item in items:
-        content = item["content"]
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [
-            b for b in content if isinstance(b, Mapping)]
-        text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
-        if item["role"] != "assistant":
-            messages += _anthropic_user_turn(blocks, text)
-            continue
-        message = _anthropic_assistant(blocks, text)
-        messages.append(message)
-        if text and "tool_calls" not in message:
-            final = text
-        usage: Mapping[str, Any] = item["usage"] if isinstance(item.get("usage"), Mapping) else {}
-        inputs += int(usage.get("input_tokens") or 0)
-        outputs += int(usage.get("output_tokens") or 0)
-        model = item.get("model") or model
-    metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
-    if isinstance(model, str):
-        metadata["model"] = model
-    return final, messages, metadata
-
-
-def _anthropic_assistant(blocks: Sequence[Mapping[str, Any]], text: str) -> Dict[str, Any]:
-    """An assistant turn of Anthropic blocks: its text, ``tool_use`` and ``thinking`` blocks."""
-    uses = [b for b in blocks if b.get("type") == "tool_use"]
-    thoughts = [b.get("thinking") for b in blocks if b.get("type") == "thinking" and b.get("thinking")]
-    return _assistant_message(
-        text, [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in uses],
-        [{"type": "thinking", "text": t} for t in thoughts])
-
-
-def _anthropic_user_turn(blocks: Sequence[Mapping[str, Any]], text: str) -> List[Dict[str, Any]]:
-    """A user turn of Anthropic blocks: each ``tool_result`` a tool message, then the user's text (kept, empty,
-    when there is nothing else)."""
-    messages: List[Dict[str, Any]] = []
-    results = [b for b in blocks if b.get("type") == "tool_result"]
-    for block in results:
-        output = block.get("content")
-        if isinstance(output, list):
-            output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-        messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _as_tool_output(output)})
-    if text or not results:
-        messages.append({"role": "user", "content": text})
-    return messages
+    content = item.get("content") if isinstance(item, Mapping) else None
+    if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
+        return None
+    text: List[str] = [content] if isinstance(content, str) else []
+    calls: List[Dict[str, Any]] = []
+    thinking: List[Dict[str, Any]] = []
+    results: List[Tuple[Any, Any]] = []
+    for block in content if isinstance(content, list) else ():
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if kind == "text":
+            text.append(str(block.get("text") or ""))
+        elif kind == "tool_use":
+            calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input") or {}})
+        elif kind == "thinking" and block.get("thinking"):
+            thinking.append({"type": "thinking", "text": block["thinking"]})
+        elif kind == "tool_result":
+            output = block.get("content")
+            if isinstance(output, list):
+                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
+            results.append((block.get("tool_use_id"), output))
+    return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
 
 
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
 
 
-def _from_langchain(items: List[Any]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """LangChain or LangGraph messages (``type`` human, ai, tool or system) as the v1 transcript."""
-    messages: List[Dict[str, Any]] = []
-    inputs = outputs = 0
-    model = None
-    final: Any = ""
-    for item in items:
-        role = _LANGCHAIN_ROLES.get(getattr(item, "type", ""), "assistant")
-        content = item.content
-        text = content if isinstance(content, str) else "".join(
-            b.get("text", "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
-        if role != "assistant":
-            message: Dict[str, Any] = {"role": role, "content": text}
-            if role == "tool":
-                message["tool_call_id"] = getattr(item, "tool_call_id", None)
-            messages.append(message)
-            continue
-        message = _langchain_assistant(item, content, text)
-        messages.append(message)
-        usage = getattr(item, "usage_metadata", None) or {}
-        inputs += int(usage.get("input_tokens") or 0)
-        outputs += int(usage.get("output_tokens") or 0)
-        model = (getattr(item, "response_metadata", None) or {}).get("model_name") or model
-        if text and "tool_calls" not in message:
-            final = text
-    metadata: Dict[str, Any] = {"total_input_tokens": inputs, "total_output_tokens": outputs}
-    if model:
-        metadata["model"] = model
-    return final, messages, metadata
+def _langchain_turn(item: Any) -> _Turn:
+    """A LangChain or LangGraph message (``type`` human, ai, tool or system)."""
+    role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
+    text = content if isinstance(content, str) else "".join(
+        str(b.get("text") or "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
+    if role == "tool":
+        return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
+    if role != "assistant":
+        return _Turn(role, text)
+    thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping) and b.get("type") in (
+        "thinking", "reasoning")] if isinstance(content, list) else []
+    calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
+             for c in getattr(item, "tool_calls", None) or ()]
+    model = (getattr(item, "response_metadata", None) or {}).get("model_name")
+    return _Turn(role, text, calls, [{"type": "text", "text": t} for t in thoughts if t], (),
+                 getattr(item, "usage_metadata", None), model)
 
 
-def _langchain_assistant(item: Any, content: Any, text: str) -> Dict[str, Any]:
-    """An AI message: its text, ``tool_calls``, and the thinking or reasoning blocks of a list content."""
-    calls = getattr(item, "tool_calls", None) or []
-    thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping)
-                and b.get("type") in ("thinking", "reasoning")] if isinstance(content, list) else []
-    message = _assistant_message(
-        text, [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}} for c in calls], [])
-    if thoughts:  # reasoning blocks, even empty ones only: then an empty list
-        message["thinking"] = [{"type": "text", "text": t} for t in thoughts if t]
-    return message
+def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """A Strands ``Agent`` after its run: its conversation, the tokens its event loop counted, its model."""
+    final, messages, _ = _read_turns([_bedrock_turn(m) for m in agent.messages])
+    usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
+    model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
+    return final, messages, _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
+                                          ("inputTokens", "outputTokens"))
+
+
+def _bedrock_turn(message: Mapping[str, Any]) -> _Turn:
+    """A Bedrock Converse message (Strands): text, toolUse, toolResult and reasoningContent blocks."""
+    blocks = [b for b in message.get("content") or () if isinstance(b, Mapping)]
+    of = {key: [b[key] for b in blocks if isinstance(b.get(key), Mapping)]
+          for key in ("toolUse", "toolResult", "reasoningContent")}
+    results = [(r.get("toolUseId"), "".join(str(p.get("text") if "text" in p else _as_tool_output(p.get("json")))
+                                            for p in r.get("content") or () if isinstance(p, Mapping)))
+               for r in of["toolResult"]]
+    thoughts = [(r.get("reasoningText") or {}).get("text") for r in of["reasoningContent"]]
+    calls = [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}}
+             for u in of["toolUse"]]
+    return _Turn("assistant" if message.get("role") == "assistant" else "user",
+                 "".join(b["text"] for b in blocks if isinstance(b.get("text"), str)), calls,
+                 [{"type": "text", "text": t} for t in thoughts if t], results)
+
+
+def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """An OpenAI Agents SDK ``RunResult``: its input and items as the transcript (reasoning is the thinking of
+    the next assistant message), the tokens of its raw responses, its last agent's model."""
+    turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
+    thinking: List[Dict[str, Any]] = []
+    for item in result.new_items:
+        kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
+        if kind == "reasoning_item":
+            thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
+        elif kind == "message_output_item":
+            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
+            turns.append(_Turn("assistant", text, thinking=thinking))
+            thinking = []
+        elif kind in ("tool_call_item", "handoff_call_item"):  # a handoff is the model calling transfer_to_X
+            call = {"id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
+                    "arguments": _field(raw, "arguments") or "{}"}
+            turns.append(_Turn("assistant", tool_calls=[call], thinking=thinking))
+            thinking = []
+        elif kind in ("tool_call_output_item", "handoff_output_item"):
+            output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
+            turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
+    model = getattr(getattr(result, "last_agent", None), "model", None)
+    usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
+    return result.final_output, _read_turns(turns)[1], _run_metadata(
+        usages, model if isinstance(model, str) else getattr(model, "model", None))
 
 
 # ---------------------------------------------------------------------------
@@ -5656,14 +5369,9 @@ _RPC_INVALID_PARAMS, _RPC_INTERNAL_ERROR = -32602, -32603
 
 
 class McpShim:
-    """A Model Context Protocol server over stdio (JSON-RPC 2.0, one message per line).
+    """An MCP server over stdio (JSON-RPC 2.0, a message per line) for frameworks that speak MCP (kit-mcp-shim).
 
-    For agent frameworks that speak MCP: ``tools/list`` comes from §3.6's
-    sources (``PIPELINES_TOOLS_SCHEMA_B64`` / ``_JSON``, else the platform's
-    ``GET {api_url}/api/agents/{agent_id}/tools-schema``), ``tools/call`` goes
-    through the proxy client (one Idempotency-Key per call, reused on its
-    retries; failures become ``isError`` results).  Notifications are never
-    answered; malformed lines get JSON-RPC errors; nothing crashes it.
+    ``tools/list`` comes from §3.6's sources, ``tools/call`` goes through the proxy client; nothing crashes it.
     """
 
     def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
@@ -5673,8 +5381,6 @@ class McpShim:
         self._envelope: Optional[Envelope] = None
         self._lock = threading.Lock()
 
-    # -- protocol -----------------------------------------------------------------
-
     def handle_line(self, line: str) -> Optional[str]:
         """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
         if not line.strip():
@@ -5683,28 +5389,23 @@ class McpShim:
             message = json.loads(line)
         except ValueError as exc:
             return _rpc_error(None, _RPC_PARSE_ERROR, f"parse error: {_short(str(exc), 120)}")
-        if isinstance(message, list):
-            return _rpc_error(None, _RPC_INVALID_REQUEST, "batches are not supported: send one message per line")
         if not isinstance(message, dict):
-            return _rpc_error(None, _RPC_INVALID_REQUEST, f"a message must be a JSON object, got {json_type(message)}")
-        has_id = "id" in message
-        request_id = message.get("id")
-        valid_id = request_id is None or (isinstance(request_id, (str, int)) and not isinstance(request_id, bool))
-        if has_id and not valid_id:
+            problem = f"a message must be a JSON object, got {json_type(message)}"
+            if isinstance(message, list):
+                problem = "batches are not supported: send one message per line"
+            return _rpc_error(None, _RPC_INVALID_REQUEST, problem)
+        request_id, method, has_id = message.get("id"), message.get("method"), "id" in message
+        if has_id and (isinstance(request_id, bool) or not isinstance(request_id, (str, int, type(None)))):
             return _rpc_error(None, _RPC_INVALID_REQUEST, "id must be a string or a number")
-        method = message.get("method")
         if method is None and ("result" in message or "error" in message):
-            return None  # a response to something we never send: ignore
+            return None  # a response to something we never send
         if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
             expected = 'expected {"jsonrpc": "2.0", "method": ...}'
             return _rpc_error(request_id, _RPC_INVALID_REQUEST, expected) if has_id else None
         if not has_id:
-            return None  # a notification (notifications/initialized, cancelled, ...): never answered
-        params = message.get("params", {})
-        if not isinstance(params, dict):
-            return _rpc_error(request_id, _RPC_INVALID_PARAMS, "params must be an object")
+            return None  # a notification (notifications/initialized, cancelled, ...)
         try:
-            result = self._dispatch(method, params)
+            result = self._dispatch(method, message.get("params", {}))
         except _RpcError as exc:
             return _rpc_error(request_id, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - never crash the shim
@@ -5713,11 +5414,13 @@ class McpShim:
             return _rpc_error(request_id, _RPC_INTERNAL_ERROR, describe_error(exc, DETAIL_LIMIT, token))
         return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
 
-    def _dispatch(self, method: str, params: Dict[str, Any]) -> Dict[str, Any]:
+    def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
+        if not isinstance(params, dict):
+            raise _RpcError(_RPC_INVALID_PARAMS, "params must be an object")
         if method == "initialize":
             asked = params.get("protocolVersion")
-            version = asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0]
-            return {"protocolVersion": version, "capabilities": {"tools": {"listChanged": False}},
+            return {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
+                    "capabilities": {"tools": {"listChanged": False}},
                     "serverInfo": {"name": "pipelines_port", "version": __version__},
                     "instructions": "Every tool call goes through the Pipelines per-run proxy."}
         if method == "ping":
@@ -5725,20 +5428,17 @@ class McpShim:
         if method == "tools/list":
             return {"tools": [{"name": t["name"], "description": t.get("description") or "",
                                "inputSchema": t["input_schema"]} for t in self.tools()]}
-        if method == "tools/call":
-            name, arguments = params.get("name"), params.get("arguments", {})
-            if not isinstance(name, str):
-                raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name, a string")
-            if arguments is None:
-                arguments = {}
-            if not isinstance(arguments, dict):
-                raise _RpcError(_RPC_INVALID_PARAMS, "tools/call params.arguments must be an object")
-            return self.call_tool(name, arguments)
-        raise _RpcError(_RPC_METHOD_NOT_FOUND, f"method not found: {_short(method, 80)}")
-
-    # -- tools --------------------------------------------------------------------
+        if method != "tools/call":
+            raise _RpcError(_RPC_METHOD_NOT_FOUND, f"method not found: {_short(method, 80)}")
+        name, arguments = params.get("name"), params.get("arguments")
+        if not isinstance(name, str):
+            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name, a string")
+        if not isinstance(arguments, (dict, type(None))):
+            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call params.arguments must be an object")
+        return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
+        """The run this shim serves, read once from its environment."""
         with self._lock:
             if self._envelope is None:
                 try:
@@ -5749,21 +5449,17 @@ class McpShim:
 
     def tools(self) -> List[Dict[str, Any]]:
         """The tool list (platform shape), read once: inline env first, else the platform's endpoint."""
-        with self._lock:
-            cached = self._tools
-        if cached is not None:
-            return cached
-        try:
-            inline = _tools_schema_from_env(self.environ)
-        except EnvelopeError as exc:
-            raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
-        tools = inline if inline is not None else self._fetch_tools()
-        try:
-            tools = convert_tools(tools, "platform")
-        except ValueError as exc:
-            raise _RpcError(_RPC_INTERNAL_ERROR, f"the tools schema is invalid: {exc}") from None
-        with self._lock:
-            self._tools = tools
+        tools = self._tools
+        if tools is None:  # two threads may both read it: the same list either way
+            try:
+                inline = _tools_schema_from_env(self.environ)
+            except EnvelopeError as exc:
+                raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
+            entries = inline if inline is not None else self._fetch_tools()
+            try:
+                tools = self._tools = convert_tools(entries, "platform")
+            except ValueError as exc:
+                raise _RpcError(_RPC_INTERNAL_ERROR, f"the tools schema is invalid: {exc}") from None
         return tools
 
     def _fetch_tools(self) -> List[Any]:
@@ -5806,8 +5502,6 @@ class McpShim:
             result["structuredContent"] = value
         return result
 
-    # -- transport -----------------------------------------------------------------
-
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
         """Read lines until EOF; ``tools/call`` runs concurrently, replies are written whole, one per line."""
         from concurrent.futures import ThreadPoolExecutor
@@ -5825,8 +5519,8 @@ class McpShim:
 
         with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="pipelines-mcp") as pool:
             for line in stdin:
-                # Only tool calls are slow (the proxy may take minutes); a false positive of this
-                # cheap test merely runs a line on the pool, where replies may come out of order.
+                # Only tool calls are slow (the proxy may take minutes); a false positive of this cheap
+                # test merely runs a line on the pool, where replies may come out of order.
                 if '"tools/call"' in line:
                     pool.submit(answer, line)
                 else:
@@ -5854,39 +5548,16 @@ class _UsageError(Exception):
 def load_agent(spec: str) -> Callable[..., Any]:
     """The callable named by ``PATH.py:NAME`` or ``package.module:NAME`` (``NAME`` may be dotted).
 
-    A file's directory goes first on ``sys.path`` so its sibling imports work.
-    Raises ``ValueError`` with one readable line.
+    A file's directory goes first on ``sys.path``, so its sibling imports work.  ``ValueError``: one line.
     """
     import importlib
-    import importlib.util
 
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise ValueError(f"expected PATH_OR_MODULE:FUNCTION (e.g. agent.py:agent or mypkg.agent:agent), got {spec!r}")
-    is_file = where.endswith(".py") or os.sep in where or "/" in where
     try:
-        if is_file:
-            path = os.path.abspath(where)
-            if not os.path.isfile(path):
-                raise ValueError(f"no such file: {where}")
-            directory, name = os.path.split(path)
-            name = name[:-3] if name.endswith(".py") else name
-            loaded = sys.modules.get(name)
-            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
-                name = f"_pipelines_agent_{name}"
-            if directory not in sys.path:
-                sys.path.insert(0, directory)
-            spec_ = importlib.util.spec_from_file_location(name, path)
-            if spec_ is None or spec_.loader is None:
-                raise ValueError(f"cannot load {where} as a Python module")
-            module = importlib.util.module_from_spec(spec_)
-            sys.modules[name] = module
-            try:
-                loader: Any = spec_.loader  # Loader.exec_module is missing from Python 3.9's stubs
-                loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(name, None)
-                raise
+        if where.endswith(".py") or os.sep in where or "/" in where:
+            module = _load_file(where)
         else:
             if os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())
@@ -5896,7 +5567,11 @@ def load_agent(spec: str) -> Callable[..., Any]:
     except SyntaxError as exc:
         raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
     except (Exception, SystemExit) as exc:
-        raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{_where_raised(exc)}") from exc
+        import traceback
+
+        frames = traceback.extract_tb(exc.__traceback__)  # the last one is where it went wrong
+        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
+        raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -5910,90 +5585,139 @@ def load_agent(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], target)
 
 
-def _where_raised(exc: BaseException) -> str:
-    """`` (file.py, line N)`` of the innermost frame, to find an import error fast."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return ""
-    return f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}, line {tb.tb_lineno})"
+def _load_file(where: str) -> Any:
+    """The module of the Python file ``where``, under its own name unless another module has that name."""
+    import importlib.util
+
+    path = os.path.abspath(where)
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {where}")
+    directory, name = os.path.split(path)
+    name = name[:-3] if name.endswith(".py") else name
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+        name = f"_pipelines_agent_{name}"
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {where} as a Python module")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        loader: Any = spec.loader  # Loader.exec_module is missing from Python 3.9's stubs
+        loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
 
 
 def _truthy(value: Optional[str]) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _configure_logging(debug: bool, access_log: bool = True) -> None:
+def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)`` if that works and ``holds``, else an error naming ``expected``."""
+    def parse(text: str) -> Any:
+        import argparse
+
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not holds(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+def _digits(text: str) -> Optional[int]:
+    """A whole number in digits alone (``int`` would also take ``-5`` and ``1_000``)."""
+    return int(text) if text.strip().isdigit() else None
+
+
+def _refuse_token(text: str) -> None:
+    """``--token VALUE`` is refused, VALUE (the agent token itself) shown nowhere."""
+    import argparse
+
+    raise argparse.ArgumentTypeError("--token is not accepted: the agent token is read from an environment "
+                                     "variable, so it never shows in a process list or a log: set AGENT_TOKEN, "
+                                     "or name another with --token-env NAME")
+
+
+_SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
+_POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
+# serve's options after the agent, as `serve --help` lists them: (flag, type, default, metavar, help).  A type
+# of None makes a switch, a tuple a choice.
+_SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
+    ("--host", str, "127.0.0.1", None, "interface to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
+    ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
+     "port (default 8080; 0 picks a free one)"),
+    ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
+    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
+    ("--auth-header", str, "Authorization", "NAME",
+     "header carrying it: Authorization (Bearer <token>) or a custom name with the raw value"),
+    ("--no-auth", None, False, None, "disable inbound auth (anyone can dispatch)"),
+    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body accepted (default %(default)s)"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS",
+     "run_timeout_s: answer 504 when the agent takes longer (default %(default)g, max 1800)"),
+    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS",
+     "on SIGTERM/SIGINT, how long running dispatches may finish (default %(default)g)"),
+    ("--server", SERVERS, "asyncio", None,
+     "asyncio (default): one event loop, sync agents on threads; threads: http.server, a thread per connection"),
+    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
+     "a request's head and body must arrive within this (default %(default)g; 408 after)"),
+    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS",
+     "close an idle keep-alive connection after this (default %(default)g; asyncio server)"),
+    ("--max-connections", _POSITIVE, None, "N",
+     "open connections beyond this get 503 (default: from the open-file limit; asyncio server)"),
+    ("--strict", None, False, None, (
+        f"refuse (500) a response the platform would soften or drop parts of, instead of sending what it grades "
+        f"(also: {ENV_STRICT}=1)")),
+    ("--proxy-hosts", str, None, "HOSTS", (
+        "comma-separated proxy hosts dispatches may name: names, IP addresses or .suffixes, each with an optional "
+        f":port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any host; set but empty is an error)")),
+    ("--tools-schema", str, None, "FILE",
+     "tools list served at GET /tools_schema (default: tools_schema.json beside the agent file)"),
+    ("--debug", None, False, None, f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)"),
+    ("--no-access-log", None, False, None, "no log line per request; agents' errors still show"),
+    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N", (
+        "collect garbage every N allocations, not 700, once what is loaded is frozen (default %(default)s; 0 keeps "
+        "Python's setting)")),
+)
+_KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
+
+
+def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
+    """Log to stderr from ``level``, or every proxy request and reply with ``debug`` or ENV_DEBUG set."""
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _log.setLevel(logging.DEBUG if debug else logging.INFO)
+    _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
     if not access_log:
         _access_log.setLevel(logging.WARNING)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _argparse().ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise _argparse().ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    if not text.strip().isdigit() or int(text) > 65535:
-        raise _argparse().ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
-    return int(text)
-
-
-def _non_negative_int(text: str) -> int:
-    if not text.strip().isdigit():
-        raise _argparse().ArgumentTypeError(f"expected a whole number, 0 or more, got {text!r}")
-    return int(text)
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise _argparse().ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
-
-
-def _argparse() -> Any:
-    import argparse
-
-    return argparse
-
-
 def _cmd_serve(args: Any) -> int:
-    _configure_logging(args.debug or _truthy(os.environ.get(ENV_DEBUG)), access_log=not args.no_access_log)
+    _configure_logging(args.debug, logging.INFO, access_log=not args.no_access_log)
     try:
         agent = load_agent(args.agent)
+        tools_schema = args.tools_schema if args.tools_schema is not None else tools_schema_beside(args.agent)
+        app = agent if isinstance(agent, DispatchApp) else DispatchApp(
+            agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
+            max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
+            proxy_hosts=args.proxy_hosts, strict=True if args.strict else None)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
-    tools_schema = args.tools_schema if args.tools_schema is not None else tools_schema_beside(args.agent)
-    if isinstance(agent, DispatchApp):
-        app = agent
-    else:
-        try:
-            app = DispatchApp(
-                agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
-                max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
-                proxy_hosts=args.proxy_hosts, strict=True if args.strict else None,
-            )
-        except ValueError as exc:
-            raise _UsageError(str(exc)) from None
 
     def ready(server: Any) -> None:
-        print(f"pipelines_port serve: listening on {server.url}", flush=True)
-        print(f"pipelines_port serve: auth: {app.describe_auth()}", flush=True)
+        say = functools.partial(print, "pipelines_port serve:", flush=True)
+        say(f"listening on {server.url}")
+        say(f"auth: {app.describe_auth()}")
         if app.tools_schema is not None:
-            print(f"pipelines_port serve: {len(app.tools_schema)} tools declared, served at GET /tools_schema",
-                  flush=True)
-        print(f"pipelines_port serve: proxy hosts: {app.describe_proxy_hosts()}", flush=True)
+            say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
+        say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit: a server's environment has no run
-            print(f"pipelines_port serve: WARNING: {ENV_RUN_TOKEN} is set in this server's environment: a proxy call "
-                  "made outside a dispatch would use that run; unset it", flush=True)
+            say(f"WARNING: {ENV_RUN_TOKEN} is set in this server's environment: a proxy call made outside a "
+                "dispatch would use that run; unset it")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
@@ -6009,131 +5733,45 @@ def _cmd_serve(args: Any) -> int:
 
 
 def _cmd_mcp(args: Any) -> int:
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _log.setLevel(logging.DEBUG if args.debug or _truthy(os.environ.get(ENV_DEBUG)) else logging.WARNING)
+    _configure_logging(args.debug, logging.WARNING)
     return McpShim().serve()
-
-
-_KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
-
-
-def _prog_name() -> str:
-    """How the user ran us: ``python3 -m pipelines_port`` or ``pipelines_port.py``."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if main_spec is not None and getattr(main_spec, "name", "") == "pipelines_port":
-        return "python3 -m pipelines_port"
-    if os.path.basename(sys.argv[0] or "") == "pipelines_port.py":
-        return "pipelines_port.py"
-    return "python3 -m pipelines_port"
 
 
 def _parser(prog: Optional[str] = None) -> Any:
     """The command line's parser: ``serve`` and ``mcp``."""
-    argparse = _argparse()
-    # allow_abbrev=False: a prefix must not stand for an option (`--token SECRET` read as `--token-env SECRET`
-    # would print the secret as a variable name).
-    parser = argparse.ArgumentParser(
-        prog=prog or _prog_name(),
-        description="Put an agent under test on the Pipelines platform, standard library only.",
-        allow_abbrev=False,
-    )
+    import argparse
+
+    if prog is None:  # as the user ran us
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        as_script = getattr(main_spec, "name", "") != "pipelines_port" and os.path.basename(sys.argv[0] or "") == (
+            "pipelines_port.py")
+        prog = "pipelines_port.py" if as_script else "python3 -m pipelines_port"
+    # allow_abbrev=False everywhere: `--token SECRET` taken for `--token-env SECRET` would print the secret.
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on the "
+                                     "Pipelines platform, standard library only.")
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_serve_command(commands, argparse)
-    _add_mcp_command(commands)
-    return parser
-
-
-def _add_serve_command(commands: Any, argparse: Any) -> None:
     serve_ = commands.add_parser(
         "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
-        description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.",
-    )
+        description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.")
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
-    _add_endpoint_options(serve_, argparse)
-    _add_server_options(serve_)
-    _add_reply_options(serve_)
+    for flag, kind, default, metavar, text in _SERVE_OPTIONS:
+        if kind is None:
+            serve_.add_argument(flag, action="store_true", help=text)
+        elif isinstance(kind, tuple):
+            serve_.add_argument(flag, choices=kind, default=default, help=text)
+        else:
+            serve_.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+    serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
-
-
-def _add_endpoint_options(serve_: Any, argparse: Any) -> None:
-    """Where ``serve`` listens and how it checks the credential (§2 step 1)."""
-    serve_.add_argument("--host", default="127.0.0.1",
-                        help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    serve_.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
-    serve_.add_argument("--path", default=DEFAULT_DISPATCH_PATH, help="dispatch path (default /dispatch)")
-    serve_.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, metavar="NAME",
-                        help="environment variable holding the agent token (default AGENT_TOKEN)")
-    serve_.add_argument("--token", action=_refuse_token_flag(argparse), help=argparse.SUPPRESS)
-    serve_.add_argument("--auth-header", default="Authorization", metavar="NAME",
-                        help="header carrying it: Authorization (Bearer <token>) or a custom name with the raw value")
-    serve_.add_argument("--no-auth", action="store_true", help="disable inbound auth (anyone can dispatch)")
-
-
-def _refuse_token_flag(argparse: Any) -> type:
-    """The action of ``--token VALUE``: refused without echoing VALUE, which would be the agent token itself."""
-
-    class RefuseTokenFlag(argparse.Action):  # type: ignore[misc]
-        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-            parser.error("--token is not accepted: the agent token is read from an environment variable, so it never "
-                         "shows in a process list or a log: set AGENT_TOKEN, or name another with --token-env NAME")
-
-    return RefuseTokenFlag
-
-
-def _add_server_options(serve_: Any) -> None:
-    """The limits ``serve`` holds requests to, and the server that holds them."""
-    serve_.add_argument("--max-body", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
-                        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
-    serve_.add_argument("--timeout", type=_positive_float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
-                        help="run_timeout_s: answer 504 when the agent takes longer (default 300, max 1800)")
-    serve_.add_argument("--grace", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
-                        help="on SIGTERM/SIGINT, how long in-flight dispatches may finish (default 30)")
-    serve_.add_argument("--server", choices=SERVERS, default="asyncio",
-                        help="asyncio (default): one event loop, async agents on it, sync ones on a thread each; "
-                             "threads: http.server, a thread per connection")
-    serve_.add_argument("--read-timeout", type=_positive_float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
-                        help=f"a request's head and body must arrive within this (default {DEFAULT_READ_TIMEOUT_S:g}; "
-                             "408 after)")
-    serve_.add_argument("--keepalive", type=_positive_float, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
-                        help=f"close an idle keep-alive connection after this (default {DEFAULT_KEEPALIVE_S:g}; "
-                             "asyncio server)")
-    serve_.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
-                        help="open connections beyond this get 503 (default: from the open-file limit; asyncio "
-                             "server)")
-
-
-def _add_reply_options(serve_: Any) -> None:
-    """What ``serve`` answers and allows (strictness, proxy hosts, the tools schema), what it logs, and how often
-    it collects garbage."""
-    serve_.add_argument("--strict", action="store_true",
-                        help="refuse (500) a response the platform would only soften or drop parts of, instead of "
-                             f"sending what it grades (also: {ENV_STRICT}=1)")
-    serve_.add_argument("--proxy-hosts", metavar="HOSTS",
-                        help="comma-separated allow-list of proxy hosts dispatches may name: host names, IP addresses "
-                             "or .suffixes (*.suffix too), each optionally with :port (default: "
-                             f"{ENV_PROXY_ALLOWED_HOSTS}, else any host; set but empty is an error)")
-    serve_.add_argument("--tools-schema", metavar="FILE",
-                        help="tools list served at GET /tools_schema "
-                             "(default: tools_schema.json beside the agent file)")
-    serve_.add_argument("--debug", action="store_true",
-                        help=f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)")
-    serve_.add_argument("--no-access-log", action="store_true",
-                        help="no log line per request (logger pipelines_port.access); agents' errors still show")
-    serve_.add_argument("--gc-threshold", type=_non_negative_int, default=SERVE_GC_THRESHOLD, metavar="N",
-                        help=f"collect garbage every N allocations, not 700, after freezing what is loaded "
-                             f"(default {SERVE_GC_THRESHOLD}; 0 leaves Python's collector as it is)")
-
-
-def _add_mcp_command(commands: Any) -> None:
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
         description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
                     f"{ENV_TOOLS_SCHEMA_B64} or the platform, tools/call through the proxy of the run in "
-                    f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.",
-    )
+                    f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.")
     mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
     mcp_.set_defaults(run=_cmd_mcp)
+    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) -> int:

@@ -88,6 +88,30 @@ def test_openai_agents_sdk_agent_runs_through_the_proxy_in_a_dispatch(proxy: Moc
     assert body["metadata"]["total_input_tokens"] == 200 and body["metadata"]["model"] == "test-model-7"
 
 
+def test_openai_agents_sdk_handoffs_are_posted_by_the_run_hooks(proxy: MockProxy) -> None:
+    """``Handoffs.agents_hooks()`` posts the SDK's own handoff (triage to refunds) once, and the handoff call and
+    its output reach the transcript as a tool call and its result."""
+    agents = pytest.importorskip("agents", reason="needs openai-agents")
+    openai = pytest.importorskip("openai", reason="needs openai")
+    agents.set_tracing_disabled(True)
+    with FakeResponsesAPI() as fake:
+        fake.script([Turn(tool_calls=[("transfer_to_refunds", {})]), Turn(text="Refunded.")])
+        model = agents.OpenAIResponsesModel(model="test-model-7", openai_client=openai.AsyncOpenAI(
+            base_url=fake.base_url, api_key=fake.api_key, max_retries=0))
+        refunds = agents.Agent(name="refunds", instructions="Refund the order.", model=model)
+        triage = agents.Agent(name="triage", instructions="Route the request.", handoffs=[refunds], model=model)
+        with pp.bind_envelope(pp.Envelope.from_run({"user_instruction": "x"}, proxy_url=proxy.url, run_token=TOKEN)):
+            hooks = pp.Handoffs().agents_hooks()
+        result = agents.Runner.run_sync(triage, "Refund order 4521", hooks=hooks)
+    assert result.final_output == "Refunded."
+    assert [(r.json["from_sub_agent"], r.json["to_sub_agent"]) for r in proxy.calls(kind="traces")] == [
+        ("triage", "refunds")]
+    body = pp.response_from(result)
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert body["messages"][1]["tool_calls"][0]["name"] == "transfer_to_refunds"
+    assert body["final_response"] == "Refunded." and pp.validate_response(body) == []
+
+
 # -- LangChain and LangGraph -----------------------------------------------------------------------------------
 
 
