@@ -1517,12 +1517,21 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
 
 
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
-                      metadata: Optional[Mapping[str, Any]] = None,
-                      strict: bool = False) -> Tuple[Dict[str, Any], List[str]]:
+                      metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
+                      multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
     """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned (§7.7 kit-result-shapes), with
     ``messages`` and ``metadata`` overriding those found there: lenient (kit-lenient-response) the body the platform
-    would grade, with a warning per change; ``strict`` (kit-strict-mode) :class:`ResponseError` for any problem."""
+    would grade, with a warning per change; ``strict`` (kit-strict-mode) :class:`ResponseError` for any problem.
+
+    A turn reply (§4.2) is the body itself in a ``multi_turn`` dispatch (turn-reply-as-built), and becomes the
+    envelope, ``message`` as ``final_response``, in a single-turn one (kit-turn-reply-single-turn)."""
     unpacked: List[str] = []
+    if _is_turn_reply(value):
+        if multi_turn:
+            return _turn_reply_body(value, strict)
+        value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
+        unpacked.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
+                        "response envelope, its message as final_response")
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
     messages = found_messages if messages is None else messages
     metadata = found_metadata if metadata is None else metadata
@@ -1535,32 +1544,67 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
     if not strict:
         body, kept = _as_the_platform_keeps(body)
         notes = notes + kept
-    found = _response_problems(body, json_safe=not strict)
+    return body, notes + _soft_problems(_response_problems(body, json_safe=not strict), strict)
+
+
+def _soft_problems(found: List[str], strict: bool) -> List[str]:
+    """The soft problems of ``found`` without their ``warning:``; :class:`ResponseError` for the hard ones, and in
+    strict mode for the soft ones too, but a final response the platform truncates."""
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
         errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
     if errors:
         raise ResponseError(errors)
-    return body, notes + soft
+    return soft
 
 
-def build_turn_reply(
-    message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False
-) -> Dict[str, Any]:
-    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4.2, §7.7 kit-turn-reply-checked)."""
-    text = _final_text(message, "message") if not isinstance(message, str) else message
-    if not text or not text.strip():
-        raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
-    if not isinstance(session_done, bool):
-        raise ResponseError(f"session_done must be a boolean, got {json_type(session_done)}")
-    reply: Dict[str, Any] = {"message": text, "session_done": session_done}
+def _is_turn_reply(value: Any) -> bool:
+    """A multi-turn per-turn reply (§4.2): a mapping with ``message`` and ``session_done``, no ``final_response``."""
+    return isinstance(value, Mapping) and "message" in value and "session_done" in value and (
+        "final_response" not in value)
+
+
+def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
+    """``(body, warnings)``: a turn reply as it goes out, its keys in their order (§7.7 kit-turn-reply-checked):
+    lenient, a non-string ``message`` as its JSON text, a non-boolean ``session_done`` as ``false``, the rest as an
+    envelope's; strict, every problem refused."""
+    body: Dict[str, Any] = dict(reply)
+    notes: List[str] = []
+    if not strict:
+        if body["message"] is not None and not isinstance(body["message"], str):
+            body["message"] = _final_text(body["message"], "message", notes=notes)
+        if not isinstance(body["session_done"], bool):
+            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false "
+                         "(no hint)")
+            body["session_done"] = False
+        body, kept = _as_the_platform_keeps(body)
+        notes += kept
+    problems: List[str] = []
+    warnings: List[str] = []
+    message = body.get("message")
+    if message is None or message == "":
+        problems.append("message: required, a non-empty string (the user answers it)")
+    elif not isinstance(message, str):
+        problems.append(f"message: must be a string, got {json_type(message)}")
+    elif not message.strip():
+        warnings.append("warning: message: blank (only whitespace): the user has nothing to answer")
+    if not isinstance(body.get("session_done"), bool):
+        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    problems += _shared_problems(body, warnings, json_safe=not strict)
+    return body, notes + _soft_problems(problems + warnings, strict)
+
+
+def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
+                     session_done: bool = False) -> Dict[str, Any]:
+    """A multi-turn per-turn reply ``{"message", "session_done", "metadata"?}`` (§4.2), checked as a strict server
+    checks it (§7.7 kit-turn-reply-checked): a non-string ``message`` becomes its JSON text; a blank one, a
+    non-boolean ``session_done`` or metadata the platform cannot use raise :class:`ResponseError`."""
+    reply: Dict[str, Any] = {"message": message if isinstance(message, str) else _final_text(message, "message"),
+                             "session_done": session_done}
     if metadata is not None:
-        problems = _metadata_problems(metadata) + [w[len("warning: "):] for w in _metadata_warnings(metadata)]
-        if problems:
-            raise ResponseError(problems)
-        reply["metadata"] = dict(metadata)
-    return reply
+        reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
+    return _turn_reply_body(reply, strict=True)[0]
 
 
 def _metadata_problems(metadata: Any) -> List[str]:
@@ -1688,13 +1732,19 @@ def _response_problems(body: Any, json_safe: bool) -> List[str]:
     elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
         warnings.append(f"warning: final_response: {len(final)} characters; the platform truncates it at "
                         f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning")
-    problems.extend(_message_problems(body.get("messages"), warnings))
-    problems.extend(_metadata_problems(body.get("metadata")))
+    problems.extend(_shared_problems(body, warnings, json_safe))
+    return problems + warnings
+
+
+def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
+    """What a turn reply shares with the envelope: ``messages``, ``metadata``, values JSON cannot carry (soft
+    problems go to ``warnings``)."""
+    problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"))
     warnings.extend(_metadata_warnings(body.get("metadata")))
     unsendable = None if json_safe else _unsendable(body, "body")
     if unsendable:
         problems.append(unsendable[len("body."):] if unsendable.startswith("body.") else unsendable)
-    return problems + warnings
+    return problems
 
 
 # ---------------------------------------------------------------------------
@@ -3311,13 +3361,15 @@ def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]
 
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
-           secrets: Sequence[Optional[str]] = ()) -> Dict[str, Any]:
+           secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
     """:func:`build_response`, each warning logged without ``secrets`` or the bound run's token (a warning names
-    paths, and a key may hold the token)."""
+    paths, and a key may hold the token): what every server and ``run()`` send (a turn reply as built in a
+    ``multi_turn`` dispatch)."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
     if plain is not None:  # nothing to warn about, strict or not (and no environment variable to read)
         return plain
-    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict),
+                                       multi_turn=multi_turn)
     bound = _current.get()
     hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:
@@ -3750,7 +3802,7 @@ class DispatchApp:
     def _respond(self, result: Any, envelope: Envelope) -> HttpReply:
         """The 200 reply for what the agent returned, its run token redacted; 500 when it cannot become one."""
         try:
-            body = _built(result, strict=self.strict, secrets=self.secrets(envelope))
+            body = _built(result, strict=self.strict, secrets=self.secrets(envelope), multi_turn=envelope.is_multi_turn)
             reply = json_reply(200, body)
             clean = _without_run_token(body, envelope, reply.body)
             return reply if clean is body else json_reply(200, clean)
@@ -4510,7 +4562,8 @@ def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> 
     """The response body ``run()`` returns for ``result``: built, without the run token, sure to serialise as JSON
     and UTF-8; else a :class:`ResponseError` without the run token, never a half-built dict."""
     try:
-        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
+        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,),
+                                         multi_turn=envelope.is_multi_turn), envelope)
         json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except ResponseError as exc:
         raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
