@@ -31,28 +31,28 @@ the numbers true)::
      1631    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
      1790    Reply interpretation (§3.2, §3.3) and the retry decision
      2024    Response envelope (§4): building and validation
-     2597    HTTP replies of a dispatch endpoint: JSON bodies, one error path
-     2663  PART 2 - THE PYTHON RUNTIME
-     2709    Speed paths: what part 1 computes, computed faster in Python
-     2828    Context binding: the envelope of the dispatch running in this context
-     2873    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
-     3211    The deadline wheel: the asyncio driver's and server's timeouts
-     3305    Transport, asyncio: replies read as they arrive, connections pooled per loop
-     3772    The retry loop of both drivers (RetryState.step decides), and what they share
-     3930    Proxy client (§3): tool calls, trace events, actors
-     4493    Running agents: a fresh thread per run, an optional deadline
-     4745    The dispatch app (§2): decide(), then probe the proxy or run the agent
-     5128    Server adapters: the built-in servers' settings; WSGI and ASGI
-     5242    The http.server server: a thread per connection, its classes built on first use
-     5543    The asyncio server: one event loop, a protocol per connection
-     5964    Starting a server: make_server, start_server, serve (signals and the drain)
-     6066    Code mode (§5): one agent function, the sandbox's run() entrypoint
-     6193  PART 3 - CONVENIENCES
-     6206    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
-     6450    Tools from code: JSON Schema from a function's signature
-     6780    Framework bridges (the porting guide's steps 1 and 2)
-     7289    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-     7486    Command line: serve, mcp
+     2666    HTTP replies of a dispatch endpoint: JSON bodies, one error path
+     2732  PART 2 - THE PYTHON RUNTIME
+     2778    Speed paths: what part 1 computes, computed faster in Python
+     2897    Context binding: the envelope of the dispatch running in this context
+     2942    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
+     3280    The deadline wheel: the asyncio driver's and server's timeouts
+     3374    Transport, asyncio: replies read as they arrive, connections pooled per loop
+     3841    The retry loop of both drivers (RetryState.step decides), and what they share
+     3999    Proxy client (§3): tool calls, trace events, actors
+     4564    Running agents: a fresh thread per run, an optional deadline
+     4816    The dispatch app (§2): decide(), then probe the proxy or run the agent
+     5199    Server adapters: the built-in servers' settings; WSGI and ASGI
+     5313    The http.server server: a thread per connection, its classes built on first use
+     5614    The asyncio server: one event loop, a protocol per connection
+     6035    Starting a server: make_server, start_server, serve (signals and the drain)
+     6137    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     6265  PART 3 - CONVENIENCES
+     6278    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
+     6522    Tools from code: JSON Schema from a function's signature
+     6852    Framework bridges (the porting guide's steps 1 and 2)
+     7361    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     7558    Command line: serve, mcp
 
 Quick look::
 
@@ -2326,6 +2326,7 @@ def response_envelope(
     messages: Optional[Sequence[Mapping[str, Any]]] = None,
     metadata: Optional[Mapping[str, Any]] = None,
     strict: bool = False,
+    multi_turn: bool = False,
 ) -> Tuple[Dict[str, Any], List[str]]:
     """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned.
 
@@ -2344,8 +2345,22 @@ def response_envelope(
 
     ``strict=True`` refuses instead: :class:`ResponseError` lists every
     problem, the soft ones too, except the truncation warning.
+
+    A turn reply (§4.2: a mapping with ``message`` and ``session_done`` and no
+    ``final_response``, as :func:`build_turn_reply` builds it) is the body
+    itself in a multi-turn dispatch (``multi_turn=True``: the envelope carries
+    ``session_id`` or ``turn_id``), checked by :func:`_turn_reply_body`; in a
+    single-turn one it becomes the response envelope, ``message`` as
+    ``final_response``, ``session_done`` dropped with a warning
+    (kit-turn-reply-detected, kit-turn-reply-single-turn).
     """
     unpacked: List[str] = []
+    if _is_turn_reply(value):
+        if multi_turn:
+            return _turn_reply_body(value, strict)
+        value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
+        unpacked.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
+                        "response envelope, its message as final_response")
     final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
     if messages is None:
         messages = found_messages
@@ -2361,32 +2376,80 @@ def response_envelope(
     if not strict:
         body, kept = _as_the_platform_keeps(body)
         notes = notes + kept
-    found = validate_response(body)
+    return body, notes + _soft_problems(validate_response(body), strict)
+
+
+def _soft_problems(found: List[str], strict: bool) -> List[str]:
+    """The soft problems of ``found`` (as :func:`validate_response` words them), without their ``warning:``;
+    :class:`ResponseError` for the hard ones, and in strict mode for the soft ones too but the truncation warning."""
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
         errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
     if errors:
         raise ResponseError(errors)
-    return body, notes + soft
+    return soft
+
+
+def _is_turn_reply(value: Any) -> bool:
+    """A multi-turn per-turn reply (§4.2): a mapping with ``message`` and ``session_done``, no ``final_response``."""
+    return isinstance(value, Mapping) and "message" in value and "session_done" in value and (
+        "final_response" not in value)
+
+
+def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
+    """``(body, warnings)``: a turn reply as it goes out, its keys and their order as built (kit-turn-reply-checked).
+
+    Lenient, as :func:`response_envelope` treats an envelope: a ``message``
+    that is not a string becomes its JSON text, a ``session_done`` that is not
+    a boolean is sent as ``false`` (no hint), the rest as
+    :func:`_as_the_platform_keeps` sends it, each change a warning; only a
+    missing or empty ``message`` raises :class:`ResponseError`.  Strict:
+    every problem raises, the soft ones too (a blank message, mistyped metadata).
+    """
+    body: Dict[str, Any] = dict(reply)
+    notes: List[str] = []
+    if not strict:
+        if body["message"] is not None and not isinstance(body["message"], str):
+            body["message"] = _final_text(body["message"], "message", notes=notes)
+        if not isinstance(body["session_done"], bool):
+            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false "
+                         "(no hint)")
+            body["session_done"] = False
+        body, kept = _as_the_platform_keeps(body)
+        notes += kept
+    return body, notes + _soft_problems(_turn_reply_problems(body), strict)
+
+
+def _turn_reply_problems(body: Mapping[str, Any]) -> List[str]:
+    """Every problem of a turn reply, worded as :func:`validate_response` words an envelope's: a non-empty string
+    ``message`` (blank: a warning), a boolean ``session_done``, and what it shares with the envelope."""
+    problems: List[str] = []
+    warnings: List[str] = []
+    message = body.get("message")
+    if message is None or message == "":
+        problems.append("message: required, a non-empty string (the user answers it)")
+    elif not isinstance(message, str):
+        problems.append(f"message: must be a string, got {json_type(message)}")
+    elif not message.strip():
+        warnings.append("warning: message: blank (only whitespace): the user has nothing to answer")
+    if not isinstance(body.get("session_done"), bool):
+        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    problems.extend(_shared_problems(body, warnings))
+    return problems + warnings
 
 
 def build_turn_reply(
     message: Any, *, metadata: Optional[Mapping[str, Any]] = None, session_done: bool = False
 ) -> Dict[str, Any]:
-    """A multi-turn per-turn reply ``{"message", "metadata"?, "session_done"}`` (§4)."""
-    text = _final_text(message, "message") if not isinstance(message, str) else message
-    if not text or not text.strip():
-        raise ResponseError("message must be a non-empty string: the simulated user needs something to answer")
-    if not isinstance(session_done, bool):
-        raise ResponseError(f"session_done must be a boolean, got {json_type(session_done)}")
-    reply: Dict[str, Any] = {"message": text, "session_done": session_done}
+    """A multi-turn per-turn reply ``{"message", "session_done", "metadata"?}`` (§4.2), checked as a strict server
+    checks it: a ``message`` that is not a string becomes its JSON text; a blank one, a ``session_done`` that is not
+    a boolean or metadata the platform cannot use raises :class:`ResponseError` (kit-turn-reply-checked)."""
+    reply: Dict[str, Any] = {"message": message if isinstance(message, str) else _final_text(message, "message"),
+                             "session_done": session_done}
     if metadata is not None:
-        problems = _metadata_problems(metadata) + [w[len("warning: "):] for w in _metadata_warnings(metadata)]
-        if problems:
-            raise ResponseError(problems)
-        reply["metadata"] = dict(metadata)
-    return reply
+        reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
+    return _turn_reply_body(reply, strict=True)[0]
 
 
 def _metadata_problems(metadata: Any) -> List[str]:
@@ -2584,13 +2647,19 @@ def validate_response(body: Any) -> List[str]:
             f"warning: final_response: {len(final)} characters; the platform truncates it at "
             f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning"
         )
-    problems.extend(_message_problems(body.get("messages"), warnings))
-    problems.extend(_metadata_problems(body.get("metadata")))
+    problems.extend(_shared_problems(body, warnings))
+    return problems + warnings
+
+
+def _shared_problems(body: Mapping[str, Any], warnings: List[str]) -> List[str]:
+    """The problems of what a turn reply shares with the envelope (``messages``, ``metadata``, values JSON cannot
+    carry); soft ones are appended to ``warnings``."""
+    problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"))
     warnings.extend(_metadata_warnings(body.get("metadata")))
     unencodable = _unencodable(body, "body")
     if unencodable:
         problems.append(unencodable[len("body."):] if unencodable.startswith("body.") else unencodable)
-    return problems + warnings
+    return problems
 
 
 # ---------------------------------------------------------------------------
@@ -4475,13 +4544,15 @@ def build_response(
 
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
-           secrets: Sequence[Optional[str]] = ()) -> Dict[str, Any]:
+           secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
     """:func:`build_response`, each warning logged without ``secrets`` or the bound run's token (a warning names
-    paths, and a key may hold the token)."""
+    paths, and a key may hold the token): what every server and ``run()`` send, a turn reply as built in a
+    ``multi_turn`` dispatch."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
     if plain is not None:  # nothing to warn about, strict or not (and no environment variable to read)
         return plain
-    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict))
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict),
+                                       multi_turn=multi_turn)
     bound = _current.get()
     hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:
@@ -5012,7 +5083,7 @@ class DispatchApp:
     def _respond(self, result: Any, envelope: Envelope) -> HttpReply:
         """The 200 reply for what the agent returned, its run token redacted; 500 when it cannot become one."""
         try:
-            body = _built(result, strict=self.strict, secrets=self.secrets(envelope))
+            body = _built(result, strict=self.strict, secrets=self.secrets(envelope), multi_turn=envelope.is_multi_turn)
             reply = json_reply(200, body)
             clean = _without_run_token(body, envelope, reply.body)
             return reply if clean is body else json_reply(200, clean)
@@ -6142,7 +6213,8 @@ def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> 
     the JSON and UTF-8 the sandbox sends; else a :class:`ResponseError` without the run token, never a half-built
     dict."""
     try:
-        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,)), envelope)
+        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,),
+                                         multi_turn=envelope.is_multi_turn), envelope)
         json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except ResponseError as exc:
         raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
