@@ -531,6 +531,21 @@ def transcript_dropped() -> None:
     pp._built = build_response
 
 
+@variant("turn_reply_folded", "response.turn_reply")
+def turn_reply_folded() -> None:
+    """A turn reply read as a framework result (the module before issue #42): its message becomes final_response,
+    session_done and metadata are lost."""
+    original = pp._built
+
+    def built(value: Any, **kwargs: Any) -> Any:
+        kwargs.pop("multi_turn", None)
+        if isinstance(value, dict) and "message" in value and "final_response" not in value:
+            value = value["message"]
+        return original(value, **kwargs)
+
+    pp._built = built
+
+
 @variant("proxy_url_slash_kept", "envelope.echo")
 def proxy_url_slash_kept() -> None:
     original = pp.validate_proxy_url

@@ -141,6 +141,9 @@ MUTANTS = [
        (CLIENT, 'event := map[string]any{"from_sub_agent": source, "to_sub_agent": target}',
         'event := map[string]any{"from": source, "to": target}')),
     # -- the response and errors (§2 step 8, §4)
+    _m("turn_reply_folded", "turn-reply-as-built",  # the reply read as a framework result: message kept alone
+       (SERVER, "BuildReply(result.value, h.opts.Strict || StrictFromEnv(), env.IsMultiTurn())",
+        "BuildReply(result.value, h.opts.Strict || StrictFromEnv(), false)")),
     _m("empty_final_response_sent", "final-response-required",
        (RESPONSE, '\tcase text == "":\n\t\tproblems = append(problems, hard("final_response", "must not be empty '
                   '(the judge has nothing to grade)"))\n', "")),

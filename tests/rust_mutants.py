@@ -132,6 +132,9 @@ MUTANTS = [
        (ENCODING, 'event.insert("from_sub_agent".into(), Value::String(source));',
         'event.insert("from".into(), Value::String(source));')),
     # -- the response and errors (§2 step 8, §4)
+    _m("turn_reply_folded", "turn-reply-as-built",  # the multi-turn flag never passed: every reply an envelope
+       (SERVER, "match build_reply(&value, strict, state.envelope.is_multi_turn()) {",
+        "match build_reply(&value, strict, false) {")),
     _m("empty_final_response_sent", "final-response-required",
        (RESPONSE, '        Some(Value::String(text)) if text.is_empty() => problems.push(hard(\n            "final_response",\n'
                   '            "must not be empty (the judge has nothing to grade)",\n        )),\n', "")),

@@ -466,6 +466,7 @@ def test_script_mode_reports_every_outcome_kind_and_a_valid_transcript(proxy: Mo
     ([{"handoff": {"from": "a"}}], "steps[0].handoff"),
     ([{"sleep_ms": -1}], "steps[0].sleep_ms"),
     ([{"raise": 5}], "steps[0].raise"),
+    ([{"turn_reply": {"session_done": True}}], "steps[0].turn_reply"),
 ])
 def test_a_malformed_script_raises_naming_the_step(steps: List[Any], where: str) -> None:
     envelope = pp.Envelope(proxy_url="http://127.0.0.1:9/p", run_token="t",
@@ -482,6 +483,17 @@ def test_return_and_raise_end_the_run() -> None:
     raising = envelope.replace(user_instruction=json.dumps({"steps": [{"raise": "boom"}, {"return": "x"}]}))
     with pytest.raises(RuntimeError, match="^boom$"):
         conformance_agent.agent(raising)
+
+
+def test_a_turn_reply_step_returns_what_the_ports_builder_builds() -> None:
+    envelope = pp.Envelope(proxy_url="http://127.0.0.1:9/p", run_token="t", user_instruction=json.dumps(
+        {"steps": [{"turn_reply": {"message": "Which one?", "metadata": {"model": "m"}, "session_done": True}}]}))
+    assert conformance_agent.agent(envelope) == {"message": "Which one?", "session_done": True, "metadata": {"model": "m"}}
+    plain = envelope.replace(user_instruction=json.dumps({"steps": [{"turn_reply": {"message": "Hi"}}]}))
+    assert conformance_agent.agent(plain) == {"message": "Hi", "session_done": False}
+    blank = envelope.replace(user_instruction=json.dumps({"steps": [{"turn_reply": {"message": " "}}]}))
+    with pytest.raises(pp.ResponseError, match="message"):  # the builder refuses it: the port answers 500
+        conformance_agent.agent(blank)
 
 
 # -- the dispatcher ----------------------------------------------------------------------------------------

@@ -294,8 +294,9 @@ run = pp.code_mode(agent)
 def check_turns(log: pathlib.Path, record: Dict[str, Any]) -> None:
     """The agent saw each turn's multi-turn fields; the record holds the conversation turn by turn.
 
-    Turn 1 asks a question, so the scripted user answers it; the runtime folds the agent's turn reply into
-    ``final_response`` (its ``session_done`` with it), and after two replies the scripted user is done.
+    Turn 1 asks a question (``session_done: false``), so the scripted user answers it; turn 2 says
+    ``session_done: true``: the runtime sends the turn reply as built (CONTRACT §4.2), and the scripted user
+    takes the hint, so the session ends by it.
     """
     turns = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
     instruction = record["user_instruction"]
@@ -313,7 +314,9 @@ def check_turns(log: pathlib.Path, record: Dict[str, Any]) -> None:
     assert [t["tool_calls"] for t in record["conversation"]] == [[1], [2]]
     assert [t["agent"] for t in record["conversation"]] == ["Order 4521 is paid. Shall I cancel it?",
                                                             "It is cancelled now."]
-    assert record["final_response"] == "It is cancelled now." and record["session"]["ended"] == "the user was done"
+    assert [t["session_done"] for t in record["conversation"]] == [False, True]
+    assert record["final_response"] == "It is cancelled now."
+    assert record["session"]["ended"] == "the agent's session_done hint (turn 2), accepted by the user"
     assert [c["turn"] for c in record["tool_calls"]] == [1, 2]
     assert record["messages"] == [{"role": "user", "content": instruction},
                                   {"role": "assistant", "content": "Order 4521 is paid. Shall I cancel it?"},

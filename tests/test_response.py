@@ -87,6 +87,21 @@ def test_turn_reply() -> None:
         pp.build_turn_reply("x", metadata={"total_input_tokens": "many"})
 
 
+def test_a_turn_reply_is_json_safe_as_an_envelope_is() -> None:
+    """kit-json-safe-response holds for turn replies: lenient converts (each change named), strict refuses."""
+    reply = {"message": "cut \ud83d", "session_done": True, "metadata": {"cost": float("nan")}}
+    body, warnings = pp.response_envelope(reply, multi_turn=True)
+    assert body == {"message": "cut \ufffd", "session_done": True, "metadata": {"cost": None}}
+    assert any(w.startswith("message: lone surrogates") for w in warnings)
+    assert any(w.startswith("metadata.cost: nan") for w in warnings)
+    with pytest.raises(pp.ResponseError, match="message: a lone surrogate"):
+        pp.response_envelope(reply, multi_turn=True, strict=True)
+    assert list(pp.response_envelope({"session_done": False, "message": "a", "x": 1}, multi_turn=True)[0]) == [
+        "session_done", "message", "x"]  # the keys as built, in their order
+    with pytest.raises(pp.ResponseError, match="final_response: must not be empty"):
+        pp.build_response({"message": "", "session_done": True})  # single-turn: the message is the final_response
+
+
 def test_values_json_cannot_carry_never_make_a_200_that_is_not_json(caplog: pytest.LogCaptureFixture) -> None:
     """NaN, infinities, datetimes, sets, bytes, other objects: converted with a warning naming the path, or refused."""
     import datetime

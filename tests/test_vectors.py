@@ -308,6 +308,25 @@ def test_build_response_vectors(case: Dict[str, Any]) -> None:
         json.dumps(body, allow_nan=False)  # always strict JSON
 
 
+TURN_REPLY = vectorlib.cases("turn_reply")
+
+
+@pytest.mark.parametrize("case", TURN_REPLY, ids=ids(TURN_REPLY))
+def test_turn_reply_vectors(case: Dict[str, Any]) -> None:
+    """What a dispatch sends for what the agent returned, multi-turn or not (``response_envelope(multi_turn=...)``,
+    the one place every server and ``run()`` build their bodies): the exact body, or the refusal."""
+    inp = case["input"]
+    expect = case["expect"]
+    if "error" in expect:
+        with pytest.raises(pp.ResponseError) as info:
+            pp.response_envelope(inp["value"], multi_turn=inp["multi_turn"], strict=inp.get("strict", False))
+        check_error(info.value, expect)
+        return
+    body, _ = pp.response_envelope(inp["value"], multi_turn=inp["multi_turn"], strict=inp.get("strict", False))
+    assert same_json(body, expect["body"]), body
+    json.dumps(body, allow_nan=False)
+
+
 VALIDATE = vectorlib.cases("validate_response")
 
 

@@ -131,9 +131,12 @@ MUTANTS = [
         "  const event: Record<string, unknown> = { from: source, to: target };")),
     # -- the response and errors (§2 step 8, §4)
     _m("empty_final_response_sent", "final-response-required",
-       ("  if (errors.length) throw new ResponseError(errors);",
-        '  if (errors.length && body["final_response"] !== "") throw new ResponseError(errors);')),
+       ("  const soft = softProblems(validateResponse(body), isStrict);",
+        '  const soft = body["final_response"] === "" ? [] : softProblems(validateResponse(body), isStrict);')),
     _m("transcript_dropped", "response-as-built", ('  if (transcript !== null) body["messages"] = flatMessages(transcript);\n', "")),
+    _m("turn_reply_folded", "turn-reply-as-built",
+       ("      const body = buildResponse(result, { strict: this.strict, multiTurn: isMultiTurn(envelope) });",
+        "      const body = buildResponse(result, { strict: this.strict });")),
     _m("agent_error_200", "agent-error-500",
        ("      return errorReply(500, short(scrub(describeError(err)), DETAIL_LIMIT - 1));",
         "      return jsonReply(200, { final_response: `The agent failed: ${scrub(describeError(err))}` });")),
@@ -155,7 +158,7 @@ MUTANTS = [
     _m('zero_id_falsy', 'native-id-types', ('candidates.map(nativeId).find((id) => id !== null) ?? null;', 'candidates.map(nativeId).find((id) => id) ?? null;')),
     _m('jti_header_first', 'ids-body-then-headers', ('run_token_jti: jti ?? header(h, RUN_TOKEN_JTI_HEADER),', 'run_token_jti: header(h, RUN_TOKEN_JTI_HEADER) ?? jti,')),
     _m('task_id_input_first', 'ids-body-then-headers', ('task_id: firstId(raw["task_id"], task["task_id"], header(h, TASK_ID_HEADER)),', 'task_id: firstId(task["task_id"], raw["task_id"], header(h, TASK_ID_HEADER)),')),
-    _m('redact_final_only', 'run-token-secret', ('      if (JSON.stringify(body).includes(envelope.run_token)) {\n        log("warning", "the agent\'s response contained the run token; it was redacted");\n        return jsonReply(200, redact(body, envelope.run_token));\n      }', '      if (body.final_response.includes(envelope.run_token)) {\n        log("warning", "the agent\'s response contained the run token; it was redacted");\n        return jsonReply(200, { ...body, final_response: redact(body.final_response, envelope.run_token) });\n      }')),
+    _m('redact_final_only', 'run-token-secret', ('      if (JSON.stringify(body).includes(envelope.run_token)) {\n        log("warning", "the agent\'s response contained the run token; it was redacted");\n        return jsonReply(200, redact(body, envelope.run_token));\n      }', '      if (String(body["final_response"]).includes(envelope.run_token)) {\n        log("warning", "the agent\'s response contained the run token; it was redacted");\n        return jsonReply(200, { ...body, final_response: redact(body["final_response"], envelope.run_token) });\n      }')),
     _m('scrub_run_token_only', 'run-token-secret', ('const secrets = [envelope.run_token, this.expectedToken()];', 'const secrets = [envelope.run_token];')),
     _m('self_handoff_raw', 'self-handoff-dropped', ('  if (source === target) {', '  if (fromSubAgent === toSubAgent) {')),
 ]

@@ -26,7 +26,7 @@ import pipelines_port as pp
 __all__ = ["agent", "agent_async", "ScriptError", "echo", "outcome_of_error"]
 
 MODEL = "conformance-agent"
-STEP_KINDS = ("call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return")
+STEP_KINDS = ("call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return", "turn_reply")
 
 
 class ScriptError(ValueError):
@@ -184,6 +184,12 @@ class Script:
             if not isinstance(step["raise"], str):
                 raise ScriptError(f"{where}.raise: must be a string")
             raise RuntimeError(step["raise"])
+        if kind == "turn_reply":
+            spec = step["turn_reply"]
+            if not isinstance(spec, dict) or "message" not in spec:
+                raise ScriptError(f"{where}.turn_reply: must be an object with 'message'")
+            raise _Return(pp.build_turn_reply(spec["message"], metadata=spec.get("metadata"),
+                                              session_done=spec.get("session_done", False)))
         raise _Return(step["return"])
 
     def step(self, kind: str, what: Any) -> Any:

@@ -380,12 +380,15 @@ class Check:
         return self.post(body, sent)
 
     def script(self, steps: List[Any], *, setup: Optional[Callable[[ProxyRun], None]] = None,
-               ran: Optional[Tuple[Run, ProxyRun]] = None) -> Ran:
-        """Dispatch a script (a fresh run unless ``ran`` is given); ``setup`` scripts the proxy first."""
+               ran: Optional[Tuple[Run, ProxyRun]] = None, turn: Optional[Mapping[str, Any]] = None) -> Ran:
+        """Dispatch a script (a fresh run unless ``ran`` is given); ``setup`` scripts the proxy first; ``turn`` (the
+        multi-turn fields of §2.2) makes the dispatch a turn of a multi-turn run."""
         run, proxy_run = ran or self.new_run()
         if setup is not None:
             setup(proxy_run)
-        reply = self.dispatch(run, user_instruction=compact({"steps": steps}))
+        body = envelope_body(run, user_instruction=compact({"steps": steps}))
+        body["input"].update(turn or {})
+        reply = self.dispatch(run, body)
         return Ran(run, proxy_run, reply)
 
     # -- reading what came back -------------------------------------------------------------
@@ -403,6 +406,23 @@ class Check:
             raise Failed("a response body valid under §4's JSON Schema (§4.1)", "; ".join(problems[:3]),
                          "message-shape")
         return reply.json
+
+    def turn_reply(self, reply: Reply, built: Mapping[str, Any], what: str) -> None:
+        """The 200 body is the turn reply ``built`` as the agent built it (§4.2 turn-reply-as-built); keys beyond it
+        are allowed, except with ``--profile api``."""
+        if reply.status != 200:
+            raise Failed(f"HTTP 200 with {what}", describe(reply))
+        body = reply.json if isinstance(reply.json, dict) else None
+        if body is None:
+            raise Failed(f"a JSON object body with {what} (CONTRACT §4.2)", describe(reply))
+        shown = body if self.platform.options.profile == "api" else {k: v for k, v in body.items() if k in built}
+        if same_json(shown, built):
+            return
+        folded = "final_response" in body and "message" not in body
+        raise Failed(f"{what} as built: {show(built)}", show(body), hint=(
+            "the response builder folded the turn reply into a response envelope, losing session_done and its "
+            "metadata: when the dispatch carries session_id or turn_id, send a value built by the turn-reply "
+            "builder (or a mapping with message and session_done) as it is" if folded else None))
 
     def results(self, ran: Ran, count: int) -> List[Any]:
         """The script's ``results`` (exactly ``count`` of them) from ``final_response``."""
@@ -1419,6 +1439,37 @@ def _(c: Check) -> None:
         raise Failed('metadata {"model": "conformance-agent", "agent_runtime_ms": <ms>}', show(metadata))
 
 
+def turn_fields(run: Run, turn: int = 0) -> Dict[str, Any]:
+    """The multi-turn fields of a dispatch (§2.2 multi-turn-fields): turn ``turn`` of a session of ``run``'s own."""
+    session = f"conformance-session-{run.run_id}"
+    return {"latest_user_prompt": "Which order do you mean?", "session_id": session, "turn_id": f"{session}-t{turn}",
+            "messages": [{"role": "user", "content": "Cancel my order"},
+                         {"role": "assistant", "content": "Which one?"}][:2 * turn], "scenario_state": {}}
+
+
+@case("response.turn_reply", "§4.2",
+      "a multi-turn dispatch whose agent returns a turn reply gets it back as built: message, session_done, metadata",
+      ["turn-reply-as-built", "turn-reply-shape"])
+def _(c: Check) -> None:
+    """The agent builds the reply with the port's turn-reply builder (the ``turn_reply`` step), then returns a
+    hand-built one (a ``return`` step): both leave the port unchanged, ``session_done`` true and false."""
+    for turn, step, built in (
+        (0, {"turn_reply": {"message": "Which order do you mean?", "session_done": False}},
+         {"message": "Which order do you mean?", "session_done": False}),
+        (1, {"turn_reply": {"message": "Order 4521 is cancelled.", "metadata": {"model": "conformance-agent",
+                                                                                 "total_input_tokens": 12},
+                            "session_done": True}},
+         {"message": "Order 4521 is cancelled.", "metadata": {"model": "conformance-agent", "total_input_tokens": 12},
+          "session_done": True}),
+        (2, {"return": {"message": "Anything else?", "metadata": {"model": "m"}, "session_done": False}},
+         {"message": "Anything else?", "metadata": {"model": "m"}, "session_done": False}),
+    ):
+        run, proxy_run = c.new_run()
+        ran = c.script([step], ran=(run, proxy_run), turn=turn_fields(run, turn))
+        how = "built by the port's turn-reply builder" if "turn_reply" in step else "built by hand"
+        c.turn_reply(ran.reply, built, f"the turn reply {how}")
+
+
 def _json_or_none(text: Any) -> Any:
     try:
         return json.loads(text) if isinstance(text, str) else None
@@ -1960,6 +2011,36 @@ def _build_response_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Optio
     return run
 
 
+def _turn_reply_vector(doc: Dict[str, Any], vector: Dict[str, Any]) -> Optional[Callable[[Check], None]]:
+    given = vector["input"]
+    if given.get("strict"):
+        return None  # strict mode is a pipelines_port option a port need not have
+    value = given["value"]
+    expect = vector["expect"]
+
+    def run(c: Check) -> None:
+        run_, proxy_run = c.new_run()
+        turn = turn_fields(run_) if given["multi_turn"] else None
+        ran = c.script([{"return": value}], ran=(run_, proxy_run), turn=turn)
+        if "error" in expect:
+            if ran.reply.status != 500:
+                raise Failed("500: the returned value cannot become a reply", describe(ran.reply))
+            expect_words(c, ran.reply, expect.get("mentions", []), "kit-unbuildable-result-500", "a 500 detail")
+            return
+        if vector.get("a_port_may_refuse") and ran.reply.status == 500:
+            return  # a port that refuses what the platform would only soften (a strict port) keeps the contract
+        wanted = expect["body"]
+        if "final_response" in wanted:
+            body = c.response(ran.reply)
+            if c.platform.options.profile != "api":  # extra top-level keys are allowed (§4 extra-top-level-keys)
+                body = {k: v for k, v in body.items() if k in wanted}
+            if not same_json(body, wanted):
+                raise Failed(f"the body {show(wanted)}", show(body))
+        else:
+            c.turn_reply(ran.reply, wanted, "the turn reply")
+    return run
+
+
 VECTOR_BUILDERS: List[Tuple[str, Callable[[Dict[str, Any], Dict[str, Any]], Optional[Callable[[Check], None]]]]] = [
     ("envelope", _envelope_vector),
     ("inbound", _inbound_vector),
@@ -1969,6 +2050,7 @@ VECTOR_BUILDERS: List[Tuple[str, Callable[[Dict[str, Any], Dict[str, Any]], Opti
     ("proxy_replies", _proxy_reply_vector),
     ("trace_events", _trace_vector),
     ("build_response", _build_response_vector),
+    ("turn_reply", _turn_reply_vector),
 ]
 
 

@@ -194,20 +194,20 @@ FOLLOW_UP = "Thanks. Is there anything else I need to do?"
 
 
 def simulated_user(case: Mapping[str, Any]) -> Dict[str, Any]:
-    """The scripted user: answers the agent's first question, follows up once, then is done.
+    """The scripted user: takes the agent's hint, answers its first question, follows up once, then is done.
 
-    Done when the agent's last reply is empty (abandoned) or says the session is done; a reply that asks a
-    question gets "Yes, please go ahead." (once); after a single reply the user asks a follow-up, so every
-    session has a second turn; after that, done.
+    Done when the agent's last reply is empty (abandoned) or says ``session_done: true`` (the hint, accepted);
+    a reply that asks a question gets "Yes, please go ahead." (once); after a single reply the user asks a
+    follow-up, so every session has a second turn; after that, done.
     """
     turns = [t for t in case.get("conversation") or [] if isinstance(t, dict)]
     last = turns[-1] if turns else {}
     reply = str(last.get("agent") or "")
-    if not reply.strip():
+    if not reply.strip() or last.get("session_done") is True:
         return {"message": None, "done": True}
     if "?" in reply and not any(t.get("user") == GO_AHEAD for t in turns):
         return {"message": GO_AHEAD, "done": False}
-    if last.get("session_done") or len(turns) >= 2:
+    if len(turns) >= 2:
         return {"message": None, "done": True}
     return {"message": FOLLOW_UP, "done": False}
 

@@ -166,11 +166,12 @@ def _conversation_text(run: Mapping[str, Any]) -> List[str]:
         return []
     lines = [(f"    session {session.get('session_id')}: {_plural(session.get('turns', 0), 'turn')}, "
               f"ended: {session.get('ended')}")]
-    for turn in run.get("conversation") or []:
+    turns = run.get("conversation") or []
+    for turn in turns:
         calls = ", ".join(f"#{i}" for i in turn.get("tool_calls") or [])
         lines.append(f"    turn {turn.get('turn')} user: {_short(turn.get('user') or '', 100)}")
         agent = f"(failed: {_short(turn['error'], 90)})" if turn.get("error") else _short(turn.get("agent") or "", 100)
-        done = " [session_done]" if turn.get("session_done") else ""
+        done = "" if turn.get("error") else f" [{session_done_text(turn.get('session_done'), turn is not turns[-1])}]"
         lines.append(f"           agent: {agent}{done}" + (f"  [calls {calls}]" if calls else ""))
     return lines
 
@@ -184,6 +185,14 @@ def trials_text(runs: List[Mapping[str, Any]], trials: int) -> List[str]:
         lines.append(f"  {_where(row.runs[0])}  {row.score} passed{flaky}  [{said}]  "
                      f"{_short(row.runs[0].get('user_instruction', ''), 60)}")
     return lines
+
+
+def session_done_text(hint: Any, went_on: bool = False) -> str:
+    """A turn's ``session_done`` as the reports show it: the agent's hint (``went_on``: a later turn followed, so
+    the user did not take it), or that its reply gave none."""
+    if hint is None:
+        return "no session_done (a response envelope)"
+    return f"session_done: {'true' if hint else 'false'}" + (", the user went on" if hint and went_on else "")
 
 
 def judge_summary_text(verdicts: Mapping[str, Any], model: Optional[str], trials: int = 1) -> str:
@@ -557,14 +566,15 @@ def _conversation_html(run: Mapping[str, Any]) -> str:
     session = run.get("session") or {}
     out = [(f"<h3>Conversation</h3><div class=\"lbl\">session {_e(session.get('session_id'))} · "
             f"{_e(_plural(session.get('turns', 0), 'turn'))} · ended: {_e(session.get('ended'))}</div>")]
-    for turn in run.get("conversation") or []:
+    turns = run.get("conversation") or []
+    for turn in turns:
         calls = " ".join(_pill(f"#{i}") for i in turn.get("tool_calls") or [])
         out.append(f'<div class="msg"><div class="role">turn {_e(turn.get("turn"))} · user</div>'
                    f'<div class="said">{_e(turn.get("user") or "")}</div></div>')
         if turn.get("error"):
             out.append(f'<div class="msg errors"><div class="role">agent</div>{_e(turn["error"])}</div>')
         else:
-            done = " · session_done" if turn.get("session_done") else ""
+            done = f" · {session_done_text(turn.get('session_done'), turn is not turns[-1])}"
             out.append(f'<div class="msg"><div class="role">agent{_e(done)}</div>'
                        f'<div class="said">{_e(turn.get("agent") or "")}</div>'
                        + (f'<div class="lbl">tool calls {calls}</div>' if calls else "") + "</div>")

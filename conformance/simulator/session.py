@@ -14,11 +14,15 @@ The first turn's prompt is the user instruction; each later prompt is the user m
 instruction, the behavior instructions and the conversation so far (``prompts/user.md``); it answers
 ``{"message": str|null, "done": bool}`` (``..models.roles.USER_SCHEMA``; not done needs a message).  The
 agent answers each turn ``{"message", "session_done"}`` (CONTRACT ``turn-reply-shape``) or with a response
-envelope whose ``final_response`` is the turn's message (the platform's SDK serves only that shape, and so
-does this kit's runtime: both are taken as they come).  The session ends when the user model says done
-(the goal met, or given up), which it is asked after every reply, the agent's ``session_done`` shown to it
-as a hint (the platform owns termination, so the hint alone ends nothing); at ``--max-turns``; or at a
-turn that fails (an agent error, an invalid reply, a user model that cannot answer).
+envelope whose ``final_response`` is the turn's message (the platform's SDK route serves only that shape;
+this kit's runtime sends a turn reply as built: both are taken as they come).  Each turn records the
+reply's ``session_done``: ``true`` or ``false``, or ``null`` when the reply was an envelope (no hint).  The
+session ends when the user model says done (the goal met, or given up), which it is asked after every
+reply, the agent's ``session_done`` shown to it as a hint (the platform owns termination, so the hint alone
+ends nothing); at ``--max-turns``; or at a turn that fails (an agent error, an invalid reply, a user model
+that cannot answer).  ``Conversation.ended`` says who ended it and ``ended_by`` names it: ``user``,
+``agent_hint`` (the user was done on a turn whose reply said ``session_done: true``), ``turn_limit``,
+``agent_failed``, ``user_failed``, or ``no_user``.
 """
 
 from __future__ import annotations
@@ -38,20 +42,21 @@ DEFAULT_MAX_TURNS = 8
 
 
 class TurnReply(NamedTuple):
-    """One turn's answer, read from the agent's reply body: its message, its hint, and what was wrong."""
+    """One turn's answer, read from the agent's reply body: its message, its hint (``None``: the reply gave
+    none, a response envelope), and what was wrong."""
 
     message: Optional[str]
-    session_done: bool
+    session_done: Optional[bool]
     error: Optional[str] = None
 
 
 def turn_reply(body: Any) -> TurnReply:
     """The agent's reply to one turn (CONTRACT §4.2), or why it is not one."""
     if not isinstance(body, Mapping):
-        return TurnReply(None, False, error=f"the turn's reply is not a JSON object: {json.dumps(body)[:120]}")
-    done = body.get("session_done", False)
-    if not isinstance(done, bool):
-        return TurnReply(None, False, error=f"session_done must be a boolean, got {json.dumps(done)[:60]}")
+        return TurnReply(None, None, error=f"the turn's reply is not a JSON object: {json.dumps(body)[:120]}")
+    done = body.get("session_done")
+    if "session_done" in body and not isinstance(done, bool):
+        return TurnReply(None, None, error=f"session_done must be a boolean, got {json.dumps(done)[:60]}")
     message = body.get("message")
     if message is None and isinstance(body.get("final_response"), str) and body["final_response"].strip():
         return TurnReply(body["final_response"], done)  # what single-turn servers (the SDK's own, ours) send
@@ -84,7 +89,7 @@ class UserModel:
         """The user's next message and whether the user is done; raises ``ModelError``."""
         case: Dict[str, Any] = {"user_instruction": task.user_instruction,
                                 "conversation": [{"turn": t["turn"], "user": t["user"], "agent": t.get("agent"),
-                                                  "session_done": t.get("session_done", False)} for t in turns],
+                                                  "session_done": t.get("session_done")} for t in turns],
                                 "turns_left": self.max_turns - len(turns)}
         if task.behavior_instructions:
             case["behavior_instructions"] = task.behavior_instructions
@@ -111,6 +116,7 @@ class Conversation:
         self.turns: List[Dict[str, Any]] = []
         self.errors: List[str] = []
         self.ended = ""
+        self.ended_by = ""
         self.usage: Dict[str, int] = {}
 
     def fields(self, prompt: str) -> Dict[str, Any]:
@@ -130,13 +136,13 @@ class Conversation:
             number = len(self.turns) + 1
             fields = self.fields(prompt)
             turn: Dict[str, Any] = {"turn": number, "turn_id": fields["turn_id"], "at_ms": clock(), "user": prompt,
-                                    "agent": None, "session_done": False}
+                                    "agent": None, "session_done": None}
             body, error = send(fields)
             self.turns.append(turn)
             if error:
                 turn["error"] = error
                 self.errors.append(f"turn {number}: {error}")
-                self.ended = "the agent's turn failed"
+                self._end("agent_failed", "the agent's turn failed")
                 return
             reply = turn_reply(body)
             turn["agent"], turn["session_done"] = reply.message, reply.session_done
@@ -145,24 +151,31 @@ class Conversation:
             if reply.error:
                 turn["error"] = reply.error
                 self.errors.append(f"turn {number}: {reply.error}")
-                self.ended = "the agent's reply was not a turn reply"
+                self._end("agent_failed", "the agent's reply was not a turn reply")
                 return
             if self.user is None:
-                self.ended = "no user model: the first turn only"
+                self._end("no_user", "no user model: the first turn only")
                 return
             if number >= self.user.max_turns:
-                self.ended = f"--max-turns {self.user.max_turns} reached"
+                self._end("turn_limit", f"the turn limit: --max-turns {self.user.max_turns} reached")
                 return
             try:
                 message, done = self.user.next_message(self.task, self.turns, self.usage)
             except ModelError as exc:
                 self.errors.append(f"the simulated user could not answer after turn {number}: {exc}")
-                self.ended = "the simulated user failed"
+                self._end("user_failed", "the simulated user failed")
+                return
+            if done and reply.session_done:
+                self._end("agent_hint", f"the agent's session_done hint (turn {number}), accepted by the user")
                 return
             if done:
-                self.ended = "the user was done" + (" (the agent said session_done)" if reply.session_done else "")
+                self._end("user", "the user was done")
                 return
             prompt = str(message)
+
+    def _end(self, by: str, how: str) -> None:
+        """The session is over: who ended it (``ended_by``) and how, in words (``ended``)."""
+        self.ended_by, self.ended = by, how
 
     @property
     def final_message(self) -> Optional[str]:

@@ -692,7 +692,7 @@ def _session_fields(record: Dict[str, Any], conversation: Conversation) -> None:
     """A session's own fields in its record: the turn mode, the session, the conversation turn by turn."""
     record["turn_mode"] = "model_as_user"
     record["session"] = {"session_id": conversation.session_id, "turns": len(conversation.turns),
-                         "ended": conversation.ended}
+                         "ended": conversation.ended, "ended_by": conversation.ended_by}
     record["conversation"] = conversation.turns
 
 

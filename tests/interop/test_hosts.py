@@ -79,6 +79,9 @@ APP = textwrap.dedent(f'''
             time.sleep(float(instruction.split()[1]))
             return "too late"
         order = pp.proxy_call("get_order", {{"order_id": "4521"}})
+        if envelope.is_multi_turn:  # a turn of a multi-turn run: the turn reply, sent as built (CONTRACT §4.2)
+            return pp.build_turn_reply("order 4521 is " + order["status"], metadata={{"model": "m-1"}},
+                                       session_done=True)
         return "order 4521 is " + order["status"]
 
 
@@ -175,6 +178,15 @@ def _dispatch(instruction: str, run_token: Optional[str] = RUN_TOKEN) -> Callabl
     return lambda p: ("POST", "/dispatch", *dispatch_request(p.url, TOKEN, run_token, instruction))
 
 
+def _turn(p: MockProxy) -> Tuple[Any, ...]:
+    """A turn of a multi-turn run: the dispatch's input carries session_id and turn_id (§2.2 multi-turn-fields)."""
+    headers, body = dispatch_request(p.url, TOKEN, RUN_TOKEN, "hello")
+    payload = json.loads(body)
+    payload["input"].update({"latest_user_prompt": "hello", "session_id": "sess-1", "turn_id": "sess-1-t0",
+                             "messages": []})
+    return "POST", "/dispatch", headers, json.dumps(payload).encode()
+
+
 CASES = [
     Case("ping", lambda p: ("POST", "/dispatch", AUTH, PING), 200, lambda b: b == {"ok": True}),
     Case("wrong token", lambda p: ("POST", "/dispatch", {**AUTH, "Authorization": "Bearer not-the-token"}, PING),
@@ -189,6 +201,8 @@ CASES = [
          and "bad order 4521" in b["detail"]),
     Case("run timeout", _dispatch(f"sleep {SLOW_S}"), 504, lambda b: f"run_timeout_s={RUN_TIMEOUT_S:g}" in b["detail"]),
     Case("dispatch", _dispatch("hello"), 200, lambda b: b == {"final_response": "order 4521 is shipped"}),
+    Case("turn reply", _turn, 200, lambda b: b == {"message": "order 4521 is shipped", "session_done": True,
+                                                   "metadata": {"model": "m-1"}}),
     Case("healthz", lambda p: ("GET", "/healthz", {}, None), 200,
          lambda b: b == {"ok": True, "version": pp.__version__}),
     Case("tools_schema", lambda p: ("GET", "/tools_schema", AUTH, None), 200, lambda b: b == {"tools_schema": TOOLS}),
@@ -219,7 +233,7 @@ def test_every_host_gives_the_same_answer(case: Case, hosts: Hosts, proxy: MockP
     assert all(r.headers.get("content-type") == "application/json" for r in replies.values())
 
     made = proxy.calls("get_order")[before:]
-    if case.id == "dispatch":  # each host ran the agent, whose one proxy call carried the run token
+    if case.id in ("dispatch", "turn reply"):  # each host ran the agent, whose one proxy call carried the run token
         assert len(made) == len(replies), made
         assert all(r.run_token == RUN_TOKEN and r.bearer == RUN_TOKEN for r in made)
         assert all(r.json == {"order_id": "4521"} for r in made)

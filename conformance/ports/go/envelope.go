@@ -351,3 +351,9 @@ func ClientFrom(ctx context.Context) *Client {
 	}
 	return DefaultClient()
 }
+
+// IsMultiTurn reports whether the dispatch is a turn of a multi-turn run: its
+// input carries session_id or turn_id (§2.2 multi-turn-fields).
+func (e *Envelope) IsMultiTurn() bool {
+	return e.SessionID != nil || e.TurnID != nil
+}

@@ -479,6 +479,31 @@ func ExampleBuildResponse() {
 	// {"final_response":"Refund issued."} [messages: must be an array or null, got a string (the platform drops it); messages dropped, as the platform drops a malformed transcript]
 }
 
+// In a multi-turn run an agent answers each turn with a turn reply; the
+// dispatch handler sends it as built (§4.2). session_done is a hint.
+func ExampleBuildTurnReply() {
+	reply, err := pp.BuildTurnReply("Which order do you mean?", map[string]any{"model": "example-model"}, false)
+	fmt.Println(pp.CompactJSON(reply), err)
+	_, err = pp.BuildTurnReply("   ", nil, true)
+	fmt.Println(err)
+	// Output:
+	// {"message":"Which order do you mean?","session_done":false,"metadata":{"model":"example-model"}} <nil>
+	// message: blank (only whitespace): the user has nothing to answer
+}
+
+// What a dispatch sends: a turn reply as built in a multi-turn dispatch, the
+// response envelope in a single-turn one.
+func ExampleBuildReply() {
+	reply := map[string]any{"message": "Goodbye.", "session_done": true}
+	body, _, _ := pp.BuildReply(reply, false, true)
+	fmt.Println(pp.CompactJSON(body))
+	body, warnings, _ := pp.BuildReply(reply, false, false)
+	fmt.Println(pp.CompactJSON(body), len(warnings))
+	// Output:
+	// {"message":"Goodbye.","session_done":true}
+	// {"final_response":"Goodbye."} 1
+}
+
 // An agent may answer with a ResponseEnvelope: the transcript and metadata
 // beside the final response.
 func ExampleResponseEnvelope() {

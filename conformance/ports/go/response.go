@@ -23,6 +23,24 @@ type ResponseEnvelope struct {
 	Metadata      map[string]any `json:"metadata,omitempty"`
 }
 
+// TurnReply is a multi-turn per-turn reply (§4.2), as BuildTurnReply builds
+// it. In a multi-turn dispatch (Envelope.IsMultiTurn) it is sent as built; a
+// map with "message" and "session_done" and no "final_response" is one too.
+type TurnReply struct {
+	Message     string         `json:"message"`
+	SessionDone bool           `json:"session_done"`
+	Metadata    map[string]any `json:"metadata,omitempty"`
+}
+
+// object is the reply as a generic JSON object, its metadata kept as built.
+func (r TurnReply) object() map[string]any {
+	object := map[string]any{"message": r.Message, "session_done": r.SessionDone}
+	if r.Metadata != nil {
+		object["metadata"] = r.Metadata
+	}
+	return object
+}
+
 // Message is one transcript message (§4 message-shape). Content is a string,
 // a list of content parts, or nil (an assistant turn that only calls tools).
 type Message struct {
@@ -389,7 +407,10 @@ func flatMessages(messages any) any {
 // touched. Each change is one note.
 func asThePlatformKeeps(body map[string]any) (map[string]any, []string, error) {
 	var notes []string
-	out := map[string]any{"final_response": body["final_response"]}
+	out := map[string]any{}
+	if final, has := body["final_response"]; has { // a turn reply has none
+		out["final_response"] = final
+	}
 	for key, value := range body {
 		if key == "final_response" {
 			continue
@@ -462,6 +483,36 @@ func StrictFromEnv() bool {
 // reports, warnings included (but the truncation warning), is a
 // *ResponseError listing them all (§7.7 kit-strict-mode).
 func BuildResponse(value any, strict bool) (map[string]any, []string, error) {
+	return BuildReply(value, strict, false)
+}
+
+// BuildReply is what a dispatch answers for what the agent returned: in a
+// multi-turn dispatch (Envelope.IsMultiTurn) a turn reply (a TurnReply, or a
+// map with message and session_done and no final_response) as built, checked
+// by turnReplyBody; anything else, and a turn reply in a single-turn dispatch,
+// the response envelope of BuildResponse (the turn reply's message as its
+// final_response, session_done dropped with a warning). §4.2, §7.7
+// kit-turn-reply-detected and kit-turn-reply-single-turn.
+func BuildReply(value any, strict, multiTurn bool) (map[string]any, []string, error) {
+	var notes []string
+	if reply, ok := asTurnReply(value); ok {
+		if multiTurn {
+			return turnReplyBody(reply, strict)
+		}
+		envelope := map[string]any{}
+		for key, item := range reply {
+			switch key {
+			case "message":
+				envelope["final_response"] = item
+			case "session_done":
+			default:
+				envelope[key] = item
+			}
+		}
+		value = envelope
+		notes = append(notes, "session_done: a single-turn dispatch has no session to end; the turn reply is sent "+
+			"as the response envelope, its message as final_response")
+	}
 	found, err := unpackResult(value, strict)
 	if err != nil {
 		return nil, nil, err
@@ -477,18 +528,28 @@ func BuildResponse(value any, strict bool) (map[string]any, []string, error) {
 	if found.metadata != nil {
 		body["metadata"] = found.metadata
 	}
-	var notes []string
 	if strict {
 		converted, err := generic(body)
 		if err != nil {
 			return nil, nil, err
 		}
 		body = converted.(map[string]any)
-	} else if body, notes, err = asThePlatformKeeps(body); err != nil {
-		return nil, nil, err
+	} else {
+		var kept []string
+		if body, kept, err = asThePlatformKeeps(body); err != nil {
+			return nil, nil, err
+		}
+		notes = append(notes, kept...)
 	}
+	return checked(body, ValidateResponse(body), notes, strict)
+}
+
+// checked is body with its warnings (notes, then the soft problems), each
+// logged; a *ResponseError for the hard problems, in strict mode for the soft
+// ones too but the truncation warning (§7.7 kit-strict-mode).
+func checked(body map[string]any, problems []Problem, notes []string, strict bool) (map[string]any, []string, error) {
 	var errs, warnings []string
-	for _, problem := range ValidateResponse(body) {
+	for _, problem := range problems {
 		truncation := problem.Path == "final_response" && strings.Contains(problem.Message, "truncates")
 		switch {
 		case !problem.Warning:
@@ -507,6 +568,99 @@ func BuildResponse(value any, strict bool) (map[string]any, []string, error) {
 		logf("warning", "response: %s", warning)
 	}
 	return body, warnings, nil
+}
+
+// asTurnReply is value as a turn reply's generic object, when it is one.
+func asTurnReply(value any) (map[string]any, bool) {
+	var object map[string]any
+	switch v := value.(type) {
+	case TurnReply:
+		return v.object(), true
+	case *TurnReply:
+		if v == nil {
+			return nil, false
+		}
+		return v.object(), true
+	case map[string]any:
+		object = v
+	default:
+		return nil, false
+	}
+	_, message := object["message"]
+	_, done := object["session_done"]
+	_, final := object["final_response"]
+	return object, message && done && !final
+}
+
+// turnReplyBody is a turn reply as it goes out, checked as an envelope is
+// (§7.7 kit-turn-reply-checked). Lenient: a message that is not a string
+// becomes its JSON text, a session_done that is not a boolean is sent as
+// false (no hint), the rest as asThePlatformKeeps sends it, each change a
+// warning; only a missing or empty message is an error. Strict: every problem
+// is a *ResponseError, the soft ones too.
+func turnReplyBody(reply map[string]any, strict bool) (map[string]any, []string, error) {
+	body := make(map[string]any, len(reply))
+	for key, item := range reply {
+		body[key] = item
+	}
+	var notes []string
+	if strict {
+		converted, err := generic(body)
+		if err != nil {
+			return nil, nil, err
+		}
+		body = converted.(map[string]any)
+	} else {
+		if message := body["message"]; message != nil {
+			if _, isString := message.(string); !isString {
+				body["message"] = spacedJSON(message)
+			}
+		}
+		if _, isBool := body["session_done"].(bool); !isBool {
+			notes = append(notes, fmt.Sprintf("session_done: must be a boolean, got %s; sent as false (no hint)",
+				jsonType(body["session_done"])))
+			body["session_done"] = false
+		}
+		var kept []string
+		var err error
+		if body, kept, err = asThePlatformKeeps(body); err != nil {
+			return nil, nil, err
+		}
+		notes = append(notes, kept...)
+	}
+	return checked(body, turnReplyProblems(body), notes, strict)
+}
+
+// turnReplyProblems lists every problem of a turn reply, worded as
+// ValidateResponse words an envelope's.
+func turnReplyProblems(body map[string]any) []Problem {
+	var problems, warnings []Problem
+	message, isString := body["message"].(string)
+	switch {
+	case body["message"] == nil || (isString && message == ""):
+		problems = append(problems, hard("message", "required, a non-empty string (the user answers it)"))
+	case !isString:
+		problems = append(problems, hard("message", "must be a string, got %s", jsonType(body["message"])))
+	case strings.TrimSpace(message) == "":
+		warnings = append(warnings, soft("message", "blank (only whitespace): the user has nothing to answer"))
+	}
+	if _, isBool := body["session_done"].(bool); !isBool {
+		problems = append(problems, hard("session_done", "must be a boolean, got %s", jsonType(body["session_done"])))
+	}
+	problems = append(problems, sharedProblems(body, &warnings)...)
+	return append(problems, warnings...)
+}
+
+// BuildTurnReply builds a multi-turn per-turn reply (§4.2) and checks it as a
+// strict server does: a blank message or metadata the platform cannot use is a
+// *ResponseError (§7.7 kit-turn-reply-checked). sessionDone is a hint: the
+// platform owns termination.
+func BuildTurnReply(message string, metadata map[string]any, sessionDone bool) (TurnReply, error) {
+	reply := TurnReply{Message: message, SessionDone: sessionDone, Metadata: metadata}
+	if _, _, err := turnReplyBody(reply.object(), true); err != nil {
+		return TurnReply{}, err
+	}
+	return reply, nil
 }
 
 // ---------------------------------------------------------------------------
@@ -732,12 +886,19 @@ func ValidateResponse(body any) []Problem {
 		warnings = append(warnings, soft("final_response", "%d characters; the platform truncates it at ~%d with a soft warning",
 			utf8.RuneCountInString(text), finalResponseSoftLimit))
 	}
-	problems = append(problems, messageProblems(object["messages"], &warnings)...)
+	problems = append(problems, sharedProblems(object, &warnings)...)
+	return append(problems, warnings...)
+}
+
+// sharedProblems lists the problems of what a turn reply shares with the
+// envelope (messages, metadata, values JSON cannot carry); soft ones go to warnings.
+func sharedProblems(object map[string]any, warnings *[]Problem) []Problem {
+	problems := messageProblems(object["messages"], warnings)
 	problems = append(problems, metadataProblems(object["metadata"])...)
-	warnings = append(warnings, metadataWarnings(object["metadata"])...)
+	*warnings = append(*warnings, metadataWarnings(object["metadata"])...)
 	if found := unencodable(object, "body", 0); found != "" {
 		path, message, _ := strings.Cut(strings.TrimPrefix(found, "body."), ": ")
 		problems = append(problems, hard(path, "%s", message))
 	}
-	return append(problems, warnings...)
+	return problems
 }

@@ -25,7 +25,8 @@ import (
 // AgentFunc is an agent. It gets its run's envelope (ctx carries it too, so
 // Call, Trace and PostHandoff need no envelope argument) and returns anything
 // BuildResponse accepts: a string, a map with final_response, a
-// ResponseEnvelope. An error (or a panic) is answered 500.
+// ResponseEnvelope; in a multi-turn dispatch a TurnReply is sent as built
+// (BuildReply). An error (or a panic) is answered 500.
 type AgentFunc func(ctx context.Context, env *Envelope) (any, error)
 
 // Options configure a DispatchHandler; the zero value of each field is its default.
@@ -414,7 +415,7 @@ func (h *DispatchHandler) runAgent(state *dispatchState, agentToken string) repl
 		}
 		return refuse(http.StatusInternalServerError, oneLine(detail, detailLimit))
 	}
-	body, _, err := BuildResponse(result.value, h.opts.Strict || StrictFromEnv())
+	body, _, err := BuildReply(result.value, h.opts.Strict || StrictFromEnv(), env.IsMultiTurn())
 	if err != nil {
 		return refuse(StatusOf(err), oneLine(scrub("agent returned a value that cannot become a response: "+err.Error()), detailLimit))
 	}

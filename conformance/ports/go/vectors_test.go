@@ -640,6 +640,36 @@ var suites = map[string]func(c map[string]any, doc vectorFile, s suiteEnv) error
 		return nil
 	},
 
+	"turn_reply": func(c map[string]any, doc vectorFile, s suiteEnv) error {
+		input := c["input"].(map[string]any)
+		strict, _ := input["strict"].(bool)
+		multiTurn, _ := input["multi_turn"].(bool)
+		expect := c["expect"].(map[string]any)
+		body, _, err := pp.BuildReply(input["value"], strict, multiTurn)
+		if threw, problem := expectOutcome(body, err, expect); threw || problem != nil {
+			return problem
+		}
+		if !same(body, expect["body"]) {
+			return fmt.Errorf("body %s, want %s", show(body), show(expect["body"]))
+		}
+		// BuildTurnReply builds what a strict server sends for a plain turn reply of the file.
+		reply, ok := input["value"].(map[string]any)
+		message, isString := reply["message"].(string)
+		done, isBool := reply["session_done"].(bool)
+		metadata, _ := reply["metadata"].(map[string]any)
+		_, final := reply["final_response"]
+		if ok && multiTurn && strict && isString && isBool && !final && len(reply) <= 3 && (reply["metadata"] == nil || metadata != nil) {
+			built, err := pp.BuildTurnReply(message, metadata, done)
+			if err != nil {
+				return fmt.Errorf("BuildTurnReply: %v", err)
+			}
+			if encoded := pp.CompactJSON(built); !same(decode([]byte(encoded)), expect["body"]) {
+				return fmt.Errorf("BuildTurnReply %s, want %s", encoded, show(expect["body"]))
+			}
+		}
+		return nil
+	},
+
 	"dispatch": runDispatchVector,
 
 	"validate_response": func(c map[string]any, doc vectorFile, s suiteEnv) error {

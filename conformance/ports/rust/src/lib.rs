@@ -47,7 +47,7 @@ pub use contract::errors::{
     AgentError, EnvelopeError, ProxyError, ProxyErrorKind, ResponseError, RunTimeoutError,
 };
 pub use contract::reply::RetryPolicy;
-pub use contract::response::{Message, ResponseEnvelope, ToolCall};
+pub use contract::response::{Message, ResponseEnvelope, ToolCall, TurnReply};
 
 #[cfg(feature = "async")]
 #[cfg_attr(docsrs, doc(cfg(feature = "async")))]

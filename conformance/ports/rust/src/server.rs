@@ -36,7 +36,7 @@ use crate::contract::json::{quoted_str, short};
 use crate::contract::replies::{
     agent_error_detail, contains_secret, one_line, redact_value, HttpReply,
 };
-use crate::contract::response::build_response;
+use crate::contract::response::build_reply;
 use crate::transport::log;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -131,8 +131,9 @@ pub fn strict_from_env() -> bool {
 impl DispatchApp {
     /// Checks the options and makes the app. The agent gets the run's
     /// [`Run`] (the envelope and the proxy client) and returns anything that
-    /// serialises to what [`build_response`] accepts: a `String`, a
-    /// [`crate::ResponseEnvelope`], a JSON object with `final_response`.
+    /// serialises to what [`crate::contract::response::build_response`] accepts: a `String`, a
+    /// [`crate::ResponseEnvelope`], a JSON object with `final_response`; in a
+    /// multi-turn dispatch a [`crate::TurnReply`] is sent as built ([`build_reply`]).
     pub fn new<F, Fut, T>(agent: F, options: Options) -> Result<DispatchApp, String>
     where
         F: Fn(Run) -> Fut + Send + Sync + 'static,
@@ -437,7 +438,7 @@ impl DispatchApp {
             Ok(Ok(value)) => value,
         };
         let strict = inner.options.strict || strict_from_env();
-        match build_response(&value, strict) {
+        match build_reply(&value, strict, state.envelope.is_multi_turn()) {
             Err(e) => HttpReply::refuse(
                 500,
                 one_line(

@@ -13,7 +13,9 @@ use pipelines_port::contract::encoding::{validate_actor_label, validate_tool_nam
 use pipelines_port::contract::inbound::{check_credential, is_ping};
 use pipelines_port::contract::json::{compact, decode};
 use pipelines_port::contract::reply::{interpret_reply, ProxyOutcome};
-use pipelines_port::contract::response::{build_response, validate_response};
+use pipelines_port::contract::response::{
+    build_reply, build_response, build_turn_reply, validate_response,
+};
 use pipelines_port::server::{DispatchApp, Options};
 use pipelines_port::transport::{CallOptions, ClientSettings, RunState};
 use pipelines_port::{
@@ -667,6 +669,47 @@ fn build_response_case(c: &Value) -> Result<Verdict, String> {
     }
 }
 
+fn turn_reply_case(c: &Value) -> Result<Verdict, String> {
+    let input = &c["input"];
+    let strict = input["strict"] == json!(true);
+    let multi_turn = input["multi_turn"] == json!(true);
+    let result = build_reply(&input["value"], strict, multi_turn)
+        .map_err(|e| Failure::Response(e.to_string()));
+    if expect_outcome(&result, &c["expect"])? {
+        return Ok(Verdict::Pass);
+    }
+    let body = Value::Object(result.ok().unwrap().0);
+    if !same(&body, &c["expect"]["body"]) {
+        return Err(format!(
+            "body {}, want {}",
+            show(&body),
+            show(&c["expect"]["body"])
+        ));
+    }
+    // build_turn_reply builds what a strict server sends for a plain turn reply of the file.
+    let value = &input["value"];
+    let plain = value.as_object().is_some_and(|o| {
+        o.keys()
+            .all(|k| ["message", "session_done", "metadata"].contains(&k.as_str()))
+            && o.get("metadata").is_none_or(Value::is_object)
+    });
+    if let (true, true, true, Some(message), Some(done)) = (
+        plain,
+        multi_turn,
+        strict,
+        value["message"].as_str(),
+        value["session_done"].as_bool(),
+    ) {
+        let metadata = value.get("metadata").and_then(Value::as_object).cloned();
+        let built = build_turn_reply(message, metadata, done).map_err(|e| e.to_string())?;
+        let built = serde_json::to_value(built).map_err(|e| e.to_string())?;
+        if !same(&built, &c["expect"]["body"]) {
+            return Err(format!("build_turn_reply {}", show(&built)));
+        }
+    }
+    Ok(Verdict::Pass)
+}
+
 fn validate_response_case(c: &Value) -> Result<Verdict, String> {
     let problems = validate_response(&c["body"]);
     let paths = |warning: bool| -> std::collections::BTreeSet<String> {
@@ -814,6 +857,7 @@ fn vectors() {
         "proxy_requests",
         "tool_names",
         "trace_events",
+        "turn_reply",
         "validate_response",
     ];
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
@@ -830,6 +874,7 @@ fn vectors() {
                 "proxy_requests" => proxy_request_case(c, &doc, &drivers),
                 "trace_events" => trace_case(c, &doc, &drivers),
                 "build_response" => build_response_case(c),
+                "turn_reply" => turn_reply_case(c),
                 "validate_response" => validate_response_case(c),
                 _ => dispatch_case(c, &drivers),
             };

@@ -7,8 +7,8 @@
 //   echo mode:   final_response = {"envelope": E}, the envelope as the port parsed it
 //   script mode: user_instruction is {"steps": [...]}; each step gives one result
 import { createHash } from "node:crypto";
-import { ProxyError, ProxyRequestError, ProxyTransportError, StaleRunTokenError, postHandoff, postTrace, proxyCall, } from "./pipelines_port.js";
-const STEP_KINDS = ["call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return"];
+import { ProxyError, ProxyRequestError, ProxyTransportError, StaleRunTokenError, buildTurnReply, postHandoff, postTrace, proxyCall, } from "./pipelines_port.js";
+const STEP_KINDS = ["call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return", "turn_reply"];
 /** The agent: echo mode, or script mode when user_instruction is a JSON object with a `steps` array. */
 export async function conformanceAgent(envelope) {
     const script = parseScript(envelope.user_instruction);
@@ -77,6 +77,10 @@ function stepKind(step, where) {
     }
     if (kind === "raise" && typeof step["raise"] !== "string")
         throw new ScriptError(`${where}.raise: must be a string`);
+    const turnReply = step["turn_reply"];
+    if (kind === "turn_reply" && !(isObject(turnReply) && "message" in turnReply)) {
+        throw new ScriptError(`${where}.turn_reply: must be an object with "message"`);
+    }
     return kind;
 }
 /** The outcome of one proxy operation: its value, or the error's kind, status and class. */
@@ -148,6 +152,12 @@ async function runScript(envelope, steps) {
                 throw new Error(step["raise"]);
             case "return":
                 return step["return"];
+            case "turn_reply": { // what the port's turn-reply builder builds (§4.2)
+                const spec = step["turn_reply"];
+                return buildTurnReply(spec["message"], {
+                    metadata: (spec["metadata"] ?? null), sessionDone: (spec["session_done"] ?? false),
+                });
+            }
         }
     }
     const final_response = JSON.stringify({ results });

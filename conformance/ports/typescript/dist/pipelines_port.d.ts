@@ -90,8 +90,18 @@ export interface ResponseEnvelope {
     metadata?: ResponseMetadata | null;
     [extra: string]: unknown;
 }
-/** What an agent may return: text, a response envelope, or a framework's result object (§4). */
-export type AgentResult = string | ResponseEnvelope | {
+/**
+ * A multi-turn per-turn reply (§4.2): what buildTurnReply builds.  In a multi-turn dispatch (the envelope carries
+ * `session_id` or `turn_id`) it is sent as built; in a single-turn one it becomes the response envelope.
+ */
+export interface TurnReply {
+    message: string;
+    session_done: boolean;
+    metadata?: ResponseMetadata | null;
+    [extra: string]: unknown;
+}
+/** What an agent may return: text, a response envelope, a turn reply, or a framework's result object (§4). */
+export type AgentResult = string | ResponseEnvelope | TurnReply | {
     final_output?: unknown;
     output?: unknown;
     message?: unknown;
@@ -347,10 +357,29 @@ export interface BuildOptions {
     metadata?: unknown;
     /** Refuse what the platform would drop or soften; default PIPELINES_PORT_STRICT. */
     strict?: boolean | null;
+    /** The dispatch is a turn of a multi-turn run (isMultiTurn): a turn reply is sent as built (§4.2). */
+    multiTurn?: boolean;
+}
+/** A turn of a multi-turn run: the envelope carries `session_id` or `turn_id` (§2.2 multi-turn-fields). */
+export declare function isMultiTurn(envelope: Envelope): boolean;
+/** Options of buildTurnReply. */
+export interface TurnReplyOptions {
+    /** The turn's metadata (§4 metadata-keys). */
+    metadata?: ResponseMetadata | null;
+    /** The agent's hint that the conversation is finished; the platform decides (§4.2). */
+    sessionDone?: boolean;
 }
 /**
+ * A multi-turn per-turn reply `{message, session_done, metadata?}` (§4.2), checked as a strict server checks it:
+ * a `message` that is not a string becomes its JSON text; a blank one, a `sessionDone` that is not a boolean or
+ * metadata the platform cannot use throws ResponseError (§7.7 kit-turn-reply-checked).
+ */
+export declare function buildTurnReply(message: unknown, { metadata, sessionDone }?: TurnReplyOptions): TurnReply;
+/**
  * The v1 response envelope (§4) from what an agent returned.  `messages` and `metadata` override those
- * found in `value`; nested OpenAI tool calls become the flat form.
+ * found in `value`; nested OpenAI tool calls become the flat form.  A turn reply (§4.2) is sent as built when
+ * `multiTurn` (see turnReplyBody); in a single-turn dispatch it becomes the envelope, `message` as
+ * `final_response`, `session_done` dropped with a warning (§7.7 kit-turn-reply-detected, kit-turn-reply-single-turn).
  *
  * Lenient by default: the body the platform would grade goes out, what it would drop is dropped the
  * same way, and each change is logged once as a warning naming its JSON path; only a missing or empty
@@ -358,7 +387,10 @@ export interface BuildOptions {
  * PIPELINES_PORT_STRICT=1) throws ResponseError listing every problem instead, the soft ones too, except
  * the truncation warning.
  */
-export declare function buildResponse(value: unknown, { messages, metadata, strict }?: BuildOptions): ResponseEnvelope;
+export declare function buildResponse(value: unknown, options?: BuildOptions & {
+    multiTurn?: false;
+}): ResponseEnvelope;
+export declare function buildResponse(value: unknown, options: BuildOptions): ResponseEnvelope | TurnReply;
 /**
  * Every problem of a response body against §4 and its JSON Schema, each starting with its JSON path.
  * Hard problems (no prefix): what the schema rejects, the contract's rules (a non-empty final_response,

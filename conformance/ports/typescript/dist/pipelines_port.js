@@ -1119,7 +1119,7 @@ function asThePlatformKeeps(body) {
     const notes = [];
     const { final_response, ...rest } = body;
     const final = typeof final_response === "string" ? wellFormedNoted(final_response, "final_response", notes) : final_response;
-    const out = { final_response: final, ...jsonableFields(rest, "", notes) };
+    const out = { ...("final_response" in body ? { final_response: final } : {}), ...jsonableFields(rest, "", notes) };
     const messages = out["messages"];
     if (Array.isArray(messages)) {
         messages.forEach((message, i) => {
@@ -1152,18 +1152,90 @@ function strictMode(strict) {
         return Boolean(strict);
     return ["1", "true", "yes", "on"].includes(String(process.env["PIPELINES_PORT_STRICT"] || "").trim().toLowerCase());
 }
+/** A turn of a multi-turn run: the envelope carries `session_id` or `turn_id` (§2.2 multi-turn-fields). */
+export function isMultiTurn(envelope) {
+    return envelope.session_id !== null || envelope.turn_id !== null;
+}
+/** A turn reply (§4.2): an object with `message` and `session_done` and no `final_response`. */
+function isTurnReply(value) {
+    return isObject(value) && "message" in value && "session_done" in value && !("final_response" in value);
+}
+/** The soft problems (without `warning: `); ResponseError for the hard ones, in strict mode the soft ones too. */
+function softProblems(problems, isStrict) {
+    const errors = problems.filter((p) => !p.startsWith("warning:"));
+    const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));
+    if (isStrict)
+        errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
+    if (errors.length)
+        throw new ResponseError(errors);
+    return soft;
+}
 /**
- * The v1 response envelope (§4) from what an agent returned.  `messages` and `metadata` override those
- * found in `value`; nested OpenAI tool calls become the flat form.
- *
- * Lenient by default: the body the platform would grade goes out, what it would drop is dropped the
- * same way, and each change is logged once as a warning naming its JSON path; only a missing or empty
- * final response (or a circular or too deeply nested value) throws.  `strict: true` (or
- * PIPELINES_PORT_STRICT=1) throws ResponseError listing every problem instead, the soft ones too, except
- * the truncation warning.
+ * A turn reply as it goes out, its keys as built (§7.7 kit-turn-reply-checked).  Lenient: a `message` that is not
+ * a string becomes its JSON text, a `session_done` that is not a boolean is sent as `false` (no hint), the rest as
+ * the platform keeps an envelope's, each change logged; only a missing or empty `message` throws.  Strict: every
+ * problem throws ResponseError, the soft ones too.
  */
-export function buildResponse(value, { messages = null, metadata = null, strict = null } = {}) {
+function turnReplyBody(reply, isStrict) {
+    let body = { ...reply };
+    let notes = [];
+    if (isStrict) {
+        body = withoutUndefined(body);
+    }
+    else {
+        const message = body["message"];
+        if (message !== null && message !== undefined && typeof message !== "string")
+            body["message"] = finalText(message, "message");
+        if (typeof body["session_done"] !== "boolean") {
+            notes.push(`session_done: must be a boolean, got ${jsonType(body["session_done"])}; sent as false (no hint)`);
+            body["session_done"] = false;
+        }
+        const kept = asThePlatformKeeps(body);
+        body = kept.body;
+        notes = [...notes, ...kept.notes];
+    }
+    const soft = softProblems(turnReplyProblems(body), isStrict);
+    [...notes, ...soft].forEach((w) => log("warning", `response: ${w}`));
+    return body; // turnReplyProblems found no hard problem: it has the turn reply's shape
+}
+/** Every problem of a turn reply, worded as validateResponse words an envelope's. */
+function turnReplyProblems(body) {
+    const problems = [];
+    const warnings = [];
+    const message = body["message"];
+    if (message === undefined || message === null || message === "")
+        problems.push("message: required, a non-empty string (the user answers it)");
+    else if (typeof message !== "string")
+        problems.push(`message: must be a string, got ${jsonType(message)}`);
+    else if (!message.trim())
+        warnings.push("warning: message: blank (only whitespace): the user has nothing to answer");
+    if (typeof body["session_done"] !== "boolean")
+        problems.push(`session_done: must be a boolean, got ${jsonType(body["session_done"])}`);
+    problems.push(...sharedProblems(body, warnings));
+    return [...problems, ...warnings];
+}
+/**
+ * A multi-turn per-turn reply `{message, session_done, metadata?}` (§4.2), checked as a strict server checks it:
+ * a `message` that is not a string becomes its JSON text; a blank one, a `sessionDone` that is not a boolean or
+ * metadata the platform cannot use throws ResponseError (§7.7 kit-turn-reply-checked).
+ */
+export function buildTurnReply(message, { metadata = null, sessionDone = false } = {}) {
+    const reply = { message: typeof message === "string" ? message : finalText(message, "message"), session_done: sessionDone };
+    if (metadata !== null && metadata !== undefined)
+        reply["metadata"] = isPlainObject(metadata) ? { ...metadata } : metadata;
+    return turnReplyBody(reply, true);
+}
+export function buildResponse(value, { messages = null, metadata = null, strict = null, multiTurn = false } = {}) {
     const isStrict = strictMode(strict);
+    const converted = [];
+    if (isTurnReply(value)) {
+        if (multiTurn)
+            return turnReplyBody(value, isStrict);
+        const { message, session_done: _done, ...rest } = value;
+        value = { ...rest, final_response: message };
+        converted.push("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the " +
+            "response envelope, its message as final_response");
+    }
     const found = unpackResult(value, isStrict);
     const transcript = messages ?? found.messages ?? null;
     const meta = metadata ?? found.metadata ?? null;
@@ -1172,25 +1244,22 @@ export function buildResponse(value, { messages = null, metadata = null, strict 
         body["messages"] = flatMessages(transcript);
     if (meta !== null)
         body["metadata"] = isPlainObject(meta) ? { ...meta } : meta;
-    let notes = [];
+    let notes = converted;
     try {
         if (isStrict)
             body = withoutUndefined(body);
-        else
-            ({ body, notes } = asThePlatformKeeps(body));
+        else {
+            const kept = asThePlatformKeeps(body);
+            body = kept.body;
+            notes = [...converted, ...kept.notes];
+        }
     }
     catch (err) {
         if (err instanceof RangeError)
             throw new ResponseError("body: nested too deeply to encode");
         throw err;
     }
-    const problems = validateResponse(body);
-    const errors = problems.filter((p) => !p.startsWith("warning:"));
-    const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));
-    if (isStrict)
-        errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
-    if (errors.length)
-        throw new ResponseError(errors);
+    const soft = softProblems(validateResponse(body), isStrict);
     [...notes, ...soft].forEach((w) => log("warning", `response: ${w}`));
     return body; // validateResponse found no hard problem: it has the envelope's shape
 }
@@ -1350,7 +1419,12 @@ export function validateResponse(body) {
         warnings.push(`warning: final_response: ${[...final].length} characters; the platform truncates it at ` +
             `~${FINAL_RESPONSE_SOFT_LIMIT} with a soft warning`);
     }
-    problems.push(...messageProblems(body["messages"], warnings), ...metadataProblems(body["metadata"]));
+    problems.push(...sharedProblems(body, warnings));
+    return [...problems, ...warnings];
+}
+/** The problems of what a turn reply shares with the envelope (messages, metadata, JSON); soft ones go to `warnings`. */
+function sharedProblems(body, warnings) {
+    const problems = [...messageProblems(body["messages"], warnings), ...metadataProblems(body["metadata"])];
     warnings.push(...metadataWarnings(body["metadata"]));
     let found;
     try {
@@ -1361,7 +1435,7 @@ export function validateResponse(body) {
     }
     if (found)
         problems.push(found.startsWith("body.") ? found.slice("body.".length) : found);
-    return [...problems, ...warnings];
+    return problems;
 }
 function jsonReply(status, payload, extraHeaders = []) {
     // Valid UTF-8 whatever a string holds: JSON.stringify would escape a lone surrogate, which the platform
@@ -1573,7 +1647,7 @@ export class DispatchApp {
         });
         try {
             const result = await Promise.race([dispatchContext.run(context, async () => this.agent(envelope)), deadline]);
-            const body = buildResponse(result, { strict: this.strict });
+            const body = buildResponse(result, { strict: this.strict, multiTurn: isMultiTurn(envelope) });
             if (JSON.stringify(body).includes(envelope.run_token)) {
                 log("warning", "the agent's response contained the run token; it was redacted");
                 return jsonReply(200, redact(body, envelope.run_token));

@@ -11,7 +11,7 @@ import { readFileSync } from "node:fs";
 import http from "node:http";
 import { after, before, test } from "node:test";
 import { isDeepStrictEqual } from "node:util";
-import { EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError, buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply, validateActorLabel, validateResponse, validateToolName, } from "./pipelines_port.js";
+import { EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError, buildResponse, buildTurnReply, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply, validateActorLabel, validateResponse, validateToolName, } from "./pipelines_port.js";
 const VECTORS = new URL("../../../checker/vectors/", import.meta.url);
 /** A vector file with every {"$repeat": s, "count": n} expanded. */
 function load(name) {
@@ -260,6 +260,26 @@ const suites = {
         const hard = (body) => validateResponse(body).filter((p) => !p.startsWith("warning:"));
         if (!outcome.threw)
             check(same(outcome.value, c.expect["body"]) && hard(outcome.value).length === 0, `body ${show(outcome.value)}`);
+        return undefined;
+    },
+    async turn_reply(c) {
+        const input = c["input"];
+        const options = { strict: Boolean(input["strict"] ?? false), multiTurn: Boolean(input["multi_turn"]) };
+        const outcome = await expectOutcome(c.expect, () => buildResponse(input["value"], options));
+        if (!outcome.threw)
+            check(same(outcome.value, c.expect["body"]), `body ${show(outcome.value)}`);
+        const value = input["value"];
+        // buildTurnReply builds what a strict server sends for a turn reply of the file, and refuses what it refuses
+        // (but a message that is not a string, which the builder takes as its JSON text).
+        if (options.multiTurn && options.strict && value !== null && typeof value === "object" && !Array.isArray(value)
+            && "message" in value && "session_done" in value && !("final_response" in value)) {
+            const { message, metadata, session_done: sessionDone, ...rest } = value;
+            if (Object.keys(rest).length === 0 && typeof message === "string") {
+                const built = await expectOutcome(c.expect, () => buildTurnReply(message, { metadata: metadata ?? null, sessionDone: sessionDone }));
+                if (!built.threw)
+                    check(same(built.value, c.expect["body"]), `buildTurnReply ${show(built.value)}`);
+            }
+        }
         return undefined;
     },
     async validate_response(c) {

@@ -11,11 +11,11 @@ import { createHash } from "node:crypto";
 
 import {
   ProxyError, ProxyRequestError, ProxyTransportError, StaleRunTokenError,
-  postHandoff, postTrace, proxyCall,
+  buildTurnReply, postHandoff, postTrace, proxyCall,
 } from "./pipelines_port.js";
-import type { AgentResult, Envelope, Json, JsonObject, Message } from "./pipelines_port.js";
+import type { AgentResult, Envelope, Json, JsonObject, Message, ResponseMetadata } from "./pipelines_port.js";
 
-const STEP_KINDS = ["call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return"] as const;
+const STEP_KINDS = ["call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return", "turn_reply"] as const;
 type StepKind = typeof STEP_KINDS[number];
 type Step = Record<string, Json | undefined>;
 
@@ -96,6 +96,10 @@ function stepKind(step: unknown, where: string): StepKind {
     throw new ScriptError(`${where}.sleep_ms: must be a non-negative number`);
   }
   if (kind === "raise" && typeof step["raise"] !== "string") throw new ScriptError(`${where}.raise: must be a string`);
+  const turnReply = step["turn_reply"];
+  if (kind === "turn_reply" && !(isObject(turnReply) && "message" in turnReply)) {
+    throw new ScriptError(`${where}.turn_reply: must be an object with "message"`);
+  }
   return kind;
 }
 
@@ -170,6 +174,12 @@ async function runScript(envelope: Envelope, steps: Step[]): Promise<AgentResult
         throw new Error(step["raise"] as string);
       case "return":
         return step["return"] as AgentResult;
+      case "turn_reply": { // what the port's turn-reply builder builds (§4.2)
+        const spec = step["turn_reply"] as JsonObject;
+        return buildTurnReply(spec["message"], {
+          metadata: (spec["metadata"] ?? null) as ResponseMetadata | null, sessionDone: (spec["session_done"] ?? false) as boolean,
+        });
+      }
     }
   }
 

@@ -126,8 +126,19 @@ export interface ResponseEnvelope {
   [extra: string]: unknown;
 }
 
-/** What an agent may return: text, a response envelope, or a framework's result object (§4). */
-export type AgentResult = string | ResponseEnvelope | { final_output?: unknown; output?: unknown; message?: unknown } | object | null | undefined;
+/**
+ * A multi-turn per-turn reply (§4.2): what buildTurnReply builds.  In a multi-turn dispatch (the envelope carries
+ * `session_id` or `turn_id`) it is sent as built; in a single-turn one it becomes the response envelope.
+ */
+export interface TurnReply {
+  message: string;
+  session_done: boolean;
+  metadata?: ResponseMetadata | null;
+  [extra: string]: unknown;
+}
+
+/** What an agent may return: text, a response envelope, a turn reply, or a framework's result object (§4). */
+export type AgentResult = string | ResponseEnvelope | TurnReply | { final_output?: unknown; output?: unknown; message?: unknown } | object | null | undefined;
 
 /** An agent: the envelope in, a result out (sync or async). */
 export type Agent = (envelope: Envelope) => AgentResult | Promise<AgentResult>;
@@ -1357,7 +1368,7 @@ function asThePlatformKeeps(body: Body): { body: Body; notes: string[] } {
   const notes: string[] = [];
   const { final_response, ...rest } = body;
   const final = typeof final_response === "string" ? wellFormedNoted(final_response, "final_response", notes) : final_response;
-  const out: Body = { final_response: final, ...jsonableFields(rest, "", notes) };
+  const out: Body = { ...("final_response" in body ? { final_response: final } : {}), ...jsonableFields(rest, "", notes) };
   const messages = out["messages"];
   if (Array.isArray(messages)) {
     messages.forEach((message: unknown, i) => {
@@ -1397,11 +1408,93 @@ export interface BuildOptions {
   metadata?: unknown;
   /** Refuse what the platform would drop or soften; default PIPELINES_PORT_STRICT. */
   strict?: boolean | null;
+  /** The dispatch is a turn of a multi-turn run (isMultiTurn): a turn reply is sent as built (§4.2). */
+  multiTurn?: boolean;
+}
+
+/** A turn of a multi-turn run: the envelope carries `session_id` or `turn_id` (§2.2 multi-turn-fields). */
+export function isMultiTurn(envelope: Envelope): boolean {
+  return envelope.session_id !== null || envelope.turn_id !== null;
+}
+
+/** A turn reply (§4.2): an object with `message` and `session_done` and no `final_response`. */
+function isTurnReply(value: unknown): value is Record<string, unknown> {
+  return isObject(value) && "message" in value && "session_done" in value && !("final_response" in value);
+}
+
+/** The soft problems (without `warning: `); ResponseError for the hard ones, in strict mode the soft ones too. */
+function softProblems(problems: string[], isStrict: boolean): string[] {
+  const errors = problems.filter((p) => !p.startsWith("warning:"));
+  const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));
+  if (isStrict) errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
+  if (errors.length) throw new ResponseError(errors);
+  return soft;
+}
+
+/**
+ * A turn reply as it goes out, its keys as built (§7.7 kit-turn-reply-checked).  Lenient: a `message` that is not
+ * a string becomes its JSON text, a `session_done` that is not a boolean is sent as `false` (no hint), the rest as
+ * the platform keeps an envelope's, each change logged; only a missing or empty `message` throws.  Strict: every
+ * problem throws ResponseError, the soft ones too.
+ */
+function turnReplyBody(reply: Record<string, unknown>, isStrict: boolean): TurnReply {
+  let body: Body = { ...reply };
+  let notes: string[] = [];
+  if (isStrict) {
+    body = withoutUndefined(body) as Body;
+  } else {
+    const message = body["message"];
+    if (message !== null && message !== undefined && typeof message !== "string") body["message"] = finalText(message, "message");
+    if (typeof body["session_done"] !== "boolean") {
+      notes.push(`session_done: must be a boolean, got ${jsonType(body["session_done"])}; sent as false (no hint)`);
+      body["session_done"] = false;
+    }
+    const kept = asThePlatformKeeps(body);
+    body = kept.body;
+    notes = [...notes, ...kept.notes];
+  }
+  const soft = softProblems(turnReplyProblems(body), isStrict);
+  [...notes, ...soft].forEach((w) => log("warning", `response: ${w}`));
+  return body as TurnReply; // turnReplyProblems found no hard problem: it has the turn reply's shape
+}
+
+/** Every problem of a turn reply, worded as validateResponse words an envelope's. */
+function turnReplyProblems(body: Body): string[] {
+  const problems: string[] = [];
+  const warnings: string[] = [];
+  const message = body["message"];
+  if (message === undefined || message === null || message === "") problems.push("message: required, a non-empty string (the user answers it)");
+  else if (typeof message !== "string") problems.push(`message: must be a string, got ${jsonType(message)}`);
+  else if (!message.trim()) warnings.push("warning: message: blank (only whitespace): the user has nothing to answer");
+  if (typeof body["session_done"] !== "boolean") problems.push(`session_done: must be a boolean, got ${jsonType(body["session_done"])}`);
+  problems.push(...sharedProblems(body, warnings));
+  return [...problems, ...warnings];
+}
+
+/** Options of buildTurnReply. */
+export interface TurnReplyOptions {
+  /** The turn's metadata (§4 metadata-keys). */
+  metadata?: ResponseMetadata | null;
+  /** The agent's hint that the conversation is finished; the platform decides (§4.2). */
+  sessionDone?: boolean;
+}
+
+/**
+ * A multi-turn per-turn reply `{message, session_done, metadata?}` (§4.2), checked as a strict server checks it:
+ * a `message` that is not a string becomes its JSON text; a blank one, a `sessionDone` that is not a boolean or
+ * metadata the platform cannot use throws ResponseError (§7.7 kit-turn-reply-checked).
+ */
+export function buildTurnReply(message: unknown, { metadata = null, sessionDone = false }: TurnReplyOptions = {}): TurnReply {
+  const reply: Body = { message: typeof message === "string" ? message : finalText(message, "message"), session_done: sessionDone };
+  if (metadata !== null && metadata !== undefined) reply["metadata"] = isPlainObject(metadata) ? { ...metadata } : metadata;
+  return turnReplyBody(reply, true);
 }
 
 /**
  * The v1 response envelope (§4) from what an agent returned.  `messages` and `metadata` override those
- * found in `value`; nested OpenAI tool calls become the flat form.
+ * found in `value`; nested OpenAI tool calls become the flat form.  A turn reply (§4.2) is sent as built when
+ * `multiTurn` (see turnReplyBody); in a single-turn dispatch it becomes the envelope, `message` as
+ * `final_response`, `session_done` dropped with a warning (§7.7 kit-turn-reply-detected, kit-turn-reply-single-turn).
  *
  * Lenient by default: the body the platform would grade goes out, what it would drop is dropped the
  * same way, and each change is logged once as a warning naming its JSON path; only a missing or empty
@@ -1409,27 +1502,37 @@ export interface BuildOptions {
  * PIPELINES_PORT_STRICT=1) throws ResponseError listing every problem instead, the soft ones too, except
  * the truncation warning.
  */
-export function buildResponse(value: unknown, { messages = null, metadata = null, strict = null }: BuildOptions = {}): ResponseEnvelope {
+export function buildResponse(value: unknown, options?: BuildOptions & { multiTurn?: false }): ResponseEnvelope;
+export function buildResponse(value: unknown, options: BuildOptions): ResponseEnvelope | TurnReply;
+export function buildResponse(value: unknown, { messages = null, metadata = null, strict = null, multiTurn = false }: BuildOptions = {}): ResponseEnvelope | TurnReply {
   const isStrict = strictMode(strict);
+  const converted: string[] = [];
+  if (isTurnReply(value)) {
+    if (multiTurn) return turnReplyBody(value, isStrict);
+    const { message, session_done: _done, ...rest } = value;
+    value = { ...rest, final_response: message };
+    converted.push("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the " +
+      "response envelope, its message as final_response");
+  }
   const found = unpackResult(value, isStrict);
   const transcript = messages ?? found.messages ?? null;
   const meta = metadata ?? found.metadata ?? null;
   let body: Body = { ...found.extra, final_response: found.final };
   if (transcript !== null) body["messages"] = flatMessages(transcript);
   if (meta !== null) body["metadata"] = isPlainObject(meta) ? { ...meta } : meta;
-  let notes: string[] = [];
+  let notes: string[] = converted;
   try {
     if (isStrict) body = withoutUndefined(body) as Body;
-    else ({ body, notes } = asThePlatformKeeps(body));
+    else {
+      const kept = asThePlatformKeeps(body);
+      body = kept.body;
+      notes = [...converted, ...kept.notes];
+    }
   } catch (err) {
     if (err instanceof RangeError) throw new ResponseError("body: nested too deeply to encode");
     throw err;
   }
-  const problems = validateResponse(body);
-  const errors = problems.filter((p) => !p.startsWith("warning:"));
-  const soft = problems.filter((p) => p.startsWith("warning:")).map((p) => p.slice("warning: ".length));
-  if (isStrict) errors.push(...soft.filter((w) => !(w.startsWith("final_response: ") && w.includes("truncates"))));
-  if (errors.length) throw new ResponseError(errors);
+  const soft = softProblems(validateResponse(body), isStrict);
   [...notes, ...soft].forEach((w) => log("warning", `response: ${w}`));
   return body as ResponseEnvelope; // validateResponse found no hard problem: it has the envelope's shape
 }
@@ -1569,7 +1672,13 @@ export function validateResponse(body: unknown): string[] {
     warnings.push(`warning: final_response: ${[...final].length} characters; the platform truncates it at ` +
       `~${FINAL_RESPONSE_SOFT_LIMIT} with a soft warning`);
   }
-  problems.push(...messageProblems(body["messages"], warnings), ...metadataProblems(body["metadata"]));
+  problems.push(...sharedProblems(body, warnings));
+  return [...problems, ...warnings];
+}
+
+/** The problems of what a turn reply shares with the envelope (messages, metadata, JSON); soft ones go to `warnings`. */
+function sharedProblems(body: Record<string, unknown>, warnings: string[]): string[] {
+  const problems = [...messageProblems(body["messages"], warnings), ...metadataProblems(body["metadata"])];
   warnings.push(...metadataWarnings(body["metadata"]));
   let found: string | null;
   try {
@@ -1578,7 +1687,7 @@ export function validateResponse(body: unknown): string[] {
     found = "body: nested too deeply to encode";
   }
   if (found) problems.push(found.startsWith("body.") ? found.slice("body.".length) : found);
-  return [...problems, ...warnings];
+  return problems;
 }
 
 // ---------------------------------------------------------------------------
@@ -1825,7 +1934,7 @@ export class DispatchApp {
     });
     try {
       const result = await Promise.race([dispatchContext.run(context, async () => this.agent(envelope)), deadline]);
-      const body = buildResponse(result, { strict: this.strict });
+      const body = buildResponse(result, { strict: this.strict, multiTurn: isMultiTurn(envelope) });
       if (JSON.stringify(body).includes(envelope.run_token)) {
         log("warning", "the agent's response contained the run token; it was redacted");
         return jsonReply(200, redact(body, envelope.run_token));

@@ -16,7 +16,7 @@ import { isDeepStrictEqual } from "node:util";
 
 import {
   EnvelopeError, ProxyClient, ProxyError, ProxyRequestError, ProxyTransportError, ResponseError, StaleRunTokenError,
-  buildResponse, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply,
+  buildResponse, buildTurnReply, checkCredential, envelopeFromDispatch, interpretReply, isPing, postHandoff, RETRY_POLICY, settleReply,
   validateActorLabel, validateResponse, validateToolName,
 } from "./pipelines_port.js";
 import type { Envelope, HeadersInit, Json, JsonObject } from "./pipelines_port.js";
@@ -291,6 +291,25 @@ const suites: Record<string, Suite> = {
     const outcome = await expectOutcome(c.expect, () => buildResponse(input["value"], options));
     const hard = (body: unknown): string[] => validateResponse(body).filter((p) => !p.startsWith("warning:"));
     if (!outcome.threw) check(same(outcome.value, c.expect["body"]) && hard(outcome.value).length === 0, `body ${show(outcome.value)}`);
+    return undefined;
+  },
+
+  async turn_reply(c) {
+    const input = c["input"] as JsonObject;
+    const options = { strict: Boolean(input["strict"] ?? false), multiTurn: Boolean(input["multi_turn"]) };
+    const outcome = await expectOutcome(c.expect, () => buildResponse(input["value"], options));
+    if (!outcome.threw) check(same(outcome.value, c.expect["body"]), `body ${show(outcome.value)}`);
+    const value = input["value"];
+    // buildTurnReply builds what a strict server sends for a turn reply of the file, and refuses what it refuses
+    // (but a message that is not a string, which the builder takes as its JSON text).
+    if (options.multiTurn && options.strict && value !== null && typeof value === "object" && !Array.isArray(value)
+        && "message" in value && "session_done" in value && !("final_response" in value)) {
+      const { message, metadata, session_done: sessionDone, ...rest } = value;
+      if (Object.keys(rest).length === 0 && typeof message === "string") {
+        const built = await expectOutcome(c.expect, () => buildTurnReply(message, { metadata: metadata as JsonObject | null | undefined ?? null, sessionDone: sessionDone as boolean }));
+        if (!built.threw) check(same(built.value, c.expect["body"]), `buildTurnReply ${show(built.value)}`);
+      }
+    }
     return undefined;
   },
 

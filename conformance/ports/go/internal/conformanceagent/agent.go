@@ -23,7 +23,7 @@ import (
 	pp "example.com/pipelines-port/go"
 )
 
-var stepKinds = []string{"call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return"}
+var stepKinds = []string{"call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return", "turn_reply"}
 
 // Agent is echo mode, or script mode when user_instruction is a JSON object with a "steps" array.
 func Agent(ctx context.Context, env *pp.Envelope) (any, error) {
@@ -138,6 +138,16 @@ func stepKind(step any, where string) (string, error) {
 	case "raise":
 		if _, ok := object["raise"].(string); !ok {
 			return "", scriptError("%s.raise: must be a string", where)
+		}
+	case "turn_reply":
+		spec, ok := object["turn_reply"].(map[string]any)
+		_, isString := spec["message"].(string)
+		metadata, hasMetadata := spec["metadata"]
+		_, isObject := metadata.(map[string]any)
+		done, hasDone := spec["session_done"]
+		_, isBool := done.(bool)
+		if !ok || !isString || (hasMetadata && metadata != nil && !isObject) || (hasDone && !isBool) {
+			return "", scriptError(`%s.turn_reply: must be an object with a string "message", an object "metadata" and a boolean "session_done"`, where)
 		}
 	}
 	return kind, nil
@@ -331,6 +341,11 @@ func runScript(ctx context.Context, env *pp.Envelope, steps []any) (any, error) 
 			return nil, errors.New(step["raise"].(string))
 		case "return":
 			return step["return"], nil
+		case "turn_reply": // what the port's turn-reply builder builds (§4.2)
+			spec := step["turn_reply"].(map[string]any)
+			metadata, _ := spec["metadata"].(map[string]any)
+			done, _ := spec["session_done"].(bool)
+			return pp.BuildTurnReply(spec["message"].(string), metadata, done)
 		}
 	}
 

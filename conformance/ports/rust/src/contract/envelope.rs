@@ -123,6 +123,12 @@ impl Envelope {
         &self.run_token
     }
 
+    /// A turn of a multi-turn run: the input carries `session_id` or
+    /// `turn_id` (§2.2 multi-turn-fields); its turn reply is sent as built.
+    pub fn is_multi_turn(&self) -> bool {
+        self.session_id.is_some() || self.turn_id.is_some()
+    }
+
     /// A minimal envelope for a run (tests, or a caller driving the client by hand).
     pub fn for_run(proxy_url: &str, run_token: &str) -> Result<Envelope, EnvelopeError> {
         let mut headers = Headers::new();

@@ -23,6 +23,20 @@ pub struct ResponseEnvelope {
     pub metadata: Option<Map<String, Value>>,
 }
 
+/// A multi-turn per-turn reply (§4.2), as [`build_turn_reply`] builds it. In
+/// a multi-turn dispatch (`Envelope::is_multi_turn`) it is sent as built; a JSON
+/// object with `message` and `session_done` and no `final_response` is one too.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TurnReply {
+    /// The agent's answer to this turn: a non-empty string.
+    pub message: String,
+    /// The agent's hint that the conversation is finished; the platform decides.
+    pub session_done: bool,
+    /// The turn's metadata (§4 metadata-keys).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+}
+
 /// One transcript message (§4 message-shape).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Message {
@@ -227,8 +241,47 @@ pub fn build_response(
     value: &Value,
     strict: bool,
 ) -> Result<(Map<String, Value>, Vec<String>), ResponseError> {
-    let mut body = unpack(value, strict)?;
+    build_reply(value, strict, false)
+}
+
+/// What a dispatch answers for what the agent returned (§4.2, §7.7
+/// kit-turn-reply-detected, kit-turn-reply-single-turn): in a multi-turn
+/// dispatch (`Envelope::is_multi_turn`) a turn reply (an object with
+/// `message` and `session_done` and no `final_response`) as built, checked
+/// as [`build_response`] checks an envelope; anything else, and a turn reply
+/// in a single-turn dispatch, the response envelope (the turn reply's
+/// `message` as its `final_response`, `session_done` dropped with a warning).
+pub fn build_reply(
+    value: &Value,
+    strict: bool,
+    multi_turn: bool,
+) -> Result<(Map<String, Value>, Vec<String>), ResponseError> {
     let mut notes = Vec::new();
+    let mut envelope = None;
+    if let Some(reply) = turn_reply(value) {
+        if multi_turn {
+            return turn_reply_body(reply, strict);
+        }
+        let mut converted = Map::new();
+        for (key, item) in reply {
+            match key.as_str() {
+                "message" => {
+                    converted.insert("final_response".into(), item.clone());
+                }
+                "session_done" => {}
+                _ => {
+                    converted.insert(key.clone(), item.clone());
+                }
+            }
+        }
+        envelope = Some(Value::Object(converted));
+        notes.push(
+            "session_done: a single-turn dispatch has no session to end; the turn reply is sent as the \
+             response envelope, its message as final_response"
+                .to_string(),
+        );
+    }
+    let mut body = unpack(envelope.as_ref().unwrap_or(value), strict)?;
     if let Some(messages) = body.get("messages").filter(|m| !m.is_null()).cloned() {
         body.insert(
             "messages".into(),
@@ -262,8 +315,21 @@ pub fn build_response(
             body.remove("metadata");
         }
     }
+    let problems = validate_response(&Value::Object(body.clone()));
+    checked(body, problems, notes, strict)
+}
+
+/// `body` with its warnings (`notes`, then the soft problems); a
+/// [`ResponseError`] for the hard problems, in strict mode for the soft ones
+/// too but the truncation warning (§7.7 kit-strict-mode).
+fn checked(
+    body: Map<String, Value>,
+    problems: Vec<Problem>,
+    mut notes: Vec<String>,
+    strict: bool,
+) -> Result<(Map<String, Value>, Vec<String>), ResponseError> {
     let (mut errors, mut warnings) = (Vec::new(), Vec::new());
-    for problem in validate_response(&Value::Object(body.clone())) {
+    for problem in problems {
         let truncation = problem.path == "final_response" && problem.message.contains("truncates");
         if !problem.warning {
             errors.push(problem.to_string());
@@ -278,6 +344,123 @@ pub fn build_response(
     }
     notes.extend(warnings);
     Ok((body, notes))
+}
+
+/// `value` as a turn reply's object, when it is one (§4.2).
+fn turn_reply(value: &Value) -> Option<&Map<String, Value>> {
+    value.as_object().filter(|object| {
+        object.contains_key("message")
+            && object.contains_key("session_done")
+            && !object.contains_key("final_response")
+    })
+}
+
+/// A turn reply as it goes out, its keys as built (§7.7 kit-turn-reply-checked).
+/// Lenient: a `message` that is not a string becomes its JSON text, a
+/// `session_done` that is not a boolean is sent as `false` (no hint), and a
+/// malformed `messages` or `metadata` is dropped, each change a warning; only a
+/// missing or empty `message` is an error. Strict: every problem is a
+/// [`ResponseError`], the soft ones too.
+fn turn_reply_body(
+    reply: &Map<String, Value>,
+    strict: bool,
+) -> Result<(Map<String, Value>, Vec<String>), ResponseError> {
+    let mut body = reply.clone();
+    let mut notes = Vec::new();
+    if !strict {
+        if let Some(message) = body
+            .get("message")
+            .filter(|m| !m.is_null() && !m.is_string())
+        {
+            let text = spaced(message);
+            body.insert("message".into(), Value::String(text));
+        }
+        if !body["session_done"].is_boolean() {
+            notes.push(format!(
+                "session_done: must be a boolean, got {}; sent as false (no hint)",
+                json_type(&body["session_done"])
+            ));
+            body.insert("session_done".into(), Value::Bool(false));
+        }
+        if let Some(messages) = body.get("messages").filter(|m| !m.is_null()).cloned() {
+            body.insert(
+                "messages".into(),
+                flat_messages(&messages, true, &mut notes),
+            );
+        }
+        let mut ignored = Vec::new();
+        if let Some(first) =
+            message_problems(body.get("messages").unwrap_or(&Value::Null), &mut ignored).first()
+        {
+            notes.push(format!(
+                "{first}; messages dropped, as the platform drops a malformed transcript"
+            ));
+            body.remove("messages");
+        }
+        if let Some(first) = metadata_problems(body.get("metadata").unwrap_or(&Value::Null)).first()
+        {
+            notes.push(format!(
+                "{first}; metadata dropped, as the platform drops it"
+            ));
+            body.remove("metadata");
+        }
+    }
+    let problems = turn_reply_problems(&body);
+    checked(body, problems, notes, strict)
+}
+
+/// Every problem of a turn reply, worded as [`validate_response`] words an envelope's.
+fn turn_reply_problems(body: &Map<String, Value>) -> Vec<Problem> {
+    let (mut problems, mut warnings) = (Vec::new(), Vec::new());
+    match body.get("message") {
+        None | Some(Value::Null) => problems.push(hard(
+            "message",
+            "required, a non-empty string (the user answers it)",
+        )),
+        Some(Value::String(text)) if text.is_empty() => problems.push(hard(
+            "message",
+            "required, a non-empty string (the user answers it)",
+        )),
+        Some(Value::String(text)) if text.trim().is_empty() => warnings.push(soft(
+            "message",
+            "blank (only whitespace): the user has nothing to answer",
+        )),
+        Some(Value::String(_)) => {}
+        Some(other) => problems.push(hard(
+            "message",
+            format!("must be a string, got {}", json_type(other)),
+        )),
+    }
+    if let Some(done) = body.get("session_done").filter(|d| !d.is_boolean()) {
+        problems.push(hard(
+            "session_done",
+            format!("must be a boolean, got {}", json_type(done)),
+        ));
+    }
+    problems.extend(shared_problems(body, &mut warnings));
+    problems.extend(warnings);
+    problems
+}
+
+/// Builds a multi-turn per-turn reply (§4.2) and checks it as a strict server
+/// does: a blank message or metadata the platform cannot use is a
+/// [`ResponseError`] (§7.7 kit-turn-reply-checked). `session_done` is a hint:
+/// the platform owns termination.
+pub fn build_turn_reply(
+    message: &str,
+    metadata: Option<Map<String, Value>>,
+    session_done: bool,
+) -> Result<TurnReply, ResponseError> {
+    let reply = TurnReply {
+        message: message.to_string(),
+        session_done,
+        metadata,
+    };
+    let Ok(Value::Object(object)) = serde_json::to_value(&reply) else {
+        unreachable!("a TurnReply serialises to a JSON object")
+    };
+    turn_reply_body(&object, true)?;
+    Ok(reply)
 }
 
 fn metadata_problems(metadata: &Value) -> Vec<Problem> {
@@ -571,17 +754,21 @@ pub fn validate_response(body: &Value) -> Vec<Problem> {
             format!("must be a string, got {}", json_type(other)),
         )),
     }
-    problems.extend(message_problems(
-        object.get("messages").unwrap_or(&Value::Null),
-        &mut warnings,
-    ));
+    problems.extend(shared_problems(object, &mut warnings));
+    problems.extend(warnings);
+    problems
+}
+
+/// The problems of what a turn reply shares with the envelope (`messages`,
+/// `metadata`); soft ones go to `warnings`.
+fn shared_problems(object: &Map<String, Value>, warnings: &mut Vec<Problem>) -> Vec<Problem> {
+    let mut problems = message_problems(object.get("messages").unwrap_or(&Value::Null), warnings);
     problems.extend(metadata_problems(
         object.get("metadata").unwrap_or(&Value::Null),
     ));
     warnings.extend(metadata_warnings(
         object.get("metadata").unwrap_or(&Value::Null),
     ));
-    problems.extend(warnings);
     problems
 }
 

@@ -9,14 +9,22 @@
 use pipelines_port::contract::encoding::{validate_actor_label, validate_tool_name};
 use pipelines_port::contract::inbound::{hex, sha256};
 use pipelines_port::contract::json::{compact, decode};
+use pipelines_port::contract::response::build_turn_reply;
 use pipelines_port::transport::CallOptions;
 use pipelines_port::{AgentError, Envelope, Handoff, ProxyError, Run};
 use serde_json::{json, Map, Value};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-const STEP_KINDS: [&str; 7] = [
-    "call", "parallel", "trace", "handoff", "sleep_ms", "raise", "return",
+const STEP_KINDS: [&str; 8] = [
+    "call",
+    "parallel",
+    "trace",
+    "handoff",
+    "sleep_ms",
+    "raise",
+    "return",
+    "turn_reply",
 ];
 
 /// Echo mode, or script mode when `user_instruction` is a JSON object with a `steps` array.
@@ -128,6 +136,19 @@ fn step_kind(step: &Value, at: &str) -> Result<&'static str, AgentError> {
         }
         "raise" if !object["raise"].is_string() => {
             return Err(script_error(format!("{at}.raise: must be a string")));
+        }
+        "turn_reply" => {
+            let spec = &object["turn_reply"];
+            let metadata_ok = spec
+                .get("metadata")
+                .is_none_or(|m| m.is_null() || m.is_object());
+            let done_ok = spec.get("session_done").is_none_or(Value::is_boolean);
+            if !(spec.get("message").is_some_and(Value::is_string) && metadata_ok && done_ok) {
+                return Err(script_error(format!(
+                    "{at}.turn_reply: must be an object with a string \"message\", an object \"metadata\" \
+                     and a boolean \"session_done\""
+                )));
+            }
         }
         _ => {}
     }
@@ -276,6 +297,18 @@ async fn run_script(run: &Run, steps: &[Value]) -> Result<Value, AgentError> {
                 results.push(json!({"ok": true, "value": null}));
             }
             "raise" => return Err(AgentError::msg(step["raise"].as_str().unwrap_or_default())),
+            "turn_reply" => {
+                // what the port's turn-reply builder builds (§4.2)
+                let spec = &step["turn_reply"];
+                let reply = build_turn_reply(
+                    spec["message"].as_str().unwrap_or_default(),
+                    spec.get("metadata").and_then(Value::as_object).cloned(),
+                    spec.get("session_done")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
+                )?;
+                return Ok(serde_json::to_value(reply).unwrap_or(Value::Null));
+            }
             _ => return Ok(step["return"].clone()),
         }
     }
