@@ -1804,12 +1804,9 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with the standard library: its speed paths,
-#   the envelope bound per dispatch, the event loops every exchange and run
-#   happen on, one transport, the retry loop of both drivers, the proxy client,
-#   the dispatch app, the servers (asyncio, threads, WSGI, ASGI) and code mode.
-#   Sockets, threads, the environment and the log live here; every protocol
-#   decision is part 1's.  Global state: ContextVars and lazy singletons.
+#   Carries out part 1's decisions with the standard library: sockets,
+#   threads, the environment and the log live here, every protocol decision
+#   is part 1's.  Global state: ContextVars and lazy singletons (_Once).
 #
 # ###########################################################################
 
@@ -2237,18 +2234,12 @@ def _normal_host_entry(entry: str) -> str:
 # Context binding: the envelope of the dispatch running in this context
 # ---------------------------------------------------------------------------
 
-_current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar(
-    "pipelines_port_envelope", default=None
-)
+_current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("pipelines_port_envelope", default=None)
 
 
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
-    """Bind ``envelope`` to this context for the ``with`` block, where :func:`proxy_call` finds it.
-
-    Each thread and asyncio task has its own context, so concurrent dispatches never see each other's envelope;
-    a fresh thread does not inherit it (bind inside it, or use ``contextvars.copy_context``).
-    """
+    """Bind ``envelope`` to this context (each thread and task has its own) for the ``with`` block."""
     if not isinstance(envelope, Envelope):
         raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
     token = _current.set(envelope)
@@ -2259,32 +2250,27 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound to this context, else the sandbox's run from a ``PIPELINES_*`` environment that carries
-    a run token (§5 child-env-explicit); :class:`EnvelopeError` when neither is there."""
+    """The envelope bound here, else the sandbox's run from a ``PIPELINES_*`` environment that has a run token
+    (§5 child-env-explicit); :class:`EnvelopeError` when neither is there."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
     raise EnvelopeError(
-        "no dispatch envelope is bound to this context and the environment has no run "
-        f"({ENV_RUN_TOKEN} is not set): call inside a dispatch or run(), "
-        "wrap the code in `with bind_envelope(envelope):`, or pass envelope=..."
-    )
+        f"no dispatch envelope is bound to this context and the environment has no run ({ENV_RUN_TOKEN} is not "
+        "set): call inside a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: every exchange runs on one.  An ``async def`` caller uses its
-# own; a blocking caller hands the coroutine to the loop of the server that
-# started its thread, else to the module's own loop thread, and waits.
+# Event loops: every exchange runs on one, a blocking caller's on its server's
+# loop or on the module's own loop thread, while the caller waits
 # ---------------------------------------------------------------------------
 
-# Set in the context of a sync agent's thread to its server's loop: a thousand agent threads then wait on
-# futures instead of each driving a socket under the GIL.
+# A sync agent's thread carries its server's loop: a thousand agent threads wait on futures, not on sockets.
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
 
 def _runs_on(loop: Any) -> bool:
-    """True on the thread running ``loop`` (waiting there for the loop's own work would never end)."""
     import asyncio
 
     try:
@@ -2301,25 +2287,22 @@ def _start_loop() -> Any:
     return loop
 
 
-_loop_thread = _Once(_start_loop)  # the module's own event loop, on a daemon thread started on first use
+_loop_thread = _Once(_start_loop)  # the module's own loop, on a daemon thread started on first use
 if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
     os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
 
 
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
-    """Run ``coroutine`` for this blocking thread on an event loop, in a copy of this context, and wait for it.
-
-    On the server's loop (``_server_loop``), else the module's loop thread; a thread that runs that very loop (a
-    blocking call inside an ``async def`` agent) runs it on a fresh thread instead.  ``TimeoutError`` after
-    ``timeout``; whatever interrupts the wait (a signal, a host's worker abort) cancels it and goes on.
-    """
+    """``coroutine`` run for this blocking thread on its server's loop, else the module's loop thread (a thread
+    running that very loop: on a fresh thread), in a copy of this context; ``TimeoutError`` after ``timeout``.
+    Whatever interrupts the wait (a signal, a worker abort) cancels the coroutine and goes on."""
     import asyncio
     import concurrent.futures
 
     loop = _server_loop.get()
     if loop is None or not loop.is_running() or _runs_on(loop):
         loop = _loop_thread()
-    if _runs_on(loop):
+    if _runs_on(loop):  # a blocking call inside an async def agent on the module's loop
         try:
             return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
         except _Overran:
@@ -2328,7 +2311,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
             error = raised.error
         raise error  # outside the except clause: no _AgentRaised in its context
     try:
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)  # its task runs in a copy of this context
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
     except RuntimeError:  # the server's loop closed after the check
         future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
     try:
@@ -2341,20 +2324,17 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
         raise
 
 # ---------------------------------------------------------------------------
-# The deadline wheel: a loop's long timeouts (per connection, run and
-# exchange; almost none fire) for one asyncio timer per 0.25 s tick
+# The deadline wheel: a loop's far timeouts (per connection, run, exchange;
+# few fire) share one asyncio timer per 0.25 s tick
 # ---------------------------------------------------------------------------
 
 class _Deadline:
-    """One timeout of :class:`_Deadlines`: ``cancel()`` and ``when()``, as an asyncio ``TimerHandle`` has."""
+    """A timeout of :class:`_Deadlines`, with a ``TimerHandle``'s ``cancel()`` and ``when()``."""
 
     __slots__ = ("_when", "_callback", "_args", "_tick")
 
     def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
-        self._when = when
-        self._callback: Optional[Callable[..., Any]] = callback
-        self._args = args
-        self._tick: Optional[Set[Any]] = tick
+        self._when, self._callback, self._args, self._tick = when, callback, args, tick
 
     def when(self) -> float:
         return self._when
@@ -2372,9 +2352,9 @@ class _Deadline:
 
 
 class _Deadlines:
-    """The timeouts of one event loop (its thread only): one at least ``COARSE_AFTER_S`` away joins the tick of
-    ``GRAIN_S`` it falls in and fires at most ``GRAIN_S`` late; nearer ones are exact ``loop.call_at``.  At
-    thousands of dispatches at once, a ``TimerHandle`` each was a real share of the loop's work."""
+    """One loop's timeouts, on its thread: one at least ``COARSE_AFTER_S`` away joins its ``GRAIN_S`` tick (at most
+    that late), a nearer one is an exact ``loop.call_at``.  At thousands of dispatches at once a ``TimerHandle``
+    each was a real share of the loop's work."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
@@ -2384,16 +2364,15 @@ class _Deadlines:
     def __init__(self, loop: Any) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # a weak-keyed entry's value must not keep its key (the loop) alive
+        self._loop = weakref.proxy(loop)  # a weak-keyed entry's value must not keep its key alive
         self._ticks: Dict[int, Set[_Deadline]] = {}
 
     @classmethod
     def call_at(cls, loop: Any, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        """``loop.call_at(when, callback, *args)`` for a timeout: its handle has ``cancel()`` and ``when()``."""
+        """``loop.call_at(when, callback, *args)`` for a timeout."""
         return cls._for(loop).at(when, callback, *args)
 
     def at(self, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        """:meth:`call_at` on this loop."""
         loop = self._loop
         if when - loop.time() < self.COARSE_AFTER_S:
             return loop.call_at(when, callback, *args)
@@ -2420,16 +2399,15 @@ class _Deadlines:
 
     def _fire(self, tick: int) -> None:
         for deadline in self._ticks.pop(tick, ()):
-            self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops none of the others
+            self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops no other
 
 # ---------------------------------------------------------------------------
-# Transport: HTTP/1.1 exchanges on asyncio, replies read as they arrive
-# (sans-IO), keep-alive connections pooled per event loop
+# Transport: HTTP/1.1 exchanges on asyncio streams, keep-alive connections
+# pooled per event loop and origin
 # ---------------------------------------------------------------------------
 
 class _TransportFailure(Exception):
-    """No usable reply arrived (the cause is ``__cause__``); ``stale``: a reused keep-alive connection the server
-    had closed, worth an immediate retry."""
+    """No usable reply (the cause is ``__cause__``); ``stale``: a reused connection the server had closed."""
 
     def __init__(self, stale: bool = False) -> None:
         super().__init__()
@@ -2437,20 +2415,18 @@ class _TransportFailure(Exception):
 
 
 class _ReplyTooLarge(Exception):
-    """A reply body over the caller's cap; refused without reading it all."""
+    """A reply body over the caller's cap, refused without reading it all."""
 
     def __init__(self, status: int, cap: int, length: Optional[int]) -> None:
         self.status = status
-        super().__init__(
-            f"is {length} bytes, over the {cap}-byte cap" if length is not None else f"exceeds the {cap}-byte cap"
-        )
+        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length is not None
+                         else f"exceeds the {cap}-byte cap")
 
 
 class _ClientConnection:
-    """A keep-alive connection (asyncio streams): :meth:`reply` reads one HTTP/1.1 reply, 1xx ones skipped, its
-    body framed by Content-Length, chunked coding or the connection's end and at most ``max_reply`` bytes
-    (:class:`_ReplyTooLarge`, from Content-Length before any is read); a malformed or cut one is a
-    ``ConnectionError``.  ``received``: a byte of the current reply arrived (so a drop is no stale connection)."""
+    """A keep-alive connection.  :meth:`reply` reads one HTTP/1.1 reply (1xx skipped; the body framed by
+    Content-Length, chunked coding or the connection's end, at most ``max_reply`` bytes); a malformed or cut one
+    is a ``ConnectionError``.  ``received``: a byte of it arrived (a drop before that is a stale connection)."""
 
     __slots__ = ("reader", "writer", "idle_since", "received")
 
@@ -2482,21 +2458,19 @@ class _ClientConnection:
 
     async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         reader = self.reader
-        while True:
+        status = 100
+        while 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints): the real one follows
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
             version, _, rest = lines[0].partition(b" ")
-            code = rest[:3]
-            if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+            if not version.startswith(b"HTTP/1.") or not rest[:3].isdigit() or len(rest[:3]) != 3:
                 raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
-            status = int(code)
+            status = int(rest[:3])
             if status == 101:
                 raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
-            if not 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints): the real one follows
-                break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and headers:  # obs-fold: a continuation of the header before
+            if line[:1] in (b" ", b"\t") and headers:  # obs-fold: the header before goes on
                 headers[-1] = (headers[-1][0], headers[-1][1] + " " + line.strip().decode("latin-1"))
                 continue
             name, colon, value = line.partition(b":")
@@ -2514,10 +2488,9 @@ class _ClientConnection:
             while True:
                 line = (await reader.readuntil(b"\r\n"))[:-2]
                 size_text = line.split(b";", 1)[0].strip()
-                size = int(size_text, 16) if size_text and size_text.isalnum() and all(
-                    c in b"0123456789abcdefABCDEF" for c in size_text) else -1
-                if size < 0:
+                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
                     raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
+                size = int(size_text, 16)
                 if len(body) + size > max_reply:
                     raise _ReplyTooLarge(status, max_reply, None)
                 if size == 0:
@@ -2535,7 +2508,7 @@ class _ClientConnection:
             if length > max_reply:
                 raise _ReplyTooLarge(status, max_reply, length)
             body += await reader.readexactly(length)
-        else:  # framed by the connection's end (RFC 9112 §6.3)
+        else:  # the connection's end frames the body (RFC 9112 §6.3)
             keep_alive = False
             while True:
                 chunk = await reader.read(1 << 16)
@@ -2544,26 +2517,24 @@ class _ClientConnection:
                 if len(body) + len(chunk) > max_reply:
                     raise _ReplyTooLarge(status, max_reply, None)
                 body += chunk
-        if reader._buffer:  # bytes past the end of the reply: nothing asked for them
+        if reader._buffer:  # bytes past the reply's end: nothing asked for them
             keep_alive = False
         return status, headers, bytes(body), keep_alive
 
 
 class _Pool:
-    """A loop's idle keep-alive connections per (scheme, host, port): at most ``max_idle`` per origin, each closed
-    after ``idle_s`` by a reaper task that lives while any are idle (and closes them all when the loop ends)."""
+    """A loop's idle connections per (scheme, host, port): at most ``max_idle`` per origin, each closed after
+    ``idle_s`` by a reaper task living while any are idle (and closing them all when the loop ends)."""
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
         self._loop = weakref.proxy(loop)  # held in a weak-keyed map by its loop: no strong reference back
-        self._max_idle = max_idle
-        self._idle_s = idle_s
+        self._max_idle, self._idle_s = max_idle, idle_s
         self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}
         self._reaper: Any = None
 
     def take(self, key: Tuple[str, str, int]) -> Optional[_ClientConnection]:
-        """The most recently used live idle connection for ``key``, or ``None``."""
         idle = self._idle.get(key)
         now = self._loop.time()
         while idle:
@@ -2585,9 +2556,8 @@ class _Pool:
 
     def close(self) -> None:
         idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
+        for conn in (c for conns in idle.values() for c in conns):
+            conn.close()
         if self._reaper is not None:
             self._reaper.cancel()
 
@@ -2595,30 +2565,27 @@ class _Pool:
         import asyncio
 
         try:
-            while True:  # sleeps first, and ends after a sleep that left nothing idle: not a task per exchange
+            while True:  # sleeps first; ends after a sleep that left nothing idle (not a task per exchange)
                 await asyncio.sleep(self._idle_s / 2)
                 if not any(self._idle.values()):
                     break
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
-                    if any(c.closed or c.idle_since <= cutoff for c in conns):
-                        for conn in conns:
-                            if conn.closed or conn.idle_since <= cutoff:
-                                conn.close()
-                        conns[:] = [c for c in conns if not c.closed]
+                    for conn in conns:
+                        if conn.closed or conn.idle_since <= cutoff:
+                            conn.close()
+                    conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
-            self.close()  # the loop is shutting down (or the client closing): leave no socket open
+            self.close()  # the loop is shutting down: leave no socket open
             raise
         finally:
             self._reaper = None
 
 
 class _Transport:
-    """HTTP(S) exchanges, the one I/O layer of every outbound call: :meth:`aexchange` on the running loop,
-    :meth:`exchange` from a blocking thread (run on a loop by :func:`_on_loop`).  Each gives ``(status, headers,
-    body)`` or raises :class:`_TransportFailure` / :class:`_ReplyTooLarge`.  ``timeout`` bounds the whole attempt,
-    connecting included.  Connections are pooled per loop and origin; a reused one that drops before any byte
-    of the reply is ``stale`` (re-sent at once, same Idempotency-Key); a cancelled exchange closes its own."""
+    """HTTP(S) exchanges, the one I/O layer of every outbound call: ``(status, headers, body)``, or
+    :class:`_TransportFailure` / :class:`_ReplyTooLarge`.  ``timeout`` bounds the whole attempt, connecting
+    included; a reused connection dropped before any byte of the reply is ``stale`` (re-sent at once, same key)."""
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
     IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
@@ -2635,9 +2602,7 @@ class _Transport:
         if pool is None:
             with self._lock:
                 pool = self._pools.get(loop)
-                if pool is None:
-                    # A fan-out of N runs holds N connections to the one proxy: a small cap would close most after
-                    # each call only to reconnect for the run's next one (bench/bench_fanout.py).
+                if pool is None:  # a fan-out of N runs holds N connections to the one proxy: no small cap
                     max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
                     pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
@@ -2665,12 +2630,10 @@ class _Transport:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One request on the running loop (``base`` is the split URL).
-
-        Its deadline cancels this task where it waits, as ``asyncio.timeout`` does on 3.11+; that cancellation
-        becomes the timeout, any other is passed on.  Not ``asyncio.wait_for``: before Python 3.12 it adds a task, a
-        future and a timer per call, and a fan-out makes thousands at once.
-        """
+        """One request on the running loop (``base``: the split URL).  Its deadline cancels this task where it
+        waits, as ``asyncio.timeout`` does (3.11+): that cancellation is the timeout, any other goes on.  Not
+        ``asyncio.wait_for``: before 3.12 it adds a task, a future and a timer per call, and a fan-out makes
+        thousands."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2681,8 +2644,6 @@ class _Transport:
         port = base.port or (443 if scheme == "https" else 80)
         key = (scheme, host, port)
         started = loop.time()
-        deadline = started + timeout
-        pool = self._pool(loop)
         debug = _log.isEnabledFor(logging.DEBUG)
         where = f"{host}:{port}{_loggable_path(path)}" if debug else ""
         if debug:
@@ -2691,16 +2652,17 @@ class _Transport:
             request = _request_bytes(method, path, host, port, scheme, headers, body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
+        pool = self._pool(loop)
         conn = pool.take(key)
         reused = conn is not None
-        task = asyncio.current_task()
+        task = cast(Any, asyncio.current_task())
         expired: List[bool] = []
 
         def expire() -> None:
             expired.append(True)
-            cast(Any, task).cancel()
+            task.cancel()
 
-        timer = _Deadlines.call_at(loop, deadline, expire)
+        timer = _Deadlines.call_at(loop, started + timeout, expire)
         try:
             if conn is None:
                 conn = await self._connect(scheme, host, port)
@@ -2709,17 +2671,16 @@ class _Transport:
         except asyncio.CancelledError:
             if conn is not None:  # what is left of the reply must not meet the next request
                 conn.abort()
-            if expired and _uncancel(task) == 0:  # the deadline's own cancellation, and no other: a timeout
+            if expired and _uncancel(task) == 0:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
             raise
-        except _ReplyTooLarge:
-            cast(_ClientConnection, conn).abort()
-            raise
-        except OSError as exc:  # ConnectionError included
+        except (_ReplyTooLarge, OSError) as exc:  # ConnectionError included
             if conn is None:
                 raise
             conn.abort()
+            if isinstance(exc, _ReplyTooLarge):
+                raise
             raise _TransportFailure(stale=reused and not conn.received) from exc
         finally:
             timer.cancel()
@@ -2733,14 +2694,13 @@ class _Transport:
         return status, headers_, reply
 
     async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
-        """A new connection, TLS included (:class:`_TransportFailure` for one that fails)."""
         import asyncio
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         try:
             reader, writer = await asyncio.open_connection(host, port, ssl=context,
                                                            server_hostname=host if context is not None else None)
-        except OSError as exc:
+        except OSError as exc:  # asyncio's "Connect call failed (...)" as the system words it
             worded = isinstance(exc, ConnectionError) and exc.errno
             raise _TransportFailure() from (type(exc)(exc.errno, os.strerror(exc.errno)) if worded else exc)
         except UnicodeError as exc:
@@ -2749,15 +2709,14 @@ class _Transport:
 
 
 def _uncancel(task: Any) -> int:
-    """``task.uncancel()``: the cancellations still pending once one is withdrawn (3.11+).  Before 3.11, 0: a
-    cancellation in the very turn the deadline fires is taken for the timeout, as ``asyncio.wait_for`` takes it."""
+    """``task.uncancel()`` (3.11+).  Before 3.11, 0: a cancellation in the very turn the deadline fires is taken
+    for the timeout, as ``asyncio.wait_for`` takes it."""
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
 
 def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],
                    body: bytes) -> bytes:
-    """An HTTP/1.1 request as bytes, with Host and Content-Length (``UnicodeError`` for what cannot be sent)."""
     try:
         host.encode("ascii")
     except UnicodeEncodeError:
@@ -2765,13 +2724,13 @@ def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, he
     shown = f"[{host}]" if ":" in host else host
     if port != (443 if scheme == "https" else 80):
         shown = f"{shown}:{port}"
-    head = f"{method} {path} HTTP/1.1\r\nHost: {shown}\r\n".encode("ascii")
     fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    return head + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    return (f"{method} {path} HTTP/1.1\r\nHost: {shown}\r\n".encode("ascii") + fields.encode("latin-1")
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
 
 def _loggable_path(path: str) -> str:
-    """A request path for a log line: a query string may carry a key, so it is cut (as are userinfo and host)."""
+    """A path for a log line: without its query, which may carry a key."""
     return path.split("?", 1)[0] + ("?…" if "?" in path else "")
 
 
@@ -2792,7 +2751,7 @@ _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-ke
 
 
 def _debug_headers(headers: Mapping[str, str]) -> str:
-    """Headers worth a debug line, secrets redacted."""
+    """The headers worth a debug line, secrets redacted."""
     shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
              if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
     return (", " + ", ".join(shown)) if shown else ""
@@ -2805,12 +2764,9 @@ _Interpret = Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome]
 def _retry_loop(send: Callable[[], _Reply], interpret: _Interpret, *, policy: RetryPolicy,
                 sleep: Callable[[float], Any], transport_error: Callable[[BaseException], PipelinesError],
                 before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The blocking driver of :class:`RetryState` (§3.3); :func:`_aretry_loop` is its twin, line for line.
-
-    ``before_attempt`` runs before every attempt (it may refuse the call) and returns the seconds to wait for a
-    pacing slot; ``send`` makes one exchange, ``interpret`` says what its reply means, ``transport_error`` builds
-    the error of an exchange that got no usable reply.
-    """
+    """The blocking driver of :class:`RetryState` (§3.3; :func:`_aretry_loop` is its twin, line for line):
+    ``before_attempt`` may refuse the call and returns the seconds to wait for a pacing slot, ``send`` makes one
+    exchange, ``interpret`` reads its reply, ``transport_error`` names an exchange that got none."""
     state = RetryState(policy)
     while True:
         wait = before_attempt() if before_attempt is not None else 0.0
@@ -2856,7 +2812,7 @@ async def _aretry_loop(send: Callable[[], Awaitable[_Reply]], interpret: _Interp
 
 def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
                        ) -> ProxyOutcome:
-    """No usable reply: ``"transport"`` (retried, same key), or ``"error"`` for a certificate or DNS failure."""
+    """``"transport"`` (retried, same key), or ``"error"`` for a certificate or DNS failure, which no retry fixes."""
     import socket
 
     cause = failure.__cause__ or failure
