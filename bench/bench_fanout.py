@@ -18,7 +18,7 @@ per server, all in the same run:
 Servers: ``sync`` (``python3 -m pipelines_port serve`` with a sync agent: a thread per dispatch, its calls
 on the blocking driver), ``async`` (the same server, an ``async def`` agent awaiting ``pp.aproxy_call``:
 every dispatch on one event loop), ``async_uvicorn`` (the ASGI app with the async agent under uvicorn),
-``threads`` (the sync agent under ``serve --server threads``: http.server), ``aiohttp`` (an aiohttp server and
+``threads`` (the sync agent under ``serve --server threads``: a thread per connection), ``aiohttp`` (an aiohttp server and
 one ``ClientSession``, the same agent: bench/aiohttp_peer.py), ``tuned`` (FastAPI + uvicorn with one
 ``httpx.AsyncClient``), ``reference`` (FastAPI with a synchronous ``httpx.post`` per call, as the platform
 docs' wrapper) and ``pipelines_port_gunicorn`` (the WSGI app under gunicorn gthread).  The peers run in
