@@ -1,58 +1,52 @@
 """pipelines_port: put any agent under test on the Pipelines platform, stdlib only.
 
-One file, no dependencies, Python 3.9+.  Copy it into a sandbox upload, run it
-as a dispatch server, or read it while porting to another language.  The wire
-contract it speaks is CONTRACT.md; section numbers below (§2, §3.3, ...) point
-into it, and each rule there says whether a port MUST, SHOULD or MAY keep it.
+One file, no dependencies, Python 3.9+: copy it as it is into a sandbox upload, run it as a dispatch server,
+or read it while porting.  It speaks the wire contract of CONTRACT.md (§2, §3.3, ... below point there; each
+rule says whether a port MUST, SHOULD or MAY keep it), in three parts, each opening with what it may do:
 
-The file has three parts, each opening with what it may and may not do:
+1. THE CONTRACT, pure (no sockets, threads, environment or logging): what a porter reads alone.
+2. THE PYTHON RUNTIME: what only Python needs first (speed paths, read-only data, values as JSON), then one
+   transport on asyncio under both drivers, the proxy client, the dispatch app and its servers, code mode.
+3. CONVENIENCES: agent-loop helpers, tools from code, framework bridges, the MCP shim, the command line.
 
-1. THE CONTRACT: constants, errors (each carries its HTTP status), envelope
-   parsing, inbound decisions (``decide``), request encoding, reply
-   interpretation, the retry decision, response building and validation.
-   No sockets, threads, environment reads or logging.  A porter reads this part alone.
-2. THE PYTHON RUNTIME: the speed paths (part 1's rules computed faster, each
-   held to them by a test), context binding, the two transports (blocking and
-   asyncio) and their retry loop, ``ProxyClient``, ``DispatchApp`` (runs the
-   agent, probes the proxy), the servers (asyncio, http.server, WSGI, ASGI),
-   code mode.
-3. CONVENIENCES: agent-loop helpers, tools from code, framework bridges, the
-   MCP shim; last, the command line (``serve``, ``mcp``).
+Bytes are a budget: the platform takes at most 200,000 per uploaded file, and a sandbox compiles the whole file
+at every start.  So one mechanism does each job (one transport, one retry loop, one request reader, one JSON
+walker), a rule is named here and explained once in CONTRACT.md, and the map says where the bytes go.
 
-Map: each part and section at the line it starts on (tests/test_repo.py keeps
-the numbers true)::
+Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      256  PART 1 - THE CONTRACT
-      277    Constants: the contract's names and numbers
-      350    Errors
-      556    Frozen data: read-only JSON containers that still serialise as JSON
-      623    Envelope (§2 dispatch, §5 code mode)
-     1177    Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope
-     1631    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
-     1790    Reply interpretation (§3.2, §3.3) and the retry decision
-     2024    Response envelope (§4): building and validation
-     2597    HTTP replies of a dispatch endpoint: JSON bodies, one error path
-     2663  PART 2 - THE PYTHON RUNTIME
-     2709    Speed paths: what part 1 computes, computed faster in Python
-     2828    Context binding: the envelope of the dispatch running in this context
-     2873    Transport, blocking: pacing, keep-alive connections, a whole-reply deadline
-     3211    The deadline wheel: the asyncio driver's and server's timeouts
-     3305    Transport, asyncio: replies read as they arrive, connections pooled per loop
-     3772    The retry loop of both drivers (RetryState.step decides), and what they share
-     3930    Proxy client (§3): tool calls, trace events, actors
-     4493    Running agents: a fresh thread per run, an optional deadline
-     4745    The dispatch app (§2): decide(), then probe the proxy or run the agent
-     5128    Server adapters: the built-in servers' settings; WSGI and ASGI
-     5242    The http.server server: a thread per connection, its classes built on first use
-     5543    The asyncio server: one event loop, a protocol per connection
-     5964    Starting a server: make_server, start_server, serve (signals and the drain)
-     6066    Code mode (§5): one agent function, the sandbox's run() entrypoint
-     6193  PART 3 - CONVENIENCES
-     6206    Agent-loop helpers: tool formats (§3.6), concurrent tool calls
-     6450    Tools from code: JSON Schema from a function's signature
-     6780    Framework bridges (the porting guide's steps 1 and 2)
-     7289    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-     7486    Command line: serve, mcp
+      138   0.9  PART 1 - THE CONTRACT
+      156   3.4    Constants: the contract's names and numbers
+      223   5.7    Errors
+      360  17.6    Envelope (§2 dispatch, §5 code mode)
+      693  17.6    Inbound decisions (§2)
+     1007   7.1    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+     1131   8.5    Reply interpretation (§3.2, §3.3) and the retry decision
+     1296  19.3    Response envelope (§4): building and validation
+     1633   2.5    HTTP replies of a dispatch endpoint: JSON bodies, one error path
+     1687   1.1  PART 2 - THE PYTHON RUNTIME
+     1725   3.7    Speed paths
+     1805   3.8    Python data
+     1893   8.9    Python values as JSON (§7.7 kit-json-safe-response)
+     2071   2.3    Start-up settings
+     2116   1.4    Context binding: the envelope of the dispatch running in this context
+     2147   2.7    Event loops: every exchange runs on one, a blocking caller's on its server's
+     2209   3.2    The deadline wheel: a loop's far timeouts (per connection, run, exchange;
+     2287  16.3    Transport: HTTP/1.1 exchanges on asyncio streams, keep-alive connections
+     2629   4.7    The retry loop of both drivers (RetryState.step decides), and what they share
+     2728  24.7    Proxy client (§3): tool calls, trace events, actors
+     3218   9.5    Running agents: a sync one on a fresh thread, an ``async def`` one as a task
+     3433  17.6    The dispatch app (§2): decide(), then probe the proxy or run the agent
+     3729   5.5    Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin
+     3835  18.8    The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
+     4230   4.8    Starting a server: make_server, start_server, serve (signals and the drain)
+     4326   7.1    Code mode (§5): one agent function, the sandbox's run() entrypoint
+     4445   0.3  PART 3 - CONVENIENCES
+     4454  10.1    Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
+     4652  12.8    Tools from code: JSON Schema from a function's signature, local argument
+     4881  20.8    Framework bridges (the porting guide's steps 1 and 2): a framework's tools as
+     5254   9.8    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
+     5432  13.9    Command line: serve, mcp
 
 Quick look::
 
@@ -61,7 +55,6 @@ Quick look::
     env = pp.Envelope.from_dispatch(body, headers)     # §2, raises EnvelopeError
     with pp.bind_envelope(env):
         order = pp.proxy_call("get_order", {"order_id": "4521"})   # §3, unwrapped
-        pp.post_trace("assistant_message", {"text": "looking it up"}, best_effort=True)
     reply = pp.build_response("Refund issued.", messages=[...])      # §4
 
 Importing this module does no I/O and starts nothing.
@@ -88,27 +81,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping  # isinstance against typing.Mapping costs a Python-level check per call
 from typing import (
-    TYPE_CHECKING,
-    Any,
-    Awaitable,
-    Callable,
-    Coroutine,
-    Deque,
-    Dict,
-    FrozenSet,
-    Generic,
-    Iterable,
-    Iterator,
-    List,
-    NamedTuple,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
-    Type,
-    TypeVar,
-    Union,
-    cast,
+    TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Deque, Dict, FrozenSet, Generic, Iterable,
+    Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Type, TypeVar, Union, cast,
 )
 from urllib.parse import quote, urlsplit
 
@@ -124,128 +98,36 @@ if __name__ == "__main__":
 __version__ = "0.1.0"
 
 __all__ = [
-    # -- part 1: the contract ------------------------------------------------
-    # errors (each with its http_status)
-    "PipelinesError",
-    "RequestError",
-    "EnvelopeError",
-    "NotFoundError",
-    "MethodNotAllowedError",
-    "UnknownMethodError",
-    "LengthRequiredError",
-    "BodyTooLargeError",
-    "UnsupportedTransferCodingError",
-    "FramingError",
-    "TargetTooLongError",
-    "HeadersTooLargeError",
-    "VersionNotSupportedError",
-    "AuthError",
-    "MisconfiguredError",
-    "ShuttingDownError",
-    "OverloadedError",
-    "RequestTimeoutError",
-    "RunTimeoutError",
-    "AgentError",
-    "ResponseError",
-    "ProxyError",
-    "ProxyRequestError",
-    "ProxyTransportError",
-    "StaleRunTokenError",
+    # part 1, the contract: errors (each with its http_status)
+    "PipelinesError", "RequestError", "EnvelopeError", "NotFoundError", "MethodNotAllowedError", "UnknownMethodError",
+    "LengthRequiredError", "BodyTooLargeError", "UnsupportedTransferCodingError", "FramingError", "TargetTooLongError",
+    "HeadersTooLargeError", "VersionNotSupportedError", "AuthError", "MisconfiguredError", "ShuttingDownError",
+    "OverloadedError", "RequestTimeoutError", "RunTimeoutError", "AgentError", "ResponseError", "ProxyError",
+    "ProxyRequestError", "ProxyTransportError", "StaleRunTokenError",
     # envelope
-    "Envelope",
-    "validate_proxy_url",
-    "json_type",
+    "Envelope", "validate_proxy_url", "json_type",
     # inbound decisions
-    "check_credential",
-    "is_ping",
-    "request_body_length",
-    "RequestHead",
-    "parse_request_head",
-    "connectivity_proxy_url",
-    "Endpoint",
-    "Decision",
-    "decide",
+    "check_credential", "is_ping", "request_body_length", "RequestHead", "parse_request_head", "connectivity_proxy_url",
+    "Endpoint", "Decision", "decide",
     # request encoding
-    "validate_tool_name",
-    "validate_actor_label",
-    "encode_args",
-    "ProxyRequest",
-    "proxy_request",
-    "tool_call_request",
-    "trace_request",
-    "handoff_event",
+    "validate_tool_name", "validate_actor_label", "encode_args", "ProxyRequest", "proxy_request", "tool_call_request",
+    "trace_request", "handoff_event",
     # reply interpretation and the retry decision
-    "ProxyOutcome",
-    "parse_retry_after",
-    "error_fields",
-    "interpret_reply",
-    "RETRY_TABLE",
-    "retry_decision",
-    "RetryPolicy",
-    "RetryStep",
-    "RetryState",
-    "TRACE_EVENT_TYPES",
+    "ProxyOutcome", "parse_retry_after", "error_fields", "interpret_reply", "RETRY_TABLE", "retry_decision",
+    "RetryPolicy", "RetryStep", "RetryState", "TRACE_EVENT_TYPES",
     # response envelope
-    "response_envelope",
-    "build_turn_reply",
-    "validate_response",
-    "MAX_JSON_DEPTH",
-    "MAX_INT_DIGITS",
-    "HttpReply",
-    "json_reply",
-    "error_reply",
-    "describe_error",
-    "redact",
-    # -- part 2: the Python runtime -------------------------------------------
-    "bind_envelope",
-    "current_envelope",
-    "ProxyClient",
-    "set_default_client",
-    "proxy_call",
-    "aproxy_call",
-    "Actor",
-    "as_actor",
-    "post_trace",
-    "apost_trace",
-    "post_handoff",
-    "apost_handoff",
-    "build_response",
-    "DispatchApp",
-    "probe_proxy",
-    "aprobe_proxy",
-    "wsgi_app",
-    "asgi_app",
-    "make_server",
-    "SERVERS",
-    "AsyncDispatchServer",
-    "default_max_connections",
-    "start_server",
-    "serve",
-    "code_mode",
-    "check_run_timeout",
-    "run_in_fresh_thread",
-    "load_agent",
-    "main",
-    # -- part 3: conveniences ----------------------------------------------
-    "TOOL_FORMATS",
-    "convert_tools",
-    "load_tools_schema",
-    "tools_schema_beside",
-    "bound_output",
-    "call_tools",
-    "post_json",
-    "HTTPStatusError",
-    "Tool",
-    "tool",
-    "export_tools",
-    "schema_for_type",
-    "validate_args",
-    "McpShim",
-    "tools_schema_from",
-    "proxied_tools",
-    "response_from",
-    "Handoffs",
-    "MCP_PROTOCOL_VERSIONS",
+    "response_envelope", "build_turn_reply", "validate_response", "MAX_JSON_DEPTH", "MAX_INT_DIGITS", "HttpReply",
+    "json_reply", "error_reply", "describe_error", "redact",
+    # part 2: the Python runtime
+    "bind_envelope", "current_envelope", "ProxyClient", "set_default_client", "proxy_call", "aproxy_call", "Actor",
+    "as_actor", "post_trace", "apost_trace", "post_handoff", "apost_handoff", "build_response", "DispatchApp",
+    "probe_proxy", "aprobe_proxy", "wsgi_app", "asgi_app", "make_server", "SERVERS", "AsyncDispatchServer",
+    "default_max_connections", "start_server", "serve", "code_mode", "check_run_timeout", "run_in_fresh_thread",
+    "load_agent", "main",
+    # part 3: conveniences
+    "TOOL_FORMATS", "convert_tools", "load_tools_schema", "tools_schema_beside", "bound_output", "call_tools",
+    "post_json", "HTTPStatusError", "Tool", "tool", "export_tools", "schema_for_type", "validate_args", "McpShim",
+    "tools_schema_from", "proxied_tools", "response_from", "Handoffs", "MCP_PROTOCOL_VERSIONS",
 ]
 
 _log = logging.getLogger("pipelines_port")

@@ -153,27 +153,39 @@ def _module_sections(lines: List[str]) -> List[Tuple[int, int, str]]:
     return found
 
 
+def _section_sizes(lines: List[str], sections: List[Tuple[int, int, str]]) -> List[float]:
+    """Each section's size in kB (1,000 bytes, UTF-8): from its opening to the next part's or section's (a part's
+    own size is its banner and what comes before its first section)."""
+    starts = [n - (1 if level == 0 else 2) for n, level, _ in sections] + [len(lines)]
+    return [sum(len(line.encode("utf-8")) + 1 for line in lines[a:b]) / 1000 for a, b in zip(starts, starts[1:])]
+
+
 def test_the_opening_map_points_at_the_parts_and_sections_it_names() -> None:
-    """The module docstring's map lists every part and section of the file, in order, at the line it starts on;
-    each entry's title is its section's title (or the start of it)."""
+    """The module docstring's map lists every part and section of the file, in order, at the line it starts on
+    and with its size (to 0.1 kB: what the module spends its bytes on is a design decision, kept in view); each
+    entry's title is its section's title (or the start of it)."""
     lines = (ROOT / "pipelines_port.py").read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Map: ")) + 1
+    start = next(i for i, line in enumerate(lines) if line.startswith("Map: "))
     while not lines[start].endswith("::"):
         start += 1
     entries = []
     for line in lines[start + 2:]:
-        entry = re.fullmatch(r"    +(\d+)  ( *)(\S.*)", line)
+        entry = re.fullmatch(r"    +(\d+) +(\d+\.\d)  ( *)(\S.*)", line)
         if entry is None:
             break
-        entries.append((int(entry.group(1)), len(entry.group(2)) // 2, entry.group(3)))
+        entries.append((int(entry.group(1)), float(entry.group(2)), len(entry.group(3)) // 2, entry.group(4)))
     sections = _module_sections(lines)
-    expected = "\n".join(f"    {n:>5}  {'  ' * level}{title}" for n, level, title in sections)
+    sizes = _section_sizes(lines, sections)
+    expected = "\n".join(f"    {n:>5} {kb:5.1f}  {'  ' * level}{title}"
+                         for (n, level, title), kb in zip(sections, sizes))
     assert len(sections) > 20
-    assert [(n, level) for n, level, _ in entries] == [(n, level) for n, level, _ in sections], \
+    assert [(n, level) for n, _, level, _ in entries] == [(n, level) for n, level, _ in sections], \
         f"the map's line numbers are out of date; the file's parts and sections are:\n{expected}"
-    for (n, _, title), (_, _, full) in zip(entries, sections):
+    assert all(abs(kb - size) <= 0.15 for (_, kb, _, _), size in zip(entries, sizes)), \
+        f"the map's sizes are out of date; the file's parts and sections are:\n{expected}"
+    for (n, _, _, title), (_, _, full) in zip(entries, sections):
         assert full.startswith(title), f"line {n} opens {full!r}, not {title!r}"
-    assert [title for _, level, title in entries if level == 0] == [
+    assert [title for _, _, level, title in entries if level == 0] == [
         "PART 1 - THE CONTRACT", "PART 2 - THE PYTHON RUNTIME", "PART 3 - CONVENIENCES"]
 
 
