@@ -137,17 +137,11 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions: names and
-#   numbers, the errors (each with its HTTP status), the dispatch envelope,
-#   the inbound decision (``decide``), proxy requests and replies, retries,
-#   and the response envelope.  No sockets, threads, logging or environment
-#   reads (an omitted ``environ`` is ``os.environ``, read there only).
-#   CONTRACT.md states each rule, and the code names it (``§7.3
-#   kit-run-timeout-range``).  Part 1 calls part 2's first sections for what
-#   a port's own language gives: speed paths (``_json_from_bytes``: json.loads;
-#   ``_idempotency_key``: a UUID4; ``_int_limit``), read-only containers and
-#   header dicts (``_freeze``, ``_thaw``, ``_lower_headers``) and Python
-#   values as JSON (``_jsonable``, ``_unsendable``, ``_safe_text``).
+#   What a port must agree on, as data and pure functions: CONTRACT.md states
+#   each rule, the code names it (``§7.3 kit-run-timeout-range``).  No
+#   sockets, threads, logging or environment reads (an omitted ``environ`` is
+#   ``os.environ``).  Part 2's first four sections stand for what a port's own
+#   language gives: speed paths, read-only data, Python values as JSON.
 #
 # ###########################################################################
 
@@ -156,7 +150,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # Constants: the contract's names and numbers
 # ---------------------------------------------------------------------------
 
-# §2.1 inbound headers (compared case-insensitively; stored lower-case), §2.2 body fields, §3.5 the actor header.
+# §2.1 inbound headers (matched in any case, stored lower-case), §2.2 body fields, §3.5 the actor header
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -166,7 +160,7 @@ HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
 BODY_PROXY_URL = "odyssey_proxy_url"
 BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
 HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
-# §5 code-mode environment, §3.6 inline tools schema, §3.1 client knobs.
+# §5 code-mode environment, §3.6 the inline tools schema, §3.1 client settings
 ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
 ENV_RUN_TOKEN = "PIPELINES_RUN_TOKEN"
 ENV_RUN_TOKEN_JTI = "PIPELINES_RUN_TOKEN_JTI"
@@ -180,7 +174,7 @@ ENV_TOOLS_SCHEMA_B64 = "PIPELINES_TOOLS_SCHEMA_B64"
 ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
 ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
 ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
-# §3.1 tool names, caps and limits, §3.5 actor labels.
+# §3.1 tool names, caps and pacing, §3.5 actor labels
 TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
@@ -189,13 +183,13 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # what breaks an HTTP header value (a tab does not)
-# §3.3 retry classification, §3.4 reserved trace event types.
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # breaks a header value (a tab does not)
+# §3.3 retry classes, §3.4 trace event types
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
 TRACE_EVENT_TYPES = frozenset({"assistant_message", "thinking", "system_prompt", "custom", "llm_payload", "handoff",
                                "subagent_message", "subagent_final"})
-# §2, §7.1 the dispatch endpoint: routes, limits, the run timeout.
+# §2, §7.1 the dispatch endpoint
 DEFAULT_DISPATCH_PATH = "/dispatch"
 HEALTH_PATH = "/healthz"
 TOOLS_SCHEMA_PATH = "/tools_schema"
@@ -207,127 +201,122 @@ MAX_REQUEST_HEAD_BYTES = 64 << 10
 MAX_REQUEST_FIELDS = 100
 DEFAULT_RUN_TIMEOUT_S = 300.0
 MAX_RUN_TIMEOUT_S = 1800.0
-DETAIL_LIMIT = 500  # characters of an error ``detail``: one readable line, never a traceback
-# §4 response envelope, §7.7 what the builder keeps.
+DETAIL_LIMIT = 500  # characters of an error ``detail``
+# §4 the response, §7.7 what the builder keeps
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
-MAX_JSON_DEPTH = 100  # nesting the builder keeps; deeper is cut
-MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits: the platform's JSON parser reads no longer integer
-_METADATA_INT_KEYS = ("total_input_tokens", "total_output_tokens")
-_METADATA_STR_KEYS = ("model", "system_prompt_id")
+MAX_JSON_DEPTH = 100
+MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits, kept by the platform's parser
 _REDACTED = "[redacted]"
 _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors.  Each carries the HTTP status an endpoint answers when it ends a request (``http_status``, like h11's
-# ``error_status_hint``): the status table of §7.1 kit-error-statuses, turned into a reply by ``error_reply``.
+# Errors, each with the HTTP status an endpoint answers (``http_status``, §7.1 kit-error-statuses)
 # ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
-    """Base class of every error this module raises on purpose; ``headers`` are extra reply headers."""
+    """Base of the errors this module raises on purpose; ``headers`` are extra reply headers."""
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
     def __init_subclass__(cls, status: Optional[int] = None, **kwargs: Any) -> None:
-        """``class NotFoundError(RequestError, status=404)`` sets the subclass's ``http_status``."""
         super().__init_subclass__(**kwargs)
         if status is not None:
             cls.http_status = status
 
 
 class RequestError(PipelinesError, ValueError, status=400):
-    """The request cannot be handled as sent: not JSON, not an object, truncated (§2)."""
+    """A request that cannot be handled as sent."""
 
 
 class EnvelopeError(RequestError):
-    """A dispatch envelope is missing, malformed, or not bound (§2, §5)."""
+    """A dispatch envelope missing, malformed or not bound (§2, §5)."""
 
 
 class NotFoundError(RequestError, status=404):
-    """No route for the request's path."""
+    """No route for the path."""
 
 
 class MethodNotAllowedError(RequestError, status=405):
-    """The path exists, the method does not; ``headers`` carry ``Allow``."""
+    """A method the path does not take; ``headers`` carry ``Allow``."""
     def __init__(self, message: str, allowed: Sequence[str]) -> None:
         super().__init__(message)
         self.headers = (("Allow", ", ".join(allowed)),)
 
 
 class UnknownMethodError(RequestError, status=501):
-    """A request method HTTP does not define (RFC 9110 §9)."""
+    """A method HTTP does not define."""
 
 
 class LengthRequiredError(RequestError, status=411):
-    """A POST without a usable Content-Length (chunked, absent or not a decimal number)."""
+    """A body without a usable Content-Length."""
 
 
 class BodyTooLargeError(RequestError, status=413):
-    """A request body over the endpoint's cap, refused before it is read."""
+    """A body over the endpoint's cap, refused before it is read."""
 
 
 class UnsupportedTransferCodingError(RequestError, status=501):
-    """A ``Transfer-Encoding`` other than chunked (RFC 9112 §6.1)."""
+    """A ``Transfer-Encoding`` other than chunked."""
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112 (§7.1 kit-strict-request-head): the connection closes after the reply."""
+    """A request head that breaks RFC 9112 (§7.1 kit-strict-request-head); the connection closes."""
 
 
 class TargetTooLongError(FramingError, status=414):
-    """A request line over :data:`MAX_REQUEST_LINE_BYTES`."""
+    """A request line over ``MAX_REQUEST_LINE_BYTES``."""
 
 
 class HeadersTooLargeError(FramingError, status=431):
-    """A request head over :data:`MAX_REQUEST_HEAD_BYTES` or with more than :data:`MAX_REQUEST_FIELDS` fields."""
+    """A head over ``MAX_REQUEST_HEAD_BYTES`` or ``MAX_REQUEST_FIELDS``."""
 
 
 class VersionNotSupportedError(FramingError, status=505):
-    """A well-formed HTTP version other than 1.x."""
+    """An HTTP version other than 1.x."""
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request's head and body did not arrive within the server's ``read_timeout_s`` of its first byte."""
+    """A request not read whole within the server's ``read_timeout_s``."""
 
 
 class AuthError(PipelinesError, status=401):
-    """Missing or wrong inbound credential (§2 step 1); the message never echoes what was sent."""
+    """A missing or wrong credential (§2 step 1), never echoed."""
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
 
 
 class MisconfiguredError(PipelinesError, status=503):
-    """The endpoint cannot check credentials: its token variable is unset (§2 step 1)."""
+    """The agent token's variable is unset (§2 step 1)."""
 
 
 class ShuttingDownError(PipelinesError, status=503):
-    """The server is draining after SIGTERM and takes no new requests."""
+    """The server is draining and takes no new requests."""
 
 
 class OverloadedError(PipelinesError, status=503):
-    """The server is at its limit of open connections (``max_connections``): retry shortly or elsewhere."""
+    """The server is at ``max_connections``."""
 
 
 class RunTimeoutError(PipelinesError, status=504):
-    """The agent did not finish within ``run_timeout_s`` (§2 step 7)."""
+    """The agent overran ``run_timeout_s`` (§7.3)."""
 
 
 class AgentError(PipelinesError):
-    """The agent function raised; the message is ``Type: message``, the original is ``__cause__``."""
+    """The agent raised: ``Type: message``, the original as ``__cause__``."""
 
 
 class ResponseError(PipelinesError, ValueError):
-    """A value cannot become a valid response envelope (§4); ``problems`` lists every problem found."""
+    """A value that cannot become a response (§4); ``problems`` lists every problem."""
     def __init__(self, problems: Union[str, Sequence[str]]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A proxy call or trace post failed (§3.3), never showing the run token; ``status_code`` is ``None`` when no reply
-    came, ``body`` the reply parsed (not JSON: its first 200 characters)."""
+    """A failed proxy call or trace post (§3.3), without the run token; ``status_code`` is None when no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -335,7 +324,7 @@ class ProxyError(PipelinesError):
         self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
 
     def to_value(self) -> Dict[str, Any]:
-        """The failure as an ``{"error": ...}`` tool result a model can read (§7.4 kit-errors-return)."""
+        """The failure as a tool result a model reads (§7.4 kit-errors-return)."""
         value: Dict[str, Any] = {"error": self.message}
         if self.error_class:
             value["error_class"] = self.error_class
@@ -345,15 +334,15 @@ class ProxyError(PipelinesError):
 
 
 class ProxyRequestError(ProxyError, ValueError):
-    """The call was refused locally before sending: bad tool name, args, size or actor label (§7.5)."""
+    """A call refused before sending (§7.5)."""
 
 
 class ProxyTransportError(ProxyError):
-    """No usable reply arrived: timeout, refused or reset connection, TLS failure."""
+    """No usable reply: a timeout, a refused or reset connection, TLS."""
 
 
 class StaleRunTokenError(ProxyError):
-    """The proxy rejected the run token as expired, invalid or revoked: the run is over (§3.3)."""
+    """The proxy refused the run token: the run is over (§3.3)."""
 
 
 # ---------------------------------------------------------------------------
@@ -362,6 +351,7 @@ class StaleRunTokenError(ProxyError):
 
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
+_SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -372,18 +362,11 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _title(lower_header: str) -> str:
-    return "-".join(part.capitalize() for part in lower_header.split("-"))
-
-
-_SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
-
-
 def validate_proxy_url(url: Any, where: str) -> str:
-    """The proxy base URL without its trailing ``/`` (§2.2, §7.2 kit-proxy-url-checked); ``where`` is its source."""
+    """The proxy base URL without its trailing ``/`` (§7.2 kit-proxy-url-checked); ``where`` names its source."""
     if not isinstance(url, str) or not url.strip():
         raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
-    text: str = url.strip().rstrip("/")
+    text = url.strip().rstrip("/")
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -393,7 +376,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
         problem = "must be an http:// or https:// URL with a host"
     elif parts.query or parts.fragment:
         problem = "must not carry a query or fragment"
-    elif not _valid_host(parts.hostname):
+    elif not _idna(parts.hostname):
         problem = "has a host name that is not valid"
     elif _SPACE_OR_CONTROL.search(text):
         raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
@@ -402,8 +385,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
-def _valid_host(host: str) -> bool:
-    """Whether IDNA encodes ``host`` (labels of 1 to 63 characters, for one)."""
+def _idna(host: str) -> bool:
     try:
         host.encode("idna")
     except UnicodeError:
@@ -412,22 +394,23 @@ def _valid_host(host: str) -> bool:
 
 
 def _check_run_token(token: Any, where: str) -> str:
-    """The run token trimmed (§7.2 kit-run-token-checked), never shown in an error: it is a secret."""
+    """The run token trimmed (§7.2 kit-run-token-checked); never shown: it is a secret."""
     if not isinstance(token, str) or not token.strip():
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    if _CONTROL_CHARACTER.search(token.strip()) or "\t" in token.strip():
+    text: str = token.strip()
+    if "\t" in text or _CONTROL_CHARACTER.search(text):
         raise EnvelopeError(f"run token from {where} contains control characters")
-    return token.strip()
+    return text
 
 
 def _env_id(value: Optional[str]) -> Optional[Id]:
-    """An id from a ``PIPELINES_*`` variable (§7.2 kit-env-ids-numeric): decimal digits become an int."""
-    text = (value or "").strip()
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else text or None
+    """§7.2 kit-env-ids-numeric."""
+    number = _content_length(value)
+    return ((value or "").strip() or None) if number is None else number
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
-    """The first candidate that is an id: an int (no bool: §7.2 kit-float-ids-absent) or a non-blank string, trimmed."""
+    """The first id: an int (no bool: §7.2 kit-float-ids-absent) or a non-blank string, trimmed."""
     for value in candidates:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -437,22 +420,18 @@ def _first_id(*candidates: Any) -> Optional[Id]:
 
 
 def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
-    """§2.2 ``sub_agents``, labels or ``{"actor_id": label}`` (§7.2 kit-sub-agents-catalog, -normalised)."""
-    labels: List[str] = []
+    """§7.2 kit-sub-agents-catalog, kit-sub-agents-normalised."""
+    labels: List[Optional[str]] = []
     for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
-        try:
-            label = validate_actor_label(label) if isinstance(label, str) else None
-        except ProxyRequestError:
-            continue
-        if label and label not in labels:
-            labels.append(label)
-    return tuple(labels)
+        with contextlib.suppress(ProxyRequestError):
+            labels.append(validate_actor_label(label) if isinstance(label, str) else None)
+    return tuple(dict.fromkeys(label for label in labels if label))
 
 
 class Envelope:
-    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope): build it with
-    :meth:`from_dispatch`, :meth:`from_run` or :meth:`from_env`; ``raw`` is the whole body; ``repr`` hides the token."""
+    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope): ``raw`` is
+    the whole body; ``repr`` hides the token."""
     __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
                  "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
                  "workspace", "tools_schema", "sub_agents", "raw")
@@ -490,7 +469,6 @@ class Envelope:
                    _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
     def _fill(self, *values: Any) -> None:
-        """Set the fields, in ``__slots__`` order, from checked values, every container frozen."""
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
 
@@ -513,18 +491,15 @@ class Envelope:
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> Any:
-        return (_rebuild_envelope, ({n: _thaw(getattr(self, n)) for n in self.__slots__},))
+        return functools.partial(Envelope, **{n: getattr(self, n) for n in self.__slots__}), ()
 
     def replace(self, **changes: Any) -> Envelope:
         """A copy with some fields changed (like ``dataclasses.replace``)."""
-        unknown = set(changes) - set(self.__slots__)
-        if unknown:
-            raise TypeError(f"Envelope has no field(s) {sorted(unknown)}")
-        return Envelope(**{**{n: _thaw(getattr(self, n)) for n in self.__slots__}, **changes})
+        return Envelope(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
 
     @property
     def api_url(self) -> str:
-        """Origin of the proxy URL (``PIPELINES_API_URL`` in code mode, §5)."""
+        """The proxy URL's origin (``PIPELINES_API_URL`` in code mode, §5)."""
         return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
@@ -532,7 +507,7 @@ class Envelope:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages for a model API: the earlier user and assistant text, then this prompt."""
+        """This turn as chat messages: the earlier user and assistant texts, then this prompt."""
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
                  and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                  and m["content"].strip()]
@@ -544,22 +519,23 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """A new dict: ``base`` (default ``os.environ``) and this run's ``PIPELINES_*`` variables (§5 child-env-*)."""
+        """A new dict: ``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
         env = dict(os.environ if base is None else base)
-        env.update({ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url})
-        for key, value in ((ENV_RUN_TOKEN_JTI, self.run_token_jti), (ENV_RUN_ID, self.run_id),
-                           (ENV_TASK_ID, self.task_id), (ENV_AGENT_ID, self.agent_id), (ENV_TASK_INPUT_B64, None)):
+        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
+        if self.task_id is not None:
+            task["task_id"] = self.task_id
+        values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
+                  ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
+                  ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None,
+                  ENV_TASK_INPUT_JSON: json.dumps(task, separators=(",", ":"))}
+        if self.tools_schema is not None:
+            schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
+            values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode("ascii")
+        for key, value in values.items():
             if value is None:
                 env.pop(key, None)
             else:
                 env[key] = str(value)
-        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
-        if self.task_id is not None:
-            task["task_id"] = self.task_id
-        env[ENV_TASK_INPUT_JSON] = json.dumps(task, separators=(",", ":"))
-        if self.tools_schema is not None:
-            encoded = json.dumps(self.tools_schema, separators=(",", ":")).encode()
-            env[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(encoded).decode("ascii")
         return env
 
     @classmethod
@@ -573,22 +549,18 @@ class Envelope:
         if not isinstance(body, Mapping):
             raise EnvelopeError(f"dispatch body must be a JSON object, got {json_type(body)}")
         h = _lower_headers(headers)
-        url_from, url = next(((f"body field {f!r}", body[f]) for f in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY)
-                              if isinstance(body.get(f), str) and body[f].strip()), ("", None))
-        if url is None:
-            url_from, url = next(((f"header {_title(n)}", _header(h, n)) for n in (HEADER_PROXY_URL,
-                                  HEADER_PROXY_URL_LEGACY) if _header(h, n)), ("", None))
+        urls = [(f"body field {name!r}", body[name]) for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY)
+                if isinstance(body.get(name), str) and body[name].strip()]
+        urls += [(f"header {name.title()}", h[name]) for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY)
+                 if _header(h, name)]
         token = _header(h, HEADER_RUN_TOKEN)
-        missing: List[str] = []
-        if url is None:
-            missing.append(f"proxy URL (looked for body field {BODY_PROXY_URL!r}, legacy {BODY_PROXY_URL_LEGACY!r}, "
-                           f"and headers {_title(HEADER_PROXY_URL)}, legacy {_title(HEADER_PROXY_URL_LEGACY)})")
-        if token is None:
-            missing.append(f"run token (looked for header {_title(HEADER_RUN_TOKEN)})")
-        if missing:
-            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
-        proxy_url = validate_proxy_url(url, url_from)
-        return cls._read(body, proxy_url, _check_run_token(token, f"header {_title(HEADER_RUN_TOKEN)}"), h)
+        if not urls or token is None:
+            missing = (("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
+                        "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)", not urls),
+                       ("run token (looked for header X-Pipelines-Run-Token)", token is None))
+            raise EnvelopeError("dispatch is missing " + " and ".join(what for what, absent in missing if absent))
+        proxy_url = validate_proxy_url(urls[0][1], urls[0][0])
+        return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
     def from_run(cls, task_input: Optional[Mapping[str, Any]], *, proxy_url: str, run_token: str,
@@ -611,16 +583,16 @@ class Envelope:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read the code-mode ``PIPELINES_*`` environment (§5 code-mode-env), the task from its JSON or base64."""
+        """Read the code-mode ``PIPELINES_*`` environment (§5), the task from its JSON or base64 variable."""
         env = os.environ if environ is None else environ
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not (env.get(name) or "").strip()]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         task: Any = {}
-        if (env.get(ENV_TASK_INPUT_JSON) or "").strip():
-            task = _env_json(env[ENV_TASK_INPUT_JSON], ENV_TASK_INPUT_JSON, "valid JSON")
-        elif (env.get(ENV_TASK_INPUT_B64) or "").strip():
-            task = _env_json(env[ENV_TASK_INPUT_B64], ENV_TASK_INPUT_B64, "base64-encoded JSON")
+        for name in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64):
+            if (env.get(name) or "").strip():
+                task = _env_json(env[name], name)
+                break
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
@@ -629,9 +601,8 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        """The envelope of a dispatch body, its proxy URL and run token checked: wrong types read as absent, the ids
-        and the jti falling back to ``headers`` (§2.2, §7.2)."""
-        raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields below are its parts
+        """A body's envelope (§2.2, §7.2): wrong types read as absent, ids and jti falling back to ``headers``."""
+        raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields are its parts
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -653,10 +624,6 @@ class Envelope:
         return envelope
 
 
-def _rebuild_envelope(fields: Dict[str, Any]) -> Envelope:
-    return Envelope(**fields)
-
-
 def json_type(value: Any) -> str:
     """The JSON type of ``value`` as messages name it: ``"an object"``, ``"a string"``, ``"null"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
@@ -666,32 +633,32 @@ def json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _env_json(text: str, name: str, what: str) -> Any:
-    """The JSON value of environment variable ``name`` (base64 for a ``_B64`` one); ``what`` it should be."""
+def _env_json(text: str, name: str) -> Any:
+    """The JSON value of environment variable ``name``, base64-encoded when it ends in ``_B64``."""
+    encoded = name.endswith("_B64")
     try:
-        return json.loads(base64.b64decode(text, validate=True) if name.endswith("_B64") else text)
+        return json.loads(base64.b64decode(text, validate=True) if encoded else text)
     except (ValueError, binascii.Error) as exc:
-        raise EnvelopeError(f"{name} is not {what}: {exc}") from None
+        raise EnvelopeError(f"{name} is not {'base64-encoded ' if encoded else 'valid '}JSON: {exc}") from None
 
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
-    """§3.6 the inline tools schema: ``PIPELINES_TOOLS_SCHEMA_B64``, else ``_JSON`` (§7.2 kit-tools-schema-wrapped)."""
+    """§3.6 the inline tools schema, ``_B64`` before ``_JSON`` (§7.2 kit-tools-schema-wrapped)."""
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
         text = (env.get(name) or "").strip()
-        if not text:
-            continue
-        value = _env_json(text, name, "a valid JSON tools list")
-        if isinstance(value, dict) and isinstance(value.get("tools"), list):
-            value = value["tools"]
-        if not isinstance(value, list):
-            raise EnvelopeError(f"{name} must hold a JSON list of tools, got {json_type(value)}")
-        return value
+        if text:
+            value = _env_json(text, name)
+            if isinstance(value, dict) and isinstance(value.get("tools"), list):
+                value = value["tools"]
+            if not isinstance(value, list):
+                raise EnvelopeError(f"{name} must hold a JSON list of tools, got {json_type(value)}")
+            return value
     return None
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): auth, framing, JSON, ping, connectivity, envelope.  ``decide`` decides what a request
-# gets; an adapter reads the body ``request_body_length`` allows, calls it once, and carries the decision out.
+# Inbound decisions (§2): ``decide`` says what a request gets; an adapter reads the body ``request_body_length``
+# allows, calls it once, and carries the decision out.
 # ---------------------------------------------------------------------------
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
@@ -704,7 +671,7 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
         received = received.strip() if scheme.lower() == "bearer" else ""  # still compared: the same time taken
-    try:  # http.server and ASGI hand over header bytes as latin-1 text: compare the bytes that arrived
+    try:  # servers hand header bytes over as latin-1 text: compare the bytes that arrived
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
         sent = received.encode("utf-8", "surrogateescape")
@@ -712,18 +679,18 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
 
 
 def is_ping(body: Any) -> bool:
-    """True only for a body that is exactly ``{"ping": true}``: one key, the boolean ``true`` (§2 step 3)."""
+    """True only for exactly ``{"ping": true}`` (§2 step 3)."""
     return isinstance(body, Mapping) and len(body) == 1 and body.get("ping") is True
 
 
 def _content_length(value: Optional[str]) -> Optional[int]:
-    """A Content-Length value as an int: ASCII digits only, at most 18 of them; ``None`` otherwise."""
+    """ASCII digits, at most 18 of them, as an int; else ``None``."""
     value = (value or "").strip()
     return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
-    """How many body bytes an adapter reads for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
+    """The body bytes an adapter reads for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
     try:
@@ -733,35 +700,29 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
 
 
 def _body_length(headers: Mapping[str, str], max_body: int) -> int:
-    """The body's length: one Content-Length within the cap, no Transfer-Encoding (§7.1 kit-body-framing)."""
     coding = headers.get("transfer-encoding")
     if coding is not None and coding.strip().lower() == "chunked":
-        raise LengthRequiredError("chunked request bodies are not supported: send the JSON body with a Content-Length "
-                                  "header")
+        raise LengthRequiredError("chunked request bodies are not supported: send a Content-Length")
     if coding is not None:
-        raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported: send the "
-                                             "JSON body as it is, with a Content-Length header")
+        raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if _repeated(headers, "content-length", conflicting=True):
-        raise RequestError("the request has Content-Length headers that disagree: send one (RFC 9112 §6.3)")
+        raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
     declared = headers.get("content-length")
     if declared is None:
-        raise LengthRequiredError("a Content-Length header is required: send the JSON body with its length")
+        raise LengthRequiredError("a Content-Length header is required")
     length = _content_length(declared)
-    if length is None and declared.strip().isascii() and declared.strip().isdigit():
-        raise BodyTooLargeError(f"request body of {len(declared.strip())}-digit length is over this endpoint's "
-                                f"{max_body}-byte cap")
-    if length is None:
+    if length is None and not (declared.strip().isascii() and declared.strip().isdigit()):
         raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number (RFC 9112 §6.3)")
-    if length > max_body:
-        raise BodyTooLargeError(f"request body of {length} bytes is over this endpoint's {max_body}-byte cap")
+    if length is None or length > max_body:
+        raise BodyTooLargeError(f"request body over this endpoint's {max_body}-byte cap")
     return length
 
 
-# RFC 9112's request line and field line: a field name is a token right before its colon (so no folding), its
-# value has no control character but HTAB (so no bare CR or LF).  A line they refuse, _head_problem names why.
-_REQUEST_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])")
-_FIELD_LINE_RE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
-_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+# RFC 9112's request and field lines: a field name is a token right before its colon (no folding), its value has
+# no control character but HTAB (no bare CR or LF)
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])" % _TOKEN.pattern)
+_FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
 
 
 class RequestHead(NamedTuple):
@@ -772,23 +733,22 @@ class RequestHead(NamedTuple):
     headers: List[Tuple[str, str]]  # in order, names as sent
 
     def keep_alive(self) -> bool:
-        """Whether the connection may carry another request after this one (RFC 9112 §9.3)."""
+        """Whether the connection may carry another request (RFC 9112 §9.3)."""
         tokens = {t.strip().lower() for k, v in self.headers if k.lower() == "connection" for t in v.split(",")}
         return "close" not in tokens if self.version == "HTTP/1.1" else "keep-alive" in tokens
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head (the bytes before its empty line) strictly, as RFC 9112 asks: kit-strict-request-head."""
+    """Read a request head (the bytes before its empty line) strictly (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     line_end = head.find(b"\r\n")
     if (line_end if line_end >= 0 else len(head)) > MAX_REQUEST_LINE_BYTES:
         raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
-    if len(head) > MAX_REQUEST_HEAD_BYTES:
-        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes")
     lines = head.split(b"\r\n")
-    if len(lines) - 1 > MAX_REQUEST_FIELDS:
-        raise HeadersTooLargeError(f"request has {len(lines) - 1} header fields, over {MAX_REQUEST_FIELDS}")
+    if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
+        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or "
+                                   f"{MAX_REQUEST_FIELDS} fields")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     if request is None:
         raise _head_problem(lines)
@@ -798,8 +758,7 @@ def parse_request_head(head: bytes) -> RequestHead:
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
             raise _head_problem(lines)
-        name_bytes, value_bytes = field.groups()
-        name, value = name_bytes.decode("ascii"), value_bytes.strip(b" \t").decode("latin-1")
+        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
         lowered = name.lower()
         if lowered == "host":
             hosts += 1
@@ -808,47 +767,42 @@ def parse_request_head(head: bytes) -> RequestHead:
         elif lowered == "transfer-encoding":
             coded = True
         headers.append((name, value))
-    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # HTTP/1.2 and up read as 1.1 (RFC 9110 §2.5)
+    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and hosts != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
     if coded and (lengths or version == "HTTP/1.0"):
-        raise FramingError("a request with Transfer-Encoding must not also have a Content-Length, nor be HTTP/1.0 "
-                           "(RFC 9112 §6.1)")
+        raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
     return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
 
 
 def _head_problem(lines: List[bytes]) -> FramingError:
-    """The error naming the first rule broken by a head the patterns refused, in RFC 9112's order."""
+    """The first rule broken by a head the patterns refused, in RFC 9112's order."""
     bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
     if bare is not None:
-        return FramingError(f"{'the request line' if bare == 0 else f'header line {bare}'} has a bare CR or LF: "
-                            "every line must end in CRLF (RFC 9112 §2.2)")
+        return FramingError(f"{f'header line {bare}' if bare else 'the request line'} has a bare CR or LF: every "
+                            "line must end in CRLF (RFC 9112 §2.2)")
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or not re.fullmatch(_TOKEN, parts[0]) or not parts[1] or re.search(
-            rb"[\x00-\x20\x7f-\xff]", parts[1]):
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not re.fullmatch(rb"[^\x00-\x20\x7f-\xff]+", parts[1]):
         return FramingError(f"malformed request line {_short(repr(lines[0]), 100)}: expected "
-                            "'METHOD /path HTTP/1.1' with single spaces (RFC 9112 §3)")
-    version = re.fullmatch(rb"HTTP/([0-9])\.([0-9])", parts[2])
+                            "'METHOD /path HTTP/1.1' (RFC 9112 §3)")
+    version = re.fullmatch(rb"HTTP/([0-9])\.[0-9]", parts[2])
     if version is None:
-        return FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)}: expected HTTP/1.1 (RFC 9112 §2.3)")
+        return FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)} (RFC 9112 §2.3)")
     if version.group(1) != b"1":
-        return VersionNotSupportedError(f"HTTP/{version.group(1).decode()}.{version.group(2).decode()} is not "
-                                        "supported here: send HTTP/1.1")
-    for line in lines[1:]:
-        name, colon, _ = line.partition(b":")
-        if line[:1] in (b" ", b"\t"):
-            return FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
-        if not colon:
-            return FramingError(f"header line {_short(repr(line), 60)} has no colon (RFC 9112 §5)")
-        if not re.fullmatch(_TOKEN, name):
-            return FramingError(f"header name {_short(repr(name), 60)} is not a token: no whitespace before the "
-                                "colon (RFC 9112 §5.1)")
-        if _FIELD_LINE_RE.fullmatch(line) is None:
-            return FramingError(f"header {name.decode('ascii')} has a control character in its value (RFC 9110 §5.5)")
-    return FramingError("malformed request head")  # not reached: the patterns refuse only what a rule above names
+        return VersionNotSupportedError(f"{parts[2].decode()} is not supported here: send HTTP/1.1")
+    line = next(line for line in lines[1:] if _FIELD_LINE_RE.fullmatch(line) is None)
+    name, colon, _ = line.partition(b":")
+    shown = _short(repr(name.decode("latin-1")), 60)
+    if line[:1] in (b" ", b"\t"):
+        return FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
+    if not colon:
+        return FramingError(f"header line {shown} has no colon (RFC 9112 §5)")
+    if not _TOKEN.fullmatch(name):
+        return FramingError(f"header name {shown} is not a token: no whitespace before the colon (RFC 9112 §5.1)")
+    return FramingError(f"header {shown} has a control character in its value (RFC 9110 §5.5)")
 
 
 class Endpoint(NamedTuple):
@@ -859,10 +813,10 @@ class Endpoint(NamedTuple):
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
     tools_schema: Optional[Sequence[Any]] = None  # served at GET /tools_schema when set
-    proxy_hosts: Optional[Tuple[str, ...]] = None  # the proxy hosts dispatches may name; None: any
+    proxy_hosts: Optional[Tuple[str, ...]] = None  # the allow-list of proxy hosts; None: any
 
     def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
-        """The methods routed at ``path``, or ``None`` for no route (§7.1 kit-routes)."""
+        """The methods routed at ``path``, ``None`` for no route (§7.1 kit-routes)."""
         if path == self.path:
             return ("POST",)
         tools = path == TOOLS_SCHEMA_PATH and self.tools_schema is not None
@@ -870,7 +824,7 @@ class Endpoint(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What to do with a request: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` with ``envelope``."""
+    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` with ``envelope``."""
     action: str
     reply: Optional[HttpReply] = None
     proxy_url: Optional[str] = None
@@ -880,13 +834,13 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: Optional[bytes], *,
            expected_token: Optional[str]) -> Decision:
-    """What one request gets, in §2.3's order (route, auth, framing, JSON, ping, connectivity, envelope): ``body`` is
-    what :func:`request_body_length` let the adapter read, ``expected_token`` ``""`` when its variable is unset."""
+    """What one request gets, in §2.3's order: ``body`` is what :func:`request_body_length` let the adapter read,
+    ``expected_token`` ``""`` when its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
-    except RecursionError:  # a JSON body nested deeper than Python's parser (or our copy of it) goes
+    except RecursionError:  # JSON nested deeper than the parser goes
         return Decision("reply", error_reply(RequestError("body is nested too deeply to handle")))
 
 
@@ -900,46 +854,40 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # before auth: load balancers probe it without a credential
+    if path == HEALTH_PATH:  # before auth: the routes GET takes are open (kit-routes)
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
-    if path == TOOLS_SCHEMA_PATH:  # before auth too: the platform's tooling reads it without one (kit-routes)
+    if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
     if not endpoint.no_auth:
-        _authenticate(endpoint, headers, expected_token)
+        name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
+        if not (expected_token or "").strip():
+            raise MisconfiguredError(f"this agent's wrapper is misconfigured: environment variable "
+                                     f"{endpoint.token_env} (the agent token) is not set")
+        if _repeated(headers, name.lower()):
+            raise AuthError(f"the {name} header was sent more than once: send one credential", bearer=bearer)
+        if not check_credential(headers, expected_token or "", header_name=name):
+            raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
     length = _body_length(headers, endpoint.max_body)
-    if body is not None and len(body) > endpoint.max_body:
-        raise BodyTooLargeError(f"request body of {len(body)} bytes is over this endpoint's {endpoint.max_body}-byte "
-                                "cap")
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
+    if len(body) > endpoint.max_body:
+        raise BodyTooLargeError(f"request body over this endpoint's {endpoint.max_body}-byte cap")
     try:
         payload = _json_from_bytes(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"body is not valid JSON: {_short(str(exc), 200)}") from None
+        raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
-        json.loads(body, object_pairs_hook=_unique_keys)  # {"ping": false, "ping": true} is no ping
+        if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
+            raise RequestError("the ping body has the key 'ping' twice: send it once (§7.1 kit-hostile-input)")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
     if payload.get("connectivity_check") is True:
-        proxy_url = _allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts)
-        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
+        return Decision("probe", proxy_url=_allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts),
+                        what="connectivity check")
     envelope = Envelope.from_dispatch(payload, headers)
     _allowed(envelope.proxy_url, endpoint.proxy_hosts)
     return Decision("run", envelope=envelope, what="dispatch")
-
-
-def _authenticate(endpoint: Endpoint, headers: Mapping[str, str], expected_token: Optional[str]) -> None:
-    """§2 step 1: 503 when the agent token's variable is unset; 401 for a credential sent twice, missing or wrong."""
-    if not (expected_token or "").strip():
-        raise MisconfiguredError(f"this agent's wrapper is misconfigured: auth reads environment variable "
-                                 f"{endpoint.token_env}, which is not set")
-    bearer = endpoint.auth_header.lower() == "authorization"
-    if _repeated(headers, endpoint.auth_header.lower()):
-        raise AuthError(f"the {endpoint.auth_header} header was sent more than once: send one credential",
-                        bearer=bearer)
-    if not check_credential(headers, expected_token or "", header_name=endpoint.auth_header):
-        raise AuthError(f"missing or invalid credential in the {endpoint.auth_header} header", bearer=bearer)
 
 
 _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
@@ -947,10 +895,10 @@ _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_
 
 
 def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
-    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` as ``("::1", None)``."""
+    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` and ``"::1"`` as ``("::1", None)``."""
     entry = entry.strip().lower()
     match = _HOST_ENTRY.fullmatch(entry)
-    if match is None or (entry.count(":") > 1 and not entry.startswith("[")):  # a bare IPv6 address: no port
+    if match is None or (entry.count(":") > 1 and not entry.startswith("[")):
         return entry, None
     port = match.group("port")
     return match.group("name").strip("[]").rstrip("."), int(port) if port else None
@@ -966,40 +914,28 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    for entry in allowed:
-        name, entry_port = _split_host_entry(entry)
-        if entry_port not in (None, port):
-            continue
-        if (name.startswith(".") and (host == name[1:] or host.endswith(name))) or (name and host == name):
+    for name, entry_port in map(_split_host_entry, allowed):
+        if entry_port in (None, port) and name and (host == name or (name[0] == "." and (
+                host == name[1:] or host.endswith(name)))):
             return True
     return False
 
 
 def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
     if not proxy_host_allowed(proxy_url, allowed):
-        host = urlsplit(proxy_url).hostname
-        raise EnvelopeError(f"proxy URL host {_short(str(host), 100)!r} is not on this endpoint's allow-list of "
-                            f"proxy hosts ({', '.join(allowed or ())})")
+        host = _short(str(urlsplit(proxy_url).hostname), 100)
+        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list of proxy hosts "
+                            f"({', '.join(allowed or ())})")
     return proxy_url
-
-
-def _unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    """An ``object_pairs_hook`` refusing a key sent twice: which one would count is a guess (§7.1 kit-hostile-input)."""
-    seen: Set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise RequestError(f"body has the key {_short(key, 60)!r} twice: send each key once")
-        seen.add(key)
-    return dict(pairs)
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
     """The proxy URL a connectivity check asks to probe (§2 step 4); :class:`EnvelopeError` when absent or bad."""
-    h = _lower_headers(headers)
-    url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(h, HEADER_PROXY_URL)
+    url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(_lower_headers(headers),
+                                                                                         HEADER_PROXY_URL)
     if not url:
-        raise EnvelopeError(f"connectivity_check needs a proxy URL: body field {BODY_PROXY_URL!r} "
-                            f"or header {_title(HEADER_PROXY_URL)}")
+        raise EnvelopeError("connectivity_check needs a proxy URL: body field 'odyssey_proxy_url' or header "
+                            "X-Pipelines-Odyssey-Proxy-Url")
     return validate_proxy_url(url, "the connectivity check")
 
 
@@ -1008,7 +944,7 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 # ---------------------------------------------------------------------------
 
 def validate_tool_name(name: Any) -> str:
-    """Return ``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1, §7.5 kit-local-tool-name)."""
+    """``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
         raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match "
                                 "^[A-Za-z_][A-Za-z0-9_-]{0,127}$", tool_name=name if isinstance(name, str) else None)
@@ -1038,14 +974,14 @@ def validate_actor_label(label: Any) -> Optional[str]:
     raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# The JSON this part writes: compact, non-ASCII characters as they are; the strict one (request bodies) refuses
-# NaN and infinities.  Made once: json.dumps with options builds an encoder per call, and one keeps no state.
+# Compact, non-ASCII as it is; the strict one (request bodies) refuses NaN and infinities.  Made once: json.dumps
+# with options makes an encoder per call.
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """Compact JSON for a request body: a JSON object (``None`` as ``{}``) within the 1 MiB cap (§3.1, §7.5)."""
+    """A request body: a JSON object (``None`` as ``{}``) within the 1 MiB cap (§3.1, §7.5)."""
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
@@ -1065,15 +1001,15 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     for name, value in headers.items():
         if _CONTROL_CHARACTER.search(value):
             return (f"header {name} has a line break or control character in its value (not shown: it may be "
-                    "a secret); check where it comes from, e.g. a trailing newline in an environment variable")
+                    "a secret), e.g. an environment variable read with its trailing newline")
     return None
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as it goes on the wire (§3.1, §3.4); every retry of the logical call sends it unchanged."""
+    """One proxy request as it goes on the wire (§3.1, §3.4); every retry sends it unchanged."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
-    url: Any  # the split proxy URL (urllib.parse.SplitResult): scheme, host and port to connect to
+    url: Any  # the split proxy URL (urllib.parse.SplitResult)
     path: str
     headers: Dict[str, str]
     body: bytes
@@ -1102,14 +1038,14 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped once (kept if set)."""
+    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped unless set."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
     label = validate_actor_label(actor)
-    event = dict(payload or {}) if isinstance(payload, Mapping) or payload is None else payload
-    if not isinstance(event, dict):
+    if not isinstance(payload, Mapping) and payload is not None:
         raise ProxyRequestError(f"trace payload must be a JSON object, got {json_type(payload)}", tool_name=event_type)
+    event = dict(payload or {})
     event.setdefault("__occurred_at", occurred_at)
     return proxy_request(proxy_url, run_token, "traces", event_type,
                          encode_args(event_type, event, what="trace payload"), actor=label)
@@ -1117,7 +1053,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
                   payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """The payload of a ``handoff`` trace event (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
+    """A ``handoff`` trace event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
@@ -1141,12 +1077,12 @@ class ProxyOutcome(NamedTuple):
 
 
 def _model_retry_after(headers: Any) -> Optional[float]:
-    """The wait a model API asks for: ``retry-after-ms`` (OpenAI, milliseconds) first, else ``Retry-After``."""
+    """The wait a model API asks for: ``retry-after-ms`` (OpenAI) first, else ``Retry-After``."""
     lowered = _lower_headers(headers)
     try:
         seconds = float(lowered.get("retry-after-ms") or "") / 1000
     except ValueError:
-        seconds = math.nan  # absent or unreadable: Retry-After decides
+        seconds = math.nan
     return seconds if seconds >= 0 else parse_retry_after(lowered.get("retry-after"))
 
 
@@ -1181,7 +1117,7 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
 
 
 def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
-    """``(value, is_json)``: parsed JSON, or the text when the body is not JSON."""
+    """``(value, is_json)``: the parsed JSON, else the text."""
     if not body:
         return None, False
     try:
@@ -1190,7 +1126,7 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
         return body.decode("utf-8", "replace"), False
 
 
-# §3.3 the retry decision as data: (status, error classes or None for any) -> "retry", or "stale" (the run is over).
+# §3.3 the retry decision as data: (status, error classes or None for any, outcome)
 RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
     (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
@@ -1205,26 +1141,24 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: Optional[str] = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body); ``run_token`` is scrubbed from errors."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body); errors never show ``run_token``."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
-        if is_json and isinstance(value, dict) and "response" in value:
-            return ProxyOutcome("value", value["response"])
-        return ProxyOutcome("value", value)
-    if run_token:  # an error body is kept and shown: scrub the token from it
-        value = redact(value, run_token)
+        return ProxyOutcome("value", value["response"] if is_json and isinstance(value, dict) and "response" in value
+                            else value)
+    value = redact(value, run_token)
     error_class, message = error_fields(value) if is_json else (None, None)
     if message is None:
-        message = _short(value if isinstance(value, str) else (json.dumps(value) if value is not None else ""), 200)
-    body_kept = value if is_json else (_short(value, 200) if isinstance(value, str) else value)
+        message = _short(value if isinstance(value, str) else json.dumps(value) if value is not None else "")
+    if isinstance(value, str) and not is_json:
+        value = _short(value)
     retry_after = parse_retry_after(h.get("retry-after"))
-    text = f"proxy call {tool_name!r} failed: HTTP {status}" + (f" {error_class}" if error_class else "") + (
-        f": {message}" if message else "")
     decision = retry_decision(status, error_class)
-    error_type = StaleRunTokenError if decision == "stale" else ProxyError
-    error = error_type(text + (" (the run is over)" if decision == "stale" else ""), status_code=status,
-                       error_class=error_class, body=body_kept, tool_name=tool_name, retry_after=retry_after)
+    text = f"proxy call {tool_name!r} failed: HTTP {status}" + (f" {error_class}" if error_class else "") + (
+        f": {message}" if message else "") + (" (the run is over)" if decision == "stale" else "")
+    error = (StaleRunTokenError if decision == "stale" else ProxyError)(
+        text, status_code=status, error_class=error_class, body=value, tool_name=tool_name, retry_after=retry_after)
     return ProxyOutcome("retry" if decision == "retry" else "error", error=error, retry_after=retry_after)
 
 
@@ -1238,7 +1172,7 @@ class RetryPolicy(NamedTuple):
     transport_retries: int = 2
 
     def delay(self, retry_number: int, retry_after: Optional[float] = None) -> float:
-        """Seconds to wait before retry ``retry_number`` (1 for the first retry)."""
+        """Seconds to wait before retry ``retry_number`` (1 for the first)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
         wait = self.base_delay_s * (2 ** (retry_number - 1)) * random.uniform(1 - self.jitter, 1 + self.jitter)
@@ -1246,7 +1180,7 @@ class RetryPolicy(NamedTuple):
 
 
 class RetryStep(NamedTuple):
-    """What a driver does next: return ``value``, raise ``error``, or retry the same request after ``wait_s`` s."""
+    """What a driver does next: return ``value``, raise ``error``, or send the request again after ``wait_s``."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1254,7 +1188,7 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): a driver loops, an attempt, then what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3): a driver makes an attempt, then does what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
@@ -1286,7 +1220,7 @@ def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
     if isinstance(error, ProxyError):
         return type(error)(error.message + note, status_code=error.status_code, error_class=error.error_class,
                            body=error.body, tool_name=error.tool_name, retry_after=error.retry_after)
-    if error is not None:  # another driver's own error (post_json's): its words, then why it was not retried
+    if error is not None:  # another driver's error (post_json's): its words, then why it was not retried
         error.args = (f"{error}{note.replace('the proxy', 'the server')}",)
         return error
     return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
@@ -1297,25 +1231,28 @@ def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
 # ---------------------------------------------------------------------------
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+# §7.7 kit-metadata-types: the first-class metadata the platform renders
+_METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (
+    ("model", str, "a string"), ("system_prompt_id", str, "a string"),
+    ("total_input_tokens", int, "a non-negative integer"), ("total_output_tokens", int, "a non-negative integer"),
+    ("agent_runtime_ms", (int, float), "a non-negative number"))
 
 
 def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
-    """The final response as a string, a non-string as its JSON text or ``str()`` (§7.7 kit-result-shapes)."""
+    """The final response as text (§7.7 kit-result-shapes); strict, a non-string ``final_response`` is refused."""
     if value is None or isinstance(value, str):
         return value
     if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
-    dump = getattr(value, "model_dump_json", None)  # pydantic models, without importing pydantic
-    if callable(dump):
-        return _safe_text(value, dump)
-    return _safe_text(value)
+    dump = getattr(value, "model_dump_json", None)  # a pydantic model, without importing pydantic
+    return _safe_text(value, dump if callable(dump) else None)
 
 
-def _unpack_result(value: Any, strict: bool = True,
-                   notes: Optional[List[str]] = None) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra_keys)`` of a result (§7.7 kit-result-shapes); a framework's: its text."""
+def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+    """``(final, messages, metadata, extra keys)`` of a result (§7.7 kit-result-shapes)."""
     if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
@@ -1336,7 +1273,6 @@ def _unpack_result(value: Any, strict: bool = True,
 
 
 def _tool_call_name(call: Any) -> Optional[str]:
-    """The resolvable name of a tool call (flat ``name`` or nested ``function.name``), else ``None``."""
     for holder in (call, call.get("function") if isinstance(call, Mapping) else None):
         if isinstance(holder, Mapping) and isinstance(holder.get("name"), str) and holder["name"]:
             return str(holder["name"])
@@ -1344,7 +1280,7 @@ def _tool_call_name(call: Any) -> Optional[str]:
 
 
 def _normalise_tool_call(call: Any) -> Any:
-    """OpenAI nested ``{type: function, function: {name, arguments}}`` -> flat ``{id?, name, arguments?}``."""
+    """A nested tool call ``{type, function: {name, arguments}}`` in the flat form (§7.7 kit-flat-tool-calls)."""
     if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
         flat = {k: v for k, v in call.items() if k not in ("function", "type")}
         flat["name"] = call["function"].get("name")
@@ -1364,34 +1300,29 @@ def _normalise_messages(messages: Any) -> Any:
     return out
 
 
-_SURROGATE_RE = re.compile("[\ud800-\udfff]")
-
-
 def _well_formed(text: str) -> str:
-    """``text`` as valid Unicode: surrogate pairs joined, lone surrogates replaced by U+FFFD."""
+    """``text`` as valid Unicode: surrogate pairs joined, lone surrogates as U+FFFD."""
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` changed as the platform treats what it cannot use, a note per change (§7.7 kit-lenient-response):
-    values made JSON-safe, nameless tool calls dropped, a ``messages`` or ``metadata`` still malformed dropped whole."""
+    """``body`` as the platform would take it, a note per change (§7.7 kit-lenient-response)."""
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
     messages = body.get("messages")
-    if isinstance(messages, list):
-        for i, message in enumerate(messages):
-            calls = message.get("tool_calls") if isinstance(message, dict) else None
-            if isinstance(calls, list):
-                notes.extend(f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
-                             for j, c in enumerate(calls) if _tool_call_name(c) is None)
-                message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
-    problems = _message_problems(messages)
+    for i, message in enumerate(messages) if isinstance(messages, list) else ():
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
+                      for j, call in enumerate(calls) if _tool_call_name(call) is None]
+            message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
+    problems = _message_problems(messages, [])
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         notes.append(f"{problems[0]}{more}; messages dropped, as the platform drops a malformed transcript")
         del body["messages"]
-    problems = _metadata_problems(body.get("metadata"))
+    problems = _metadata_problems(body.get("metadata"), [])
     if problems:
         notes.append(f"{problems[0]}; metadata dropped, as the platform drops it")
         del body["metadata"]
@@ -1401,20 +1332,18 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                       metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the v1 response envelope (§4) from what an agent returned (§7.7 kit-result-shapes), with
-    ``messages`` and ``metadata`` overriding those found there: lenient (kit-lenient-response) the body the platform
-    would grade, with a warning per change; ``strict`` (kit-strict-mode) :class:`ResponseError` for any problem.
-
-    A turn reply (§4.2) is the body itself in a ``multi_turn`` dispatch (turn-reply-as-built), and becomes the
-    envelope, ``message`` as ``final_response``, in a single-turn one (kit-turn-reply-single-turn)."""
-    unpacked: List[str] = []
+    """``(body, warnings)``: the response envelope (§4) of what an agent returned (§7.7 kit-result-shapes),
+    ``messages`` and ``metadata`` overriding those found there; lenient (kit-lenient-response), or ``strict``
+    (kit-strict-mode) raising :class:`ResponseError`.  A turn reply goes out as built when ``multi_turn``
+    (kit-turn-reply-detected), as the envelope otherwise (kit-turn-reply-single-turn)."""
+    notes: List[str] = []
     if _is_turn_reply(value):
         if multi_turn:
             return _turn_reply_body(value, strict)
         value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-        unpacked.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
-                        "response envelope, its message as final_response")
-    final, found_messages, found_metadata, extra = _unpack_result(value, strict, unpacked)
+        notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
+                     "response envelope, its message as final_response")
+    final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
     messages = found_messages if messages is None else messages
     metadata = found_metadata if metadata is None else metadata
     body: Dict[str, Any] = {**extra, "final_response": final}
@@ -1422,16 +1351,15 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body["messages"] = _normalise_messages(messages)
     if metadata is not None:
         body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
-    notes: List[str] = unpacked
     if not strict:
         body, kept = _as_the_platform_keeps(body)
-        notes = notes + kept
+        notes += kept
     return body, notes + _soft_problems(_response_problems(body, json_safe=not strict), strict)
 
 
 def _soft_problems(found: List[str], strict: bool) -> List[str]:
-    """The soft problems of ``found`` without their ``warning:``; :class:`ResponseError` for the hard ones, and in
-    strict mode for the soft ones too, but a final response the platform truncates."""
+    """The warnings of ``found`` without their ``warning:``; :class:`ResponseError` for the rest, and when ``strict``
+    for the warnings too, but a final response the platform truncates."""
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
@@ -1442,35 +1370,25 @@ def _soft_problems(found: List[str], strict: bool) -> List[str]:
 
 
 def _is_turn_reply(value: Any) -> bool:
-    """A multi-turn per-turn reply (§4.2): a mapping with ``message`` and ``session_done``, no ``final_response``."""
+    """§7.7 kit-turn-reply-detected."""
     return isinstance(value, Mapping) and "message" in value and "session_done" in value and (
         "final_response" not in value)
 
 
 def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: a turn reply as it goes out, its keys in their order (§7.7 kit-turn-reply-checked):
-    lenient, a non-string ``message`` as its JSON text, a non-boolean ``session_done`` as ``false``, the rest as an
-    envelope's; strict, every problem refused."""
+    """``(body, warnings)``: a turn reply as it goes out, its keys in their order (§7.7 kit-turn-reply-checked)."""
     body: Dict[str, Any] = dict(reply)
     notes: List[str] = []
     if not strict:
         if body["message"] is not None and not isinstance(body["message"], str):
             body["message"] = _final_text(body["message"], "message", notes=notes)
         if not isinstance(body["session_done"], bool):
-            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false "
-                         "(no hint)")
+            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
             body["session_done"] = False
         body, kept = _as_the_platform_keeps(body)
         notes += kept
-    problems: List[str] = []
     warnings: List[str] = []
-    message = body.get("message")
-    if message is None or message == "":
-        problems.append("message: required, a non-empty string (the user answers it)")
-    elif not isinstance(message, str):
-        problems.append(f"message: must be a string, got {json_type(message)}")
-    elif not message.strip():
-        warnings.append("warning: message: blank (only whitespace): the user has nothing to answer")
+    problems = _text_problems(body, "message", warnings)
     if not isinstance(body.get("session_done"), bool):
         problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
     problems += _shared_problems(body, warnings, json_safe=not strict)
@@ -1479,154 +1397,137 @@ def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, 
 
 def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
                      session_done: bool = False) -> Dict[str, Any]:
-    """A multi-turn per-turn reply ``{"message", "session_done", "metadata"?}`` (§4.2), checked as a strict server
-    checks it (§7.7 kit-turn-reply-checked): a non-string ``message`` becomes its JSON text; a blank one, a
-    non-boolean ``session_done`` or metadata the platform cannot use raise :class:`ResponseError`."""
-    reply: Dict[str, Any] = {"message": message if isinstance(message, str) else _final_text(message, "message"),
-                             "session_done": session_done}
+    """A multi-turn reply ``{"message", "session_done", "metadata"?}`` (§4.2), checked strictly (§7.7
+    kit-turn-reply-checked): a non-string ``message`` becomes its JSON text."""
+    reply: Dict[str, Any] = {"message": _final_text(message, "message"), "session_done": session_done}
     if metadata is not None:
         reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     return _turn_reply_body(reply, strict=True)[0]
 
 
-def _metadata_problems(metadata: Any) -> List[str]:
-    """Schema problems of ``metadata``: it must be an object or null (any keys)."""
-    if metadata is None or isinstance(metadata, Mapping):
+def validate_response(body: Any) -> List[str]:
+    """Every problem of a response body against §4.1 (§7.7 kit-strict-transcript), each starting with its JSON path:
+    errors first, then warnings (``warning: ...``); empty: it goes out as it is."""
+    return _response_problems(body, json_safe=False)
+
+
+def _response_problems(body: Any, json_safe: bool) -> List[str]:
+    if not isinstance(body, Mapping):
+        return [f"body: must be a JSON object, got {json_type(body)}"]
+    warnings: List[str] = []
+    problems = _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, json_safe)
+    return problems + warnings
+
+
+def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> List[str]:
+    """``final_response``, or a turn reply's ``message``: a non-empty string (§4); blank, a warning (§7.7)."""
+    text = body.get(key)
+    if text is None or (key == "message" and text == ""):
+        return [f"{key}: required, a non-empty string"]
+    if not isinstance(text, str):
+        return [f"{key}: must be a string, got {json_type(text)}"]
+    if not text:
+        return [f"{key}: must not be empty"]
+    if not text.strip():
+        warnings.append(f"warning: {key}: blank (only whitespace)")
+    elif key == "final_response" and len(text) > FINAL_RESPONSE_SOFT_LIMIT:
+        warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates it at "
+                        f"~{FINAL_RESPONSE_SOFT_LIMIT}")
+    return []
+
+
+def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
+    """What a turn reply shares with the envelope: ``messages``, ``metadata``, and (unless ``json_safe``: the
+    lenient builder made it) values JSON cannot carry."""
+    problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
+    unsendable = None if json_safe else _unsendable(body, "body")
+    if unsendable:
+        problems.append(unsendable[len("body."):] if unsendable.startswith("body.") else unsendable)
+    return problems
+
+
+def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
+    """``metadata`` is an object or null; mistyped first-class keys are ``warnings`` (§7.7 kit-metadata-types)."""
+    if metadata is None:
         return []
-    return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
-
-
-def _metadata_warnings(metadata: Any) -> List[str]:
-    """The first-class keys the platform renders, mistyped (§7.7 kit-metadata-types): the schema allows them."""
     if not isinstance(metadata, Mapping):
-        return []
-    warnings = []
+        return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
+    found = []
     try:
-        for key in _METADATA_STR_KEYS:
-            if metadata.get(key) is not None and not isinstance(metadata[key], str):
-                warnings.append(f"warning: metadata.{key}: should be a string, got {json_type(metadata[key])}")
-        for key in _METADATA_INT_KEYS:
-            v = metadata.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                warnings.append(f"warning: metadata.{key}: should be a non-negative integer, got "
-                                f"{_short(_safe_repr(v), 40)}")
-        v = metadata.get("agent_runtime_ms")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-            warnings.append(f"warning: metadata.agent_runtime_ms: should be a non-negative number, got "
-                            f"{_short(_safe_repr(v), 40)}")
+        for key, kind, wanted in _METADATA_TYPES:
+            value = metadata.get(key)
+            if value is not None and not (isinstance(value, kind) and (kind is str or (
+                    not isinstance(value, bool) and 0 <= value < math.inf))):
+                found.append(f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}")
     except Exception:  # noqa: BLE001 - a mapping that raises when read: _jsonable names it
         return []
-    return warnings
+    warnings += found
+    return []
 
 
-def _message_problems(messages: Any, warnings: Optional[List[str]] = None) -> List[str]:
-    """Schema and pairing problems of ``messages`` (§4.1, §7.7 kit-strict-transcript); soft ones go to ``warnings``."""
+def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
+    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript); soft problems go to ``warnings``."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
         return [f"messages: must be an array or null, got {json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
-    soft: List[str] = [] if warnings is None else warnings
-    seen_call_ids: Set[str] = set()
+    call_ids: Set[str] = set()
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        role = message.get("role")
+        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls", ())
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        content = message.get("content")
         if content is not None and not isinstance(content, (str, list, tuple)):
             problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
-        tool_calls = message.get("tool_calls", ())
-        if not isinstance(tool_calls, (list, tuple)):
-            problems.append(f"{at}.tool_calls: must be an array, got {json_type(tool_calls)}")
-        elif role != "assistant" and tool_calls:
-            soft.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, this one is {role!r}")
-        for j, call in enumerate(tool_calls if isinstance(tool_calls, (list, tuple)) else ()):
-            problems.extend(_tool_call_problems(call, f"{at}.tool_calls[{j}]", seen_call_ids, soft))
+        if not isinstance(calls, (list, tuple)):
+            problems.append(f"{at}.tool_calls: must be an array, got {json_type(calls)}")
+        elif role != "assistant" and calls:
+            warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
+        for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
+            problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         thinking = message.get("thinking", ())
         if not isinstance(thinking, (list, tuple)):
             problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
         else:
-            problems.extend(f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                            for j, block in enumerate(thinking) if not isinstance(block, Mapping))
+            problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                         for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
         call_id = message.get("tool_call_id")
         if "tool_call_id" in message and not isinstance(call_id, str):
             problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
         elif role == "tool" and not call_id:
             problems.append(f"{at}.tool_call_id: required on role 'tool'")
-        elif role == "tool" and call_id not in seen_call_ids:
-            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} does not match the id of an earlier "
-                            "assistant tool_calls entry")
+        elif role == "tool" and call_id not in call_ids:
+            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
     return problems
 
 
-def _tool_call_problems(call: Any, at: str, seen_call_ids: Set[str], warnings: List[str]) -> List[str]:
-    """A tool call against the schema's ``oneOf``: exactly one of the flat and the nested shape."""
+def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
+    """A tool call against the schema's ``oneOf``: exactly one of the flat and the nested form."""
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
     function = call.get("function")
     flat = isinstance(call.get("name"), str)
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
-        "type" not in call or call["type"] == "function")
+        call.get("type", "function") == "function")
     if flat and nested:
         return [f"{at}: has both 'name' and 'function': send one of the flat and the nested form"]
     if not flat and not nested:
         if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it"]
-    problems = []
-    if "id" in call and not isinstance(call["id"], str):
-        problems.append(f"{at}.id: must be a string, got {json_type(call['id'])}")
-    elif "id" in call:
-        seen_call_ids.add(call["id"])
-    arguments = call["arguments"] if flat and "arguments" in call else (
-        function.get("arguments") if nested and isinstance(function, Mapping) else None)
+    arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        warnings.append(f"warning: {at}.arguments: should be an object or a JSON-encoded string, "
-                        f"got {json_type(arguments)}")
-    return problems
-
-
-def validate_response(body: Any) -> List[str]:
-    """Every problem of a response body against §4 and its JSON Schema (§4.1, §7.7 kit-strict-transcript), each
-    starting with its JSON path: hard ones first, then soft ones starting with ``warning:``; empty: sent as it is."""
-    return _response_problems(body, json_safe=False)
-
-
-def _response_problems(body: Any, json_safe: bool) -> List[str]:
-    """:func:`validate_response`; ``json_safe``: the lenient builder made the body, so nothing in it needs a change."""
-    if not isinstance(body, Mapping):
-        return [f"body: must be a JSON object, got {json_type(body)}"]
-    problems: List[str] = []
-    warnings: List[str] = []
-    final = body.get("final_response")
-    if "final_response" not in body or final is None:
-        problems.append("final_response: required, a non-empty string (the judge grades it)")
-    elif not isinstance(final, str):
-        problems.append(f"final_response: must be a string, got {json_type(final)}")
-    elif not final:
-        problems.append("final_response: must not be empty (the judge has nothing to grade)")
-    elif not final.strip():
-        warnings.append("warning: final_response: blank (only whitespace): the judge has nothing to grade")
-    elif len(final) > FINAL_RESPONSE_SOFT_LIMIT:
-        warnings.append(f"warning: final_response: {len(final)} characters; the platform truncates it at "
-                        f"~{FINAL_RESPONSE_SOFT_LIMIT} with a soft warning")
-    problems.extend(_shared_problems(body, warnings, json_safe))
-    return problems + warnings
-
-
-def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    """What a turn reply shares with the envelope: ``messages``, ``metadata``, values JSON cannot carry (soft
-    problems go to ``warnings``)."""
-    problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"))
-    warnings.extend(_metadata_warnings(body.get("metadata")))
-    unsendable = None if json_safe else _unsendable(body, "body")
-    if unsendable:
-        problems.append(unsendable[len("body."):] if unsendable.startswith("body.") else unsendable)
-    return problems
+        warnings.append(f"warning: {at}.arguments: should be an object or a JSON-encoded string, got "
+                        f"{json_type(arguments)}")
+    if "id" in call and not isinstance(call["id"], str):
+        return [f"{at}.id: must be a string, got {json_type(call['id'])}"]
+    if "id" in call:
+        call_ids.add(call["id"])
+    return []
 
 
 # ---------------------------------------------------------------------------
@@ -1641,7 +1542,7 @@ class HttpReply(NamedTuple):
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """A reply of ``payload`` as compact JSON (valid UTF-8: a lone surrogate goes as U+FFFD) and its length."""
+    """``payload`` as compact JSON in valid UTF-8 (a lone surrogate as U+FFFD), with its length."""
     try:
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
     except UnicodeEncodeError:
@@ -1665,7 +1566,7 @@ def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Opti
 
 
 def redact(value: Any, *secrets: Optional[str]) -> Any:
-    """``value`` (a string or JSON value) with every occurrence of each non-empty secret replaced by ``[redacted]``."""
+    """``value`` (a string or JSON value) with each non-empty secret replaced by ``[redacted]``."""
     for secret in secrets:
         if secret:
             value = _redact_one(value, secret)
@@ -1674,7 +1575,7 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
 
 def _redact_one(value: Any, secret: str) -> Any:
     if isinstance(value, str):
-        return value.replace(secret, _REDACTED) if secret in value else value
+        return value.replace(secret, _REDACTED)
     if isinstance(value, dict):
         return {_redact_one(k, secret): _redact_one(v, secret) for k, v in value.items()}
     if isinstance(value, list):
@@ -1722,20 +1623,18 @@ class _Once(Generic[_T]):
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: what part 1 computes, computed faster in Python.  Each gives exactly what part 1's own reading
-# gives, or hands over to it (a test holds the two to agreeing); a port needs none of them.
+# Speed paths: part 1's results computed faster in Python, each held to part 1 by a test; a port needs none
 # ---------------------------------------------------------------------------
 
 def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)``, skipping its encoding sniff for a body that opens ``{`` then a non-NUL byte: the
-    sniff gives UTF-8 for exactly those, decoded with ``surrogatepass`` as ``json.loads`` decodes it."""
+    """``json.loads(data)`` without its encoding sniff for a body opening ``{`` then a non-NUL byte: UTF-8."""
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
 
 
 def _idempotency_key() -> str:
-    """A fresh random (version 4) UUID as text, as ``str(uuid.uuid4())`` gives it, at under half its cost."""
+    """``str(uuid.uuid4())`` at under half its cost."""
     raw = bytearray(os.urandom(16))
     raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
     raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
@@ -1743,15 +1642,8 @@ def _idempotency_key() -> str:
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
-@functools.lru_cache(maxsize=1)
-def _int_limit() -> int:
-    """``10 ** MAX_INT_DIGITS``, made once: the least integer with more digits than JSON parsers read."""
-    return int(10 ** MAX_INT_DIGITS)
-
-
 def _well_formed_head(head: bytes) -> Optional[RequestHead]:
-    """:func:`parse_request_head`'s reading, or ``None`` for a head it refuses (the servers then call it for the
-    error): the servers' old fast path, kept for their calls; parse_request_head is as fast now."""
+    """:func:`parse_request_head`'s reading, ``None`` for a head it refuses (the servers then call it for the error)."""
     try:
         return parse_request_head(head)
     except PipelinesError:
@@ -1759,29 +1651,25 @@ def _well_formed_head(head: bytes) -> Optional[RequestHead]:
 
 
 def _plain_text(text: str) -> bool:
-    """No lone surrogate in ``text`` (ASCII checked first: it is the common case, and cheap)."""
     return text.isascii() or _SURROGATE_RE.search(text) is None
 
 
 def _plain_scalar(item: Any) -> bool:
-    """A value of an exact JSON scalar type that :func:`response_envelope` sends as it is."""
     kind = type(item)
     if kind is str:
         return _plain_text(item)
     if kind is int:
-        return cast(int, item).bit_length() < 14_000  # maybe over MAX_INT_DIGITS digits: response_envelope decides
+        return cast(int, item).bit_length() < 14_000  # else maybe over MAX_INT_DIGITS digits
     if kind is float:
         return math.isfinite(item)
     return item is None or kind is bool
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string, or a dict of plain scalars (no ``messages``, no ``metadata``)
-    with a string ``final_response``, when it has no note and no warning; ``None`` for anything else, which
-    :func:`build_response` then hands to ``response_envelope`` (tests/test_response_fast_path.py holds the two to
-    agreeing).  Exact types only, no subclass: then neither leniency nor strictness changes the body."""
+    """:func:`response_envelope`'s body for a string, or a dict of plain scalars with a string ``final_response``,
+    when it has no warning; ``None`` for anything else.  Exact types only: lenient and strict then agree."""
     if type(value) is str:
-        final, extra = value, None
+        final, extra = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
             "metadata" not in value):
         final, extra = value["final_response"], value
@@ -1790,10 +1678,8 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
     if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
         return None
     body: Dict[str, Any] = {}
-    if extra is not None:
-        for key, item in extra.items():
-            if key == "final_response":
-                continue
+    for key, item in extra.items():
+        if key != "final_response":
             if type(key) is not str or not _plain_text(key) or not _plain_scalar(item):
                 return None
             body[key] = item
@@ -1802,8 +1688,8 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers that still serialise as JSON (§7.2 kit-read-only-envelope), and
-# headers in any of Python's forms read as one dict (§2.1, §7.2 kit-repeated-header)
+# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers in any of Python's forms as one
+# dict (§7.2 kit-repeated-header)
 # ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1811,16 +1697,16 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class _FrozenDict(Dict[Any, Any]):
-    """A dict that refuses mutation; ``json.dumps`` and ``isinstance(x, dict)`` still work."""
+    """A dict that refuses mutation, still a dict to ``json.dumps`` and ``isinstance``."""
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
-    def __reduce__(self) -> Any:  # so copy.copy, copy.deepcopy and pickle give plain, mutable containers
+    def __reduce__(self) -> Any:  # copy, deepcopy and pickle give plain, mutable containers
         return (dict, (dict(self),))
 
 
 class _FrozenList(List[Any]):
-    """A list that refuses mutation; ``json.dumps`` and ``isinstance(x, list)`` still work."""
+    """A list that refuses mutation, still a list to ``json.dumps`` and ``isinstance``."""
     __slots__ = ()
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
@@ -1829,13 +1715,13 @@ class _FrozenList(List[Any]):
         return (list, (list(self),))
 
 
-_LEAVES = frozenset({str, int, float, bool, type(None)})  # what _freeze keeps as it is without a call
+_LEAVES = frozenset({str, int, float, bool, type(None)})
 
 
 def _freeze(value: Any) -> Any:
-    """Deep copy of a JSON value with every dict and list made read-only (a frozen one is kept: it is already)."""
+    """A deep copy of a JSON value, every dict and list read-only (a frozen one kept as it is)."""
     kind = type(value)
-    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:  # exactly ours: already deep read-only
+    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
         return value
     if isinstance(value, dict):
         return _FrozenDict({k: v if type(v) in _LEAVES else _freeze(v) for k, v in value.items()})
@@ -1845,7 +1731,7 @@ def _freeze(value: Any) -> Any:
 
 
 def _thaw(value: Any) -> Any:
-    """Deep copy of a JSON value with plain, mutable dicts and lists."""
+    """A deep copy of a JSON value with plain dicts and lists."""
     if isinstance(value, dict):
         return {k: _thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -1854,7 +1740,7 @@ def _thaw(value: Any) -> Any:
 
 
 class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name, each with its first value; ``repeats`` holds the further values of a name."""
+    """Headers by lower-cased name, each with its first value; ``repeats`` holds a name's further values."""
     __slots__ = ("repeats",)
 
     def __init__(self) -> None:
@@ -1863,18 +1749,14 @@ class _LowerHeaders(Dict[str, str]):
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Header names lower-cased (§2.1, §7.2 kit-repeated-header) from a mapping, an ``email.message.Message`` or
-    pairs (bytes as latin-1, as ASGI sends them); its own result as it is."""
+    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1), names lower-cased."""
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
-    items = getattr(headers, "items", None)  # a mapping or an email.message.Message
+    items = getattr(headers, "items", None)
     for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
-        if isinstance(name, bytes):
-            name = name.decode("latin-1")
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        key, text = str(name).lower(), str(value)
+        key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
+        text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
         if key in out:
             out.repeats.setdefault(key, []).append(text)
         else:
@@ -1883,51 +1765,47 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
 
 
 def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
-    """Whether header ``name`` came more than once (with ``conflicting``: with another value)."""
+    """Whether header ``name`` came more than once (``conflicting``: with another value)."""
     extra = getattr(headers, "repeats", {}).get(name, ())
     first = (headers.get(name) or "").strip()
     return any(value.strip() != first for value in extra) if conflicting else bool(extra)
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7 kit-json-safe-response): what part 1's response builder sends for a value JSON,
-# UTF-8 or the platform's parser cannot carry (lenient), or names as the problem (strict).  A port's own
-# encoder decides this for its language's values.
+# Python values as JSON (§7.7 kit-json-safe-response): what the response builder sends for a value JSON, UTF-8
+# or the platform's parser cannot carry (lenient), or names as the problem (strict)
 # ---------------------------------------------------------------------------
 
 _CONVERT = "convert it (to a string, a list or an object)"
-_CUT = "cut there"
 
 
 class _Unsendable(Exception):
-    """What strict :func:`_jsonable` found JSON cannot carry: the path, the problem and the fix."""
+    pass
 
 
 def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
-    """Note how a value JSON cannot carry is sent (lenient), or refuse it naming the fix (strict: ``notes`` None)."""
+    """Note how a value is sent (lenient), or refuse it naming the fix (strict: ``notes`` is None)."""
     if notes is None:
         raise _Unsendable(f"{problem}: {fix}")
     notes.append(f"{problem}; {sent}")
 
 
 def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
-               active: Optional[Set[int]] = None) -> Any:
-    """``value`` as JSON, UTF-8 and the platform's parser carry it (§7.7 kit-json-safe-response): a copy, each change
-    noted with its path in ``notes``; with ``notes`` None (strict), :class:`_Unsendable` at the first change."""
+              active: Optional[Set[int]] = None) -> Any:
+    """A copy of ``value`` that JSON carries, each change noted with its path in ``notes`` (None: strict)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
         if _SURROGATE_RE.search(value) is None:
             return value
-        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8", "sent as U+FFFD "
-                "(a pair split into two code points joined)", "replace it, e.g. text.encode('utf-16', "
-                "'surrogatepass').decode('utf-16', 'replace')")
+        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8", "sent as U+FFFD",
+                "replace it, e.g. text.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')")
         return _well_formed(value)
     if isinstance(value, int):
-        if value.bit_length() < 14_000 or abs(value) < _int_limit():  # 10**4300 has 14,284 bits
+        if value.bit_length() < 14_000 or abs(value) < 10 ** MAX_INT_DIGITS:
             return int(value)
-        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers (the "
-                "platform's included) read", "sent as its decimal text", "send it as a string")
+        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers read",
+                "sent as its decimal text", "send it as a string")
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
@@ -1949,7 +1827,7 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
 
 
 def _unsendable(value: Any, path: str) -> Optional[str]:
-    """Strict :func:`_jsonable`: the first place in ``value`` that needs a change, with the fix; ``None`` for none."""
+    """The first place in ``value`` strict :func:`_jsonable` refuses, with the fix; ``None`` for none."""
     try:
         _jsonable(value, path, None)
     except _Unsendable as exc:
@@ -1958,14 +1836,13 @@ def _unsendable(value: Any, path: str) -> Optional[str]:
 
 
 def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
-    """:func:`_jsonable` of a mapping, list, tuple or set; a cycle, nesting past :data:`MAX_JSON_DEPTH` or a
-    container that raises when read is cut to a marker."""
+    """A mapping, list, tuple or set; a cycle, nesting past MAX_JSON_DEPTH or a container that raises is cut."""
     if id(value) in active:
-        _change(notes, f"{_short(path, 200)}: contains itself (a cycle)", _CUT,
-                "send a copy without the back-reference")
+        _change(notes, f"{_short(path)}: contains itself (a cycle)", "cut there", "send a copy without the "
+                "back-reference")
         return "[cycle]"
     if depth >= MAX_JSON_DEPTH:
-        _change(notes, f"{_short(path, 200)}: nested more than {MAX_JSON_DEPTH} levels", _CUT,
+        _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there",
                 "flatten it or send that part as text")
         return "[nested too deeply]"
     active.add(id(value))
@@ -1978,23 +1855,23 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
         return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
     except _Unsendable:
         raise
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping) is cut
-        _change(notes, f"{_short(path, 200)}: reading its {type(value).__name__} raised {type(exc).__name__}", _CUT,
-                "send plain dicts, lists, strings and numbers")
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping)
+        _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
+                "cut there", "send plain dicts, lists, strings and numbers")
         return f"[unreadable {type(value).__name__}]"
     finally:
         active.discard(id(value))
 
 
 def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
-                      active: Set[int]) -> Dict[str, Any]:
-    """:func:`_jsonable` of a mapping: every key a string, none lost to a collision."""
+                     active: Set[int]) -> Dict[str, Any]:
+    """Every key a string, none lost to a collision."""
     out: Dict[str, Any] = {}
     taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
     for key, item in value.items():
         if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
             name = str.__str__(key)  # a str subclass's own __str__ may raise
-        elif isinstance(key, str):  # a lone surrogate: U+FFFD, and never onto another key's name
+        elif isinstance(key, str):
             shown = _short(repr(_well_formed(key)), 40)
             text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
             name = _free_name(text, taken, out)
@@ -2003,18 +1880,17 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[s
                                               f"surrogates are replaced; sent as {name!r}")
         else:
             name = _key_text(key)
+            sent = "sent as its text"
             if name in taken or name in out:
                 name = _free_name(f"{name} ({type(key).__name__})", taken, out)
                 sent = f"its text is taken: sent as {name!r}"
-            else:
-                sent = "sent as its text"
             _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
         out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
     return out
 
 
 def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
-    """``name``, else ``"name 2"``, ``"name 3"``, ...: the first neither ``taken`` nor ``out`` holds."""
+    """``name``, else ``"name 2"``, ``"name 3"``, ...: the first in neither ``taken`` nor ``out``."""
     base, n = name, 2
     while name in taken or name in out:
         name, n = f"{base} {n}", n + 1
@@ -2022,7 +1898,7 @@ def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
 
 
 def _copied(mapping: Mapping[Any, Any]) -> Any:
-    """``dict(mapping)``; a mapping that raises when read is left for :func:`_jsonable` to cut (strict: named)."""
+    """``dict(mapping)``, or a mapping that raises when read as it is, for :func:`_jsonable` to cut."""
     try:
         return dict(mapping)
     except Exception:  # noqa: BLE001
@@ -2030,12 +1906,12 @@ def _copied(mapping: Mapping[Any, Any]) -> Any:
 
 
 def _int_text(number: int) -> str:
-    """The decimal text of any integer, without ``str()``'s digit limit (divide and conquer)."""
+    """Any integer's decimal text, without ``str()``'s digit limit."""
     if number < 0:
         return "-" + _int_text(-number)
-    if number.bit_length() < 3000:  # well under any int_max_str_digits a process may set (640 at the least)
+    if number.bit_length() < 3000:  # under any int_max_str_digits a process may set (640 at the least)
         return str(number)
-    half = number.bit_length() * 30103 // 200000  # about half its decimal digits
+    half = number.bit_length() * 30103 // 200000  # about half its digits
     high, low = divmod(number, 10 ** half)
     return _int_text(high) + _int_text(low).zfill(half)
 
@@ -2045,18 +1921,17 @@ def _key_text(key: Any) -> str:
     if key is None or isinstance(key, bool):
         return json.dumps(key)
     if isinstance(key, int):
-        return _int_text(int.__int__(key))  # any size: no quotes, no digit limit
+        return _int_text(int.__int__(key))
     if isinstance(key, float):
         return json.dumps(_jsonable(key, "key", []))
     return _well_formed(_safe_text(key))
 
 
 def _safe_text(value: Any, method: Optional[Callable[[], Any]] = None) -> str:
-    """The text of ``method()`` (``isoformat``, ``model_dump_json``), else ``str(value)``, else its ``repr``, else
-    ``<TypeName>``: never raises."""
+    """``method()`` (``isoformat``, ``model_dump_json``), else ``str(value)``, its ``repr``, ``<TypeName>``."""
     try:
         return str(value if method is None else method())
-    except Exception:  # noqa: BLE001 - an object whose __str__ raises still gets a text
+    except Exception:  # noqa: BLE001
         return _safe_repr(value) if method is None else _safe_text(value)
 
 
@@ -2068,12 +1943,11 @@ def _safe_repr(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Start-up settings: the run timeout (§7.3 kit-run-timeout-range) and the proxy host allow-list (§7.1
-# kit-proxy-host-allow-list), checked once, where serve, DispatchApp and code mode read them
+# Start-up settings, checked once where serve, DispatchApp and code mode read them
 # ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
-    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range); ``ValueError`` naming it otherwise."""
+    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range), else ``ValueError``."""
     if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
             0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
         raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
@@ -2081,29 +1955,26 @@ def check_run_timeout(run_timeout_s: Any) -> float:
 
 
 def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """The allow-list in ``text`` (``"api.pipelines.tech, .example.com, 127.0.0.1:8080"``), ``None`` when none is
-    given; ``ValueError`` for a list set but empty or a malformed entry (§7.1 kit-proxy-host-allow-list)."""
+    """The proxy host allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``), ``None`` for none (§7.1
+    kit-proxy-host-allow-list); ``ValueError`` for one set but empty, or a malformed entry."""
     if text is None:
         return None
-    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    entries = [_normal_host_entry(e.strip()) for e in text.split(",") if e.strip()]
     if not entries:
         raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
                          "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
-    return tuple(_normal_host_entry(entry) for entry in entries)
+    return tuple(entries)
 
 
 def _normal_host_entry(entry: str) -> str:
-    """An allow-list entry lower-cased, ``*.suffix`` as ``.suffix``, a bare IPv6 address in its short form."""
     shown = _short(entry, 100)
     if entry.startswith("*."):
         entry = entry[1:]
-    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address: its short form
         import ipaddress
 
-        try:
+        with contextlib.suppress(ValueError):
             return str(ipaddress.IPv6Address(entry))
-        except ValueError:
-            pass
     elif _HOST_ENTRY.fullmatch(entry):
         port = _split_host_entry(entry)[1]
         if port is None or 0 < port < 65536:
