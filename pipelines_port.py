@@ -2928,11 +2928,13 @@ class _Pacer:
                 self._log.move_to_end(key)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
-            return slot - now
+        if slot > now:
+            _log.info("pacing proxy calls under %d/min: waiting %.2f s", self.limit, slot - now)
+        return slot - now
 
 
 class _DispatchStats:
-    """A dispatch's proxy calls (for its log line); ``cancelled``: the run is over, further calls refused."""
+    """A dispatch's proxy calls, for its log line; ``cancelled``: the run is over, its calls refused."""
 
     __slots__ = ("proxy_calls", "cancelled", "_lock")
 
@@ -2952,10 +2954,8 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
 
 
 class ProxyClient:
-    """Calls the per-run proxy (§3, §7.4), blocking or on the running loop; safe to share.  ``timeout`` (seconds per
-    attempt) and ``rate_per_minute`` (pacing; 0: off) default to ``PIPELINES_PROXY_TIMEOUT_S`` (120) and
-    ``PIPELINES_PROXY_RATE_PER_MINUTE`` (60); ``sleep`` waits between attempts (an awaitable it returns is awaited).
-    """
+    """Calls the per-run proxy (§3, §7.4); ``timeout`` (per attempt) and ``rate_per_minute`` (0: no pacing) default
+    to ``PIPELINES_PROXY_TIMEOUT_S`` and ``PIPELINES_PROXY_RATE_PER_MINUTE``; ``sleep`` may return an awaitable."""
 
     def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
                  rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
@@ -2995,7 +2995,8 @@ class ProxyClient:
         try:
             return _accepted(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
-            return _trace_failed(exc, event_type, best_effort)
+            _trace_failed(exc, event_type, best_effort)
+        return None
 
     async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
                      actor: Optional[str] = None, timeout: Optional[float] = None,
@@ -3004,7 +3005,8 @@ class ProxyClient:
         try:
             return _accepted(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
-            return _trace_failed(exc, event_type, best_effort)
+            _trace_failed(exc, event_type, best_effort)
+        return None
 
     def close(self) -> None:
         """Close the idle keep-alive connections."""
@@ -3077,12 +3079,7 @@ class ProxyClient:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
                                  "answered already", tool_name=name)
-            if pacer is None:
-                return 0.0
-            wait = pacer.reserve(envelope.run_token)
-            if wait > 0:
-                _log.info("pacing proxy calls under %d/min: waiting %.2f s", pacer.limit, wait)
-            return wait
+            return pacer.reserve(envelope.run_token) if pacer is not None else 0.0
 
         return {
             "send": lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
@@ -3115,11 +3112,10 @@ def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
     return exc.to_value()
 
 
-def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> Any:
+def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> None:
     if not best_effort:
         raise exc
     _log.warning("trace event %r not recorded: %s", event_type, exc)
-    return None
 
 
 def _accepted(result: Any) -> _Accepted:
@@ -3248,7 +3244,8 @@ def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: 
     try:
         return current_envelope()
     except EnvelopeError as exc:
-        return _trace_failed(exc, event_type, best_effort)
+        _trace_failed(exc, event_type, best_effort)
+        return None
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
@@ -3285,7 +3282,7 @@ def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
-    """:func:`build_response` as the servers and ``run()`` send it; no warning shows ``secrets`` or the run token."""
+    """:func:`build_response` as the servers and ``run()`` send it, no warning showing ``secrets`` or the run token."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
     if plain is not None:  # nothing to warn about, strict or not
         return plain
@@ -3309,32 +3306,39 @@ class _Overran(RunTimeoutError):
 
 
 class _AgentRaised(Exception):
-    """What the agent raised (``error``), told apart from what hits the waiter (a worker abort, a signal)."""
+    """What the agent raised, told apart from what hits the waiter itself (a signal, a worker abort)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
 
 
-def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
-    """``fn()`` on a new thread in a copy of this context, or :class:`_AgentRaised`; after ``timeout_s``,
-    :class:`_Overran` (a thread cannot be killed: ``fn`` runs on)."""
+def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], Any]) -> threading.Thread:
+    """``fn()`` on a new daemon thread in a copy of this context, then ``done(result, _AgentRaised or None)``."""
     context = contextvars.copy_context()
-    outcome: List[Any] = []
 
     def target() -> None:
         try:
-            outcome.append(context.run(fn))
+            outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
-            outcome.append(_AgentRaised(exc))
+            outcome = (None, _AgentRaised(exc))
+        with contextlib.suppress(RuntimeError):  # done's loop closed meanwhile: nobody waits any more
+            done(*outcome)
 
-    worker = threading.Thread(target=target, name="pipelines-agent", daemon=True)
-    worker.start()
+    thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    thread.start()
+    return thread
+
+
+def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+    """``fn()`` by :func:`_start_thread`, waited for; :class:`_Overran` after ``timeout_s`` (a thread runs on)."""
+    outcome: List[Any] = []
+    worker = _start_thread(fn, lambda result, error: outcome.extend((result, error)))
     worker.join(timeout_s)
     if worker.is_alive():
         raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
-    if isinstance(outcome[0], _AgentRaised):
-        raise outcome[0]
+    if outcome[1] is not None:
+        raise outcome[1]
     return outcome[0]
 
 
@@ -3343,18 +3347,18 @@ class _RedactedError(Exception):
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
+    if type(value) is tuple:
+        return tuple(_scrub(v, secrets) for v in value)
     if isinstance(value, (bytes, bytearray)):
         for secret in secrets:
             value = value.replace(secret.encode("utf-8"), _REDACTED.encode("ascii"))
         return value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_scrub(v, secrets) for v in value)
     return redact(value, *secrets)
 
 
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """``exc`` with no secret in any link of its chain (IPython prints it all): each cleaned in place, one whose
-    text still shows a secret replaced by a :class:`_RedactedError`; returns what stands for ``exc``."""
+    """What stands for ``exc`` once no link of its chain (IPython prints it all) shows a secret: each cleaned in
+    place, or replaced by a :class:`_RedactedError` when its text still shows one."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
@@ -3374,7 +3378,7 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
         try:
             text = f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
             message = redact(str(error), *wanted)
-        except Exception:  # noqa: BLE001 - a failing __str__ shows nothing
+        except Exception:  # noqa: BLE001 - a __str__ that fails shows nothing
             text = message = ""
         if not any(secret in text for secret in wanted):
             return error
@@ -3387,35 +3391,25 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
     return clean(exc)
 
 
-def _settle(result: Any) -> Any:
+def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
+    """``call()`` with ``envelope`` bound, an awaitable it returns run by ``asyncio.run`` (this thread has no loop)."""
     import inspect
 
-    if inspect.isawaitable(result):
-        import asyncio
+    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
+        result = call()
+        if inspect.isawaitable(result):
+            import asyncio
 
-        async def _await() -> Any:
-            return await result
+            async def awaited() -> Any:
+                return await result
 
-        result = asyncio.run(_await())
-    return result
-
-
-def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
-    with bind_envelope(envelope):
-        return _settle(agent(envelope))
-
-
-def _is_async_callable(fn: Any) -> bool:
-    import inspect
-
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
+            result = asyncio.run(awaited())
+        return result
 
 
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
-    """``agent(envelope)`` as a task of the running loop, or on a fresh thread whose exchanges come back to it: its
-    result, :class:`_AgentRaised`, or :class:`_Overran` after ``timeout_s`` (a task cancelled; a thread runs on)."""
+    """``agent(envelope)`` as a task of the running loop, or on a fresh thread whose exchanges come back to it; else
+    :class:`_AgentRaised`, or :class:`_Overran` after ``timeout_s``."""
     import asyncio
     import inspect
 
@@ -3437,23 +3431,16 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             try:
                 result = agent(envelope)
                 settle(await result if inspect.isawaitable(result) else result, None)
-            except BaseException as exc:  # noqa: BLE001 - its own cancellation too: a 500 (kit-base-exception-500)
+            except BaseException as exc:  # noqa: BLE001 - its own cancellation too (§7.3 kit-base-exception-500)
                 settle(None, _AgentRaised(exc))
 
         task = loop.create_task(run())
     else:
-        context = contextvars.copy_context()
-        context.run(_server_loop.set, loop)
+        def run_sync() -> Any:
+            _server_loop.set(loop)  # its exchanges come back to this loop
+            return _call_agent(functools.partial(agent, envelope), envelope)
 
-        def target() -> None:
-            try:
-                outcome: Tuple[Any, Optional[BaseException]] = (context.run(_call_agent, agent, envelope), None)
-            except BaseException as exc:  # noqa: BLE001
-                outcome = (None, _AgentRaised(exc))
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
-                loop.call_soon_threadsafe(settle, *outcome)
-
-        threading.Thread(target=target, name="pipelines-agent", daemon=True).start()
+        _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
     timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
                                _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
@@ -3477,10 +3464,8 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 
 
 class DispatchApp:
-    """An agent (sync or ``async def``) and its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app,
-    :attr:`wsgi` its WSGI one.  Auth: ``token``, else the variable ``token_env`` read at each request, in
-    ``auth_header`` (``Bearer`` only in ``Authorization``); ``proxy_hosts`` default ``PIPELINES_PROXY_ALLOWED_HOSTS``.
-    """
+    """An agent (sync or ``async def``) and its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
+    Auth: ``token``, else the variable ``token_env`` read at each request; ``Bearer`` only in ``Authorization``."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
@@ -3490,19 +3475,17 @@ class DispatchApp:
                  proxy_hosts: Union[Sequence[str], str, None] = None, strict: Optional[bool] = None) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
-        if not path.startswith("/"):
-            raise ValueError(f"path must start with '/', got {path!r}")
-        if no_auth and token:
-            raise ValueError("no_auth=True and a token contradict each other: choose one")
-        if not no_auth and not token and not token_env:
-            raise ValueError("auth needs a token or a token_env; pass no_auth=True to disable it explicitly")
+        for wrong, problem in (
+                (not path.startswith("/"), f"path must start with '/', got {path!r}"),
+                (no_auth and token, "no_auth=True and a token contradict each other: choose one"),
+                (not (no_auth or token or token_env), "auth needs a token or a token_env, or no_auth=True"),
+                (max_body < 1, f"max_body must be a positive number of bytes, got {max_body!r}"),
+                (not re.fullmatch(r"[A-Za-z0-9-]+", auth_header),
+                 f"auth_header must be an HTTP header name, got {auth_header!r}")):
+            if wrong:
+                raise ValueError(problem)
         check_run_timeout(run_timeout_s)
-        if max_body < 1:
-            raise ValueError(f"max_body must be a positive number of bytes, got {max_body!r}")
-        if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
-            raise ValueError(f"auth_header must be an HTTP header name, got {auth_header!r}")
         self.agent = agent
-        self._agent_kind: Tuple[Any, bool] = (None, False)  # agent_is_async's
         self.token = token
         self.token_env = None if token else token_env
         self.run_timeout_s = float(run_timeout_s)
@@ -3560,8 +3543,7 @@ class DispatchApp:
         """Which proxy hosts dispatches may name, for a start-up line."""
         hosts = self.endpoint.proxy_hosts
         if hosts is None:
-            return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production, or anyone "
-                    "holding the agent token can make this server call any address)")
+            return f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)"
         return ", ".join(hosts) or "none"
 
     def expected_token(self) -> Optional[str]:
@@ -3624,11 +3606,13 @@ class DispatchApp:
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent is ``async def`` (or its ``__call__`` is)."""
-        agent, known = self._agent_kind
-        if agent is not self.agent:  # first asked, or the agent was replaced
-            agent, known = self._agent_kind = (self.agent, _is_async_callable(self.agent))
-        return known
+        """Whether the agent is ``async def``, a partial of one, or an object whose ``__call__`` is one."""
+        import inspect
+
+        agent = self.agent
+        while isinstance(agent, functools.partial):
+            agent = agent.func
+        return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
 
     def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
         """:meth:`arun_agent` from a blocking thread."""
@@ -3644,8 +3628,8 @@ class DispatchApp:
             return self._failed(failed, envelope, stats)
         except BaseException:  # this dispatch itself was cancelled
             stats.cancelled = True
-            _log.warning("run %s (jti %s) was cut before it finished: the server is shutting down; its further "
-                         "proxy calls are refused", envelope.run_id, envelope.run_token_jti)
+            _log.warning("run %s (jti %s) was cut short: the server is shutting down; its further proxy calls are "
+                         "refused", envelope.run_id, envelope.run_token_jti)
             raise
         finally:
             _dispatch_stats.reset(bound)
@@ -3766,12 +3750,11 @@ def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..
     headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
     length = request_body_length(headers, app.max_body)
     body: Optional[bytes] = None
-    if length is not None:  # a host may hand back short reads
-        chunks: List[bytes] = []
-        while length > 0 and (chunk := environ["wsgi.input"].read(min(length, 1 << 16))):
-            chunks.append(chunk)
-            length -= len(chunk)
-        body = b"".join(chunks)
+    if length is not None:
+        data = bytearray()  # read to the end: a host may hand back short reads
+        while len(data) < length and (chunk := environ["wsgi.input"].read(min(length - len(data), 1 << 16))):
+            data += chunk
+        body = bytes(data)
     try:
         reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers, body)
     except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
@@ -3796,16 +3779,14 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
     length = request_body_length(headers, app.max_body)
     body: Optional[bytes] = None
     if length is not None:
-        chunks: List[bytes] = []
-        received, more = 0, True
-        while more and received < length:
+        data, more = bytearray(), True
+        while more and len(data) < length:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            chunks.append(message.get("body", b""))
-            received += len(chunks[-1])
+            data += message.get("body", b"")
             more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = bytes(data)
     started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
     try:
         decision = app.decide(method, target, headers, body)
@@ -4321,13 +4302,8 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[E
     """``fn(*args, **kwargs)`` on a new thread (for a kernel whose loop runs here), ``envelope`` (default: the bound
     one) bound; what it raises is re-raised, the run token redacted."""
     envelope = envelope if envelope is not None else _current.get()
-
-    def call() -> Any:
-        with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
-            return _settle(fn(*args, **kwargs))
-
     try:
-        return _on_fresh_thread(call)
+        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
@@ -4345,7 +4321,7 @@ def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limi
     stats = _DispatchStats()
     bound = _dispatch_stats.set(stats)  # copied into the agent's thread
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit)
+        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
     except _Overran:
         stats.cancelled = True
         failure: BaseException = RunTimeoutError(
