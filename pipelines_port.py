@@ -3016,7 +3016,7 @@ class ProxyClient:
         """:meth:`close`, from a coroutine."""
         self.close()
 
-    # -- seams a subclass overrides to observe or change the wire (tests, broken ports) ----
+    # -- seams: a subclass overrides them to observe or change the wire ----
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> _Reply:
@@ -3033,7 +3033,7 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # -- what both drivers share ----------------------------------------------------------------
+    # -- what both drivers share ----
 
     def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
                    idempotency_key: Optional[str], errors: str) -> ProxyRequest:
@@ -3173,9 +3173,7 @@ class Actor:
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
-        self.label = normalised
-        self._envelope = envelope
-        self._client = client
+        self.label, self._envelope, self._client = normalised, envelope, client
         if envelope is not None:
             _warn_if_undeclared(envelope, normalised)
 
@@ -3306,7 +3304,7 @@ class _Overran(RunTimeoutError):
 
 
 class _AgentRaised(Exception):
-    """What the agent raised, told apart from what hits the waiter itself (a signal, a worker abort)."""
+    """What the agent raised, apart from what hits the waiter itself (a signal, a worker abort)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__()
@@ -3490,10 +3488,9 @@ class DispatchApp:
         self.token_env = None if token else token_env
         self.run_timeout_s = float(run_timeout_s)
         self.strict = strict
-        if tools_schema is None or isinstance(tools_schema, (list, tuple)):
-            tools = _thaw(list(tools_schema)) if tools_schema is not None else None
-        else:
-            tools = _read_tools_file(cast("Union[str, os.PathLike[str]]", tools_schema))
+        if isinstance(tools_schema, (str, os.PathLike)):
+            tools_schema = _read_tools_file(tools_schema)
+        tools = None if tools_schema is None else _thaw(list(tools_schema))
         if tools is not None:
             convert_tools(tools, "platform")  # checked, but served as given: the platform's tooling compares them
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
@@ -3692,15 +3689,13 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
     """:func:`probe_proxy` on the running loop."""
     started = time.monotonic()
     status: Optional[int] = None
-    error: Optional[str] = None
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
         status = (await _shared_transport().aexchange(request.url, "POST", request.path, request.headers,
                                                       request.body, timeout, 64 << 10))[0]
-        if status not in (401, 403) and not 200 <= status < 300:
-            error = f"unexpected HTTP {status} from the proxy"
+        error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status} from the proxy"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
         status = getattr(failure, "status", None)
         error = describe_error((failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure,
