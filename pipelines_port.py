@@ -3782,12 +3782,10 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
             data += message.get("body", b"")
             more = message.get("more_body", False)
         body = bytes(data)
-    started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
     try:
-        decision = app.decide(method, target, headers, body)
-        reply = await app.acarry_out(decision, method, target, headers, started)
-        # after a body left unread or a refusal before any agent ran (§7.1 kit-strict-request-head)
-        close = length is None or (decision.action == "reply" and reply.status >= 400)
+        reply = await app.ahandle(scope["method"], scope.get("path", "/"), headers, body)
+        # after a body left unread or a refusal, made before any agent ran (4xx, 503): kit-strict-request-head
+        close = length is None or 400 <= reply.status < 500 or reply.status == 503
     except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
         _log.exception("building the reply failed")
         reply, close = _fallback_reply(exc), True
