@@ -3084,7 +3084,8 @@ class ProxyClient:
         return {
             "send": lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
                                      MAX_REPLY_BYTES),
-            "interpret": functools.partial(self.interpret, tool_name=name, run_token=envelope.run_token),
+            "interpret": lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
+                                                                      run_token=envelope.run_token),
             "policy": self.retry,
             "transport_error": lambda cause: ProxyTransportError(_failed_before_reply(f"proxy call {name!r}", cause),
                                                                  tool_name=name),
