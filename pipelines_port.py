@@ -2599,25 +2599,23 @@ def _utc_now_iso() -> str:
 # Proxy client (§3): tool calls, trace events, actors
 # ---------------------------------------------------------------------------
 
+_Payload = Optional[Mapping[str, Any]]  # a tool call's arguments, a trace event's payload
+_Accepted = Optional[Dict[str, Any]]  # a trace post's answer: {"accepted": true, "sequence": N}
+
+
 def _env_float(name: str, default: float) -> float:
     text = (os.environ.get(name) or "").strip()
-    if not text:
-        return default
     try:
-        value = float(text)
+        value = float(text) if text else default
     except ValueError:
-        raise PipelinesError(f"environment variable {name} must be a number, got {_short(text, 40)!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {text!r}")
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
     return value
 
 
 class _Pacer:
-    """Client-side pacing (§3.1 rate limit): at most ``limit`` requests per token in any ``window_s``.
-
-    A sliding log per token; a caller over the limit is told how long to wait for its reserved slot, so a burst
-    is spread out instead of collecting 429s.
-    """
+    """§7.4 kit-pacing: at most ``limit`` requests per key (a run token) in any ``window_s``."""
 
     def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
         self.limit = limit
@@ -2627,7 +2625,7 @@ class _Pacer:
         self._lock = threading.Lock()
 
     def reserve(self, key: str, now: Optional[float] = None) -> float:
-        """Reserve the next slot for ``key``; return the seconds to wait for it."""
+        """Reserve the next slot for ``key``: the seconds to wait for it."""
         now = time.monotonic() if now is None else now
         with self._lock:
             log = self._log.get(key)
@@ -2639,17 +2637,19 @@ class _Pacer:
                 self._log.move_to_end(key)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
-            return slot - now
+        if slot > now:
+            _log.info("pacing proxy calls under %d/min: waiting %.2f s", self.limit, slot - now)
+        return slot - now
 
 
 class _DispatchStats:
-    """Proxy calls made by one dispatch (for the server's log line); ``cancelled`` once the run is over."""
+    """A dispatch's proxy calls, for its log line; ``cancelled``: the run is over, its calls refused."""
 
     __slots__ = ("proxy_calls", "cancelled", "_lock")
 
     def __init__(self) -> None:
         self.proxy_calls = 0
-        self.cancelled = False  # its further proxy calls are refused
+        self.cancelled = False
         self._lock = threading.Lock()
 
     def count(self) -> None:
@@ -2663,18 +2663,8 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
 
 
 class ProxyClient:
-    """Calls the per-run proxy (§3): validation, keep-alive, pacing, retries; blocking and asyncio alike.
-
-    :meth:`call` and :meth:`trace` block; :meth:`acall` and :meth:`atrace` are their asyncio twins, with the
-    same arguments, results, errors and redaction, and both run part 1's one policy (:class:`RetryState`).  One
-    instance is safe to share between threads, event loops and tasks; the module functions use a shared default.
-
-    - ``timeout``: seconds per attempt (default ``PIPELINES_PROXY_TIMEOUT_S`` or 120).
-    - ``retry``: a :class:`RetryPolicy`.
-    - ``rate_per_minute``: pacing per run token (default ``PIPELINES_PROXY_RATE_PER_MINUTE`` or 60; 0: off).
-    - ``ssl_context``: for https proxies (default: the system CAs).
-    - ``sleep``: how to wait between attempts (tests pass a fake; the asyncio forms await what it returns).
-    """
+    """Calls the per-run proxy (§3, §7.4); ``timeout`` (per attempt) and ``rate_per_minute`` (0: no pacing) default
+    to ``PIPELINES_PROXY_TIMEOUT_S`` and ``PIPELINES_PROXY_RATE_PER_MINUTE``; ``sleep`` may return an awaitable."""
 
     def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
                  rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
@@ -2684,59 +2674,48 @@ class ProxyClient:
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
         self.retry = retry
-        rate = (_env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE) if rate_per_minute is None
-                else rate_per_minute)
-        self._pacer = _Pacer(int(rate)) if rate and rate >= 1 else None
+        if rate_per_minute is None:
+            rate_per_minute = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE)
+        self._pacer = _Pacer(int(rate_per_minute)) if rate_per_minute >= 1 else None
         self._sleep = sleep
         self._transport = _Transport(ssl_context)
 
-    # -- public ---------------------------------------------------------------
-
-    def call(self, envelope: Envelope, name: str, args: Optional[Mapping[str, Any]] = None, *,
-             actor: Optional[str] = None, timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
-             errors: str = "raise") -> Any:
-        """POST ``args`` to ``{proxy_url}/tools/{name}``; the unwrapped ``response`` (§3.2).
-
-        ``errors="return"`` turns a failed call into an ``{"error": ...}`` value for the model to read; a stale
-        run token still raises, because the run is over.
-        """
-        _check_errors_mode(errors)
+    def call(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
+             timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
+        """Call tool ``name``: the unwrapped ``response`` (§3.2); ``errors="return"``: §7.4 kit-errors-return."""
         try:
-            return self._run(envelope, self._tool_call(envelope, name, args, actor, idempotency_key), timeout)
+            return self._run(envelope, self._tool_call(envelope, name, args, actor, idempotency_key, errors), timeout)
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
-    async def acall(self, envelope: Envelope, name: str, args: Optional[Mapping[str, Any]] = None, *,
-                    actor: Optional[str] = None, timeout: Optional[float] = None,
-                    idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
-        """The asyncio form of :meth:`call`, awaited on this loop."""
-        _check_errors_mode(errors)
+    async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
+                    timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
+                    errors: str = "raise") -> Any:
+        """:meth:`call` on the running loop."""
         try:
-            return await self._arun(envelope, self._tool_call(envelope, name, args, actor, idempotency_key), timeout)
+            request = self._tool_call(envelope, name, args, actor, idempotency_key, errors)
+            return await self._arun(envelope, request, timeout)
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
-    def trace(self, envelope: Envelope, event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
-              actor: Optional[str] = None, timeout: Optional[float] = None,
-              best_effort: bool = False) -> Optional[Dict[str, Any]]:
-        """POST a live trace event to ``{proxy_url}/traces/{event_type}`` (§3.4).
-
-        Returns the proxy's ``{"accepted": true, "sequence": N}`` (``None`` for an empty body).  ``__occurred_at``
-        is stamped once, before the first attempt.  ``best_effort=True``: a failure is logged, ``None`` returned.
-        """
+    def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: Optional[str] = None,
+              timeout: Optional[float] = None, best_effort: bool = False) -> _Accepted:
+        """Post a live trace event (§3.4); ``best_effort=True``: a failure is logged, ``None`` returned."""
         try:
-            return _trace_result(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
+            return _accepted(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
-            return _trace_failed(exc, event_type, best_effort)
+            _trace_failed(exc, event_type, best_effort)
+        return None
 
-    async def atrace(self, envelope: Envelope, event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
+    async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
                      actor: Optional[str] = None, timeout: Optional[float] = None,
-                     best_effort: bool = False) -> Optional[Dict[str, Any]]:
-        """The asyncio form of :meth:`trace`."""
+                     best_effort: bool = False) -> _Accepted:
+        """:meth:`trace` on the running loop."""
         try:
-            return _trace_result(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
+            return _accepted(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
         except ProxyError as exc:
-            return _trace_failed(exc, event_type, best_effort)
+            _trace_failed(exc, event_type, best_effort)
+        return None
 
     def close(self) -> None:
         """Close the idle keep-alive connections."""
@@ -2746,27 +2725,29 @@ class ProxyClient:
         """:meth:`close`, from a coroutine."""
         self.close()
 
-    # -- seams: override in a subclass to observe or change the wire (tests, broken ports) ----
+    # -- seams: a subclass overrides them to observe or change the wire ----
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
-                 max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One HTTP exchange with the proxy: ``(status, headers, body)`` (``base`` is the split proxy URL)."""
+                 max_reply: int) -> _Reply:
+        """One HTTP exchange with the proxy (``base``: its split URL)."""
         return self._transport.exchange(base, method, path, headers, body, timeout, max_reply)
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                        timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """The asyncio form of :meth:`exchange`."""
+                        timeout: float, max_reply: int) -> _Reply:
+        """:meth:`exchange` on the running loop."""
         return await self._transport.aexchange(base, method, path, headers, body, timeout, max_reply)
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                   run_token: Optional[str] = None) -> ProxyOutcome:
-        """What one proxy reply means: :func:`interpret_reply` (both drivers)."""
+        """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # -- what both drivers share -----------------------------------------------
+    # -- what both drivers share ----
 
     def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
-                   idempotency_key: Optional[str]) -> ProxyRequest:
+                   idempotency_key: Optional[str], errors: str) -> ProxyRequest:
+        if errors not in ("raise", "return"):
+            raise ValueError("errors must be 'raise' or 'return'")
         _check_envelope(envelope)
         request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
                                     idempotency_key=idempotency_key)
@@ -2775,71 +2756,57 @@ class ProxyClient:
             _warn_if_undeclared(envelope, label)
         return request
 
-    def _trace(self, envelope: Envelope, event_type: str, payload: Optional[Mapping[str, Any]],
-               actor: Optional[str]) -> ProxyRequest:
+    def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: Optional[str]) -> ProxyRequest:
         _check_envelope(envelope)
         return trace_request(envelope.proxy_url, envelope.run_token, event_type, payload,
                              occurred_at=_utc_now_iso(), actor=actor)
 
-    def _policy(self, envelope: Envelope, request: ProxyRequest) -> Dict[str, Any]:
-        """What both retry loops take but ``send`` and ``sleep``: interpretation, errors, pacing."""
-        name = request.name
-        stats = _dispatch_stats.get()
+    def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
+        try:
+            return _retry_loop(sleep=self._sleep or time.sleep, **self._loop_arguments(envelope, request, timeout,
+                                                                                      self.exchange))
+        except _ReplyTooLarge as big:
+            raise ProxyError(f"proxy reply to {request.name!r} {big}", status_code=big.status,
+                             tool_name=request.name) from None
+
+    async def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
+        try:
+            return await _aretry_loop(sleep=self._asleep, **self._loop_arguments(envelope, request, timeout,
+                                                                                 self.aexchange))
+        except _ReplyTooLarge as big:
+            raise ProxyError(f"proxy reply to {request.name!r} {big}", status_code=big.status,
+                             tool_name=request.name) from None
+
+    def _loop_arguments(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
+                        exchange: Callable[..., Any]) -> Dict[str, Any]:
+        name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
+        seconds = self.timeout if timeout is None else float(timeout)
         if stats is not None:
             stats.count()
 
         def before_attempt() -> float:
-            if stats is not None and stats.cancelled:  # checked before every attempt: no retry runs a tool late
+            if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
                                  "answered already", tool_name=name)
-            if self._pacer is None:
-                return 0.0
-            wait = self._pacer.reserve(envelope.run_token)
-            if wait > 0:
-                _log.info("pacing proxy calls under %d/min: waiting %.2f s", self._pacer.limit, wait)
-            return wait
+            return pacer.reserve(envelope.run_token) if pacer is not None else 0.0
 
         return {
-            "interpret": lambda status, reply_headers, reply: self.interpret(
-                status, reply_headers, reply, tool_name=name, run_token=envelope.run_token),
+            "send": lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                                     MAX_REPLY_BYTES),
+            "interpret": lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
+                                                                      run_token=envelope.run_token),
             "policy": self.retry,
-            "transport_error": lambda cause: ProxyTransportError(
-                _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name),
+            "transport_error": lambda cause: ProxyTransportError(_failed_before_reply(f"proxy call {name!r}", cause),
+                                                                 tool_name=name),
             "before_attempt": before_attempt,
         }
-
-    def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
-        seconds = self.timeout if timeout is None else float(timeout)
-
-        def send() -> _Reply:
-            try:
-                return self.exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                                     MAX_REPLY_BYTES)
-            except _ReplyTooLarge as big:
-                raise _reply_too_large(big, request.name) from None
-
-        return _retry_loop(send, sleep=self._sleep or time.sleep, **self._policy(envelope, request))
-
-    async def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
-        seconds = self.timeout if timeout is None else float(timeout)
-
-        async def send() -> _Reply:
-            try:
-                return await self.aexchange(request.url, "POST", request.path, request.headers, request.body,
-                                            seconds, MAX_REPLY_BYTES)
-            except _ReplyTooLarge as big:
-                raise _reply_too_large(big, request.name) from None
-
-        return await _aretry_loop(send, sleep=self._asleep, **self._policy(envelope, request))
 
     async def _asleep(self, seconds: float) -> None:
         if self._sleep is None:
             import asyncio
 
             await asyncio.sleep(seconds)
-            return
-        result = self._sleep(seconds)
-        if result is not None and hasattr(result, "__await__"):
+        elif hasattr(result := self._sleep(seconds), "__await__"):
             await result
 
 
@@ -2848,60 +2815,40 @@ def _check_envelope(envelope: Any) -> None:
         raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
 
 
-def _check_errors_mode(errors: str) -> None:
-    if errors not in ("raise", "return"):
-        raise ValueError("errors must be 'raise' or 'return'")
-
-
 def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
-    """A failed tool call: raised again, or (``errors="return"``, not a stale token) the ``{"error": ...}`` value."""
-    if errors == "raise" or isinstance(exc, StaleRunTokenError):
+    if errors == "raise" or isinstance(exc, StaleRunTokenError):  # a stale token: the run is over
         raise exc
     _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
     return exc.to_value()
 
 
-def _trace_result(result: Any) -> Optional[Dict[str, Any]]:
-    return result if isinstance(result, dict) else None
-
-
-def _trace_failed(exc: ProxyError, event_type: str, best_effort: bool) -> None:
+def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> None:
     if not best_effort:
         raise exc
     _log.warning("trace event %r not recorded: %s", event_type, exc)
 
 
-def _reply_too_large(big: _ReplyTooLarge, name: str) -> ProxyError:
-    return ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name)
+def _accepted(result: Any) -> _Accepted:
+    return result if isinstance(result, dict) else None
 
 
-_undeclared_lock = threading.Lock()
-_undeclared_seen: OrderedDict[Tuple[Any, ...], None] = OrderedDict()
+@functools.lru_cache(maxsize=4096)
+def _warn_undeclared(label: str, catalog: Tuple[str, ...], *run: Any) -> None:
+    _log.warning("actor label %r is not in this run's declared sub_agents %s; the platform will show it as undeclared",
+                 label, list(catalog))
 
 
 def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
-    """§3.5: a label off the declared catalog is accepted; warn once per run and label."""
     catalog = envelope.sub_agents
-    if not catalog or label in catalog or label.rsplit("/", 1)[-1] in catalog:
-        return
-    key = (envelope.run_id, envelope.run_token_jti, envelope.proxy_url, label)
-    with _undeclared_lock:
-        if key in _undeclared_seen:
-            return
-        _undeclared_seen[key] = None
-        if len(_undeclared_seen) > 4096:
-            _undeclared_seen.popitem(last=False)
-    _log.warning("actor label %r is not in this run's declared sub_agents %s; the platform will show it as undeclared",
-                 label, list(catalog))
+    if catalog and label not in catalog and label.rsplit("/", 1)[-1] not in catalog:
+        _warn_undeclared(label, catalog, envelope.run_id, envelope.run_token_jti, envelope.proxy_url)
 
 
 _default_client = _Once(lambda: ProxyClient())
 
 
 def set_default_client(client: ProxyClient) -> ProxyClient:
-    """Make ``client`` the one :func:`proxy_call`, :func:`post_trace` and tools use when none is passed (a
-    subclass overriding :meth:`ProxyClient.exchange` or :meth:`ProxyClient.interpret`, other timeouts or
-    pacing); returns the client it replaces."""
+    """Make ``client`` the one used when none is passed; returns the one it replaces."""
     if not isinstance(client, ProxyClient):
         raise TypeError(f"set_default_client() needs a ProxyClient, got {type(client).__name__}")
     previous = _default_client()
@@ -2909,32 +2856,25 @@ def set_default_client(client: ProxyClient) -> ProxyClient:
     return previous
 
 
-def proxy_call(name: str, args: Optional[Mapping[str, Any]] = None, *, envelope: Optional[Envelope] = None,
-               actor: Optional[str] = None, timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
-               errors: str = "raise", client: Optional[ProxyClient] = None) -> Any:
-    """Call tool ``name`` through the per-run proxy of ``envelope`` or the one bound here; the unwrapped
-    ``response`` (§3).  Retries as §3.3; raises :class:`ProxyError` (:class:`StaleRunTokenError` when the run is
-    over), or with ``errors="return"`` returns ``{"error": ...}``."""
-    return (client or _default_client()).call(
-        envelope or current_envelope(), name, args,
-        actor=actor, timeout=timeout, idempotency_key=idempotency_key, errors=errors,
-    )
+def proxy_call(name: str, args: _Payload = None, *, envelope: Optional[Envelope] = None, actor: Optional[str] = None,
+               timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise",
+               client: Optional[ProxyClient] = None) -> Any:
+    """:meth:`ProxyClient.call` for ``envelope`` or the one bound here."""
+    return (client or _default_client()).call(envelope or current_envelope(), name, args, actor=actor,
+                                              timeout=timeout, idempotency_key=idempotency_key, errors=errors)
 
 
-async def aproxy_call(name: str, args: Optional[Mapping[str, Any]] = None, *, envelope: Optional[Envelope] = None,
+async def aproxy_call(name: str, args: _Payload = None, *, envelope: Optional[Envelope] = None,
                       actor: Optional[str] = None, timeout: Optional[float] = None,
                       idempotency_key: Optional[str] = None, errors: str = "raise",
                       client: Optional[ProxyClient] = None) -> Any:
-    """The asyncio form of :func:`proxy_call`."""
-    return await (client or _default_client()).acall(
-        envelope or current_envelope(), name, args,
-        actor=actor, timeout=timeout, idempotency_key=idempotency_key, errors=errors,
-    )
+    """:func:`proxy_call` on the running loop."""
+    return await (client or _default_client()).acall(envelope or current_envelope(), name, args, actor=actor,
+                                                     timeout=timeout, idempotency_key=idempotency_key, errors=errors)
 
 
 class Actor:
-    """Proxy calls and trace events attributed to one sub-agent (§3.5): each carries ``X-Pipelines-Actor-Id``.
-    Build with :func:`as_actor`; ``options`` of each method as for the module function it names."""
+    """Calls and trace events as one sub-agent (§3.5); each method takes its module function's options."""
 
     __slots__ = ("label", "_envelope", "_client")
 
@@ -2943,9 +2883,7 @@ class Actor:
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
-        self.label = normalised
-        self._envelope = envelope
-        self._client = client
+        self.label, self._envelope, self._client = normalised, envelope, client
         if envelope is not None:
             _warn_if_undeclared(envelope, normalised)
 
@@ -2956,29 +2894,27 @@ class Actor:
         return {"envelope": self._envelope, "client": self._client, **({"actor": self.label} if actor else {}),
                 **options}
 
-    def call(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
+    def call(self, name: str, args: _Payload = None, **options: Any) -> Any:
         """:func:`proxy_call` as this actor."""
         return proxy_call(name, args, **self._options(options))
 
-    async def acall(self, name: str, args: Optional[Mapping[str, Any]] = None, **options: Any) -> Any:
+    async def acall(self, name: str, args: _Payload = None, **options: Any) -> Any:
         """:func:`aproxy_call` as this actor."""
         return await aproxy_call(name, args, **self._options(options))
 
-    def trace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
-              **options: Any) -> Optional[Dict[str, Any]]:
+    def trace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
         """:func:`post_trace` as this actor."""
         return post_trace(event_type, payload, **self._options(options))
 
-    async def atrace(self, event_type: str, payload: Optional[Mapping[str, Any]] = None,
-                     **options: Any) -> Optional[Dict[str, Any]]:
+    async def atrace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
         """:func:`apost_trace` as this actor."""
         return await apost_trace(event_type, payload, **self._options(options))
 
-    def handoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
+    def handoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
         """:func:`post_handoff` from this actor to ``to_sub_agent``."""
         return post_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
-    async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> Optional[Dict[str, Any]]:
+    async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
         """:func:`apost_handoff` from this actor to ``to_sub_agent``."""
         return await apost_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
@@ -2992,207 +2928,169 @@ def as_actor(label: str, *, envelope: Optional[Envelope] = None, client: Optiona
     return Actor(label, envelope=envelope, client=client)
 
 
-def post_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, *, envelope: Optional[Envelope] = None,
+def post_trace(event_type: str, payload: _Payload = None, *, envelope: Optional[Envelope] = None,
                actor: Optional[str] = None, timeout: Optional[float] = None, best_effort: bool = False,
-               client: Optional[ProxyClient] = None) -> Optional[Dict[str, Any]]:
-    """Post a live trace event for the bound run (§3.4); see :meth:`ProxyClient.trace`."""
+               client: Optional[ProxyClient] = None) -> _Accepted:
+    """:meth:`ProxyClient.trace` for ``envelope`` or the one bound here."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
-    if envelope is None:
-        return None
-    return (client or _default_client()).trace(envelope, event_type, payload, actor=actor, timeout=timeout,
-                                               best_effort=best_effort)
+    return None if envelope is None else (client or _default_client()).trace(
+        envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
 
 
-async def apost_trace(event_type: str, payload: Optional[Mapping[str, Any]] = None, *,
-                      envelope: Optional[Envelope] = None, actor: Optional[str] = None, timeout: Optional[float] = None,
-                      best_effort: bool = False, client: Optional[ProxyClient] = None) -> Optional[Dict[str, Any]]:
-    """The asyncio form of :func:`post_trace`."""
+async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Optional[Envelope] = None,
+                      actor: Optional[str] = None, timeout: Optional[float] = None, best_effort: bool = False,
+                      client: Optional[ProxyClient] = None) -> _Accepted:
+    """:func:`post_trace` on the running loop."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
-    if envelope is None:
-        return None
-    return await (client or _default_client()).atrace(envelope, event_type, payload, actor=actor, timeout=timeout,
-                                                      best_effort=best_effort)
+    return None if envelope is None else await (client or _default_client()).atrace(
+        envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
 
 
 def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: bool) -> Optional[Envelope]:
-    """The envelope a trace event goes to; ``None`` (logged) for a best-effort event with none bound."""
     if envelope is not None:
         return envelope
     try:
         return current_envelope()
     except EnvelopeError as exc:
-        if not best_effort:
-            raise
-        _log.warning("trace event %r not recorded: %s", event_type, exc)
+        _trace_failed(exc, event_type, best_effort)
         return None
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
-                 payload_preview: Optional[str] = None, **options: Any) -> Optional[Dict[str, Any]]:
-    """Record a control transfer between sub-agents as a ``handoff`` event (§3.4): both labels validated (§3.5),
-    a self-handoff dropped (logged, not sent); ``options`` as for :func:`post_trace`."""
+                 payload_preview: Optional[str] = None, **options: Any) -> _Accepted:
+    """A ``handoff`` trace event (§3.4), a self-handoff dropped; ``options`` as for :func:`post_trace`."""
     event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
     return None if event is None else post_trace("handoff", event, **options)
 
 
 async def apost_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
-                        payload_preview: Optional[str] = None, **options: Any) -> Optional[Dict[str, Any]]:
-    """The asyncio form of :func:`post_handoff`."""
+                        payload_preview: Optional[str] = None, **options: Any) -> _Accepted:
+    """:func:`post_handoff` on the running loop."""
     event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
     return None if event is None else await apost_trace("handoff", event, **options)
 
 
-def _handoff(source: str, target: str, reason: Optional[str], payload_preview: Optional[str]
-             ) -> Optional[Dict[str, Any]]:
+def _handoff(source: str, target: str, reason: Optional[str], payload_preview: Optional[str]) -> _Accepted:
     event = handoff_event(source, target, reason=reason, payload_preview=payload_preview)
     if event is None:
         _log.info("dropping self-handoff %r -> %r", source, target)
     return event
 
 
-ENV_STRICT = "PIPELINES_PORT_STRICT"  # "1": refuse responses the platform would only soften (see build_response)
-
-
-def _strict(strict: Optional[bool]) -> bool:
-    return _truthy(os.environ.get(ENV_STRICT)) if strict is None else strict
+ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 
 def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                    metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None) -> Dict[str, Any]:
-    """The v1 response envelope (§4) from what an agent returned: :func:`response_envelope`, each warning logged.
-
-    Lenient by default: what the platform would drop is dropped the same way and logged once, naming its JSON
-    path.  ``strict=True`` (or ``PIPELINES_PORT_STRICT=1`` when ``strict`` is not given) raises
-    :class:`ResponseError` listing every problem instead.
-    """
+    """The response envelope (§4, §7.7) for an agent's result, warnings logged; ``strict`` (default
+    ``PIPELINES_PORT_STRICT``) raises :class:`ResponseError` instead."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
-    """:func:`build_response`, each warning logged without ``secrets`` or the bound run's token (a warning names
-    paths, and a key may hold the token): what every server and ``run()`` send (a turn reply as built in a
-    ``multi_turn`` dispatch)."""
+    """:func:`build_response` as the servers and ``run()`` send it, no warning showing ``secrets`` or the run token."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:  # nothing to warn about, strict or not (and no environment variable to read)
+    if plain is not None:  # nothing to warn about, strict or not
         return plain
-    body, warnings = response_envelope(value, messages=messages, metadata=metadata, strict=_strict(strict),
-                                       multi_turn=multi_turn)
+    body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
+                                       strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
     bound = _current.get()
-    hidden = (*secrets, bound.run_token if bound is not None else None)
     for warning in warnings:
-        _log.warning("response: %s", redact(warning, *hidden))
+        _log.warning("response: %s", redact(warning, *secrets, bound.run_token if bound is not None else None))
     return body
 
 # ---------------------------------------------------------------------------
-# Running agents: a sync one on a fresh thread, an ``async def`` one as a task
-# of the loop, within a deadline; the run token kept out of what they raise
+# Running agents: a sync one on a fresh thread, an ``async def`` one as a task of the loop, within a deadline
 # ---------------------------------------------------------------------------
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
-ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"  # the dispatch server's proxy host allow-list
-_PROBE_TOOL = "__reachability_probe__"
+ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
 
 
 class _Overran(RunTimeoutError):
-    """The run's deadline passed (the agent itself never raises this)."""
+    """The run's deadline passed."""
 
 
 class _AgentRaised(Exception):
-    """What the agent raised (``error``), kept apart from what hits the waiter itself (a worker abort, a signal)."""
+    """What the agent raised, apart from what hits the waiter itself (a signal, a worker abort)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
 
 
-def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
-    """``fn()`` in a copy of this context on a new daemon thread; its result, or :class:`_AgentRaised`.  After
-    ``timeout_s``, :class:`_Overran`: a Python thread cannot be killed, so ``fn`` runs on in the background."""
+def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], Any]) -> threading.Thread:
+    """``fn()`` on a new daemon thread in a copy of this context, then ``done(result, _AgentRaised or None)``."""
     context = contextvars.copy_context()
-    outcome: Dict[str, Any] = {}
 
     def target() -> None:
         try:
-            outcome["result"] = context.run(fn)
-        except BaseException as exc:  # noqa: BLE001 - handed back to the waiting thread
-            outcome["error"] = exc
+            outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
+        except BaseException as exc:  # noqa: BLE001
+            outcome = (None, _AgentRaised(exc))
+        with contextlib.suppress(RuntimeError):  # done's loop closed meanwhile: nobody waits any more
+            done(*outcome)
 
-    worker = threading.Thread(target=target, name="pipelines-agent", daemon=True)
-    worker.start()
+    thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    thread.start()
+    return thread
+
+
+def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+    """``fn()`` by :func:`_start_thread`, waited for; :class:`_Overran` after ``timeout_s`` (a thread runs on)."""
+    outcome: List[Any] = []
+    worker = _start_thread(fn, lambda result, error: outcome.extend((result, error)))
     worker.join(timeout_s)
     if worker.is_alive():
         raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
-    if "error" in outcome:
-        raise _AgentRaised(outcome["error"])
-    return outcome.get("result")
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
 
 
 class _RedactedError(Exception):
-    """Stands in an exception chain for an exception whose text showed a secret and could not be cleaned."""
+    """Stands in an exception chain for a link whose text showed a secret."""
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
-    """``value`` with each secret replaced by ``[redacted]``, in strings and bytes, lists, tuples and dicts."""
-    if isinstance(value, str):
-        return redact(value, *secrets)
+    if type(value) is tuple:
+        return tuple(_scrub(v, secrets) for v in value)
     if isinstance(value, (bytes, bytearray)):
         for secret in secrets:
             value = value.replace(secret.encode("utf-8"), _REDACTED.encode("ascii"))
         return value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_scrub(v, secrets) for v in value) if not hasattr(value, "_fields") else value
-    if isinstance(value, dict):
-        return {_scrub(k, secrets): _scrub(v, secrets) for k, v in value.items()}
-    return value
+    return redact(value, *secrets)
 
 
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """``exc`` and its whole chain (``__cause__``, ``__context__``, group members) with no secret left: cleaned in
-    place, and a link whose text still shows one replaced by a ``_RedactedError`` with its traceback.  Returns
-    what stands for ``exc`` now.  IPython prints the whole chain of what ``run()`` raises: no link may show it."""
+    """What stands for ``exc`` once no link of its chain (IPython prints it all) shows a secret: each cleaned in
+    place, or replaced by a :class:`_RedactedError` when its text still shows one."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
-    def text_of(error: BaseException) -> str:
-        try:
-            return f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
-        except Exception:  # noqa: BLE001 - a __str__ that fails shows nothing
-            return ""
-
     def clean(error: Optional[BaseException]) -> Optional[BaseException]:
-        if error is None or not wanted:
-            return error
-        if id(error) in seen:
-            return seen[id(error)]
+        if error is None or not wanted or id(error) in seen:
+            return seen.get(id(error), error)
         seen[id(error)] = error
-        with contextlib.suppress(Exception):
-            error.args = _scrub(error.args, wanted)
-        notes = getattr(error, "__notes__", None)
-        if isinstance(notes, list):
-            notes[:] = [_scrub(n, wanted) for n in notes]
-        for name, value in list(getattr(error, "__dict__", {}).items()):
-            if isinstance(value, (str, bytes, list, tuple, dict)) and name != "__notes__":
-                with contextlib.suppress(Exception):
-                    setattr(error, name, _scrub(value, wanted))
-        if isinstance(error, OSError):
-            for name in ("strerror", "filename", "filename2"):
-                with contextlib.suppress(Exception):
-                    setattr(error, name, _scrub(getattr(error, name), wanted))
-        for member in getattr(error, "exceptions", None) or ():  # an ExceptionGroup's members
+        fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
+        for name in (*getattr(error, "__dict__", {}), "args", *fields):  # __notes__ included
+            with contextlib.suppress(Exception):
+                setattr(error, name, _scrub(getattr(error, name), wanted))
+        for member in getattr(error, "exceptions", None) or ():  # an ExceptionGroup's
             if isinstance(member, BaseException):
                 clean(member)
         error.__cause__ = clean(error.__cause__)
         error.__context__ = clean(error.__context__)
-        if not any(secret in text_of(error) for secret in wanted):
-            return error
         try:
+            text = f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
             message = redact(str(error), *wanted)
-        except Exception:  # noqa: BLE001
-            message = ""
-        stand_in = _RedactedError(f"{type(error).__name__}: {message}" if message
-                                  else f"{type(error).__name__} (its text showed a secret)")
+        except Exception:  # noqa: BLE001 - a __str__ that fails shows nothing
+            text = message = ""
+        if not any(secret in text for secret in wanted):
+            return error
+        stand_in = _RedactedError(f"{type(error).__name__}: {message}" if message else type(error).__name__)
         stand_in.__cause__, stand_in.__context__ = error.__cause__, error.__context__
         stand_in.__suppress_context__ = error.__suppress_context__
         seen[id(error)] = stand_in.with_traceback(error.__traceback__)
@@ -3201,54 +3099,27 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
     return clean(exc)
 
 
-def _settle(result: Any) -> Any:
-    """``result``, awaited with ``asyncio.run`` when it is awaitable (this thread must run no event loop)."""
+def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
+    """``call()`` with ``envelope`` bound, an awaitable it returns run by ``asyncio.run`` (this thread has no loop)."""
     import inspect
 
-    if inspect.isawaitable(result):
-        import asyncio
-
-        async def _await() -> Any:
-            return await result
-
-        result = asyncio.run(_await())
-    return result
-
-
-def _call_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
-    """Call a sync agent with the envelope bound (an awaitable it returns is run to its end)."""
-    with bind_envelope(envelope):
-        return _settle(agent(envelope))
-
-
-async def _acall_agent(agent: Callable[..., Any], envelope: Envelope) -> Any:
-    """Call an agent with the envelope bound, on the running loop; every task it starts sees the envelope too."""
-    import inspect
-
-    token = _current.set(envelope)  # bind_envelope, without a generator-based context manager per dispatch
-    try:
-        result = agent(envelope)
+    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
+        result = call()
         if inspect.isawaitable(result):
-            result = await result
+            import asyncio
+
+            async def awaited() -> Any:
+                return await result
+
+            result = asyncio.run(awaited())
         return result
-    finally:
-        _current.reset(token)
-
-
-def _is_async_callable(fn: Any) -> bool:
-    """``async def`` functions, partials of them and objects whose ``__call__`` is one."""
-    import inspect
-
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
 
 
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
-    """``agent(envelope)`` from the running loop, in a copy of this context: an ``async def`` one as a task of it,
-    a sync one on a fresh thread whose exchanges come back to it.  Its result, :class:`_AgentRaised`, or
-    :class:`_Overran` after ``timeout_s`` (the task cancelled; a thread runs on)."""
+    """``agent(envelope)`` as a task of the running loop, or on a fresh thread whose exchanges come back to it; else
+    :class:`_AgentRaised`, or :class:`_Overran` after ``timeout_s``."""
     import asyncio
+    import inspect
 
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
@@ -3256,32 +3127,28 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
         if waiter.done():  # timed out, or the awaiting task was cancelled
-            return
-        if error is None:
+            pass
+        elif error is None:
             waiter.set_result(result)
         else:
             waiter.set_exception(error)
 
     if is_async:
-        def finished(done: Any) -> None:
-            error = asyncio.CancelledError() if done.cancelled() else done.exception()
-            settle(None if error else done.result(), None if error is None else _AgentRaised(error))
-
-        task = loop.create_task(_acall_agent(agent, envelope))
-        task.add_done_callback(finished)
-    else:
-        context = contextvars.copy_context()
-        context.run(_server_loop.set, loop)
-
-        def target() -> None:
+        async def run() -> None:
+            _current.set(envelope)  # in the task's own context, seen by every task it starts
             try:
-                outcome: Tuple[Any, Optional[BaseException]] = (context.run(_call_agent, agent, envelope), None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-                outcome = (None, _AgentRaised(exc))
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
-                loop.call_soon_threadsafe(settle, *outcome)
+                result = agent(envelope)
+                settle(await result if inspect.isawaitable(result) else result, None)
+            except BaseException as exc:  # noqa: BLE001 - its own cancellation too (§7.3 kit-base-exception-500)
+                settle(None, _AgentRaised(exc))
 
-        threading.Thread(target=target, name="pipelines-agent", daemon=True).start()
+        task = loop.create_task(run())
+    else:
+        def run_sync() -> Any:
+            _server_loop.set(loop)  # its exchanges come back to this loop
+            return _call_agent(functools.partial(agent, envelope), envelope)
+
+        _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
     timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
                                _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
@@ -3293,12 +3160,11 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
 
 
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
-    """The response body with the run token redacted, should the agent have echoed it (logged once)."""
     encoded = json.dumps(body, ensure_ascii=False).encode("utf-8") if encoded is None else encoded
     if envelope.run_token.encode("utf-8") not in encoded:
         return body
     _log.warning("the agent's response contained the run token; it was redacted")
-    return cast(Dict[str, Any], redact(body, envelope.run_token))
+    return redact(body, envelope.run_token)  # type: ignore[no-any-return]
 
 # ---------------------------------------------------------------------------
 # The dispatch app (§2): decide(), then probe the proxy or run the agent
@@ -3306,14 +3172,8 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 
 
 class DispatchApp:
-    """An agent and its endpoint settings; :meth:`ahandle` (and :meth:`handle`) answer every request (§2).
-
-    An ASGI3 application itself, :attr:`wsgi` its WSGI application; :func:`serve` serves it.  ``agent(envelope)``,
-    sync or ``async def``, returns anything :func:`build_response` takes.  Auth uses ``token`` or the variable
-    ``token_env`` read at each request (off only with ``no_auth=True``), in ``auth_header``: ``Authorization``
-    (``Bearer <token>``) or a custom header with the raw value.  ``strict`` as for :func:`build_response`;
-    ``proxy_hosts`` (default ``PIPELINES_PROXY_ALLOWED_HOSTS``) as for :func:`proxy_host_allowed`.
-    """
+    """An agent (sync or ``async def``) and its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
+    Auth: ``token``, else the variable ``token_env`` read at each request; ``Bearer`` only in ``Authorization``."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
@@ -3323,41 +3183,34 @@ class DispatchApp:
                  proxy_hosts: Union[Sequence[str], str, None] = None, strict: Optional[bool] = None) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
-        if not path.startswith("/"):
-            raise ValueError(f"path must start with '/', got {path!r}")
-        if no_auth and token:
-            raise ValueError("no_auth=True and a token contradict each other: choose one")
-        if not no_auth and not token and not token_env:
-            raise ValueError("auth needs a token or a token_env; pass no_auth=True to disable it explicitly")
+        for wrong, problem in (
+                (not path.startswith("/"), f"path must start with '/', got {path!r}"),
+                (no_auth and token, "no_auth=True and a token contradict each other: choose one"),
+                (not (no_auth or token or token_env), "auth needs a token or a token_env, or no_auth=True"),
+                (max_body < 1, f"max_body must be a positive number of bytes, got {max_body!r}"),
+                (not re.fullmatch(r"[A-Za-z0-9-]+", auth_header),
+                 f"auth_header must be an HTTP header name, got {auth_header!r}")):
+            if wrong:
+                raise ValueError(problem)
         check_run_timeout(run_timeout_s)
-        if max_body < 1:
-            raise ValueError(f"max_body must be a positive number of bytes, got {max_body!r}")
-        if not re.fullmatch(r"[A-Za-z0-9-]+", auth_header):
-            raise ValueError(f"auth_header must be an HTTP header name, got {auth_header!r}")
         self.agent = agent
-        self._agent_kind: Tuple[Any, bool] = (None, False)  # (agent, is async): agent_is_async's cache
         self.token = token
         self.token_env = None if token else token_env
         self.run_timeout_s = float(run_timeout_s)
-        self.strict = strict  # None: PIPELINES_PORT_STRICT decides at each response
-        # Validated here, served as given: the platform's tooling compares the entries field by field.
-        if tools_schema is None or isinstance(tools_schema, (list, tuple)):
-            tools = _thaw(list(tools_schema)) if tools_schema is not None else None
-        else:
-            tools = _read_tools_file(cast("Union[str, os.PathLike[str]]", tools_schema))
+        self.strict = strict
+        if isinstance(tools_schema, (str, os.PathLike)):
+            tools_schema = _read_tools_file(tools_schema)
+        tools = None if tools_schema is None else _thaw(list(tools_schema))
         if tools is not None:
-            convert_tools(tools, "platform")  # raises ValueError naming the first bad entry
+            convert_tools(tools, "platform")  # checked, but served as given: the platform's tooling compares them
+        hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
         try:
-            if proxy_hosts is None or isinstance(proxy_hosts, str):
-                hosts = parse_proxy_hosts(os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None
-                                          else proxy_hosts)
-            else:
-                hosts = parse_proxy_hosts(",".join(proxy_hosts))
+            allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
         except ValueError as exc:
             source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
         self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
-                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools, proxy_hosts=hosts)
+                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools, proxy_hosts=allowed)
 
     @property
     def path(self) -> str:
@@ -3389,44 +3242,33 @@ class DispatchApp:
             return "DISABLED (no_auth): anyone who can reach this endpoint can dispatch"
         value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
         source = "the configured token" if self.token else f"${self.token_env}"
-        line = f"{self.auth_header}: {value} (token from {source})"
-        if self.token_env and not os.environ.get(self.token_env):
-            line += f"; {self.token_env} is NOT set: every request gets 503 until it is"
-        return line
+        unset = self.token_env and not os.environ.get(self.token_env)
+        return f"{self.auth_header}: {value} (token from {source})" + (
+            f"; {self.token_env} is NOT set: every request gets 503 until it is" if unset else "")
 
     def describe_proxy_hosts(self) -> str:
         """Which proxy hosts dispatches may name, for a start-up line."""
         hosts = self.endpoint.proxy_hosts
         if hosts is None:
-            return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production, or anyone "
-                    "holding the agent token can make this server call any address)")
+            return f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)"
         return ", ".join(hosts) or "none"
 
     def expected_token(self) -> Optional[str]:
         """The agent token requests must carry, read now (``""`` when its variable is unset; ``None``: no auth)."""
-        if self.no_auth:
-            return None
-        return (self.token or os.environ.get(self.token_env or "") or "").strip()
-
-    # -- the core ---------------------------------------------------------------
+        return None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
 
     def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """:meth:`ahandle` from a blocking thread (run on the module's loop thread while it waits)."""
+        """:meth:`ahandle` from a blocking thread."""
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The reply to one request: :func:`decide`, then the probe or the agent run it asks for, on this loop.
-
-        ``body`` is what :func:`request_body_length` let the adapter read (``None``: nothing).  An ``async def``
-        agent runs as a task of this loop (every dispatch on one loop, so clients a framework shares across runs
-        work), a sync one on a thread of its own.  One log line per request (never a token); pings at DEBUG.
-        """
+        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed (``None``: nothing)."""
         started = time.monotonic()
         headers = _lower_headers(headers)
         return await self.acarry_out(self.decide(method, target, headers, body), method, target, headers, started)
 
     def decide(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> Decision:
-        """:func:`decide` with this app's endpoint and its token as configured now."""
+        """:func:`decide` for this endpoint, its token read now."""
         return decide(self.endpoint, method, target, headers, body, expected_token=self.expected_token())
 
     def carry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
@@ -3436,7 +3278,7 @@ class DispatchApp:
 
     async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
                          started: float) -> HttpReply:
-        """Do what ``decision`` asks (reply, probe, run the agent) and log the request."""
+        """Do what ``decision`` asks and log the request (§7.1 kit-log-line)."""
         stats = _DispatchStats()
         if decision.action == "run":
             reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
@@ -3444,34 +3286,25 @@ class DispatchApp:
             reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
         else:
             reply = cast(HttpReply, decision.reply)
-        self._log_request(decision, reply, method, target, headers, started, stats)
-        return reply
-
-    def _log_request(self, decision: Decision, reply: HttpReply, method: str, target: str,
-                     headers: Mapping[str, str], started: float, stats: _DispatchStats) -> None:
         what = decision.what
         level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
-        if not _access_log.isEnabledFor(level):
-            return
-        envelope = decision.envelope
-        if envelope is not None:
-            ids: Tuple[Any, ...] = (envelope.run_id, envelope.task_id, envelope.run_token_jti)
-        else:
-            ids = (_header(headers, HEADER_RUN_ID), _header(headers, HEADER_TASK_ID),
-                   _header(headers, HEADER_RUN_TOKEN_JTI))
-        if what != "dispatch" and reply.status >= 400:
-            what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
-        _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
-                        method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
-                        stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
+        if _access_log.isEnabledFor(level):
+            envelope = decision.envelope
+            ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
+                   [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
+            if what != "dispatch" and reply.status >= 400:
+                what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
+            _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
+                            method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
+                            stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
+        return reply
 
     def connectivity_check(self, proxy_url: str) -> HttpReply:
         """:meth:`aconnectivity_check` from a blocking thread."""
         return _on_loop(self.aconnectivity_check(proxy_url))
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
-        """§2 step 4: probe the proxy with a fake bearer (§3.7); never runs user code.  Without a proxy-host
-        allow-list the answer says only whether a proxy answered (§7.1 kit-proxy-host-allow-list)."""
+        """§2 step 4, the reply to a connectivity check (§3.7, §7.1 kit-proxy-host-allow-list)."""
         probe = await aprobe_proxy(proxy_url)
         if self.endpoint.proxy_hosts is None and not probe["reachable"]:
             probe = {"reachable": False, "status_code": None, "latency_ms": None,
@@ -3480,49 +3313,44 @@ class DispatchApp:
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent is an ``async def`` function (or a callable whose ``__call__`` is one)."""
-        agent, known = self._agent_kind
-        if agent is not self.agent:  # first asked, or the agent was replaced since: inspect it (once per agent)
-            agent, known = self._agent_kind = (self.agent, _is_async_callable(self.agent))
-        return known
+        """Whether the agent is ``async def``, a partial of one, or an object whose ``__call__`` is one."""
+        import inspect
+
+        agent = self.agent
+        while isinstance(agent, functools.partial):
+            agent = agent.func
+        return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
 
     def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
         """:meth:`arun_agent` from a blocking thread."""
         return _on_loop(self.arun_agent(envelope, stats))
 
     async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
-        """Run the agent on ``envelope`` within ``run_timeout_s`` (:func:`_run_agent`); the response envelope or the
-        error reply.  Cancelled (a server shutting down), the run is cut: its further proxy calls are refused."""
+        """The reply to running the agent on ``envelope`` within ``run_timeout_s`` (§7.3)."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
         try:
             result = await _run_agent(self.agent, envelope, self.run_timeout_s, self.agent_is_async)
         except (_Overran, _AgentRaised) as failed:
             return self._failed(failed, envelope, stats)
-        except BaseException:  # this dispatch itself was cancelled: the run is cut short
+        except BaseException:  # this dispatch itself was cancelled
             stats.cancelled = True
-            _log.warning("run %s (jti %s) was cut before it finished: the server is shutting down; its further "
-                         "proxy calls are refused", envelope.run_id, envelope.run_token_jti)
+            _log.warning("run %s (jti %s) was cut short: the server is shutting down; its further proxy calls are "
+                         "refused", envelope.run_id, envelope.run_token_jti)
             raise
         finally:
             _dispatch_stats.reset(bound)
-        return self._respond(result, envelope)
-
-    def _respond(self, result: Any, envelope: Envelope) -> HttpReply:
-        """The 200 reply for what the agent returned, its run token redacted; 500 when it cannot become one."""
         try:
             body = _built(result, strict=self.strict, secrets=self.secrets(envelope), multi_turn=envelope.is_multi_turn)
             reply = json_reply(200, body)
             clean = _without_run_token(body, envelope, reply.body)
             return reply if clean is body else json_reply(200, clean)
-        except Exception as exc:  # noqa: BLE001 - a result that cannot become a response is a 500, never a crash
-            return self._failed(exc, envelope, None)
+        except Exception as exc:  # noqa: BLE001 - a 500, never a crash
+            return self._failed(exc, envelope, stats)
 
-    def _failed(self, failed: BaseException, envelope: Envelope, stats: Optional[_DispatchStats]) -> HttpReply:
-        """The one error path of a run: 504 for an overrun, 500 for an unbuildable result or a raising agent."""
+    def _failed(self, failed: BaseException, envelope: Envelope, stats: _DispatchStats) -> HttpReply:
         if isinstance(failed, _Overran):
-            if stats is not None:
-                stats.cancelled = True  # its further proxy calls are refused before each attempt
+            stats.cancelled = True
             _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
                        "further proxy calls", envelope.run_id, self.run_timeout_s)
             return error_reply(failed)
@@ -3537,54 +3365,53 @@ class DispatchApp:
         return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *self.secrets(envelope))))
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
-        """The run token and the agent token: what no reply or log line may show."""
+        """The run token and the agent token, which no reply or log line shows."""
         return (envelope.run_token if envelope is not None else None,
                 self.token or os.environ.get(self.token_env or ""))
 
     def redact(self, text: str, envelope: Optional[Envelope]) -> str:
-        """``text`` without the run token or the agent token (an agent's error may quote either)."""
+        """``text`` without :meth:`secrets`."""
         return cast(str, redact(text, *self.secrets(envelope)))
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
-        """The WSGI application (PEP 3333): ``application = DispatchApp(agent).wsgi`` for gunicorn & co."""
+        """The WSGI application (PEP 3333)."""
         return _wsgi(self, environ, start_response)
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        """The app is itself an ASGI3 application (HTTP and lifespan): ``app = DispatchApp(agent)`` for uvicorn & co."""
+        """The ASGI3 application (HTTP and lifespan)."""
         await _asgi(self, scope, receive, send)
 
     @property
     def asgi(self) -> Callable[..., Any]:
-        """The ASGI3 application as a plain ``async def`` function (servers' interface detection takes it as ASGI3)."""
-        app = self
-
+        """The ASGI3 application as an ``async def`` function (hosts detect its interface)."""
         async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-            await _asgi(app, scope, receive, send)
+            await _asgi(self, scope, receive, send)
 
         return asgi
 
 
 def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
-    """§3.7 reachability probe, never raising: ``{reachable, status_code, latency_ms, error}``.  POSTs ``{}`` to
-    ``{proxy_url}/tools/__reachability_probe__`` with a fake bearer: 401/403 (or 2xx) means reachable."""
-    return cast(Dict[str, Any], _on_loop(aprobe_proxy(proxy_url, timeout=timeout)))
+    """The §3.7 reachability probe, never raising: ``{reachable, status_code, latency_ms, error}``."""
+    return _on_loop(aprobe_proxy(proxy_url, timeout=timeout))
 
 
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
-    """The asyncio form of :func:`probe_proxy`."""
+    """:func:`probe_proxy` on the running loop."""
     started = time.monotonic()
+    status: Optional[int] = None
     try:
-        request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools", _PROBE_TOOL, b"{}")
+        request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
+                                "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
-        status, _, _ = await _shared_transport().aexchange(request.url, "POST", request.path, request.headers,
-                                                           request.body, timeout, 64 << 10)
+        status = (await _shared_transport().aexchange(request.url, "POST", request.path, request.headers,
+                                                      request.body, timeout, 64 << 10))[0]
+        error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status} from the proxy"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
-        cause = (failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure
-        return {"reachable": False, "status_code": getattr(failure, "status", None),
-                "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": describe_error(cause, 200)}
-    reachable = status in (401, 403) or 200 <= status < 300
-    return {"reachable": reachable, "status_code": status, "latency_ms": round((time.monotonic() - started) * 1000, 1),
-            "error": None if reachable else f"unexpected HTTP {status} from the proxy"}
+        status = getattr(failure, "status", None)
+        error = describe_error((failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure,
+                               200)
+    return {"reachable": error is None, "status_code": status,
+            "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": error}
 
 
 def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
@@ -3597,40 +3424,23 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
     return DispatchApp(agent, **options).asgi
 
 # ---------------------------------------------------------------------------
-# Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin
-# layer over DispatchApp (read the body request_body_length allows, decide, answer)
+# Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin layer over DispatchApp
 # ---------------------------------------------------------------------------
 
-DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_READ_TIMEOUT_S = 30.0  # §7.1 kit-server-timeouts
 DEFAULT_GRACE_S = 30.0
-DEFAULT_KEEPALIVE_S = 75.0  # nginx's: above the pool expiry of common clients, so a reused connection is still open
-# serve()'s first-generation GC threshold (CPython's is 700).  A fan-out keeps thousands of dispatches alive for
-# seconds; at 700 the collector rescans them hundreds of times (2,000 at once: a quarter of the server's CPU).
+DEFAULT_KEEPALIVE_S = 75.0
+# serve()'s first-generation GC threshold (CPython's: 700, a quarter of the CPU in a fan-out of 2,000 dispatches)
 SERVE_GC_THRESHOLD = 50_000
 
 
-def _read_exactly(read: Callable[[int], bytes], length: int) -> bytes:
-    """Up to ``length`` bytes from a stream that may return short reads; fewer only at EOF."""
-    chunks, remaining = [], length
-    while remaining > 0:
-        chunk = read(min(remaining, 1 << 16))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
 def _server_url(address: Tuple[Any, ...], path: str) -> str:
-    """The URL of a listening server's dispatch path, an IPv6 host in brackets."""
-    host, port = str(address[0]), address[1]
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}{path}"
+    host = str(address[0])
+    return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}{path}"
 
 
 @functools.lru_cache(maxsize=64)
 def _reason(status: int) -> str:
-    """The reason phrase for ``status`` (``Unknown`` for codes outside the registry)."""
     from http import HTTPStatus
 
     try:
@@ -3640,33 +3450,33 @@ def _reason(status: int) -> str:
 
 
 def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
-    pairs = [(k[5:].replace("_", "-"), v) for k, v in environ.items() if k.startswith("HTTP_")]
-    for key, name in (("CONTENT_TYPE", "Content-Type"), ("CONTENT_LENGTH", "Content-Length")):
-        if environ.get(key):
-            pairs.append((name, environ[key]))
-    headers = _lower_headers(pairs)
+    pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
+    pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
+    headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
     length = request_body_length(headers, app.max_body)
-    body = _read_exactly(environ["wsgi.input"].read, length) if length else (b"" if length == 0 else None)
+    body: Optional[bytes] = None
+    if length is not None:
+        data = bytearray()  # read to the end: a host may hand back short reads
+        while len(data) < length and (chunk := environ["wsgi.input"].read(min(length - len(data), 1 << 16))):
+            data += chunk
+        body = bytes(data)
     try:
         reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers, body)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
+    except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
         _log.exception("building the reply failed")
         reply = _fallback_reply(exc)
-    # No Connection header here: PEP 3333 forbids hop-by-hop headers from a WSGI app (wsgiref refuses them);
-    # the WSGI host frames and drains the body itself (gunicorn refuses obs-fold on its own).
+    # No Connection header: PEP 3333 forbids hop-by-hop headers; the host frames and drains the body itself.
     start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
     return [reply.body]
 
 
 async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """HTTP and lifespan scopes, on the host's own loop (:meth:`DispatchApp.ahandle`)."""
     if scope["type"] == "lifespan":
         while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
+            kind = (await receive())["type"]
+            if kind in ("lifespan.startup", "lifespan.shutdown"):
+                await send({"type": kind + ".complete"})
+            if kind == "lifespan.shutdown":
                 return
     if scope["type"] != "http":
         raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
@@ -3674,31 +3484,24 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
     length = request_body_length(headers, app.max_body)
     body: Optional[bytes] = None
     if length is not None:
-        chunks: List[bytes] = []
-        received, more = 0, True
-        while more and received < length:
+        data, more = bytearray(), True
+        while more and len(data) < length:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            chunks.append(message.get("body", b""))
-            received += len(chunks[-1])
+            data += message.get("body", b"")
             more = message.get("more_body", False)
-        body = b"".join(chunks)
-    started, method, target = time.monotonic(), scope["method"], scope.get("path", "/")
+        body = bytes(data)
     try:
-        decision = app.decide(method, target, headers, body)
-        reply = await app.acarry_out(decision, method, target, headers, started)
-        # Connection: close when the body was not read or the request was refused before any agent ran: the
-        # host's framing may differ from what a front end meant (uvicorn and hypercorn unfold obs-fold, losing a
-        # folded Content-Length), so what it would read next is not trusted to be a request (kit-strict-request-head).
-        close = length is None or (decision.action == "reply" and reply.status >= 400)
-        reply_headers = [*reply.headers, ("Connection", "close")] if close else reply.headers
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never the host's text page
+        reply = await app.ahandle(scope["method"], scope.get("path", "/"), headers, body)
+        # after a body left unread or a refusal, made before any agent ran (4xx, 503): kit-strict-request-head
+        close = length is None or 400 <= reply.status < 500 or reply.status == 503
+    except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
         _log.exception("building the reply failed")
-        reply = _fallback_reply(exc)
-        reply_headers = [*reply.headers, ("Connection", "close")]
+        reply, close = _fallback_reply(exc), True
+    sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
     await send({"type": "http.response.start", "status": reply.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply_headers]})
+                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
     await send({"type": "http.response.body", "body": reply.body})
 
 
@@ -4199,84 +4002,57 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread, its result or exception handed back.
-
-    For the sandbox, whose Jupyter kernel already runs an event loop on the calling thread (``asyncio.run``
-    raises there): an ``async def`` ``fn`` gets ``asyncio.run`` on the new thread.  ``envelope`` (default: the
-    one bound here) is bound there.  An exception is re-raised with its traceback, the run token redacted from
-    its whole chain.
-    """
+    """``fn(*args, **kwargs)`` on a new thread (for a kernel whose loop runs here), ``envelope`` (default: the bound
+    one) bound; what it raises is re-raised, the run token redacted."""
     envelope = envelope if envelope is not None else _current.get()
-
-    def call() -> Any:
-        with contextlib.ExitStack() as stack:
-            if envelope is not None:
-                stack.enter_context(bind_envelope(envelope))
-            return _settle(fn(*args, **kwargs))
-
     try:
-        return _on_fresh_thread(call)
+        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
 
 
-def _code_mode_envelope(task_input: Any, proxy_url: Optional[str], run_token: Optional[str]) -> Envelope:
-    """The envelope of one ``run()`` call: its arguments, else the sandbox's environment (§5 code-mode-env)."""
-    if proxy_url is None and run_token is None and task_input is None:
-        return Envelope.from_env()  # the whole run from the environment: PIPELINES_* and the task variable
-    env = os.environ
-    if proxy_url is None:
-        proxy_url = env.get(ENV_PROXY_URL)
-        if not (proxy_url or "").strip():
-            raise EnvelopeError(f"run() got no proxy_url argument, and environment variable {ENV_PROXY_URL} is not set")
-    if run_token is None:
-        run_token = env.get(ENV_RUN_TOKEN)
-        if not (run_token or "").strip():
-            raise EnvelopeError(f"run() got no run_token argument, and environment variable {ENV_RUN_TOKEN} is not set")
-    return Envelope.from_run(task_input, proxy_url=cast(str, proxy_url), run_token=cast(str, run_token))
+def _run_argument(value: Optional[str], argument: str, variable: str) -> str:
+    if value is None:
+        value = os.environ.get(variable, "")
+        if not value.strip():
+            raise EnvelopeError(f"run() got no {argument} argument, and environment variable {variable} is not set")
+    return value
 
 
 def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float) -> Any:
-    """What ``agent`` returned for ``envelope``, run on a fresh thread (an ``async def`` one on a loop of its own
-    there) within ``limit`` seconds; else :class:`RunTimeoutError`, :class:`AgentError`, or the kit's own error
-    as it is, each without the run token.  From an overrun or an interrupt on, the agent's further proxy calls
-    are refused."""
     stats = _DispatchStats()
-    bound = _dispatch_stats.set(stats)  # copied into the agent's thread: its proxy calls check `cancelled`
-    failure: Optional[BaseException] = None
+    bound = _dispatch_stats.set(stats)  # copied into the agent's thread
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, agent, envelope), limit)
+        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
     except _Overran:
         stats.cancelled = True
-        failure = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its further proxy "
-                                  "calls are refused (a thread cannot be stopped: it may still be running)")
+        failure: BaseException = RunTimeoutError(
+            f"agent did not finish within run_timeout_s={limit:g} s; its further proxy calls are refused (a thread "
+            "cannot be stopped: it may still be running)")
     except _AgentRaised as raised:
         error = raised.error
-        cleaned = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
-        if isinstance(error, PipelinesError) or not isinstance(error, Exception):
-            failure = cleaned  # the kit's own errors (a stale run token) and interpreter exits, as they are
-        else:
+        failure = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
+        if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else as it is: a stale token
+            cause = failure
             failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
-            failure.__cause__ = cleaned
-    except BaseException:  # a kernel interrupt while waiting: the agent runs on, refused from now on
+            failure.__cause__ = cause
+    except BaseException:  # a kernel interrupt: the agent runs on, its proxy calls refused
         stats.cancelled = True
         raise
     finally:
         _dispatch_stats.reset(bound)
-    raise failure  # outside the except clauses: no implicit context to show the original
+    raise failure  # outside the except clauses: no context shows the original
 
 
 def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> Dict[str, Any]:
-    """The response body ``run()`` returns for ``result``: built, without the run token, sure to serialise as JSON
-    and UTF-8; else a :class:`ResponseError` without the run token, never a half-built dict."""
     try:
         body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,),
                                          multi_turn=envelope.is_multi_turn), envelope)
         json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except ResponseError as exc:
         raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: a clear error, never a half-built dict
+    except Exception as exc:  # noqa: BLE001 - a clear error, never a half-built dict
         raise ResponseError("the response cannot be sent as JSON: "
                             f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
     return body
@@ -4284,30 +4060,21 @@ def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> 
 
 def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
-    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5).
-
-    The same ``agent(envelope)`` (sync or ``async def``) serves HTTP mode; it runs on a fresh thread with the
-    envelope bound, so it works under the kernel's running loop.  The result goes through :func:`build_response` (``strict``
-    as there); a raising agent gives :class:`AgentError` (original chained), a :class:`PipelinesError` it raises
-    (a stale run token) propagates as it is, and a result that cannot become a response gives
-    :class:`ResponseError`, never a half-built dict.  The run token is redacted from the body, from messages and
-    from the whole chain of a raised exception.  Overrunning ``run_timeout_s`` (300 s, at most 1800 s) gives
-    :class:`RunTimeoutError`; a kernel interrupt its own exception; either way the agent's further proxy calls
-    are refused.  Missing ``proxy_url`` / ``run_token`` come from ``PIPELINES_ODYSSEY_PROXY_URL`` /
-    ``PIPELINES_RUN_TOKEN``; ``run()`` with no argument reads the whole run from the environment (§7.8
-    kit-code-mode-env).
-    """
+    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8): raises
+    :class:`AgentError`, :class:`RunTimeoutError`, :class:`ResponseError` or a :class:`PipelinesError` it raised."""
     limit = check_run_timeout(run_timeout_s)
 
     def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
             run_token: Optional[str] = None) -> Dict[str, Any]:
-        envelope = _code_mode_envelope(task_input, proxy_url, run_token)
+        if proxy_url is None and run_token is None and task_input is None:
+            envelope = Envelope.from_env()
+        else:
+            envelope = Envelope.from_run(task_input, proxy_url=_run_argument(proxy_url, "proxy_url", ENV_PROXY_URL),
+                                         run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
         return _code_mode_body(_code_mode_result(agent, envelope, limit), envelope, strict)
 
-    run.__name__ = "run"
-    run.__qualname__ = "run"
-    name = getattr(agent, "__name__", "the agent")
-    run.__doc__ = f"Code-mode entrypoint for {name} (built by pipelines_port.code_mode)."
+    run.__name__ = run.__qualname__ = "run"
+    run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (pipelines_port.code_mode)."
     run.agent = agent  # type: ignore[attr-defined]
     return run
 

@@ -572,7 +572,7 @@ def test_far_timeouts_share_one_timer_per_tick_fire_never_early_and_cancel(monke
 
 
 def test_replacing_the_agent_switches_between_the_loop_and_a_thread() -> None:
-    """agent_is_async is worked out once per agent, and again when the agent is replaced."""
+    """agent_is_async follows the agent: replacing it switches between the loop and a thread."""
     seen: List[str] = []
 
     async def on_the_loop(envelope: pp.Envelope) -> Dict[str, Any]:
