@@ -4015,9 +4015,9 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
 class _ServerConnection:
     """A client connection (an asyncio protocol): one request at a time; reading goes on while it runs."""
 
-    transport: Any = None
+    transport: Any
     head: Optional[RequestHead] = None  # its body not yet whole
-    headers: Mapping[str, str] = {}
+    headers: Mapping[str, str]
     length: Optional[int] = 0  # of the body; None: unread, then a close
     task: Any = None
     timer: Any = None  # the read or keep-alive timeout; none while a dispatch runs
@@ -4037,8 +4037,6 @@ class _ServerConnection:
                                                "connections: retry shortly")), True)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
         self.buffer += data
         if self.task is None:
             self._advance()
@@ -4152,7 +4150,6 @@ class _ServerConnection:
         self.timer = None if seconds is None else server.deadlines.at(server.loop.time() + seconds, self._timed_out)
 
     def _timed_out(self) -> None:
-        self.timer = None
         if not (self.buffer or self.head):
             return self.cut()  # idle for keepalive_s
         self._send(error_reply(RequestTimeoutError(
@@ -4179,10 +4176,10 @@ class AsyncDispatchServer:
     """The built-in dispatch server, HTTP/1.1 on one asyncio event loop (§7.1 kit-server-timeouts), bound when made."""
 
     loop: Any = None
-    deadlines: Any = None
+    deadlines: Any
     draining = cutting = False
     _listener: Any = None
-    _stop: Any = None
+    _stop: Any
     _thread: Optional[threading.Thread] = None
 
     def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
@@ -4324,7 +4321,6 @@ def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
 # ---------------------------------------------------------------------------
 
 def _raise_file_limit() -> None:
-    """Raise this process's soft limit on open files to its hard limit (at most 65536), as servers do."""
     with contextlib.suppress(ImportError, OSError, ValueError):
         import resource
 
