@@ -3511,55 +3511,44 @@ async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., 
 # ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4)
-def _http_date_at(second: int) -> str:
-    """The ``Date`` header value (RFC 9110 §5.6.7) for one second since the epoch."""
-    t = time.gmtime(second)
-    day = "Mon Tue Wed Thu Fri Sat Sun".split()[t.tm_wday]
-    month = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()[t.tm_mon - 1]
-    return f"{day}, {t.tm_mday:02d} {month} {t.tm_year} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
+def _server_and_date(second: int) -> str:
+    from wsgiref.handlers import format_date_time
+
+    return f"Server: pipelines-port/{__version__}\r\nDate: {format_date_time(second)}\r\n"
 
 
 def _fallback_reply(exc: BaseException) -> HttpReply:
-    """The last line of defence: a JSON 500 naming only the exception's type, when building a reply failed."""
+    """The last line of defence when building a reply failed: a JSON 500 naming only the exception's type."""
     name = type(exc).__name__.encode("ascii", "replace")
     body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
 
 class _ServerConnection:
-    """One client connection of :class:`AsyncDispatchServer`, as an asyncio protocol: one request at a time, its
-    head read strictly (kit-strict-request-head), then the body :func:`request_body_length` allows.  A dispatch runs
-    as a task while reading goes on (a client that leaves is seen), paused only once more than
-    ``MAX_REQUEST_HEAD_BYTES`` of pipelined bytes wait."""
+    """A client connection (an asyncio protocol): one request at a time; reading goes on while it runs."""
 
-    __slots__ = ("server", "transport", "buffer", "head", "headers", "length", "task", "timer", "closing", "eof",
-                 "jobs")
+    transport: Any
+    head: Optional[RequestHead] = None  # its body not yet whole
+    headers: Mapping[str, str]
+    length: Optional[int] = 0  # of the body; None: unread, then a close
+    task: Any = None
+    timer: Any = None  # the read or keep-alive timeout; none while a dispatch runs
+    closing = eof = False
+    jobs: Any = None  # server="threads": its thread's queue
 
     def __init__(self, server: AsyncDispatchServer) -> None:
         self.server = server
-        self.transport: Any = None
         self.buffer = bytearray()
-        self.head: Optional[RequestHead] = None  # read, its body not yet whole
-        self.headers: Dict[str, str] = {}
-        self.length: Optional[int] = 0
-        self.task: Any = None
-        self.timer: Any = None  # the read timeout, or the idle keep-alive period
-        self.closing = self.eof = False
-        self.jobs: Any = None  # server="threads": the queue of the connection's thread
 
     def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        server = self.server
+        self.transport, server = transport, self.server
         server.connections.add(self)
-        if len(server.connections) > server.max_connections:
-            self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
-                                                   "connections: retry shortly")), True)
-        else:
-            self._arm(server.read_timeout_s)
+        if len(server.connections) <= server.max_connections:
+            return self._arm(server.read_timeout_s)
+        self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
+                                               "connections: retry shortly")), True)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
         self.buffer += data
         if self.task is None:
             self._advance()
@@ -3567,32 +3556,25 @@ class _ServerConnection:
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
-        # A running dispatch still gets its reply, a body cut short its 400 (decide names it); then a close.
-        self.eof = True
+        self.eof = True  # a running dispatch still gets its reply, a body cut short its 400; then a close
         if self.task is None:
             self._advance()
-        if self.task is not None:
-            return True
-        self.closing = True
-        return False
+            self.closing = True
+        return not self.closing
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
-        # A running dispatch finishes (a thread cannot be stopped, the run's tool calls are real), unanswered.
-        self.closing = True
+        self.closing = True  # a running dispatch finishes unanswered: its tool calls are real
         self.server.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
+        self._arm(None)
         if self.jobs is not None:
-            self.jobs.put(None)  # its thread ends
+            self.jobs.put(None)
 
-    def pause_writing(self) -> None:
+    def pause_writing(self) -> None:  # a reply is written whole; the transport buffers it
         pass
 
-    def resume_writing(self) -> None:
-        pass
+    resume_writing = pause_writing
 
     def _advance(self) -> None:
-        """Read as far as the buffer goes; start at most one request."""
         buffer, server = self.buffer, self.server
         while self.task is None and not self.closing:
             if self.head is None:
@@ -3604,22 +3586,19 @@ class _ServerConnection:
                     self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
-                    if b"\n\n" in buffer:  # refused now, not left to the read timeout
-                        self._refuse(FramingError("a line of the request head ends in a bare LF: every line must "
-                                                  "end in CRLF (RFC 9112 §2.2)"))
-                    elif (len(buffer) > MAX_REQUEST_LINE_BYTES
-                          and buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) < 0):
-                        self._refuse(TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes"))
-                    elif len(buffer) > MAX_REQUEST_HEAD_BYTES:
-                        self._refuse(HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes"))
-                    return
+                    line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
+                    if b"\n\n" not in buffer and len(buffer) <= (
+                            MAX_REQUEST_HEAD_BYTES if line_ended else MAX_REQUEST_LINE_BYTES):
+                        return
+                    end = len(buffer)  # a bare LF or past a limit: refused now, not at the read timeout
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
                     self.head = head = _well_formed_head(raw) or parse_request_head(raw)
                 except PipelinesError as exc:
-                    self._refuse(exc)
-                    return
+                    _log.info("refused a request from %s: %s", (self.transport.get_extra_info("peername") or "?")[0],
+                              exc)
+                    return self._send(error_reply(exc), True)
                 self.headers = _lower_headers(head.headers)
                 self.length = request_body_length(self.headers, server.app.max_body)
                 if (self.length and len(buffer) < self.length
@@ -3631,115 +3610,89 @@ class _ServerConnection:
             body = None if self.length is None else bytes(buffer[:need])
             del buffer[:need]
             head, self.head = self.head, None
-            self._start(head, body)
+            self._arm(None)
+            if server.draining:
+                self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")), True)
+            else:
+                self.task = server.loop.create_task(self._run(head, body))
+                server.tasks.add(self.task)
 
-    def _start(self, head: RequestHead, body: Optional[bytes]) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        server = self.server
-        if server.draining:
-            self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")), True)
-            return
-        close = self.length is None or not head.keep_alive()  # an unread body is no next request
-        self.task = server.loop.create_task(self._run(head, body, close))
-        server.tasks.add(self.task)
-
-    async def _run(self, head: RequestHead, body: Optional[bytes], close: bool) -> None:
+    async def _run(self, head: RequestHead, body: Optional[bytes]) -> None:
         server = self.server
         try:
             reply = await server._answer(self, head, body)
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
             _log.exception("building the reply failed")
             reply = _fallback_reply(exc)
-        except BaseException:  # cancelled: when a drain's grace period runs out, 503
+        except BaseException:  # cancelled
             if not server.cutting:
                 raise
-            reply, close = error_reply(ShuttingDownError("the server shut down before this dispatch finished: "
-                                                         "retry it")), True
+            reply = error_reply(ShuttingDownError("the server shut down before this dispatch finished: retry it"))
         finally:
             server.tasks.discard(self.task)
             self.task = None
-        self._send(reply, close or server.draining or self.eof, head)
+        self._send(reply, server.draining or self.eof or self.length is None or not head.keep_alive(), head)
         if not self.closing:
-            self.transport.resume_reading()  # paused if pipelined bytes piled up meanwhile
+            self.transport.resume_reading()
             self._advance()
 
-    def _refuse(self, exc: PipelinesError) -> None:
-        peer = self.transport.get_extra_info("peername")
-        _log.info("refused a request from %s: %s", peer[0] if isinstance(peer, tuple) else "a client", exc)
-        self._send(error_reply(exc), True)
-
     def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
-        """Write ``reply`` to ``request`` (``Server`` and ``Date`` added, ``Connection`` when it matters, no body to a
-        HEAD); headers that cannot be sent make it a fallback, and a close."""
-        if self.closing or self.transport.is_closing():
-            self.closing = True
+        """``reply`` with ``Server``, ``Date`` and ``Connection`` where it matters; no body to a HEAD."""
+        if self.closing:
             return
-        lines = [f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\nServer: pipelines-port/{__version__}\r\n",
-                 f"Date: {_http_date_at(int(time.time()))}\r\n"]
-        lines.extend(f"{name}: {value}\r\n" for name, value in reply.headers)
-        if close:
-            lines.append("Connection: close\r\n")
-        elif request is not None and request.version == "HTTP/1.0":
-            lines.append("Connection: keep-alive\r\n")
-        lines.append("\r\n")
+        http10 = request is not None and request.version == "HTTP/1.0"
         try:
-            head = "".join(lines).encode("latin-1")
+            head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
+                            *[f"{name}: {value}\r\n" for name, value in reply.headers],
+                            "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
+                            else "\r\n"]).encode("latin-1")
         except UnicodeEncodeError as exc:
             return self._send(_fallback_reply(exc), True)
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
             self.closing = True
-            self.transport.close()  # once what was written has gone out
+            self.transport.close()  # after what was written
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
-    def _arm(self, seconds: float) -> None:
+    def _arm(self, seconds: Optional[float]) -> None:
         if self.timer is not None:
             self.timer.cancel()
         server = self.server
-        self.timer = server.deadlines.at(server.loop.time() + seconds, self._timed_out)
+        self.timer = None if seconds is None else server.deadlines.at(server.loop.time() + seconds, self._timed_out)
 
     def _timed_out(self) -> None:
-        self.timer = None
-        if self.task is not None or self.closing:
-            return
-        if self.buffer or self.head is not None:  # a request begun and not whole within read_timeout_s
-            self._send(error_reply(RequestTimeoutError(
-                f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
-        else:  # idle for keepalive_s
-            self.cut()
+        if not (self.buffer or self.head):
+            return self.cut()  # idle for keepalive_s
+        self._send(error_reply(RequestTimeoutError(
+            f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
 
     def cut(self) -> None:
-        """Close now if idle or mid-read (a drain); a running dispatch is left to the grace period."""
-        if self.task is None and not self.closing:
+        if self.task is None and not self.closing:  # a running dispatch has a drain's grace period
             self.closing = True
             self.transport.close()
 
 
 def default_max_connections() -> int:
-    """Open connections the built-in server takes at most: 10,000, or half the process's file limit if lower
-    (every dispatch needs its inbound connection and its proxy connections)."""
+    """Open connections the built-in server takes: 10,000, or half the process's file limit if lower."""
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+    except (ImportError, OSError, ValueError):  # Windows
         return 1000
-    if soft == resource.RLIM_INFINITY:
-        return 10_000
-    return max(16, min(10_000, (soft - 32) // 2))
+    return 10_000 if soft == resource.RLIM_INFINITY else max(16, min(10_000, (soft - 32) // 2))
 
 
 class AsyncDispatchServer:
-    """The built-in dispatch server: HTTP/1.1 on one asyncio event loop, standard library only.
+    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop (§7.1 kit-server-timeouts), bound when made."""
 
-    An ``async def`` agent runs as a task on the loop, every dispatch on it (so what a framework shares across runs
-    works); a sync agent on a thread of its own per dispatch.  Bound when made; :meth:`serve_forever` serves until
-    :meth:`close`.  Limits (§7.1 kit-server-timeouts): a request whole within ``read_timeout_s`` of its first byte
-    (408 after), an idle connection closed after ``keepalive_s``, past ``max_connections`` a new one answered 503.
-    """
+    loop: Any = None
+    deadlines: Any
+    draining = cutting = False
+    _listener: Any = None
+    _stop: Any
+    _thread: Optional[threading.Thread] = None
 
     def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
@@ -3754,19 +3707,11 @@ class AsyncDispatchServer:
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
-        self.draining = self.cutting = False
-        self.loop: Any = None
-        self.deadlines: Any = None  # the loop's _Deadlines
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
         self._backlog = backlog
-        self._listener: Any = None  # set once serving
-        self._stop: Any = None
         self._lock = threading.Lock()
-        self._stopped = threading.Event()  # serve_forever has returned
-        self._result: Optional[bool] = None
-        self._thread: Optional[threading.Thread] = None
 
     @property
     def url(self) -> str:
@@ -3781,14 +3726,13 @@ class AsyncDispatchServer:
         return self.app.ahandle(head.method, head.target, conn.headers, body)
 
     def serve_forever(self, poll_interval: Optional[float] = None) -> None:
-        """Serve on this thread (on an event loop of its own) until :meth:`close`."""
+        """Serve on this thread, on an event loop of its own, until :meth:`close`."""
         import asyncio
 
         try:
             asyncio.run(self._serve())
         finally:
             self.socket.close()
-            self._stopped.set()
 
     async def _serve(self) -> None:
         import asyncio
@@ -3796,8 +3740,8 @@ class AsyncDispatchServer:
         self.loop = asyncio.get_running_loop()
         self.deadlines = _Deadlines._for(self.loop)
         self._stop = asyncio.Event()
-        with self._lock:  # close() may come first (serve's SIGTERM): it then found nothing to drain, and closed
-            if self.draining:
+        with self._lock:
+            if self.draining:  # close() came first (serve's SIGTERM)
                 return
             self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
                                                            backlog=self._backlog)
@@ -3808,96 +3752,80 @@ class AsyncDispatchServer:
         import asyncio
 
         with self._lock:
-            self.draining = True
-        if self._result is None:
-            self._result = True
-            if self._listener is None:
-                self.socket.close()
-            elif not self._stopped.is_set():
-                self._result = asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop).result()
-                self._stopped.wait(10)
+            first, self.draining = not self.draining, True
+        if first and self._listener is None:
+            self.socket.close()
+        elif first and not self.loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self.aclose(grace_s), self.loop).result()
         if self._thread is not None:
             self._thread.join(10)
-        return self._result
+        return not self.cutting
 
     def shutdown(self) -> None:
-        """Stop serving at once (socketserver's name for it): :meth:`close` with no grace period."""
+        """:meth:`close` with no grace period (socketserver's name)."""
         self.close(0)
 
     server_close = shutdown
 
     async def aclose(self, grace_s: float = 5.0) -> bool:
-        """Drain and stop: new connections refused, new requests answered 503, running dispatches given
-        ``grace_s``; True when all finished, those still running then answered 503 (retryable) and logged."""
+        """Drain: refuse new requests (503), give running ones ``grace_s``, then answer each 503; True if none was."""
         import asyncio
 
         self.draining = True
-        self._listener.close()  # at once: not queued for the grace period
+        self._listener.close()
         for conn in list(self.connections):
             conn.cut()
-        finished = True
-        if self.tasks:
-            _done, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
-            if pending:
-                finished = False
-                self.cutting = True
-                _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                             grace_s, len(pending))
-                for task in pending:
-                    task.cancel()
-                await asyncio.wait(pending, timeout=5)
+        pending = (await asyncio.wait(self.tasks, timeout=grace_s))[1] if self.tasks else set()
+        if pending:
+            self.cutting = True
+            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
+                         grace_s, len(pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=5)
         for conn in list(self.connections):
             conn.transport.close()
         self._stop.set()
-        return finished
+        return not self.cutting
 
 
 class _ThreadsServer(AsyncDispatchServer):
-    """``server="threads"``: this server with a thread per connection answering its requests through the blocking
-    :meth:`DispatchApp.handle`, so nothing but reading and writing runs on the loop."""
+    """``server="threads"``: each connection's requests go through the blocking handle, on a thread of its own."""
 
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
-        if conn.jobs is None:  # its first request
+        import asyncio
+        import concurrent.futures
+
+        if conn.jobs is None:
             import queue
 
             conn.jobs = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
-        future = self.loop.create_future()
-        conn.jobs.put((future, head, conn.headers, body))
+            threading.Thread(target=_connection_thread, args=(conn.jobs,), daemon=True).start()
+        job: concurrent.futures.Future[HttpReply] = concurrent.futures.Future()
+        conn.jobs.put((job, functools.partial(self.app.handle, head.method, head.target, conn.headers, body)))
         try:
-            return cast(HttpReply, await future)
-        except BaseException:  # cut by a drain: its 503 goes instead, the thread runs on, its reply dropped
+            return await asyncio.wrap_future(job)
+        except BaseException:  # cut by a drain: the thread runs on, its reply dropped
             _log.warning("%s was cut before it finished: the server is shutting down", _run_label(conn.headers, body))
             raise
 
-    def _work(self, jobs: Any) -> None:
-        """A connection's thread: its requests one at a time, until it closes."""
-        for future, head, headers, body in iter(jobs.get, None):
+
+def _connection_thread(jobs: Any) -> None:
+    for job, call in iter(jobs.get, None):
+        if job.set_running_or_notify_cancel():
             try:
-                reply = self.app.handle(head.method, head.target, headers, body)
-            except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON reply, never a dropped socket
-                _log.exception("building the reply failed")
-                reply = _fallback_reply(exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                self.loop.call_soon_threadsafe(_resolve, future, reply)
-
-
-def _resolve(future: Any, result: Any) -> None:
-    """``future``'s result, unless it was cancelled meanwhile."""
-    if not future.done():
-        future.set_result(result)
+                job.set_result(call())
+            except Exception as exc:  # noqa: BLE001 - the loop answers the fallback reply
+                job.set_exception(exc)
 
 
 def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
     """``run 17`` for the log, from a dispatch's body or its ``X-Pipelines-Run-Id``; ``a request`` otherwise."""
     try:
-        payload = json.loads(body) if body else None
-    except ValueError:
-        payload = None
-    run_id = payload.get("run_id") if isinstance(payload, dict) else None
-    if run_id is None:
+        run_id = json.loads(body or b"{}")["run_id"]
+    except (ValueError, LookupError, TypeError):
         run_id = headers.get(HEADER_RUN_ID)
-    return f"run {_short(str(run_id), 40)}" if run_id is not None else "a request"
+    return "a request" if run_id is None else f"run {_short(str(run_id), 40)}"
 
 
 # ---------------------------------------------------------------------------
@@ -3905,29 +3833,13 @@ def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
 # ---------------------------------------------------------------------------
 
 def _raise_file_limit() -> None:
-    """Raise this process's soft limit on open files to its hard limit (at most 65536), as servers do."""
-    try:
+    with contextlib.suppress(ImportError, OSError, ValueError):
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
         if soft != resource.RLIM_INFINITY and soft < wanted:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    except (ImportError, OSError, ValueError):
-        pass
-
-
-def _tune_gc(threshold: int) -> None:
-    """Freeze what is loaded (the agent, its imports: never garbage, never rescanned) and collect the first
-    generation only every ``threshold`` allocations, unless the collector is off or already rarer."""
-    import gc
-
-    if threshold <= 0 or not gc.isenabled():
-        return
-    gc.freeze()
-    first, *rest = gc.get_threshold()
-    if 0 < first < threshold:
-        gc.set_threshold(threshold, *rest)
 
 
 SERVERS = ("asyncio", "threads")
@@ -3936,13 +3848,9 @@ SERVERS = ("asyncio", "threads")
 def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
                 server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                 keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: Optional[int] = None,
-                **options: Any) -> Any:
-    """A bound, not yet serving dispatch server; ``options`` as for :class:`DispatchApp`.
-
-    ``server="asyncio"`` (the default): :class:`AsyncDispatchServer`, every dispatch on one event loop;
-    ``server="threads"``: the same, a thread per connection answering through the blocking
-    :meth:`DispatchApp.handle`.  Both have ``.url``, ``.server_address``, ``.serve_forever()``, ``.close(grace_s)``.
-    """
+                **options: Any) -> AsyncDispatchServer:
+    """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`.  ``server="threads"``
+    answers each connection on a thread of its own, through the blocking :meth:`DispatchApp.handle`."""
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
     if isinstance(agent, DispatchApp) and options:
@@ -3955,10 +3863,8 @@ def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: s
 
 
 def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
-                 **options: Any) -> Any:
-    """Serve on a background thread (tests, notebooks); returns the server: ``.url``, ``.close(grace_s)``.
-
-    ``options`` as for :func:`make_server`."""
+                 **options: Any) -> AsyncDispatchServer:
+    """:func:`make_server`'s server, serving on a background thread (tests, notebooks)."""
     server = make_server(agent, host=host, port=port, **options)
     server._thread = threading.Thread(target=server.serve_forever, name="pipelines-server", daemon=True)
     server._thread.start()
@@ -3968,12 +3874,10 @@ def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: 
 def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
           grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
-    """Serve until SIGTERM or SIGINT, then drain: refuse new dispatches, let in-flight ones finish.
+    """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 when every dispatch finished, else 1.
 
-    In-flight dispatches get up to ``grace_s`` seconds.  ``ready(server)`` is called once listening.  Returns 0
-    when every dispatch finished, 1 otherwise.  Like a server's file limit, the process's garbage collector is
-    tuned for serving (see :data:`SERVE_GC_THRESHOLD`); ``gc_threshold=0`` leaves it as it is.
-    """
+    ``ready(server)`` is called once listening; ``gc_threshold=0`` leaves the collector as it is."""
+    import gc
     import signal
 
     _raise_file_limit()  # a thousand dispatches at once need more than the usual 1024 open files
@@ -3981,7 +3885,11 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
     previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
-        _tune_gc(gc_threshold)
+        if gc_threshold > 0 and gc.isenabled():
+            gc.freeze()  # what is loaded (the agent, its imports) is never garbage: never rescanned
+            first, *rest = gc.get_threshold()
+            if 0 < first < gc_threshold:
+                gc.set_threshold(gc_threshold, *rest)
         if ready is not None:
             ready(server)
         while not stop.wait(0.5):

@@ -240,6 +240,67 @@ def test_threads_server_answers_each_connection_on_a_thread_of_its_own() -> None
     assert len(set.union(*threads.values())) == 3 and "pipelines-server" not in set.union(*threads.values())
 
 
+# -- what every reply carries, keep-alive and the connection limit (both servers) --------------------------
+
+
+def _replies(data: bytes, *heads: int) -> List[Raw]:
+    """Each reply in ``data`` (pipelined ones in turn), its body as long as its Content-Length says; none for
+    the replies numbered in ``heads`` (to HEAD requests)."""
+    out: List[Raw] = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        fields = dict(_fields(head))
+        length = 0 if len(out) in heads else int(fields.get("content-length", "0"))
+        out.append(Raw(int(head[9:12]), fields, rest[:length], False))
+        data = rest[length:]
+    return out
+
+
+@pytest.mark.parametrize("kind", pp.SERVERS)
+def test_head_gets_no_body_and_http_1_0_keeps_alive_only_when_asked(kind: str) -> None:
+    """RFC 9110 9.3.2: a HEAD reply's Content-Length counts a body that is not sent; RFC 9112 9.3: an HTTP/1.0
+    connection stays open only on ``Connection: keep-alive``, said back.  Every reply has Server and Date."""
+    import email.utils
+    import time
+
+    server = pp.start_server(lambda env: "ok", token=AGENT_TOKEN, server=kind)
+    try:
+        reply = Dispatcher(f"http://127.0.0.1:{server.server_address[1]}/dispatch").raw(
+            b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /healthz HTTP/1.0\r\n\r\n", 5)
+    finally:
+        server.close(2)
+    head, kept, last = _replies(reply.data, 0)  # had the HEAD reply a body, it would be read as a reply
+    assert head.status == 405 and int(head.headers["content-length"]) > 0
+    assert "connection" not in head.headers  # HTTP/1.1: open by default
+    assert kept.status == 200 and kept.headers["connection"] == "keep-alive" and json.loads(kept.body)["ok"] is True
+    assert last.status == 200 and last.headers["connection"] == "close" and reply.closed
+    for one in (head, kept, last):
+        assert one.headers["server"] == f"pipelines-port/{pp.__version__}"
+        assert abs(email.utils.parsedate_to_datetime(one.headers["date"]).timestamp() - time.time()) < 60
+
+
+@pytest.mark.parametrize("kind", pp.SERVERS)
+def test_past_max_connections_a_new_connection_gets_503_and_an_idle_one_closes_after_keepalive_s(kind: str) -> None:
+    server = pp.start_server(lambda env: "ok", token=AGENT_TOKEN, server=kind, max_connections=2, keepalive_s=0.5)
+    port = server.server_address[1]
+    ping = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        for sock in held:  # each answered, so each is open on the server's side
+            sock.sendall(ping)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        over = exchange(port, ping)
+        assert over.status == 503 and over.closed and over.headers["connection"] == "close"
+        assert "limit of 2 open connections" in json.loads(over.body)["detail"]
+        for sock in held:  # idle past keepalive_s: closed by the server, with no reply
+            assert sock.recv(65536) == b""
+            sock.close()
+        assert exchange(port, ping).status == 200  # the two places are free again
+    finally:
+        server.close(2)
+
+
 # -- the proxy-host allow-list -----------------------------------------------------------------------------
 
 
