@@ -4920,8 +4920,6 @@ class Tool:
         import inspect
         import typing
 
-        if default_execution_mode not in (None, "sandbox", "passthrough"):
-            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
         summary, param_docs = _docstring_parts(fn.__doc__)
@@ -4949,6 +4947,8 @@ class Tool:
         required = [p.name for p in self.signature.parameters.values() if p.default is p.empty]
         self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
                                              **({"required": required} if required else {})}
+        if default_execution_mode not in (None, "sandbox", "passthrough"):
+            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -5144,9 +5144,8 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """A run result as the response envelope (§4) with answer, transcript, model and tokens: an OpenAI Agents SDK
-    ``RunResult``, a Strands ``Agent`` after its run, LangChain/LangGraph messages (or a state holding them), an
-    Anthropic Messages conversation; anything else as it is.  ``fields`` go to :func:`build_response` and win."""
+    """The response envelope (§4) of an OpenAI Agents ``RunResult``, a Strands ``Agent`` after its run, LangChain or
+    LangGraph messages (or state) or an Anthropic conversation; else :func:`build_response`.  ``fields`` win."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
@@ -5372,10 +5371,8 @@ class McpShim:
         if method != "tools/call":
             raise _RpcError(_RPC_METHOD_NOT_FOUND, f"method not found: {_short(method, 80)}")
         name, arguments = params.get("name"), params.get("arguments")
-        if not isinstance(name, str):
-            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name, a string")
-        if not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call params.arguments must be an object")
+        if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
+            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name (a string) and .arguments (an object)")
         return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
@@ -5562,34 +5559,29 @@ _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive
 _POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
 # serve's options after the agent: (flag, type, default, metavar, help); a type of None is a switch, a tuple a choice
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
-    ("--host", str, "127.0.0.1", None, "interface to listen on (default 127.0.0.1; 0.0.0.0: all)"),
+    ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s; 0.0.0.0: all)"),
     ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
-     "port (default 8080; 0: any free one)"),
+     "port (default %(default)s; 0: a free one)"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
     ("--auth-header", str, "Authorization", "NAME",
      "header carrying it: Authorization (Bearer <token>), or another with the token as its value"),
     ("--no-auth", None, False, None, "no inbound auth: anyone can dispatch"),
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body (default %(default)s)"),
-    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS",
-     "run_timeout_s: 504 when the agent takes longer (default %(default)g, max 1800)"),
-    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS",
-     "time running dispatches get to finish on SIGTERM/SIGINT (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None,
-     "asyncio: one event loop, sync agents on threads (default); threads: a thread per connection"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
+    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "time running dispatches get on SIGTERM (default %(default)g)"),
+    ("--server", SERVERS, "asyncio", None, "asyncio: one event loop (default); threads: a thread per connection"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
-     "a request's head and body must arrive within this, else 408 (default %(default)g)"),
+     "time for a request's head and body, 408 past it (default %(default)g)"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS",
-     "idle keep-alive connections close after this (default %(default)g; asyncio server)"),
-    ("--max-connections", _POSITIVE, None, "N",
-     "more open connections get 503 (default: from the open-file limit; asyncio server)"),
+     "idle keep-alive connections close after it (default %(default)g)"),
+    ("--max-connections", _POSITIVE, None, "N", "more open connections get 503 (default: by the open-file limit)"),
     ("--strict", None, False, None, f"500 for a response the platform would soften (also: {ENV_STRICT}=1)"),
     ("--proxy-hosts", str, None, "HOSTS", (
         "proxy hosts dispatches may name, comma-separated: names, IP addresses or .suffixes, each with an optional "
         f":port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
-    ("--tools-schema", str, None, "FILE",
-     "tools list served at GET /tools_schema (default: tools_schema.json beside the agent file)"),
-    ("--debug", None, False, None, f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)"),
+    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: tools_schema.json beside the agent)"),
+    ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
     ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
      "collect garbage every N allocations, once what is loaded is frozen (default %(default)s; 0: Python's)"),
