@@ -4621,8 +4621,7 @@ TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
 
 def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
-    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6 kit-model-tool-names); ``ValueError`` names the
-    first bad one."""
+    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6 kit-model-tool-names); ``ValueError`` if bad."""
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
     out: List[Dict[str, Any]] = []
@@ -4710,8 +4709,7 @@ def bound_output(text: Any, limit: int = 8000) -> str:
 
 def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
                errors: str = "return", **options: Any) -> List[Any]:
-    """A model turn's tool calls (arguments as objects or JSON text) through :func:`proxy_call` with ``errors`` and
-    ``options``, ``max_concurrency`` at a time; the results in call order."""
+    """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
     _check_errors_mode(errors)
     calls = list(calls)
 
@@ -4799,8 +4797,8 @@ _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
-    """Every way ``value`` breaks ``schema`` (``type``, ``enum``, ``const``, the bounds, ``items``, ``properties``,
-    ``required``, ``additionalProperties``, ``anyOf``, ``oneOf``), one line each."""
+    """Every way ``value`` breaks ``schema``, a line each: type, enum, const, the bounds, items, properties, required,
+    additionalProperties, anyOf, oneOf."""
     if not isinstance(schema, Mapping):
         return []
     actual = json_type(value).split()[-1]  # null, boolean, number, string, array, object (or a class name)
@@ -4905,7 +4903,7 @@ def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
             current = google.group(1)
             params[current] = google.group(3)
         elif current and stripped and (section == "args" or line.startswith((" ", "\t"))):
-            params[current] = f"{params[current]} {stripped}".strip()  # a continuation line
+            params[current] = f"{params[current]} {stripped}".strip()
         elif section is None:
             summary.append(line)
     return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
@@ -5032,8 +5030,7 @@ def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The ``tools_schema`` (§3.6) of framework tools (OpenAI Agents SDK, LangChain/LangGraph, Strands, MCP;
-    tools_schema entries too), or of an agent holding them (``.tools``)."""
+    """The ``tools_schema`` (§3.6) of OpenAI Agents, LangChain/LangGraph, Strands or MCP tools, or of an agent's."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t)[1], "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
@@ -5217,24 +5214,14 @@ def _anthropic_turn(item: Any) -> Optional[_Turn]:
     content = item.get("content") if isinstance(item, Mapping) else None
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
-    text: List[str] = [content] if isinstance(content, str) else []
-    calls: List[Dict[str, Any]] = []
-    thinking: List[Dict[str, Any]] = []
-    results: List[Tuple[Any, Any]] = []
-    for block in content if isinstance(content, list) else ():
-        kind = block.get("type") if isinstance(block, Mapping) else None
-        if kind == "text":
-            text.append(str(block.get("text") or ""))
-        elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input") or {}})
-        elif kind == "thinking" and block.get("thinking"):
-            thinking.append({"type": "thinking", "text": block["thinking"]})
-        elif kind == "tool_result":
-            output = block.get("content")
-            if isinstance(output, list):
-                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-            results.append((block.get("tool_use_id"), output))
-    return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
+    blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
+    of = {k: [b for b in blocks if b.get("type") == k] for k in ("text", "tool_use", "thinking", "tool_result")}
+    results = [(b.get("tool_use_id"), "".join(str(p.get("text") or "") for p in b["content"] if isinstance(p, Mapping))
+                if isinstance(b.get("content"), list) else b.get("content")) for b in of["tool_result"]]
+    calls = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in of["tool_use"]]
+    thinking = [{"type": "thinking", "text": b["thinking"]} for b in of["thinking"] if b.get("thinking")]
+    text = content if isinstance(content, str) else "".join(str(b.get("text") or "") for b in of["text"])
+    return _Turn(item["role"], text, calls, thinking, results, item.get("usage"), item.get("model"))
 
 
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
@@ -5509,7 +5496,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
     except (Exception, SystemExit) as exc:
         import traceback
 
-        frames = traceback.extract_tb(exc.__traceback__)  # the last one is where it went wrong
+        frames = traceback.extract_tb(exc.__traceback__)
         raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
     target: Any = module
@@ -5638,7 +5625,7 @@ def _cmd_mcp(args: Any) -> int:
 def _parser(prog: Optional[str] = None) -> Any:
     import argparse
 
-    if prog is None:  # as the user ran us
+    if prog is None:
         main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         as_script = getattr(main_spec, "name", "") != "pipelines_port" and os.path.basename(sys.argv[0] or "") == (
             "pipelines_port.py")
@@ -5653,12 +5640,9 @@ def _parser(prog: Optional[str] = None) -> Any:
         description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.")
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
-        if kind is None:
-            serve_.add_argument(flag, action="store_true", help=text)
-        elif isinstance(kind, tuple):
-            serve_.add_argument(flag, choices=kind, default=default, help=text)
-        else:
-            serve_.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+        how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
+                               if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
+        serve_.add_argument(flag, help=text, **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
     mcp_ = commands.add_parser(
