@@ -4815,11 +4815,10 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
     for key, (kind, holds) in _BOUNDS.items():
-        bound: Any = schema.get(key)
-        if actual == kind and json_type(bound) == "a number":
+        if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure = value if kind == "number" else len(value)
-            if not holds(measure, bound):
-                problems.append(f"{path}: {key} is {bound}, got {'' if kind == 'number' else 'length '}{measure}")
+            if not holds(measure, schema[key]):
+                problems.append(f"{path}: {key} is {schema[key]}, got {'' if kind == 'number' else 'length '}{measure}")
     if actual == "array" and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
@@ -5046,7 +5045,11 @@ def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
 def _proxied_tool(tool: Any, **options: Any) -> Any:
     import importlib  # the tool is the caller's framework object: its framework is loaded
 
-    kind, entry = ("", {"name": ""}) if isinstance(tool, Mapping) else _framework_tool(tool)
+    refusal = TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain tools or "
+                        "Strands tools (or call proxy_call in the tool's body)")
+    if isinstance(tool, Mapping):
+        raise refusal
+    kind, entry = _framework_tool(tool)
     call: Callable[..., Any] = functools.partial(proxy_call, entry["name"], **options)
     acall: Callable[..., Any] = functools.partial(aproxy_call, entry["name"], **options)
     if kind == "agents" and hasattr(tool, "on_invoke_tool"):
@@ -5076,8 +5079,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain tools or "
-                    "Strands tools (or call proxy_call in the tool's body)")
+    raise refusal
 
 
 def _jsonable_args(value: Any) -> Any:
