@@ -5540,8 +5540,8 @@ def _digits(text: str) -> Optional[int]:
 def _refuse_token(text: str) -> None:
     import argparse
 
-    raise argparse.ArgumentTypeError("--token is not accepted: the agent token is read from an environment variable "
-                                     "(never a process list): set AGENT_TOKEN, or name another with --token-env NAME")
+    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN, or "
+                                     "name another variable with --token-env NAME")
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
@@ -5661,8 +5661,8 @@ def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) ->
     """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
-        print(f"pipelines_port {argv[0]}: a kit command, not part of this module: run `pipelines-port {argv[0]}` "
-              f"(pip install the kit) or `python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
+        print(f"pipelines_port {argv[0]}: a kit command: run `pipelines-port {argv[0]}` (pip install the kit) or "
+              f"`python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
         return 2
     parser = _parser(prog)
     args = parser.parse_args(argv)
