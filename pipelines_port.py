@@ -3990,23 +3990,22 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 #
 #   PART 3 - CONVENIENCES
 #
-#   Helpers for writing the agent, needed by neither part above (the dispatch
-#   app uses only convert_tools and load_tools_schema); last, the command line.
+#   Helpers for writing an agent (the dispatch app uses only convert_tools
+#   and load_tools_schema); last, the command line.
 #
 # ###########################################################################
 
 
 # ---------------------------------------------------------------------------
 # Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
-# output, and a retrying JSON client for model APIs
+# output, a retrying JSON client for model APIs
 # ---------------------------------------------------------------------------
 
 TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
 
 def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
-    """A tool list in format ``to``, from entries in any of :data:`TOOL_FORMATS` (§3.6, kit-model-tool-names);
-    ``ValueError`` names the first bad entry."""
+    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6 kit-model-tool-names); ``ValueError`` if bad."""
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
     out: List[Dict[str, Any]] = []
@@ -4018,32 +4017,30 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         name, schema = spec.get("name"), spec.get("input_schema", spec.get("parameters"))
         if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
             raise ValueError(f"tools[{i}].name: {_short(repr(name), 60)} must match ^{TOOL_NAME_RE.pattern}$")
-        if not isinstance(schema, (Mapping, type(None))):
-            raise ValueError(f"tools[{i}] ({name}): input_schema must be a JSON Schema object")
-        if name in seen:
-            raise ValueError(f"tools[{i}].name: {name!r} is declared twice; tool names are unique per agent")
-        if to != "platform" and len(name) > 64:
-            raise ValueError(f"tools[{i}].name: {name!r} is {len(name)} characters; the platform allows 128, but "
-                             "OpenAI and Anthropic tool names are at most 64: shorten it")
+        problem = ("input_schema must be a JSON Schema object" if not isinstance(schema, (Mapping, type(None)))
+                   else "declared twice" if name in seen
+                   else "model APIs take names of at most 64 characters" if to != "platform" and len(name) > 64
+                   else "")
+        if problem:
+            raise ValueError(f"tools[{i}] ({name}): {problem}")
         seen.add(name)
+        tool: Dict[str, Any] = {"name": name, "description": str(spec.get("description") or "")}
         schema = _thaw(schema) if schema is not None else {"type": "object", "properties": {}}
-        description = str(spec.get("description") or "")
-        tool: Dict[str, Any] = {"name": name, "description": description, "input_schema": schema}
         if to == "openai_chat":
-            tool = {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
-        elif to == "openai_responses":  # strict said out loud: by default it would make every property required
-            tool = {"type": "function", "name": name, "description": description, "parameters": schema,
-                    "strict": False}
-        elif to == "platform":
-            extras = ("output_schema", "default_execution_mode", "passthrough_binding")
-            tool.update((key, _thaw(value)) for key, value in entry.items() if key in extras)
+            tool = {"type": "function", "function": {**tool, "parameters": schema}}
+        elif to == "openai_responses":  # strict said out loud: by default every property would be required
+            tool = {"type": "function", **tool, "parameters": schema, "strict": False}
+        else:
+            tool["input_schema"] = schema
+            if to == "platform":
+                extras = ("output_schema", "default_execution_mode", "passthrough_binding")
+                tool.update((key, _thaw(value)) for key, value in entry.items() if key in extras)
         out.append(tool)
     return out
 
 
 def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
-    """The platform's tool list from a JSON file (see :func:`_read_tools_file`) or, with no ``source``, the
-    environment (§3.6); ``ValueError`` names where and what."""
+    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6); ``ValueError``."""
     if source is None:
         where, tools = "the environment", _tools_schema_from_env(os.environ)
         if tools is None:
@@ -4057,7 +4054,7 @@ def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List
 
 
 def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
-    """The entries of a JSON file holding a tool list, ``{"tools": [...]}`` or ``{"tools_schema": [...]}``."""
+    """A JSON tool list's entries, bare or as ``{"tools": [...]}`` or ``{"tools_schema": [...]}``."""
     where = os.fspath(source)
     try:
         with open(source, encoding="utf-8") as f:
@@ -4080,9 +4077,13 @@ def tools_schema_beside(agent_spec: str) -> Optional[str]:
     return beside if where.endswith(".py") and os.path.isfile(beside) else None
 
 
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
 def bound_output(text: Any, limit: int = 8000) -> str:
     """``text`` (JSON when not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
-    shown: str = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+    shown = _as_text(text)
     if len(shown) <= limit:
         return shown
     keep = max(limit - 40, 2)
@@ -4090,17 +4091,10 @@ def bound_output(text: Any, limit: int = 8000) -> str:
     return f"{shown[:head]}\n...[{len(shown) - head - tail} characters truncated]...\n{shown[len(shown) - tail:]}"
 
 
-def call_tools(
-    calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
-    *,
-    max_concurrency: int = 8,
-    errors: str = "return",
-    **options: Any,
-) -> List[Any]:
-    """One model turn's tool calls through the proxy, ``max_concurrency`` at a time, results in call order.
-
-    Arguments may be the JSON text models write.  ``errors`` and ``options`` go to :func:`proxy_call`.
-    """
+def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
+               errors: str = "return", **options: Any) -> List[Any]:
+    """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
+    _check_errors_mode(errors)
     calls = list(calls)
 
     def one(name: str, args: Any) -> Any:
@@ -4110,9 +4104,7 @@ def call_tools(
             except ValueError as exc:
                 error = ProxyRequestError(f"arguments for {name!r} must be a JSON object, got invalid JSON: {exc}",
                                           tool_name=name)
-                if errors == "return":
-                    return error.to_value()
-                raise error from None
+                return _call_failed(error, name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
     if len(calls) <= 1 or max_concurrency <= 1:
@@ -4125,101 +4117,72 @@ def call_tools(
 
 
 class HTTPStatusError(PipelinesError):
-    """A JSON API (e.g. a model API) answered with an error status after retries, or with no JSON."""
+    """A JSON API (a model's) answered an error status after retries, or no JSON."""
 
     def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
         super().__init__(message)
-        self.status_code = status_code
-        self.body = body
+        self.status_code, self.body = status_code, body
 
 
 _MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
 _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
 
 
-def post_json(
-    url: str,
-    payload: Mapping[str, Any],
-    *,
-    headers: Optional[Mapping[str, str]] = None,
-    timeout: float = 300.0,
-    retry: RetryPolicy = _MODEL_RETRY,
-    max_reply_bytes: int = 64 << 20,
-    sleep: Callable[[float], None] = time.sleep,
-) -> Any:
-    """POST JSON to an HTTP API (a model API) and return the decoded JSON reply.
-
-    Keep-alive connections are shared with the proxy client.  429, 408, 409,
-    425, 5xx and 529 (overloaded) are retried with backoff, ``Retry-After``
-    honoured, as are timeouts and dropped connections.  Other errors raise
-    :class:`HTTPStatusError` with the status and the first 500 characters of
-    the body.  Header values (API keys) never appear in messages or logs.
-    """
+def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping[str, str]] = None,
+              timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
+              sleep: Callable[[float], None] = time.sleep) -> Any:
+    """POST JSON to an API (a model's), return the JSON reply: 408, 409, 425, 429, 5xx, 529 and lost connections
+    retried (``retry-after-ms``, ``Retry-After`` honoured), else :class:`HTTPStatusError`; header values never shown."""
     try:
         base = urlsplit(url)
+        port = f":{base.port}" if base.port else ""
     except ValueError as exc:
         raise ValueError(f"invalid URL {_short(url)!r}: {exc}") from None
     if base.scheme.lower() not in ("http", "https") or not base.hostname:
         raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
     path = (base.path or "/") + (f"?{base.query}" if base.query else "")
     body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT}
-    sent.update(headers or {})
-    transport = _shared_transport()
-    shown_port = f":{base.port}" if base.port else ""
-    where = f"POST {base.scheme}://{base.hostname}{shown_port}{base.path}"  # no userinfo or query: they may hold keys
+    sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT,
+            **(headers or {})}
+    where = f"POST {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
 
-    def send() -> Tuple[int, List[Tuple[str, str]], bytes]:
+    def send() -> _Reply:
         try:
-            return transport.exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
+            return _shared_transport().exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
         except _ReplyTooLarge as big:
             raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
 
     def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> ProxyOutcome:
         value, is_json = _decode_body(reply, "")
-        if 200 <= status < 300:
-            if not is_json:
-                return ProxyOutcome("error", error=HTTPStatusError(
-                    f"{where}: HTTP {status} but the reply is not JSON: {_short(str(value or ''), 200)!r}",
-                    status_code=status, body=value))
+        if 200 <= status < 300 and is_json:
             return ProxyOutcome("value", value)
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
-        error = HTTPStatusError(f"{where}: HTTP {status}: {text}", status_code=status, body=value)
-        if status in _MODEL_RETRY_STATUSES:
-            return ProxyOutcome("retry", error=error, retry_after=_model_retry_after(reply_headers))
-        return ProxyOutcome("error", error=error)
+        note = " but the reply is not JSON" if 200 <= status < 300 else ""
+        error = HTTPStatusError(f"{where}: HTTP {status}{note}: {text}", status_code=status, body=value)
+        kind = "retry" if status in _MODEL_RETRY_STATUSES else "error"
+        return ProxyOutcome(kind, error=error, retry_after=_model_retry_after(reply_headers))
 
-    return _retry_loop(
-        send, interpret, policy=retry, sleep=sleep,
-        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)),
-    )
+    return _retry_loop(send, interpret, policy=retry, sleep=sleep,
+                       transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
 
 # ---------------------------------------------------------------------------
-# Tools from code: JSON Schema from a function's signature, local argument
-# validation, proxied inside a dispatch and local outside one (§3.6)
+# Tools from code: JSON Schema from a function's signature, arguments checked,
+# proxied inside a dispatch and local outside one (§3.6)
 # ---------------------------------------------------------------------------
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# validate_args's bounds: (keyword, the JSON type it bounds, holds(measure, bound), the refusal); a string or
-# an array is measured by its length.
-_BOUNDS: Tuple[Tuple[str, str, Callable[[float, float], bool], str], ...] = (
-    ("minimum", "number", lambda v, b: v >= b, "{} is not at least {}"),
-    ("maximum", "number", lambda v, b: v <= b, "{} is not at most {}"),
-    ("exclusiveMinimum", "number", lambda v, b: v > b, "{} is not more than {}"),
-    ("exclusiveMaximum", "number", lambda v, b: v < b, "{} is not less than {}"),
-    ("minLength", "string", lambda v, b: v >= b, "{} characters, fewer than minLength {}"),
-    ("maxLength", "string", lambda v, b: v <= b, "{} characters, more than maxLength {}"),
-    ("minItems", "array", lambda v, b: v >= b, "{} items, fewer than minItems {}"),
-    ("maxItems", "array", lambda v, b: v <= b, "{} items, more than maxItems {}"),
-)
+# validate_args's bounds: keyword -> (the JSON type it bounds, whether a measure keeps to it); a string or an
+# array is measured by its length
+_BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
+    "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
+    "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
+    "minLength": ("string", lambda v, b: v >= b), "maxLength": ("string", lambda v, b: v <= b),
+    "minItems": ("array", lambda v, b: v >= b), "maxItems": ("array", lambda v, b: v <= b)}
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
-    """Every way ``value`` breaks ``schema``, one readable line each (empty: valid).
-
-    The subset of JSON Schema tools use: ``type``, ``enum``, ``const``, the bounds above, ``items``,
-    ``properties``, ``required``, ``additionalProperties``, ``anyOf``, ``oneOf``.
-    """
+    """Every way ``value`` breaks ``schema``, a line each: type, enum, const, the bounds, items, properties, required,
+    additionalProperties, anyOf, oneOf."""
     if not isinstance(schema, Mapping):
         return []
     actual = json_type(value).split()[-1]  # null, boolean, number, string, array, object (or a class name)
@@ -4235,11 +4198,11 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
         problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
-    for key, kind, holds, refusal in _BOUNDS:
+    for key, (kind, holds) in _BOUNDS.items():
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure = value if kind == "number" else len(value)
             if not holds(measure, schema[key]):
-                problems.append(f"{path}: " + refusal.format(measure, schema[key]))
+                problems.append(f"{path}: {key} is {schema[key]}, got {'' if kind == 'number' else 'length '}{measure}")
     if actual == "array" and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
@@ -4301,8 +4264,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
 
 
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
-    """``(description, {argument: its description})`` of a Google-style (``Args:``) or Sphinx (``:param x:``)
-    docstring."""
+    """``(description, {argument: its description})`` of a Google (``Args:``) or Sphinx (``:param x:``) docstring."""
     import inspect
 
     params: Dict[str, str] = {}
@@ -4324,25 +4286,25 @@ def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
             current = google.group(1)
             params[current] = google.group(3)
         elif current and stripped and (section == "args" or line.startswith((" ", "\t"))):
-            params[current] = f"{params[current]} {stripped}".strip()  # a continuation line
+            params[current] = f"{params[current]} {stripped}".strip()
         elif section is None:
             summary.append(line)
     return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
 
 
 class Tool:
-    """A tool made from a plain function by :func:`tool`: inside a dispatch a call checks its arguments against
-    ``input_schema`` and goes through the proxy; outside one the function runs."""
+    """A function as a tool (see :func:`tool`): inside a dispatch a call is checked against ``input_schema`` and
+    goes through the proxy; outside one the function runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
                  default_execution_mode: Optional[str] = None) -> None:
         import inspect
         import typing
 
-        self.fn = fn
+        self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
         summary, param_docs = _docstring_parts(fn.__doc__)
-        self.description = description if description is not None else summary
+        self.description = summary if description is None else description
         self.is_async = inspect.iscoroutinefunction(fn)
         self.signature = inspect.signature(fn)
         try:
@@ -4350,29 +4312,24 @@ class Tool:
         except Exception as exc:  # noqa: BLE001 - unresolvable annotations
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
         properties: Dict[str, Any] = {}
-        required: List[str] = []
         for param in self.signature.parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
             try:
-                prop = schema_for_type(hints[param.name]) if param.name in hints else {}
+                prop = properties[param.name] = schema_for_type(hints[param.name]) if param.name in hints else {}
             except TypeError as exc:
                 raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
             if param_docs.get(param.name):
                 prop["description"] = param_docs[param.name]
-            if param.default is param.empty:
-                required.append(param.name)
-            else:
+            if param.default is not param.empty:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
                     prop["default"] = json.loads(json.dumps(default))  # as the JSON a model would send
-            properties[param.name] = prop
-        self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
-        if required:
-            self.input_schema["required"] = required
+        required = [p.name for p in self.signature.parameters.values() if p.default is p.empty]
+        self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
+                                             **({"required": required} if required else {})}
         if default_execution_mode not in (None, "sandbox", "passthrough"):
             raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
-        self.default_execution_mode = default_execution_mode
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -4381,11 +4338,8 @@ class Tool:
     @property
     def schema(self) -> Dict[str, Any]:
         """This tool as a tools_schema entry."""
-        entry: Dict[str, Any] = {"name": self.name, "description": self.description,
-                                 "input_schema": _thaw(self.input_schema)}
-        if self.default_execution_mode:
-            entry["default_execution_mode"] = self.default_execution_mode
-        return entry
+        mode = {"default_execution_mode": self.default_execution_mode} if self.default_execution_mode else {}
+        return {"name": self.name, "description": self.description, "input_schema": _thaw(self.input_schema), **mode}
 
     def validate(self, arguments: Mapping[str, Any]) -> List[str]:
         """Every way ``arguments`` break the input schema."""
@@ -4404,19 +4358,15 @@ class Tool:
         if problems:
             raise ProxyRequestError(f"arguments for tool {self.name!r} do not match its input schema: "
                                     + "; ".join(problems), tool_name=self.name)
-        if self.is_async:
-            return aproxy_call(self.name, arguments)
-        return proxy_call(self.name, arguments)
+        return (aproxy_call if self.is_async else proxy_call)(self.name, arguments)
 
 
 def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, description: Optional[str] = None,
          default_execution_mode: Optional[str] = None) -> Any:
-    """``@tool`` or ``@tool(name=..., ...)``: a :class:`Tool` whose input schema comes from the signature's type
-    hints, its description from the docstring (whose ``Args:`` or ``:param:`` lines describe the arguments)."""
-    def wrap(f: Callable[..., Any]) -> Tool:
-        return Tool(f, name=name, description=description, default_execution_mode=default_execution_mode)
-
-    return wrap(fn) if fn is not None else wrap
+    """``@tool`` or ``@tool(name=..., ...)``: a :class:`Tool`, its input schema from the type hints, its
+    descriptions from the docstring (``Args:`` or ``:param:`` lines)."""
+    make = functools.partial(Tool, name=name, description=description, default_execution_mode=default_execution_mode)
+    return make(fn) if fn is not None else make
 
 
 def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
@@ -4424,13 +4374,12 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
-# Framework bridges (the porting guide's steps 1 and 2): a framework's tools as
-# tools_schema and proxied, its run result as the response (kit-framework-bridges)
+# Framework bridges (kit-framework-bridges): a framework's tools as tools_schema
+# and proxied, its run result as the response
 # ---------------------------------------------------------------------------
 
 
 def _tools_of(source: Any) -> List[Any]:
-    """The tools of an agent (``.tools``), or a list of tools."""
     tools = source if isinstance(source, (list, tuple)) else getattr(source, "tools", None)
     if not isinstance(tools, (list, tuple)):
         raise TypeError(f"give a list of tools or an agent with .tools, got {type(source).__name__}")
@@ -4438,8 +4387,7 @@ def _tools_of(source: Any) -> List[Any]:
 
 
 def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
-    """``(framework, tools_schema entry)`` of a tool object; the framework is ``agents`` (OpenAI Agents SDK),
-    ``strands``, ``mcp`` or ``langchain``."""
+    """``(framework, tools_schema entry)``: ``agents`` (OpenAI Agents SDK), ``strands``, ``mcp`` or ``langchain``."""
     kind, name, description = "", getattr(tool, "name", None), getattr(tool, "description", "")
     spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
     schema = getattr(tool, "params_json_schema", None)  # an OpenAI Agents SDK FunctionTool
@@ -4459,98 +4407,67 @@ def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
             schema = model.model_json_schema() if hasattr(model, "model_json_schema") else model.schema()
         schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
     else:
-        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (an OpenAI Agents FunctionTool, a "
-                        "LangChain tool, a Strands tool, an MCP Tool or a tools_schema mapping)")
+        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (give OpenAI Agents, LangChain, Strands "
+                        "or MCP tools, or tools_schema entries)")
     return kind, {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The platform ``tools_schema`` (§3.6) of a framework's tools (OpenAI Agents SDK, LangChain/LangGraph,
-    Strands, MCP; tools_schema entries too), or of an agent holding them (``.tools``)."""
+    """The ``tools_schema`` (§3.6) of OpenAI Agents, LangChain/LangGraph, Strands or MCP tools, or of an agent's."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t)[1], "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
 
-def _as_tool_output(value: Any) -> str:
-    """A tool result as the text a framework hands its model: a string as it is, anything else as JSON."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-
-
 def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
-    """The same tools, of the same framework types, whose bodies call the per-run proxy (the guide's step 2).
-
-    Names, descriptions and schemas are kept; a body is ``proxy_call(name, args, actor=actor, errors="return")``
-    with the envelope bound here, if any (a framework may call tools on threads of its own).  Takes OpenAI
-    Agents SDK ``FunctionTool``, LangChain/LangGraph tools (made ``StructuredTool``) and Strands tools.
-    """
-    envelope = _current.get()
-    out: List[Any] = []
-    for tool in _tools_of(source):
-        kind, entry = ("", {"name": ""}) if isinstance(tool, Mapping) else _framework_tool(tool)
-        options: Dict[str, Any] = {"actor": actor, "errors": "return", "envelope": envelope}
-        call, acall = (functools.partial(f, entry["name"], **options) for f in (proxy_call, aproxy_call))
-        if kind == "agents" and hasattr(tool, "on_invoke_tool"):
-            out.append(_proxied_function_tool(tool, acall))
-        elif kind == "langchain" and hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
-            out.append(_proxied_langchain_tool(tool, call, acall))
-        elif kind == "strands" and hasattr(tool, "stream"):
-            out.append(_proxied_strands_tool(tool, acall))
-        else:
-            raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain "
-                            "tools or Strands tools (for a tools_schema entry or others, call proxy_call in the "
-                            "tool's body)")
-    return out
+    """The same tools (OpenAI Agents ``FunctionTool``, LangChain/LangGraph tools as ``StructuredTool``, Strands
+    tools) whose bodies are ``proxy_call(name, args, actor=actor, errors="return")`` to the run bound here, if any."""
+    envelope = _current.get()  # a framework may call tools on threads of its own
+    return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
 
 
-# The proxied bodies: ``call`` and ``acall`` are proxy_call and aproxy_call of one tool, errors returned.
-_ToolCall = Callable[[Mapping[str, Any]], Any]
+def _proxied_tool(tool: Any, **options: Any) -> Any:
+    import importlib  # the tool is the caller's framework object: its framework is loaded
 
+    refusal = TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain tools or "
+                        "Strands tools (or call proxy_call in the tool's body)")
+    if isinstance(tool, Mapping):
+        raise refusal
+    kind, entry = _framework_tool(tool)
+    call: Callable[..., Any] = functools.partial(proxy_call, entry["name"], **options)
+    acall: Callable[..., Any] = functools.partial(aproxy_call, entry["name"], **options)
+    if kind == "agents" and hasattr(tool, "on_invoke_tool"):
+        import dataclasses
 
-def _proxied_function_tool(tool: Any, acall: _ToolCall) -> Any:
-    import dataclasses
+        async def on_invoke_tool(context: Any, arguments: str) -> str:
+            return _as_text(await acall(json.loads(arguments) if arguments and arguments.strip() else {}))
 
-    async def on_invoke_tool(context: Any, arguments: str) -> str:
-        return _as_tool_output(await acall(json.loads(arguments) if arguments and arguments.strip() else {}))
+        return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
+    if kind == "langchain" and hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
+        def sync_body(**kwargs: Any) -> str:
+            return _as_text(call(_jsonable_args(kwargs)))
 
-    return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
+        async def async_body(**kwargs: Any) -> str:
+            return _as_text(await acall(_jsonable_args(kwargs)))
 
+        return importlib.import_module("langchain_core.tools").StructuredTool.from_function(
+            func=sync_body, coroutine=async_body, name=tool.name, description=tool.description,
+            args_schema=tool.args_schema if tool.args_schema is not None else tool.get_input_schema(),
+            return_direct=getattr(tool, "return_direct", False))
+    if kind == "strands" and hasattr(tool, "stream"):
+        async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
+            result = await acall(tool_use.get("input") or {})
+            failed = isinstance(result, Mapping) and "error" in result
+            return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
+                    "content": [{"text": _as_text(result)}]}
 
-def _proxied_langchain_tool(tool: Any, call: _ToolCall, acall: _ToolCall) -> Any:
-    # The tool is one of the caller's LangChain objects, so LangChain is loaded: take its class from there.
-    structured_tool = getattr(sys.modules.get("langchain_core.tools"), "StructuredTool", None)
-    if structured_tool is None:
-        raise TypeError(f"cannot proxy {tool.name!r}: langchain_core.tools is not loaded")
-
-    def sync_body(**kwargs: Any) -> str:
-        return _as_tool_output(call(_jsonable_args(kwargs)))
-
-    async def async_body(**kwargs: Any) -> str:
-        return _as_tool_output(await acall(_jsonable_args(kwargs)))
-
-    args_schema = tool.args_schema if tool.args_schema is not None else tool.get_input_schema()
-    return structured_tool.from_function(func=sync_body, coroutine=async_body, name=tool.name,
-                                         description=tool.description, args_schema=args_schema,
-                                         return_direct=getattr(tool, "return_direct", False))
-
-
-def _proxied_strands_tool(tool: Any, acall: _ToolCall) -> Any:
-    python_agent_tool = getattr(sys.modules.get("strands.tools.tools"), "PythonAgentTool", None)  # as for LangChain
-    if python_agent_tool is None:
-        raise TypeError(f"cannot proxy {tool.tool_name!r}: strands.tools.tools is not loaded")
-
-    async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
-        result = await acall(tool_use.get("input") or {})
-        failed = isinstance(result, Mapping) and "error" in result
-        return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
-                "content": [{"text": _as_tool_output(result)}]}
-
-    return python_agent_tool(tool.tool_name, dict(tool.tool_spec), tool_func)
+        return importlib.import_module("strands.tools.tools").PythonAgentTool(
+            tool.tool_name, dict(tool.tool_spec), tool_func)
+    raise refusal
 
 
 def _jsonable_args(value: Any) -> Any:
-    """Tool arguments as JSON values (a framework may hand over pydantic models)."""
-    if hasattr(value, "model_dump"):
+    if hasattr(value, "model_dump"):  # a framework may hand over pydantic models
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {str(k): _jsonable_args(v) for k, v in value.items()}
@@ -4558,8 +4475,8 @@ def _jsonable_args(value: Any) -> Any:
 
 
 class Handoffs:
-    """``handoff`` trace events (§3.4) from a framework's own control flow, one per change of the acting
-    sub-agent, best-effort; the envelope bound where it is made goes with it.  One per run."""
+    """``handoff`` trace events (§3.4) from a framework's control flow, one per change of acting sub-agent,
+    best-effort, to the run bound where it is made; one per run."""
 
     def __init__(self, first: Optional[str] = None, *, envelope: Optional[Envelope] = None) -> None:
         self.current = validate_actor_label(first) if first else None
@@ -4568,47 +4485,41 @@ class Handoffs:
 
     def enter(self, label: str, reason: Optional[str] = None) -> None:
         """``label`` acts from now on: a handoff from the sub-agent before it, if another, is posted."""
-        moved = self._move_to(label)
-        if moved:
+        for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
     async def aenter(self, label: str, reason: Optional[str] = None) -> None:
         """The asyncio form of :meth:`enter`."""
-        moved = self._move_to(label)
-        if moved:
+        for moved in self._moves(label):
             await apost_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
-    def _move_to(self, label: str) -> Optional[Tuple[str, str]]:
+    def _moves(self, label: str) -> List[Tuple[str, str]]:
         label = cast(str, validate_actor_label(label))
         with self._lock:
             previous, self.current = self.current, label
-        return (previous, label) if previous and previous != label else None
+        return [(previous, label)] if previous and previous != label else []
 
     def node(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, a LangGraph node (sync or async), entering ``label`` before each call."""
         import inspect
 
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def async_node(*args: Any, **kwargs: Any) -> Any:
-                await self.aenter(label)
-                return await fn(*args, **kwargs)
-            return async_node
+        async def async_node(*args: Any, **kwargs: Any) -> Any:
+            await self.aenter(label)
+            return await fn(*args, **kwargs)
 
-        @functools.wraps(fn)
         def sync_node(*args: Any, **kwargs: Any) -> Any:
             self.enter(label)
             return fn(*args, **kwargs)
-        return sync_node
+
+        return functools.wraps(fn)(async_node if inspect.iscoroutinefunction(fn) else sync_node)
 
     def agents_hooks(self) -> Any:
         """OpenAI Agents SDK ``RunHooks`` entering each agent that starts (by its name)."""
-        run_hooks = getattr(sys.modules.get("agents"), "RunHooks", None)
-        if run_hooks is None:
-            raise TypeError("agents_hooks() needs the OpenAI Agents SDK (the `agents` package) imported")
+        import importlib
+
         handoffs = self
 
-        class _Hooks(run_hooks):  # type: ignore[misc, valid-type]
+        class _Hooks(importlib.import_module("agents").RunHooks):  # type: ignore[misc]
             async def on_agent_start(self, context: Any, agent: Any) -> None:
                 await handoffs.aenter(agent.name)
 
@@ -4616,12 +4527,8 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """A framework's run result as the v1 response envelope (§4): the answer, a transcript, model and tokens.
-
-    Reads an OpenAI Agents SDK ``RunResult``, a Strands ``Agent`` after its run, LangChain or LangGraph
-    messages (or a state holding them) and an Anthropic Messages conversation (dicts or SDK objects);
-    anything else goes to :func:`build_response` as it is, like ``fields``, which win over what was read.
-    """
+    """The response envelope (§4) of an OpenAI Agents ``RunResult``, a Strands ``Agent`` after its run, LangChain or
+    LangGraph messages (or state) or an Anthropic conversation; else :func:`build_response`.  ``fields`` win."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
@@ -4635,13 +4542,10 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         if None in turns:
             return build_response(result, **fields)
         final, messages, metadata = _read_turns(cast(List[_Turn], turns))
-    strict = fields.pop("strict", None)
-    return build_response(final, **{"messages": messages, "metadata": metadata, **fields}, strict=strict)
+    return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-class _Turn(NamedTuple):
-    """One message of a framework's transcript, as each framework's reader gives it to :func:`_read_turns`."""
-
+class _Turn(NamedTuple):  # one message of a framework's transcript, as a reader gives it to _read_turns
     role: str
     text: str = ""
     tool_calls: Sequence[Dict[str, Any]] = ()
@@ -4652,41 +4556,36 @@ class _Turn(NamedTuple):
 
 
 def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """The bridges' shared reader: ``(final answer, v1 transcript, tokens and model)`` of the turns.
-
-    An assistant turn is one message; another is a tool message per result, then its text (kept, empty, when
-    there is nothing else).  The answer is the last assistant text that called no tool.
-    """
+    """``(answer, v1 transcript, tokens and model)``: an assistant turn is one message; another is a tool message
+    per result, then its text (kept, empty, when there is nothing else); the answer is the last text calling no tool."""
     messages: List[Dict[str, Any]] = []
     usages: List[Any] = []
     final, model = "", None
     for turn in turns:
-        if turn.role == "assistant":
-            message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
-            if turn.tool_calls:
-                message["tool_calls"] = turn.tool_calls
-            elif turn.text:
-                final = turn.text
-            if turn.thinking:
-                message["thinking"] = turn.thinking
-            messages.append(message)
-            usages.append(turn.usage)
-            model = turn.model or model
+        if turn.role != "assistant":
+            messages += [{"role": "tool", "tool_call_id": i, "content": _as_text(o)} for i, o in turn.results]
+            if turn.text or not turn.results:
+                messages.append({"role": turn.role, "content": turn.text})
             continue
-        messages += [{"role": "tool", "tool_call_id": i, "content": _as_tool_output(o)} for i, o in turn.results]
-        if turn.text or not turn.results:
-            messages.append({"role": turn.role, "content": turn.text})
+        message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
+        if turn.tool_calls:
+            message["tool_calls"] = turn.tool_calls
+        elif turn.text:
+            final = turn.text
+        if turn.thinking:
+            message["thinking"] = turn.thinking
+        messages.append(message)
+        usages.append(turn.usage)
+        model = turn.model or model
     return final, messages, _run_metadata(usages, model)
 
 
 def _field(item: Any, key: str) -> Any:
-    """``item[key]`` of a mapping, ``item.key`` of another object; ``None`` when missing."""
-    return item.get(key) if isinstance(item, (dict, Mapping)) else getattr(item, key, None)
+    return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
 
 
 def _run_metadata(usages: Optional[List[Any]], model: Any,
                   keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
-    """Token totals of ``usages`` (read by ``keys``; ``None``: no totals), and ``model`` when it is a name."""
     metadata: Dict[str, Any] = {} if usages is None else {
         "total_input_tokens": sum(int(_field(u, keys[0]) or 0) for u in usages),
         "total_output_tokens": sum(int(_field(u, keys[1]) or 0) for u in usages)}
@@ -4696,47 +4595,34 @@ def _run_metadata(usages: Optional[List[Any]], model: Any,
 
 
 def _anthropic_turn(item: Any) -> Optional[_Turn]:
-    """An Anthropic Messages API message (a dict, or the SDK's ``Message`` object): text, tool_use, tool_result
-    and thinking blocks, its usage and model; ``None`` for anything else."""
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
     content = item.get("content") if isinstance(item, Mapping) else None
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
-    text: List[str] = [content] if isinstance(content, str) else []
-    calls: List[Dict[str, Any]] = []
-    thinking: List[Dict[str, Any]] = []
-    results: List[Tuple[Any, Any]] = []
-    for block in content if isinstance(content, list) else ():
-        kind = block.get("type") if isinstance(block, Mapping) else None
-        if kind == "text":
-            text.append(str(block.get("text") or ""))
-        elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input") or {}})
-        elif kind == "thinking" and block.get("thinking"):
-            thinking.append({"type": "thinking", "text": block["thinking"]})
-        elif kind == "tool_result":
-            output = block.get("content")
-            if isinstance(output, list):
-                output = "".join(str(part.get("text") or "") for part in output if isinstance(part, Mapping))
-            results.append((block.get("tool_use_id"), output))
-    return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
+    blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
+    of = {k: [b for b in blocks if b.get("type") == k] for k in ("text", "tool_use", "thinking", "tool_result")}
+    results = [(b.get("tool_use_id"), "".join(str(p.get("text") or "") for p in b["content"] if isinstance(p, Mapping))
+                if isinstance(b.get("content"), list) else b.get("content")) for b in of["tool_result"]]
+    calls = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in of["tool_use"]]
+    thinking = [{"type": "thinking", "text": b["thinking"]} for b in of["thinking"] if b.get("thinking")]
+    text = content if isinstance(content, str) else "".join(str(b.get("text") or "") for b in of["text"])
+    return _Turn(item["role"], text, calls, thinking, results, item.get("usage"), item.get("model"))
 
 
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
 
 
 def _langchain_turn(item: Any) -> _Turn:
-    """A LangChain or LangGraph message (``type`` human, ai, tool or system)."""
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
+    blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
     text = content if isinstance(content, str) else "".join(
-        str(b.get("text") or "") for b in content if isinstance(b, Mapping) and b.get("type") == "text")
+        str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
         return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
     if role != "assistant":
         return _Turn(role, text)
-    thoughts = [b.get("thinking") or b.get("text") for b in content if isinstance(b, Mapping) and b.get("type") in (
-        "thinking", "reasoning")] if isinstance(content, list) else []
+    thoughts = [b.get("thinking") or b.get("text") for b in blocks if b.get("type") in ("thinking", "reasoning")]
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
     model = (getattr(item, "response_metadata", None) or {}).get("model_name")
@@ -4745,7 +4631,6 @@ def _langchain_turn(item: Any) -> _Turn:
 
 
 def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """A Strands ``Agent`` after its run: its conversation, the tokens its event loop counted, its model."""
     final, messages, _ = _read_turns([_bedrock_turn(m) for m in agent.messages])
     usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
     model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
@@ -4754,11 +4639,11 @@ def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]
 
 
 def _bedrock_turn(message: Mapping[str, Any]) -> _Turn:
-    """A Bedrock Converse message (Strands): text, toolUse, toolResult and reasoningContent blocks."""
+    # Bedrock Converse: text, toolUse, toolResult and reasoningContent blocks
     blocks = [b for b in message.get("content") or () if isinstance(b, Mapping)]
     of = {key: [b[key] for b in blocks if isinstance(b.get(key), Mapping)]
           for key in ("toolUse", "toolResult", "reasoningContent")}
-    results = [(r.get("toolUseId"), "".join(str(p.get("text") if "text" in p else _as_tool_output(p.get("json")))
+    results = [(r.get("toolUseId"), "".join(str(p.get("text") if "text" in p else _as_text(p.get("json")))
                                             for p in r.get("content") or () if isinstance(p, Mapping)))
                for r in of["toolResult"]]
     thoughts = [(r.get("reasoningText") or {}).get("text") for r in of["reasoningContent"]]
@@ -4770,13 +4655,11 @@ def _bedrock_turn(message: Mapping[str, Any]) -> _Turn:
 
 
 def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """An OpenAI Agents SDK ``RunResult``: its input and items as the transcript (reasoning is the thinking of
-    the next assistant message), the tokens of its raw responses, its last agent's model."""
     turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
     thinking: List[Dict[str, Any]] = []
     for item in result.new_items:
         kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
-        if kind == "reasoning_item":
+        if kind == "reasoning_item":  # the thinking of the next assistant message
             thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
         elif kind == "message_output_item":
             text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
@@ -4806,10 +4689,8 @@ _RPC_INVALID_PARAMS, _RPC_INTERNAL_ERROR = -32602, -32603
 
 
 class McpShim:
-    """An MCP server over stdio (JSON-RPC 2.0, a message per line) for frameworks that speak MCP (kit-mcp-shim).
-
-    ``tools/list`` comes from §3.6's sources, ``tools/call`` goes through the proxy client; nothing crashes it.
-    """
+    """An MCP server over stdio (JSON-RPC 2.0, a message per line) whose ``tools/call`` goes through the proxy
+    (kit-mcp-shim); ``tools/list`` comes from §3.6's sources.  Nothing crashes it."""
 
     def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
@@ -4820,36 +4701,31 @@ class McpShim:
 
     def handle_line(self, line: str) -> Optional[str]:
         """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
-        if not line.strip():
-            return None
+        request_id = method = None
         try:
-            message = json.loads(line)
-        except ValueError as exc:
-            return _rpc_error(None, _RPC_PARSE_ERROR, f"parse error: {_short(str(exc), 120)}")
-        if not isinstance(message, dict):
-            problem = f"a message must be a JSON object, got {json_type(message)}"
-            if isinstance(message, list):
-                problem = "batches are not supported: send one message per line"
-            return _rpc_error(None, _RPC_INVALID_REQUEST, problem)
-        request_id, method, has_id = message.get("id"), message.get("method"), "id" in message
-        if has_id and (isinstance(request_id, bool) or not isinstance(request_id, (str, int, type(None)))):
-            return _rpc_error(None, _RPC_INVALID_REQUEST, "id must be a string or a number")
-        if method is None and ("result" in message or "error" in message):
-            return None  # a response to something we never send
-        if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
-            expected = 'expected {"jsonrpc": "2.0", "method": ...}'
-            return _rpc_error(request_id, _RPC_INVALID_REQUEST, expected) if has_id else None
-        if not has_id:
-            return None  # a notification (notifications/initialized, cancelled, ...)
-        try:
-            result = self._dispatch(method, message.get("params", {}))
+            try:
+                message = json.loads(line) if line.strip() else {}
+            except ValueError as exc:
+                raise _RpcError(_RPC_PARSE_ERROR, f"parse error: {_short(str(exc), 120)}") from None
+            if not isinstance(message, dict):
+                raise _RpcError(_RPC_INVALID_REQUEST, "batches are not supported" if isinstance(message, list)
+                                else f"a message must be a JSON object, got {json_type(message)}")
+            method = message.get("method")
+            if isinstance(message.get("id"), bool) or not isinstance(message.get("id"), (str, int, type(None))):
+                raise _RpcError(_RPC_INVALID_REQUEST, "id must be a string or a number")
+            if "id" not in message or (method is None and ("result" in message or "error" in message)):
+                return None  # a notification, a response to a request never sent, a blank line
+            request_id = message["id"]
+            if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
+                raise _RpcError(_RPC_INVALID_REQUEST, 'expected {"jsonrpc": "2.0", "method": ...}')
+            reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
         except _RpcError as exc:
-            return _rpc_error(request_id, exc.code, exc.message)
+            reply = {"error": {"code": exc.code, "message": str(exc)}}
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             token = self._envelope.run_token if self._envelope else None
             _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
-            return _rpc_error(request_id, _RPC_INTERNAL_ERROR, describe_error(exc, DETAIL_LIMIT, token))
-        return json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, ensure_ascii=False)
+            reply = {"error": {"code": _RPC_INTERNAL_ERROR, "message": describe_error(exc, DETAIL_LIMIT, token)}}
+        return json.dumps({"jsonrpc": "2.0", "id": request_id, **reply}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
         if not isinstance(params, dict):
@@ -4868,10 +4744,8 @@ class McpShim:
         if method != "tools/call":
             raise _RpcError(_RPC_METHOD_NOT_FOUND, f"method not found: {_short(method, 80)}")
         name, arguments = params.get("name"), params.get("arguments")
-        if not isinstance(name, str):
-            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name, a string")
-        if not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call params.arguments must be an object")
+        if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
+            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name (a string) and .arguments (an object)")
         return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
@@ -4885,56 +4759,45 @@ class McpShim:
             return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
-        """The tool list (platform shape), read once: inline env first, else the platform's endpoint."""
-        tools = self._tools
-        if tools is None:  # two threads may both read it: the same list either way
+        """The tool list (platform shape), read once: the inline environment first, else the platform's endpoint."""
+        if self._tools is None:  # two threads may both read it: the same list either way
             try:
                 inline = _tools_schema_from_env(self.environ)
-            except EnvelopeError as exc:
-                raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
-            entries = inline if inline is not None else self._fetch_tools()
-            try:
-                tools = self._tools = convert_tools(entries, "platform")
-            except ValueError as exc:
+                self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
+            except ValueError as exc:  # EnvelopeError included
                 raise _RpcError(_RPC_INTERNAL_ERROR, f"the tools schema is invalid: {exc}") from None
-        return tools
+        return self._tools
 
     def _fetch_tools(self) -> List[Any]:
-        """``GET {api_url}/api/agents/{agent_id}/tools-schema`` with the run token (§3.6)."""
         agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
         if not agent_id:
             raise _RpcError(_RPC_INTERNAL_ERROR, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} (or "
                                                  f"{ENV_TOOLS_SCHEMA_JSON}), or {ENV_AGENT_ID} to fetch it")
         envelope = self.envelope()
-        api_url = (self.environ.get(ENV_API_URL) or "").strip().rstrip("/") or envelope.api_url
         try:
-            base = urlsplit(validate_proxy_url(api_url, ENV_API_URL))
-        except EnvelopeError as exc:
-            raise _RpcError(_RPC_INTERNAL_ERROR, str(exc)) from None
-        path = f"{base.path.rstrip('/')}/api/agents/{quote(agent_id, safe='')}/tools-schema"
-        headers = {"Accept": "application/json", "Authorization": "Bearer " + envelope.run_token,
-                   "User-Agent": _USER_AGENT}
-        try:
+            base = urlsplit(validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url,
+                                               ENV_API_URL))
+            path = f"{base.path}/api/agents/{quote(agent_id, safe='')}/tools-schema"
+            headers = {"Accept": "application/json", "Authorization": "Bearer " + envelope.run_token,
+                       "User-Agent": _USER_AGENT}
             status, _, body = _shared_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
-        except (_TransportFailure, _ReplyTooLarge) as exc:
+        except (EnvelopeError, _TransportFailure, _ReplyTooLarge) as exc:
             raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: "
                                                  f"{describe_error(exc.__cause__ or exc, 200)}") from None
-        value, is_json = _decode_body(body, "")
-        tools = value.get("tools") if is_json and isinstance(value, dict) else None
-        if status != 200 or not isinstance(tools, list):
+        value = _decode_body(body, "")[0] if status == 200 else None
+        tools = value.get("tools") if isinstance(value, dict) else None
+        if not isinstance(tools, list):
             raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: HTTP {status} from "
                                                  f"{base.netloc}{path}")
         return tools
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
         """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
-        envelope = self.envelope()
         try:
-            value = proxy_call(name, arguments, envelope=envelope, client=self.client)
+            value = proxy_call(name, arguments, envelope=self.envelope(), client=self.client)
         except ProxyError as exc:
             return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        result: Dict[str, Any] = {"content": [{"type": "text", "text": text}], "isError": False}
+        result: Dict[str, Any] = {"content": [{"type": "text", "text": _as_text(value)}], "isError": False}
         if isinstance(value, dict):
             result["structuredContent"] = value
         return result
@@ -4956,8 +4819,7 @@ class McpShim:
 
         with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="pipelines-mcp") as pool:
             for line in stdin:
-                # Only tool calls are slow (the proxy may take minutes); a false positive of this cheap
-                # test merely runs a line on the pool, where replies may come out of order.
+                # Only tool calls are slow (minutes, at worst): a false positive merely runs on the pool
                 if '"tools/call"' in line:
                     pool.submit(answer, line)
                 else:
@@ -4968,37 +4830,51 @@ class McpShim:
 class _RpcError(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code = code
 
-
-def _rpc_error(request_id: Any, code: int, message: str) -> str:
-    return json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}})
 
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
 # ---------------------------------------------------------------------------
 
 class _UsageError(Exception):
-    """A command-line problem: printed as one line, exit status 2."""
+    pass
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The callable named by ``PATH.py:NAME`` or ``package.module:NAME`` (``NAME`` may be dotted).
-
-    A file's directory goes first on ``sys.path``, so its sibling imports work.  ``ValueError``: one line.
-    """
+    """The callable named by ``PATH.py:NAME`` or ``package.module:NAME`` (``NAME`` may be dotted), a file's
+    directory first on ``sys.path``; ``ValueError``, one line."""
     import importlib
+    import importlib.util
 
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise ValueError(f"expected PATH_OR_MODULE:FUNCTION (e.g. agent.py:agent or mypkg.agent:agent), got {spec!r}")
+    path = os.path.abspath(where)
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    if is_file and not os.path.isfile(path):
+        raise ValueError(f"no such file: {where}")
+    directory, name = os.path.split(path) if is_file else (os.getcwd(), where)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     try:
-        if where.endswith(".py") or os.sep in where or "/" in where:
-            module = _load_file(where)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
+        if not is_file:
             module = importlib.import_module(where)
+        else:
+            name = name[:-3] if name.endswith(".py") else name
+            loaded = sys.modules.get(name)
+            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+                name = f"_pipelines_agent_{name}"  # another module has this name
+            spec_ = importlib.util.spec_from_file_location(name, path)
+            if spec_ is None or spec_.loader is None:
+                raise ValueError(f"cannot load {where} as a Python module")
+            module = sys.modules[name] = importlib.util.module_from_spec(spec_)
+            try:
+                loader: Any = spec_.loader  # Loader.exec_module is missing from Python 3.9's stubs
+                loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)
+                raise
     except ValueError:
         raise
     except SyntaxError as exc:
@@ -5006,7 +4882,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
     except (Exception, SystemExit) as exc:
         import traceback
 
-        frames = traceback.extract_tb(exc.__traceback__)  # the last one is where it went wrong
+        frames = traceback.extract_tb(exc.__traceback__)
         raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
     target: Any = module
@@ -5022,39 +4898,12 @@ def load_agent(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], target)
 
 
-def _load_file(where: str) -> Any:
-    """The module of the Python file ``where``, under its own name unless another module has that name."""
-    import importlib.util
-
-    path = os.path.abspath(where)
-    if not os.path.isfile(path):
-        raise ValueError(f"no such file: {where}")
-    directory, name = os.path.split(path)
-    name = name[:-3] if name.endswith(".py") else name
-    loaded = sys.modules.get(name)
-    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
-        name = f"_pipelines_agent_{name}"
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot load {where} as a Python module")
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    try:
-        loader: Any = spec.loader  # Loader.exec_module is missing from Python 3.9's stubs
-        loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
-
-
 def _truthy(value: Optional[str]) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
-    """An argparse ``type``: ``convert(text)`` if that works and ``holds``, else an error naming ``expected``."""
+    """An argparse ``type``: ``convert(text)`` when that works and ``holds``, else an error naming ``expected``."""
     def parse(text: str) -> Any:
         import argparse
 
@@ -5069,64 +4918,50 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
 
 
 def _digits(text: str) -> Optional[int]:
-    """A whole number in digits alone (``int`` would also take ``-5`` and ``1_000``)."""
-    return int(text) if text.strip().isdigit() else None
+    return int(text) if text.strip().isdigit() else None  # int() would take -5 and 1_000 too
 
 
 def _refuse_token(text: str) -> None:
-    """``--token VALUE`` is refused, VALUE (the agent token itself) shown nowhere."""
     import argparse
 
-    raise argparse.ArgumentTypeError("--token is not accepted: the agent token is read from an environment "
-                                     "variable, so it never shows in a process list or a log: set AGENT_TOKEN, "
-                                     "or name another with --token-env NAME")
+    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN, or "
+                                     "name another variable with --token-env NAME")
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
-# serve's options after the agent, as `serve --help` lists them: (flag, type, default, metavar, help).  A type
-# of None makes a switch, a tuple a choice.
+# serve's options after the agent: (flag, type, default, metavar, help); a type of None is a switch, a tuple a choice
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
-    ("--host", str, "127.0.0.1", None, "interface to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
+    ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s; 0.0.0.0: all)"),
     ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
-     "port (default 8080; 0 picks a free one)"),
+     "port (default %(default)s; 0: a free one)"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
     ("--auth-header", str, "Authorization", "NAME",
-     "header carrying it: Authorization (Bearer <token>) or a custom name with the raw value"),
-    ("--no-auth", None, False, None, "disable inbound auth (anyone can dispatch)"),
-    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body accepted (default %(default)s)"),
-    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS",
-     "run_timeout_s: answer 504 when the agent takes longer (default %(default)g, max 1800)"),
-    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS",
-     "on SIGTERM/SIGINT, how long running dispatches may finish (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None,
-     "asyncio (default): one event loop, sync agents on threads; threads: http.server, a thread per connection"),
+     "header carrying it: Authorization (Bearer <token>), or another with the token as its value"),
+    ("--no-auth", None, False, None, "no inbound auth: anyone can dispatch"),
+    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body (default %(default)s)"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
+    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "time running dispatches get on SIGTERM (default %(default)g)"),
+    ("--server", SERVERS, "asyncio", None, "asyncio: one event loop (default); threads: a thread per connection"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
-     "a request's head and body must arrive within this (default %(default)g; 408 after)"),
+     "time for a request's head and body, 408 past it (default %(default)g)"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS",
-     "close an idle keep-alive connection after this (default %(default)g; asyncio server)"),
-    ("--max-connections", _POSITIVE, None, "N",
-     "open connections beyond this get 503 (default: from the open-file limit; asyncio server)"),
-    ("--strict", None, False, None, (
-        f"refuse (500) a response the platform would soften or drop parts of, instead of sending what it grades "
-        f"(also: {ENV_STRICT}=1)")),
+     "idle keep-alive connections close after it (default %(default)g)"),
+    ("--max-connections", _POSITIVE, None, "N", "more open connections get 503 (default: by the open-file limit)"),
+    ("--strict", None, False, None, f"500 for a response the platform would soften (also: {ENV_STRICT}=1)"),
     ("--proxy-hosts", str, None, "HOSTS", (
-        "comma-separated proxy hosts dispatches may name: names, IP addresses or .suffixes, each with an optional "
-        f":port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any host; set but empty is an error)")),
-    ("--tools-schema", str, None, "FILE",
-     "tools list served at GET /tools_schema (default: tools_schema.json beside the agent file)"),
-    ("--debug", None, False, None, f"log every proxy request and reply, secrets redacted (also: {ENV_DEBUG}=1)"),
-    ("--no-access-log", None, False, None, "no log line per request; agents' errors still show"),
-    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N", (
-        "collect garbage every N allocations, not 700, once what is loaded is frozen (default %(default)s; 0 keeps "
-        "Python's setting)")),
+        "proxy hosts dispatches may name, comma-separated: names, IP addresses or .suffixes, each with an optional "
+        f":port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
+    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: tools_schema.json beside the agent)"),
+    ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
+    ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
+    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
+     "collect garbage every N allocations, once what is loaded is frozen (default %(default)s; 0: Python's)"),
 )
-_KIT_COMMANDS = ("init", "doctor", "check", "dataset", "simulate", "demo")
 
 
 def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
-    """Log to stderr from ``level``, or every proxy request and reply with ``debug`` or ENV_DEBUG set."""
     logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
     if not access_log:
@@ -5153,8 +4988,7 @@ def _cmd_serve(args: Any) -> int:
             say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit: a server's environment has no run
-            say(f"WARNING: {ENV_RUN_TOKEN} is set in this server's environment: a proxy call made outside a "
-                "dispatch would use that run; unset it")
+            say(f"WARNING: {ENV_RUN_TOKEN} is set: a proxy call made outside a dispatch would use that run; unset it")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
@@ -5175,10 +5009,9 @@ def _cmd_mcp(args: Any) -> int:
 
 
 def _parser(prog: Optional[str] = None) -> Any:
-    """The command line's parser: ``serve`` and ``mcp``."""
     import argparse
 
-    if prog is None:  # as the user ran us
+    if prog is None:
         main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         as_script = getattr(main_spec, "name", "") != "pipelines_port" and os.path.basename(sys.argv[0] or "") == (
             "pipelines_port.py")
@@ -5193,17 +5026,14 @@ def _parser(prog: Optional[str] = None) -> Any:
         description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.")
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
-        if kind is None:
-            serve_.add_argument(flag, action="store_true", help=text)
-        elif isinstance(kind, tuple):
-            serve_.add_argument(flag, choices=kind, default=default, help=text)
-        else:
-            serve_.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+        how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
+                               if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
+        serve_.add_argument(flag, help=text, **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
-        description="Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
+        description=f"Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
                     f"{ENV_TOOLS_SCHEMA_B64} or the platform, tools/call through the proxy of the run in "
                     f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.")
     mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
@@ -5214,9 +5044,9 @@ def _parser(prog: Optional[str] = None) -> Any:
 def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) -> int:
     """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _KIT_COMMANDS:
-        print(f"pipelines_port {argv[0]}: a kit command, not part of this module: run `pipelines-port {argv[0]}` "
-              f"(pip install the kit) or `python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
+    if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
+        print(f"pipelines_port {argv[0]}: a kit command: run `pipelines-port {argv[0]}` (pip install the kit) or "
+              f"`python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
         return 2
     parser = _parser(prog)
     args = parser.parse_args(argv)
