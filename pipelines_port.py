@@ -2742,8 +2742,6 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # -- what both drivers share ----
-
     def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
                    idempotency_key: Optional[str], errors: str) -> ProxyRequest:
         if errors not in ("raise", "return"):

@@ -165,6 +165,28 @@ def test_base_exceptions_from_the_agent_are_500s(proxy: MockProxy, raised: BaseE
     assert status == 500 and json.loads(body)["detail"].startswith(name)
 
 
+@pytest.mark.parametrize("raised,name", [(SystemExit("bye"), "SystemExit"), (KeyboardInterrupt(), "KeyboardInterrupt"),
+                                         (asyncio.CancelledError(), "CancelledError")])
+def test_base_exceptions_from_an_async_agent_are_500s_and_the_loop_serves_on(proxy: MockProxy, raised: BaseException,
+                                                                              name: str) -> None:
+    """An ``async def`` agent runs as a task of the server's loop: what it raises must not escape into the loop."""
+    async def agent(env: pp.Envelope) -> str:
+        if env.user_instruction == "fail":
+            raise raised
+        return "still serving"
+
+    server = pp.start_server(agent, token=AGENT_TOKEN)
+    try:
+        failing, working = (json.dumps(dispatch_body(proxy, input={"user_instruction": text})).encode()
+                            for text in ("fail", "ok"))
+        status, _, body = http_call(server.url, "POST", "/dispatch", run_headers(), failing)
+        assert status == 500 and json.loads(body)["detail"].startswith(name)
+        status, _, body = http_call(server.url, "POST", "/dispatch", run_headers(), working)
+        assert status == 200 and json.loads(body)["final_response"] == "still serving"
+    finally:
+        server.close(1)
+
+
 def test_no_retry_reaches_the_proxy_after_the_504(proxy: MockProxy) -> None:
     finished = threading.Event()
 
