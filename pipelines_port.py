@@ -255,10 +255,10 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions: CONTRACT.md states
-#   each rule, the code names it (``§7.3 kit-run-timeout-range``).  No
-#   sockets, threads, logging or environment reads (an omitted ``environ`` is
-#   ``os.environ``).  Part 2's first four sections stand for what a port's own
+#   What a port must agree on, as data and pure functions; CONTRACT.md
+#   states each rule the code names (``§7.3 kit-run-timeout-range``).  No
+#   sockets, threads, logging or environment reads but an omitted
+#   ``environ``.  Part 2's first four sections stand for what a port's
 #   language gives: speed paths, read-only data, Python values as JSON.
 #
 # ###########################################################################
@@ -268,7 +268,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # Constants: the contract's names and numbers
 # ---------------------------------------------------------------------------
 
-# §2.1 inbound headers (matched in any case, stored lower-case), §2.2 body fields, §3.5 the actor header
+# §2.1 headers (any case; stored lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -278,7 +278,7 @@ HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
 BODY_PROXY_URL = "odyssey_proxy_url"
 BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
 HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
-# §5 code-mode environment, §3.6 the inline tools schema, §3.1 client settings
+# §5 code mode, §3.6, §3.1
 ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
 ENV_RUN_TOKEN = "PIPELINES_RUN_TOKEN"
 ENV_RUN_TOKEN_JTI = "PIPELINES_RUN_TOKEN_JTI"
@@ -292,7 +292,7 @@ ENV_TOOLS_SCHEMA_B64 = "PIPELINES_TOOLS_SCHEMA_B64"
 ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
 ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
 ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
-# §3.1 tool names, caps and pacing, §3.5 actor labels
+# §3.1, §3.5
 TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
@@ -301,8 +301,8 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # breaks a header value (a tab does not)
-# §3.3 retry classes, §3.4 trace event types
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value (a tab is fine)
+# §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
 TRACE_EVENT_TYPES = frozenset({"assistant_message", "thinking", "system_prompt", "custom", "llm_payload", "handoff",
@@ -319,8 +319,8 @@ MAX_REQUEST_HEAD_BYTES = 64 << 10
 MAX_REQUEST_FIELDS = 100
 DEFAULT_RUN_TIMEOUT_S = 300.0
 MAX_RUN_TIMEOUT_S = 1800.0
-DETAIL_LIMIT = 500  # characters of an error ``detail``
-# §4 the response, §7.7 what the builder keeps
+DETAIL_LIMIT = 500
+# §4, §7.7
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
 MAX_JSON_DEPTH = 100
@@ -330,7 +330,7 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors, each with the HTTP status an endpoint answers (``http_status``, §7.1 kit-error-statuses)
+# Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
 # ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
@@ -349,7 +349,7 @@ class RequestError(PipelinesError, ValueError, status=400):
 
 
 class EnvelopeError(RequestError):
-    """A dispatch envelope missing, malformed or not bound (§2, §5)."""
+    """A dispatch envelope missing, malformed or not bound."""
 
 
 class NotFoundError(RequestError, status=404):
@@ -372,15 +372,15 @@ class LengthRequiredError(RequestError, status=411):
 
 
 class BodyTooLargeError(RequestError, status=413):
-    """A body over the endpoint's cap, refused before it is read."""
+    """A body over the endpoint's cap."""
 
 
 class UnsupportedTransferCodingError(RequestError, status=501):
-    """A ``Transfer-Encoding`` other than chunked."""
+    """A Transfer-Encoding other than chunked."""
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112 (§7.1 kit-strict-request-head); the connection closes."""
+    """A request head that breaks RFC 9112: the connection closes."""
 
 
 class TargetTooLongError(FramingError, status=414):
@@ -396,22 +396,22 @@ class VersionNotSupportedError(FramingError, status=505):
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request not read whole within the server's ``read_timeout_s``."""
+    """A request not read within the server's ``read_timeout_s``."""
 
 
 class AuthError(PipelinesError, status=401):
-    """A missing or wrong credential (§2 step 1), never echoed."""
+    """A missing or wrong credential, never echoed."""
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
 
 
 class MisconfiguredError(PipelinesError, status=503):
-    """The agent token's variable is unset (§2 step 1)."""
+    """The agent token's variable is unset."""
 
 
 class ShuttingDownError(PipelinesError, status=503):
-    """The server is draining and takes no new requests."""
+    """The server is draining."""
 
 
 class OverloadedError(PipelinesError, status=503):
@@ -419,7 +419,7 @@ class OverloadedError(PipelinesError, status=503):
 
 
 class RunTimeoutError(PipelinesError, status=504):
-    """The agent overran ``run_timeout_s`` (§7.3)."""
+    """The agent overran ``run_timeout_s``."""
 
 
 class AgentError(PipelinesError):
@@ -427,14 +427,14 @@ class AgentError(PipelinesError):
 
 
 class ResponseError(PipelinesError, ValueError):
-    """A value that cannot become a response (§4); ``problems`` lists every problem."""
+    """A value that cannot become a response (§4); ``problems`` lists them all."""
     def __init__(self, problems: Union[str, Sequence[str]]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy call or trace post (§3.3), without the run token; ``status_code`` is None when no reply came."""
+    """A failed proxy call or trace post (§3.3); ``status_code`` is None when no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -442,7 +442,7 @@ class ProxyError(PipelinesError):
         self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
 
     def to_value(self) -> Dict[str, Any]:
-        """The failure as a tool result a model reads (§7.4 kit-errors-return)."""
+        """The failure as a tool result (§7.4 kit-errors-return)."""
         value: Dict[str, Any] = {"error": self.message}
         if self.error_class:
             value["error_class"] = self.error_class
@@ -494,41 +494,35 @@ def validate_proxy_url(url: Any, where: str) -> str:
         problem = "must be an http:// or https:// URL with a host"
     elif parts.query or parts.fragment:
         problem = "must not carry a query or fragment"
-    elif not _idna(parts.hostname):
-        problem = "has a host name that is not valid"
     elif _SPACE_OR_CONTROL.search(text):
-        raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
+        problem = "contains whitespace or control characters"
     else:
-        return text
+        try:
+            parts.hostname.encode("idna")
+        except UnicodeError:
+            problem = "has a host name that is not valid"
+        else:
+            return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
-def _idna(host: str) -> bool:
-    try:
-        host.encode("idna")
-    except UnicodeError:
-        return False
-    return True
-
-
 def _check_run_token(token: Any, where: str) -> str:
-    """The run token trimmed (§7.2 kit-run-token-checked); never shown: it is a secret."""
-    if not isinstance(token, str) or not token.strip():
+    """The run token trimmed (§7.2 kit-run-token-checked), never shown."""
+    text = token.strip() if isinstance(token, str) else ""
+    if not text:
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    text: str = token.strip()
     if "\t" in text or _CONTROL_CHARACTER.search(text):
         raise EnvelopeError(f"run token from {where} contains control characters")
     return text
 
 
 def _env_id(value: Optional[str]) -> Optional[Id]:
-    """§7.2 kit-env-ids-numeric."""
-    number = _content_length(value)
+    number = _content_length(value)  # §7.2 kit-env-ids-numeric
     return ((value or "").strip() or None) if number is None else number
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
-    """The first id: an int (no bool: §7.2 kit-float-ids-absent) or a non-blank string, trimmed."""
+    """The first int (no bool: §7.2 kit-float-ids-absent) or non-blank string, trimmed."""
     for value in candidates:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -548,8 +542,7 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
 
 
 class Envelope:
-    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope): ``raw`` is
-    the whole body; ``repr`` hides the token."""
+    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope)."""
     __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
                  "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
                  "workspace", "tools_schema", "sub_agents", "raw")
@@ -570,7 +563,7 @@ class Envelope:
     workspace: Optional[Mapping[str, Any]]
     tools_schema: Optional[Sequence[Any]]
     sub_agents: Tuple[str, ...]
-    raw: Mapping[str, Any]
+    raw: Mapping[str, Any]  # the whole dispatch body
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -595,7 +588,7 @@ class Envelope:
 
     __delattr__ = __setattr__
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the run token
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
@@ -612,12 +605,12 @@ class Envelope:
         return functools.partial(Envelope, **{n: getattr(self, n) for n in self.__slots__}), ()
 
     def replace(self, **changes: Any) -> Envelope:
-        """A copy with some fields changed (like ``dataclasses.replace``)."""
+        """A copy with some fields changed."""
         return Envelope(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
 
     @property
     def api_url(self) -> str:
-        """The proxy URL's origin (``PIPELINES_API_URL`` in code mode, §5)."""
+        """The proxy URL's origin (``PIPELINES_API_URL``, §5)."""
         return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
@@ -637,7 +630,7 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """A new dict: ``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
+        """A copy of ``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
         env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
         if self.task_id is not None:
@@ -662,7 +655,7 @@ class Envelope:
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
-            except (ValueError, UnicodeDecodeError) as exc:
+            except ValueError as exc:
                 raise EnvelopeError(f"dispatch body is not valid JSON: {exc}") from None
         if not isinstance(body, Mapping):
             raise EnvelopeError(f"dispatch body must be a JSON object, got {json_type(body)}")
@@ -674,8 +667,8 @@ class Envelope:
         token = _header(h, HEADER_RUN_TOKEN)
         if not urls or token is None:
             missing = (("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
-                        "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)", not urls),
-                       ("run token (looked for header X-Pipelines-Run-Token)", token is None))
+                        "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)"), not urls), (
+                "run token (looked for header X-Pipelines-Run-Token)", token is None)
             raise EnvelopeError("dispatch is missing " + " and ".join(what for what, absent in missing if absent))
         proxy_url = validate_proxy_url(urls[0][1], urls[0][0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
@@ -693,7 +686,7 @@ class Envelope:
         raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
         for key, value in (("task_id", _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))),
                            ("run_id", _env_id(env.get(ENV_RUN_ID))), ("agent_id", _env_id(env.get(ENV_AGENT_ID))),
-                           ("run_token_jti", (env.get(ENV_RUN_TOKEN_JTI) or "").strip() or None),
+                           ("run_token_jti", _header(env, ENV_RUN_TOKEN_JTI)),
                            ("tools_schema", _tools_schema_from_env(env))):
             if value is not None:
                 raw[key] = value
@@ -703,14 +696,11 @@ class Envelope:
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
         """Read the code-mode ``PIPELINES_*`` environment (§5), the task from its JSON or base64 variable."""
         env = os.environ if environ is None else environ
-        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not (env.get(name) or "").strip()]
+        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        task: Any = {}
-        for name in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64):
-            if (env.get(name) or "").strip():
-                task = _env_json(env[name], name)
-                break
+        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
+                         {})
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
@@ -752,7 +742,6 @@ def json_type(value: Any) -> str:
 
 
 def _env_json(text: str, name: str) -> Any:
-    """The JSON value of environment variable ``name``, base64-encoded when it ends in ``_B64``."""
     encoded = name.endswith("_B64")
     try:
         return json.loads(base64.b64decode(text, validate=True) if encoded else text)
@@ -776,7 +765,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
 
 # ---------------------------------------------------------------------------
 # Inbound decisions (§2): ``decide`` says what a request gets; an adapter reads the body ``request_body_length``
-# allows, calls it once, and carries the decision out.
+# allows, calls it once, and carries the decision out
 # ---------------------------------------------------------------------------
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
@@ -788,8 +777,8 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     scheme, received = "bearer", received.strip()
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
-        received = received.strip() if scheme.lower() == "bearer" else ""  # still compared: the same time taken
-    try:  # servers hand header bytes over as latin-1 text: compare the bytes that arrived
+        received = received.strip() if scheme.lower() == "bearer" else ""  # compared all the same: same time
+    try:  # servers hand header bytes over as latin-1 text: compare the bytes that came
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
         sent = received.encode("utf-8", "surrogateescape")
@@ -802,8 +791,7 @@ def is_ping(body: Any) -> bool:
 
 
 def _content_length(value: Optional[str]) -> Optional[int]:
-    """ASCII digits, at most 18 of them, as an int; else ``None``."""
-    value = (value or "").strip()
+    value = (value or "").strip()  # ASCII digits, at most 18
     return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
 
 
@@ -836,8 +824,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     return length
 
 
-# RFC 9112's request and field lines: a field name is a token right before its colon (no folding), its value has
-# no control character but HTAB (no bare CR or LF)
+# RFC 9112: a field name is a token right before its colon (no folding), a value has no control character but HTAB
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])" % _TOKEN.pattern)
 _FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
@@ -860,44 +847,36 @@ def parse_request_head(head: bytes) -> RequestHead:
     """Read a request head (the bytes before its empty line) strictly (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
-    line_end = head.find(b"\r\n")
-    if (line_end if line_end >= 0 else len(head)) > MAX_REQUEST_LINE_BYTES:
-        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
     lines = head.split(b"\r\n")
+    if len(lines[0]) > MAX_REQUEST_LINE_BYTES:
+        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
-        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or "
-                                   f"{MAX_REQUEST_FIELDS} fields")
+        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
+                                   "fields")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     if request is None:
         raise _head_problem(lines)
     headers: List[Tuple[str, str]] = []
-    hosts, lengths, coded = 0, [], False
     for line in lines[1:]:
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
             raise _head_problem(lines)
-        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
-        lowered = name.lower()
-        if lowered == "host":
-            hosts += 1
-        elif lowered == "content-length":
-            lengths += [v.strip() for v in value.split(",")]
-        elif lowered == "transfer-encoding":
-            coded = True
-        headers.append((name, value))
+        headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
+    names = [name.lower() for name, _ in headers]
+    lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
-    if version == "HTTP/1.1" and hosts != 1:
+    if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
-    if coded and (lengths or version == "HTTP/1.0"):
+    if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
         raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
     return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
 
 
 def _head_problem(lines: List[bytes]) -> FramingError:
-    """The first rule broken by a head the patterns refused, in RFC 9112's order."""
+    """The first rule a head the patterns refused breaks, in RFC 9112's order."""
     bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
     if bare is not None:
         return FramingError(f"{f'header line {bare}' if bare else 'the request line'} has a bare CR or LF: every "
@@ -972,7 +951,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # before auth: the routes GET takes are open (kit-routes)
+    if path == HEALTH_PATH:  # the GET routes come before auth (kit-routes)
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
@@ -992,11 +971,11 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise BodyTooLargeError(f"request body over this endpoint's {endpoint.max_body}-byte cap")
     try:
         payload = _json_from_bytes(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice: send it once (§7.1 kit-hostile-input)")
+            raise RequestError("the ping body has the key 'ping' twice: send it once (kit-hostile-input)")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -1023,7 +1002,7 @@ def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
-    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any host)."""
+    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -1070,7 +1049,7 @@ def validate_tool_name(name: Any) -> str:
 
 
 def validate_actor_label(label: Any) -> Optional[str]:
-    """The actor label trimmed, ``None`` for an empty one, :class:`ProxyRequestError` for a bad one (§3.5)."""
+    """The actor label trimmed, ``None`` for an empty one (§3.5)."""
     if label is None:
         return None
     if not isinstance(label, str):
@@ -1092,8 +1071,7 @@ def validate_actor_label(label: Any) -> Optional[str]:
     raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# Compact, non-ASCII as it is; the strict one (request bodies) refuses NaN and infinities.  Made once: json.dumps
-# with options makes an encoder per call.
+# Made once: json.dumps with options makes an encoder per call
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -1115,7 +1093,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 
 
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
-    """A header whose value would break the request, named without its value (§7.5 kit-header-values)."""
+    """§7.5 kit-header-values."""
     for name, value in headers.items():
         if _CONTROL_CHARACTER.search(value):
             return (f"header {name} has a line break or control character in its value (not shown: it may be "
@@ -1124,7 +1102,7 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as it goes on the wire (§3.1, §3.4); every retry sends it unchanged."""
+    """One proxy request as it goes on the wire (§3.1, §3.4), and again on every retry."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
     url: Any  # the split proxy URL (urllib.parse.SplitResult)
@@ -1141,7 +1119,7 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
                "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
-    quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")  # such a name has nothing to encode
+    quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")
     return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quoted}", headers, body)
 
 
@@ -1156,7 +1134,7 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped unless set."""
+    """A live trace event (§3.4): a known type, an object payload, ``__occurred_at`` stamped unless set."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
@@ -1171,7 +1149,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
                   payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """A ``handoff`` trace event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
+    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
@@ -1186,17 +1164,16 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
 # ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to (§3.2, §3.3); ``stale``: a pooled connection the server had closed, re-sent at once."""
+    """What one attempt came to; ``stale``: a pooled connection the server had closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
-    error: Optional[PipelinesError] = None  # ProxyError for proxy replies; post_json's HTTPStatusError
+    error: Optional[PipelinesError] = None
     retry_after: Optional[float] = None
     stale: bool = False
 
 
 def _model_retry_after(headers: Any) -> Optional[float]:
-    """The wait a model API asks for: ``retry-after-ms`` (OpenAI) first, else ``Retry-After``."""
-    lowered = _lower_headers(headers)
+    lowered = _lower_headers(headers)  # OpenAI's retry-after-ms first
     try:
         seconds = float(lowered.get("retry-after-ms") or "") / 1000
     except ValueError:
@@ -1205,7 +1182,7 @@ def _model_retry_after(headers: Any) -> Optional[float]:
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
-    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
+    """Seconds from a ``Retry-After`` header (seconds or an HTTP date); ``None`` when absent or unreadable."""
     text = (value or "").strip()
     try:
         seconds = float(text)
@@ -1235,7 +1212,6 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
 
 
 def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
-    """``(value, is_json)``: the parsed JSON, else the text."""
     if not body:
         return None, False
     try:
@@ -1244,13 +1220,13 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
         return body.decode("utf-8", "replace"), False
 
 
-# §3.3 the retry decision as data: (status, error classes or None for any, outcome)
+# §3.3 as data: (status, error classes or None for any, outcome)
 RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
     (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
 
 def retry_decision(status: int, error_class: Optional[str]) -> str:
-    """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply, from :data:`RETRY_TABLE` (§3.3)."""
+    """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
     for table_status, classes, outcome in RETRY_TABLE:
         if status == table_status and (classes is None or error_class in classes):
             return outcome
@@ -1259,7 +1235,7 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: Optional[str] = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body); errors never show ``run_token``."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted from errors."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
@@ -1306,7 +1282,7 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): a driver makes an attempt, then does what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3): after each attempt, a driver does what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
@@ -1331,17 +1307,15 @@ class RetryState:
 
 
 def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
-    """The error of a reply whose ``Retry-After`` is past the cap, saying so (§7.4 kit-retry-after-cap)."""
-    error = outcome.error
-    note = (f" (the proxy asked to wait {outcome.retry_after:g} s before a retry, longer than the "
+    """The reply's error, saying why it was not retried (§7.4 kit-retry-after-cap)."""
+    error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
+    who = "the proxy" if isinstance(error, ProxyError) else "the server"
+    text = (f"{error} ({who} asked to wait {outcome.retry_after:g} s before a retry, longer than the "
             f"{policy.max_retry_after_s:g} s this client waits: not retried)")
+    error.args = (text,)
     if isinstance(error, ProxyError):
-        return type(error)(error.message + note, status_code=error.status_code, error_class=error.error_class,
-                           body=error.body, tool_name=error.tool_name, retry_after=error.retry_after)
-    if error is not None:  # another driver's error (post_json's): its words, then why it was not retried
-        error.args = (f"{error}{note.replace('the proxy', 'the server')}",)
-        return error
-    return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
+        error.message = text
+    return error
 
 
 # ---------------------------------------------------------------------------
@@ -1350,22 +1324,20 @@ def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
-# §7.7 kit-metadata-types: the first-class metadata the platform renders
-_METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (
+_METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (  # §7.7 kit-metadata-types
     ("model", str, "a string"), ("system_prompt_id", str, "a string"),
     ("total_input_tokens", int, "a non-negative integer"), ("total_output_tokens", int, "a non-negative integer"),
     ("agent_runtime_ms", (int, float), "a non-negative number"))
 
 
 def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
-    """The final response as text (§7.7 kit-result-shapes); strict, a non-string ``final_response`` is refused."""
-    if value is None or isinstance(value, str):
+    if value is None or isinstance(value, str):  # §7.7 kit-result-shapes
         return value
     if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
-    dump = getattr(value, "model_dump_json", None)  # a pydantic model, without importing pydantic
+    dump = getattr(value, "model_dump_json", None)  # a pydantic model
     return _safe_text(value, dump if callable(dump) else None)
 
 
@@ -1398,9 +1370,8 @@ def _tool_call_name(call: Any) -> Optional[str]:
 
 
 def _normalise_tool_call(call: Any) -> Any:
-    """A nested tool call ``{type, function: {name, arguments}}`` in the flat form (§7.7 kit-flat-tool-calls)."""
     if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
-        flat = {k: v for k, v in call.items() if k not in ("function", "type")}
+        flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
         flat["name"] = call["function"].get("name")
         if "arguments" in call["function"]:
             flat["arguments"] = call["function"]["arguments"]
@@ -1419,12 +1390,11 @@ def _normalise_messages(messages: Any) -> Any:
 
 
 def _well_formed(text: str) -> str:
-    """``text`` as valid Unicode: surrogate pairs joined, lone surrogates as U+FFFD."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # lone surrogates as U+FFFD
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` as the platform would take it, a note per change (§7.7 kit-lenient-response)."""
+    """``body`` as the platform takes it, a note per change (§7.7 kit-lenient-response)."""
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
@@ -1435,25 +1405,20 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
                       for j, call in enumerate(calls) if _tool_call_name(call) is None]
             message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
-    problems = _message_problems(messages, [])
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        notes.append(f"{problems[0]}{more}; messages dropped, as the platform drops a malformed transcript")
-        del body["messages"]
-    problems = _metadata_problems(body.get("metadata"), [])
-    if problems:
-        notes.append(f"{problems[0]}; metadata dropped, as the platform drops it")
-        del body["metadata"]
+    for key, problems in (("messages", _message_problems(messages, [])),
+                          ("metadata", _metadata_problems(body.get("metadata"), []))):
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            notes.append(f"{problems[0]}{more}; {key} dropped, as the platform drops it")
+            del body[key]
     return body, notes
 
 
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                       metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the response envelope (§4) of what an agent returned (§7.7 kit-result-shapes),
-    ``messages`` and ``metadata`` overriding those found there; lenient (kit-lenient-response), or ``strict``
-    (kit-strict-mode) raising :class:`ResponseError`.  A turn reply goes out as built when ``multi_turn``
-    (kit-turn-reply-detected), as the envelope otherwise (kit-turn-reply-single-turn)."""
+    """``(body, warnings)``: the response (§4) to what an agent returned, ``messages`` and ``metadata`` overriding
+    those found, ``strict`` or lenient (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
     notes: List[str] = []
     if _is_turn_reply(value):
         if multi_turn:
@@ -1476,8 +1441,8 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
 
 
 def _soft_problems(found: List[str], strict: bool) -> List[str]:
-    """The warnings of ``found`` without their ``warning:``; :class:`ResponseError` for the rest, and when ``strict``
-    for the warnings too, but a final response the platform truncates."""
+    """The warnings in ``found``; :class:`ResponseError` for the rest, and for them too when ``strict`` (but the
+    truncation warning)."""
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
@@ -1488,7 +1453,6 @@ def _soft_problems(found: List[str], strict: bool) -> List[str]:
 
 
 def _is_turn_reply(value: Any) -> bool:
-    """§7.7 kit-turn-reply-detected."""
     return isinstance(value, Mapping) and "message" in value and "session_done" in value and (
         "final_response" not in value)
 
@@ -1515,8 +1479,7 @@ def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, 
 
 def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
                      session_done: bool = False) -> Dict[str, Any]:
-    """A multi-turn reply ``{"message", "session_done", "metadata"?}`` (§4.2), checked strictly (§7.7
-    kit-turn-reply-checked): a non-string ``message`` becomes its JSON text."""
+    """A multi-turn reply (§4.2), checked strictly (§7.7 kit-turn-reply-checked)."""
     reply: Dict[str, Any] = {"message": _final_text(message, "message"), "session_done": session_done}
     if metadata is not None:
         reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
@@ -1524,8 +1487,7 @@ def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = No
 
 
 def validate_response(body: Any) -> List[str]:
-    """Every problem of a response body against §4.1 (§7.7 kit-strict-transcript), each starting with its JSON path:
-    errors first, then warnings (``warning: ...``); empty: it goes out as it is."""
+    """A response body's problems (§4.1, §7.7 kit-strict-transcript), each from its JSON path, warnings last."""
     return _response_problems(body, json_safe=False)
 
 
@@ -1533,13 +1495,11 @@ def _response_problems(body: Any, json_safe: bool) -> List[str]:
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
-    problems = _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, json_safe)
-    return problems + warnings
+    return _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, json_safe) + warnings
 
 
 def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> List[str]:
-    """``final_response``, or a turn reply's ``message``: a non-empty string (§4); blank, a warning (§7.7)."""
-    text = body.get(key)
+    text = body.get(key)  # final_response, or a turn reply's message
     if text is None or (key == "message" and text == ""):
         return [f"{key}: required, a non-empty string"]
     if not isinstance(text, str):
@@ -1555,8 +1515,7 @@ def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> Li
 
 
 def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    """What a turn reply shares with the envelope: ``messages``, ``metadata``, and (unless ``json_safe``: the
-    lenient builder made it) values JSON cannot carry."""
+    """``messages``, ``metadata``, and unless ``json_safe`` (made by the lenient builder) what JSON cannot carry."""
     problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
     if unsendable:
@@ -1565,7 +1524,6 @@ def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bo
 
 
 def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
-    """``metadata`` is an object or null; mistyped first-class keys are ``warnings`` (§7.7 kit-metadata-types)."""
     if metadata is None:
         return []
     if not isinstance(metadata, Mapping):
@@ -1584,7 +1542,7 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
-    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript); soft problems go to ``warnings``."""
+    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript)."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
@@ -1624,23 +1582,21 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
 
 
 def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
-    """A tool call against the schema's ``oneOf``: exactly one of the flat and the nested form."""
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
-    function = call.get("function")
+    function = call.get("function")  # the schema's oneOf: the flat form or the nested one
     flat = isinstance(call.get("name"), str)
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
         call.get("type", "function") == "function")
     if flat and nested:
-        return [f"{at}: has both 'name' and 'function': send one of the flat and the nested form"]
+        return [f"{at}: has both 'name' and 'function': send one"]
     if not flat and not nested:
         if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
-        return [f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it"]
+        return [f"{at}.name: no resolvable tool name; the platform drops it"]
     arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        warnings.append(f"warning: {at}.arguments: should be an object or a JSON-encoded string, got "
-                        f"{json_type(arguments)}")
+        warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
     if "id" in call and not isinstance(call["id"], str):
         return [f"{at}.id: must be a string, got {json_type(call['id'])}"]
     if "id" in call:
@@ -1653,17 +1609,17 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
 # ---------------------------------------------------------------------------
 
 class HttpReply(NamedTuple):
-    """What a dispatch endpoint answers: a status, headers and a JSON body."""
+    """What a dispatch endpoint answers."""
     status: int
     headers: List[Tuple[str, str]]
     body: bytes
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """``payload`` as compact JSON in valid UTF-8 (a lone surrogate as U+FFFD), with its length."""
+    """``payload`` as compact JSON in valid UTF-8, with its length."""
     try:
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
-    except UnicodeEncodeError:
+    except UnicodeEncodeError:  # a lone surrogate: sent as U+FFFD
         body = _COMPACT_JSON.encode(_jsonable(payload, "reply", [])).encode("utf-8")
     return HttpReply(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra_headers],
                      body)
@@ -1744,11 +1700,11 @@ class _Once(Generic[_T]):
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster in Python, each held to part 1 by a test; a port needs none
+# Speed paths: part 1's results computed faster, each held to part 1 by a test; a port needs none
 # ---------------------------------------------------------------------------
 
 def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)`` without its encoding sniff for a body opening ``{`` then a non-NUL byte: UTF-8."""
+    """``json.loads(data)``, skipping its encoding sniff where it gives UTF-8."""
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
@@ -1780,37 +1736,32 @@ def _plain_scalar(item: Any) -> bool:
     if kind is str:
         return _plain_text(item)
     if kind is int:
-        return cast(int, item).bit_length() < 14_000  # else maybe over MAX_INT_DIGITS digits
+        return cast(int, item).bit_length() < 14_000  # surely under MAX_INT_DIGITS digits
     if kind is float:
         return math.isfinite(item)
     return item is None or kind is bool
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string, or a dict of plain scalars with a string ``final_response``,
-    when it has no warning; ``None`` for anything else.  Exact types only: lenient and strict then agree."""
+    """:func:`response_envelope`'s body for a string or a flat dict of exact JSON scalars without a warning, else
+    ``None``."""
     if type(value) is str:
-        final, extra = value, {}
+        final, body = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
             "metadata" not in value):
-        final, extra = value["final_response"], value
+        final, body = value["final_response"], {k: v for k, v in value.items() if k != "final_response"}
+        if not all(type(k) is str and _plain_text(k) and _plain_scalar(v) for k, v in body.items()):
+            return None
     else:
         return None
     if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
         return None
-    body: Dict[str, Any] = {}
-    for key, item in extra.items():
-        if key != "final_response":
-            if type(key) is not str or not _plain_text(key) or not _plain_scalar(item):
-                return None
-            body[key] = item
     body["final_response"] = final  # last, as response_envelope puts it
     return body
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers in any of Python's forms as one
-# dict (§7.2 kit-repeated-header)
+# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers as one dict (kit-repeated-header)
 # ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1818,16 +1769,14 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class _FrozenDict(Dict[Any, Any]):
-    """A dict that refuses mutation, still a dict to ``json.dumps`` and ``isinstance``."""
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
-    def __reduce__(self) -> Any:  # copy, deepcopy and pickle give plain, mutable containers
+    def __reduce__(self) -> Any:  # copies are plain, mutable containers
         return (dict, (dict(self),))
 
 
 class _FrozenList(List[Any]):
-    """A list that refuses mutation, still a list to ``json.dumps`` and ``isinstance``."""
     __slots__ = ()
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
@@ -1840,7 +1789,7 @@ _LEAVES = frozenset({str, int, float, bool, type(None)})
 
 
 def _freeze(value: Any) -> Any:
-    """A deep copy of a JSON value, every dict and list read-only (a frozen one kept as it is)."""
+    """A deep, read-only copy of a JSON value (a frozen one is kept)."""
     kind = type(value)
     if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
         return value
@@ -1852,7 +1801,6 @@ def _freeze(value: Any) -> Any:
 
 
 def _thaw(value: Any) -> Any:
-    """A deep copy of a JSON value with plain dicts and lists."""
     if isinstance(value, dict):
         return {k: _thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -1861,7 +1809,7 @@ def _thaw(value: Any) -> Any:
 
 
 class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name, each with its first value; ``repeats`` holds a name's further values."""
+    """Headers by lower-cased name, with their first values; ``repeats`` holds the others."""
     __slots__ = ("repeats",)
 
     def __init__(self) -> None:
@@ -1870,7 +1818,7 @@ class _LowerHeaders(Dict[str, str]):
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1), names lower-cased."""
+    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1)."""
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
@@ -1886,15 +1834,13 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
 
 
 def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
-    """Whether header ``name`` came more than once (``conflicting``: with another value)."""
     extra = getattr(headers, "repeats", {}).get(name, ())
     first = (headers.get(name) or "").strip()
     return any(value.strip() != first for value in extra) if conflicting else bool(extra)
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7 kit-json-safe-response): what the response builder sends for a value JSON, UTF-8
-# or the platform's parser cannot carry (lenient), or names as the problem (strict)
+# Python values as JSON (§7.7 kit-json-safe-response): converted with a note, or refused (strict)
 # ---------------------------------------------------------------------------
 
 _CONVERT = "convert it (to a string, a list or an object)"
@@ -1905,15 +1851,14 @@ class _Unsendable(Exception):
 
 
 def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
-    """Note how a value is sent (lenient), or refuse it naming the fix (strict: ``notes`` is None)."""
-    if notes is None:
+    if notes is None:  # strict
         raise _Unsendable(f"{problem}: {fix}")
     notes.append(f"{problem}; {sent}")
 
 
 def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
               active: Optional[Set[int]] = None) -> Any:
-    """A copy of ``value`` that JSON carries, each change noted with its path in ``notes`` (None: strict)."""
+    """A copy of ``value`` that JSON carries, each change noted in ``notes`` (None: strict, the first raises)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -1948,7 +1893,6 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
 
 
 def _unsendable(value: Any, path: str) -> Optional[str]:
-    """The first place in ``value`` strict :func:`_jsonable` refuses, with the fix; ``None`` for none."""
     try:
         _jsonable(value, path, None)
     except _Unsendable as exc:
@@ -1957,7 +1901,6 @@ def _unsendable(value: Any, path: str) -> Optional[str]:
 
 
 def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
-    """A mapping, list, tuple or set; a cycle, nesting past MAX_JSON_DEPTH or a container that raises is cut."""
     if id(value) in active:
         _change(notes, f"{_short(path)}: contains itself (a cycle)", "cut there", "send a copy without the "
                 "back-reference")
@@ -1986,7 +1929,6 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
 
 def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
                      active: Set[int]) -> Dict[str, Any]:
-    """Every key a string, none lost to a collision."""
     out: Dict[str, Any] = {}
     taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
     for key, item in value.items():
@@ -2011,7 +1953,6 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[s
 
 
 def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
-    """``name``, else ``"name 2"``, ``"name 3"``, ...: the first in neither ``taken`` nor ``out``."""
     base, n = name, 2
     while name in taken or name in out:
         name, n = f"{base} {n}", n + 1
@@ -2019,15 +1960,14 @@ def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
 
 
 def _copied(mapping: Mapping[Any, Any]) -> Any:
-    """``dict(mapping)``, or a mapping that raises when read as it is, for :func:`_jsonable` to cut."""
     try:
         return dict(mapping)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - _jsonable cuts it
         return mapping
 
 
 def _int_text(number: int) -> str:
-    """Any integer's decimal text, without ``str()``'s digit limit."""
+    """Decimal text, without ``str()``'s digit limit."""
     if number < 0:
         return "-" + _int_text(-number)
     if number.bit_length() < 3000:  # under any int_max_str_digits a process may set (640 at the least)
@@ -2038,7 +1978,7 @@ def _int_text(number: int) -> str:
 
 
 def _key_text(key: Any) -> str:
-    """A non-string key's text, as ``json.dumps`` writes the ones it knows (``true``, ``null``, ``1``)."""
+    """A non-string key's text, as ``json.dumps`` writes ``true``, ``null``, ``1``."""
     if key is None or isinstance(key, bool):
         return json.dumps(key)
     if isinstance(key, int):
@@ -2049,7 +1989,7 @@ def _key_text(key: Any) -> str:
 
 
 def _safe_text(value: Any, method: Optional[Callable[[], Any]] = None) -> str:
-    """``method()`` (``isoformat``, ``model_dump_json``), else ``str(value)``, its ``repr``, ``<TypeName>``."""
+    """``method()``, else ``str(value)``, its ``repr`` or ``<TypeName>``."""
     try:
         return str(value if method is None else method())
     except Exception:  # noqa: BLE001
@@ -2064,11 +2004,11 @@ def _safe_repr(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Start-up settings, checked once where serve, DispatchApp and code mode read them
+# Start-up settings, checked where serve, DispatchApp and code mode read them
 # ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
-    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range), else ``ValueError``."""
+    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range)."""
     if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
             0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
         raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
@@ -2076,8 +2016,7 @@ def check_run_timeout(run_timeout_s: Any) -> float:
 
 
 def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """The proxy host allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``), ``None`` for none (§7.1
-    kit-proxy-host-allow-list); ``ValueError`` for one set but empty, or a malformed entry."""
+    """The allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``; §7.1 kit-proxy-host-allow-list)."""
     if text is None:
         return None
     entries = [_normal_host_entry(e.strip()) for e in text.split(",") if e.strip()]
