@@ -255,11 +255,10 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions; CONTRACT.md
-#   states each rule the code names (``§7.3 kit-run-timeout-range``).  No
-#   sockets, threads, logging or environment reads but an omitted
-#   ``environ``.  Part 2's first four sections stand for what a port's
-#   language gives: speed paths, read-only data, Python values as JSON.
+#   What a port must agree on, as data and pure functions, each rule named
+#   as CONTRACT.md states it (``§7.3 kit-run-timeout-range``).  No I/O: no
+#   sockets, threads, logging, or environment reads but an omitted
+#   ``environ``.  Part 2 opens with what a port's language gives instead.
 #
 # ###########################################################################
 
@@ -488,26 +487,20 @@ def validate_proxy_url(url: Any, where: str) -> str:
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
+        (parts.hostname or "").encode("idna")
+    except UnicodeError:
+        problem = "has a host name that is not valid"
     except ValueError as exc:
-        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} is not a valid URL: {exc}") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        problem = "must be an http:// or https:// URL with a host"
-    elif parts.query or parts.fragment:
-        problem = "must not carry a query or fragment"
-    elif _SPACE_OR_CONTROL.search(text):
-        problem = "contains whitespace or control characters"
+        problem = f"is not a valid URL: {exc}"
     else:
-        try:
-            parts.hostname.encode("idna")
-        except UnicodeError:
-            problem = "has a host name that is not valid"
-        else:
+        if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
+                parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
             return text
+        problem = "must be an http:// or https:// URL with a host, without query, fragment or whitespace"
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
 def _check_run_token(token: Any, where: str) -> str:
-    """The run token trimmed (§7.2 kit-run-token-checked), never shown."""
     text = token.strip() if isinstance(token, str) else ""
     if not text:
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
@@ -522,9 +515,8 @@ def _env_id(value: Optional[str]) -> Optional[Id]:
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
-    """The first int (no bool: §7.2 kit-float-ids-absent) or non-blank string, trimmed."""
     for value in candidates:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool):  # §7.2 kit-float-ids-absent
             return value
         if isinstance(value, str) and value.strip():
             return value.strip()
@@ -542,7 +534,7 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
 
 
 class Envelope:
-    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope)."""
+    """One run's dispatch context (§2.2, §5), read-only (§7.2 kit-read-only-envelope)."""
     __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
                  "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
                  "workspace", "tools_schema", "sub_agents", "raw")
@@ -618,7 +610,7 @@ class Envelope:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages: the earlier user and assistant texts, then this prompt."""
+        """This turn as chat messages: the earlier texts, then this prompt."""
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
                  and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                  and m["content"].strip()]
@@ -630,7 +622,7 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """A copy of ``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
+        """``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
         env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
         if self.task_id is not None:
@@ -651,7 +643,7 @@ class Envelope:
 
     @classmethod
     def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
-        """Read an HTTP dispatch (§2.2): the JSON body, then the headers (§7.2 kit-missing-says-where)."""
+        """Read an HTTP dispatch: the JSON body, then the headers (§2.2, §7.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
@@ -666,17 +658,18 @@ class Envelope:
                  if _header(h, name)]
         token = _header(h, HEADER_RUN_TOKEN)
         if not urls or token is None:
-            missing = (("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
-                        "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)"), not urls), (
-                "run token (looked for header X-Pipelines-Run-Token)", token is None)
-            raise EnvelopeError("dispatch is missing " + " and ".join(what for what, absent in missing if absent))
+            url_missing = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and "
+                           "headers X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
+            missing = [what for what, absent in ((url_missing, not urls), (
+                "run token (looked for header X-Pipelines-Run-Token)", token is None)) if absent]
+            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
         proxy_url = validate_proxy_url(urls[0][1], urls[0][0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
     def from_run(cls, task_input: Optional[Mapping[str, Any]], *, proxy_url: str, run_token: str,
                  environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read code mode's ``run()`` arguments (§5), the ids, jti and tools schema from ``environ`` (os.environ)."""
+        """Read code mode's ``run()`` arguments and ``environ`` (§5)."""
         if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
@@ -694,7 +687,7 @@ class Envelope:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read the code-mode ``PIPELINES_*`` environment (§5), the task from its JSON or base64 variable."""
+        """Read the code-mode environment (§5)."""
         env = os.environ if environ is None else environ
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
@@ -709,7 +702,7 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        """A body's envelope (§2.2, §7.2): wrong types read as absent, ids and jti falling back to ``headers``."""
+        """§2.2, §7.2: wrong types read as absent, ids and jti fall back to ``headers``."""
         raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields are its parts
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
@@ -750,7 +743,7 @@ def _env_json(text: str, name: str) -> Any:
 
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
-    """§3.6 the inline tools schema, ``_B64`` before ``_JSON`` (§7.2 kit-tools-schema-wrapped)."""
+    """§3.6, §7.2 kit-tools-schema-wrapped."""
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
         text = (env.get(name) or "").strip()
         if text:
@@ -806,22 +799,19 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
 
 
 def _body_length(headers: Mapping[str, str], max_body: int) -> int:
-    coding = headers.get("transfer-encoding")
-    if coding is not None and coding.strip().lower() == "chunked":
-        raise LengthRequiredError("chunked request bodies are not supported: send a Content-Length")
-    if coding is not None:
+    coding, declared = headers.get("transfer-encoding"), headers.get("content-length")
+    if coding is not None and coding.strip().lower() != "chunked":
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
+    if coding is not None or declared is None:
+        raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
-    declared = headers.get("content-length")
-    if declared is None:
-        raise LengthRequiredError("a Content-Length header is required")
-    length = _content_length(declared)
-    if length is None and not (declared.strip().isascii() and declared.strip().isdigit()):
-        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number (RFC 9112 §6.3)")
-    if length is None or length > max_body:
+    digits = declared.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
+    if len(digits) > 18 or int(digits) > max_body:
         raise BodyTooLargeError(f"request body over this endpoint's {max_body}-byte cap")
-    return length
+    return int(digits)
 
 
 # RFC 9112: a field name is a token right before its colon (no folding), a value has no control character but HTAB
@@ -844,7 +834,7 @@ class RequestHead(NamedTuple):
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head (the bytes before its empty line) strictly (§7.1 kit-strict-request-head)."""
+    """Read a request head (before its empty line) strictly (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     lines = head.split(b"\r\n")
@@ -876,30 +866,27 @@ def parse_request_head(head: bytes) -> RequestHead:
 
 
 def _head_problem(lines: List[bytes]) -> FramingError:
-    """The first rule a head the patterns refused breaks, in RFC 9112's order."""
     bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
     if bare is not None:
-        return FramingError(f"{f'header line {bare}' if bare else 'the request line'} has a bare CR or LF: every "
-                            "line must end in CRLF (RFC 9112 §2.2)")
+        return FramingError(f"line {bare + 1} of the request head has a bare CR or LF (RFC 9112 §2.2)")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not re.fullmatch(rb"[^\x00-\x20\x7f-\xff]+", parts[1]):
-        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)}: expected "
-                            "'METHOD /path HTTP/1.1' (RFC 9112 §3)")
+        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
     version = re.fullmatch(rb"HTTP/([0-9])\.[0-9]", parts[2])
-    if version is None:
-        return FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)} (RFC 9112 §2.3)")
-    if version.group(1) != b"1":
-        return VersionNotSupportedError(f"{parts[2].decode()} is not supported here: send HTTP/1.1")
+    if version is None or version[1] != b"1":
+        error = FramingError if version is None else VersionNotSupportedError
+        return error(f"{_short(repr(parts[2]), 40)} is not HTTP/1.x (RFC 9112 §2.3)")
     line = next(line for line in lines[1:] if _FIELD_LINE_RE.fullmatch(line) is None)
     name, colon, _ = line.partition(b":")
-    shown = _short(repr(name.decode("latin-1")), 60)
     if line[:1] in (b" ", b"\t"):
-        return FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
-    if not colon:
-        return FramingError(f"header line {shown} has no colon (RFC 9112 §5)")
-    if not _TOKEN.fullmatch(name):
-        return FramingError(f"header name {shown} is not a token: no whitespace before the colon (RFC 9112 §5.1)")
-    return FramingError(f"header {shown} has a control character in its value (RFC 9110 §5.5)")
+        problem = "starts with whitespace: obsolete line folding (RFC 9112 §5.2)"
+    elif not colon:
+        problem = "has no colon (RFC 9112 §5)"
+    elif not _TOKEN.fullmatch(name):
+        problem = "has a name that is not a token: no whitespace before the colon (RFC 9112 §5.1)"
+    else:
+        problem = "has a control character in its value (RFC 9110 §5.5)"
+    return FramingError(f"header line {lines.index(line)} {problem}")
 
 
 class Endpoint(NamedTuple):
@@ -931,8 +918,8 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: Optional[bytes], *,
            expected_token: Optional[str]) -> Decision:
-    """What one request gets, in §2.3's order: ``body`` is what :func:`request_body_length` let the adapter read,
-    ``expected_token`` ``""`` when its variable is unset."""
+    """What one request gets (§2.3): ``body`` as :func:`request_body_length` allowed, ``expected_token`` ``""``
+    when its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -992,7 +979,6 @@ _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_
 
 
 def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
-    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` and ``"::1"`` as ``("::1", None)``."""
     entry = entry.strip().lower()
     match = _HOST_ENTRY.fullmatch(entry)
     if match is None or (entry.count(":") > 1 and not entry.startswith("[")):
@@ -1027,7 +1013,7 @@ def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
-    """The proxy URL a connectivity check asks to probe (§2 step 4); :class:`EnvelopeError` when absent or bad."""
+    """The proxy URL a connectivity check probes (§2 step 4)."""
     url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(_lower_headers(headers),
                                                                                          HEADER_PROXY_URL)
     if not url:
@@ -1093,8 +1079,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 
 
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
-    """§7.5 kit-header-values."""
-    for name, value in headers.items():
+    for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
             return (f"header {name} has a line break or control character in its value (not shown: it may be "
                     "a secret), e.g. an environment variable read with its trailing newline")
@@ -1125,7 +1110,7 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
                       idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """A tool call, its name, actor label and arguments checked before anything is sent (§3.1, §3.5, §7.5)."""
+    """A tool call, checked before anything is sent (§3.1, §3.5, §7.5)."""
     validate_tool_name(name)
     label = validate_actor_label(actor)
     return proxy_request(proxy_url, run_token, "tools", name, encode_args(name, args), actor=label,
@@ -1307,7 +1292,6 @@ class RetryState:
 
 
 def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
-    """The reply's error, saying why it was not retried (§7.4 kit-retry-after-cap)."""
     error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
     who = "the proxy" if isinstance(error, ProxyError) else "the server"
     text = (f"{error} ({who} asked to wait {outcome.retry_after:g} s before a retry, longer than the "
@@ -1342,7 +1326,7 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 
 
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra keys)`` of a result (§7.7 kit-result-shapes)."""
+    """``(final, messages, metadata, extra keys)`` (§7.7 kit-result-shapes)."""
     if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
@@ -1420,7 +1404,8 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
     """``(body, warnings)``: the response (§4) to what an agent returned, ``messages`` and ``metadata`` overriding
     those found, ``strict`` or lenient (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
     notes: List[str] = []
-    if _is_turn_reply(value):
+    if isinstance(value, Mapping) and "message" in value and "session_done" in value and (
+            "final_response" not in value):  # a turn reply
         if multi_turn:
             return _turn_reply_body(value, strict)
         value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
@@ -1441,8 +1426,7 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
 
 
 def _soft_problems(found: List[str], strict: bool) -> List[str]:
-    """The warnings in ``found``; :class:`ResponseError` for the rest, and for them too when ``strict`` (but the
-    truncation warning)."""
+    """The warnings in ``found``; :class:`ResponseError` for the rest, and when ``strict`` for them too."""
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
@@ -1452,13 +1436,8 @@ def _soft_problems(found: List[str], strict: bool) -> List[str]:
     return soft
 
 
-def _is_turn_reply(value: Any) -> bool:
-    return isinstance(value, Mapping) and "message" in value and "session_done" in value and (
-        "final_response" not in value)
-
-
 def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: a turn reply as it goes out, its keys in their order (§7.7 kit-turn-reply-checked)."""
+    """``(body, warnings)``: a turn reply as it goes out (§7.7 kit-turn-reply-checked)."""
     body: Dict[str, Any] = dict(reply)
     notes: List[str] = []
     if not strict:
@@ -1515,7 +1494,7 @@ def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> Li
 
 
 def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    """``messages``, ``metadata``, and unless ``json_safe`` (made by the lenient builder) what JSON cannot carry."""
+    """``messages``, ``metadata``, and unless ``json_safe`` what JSON cannot carry."""
     problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
     if unsendable:
@@ -1704,7 +1683,7 @@ class _Once(Generic[_T]):
 # ---------------------------------------------------------------------------
 
 def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)``, skipping its encoding sniff where it gives UTF-8."""
+    """``json.loads(data)``, skipping its encoding sniff where it would find UTF-8."""
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
@@ -1736,15 +1715,15 @@ def _plain_scalar(item: Any) -> bool:
     if kind is str:
         return _plain_text(item)
     if kind is int:
-        return cast(int, item).bit_length() < 14_000  # surely under MAX_INT_DIGITS digits
+        return cast(int, item).bit_length() < 14_000  # surely at most MAX_INT_DIGITS digits
     if kind is float:
         return math.isfinite(item)
     return item is None or kind is bool
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string or a flat dict of exact JSON scalars without a warning, else
-    ``None``."""
+    """:func:`response_envelope`'s body for a string, or a flat dict of exact JSON scalars, that has no warning;
+    else ``None``."""
     if type(value) is str:
         final, body = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
@@ -1809,7 +1788,7 @@ def _thaw(value: Any) -> Any:
 
 
 class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name, with their first values; ``repeats`` holds the others."""
+    """Headers by lower-cased name with their first values; ``repeats`` holds the others."""
     __slots__ = ("repeats",)
 
     def __init__(self) -> None:
@@ -1843,9 +1822,6 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 # Python values as JSON (§7.7 kit-json-safe-response): converted with a note, or refused (strict)
 # ---------------------------------------------------------------------------
 
-_CONVERT = "convert it (to a string, a list or an object)"
-
-
 class _Unsendable(Exception):
     pass
 
@@ -1864,14 +1840,14 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
     if isinstance(value, str):
         if _SURROGATE_RE.search(value) is None:
             return value
-        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8", "sent as U+FFFD",
-                "replace it, e.g. text.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')")
+        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not UTF-8", "sent as U+FFFD",
+                "replace it")
         return _well_formed(value)
     if isinstance(value, int):
         if value.bit_length() < 14_000 or abs(value) < 10 ** MAX_INT_DIGITS:
             return int(value)
-        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers read",
-                "sent as its decimal text", "send it as a string")
+        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits", "sent as its decimal text",
+                "send it as a string")
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
@@ -1880,16 +1856,13 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
         return None
     if isinstance(value, (Mapping, list, tuple, set, frozenset)):
         return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    problem = f"{path}: {type(value).__name__} is not a JSON type"
     iso = getattr(value, "isoformat", None)
-    if callable(iso):
-        _change(notes, problem, "sent as its ISO text", _CONVERT)
-        return _jsonable(_safe_text(value, iso), path, notes, depth, active)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        _change(notes, problem, "sent as UTF-8 text", _CONVERT)
+    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
+    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+    _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
+    if raw:
         return bytes(value).decode("utf-8", "replace")
-    _change(notes, problem, "sent as its text", _CONVERT)
-    return _jsonable(_safe_text(value), path, notes, depth, active)
+    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
 
 
 def _unsendable(value: Any, path: str) -> Optional[str]:
@@ -1902,26 +1875,24 @@ def _unsendable(value: Any, path: str) -> Optional[str]:
 
 def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
     if id(value) in active:
-        _change(notes, f"{_short(path)}: contains itself (a cycle)", "cut there", "send a copy without the "
-                "back-reference")
+        _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
     if depth >= MAX_JSON_DEPTH:
-        _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there",
-                "flatten it or send that part as text")
+        _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there", "flatten it")
         return "[nested too deeply]"
     active.add(id(value))
     try:
         if isinstance(value, Mapping):
             return _jsonable_object(value, path, notes, depth, active)
         if not isinstance(value, (list, tuple)):
-            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", _CONVERT)
+            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
             value = sorted(value, key=_safe_repr)
         return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
     except _Unsendable:
         raise
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping)
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read
         _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
-                "cut there", "send plain dicts, lists, strings and numbers")
+                "cut there", "send plain dicts and lists")
         return f"[unreadable {type(value).__name__}]"
     finally:
         active.discard(id(value))
@@ -1939,8 +1910,7 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[s
             text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
             name = _free_name(text, taken, out)
             if name != text:
-                cast(List[str], notes).append(f"{path}: key {shown} would collide with another key once its lone "
-                                              f"surrogates are replaced; sent as {name!r}")
+                cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
         else:
             name = _key_text(key)
             sent = "sent as its text"
@@ -1970,7 +1940,7 @@ def _int_text(number: int) -> str:
     """Decimal text, without ``str()``'s digit limit."""
     if number < 0:
         return "-" + _int_text(-number)
-    if number.bit_length() < 3000:  # under any int_max_str_digits a process may set (640 at the least)
+    if number.bit_length() < 3000:  # under any int_max_str_digits (640 at the least)
         return str(number)
     half = number.bit_length() * 30103 // 200000  # about half its digits
     high, low = divmod(number, 10 ** half)
@@ -1978,8 +1948,7 @@ def _int_text(number: int) -> str:
 
 
 def _key_text(key: Any) -> str:
-    """A non-string key's text, as ``json.dumps`` writes ``true``, ``null``, ``1``."""
-    if key is None or isinstance(key, bool):
+    if key is None or isinstance(key, bool):  # as json.dumps writes the keys it takes
         return json.dumps(key)
     if isinstance(key, int):
         return _int_text(int.__int__(key))
@@ -1989,7 +1958,6 @@ def _key_text(key: Any) -> str:
 
 
 def _safe_text(value: Any, method: Optional[Callable[[], Any]] = None) -> str:
-    """``method()``, else ``str(value)``, its ``repr`` or ``<TypeName>``."""
     try:
         return str(value if method is None else method())
     except Exception:  # noqa: BLE001
@@ -2019,11 +1987,11 @@ def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
     """The allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``; §7.1 kit-proxy-host-allow-list)."""
     if text is None:
         return None
-    entries = [_normal_host_entry(e.strip()) for e in text.split(",") if e.strip()]
+    entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
     if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
-                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
-    return tuple(entries)
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the proxy hosts, or leave it "
+                         "unset to allow any")
+    return entries
 
 
 def _normal_host_entry(entry: str) -> str:
