@@ -652,18 +652,14 @@ class Envelope:
         if not isinstance(body, Mapping):
             raise EnvelopeError(f"dispatch body must be a JSON object, got {json_type(body)}")
         h = _lower_headers(headers)
-        urls = [(f"body field {name!r}", body[name]) for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY)
-                if isinstance(body.get(name), str) and body[name].strip()]
-        urls += [(f"header {name.title()}", h[name]) for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY)
-                 if _header(h, name)]
-        token = _header(h, HEADER_RUN_TOKEN)
-        if not urls or token is None:
+        found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
+        if found is None or token is None:
             url_missing = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and "
                            "headers X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
-            missing = [what for what, absent in ((url_missing, not urls), (
+            missing = [what for what, absent in ((url_missing, found is None), (
                 "run token (looked for header X-Pipelines-Run-Token)", token is None)) if absent]
             raise EnvelopeError("dispatch is missing " + " and ".join(missing))
-        proxy_url = validate_proxy_url(urls[0][1], urls[0][0])
+        proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
@@ -723,6 +719,17 @@ class Envelope:
             raw["tools_schema"] if isinstance(raw.get("tools_schema"), list) else None,
             _sub_agent_catalog(raw.get("sub_agents")), raw)
         return envelope
+
+
+def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
+    """``(where, url)``: the body field, its legacy name, the header, its legacy name (§7.2 kit-proxy-url-next-source)."""
+    for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
+        if isinstance(body.get(name), str) and body[name].strip():
+            return f"body field {name!r}", body[name]
+    for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
+        if _header(headers, name):
+            return f"header {name.title()}", headers[name]
+    return None
 
 
 def json_type(value: Any) -> str:
@@ -1014,12 +1021,11 @@ def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
     """The proxy URL a connectivity check probes (§2 step 4)."""
-    url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(_lower_headers(headers),
-                                                                                         HEADER_PROXY_URL)
-    if not url:
+    found = _proxy_url_source(payload, _lower_headers(headers))
+    if found is None:
         raise EnvelopeError("connectivity_check needs a proxy URL: body field 'odyssey_proxy_url' or header "
                             "X-Pipelines-Odyssey-Proxy-Url")
-    return validate_proxy_url(url, "the connectivity check")
+    return validate_proxy_url(found[1], "the connectivity check")
 
 
 # ---------------------------------------------------------------------------
