@@ -1704,14 +1704,6 @@ def _idempotency_key() -> str:
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
-def _well_formed_head(head: bytes) -> Optional[RequestHead]:
-    """:func:`parse_request_head`'s reading, ``None`` for a head it refuses (the servers then call it for the error)."""
-    try:
-        return parse_request_head(head)
-    except PipelinesError:
-        return None
-
-
 def _plain_text(text: str) -> bool:
     return text.isascii() or _SURROGATE_RE.search(text) is None
 
@@ -3888,7 +3880,7 @@ class _ServerConnection:
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
-                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
+                    self.head = head = parse_request_head(raw)
                 except PipelinesError as exc:
                     self._refuse(exc)
                     return
