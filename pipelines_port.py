@@ -722,7 +722,7 @@ class Envelope:
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
-    """``(where, url)``: the body field, its legacy name, the header, its legacy name (§7.2 kit-proxy-url-next-source)."""
+    """``(where, url)`` from the body field, its legacy one, the header, its legacy one (kit-proxy-url-next-source)."""
     for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
         if isinstance(body.get(name), str) and body[name].strip():
             return f"body field {name!r}", body[name]
@@ -1410,25 +1410,36 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
     """``(body, warnings)``: the response (§4) to what an agent returned, ``messages`` and ``metadata`` overriding
     those found, ``strict`` or lenient (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
     notes: List[str] = []
-    if isinstance(value, Mapping) and "message" in value and "session_done" in value and (
-            "final_response" not in value):  # a turn reply
-        if multi_turn:
-            return _turn_reply_body(value, strict)
-        value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-        notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
-                     "response envelope, its message as final_response")
-    final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
-    messages = found_messages if messages is None else messages
-    metadata = found_metadata if metadata is None else metadata
-    body: Dict[str, Any] = {**extra, "final_response": final}
-    if messages is not None:
-        body["messages"] = _normalise_messages(messages)
-    if metadata is not None:
-        body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
+    turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
+        "final_response" not in value)
+    if turn_reply and multi_turn:  # sent as built, its keys in their order (kit-turn-reply-checked)
+        body, key = dict(value), "message"
+        if not strict and body["message"] is not None and not isinstance(body["message"], str):
+            body["message"] = _final_text(body["message"], "message", notes=notes)
+        if not strict and not isinstance(body["session_done"], bool):
+            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
+            body["session_done"] = False
+    else:
+        if turn_reply:
+            value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
+            notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
+                         "response envelope, its message as final_response")
+        final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
+        body, key = {**extra, "final_response": final}, "final_response"
+        messages = found_messages if messages is None else messages
+        metadata = found_metadata if metadata is None else metadata
+        if messages is not None:
+            body["messages"] = _normalise_messages(messages)
+        if metadata is not None:
+            body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
         body, kept = _as_the_platform_keeps(body)
         notes += kept
-    return body, notes + _soft_problems(_response_problems(body, json_safe=not strict), strict)
+    warnings: List[str] = []
+    problems = _text_problems(body, key, warnings)
+    if key == "message" and not isinstance(body.get("session_done"), bool):
+        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    return body, notes + _soft_problems(problems + _shared_problems(body, warnings, not strict) + warnings, strict)
 
 
 def _soft_problems(found: List[str], strict: bool) -> List[str]:
@@ -1442,45 +1453,21 @@ def _soft_problems(found: List[str], strict: bool) -> List[str]:
     return soft
 
 
-def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: a turn reply as it goes out (§7.7 kit-turn-reply-checked)."""
-    body: Dict[str, Any] = dict(reply)
-    notes: List[str] = []
-    if not strict:
-        if body["message"] is not None and not isinstance(body["message"], str):
-            body["message"] = _final_text(body["message"], "message", notes=notes)
-        if not isinstance(body["session_done"], bool):
-            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
-            body["session_done"] = False
-        body, kept = _as_the_platform_keeps(body)
-        notes += kept
-    warnings: List[str] = []
-    problems = _text_problems(body, "message", warnings)
-    if not isinstance(body.get("session_done"), bool):
-        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
-    problems += _shared_problems(body, warnings, json_safe=not strict)
-    return body, notes + _soft_problems(problems + warnings, strict)
-
-
 def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
                      session_done: bool = False) -> Dict[str, Any]:
     """A multi-turn reply (§4.2), checked strictly (§7.7 kit-turn-reply-checked)."""
     reply: Dict[str, Any] = {"message": _final_text(message, "message"), "session_done": session_done}
     if metadata is not None:
         reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
-    return _turn_reply_body(reply, strict=True)[0]
+    return response_envelope(reply, strict=True, multi_turn=True)[0]
 
 
 def validate_response(body: Any) -> List[str]:
     """A response body's problems (§4.1, §7.7 kit-strict-transcript), each from its JSON path, warnings last."""
-    return _response_problems(body, json_safe=False)
-
-
-def _response_problems(body: Any, json_safe: bool) -> List[str]:
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
-    return _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, json_safe) + warnings
+    return _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, False) + warnings
 
 
 def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> List[str]:
