@@ -137,11 +137,10 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions: CONTRACT.md states
-#   each rule, the code names it (``§7.3 kit-run-timeout-range``).  No
-#   sockets, threads, logging or environment reads (an omitted ``environ`` is
-#   ``os.environ``).  Part 2's first four sections stand for what a port's own
-#   language gives: speed paths, read-only data, Python values as JSON.
+#   What a port must agree on, as data and pure functions, each rule named
+#   as CONTRACT.md states it (``§7.3 kit-run-timeout-range``).  No I/O: no
+#   sockets, threads, logging, or environment reads but an omitted
+#   ``environ``.  Part 2 opens with what a port's language gives instead.
 #
 # ###########################################################################
 
@@ -150,7 +149,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # Constants: the contract's names and numbers
 # ---------------------------------------------------------------------------
 
-# §2.1 inbound headers (matched in any case, stored lower-case), §2.2 body fields, §3.5 the actor header
+# §2.1 headers (any case; stored lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -160,7 +159,7 @@ HEADER_RUN_TOKEN_JTI = "x-pipelines-run-token-jti"
 BODY_PROXY_URL = "odyssey_proxy_url"
 BODY_PROXY_URL_LEGACY = "pwsa_proxy_url"
 HEADER_ACTOR_ID = "X-Pipelines-Actor-Id"
-# §5 code-mode environment, §3.6 the inline tools schema, §3.1 client settings
+# §5 code mode, §3.6, §3.1
 ENV_PROXY_URL = "PIPELINES_ODYSSEY_PROXY_URL"
 ENV_RUN_TOKEN = "PIPELINES_RUN_TOKEN"
 ENV_RUN_TOKEN_JTI = "PIPELINES_RUN_TOKEN_JTI"
@@ -174,7 +173,7 @@ ENV_TOOLS_SCHEMA_B64 = "PIPELINES_TOOLS_SCHEMA_B64"
 ENV_TOOLS_SCHEMA_JSON = "PIPELINES_TOOLS_SCHEMA_JSON"
 ENV_PROXY_TIMEOUT_S = "PIPELINES_PROXY_TIMEOUT_S"
 ENV_PROXY_RATE_PER_MINUTE = "PIPELINES_PROXY_RATE_PER_MINUTE"
-# §3.1 tool names, caps and pacing, §3.5 actor labels
+# §3.1, §3.5
 TOOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
@@ -183,8 +182,8 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # breaks a header value (a tab does not)
-# §3.3 retry classes, §3.4 trace event types
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value (a tab is fine)
+# §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
 TRACE_EVENT_TYPES = frozenset({"assistant_message", "thinking", "system_prompt", "custom", "llm_payload", "handoff",
@@ -201,8 +200,8 @@ MAX_REQUEST_HEAD_BYTES = 64 << 10
 MAX_REQUEST_FIELDS = 100
 DEFAULT_RUN_TIMEOUT_S = 300.0
 MAX_RUN_TIMEOUT_S = 1800.0
-DETAIL_LIMIT = 500  # characters of an error ``detail``
-# §4 the response, §7.7 what the builder keeps
+DETAIL_LIMIT = 500
+# §4, §7.7
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
 MAX_JSON_DEPTH = 100
@@ -212,7 +211,7 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors, each with the HTTP status an endpoint answers (``http_status``, §7.1 kit-error-statuses)
+# Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
 # ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
@@ -231,7 +230,7 @@ class RequestError(PipelinesError, ValueError, status=400):
 
 
 class EnvelopeError(RequestError):
-    """A dispatch envelope missing, malformed or not bound (§2, §5)."""
+    """A dispatch envelope missing, malformed or not bound."""
 
 
 class NotFoundError(RequestError, status=404):
@@ -254,15 +253,15 @@ class LengthRequiredError(RequestError, status=411):
 
 
 class BodyTooLargeError(RequestError, status=413):
-    """A body over the endpoint's cap, refused before it is read."""
+    """A body over the endpoint's cap."""
 
 
 class UnsupportedTransferCodingError(RequestError, status=501):
-    """A ``Transfer-Encoding`` other than chunked."""
+    """A Transfer-Encoding other than chunked."""
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112 (§7.1 kit-strict-request-head); the connection closes."""
+    """A request head that breaks RFC 9112: the connection closes."""
 
 
 class TargetTooLongError(FramingError, status=414):
@@ -278,22 +277,22 @@ class VersionNotSupportedError(FramingError, status=505):
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request not read whole within the server's ``read_timeout_s``."""
+    """A request not read within the server's ``read_timeout_s``."""
 
 
 class AuthError(PipelinesError, status=401):
-    """A missing or wrong credential (§2 step 1), never echoed."""
+    """A missing or wrong credential, never echoed."""
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
 
 
 class MisconfiguredError(PipelinesError, status=503):
-    """The agent token's variable is unset (§2 step 1)."""
+    """The agent token's variable is unset."""
 
 
 class ShuttingDownError(PipelinesError, status=503):
-    """The server is draining and takes no new requests."""
+    """The server is draining."""
 
 
 class OverloadedError(PipelinesError, status=503):
@@ -301,7 +300,7 @@ class OverloadedError(PipelinesError, status=503):
 
 
 class RunTimeoutError(PipelinesError, status=504):
-    """The agent overran ``run_timeout_s`` (§7.3)."""
+    """The agent overran ``run_timeout_s``."""
 
 
 class AgentError(PipelinesError):
@@ -309,14 +308,14 @@ class AgentError(PipelinesError):
 
 
 class ResponseError(PipelinesError, ValueError):
-    """A value that cannot become a response (§4); ``problems`` lists every problem."""
+    """A value that cannot become a response (§4); ``problems`` lists them all."""
     def __init__(self, problems: Union[str, Sequence[str]]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy call or trace post (§3.3), without the run token; ``status_code`` is None when no reply came."""
+    """A failed proxy call or trace post (§3.3); ``status_code`` is None when no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -324,7 +323,7 @@ class ProxyError(PipelinesError):
         self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
 
     def to_value(self) -> Dict[str, Any]:
-        """The failure as a tool result a model reads (§7.4 kit-errors-return)."""
+        """The failure as a tool result (§7.4 kit-errors-return)."""
         value: Dict[str, Any] = {"error": self.message}
         if self.error_class:
             value["error_class"] = self.error_class
@@ -370,49 +369,36 @@ def validate_proxy_url(url: Any, where: str) -> str:
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} is not a valid URL: {exc}") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        problem = "must be an http:// or https:// URL with a host"
-    elif parts.query or parts.fragment:
-        problem = "must not carry a query or fragment"
-    elif not _idna(parts.hostname):
+        (parts.hostname or "").encode("idna")
+    except UnicodeError:
         problem = "has a host name that is not valid"
-    elif _SPACE_OR_CONTROL.search(text):
-        raise EnvelopeError(f"proxy URL from {where} contains whitespace or control characters")
+    except ValueError as exc:
+        problem = f"is not a valid URL: {exc}"
     else:
-        return text
+        if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
+                parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
+            return text
+        problem = "must be an http:// or https:// URL with a host, without query, fragment or whitespace"
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
-def _idna(host: str) -> bool:
-    try:
-        host.encode("idna")
-    except UnicodeError:
-        return False
-    return True
-
-
 def _check_run_token(token: Any, where: str) -> str:
-    """The run token trimmed (§7.2 kit-run-token-checked); never shown: it is a secret."""
-    if not isinstance(token, str) or not token.strip():
+    text = token.strip() if isinstance(token, str) else ""
+    if not text:
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    text: str = token.strip()
     if "\t" in text or _CONTROL_CHARACTER.search(text):
         raise EnvelopeError(f"run token from {where} contains control characters")
     return text
 
 
 def _env_id(value: Optional[str]) -> Optional[Id]:
-    """§7.2 kit-env-ids-numeric."""
-    number = _content_length(value)
+    number = _content_length(value)  # §7.2 kit-env-ids-numeric
     return ((value or "").strip() or None) if number is None else number
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
-    """The first id: an int (no bool: §7.2 kit-float-ids-absent) or a non-blank string, trimmed."""
     for value in candidates:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool):  # §7.2 kit-float-ids-absent
             return value
         if isinstance(value, str) and value.strip():
             return value.strip()
@@ -430,8 +416,7 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
 
 
 class Envelope:
-    """One run's dispatch context (§2.2, §5), read-only all the way down (§7.2 kit-read-only-envelope): ``raw`` is
-    the whole body; ``repr`` hides the token."""
+    """One run's dispatch context (§2.2, §5), read-only (§7.2 kit-read-only-envelope)."""
     __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
                  "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
                  "workspace", "tools_schema", "sub_agents", "raw")
@@ -452,7 +437,7 @@ class Envelope:
     workspace: Optional[Mapping[str, Any]]
     tools_schema: Optional[Sequence[Any]]
     sub_agents: Tuple[str, ...]
-    raw: Mapping[str, Any]
+    raw: Mapping[str, Any]  # the whole dispatch body
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -477,7 +462,7 @@ class Envelope:
 
     __delattr__ = __setattr__
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the run token
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
@@ -494,12 +479,12 @@ class Envelope:
         return functools.partial(Envelope, **{n: getattr(self, n) for n in self.__slots__}), ()
 
     def replace(self, **changes: Any) -> Envelope:
-        """A copy with some fields changed (like ``dataclasses.replace``)."""
+        """A copy with some fields changed."""
         return Envelope(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
 
     @property
     def api_url(self) -> str:
-        """The proxy URL's origin (``PIPELINES_API_URL`` in code mode, §5)."""
+        """The proxy URL's origin (``PIPELINES_API_URL``, §5)."""
         return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
@@ -507,7 +492,7 @@ class Envelope:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages: the earlier user and assistant texts, then this prompt."""
+        """This turn as chat messages: the earlier texts, then this prompt."""
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
                  and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                  and m["content"].strip()]
@@ -519,7 +504,7 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """A new dict: ``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
+        """``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
         env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
         if self.task_id is not None:
@@ -540,32 +525,29 @@ class Envelope:
 
     @classmethod
     def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
-        """Read an HTTP dispatch (§2.2): the JSON body, then the headers (§7.2 kit-missing-says-where)."""
+        """Read an HTTP dispatch: the JSON body, then the headers (§2.2, §7.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
-            except (ValueError, UnicodeDecodeError) as exc:
+            except ValueError as exc:
                 raise EnvelopeError(f"dispatch body is not valid JSON: {exc}") from None
         if not isinstance(body, Mapping):
             raise EnvelopeError(f"dispatch body must be a JSON object, got {json_type(body)}")
         h = _lower_headers(headers)
-        urls = [(f"body field {name!r}", body[name]) for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY)
-                if isinstance(body.get(name), str) and body[name].strip()]
-        urls += [(f"header {name.title()}", h[name]) for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY)
-                 if _header(h, name)]
-        token = _header(h, HEADER_RUN_TOKEN)
-        if not urls or token is None:
-            missing = (("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
-                        "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)", not urls),
-                       ("run token (looked for header X-Pipelines-Run-Token)", token is None))
-            raise EnvelopeError("dispatch is missing " + " and ".join(what for what, absent in missing if absent))
-        proxy_url = validate_proxy_url(urls[0][1], urls[0][0])
+        found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
+        if found is None or token is None:
+            url_missing = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and "
+                           "headers X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
+            missing = [what for what, absent in ((url_missing, found is None), (
+                "run token (looked for header X-Pipelines-Run-Token)", token is None)) if absent]
+            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
+        proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
     def from_run(cls, task_input: Optional[Mapping[str, Any]], *, proxy_url: str, run_token: str,
                  environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read code mode's ``run()`` arguments (§5), the ids, jti and tools schema from ``environ`` (os.environ)."""
+        """Read code mode's ``run()`` arguments and ``environ`` (§5)."""
         if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
@@ -575,7 +557,7 @@ class Envelope:
         raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
         for key, value in (("task_id", _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))),
                            ("run_id", _env_id(env.get(ENV_RUN_ID))), ("agent_id", _env_id(env.get(ENV_AGENT_ID))),
-                           ("run_token_jti", (env.get(ENV_RUN_TOKEN_JTI) or "").strip() or None),
+                           ("run_token_jti", _header(env, ENV_RUN_TOKEN_JTI)),
                            ("tools_schema", _tools_schema_from_env(env))):
             if value is not None:
                 raw[key] = value
@@ -583,16 +565,13 @@ class Envelope:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
-        """Read the code-mode ``PIPELINES_*`` environment (§5), the task from its JSON or base64 variable."""
+        """Read the code-mode environment (§5)."""
         env = os.environ if environ is None else environ
-        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not (env.get(name) or "").strip()]
+        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        task: Any = {}
-        for name in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64):
-            if (env.get(name) or "").strip():
-                task = _env_json(env[name], name)
-                break
+        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
+                         {})
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
@@ -601,7 +580,7 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        """A body's envelope (§2.2, §7.2): wrong types read as absent, ids and jti falling back to ``headers``."""
+        """§2.2, §7.2: wrong types read as absent, ids and jti fall back to ``headers``."""
         raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields are its parts
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
@@ -624,6 +603,17 @@ class Envelope:
         return envelope
 
 
+def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
+    """``(where, url)`` from the body field, its legacy one, the header, its legacy one (kit-proxy-url-next-source)."""
+    for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
+        if isinstance(body.get(name), str) and body[name].strip():
+            return f"body field {name!r}", body[name]
+    for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
+        if _header(headers, name):
+            return f"header {name.title()}", headers[name]
+    return None
+
+
 def json_type(value: Any) -> str:
     """The JSON type of ``value`` as messages name it: ``"an object"``, ``"a string"``, ``"null"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
@@ -634,7 +624,6 @@ def json_type(value: Any) -> str:
 
 
 def _env_json(text: str, name: str) -> Any:
-    """The JSON value of environment variable ``name``, base64-encoded when it ends in ``_B64``."""
     encoded = name.endswith("_B64")
     try:
         return json.loads(base64.b64decode(text, validate=True) if encoded else text)
@@ -643,7 +632,7 @@ def _env_json(text: str, name: str) -> Any:
 
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
-    """§3.6 the inline tools schema, ``_B64`` before ``_JSON`` (§7.2 kit-tools-schema-wrapped)."""
+    """§3.6, §7.2 kit-tools-schema-wrapped."""
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
         text = (env.get(name) or "").strip()
         if text:
@@ -658,7 +647,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
 
 # ---------------------------------------------------------------------------
 # Inbound decisions (§2): ``decide`` says what a request gets; an adapter reads the body ``request_body_length``
-# allows, calls it once, and carries the decision out.
+# allows, calls it once, and carries the decision out
 # ---------------------------------------------------------------------------
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
@@ -670,8 +659,8 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     scheme, received = "bearer", received.strip()
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
-        received = received.strip() if scheme.lower() == "bearer" else ""  # still compared: the same time taken
-    try:  # servers hand header bytes over as latin-1 text: compare the bytes that arrived
+        received = received.strip() if scheme.lower() == "bearer" else ""  # compared all the same: same time
+    try:  # servers hand header bytes over as latin-1 text: compare the bytes that came
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
         sent = received.encode("utf-8", "surrogateescape")
@@ -684,8 +673,7 @@ def is_ping(body: Any) -> bool:
 
 
 def _content_length(value: Optional[str]) -> Optional[int]:
-    """ASCII digits, at most 18 of them, as an int; else ``None``."""
-    value = (value or "").strip()
+    value = (value or "").strip()  # ASCII digits, at most 18
     return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
 
 
@@ -700,26 +688,22 @@ def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[i
 
 
 def _body_length(headers: Mapping[str, str], max_body: int) -> int:
-    coding = headers.get("transfer-encoding")
-    if coding is not None and coding.strip().lower() == "chunked":
-        raise LengthRequiredError("chunked request bodies are not supported: send a Content-Length")
-    if coding is not None:
+    coding, declared = headers.get("transfer-encoding"), headers.get("content-length")
+    if coding is not None and coding.strip().lower() != "chunked":
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
+    if coding is not None or declared is None:
+        raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
-    declared = headers.get("content-length")
-    if declared is None:
-        raise LengthRequiredError("a Content-Length header is required")
-    length = _content_length(declared)
-    if length is None and not (declared.strip().isascii() and declared.strip().isdigit()):
-        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number (RFC 9112 §6.3)")
-    if length is None or length > max_body:
+    digits = declared.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
+    if len(digits) > 18 or int(digits) > max_body:
         raise BodyTooLargeError(f"request body over this endpoint's {max_body}-byte cap")
-    return length
+    return int(digits)
 
 
-# RFC 9112's request and field lines: a field name is a token right before its colon (no folding), its value has
-# no control character but HTAB (no bare CR or LF)
+# RFC 9112: a field name is a token right before its colon (no folding), a value has no control character but HTAB
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])" % _TOKEN.pattern)
 _FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
@@ -739,70 +723,59 @@ class RequestHead(NamedTuple):
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head (the bytes before its empty line) strictly (§7.1 kit-strict-request-head)."""
+    """Read a request head (before its empty line) strictly (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
-    line_end = head.find(b"\r\n")
-    if (line_end if line_end >= 0 else len(head)) > MAX_REQUEST_LINE_BYTES:
-        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
     lines = head.split(b"\r\n")
+    if len(lines[0]) > MAX_REQUEST_LINE_BYTES:
+        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
-        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or "
-                                   f"{MAX_REQUEST_FIELDS} fields")
+        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
+                                   "fields")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     if request is None:
         raise _head_problem(lines)
     headers: List[Tuple[str, str]] = []
-    hosts, lengths, coded = 0, [], False
     for line in lines[1:]:
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
             raise _head_problem(lines)
-        name, value = field.group(1).decode("ascii"), field.group(2).strip(b" \t").decode("latin-1")
-        lowered = name.lower()
-        if lowered == "host":
-            hosts += 1
-        elif lowered == "content-length":
-            lengths += [v.strip() for v in value.split(",")]
-        elif lowered == "transfer-encoding":
-            coded = True
-        headers.append((name, value))
+        headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
+    names = [name.lower() for name, _ in headers]
+    lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
-    if version == "HTTP/1.1" and hosts != 1:
+    if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
         raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
                            "(RFC 9112 §6.3)")
-    if coded and (lengths or version == "HTTP/1.0"):
+    if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
         raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
     return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
 
 
 def _head_problem(lines: List[bytes]) -> FramingError:
-    """The first rule broken by a head the patterns refused, in RFC 9112's order."""
     bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
     if bare is not None:
-        return FramingError(f"{f'header line {bare}' if bare else 'the request line'} has a bare CR or LF: every "
-                            "line must end in CRLF (RFC 9112 §2.2)")
+        return FramingError(f"line {bare + 1} of the request head has a bare CR or LF (RFC 9112 §2.2)")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not re.fullmatch(rb"[^\x00-\x20\x7f-\xff]+", parts[1]):
-        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)}: expected "
-                            "'METHOD /path HTTP/1.1' (RFC 9112 §3)")
+        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
     version = re.fullmatch(rb"HTTP/([0-9])\.[0-9]", parts[2])
-    if version is None:
-        return FramingError(f"malformed HTTP version {_short(repr(parts[2]), 40)} (RFC 9112 §2.3)")
-    if version.group(1) != b"1":
-        return VersionNotSupportedError(f"{parts[2].decode()} is not supported here: send HTTP/1.1")
+    if version is None or version[1] != b"1":
+        error = FramingError if version is None else VersionNotSupportedError
+        return error(f"{_short(repr(parts[2]), 40)} is not HTTP/1.x (RFC 9112 §2.3)")
     line = next(line for line in lines[1:] if _FIELD_LINE_RE.fullmatch(line) is None)
     name, colon, _ = line.partition(b":")
-    shown = _short(repr(name.decode("latin-1")), 60)
     if line[:1] in (b" ", b"\t"):
-        return FramingError("a header line starts with whitespace (obsolete line folding, RFC 9112 §5.2)")
-    if not colon:
-        return FramingError(f"header line {shown} has no colon (RFC 9112 §5)")
-    if not _TOKEN.fullmatch(name):
-        return FramingError(f"header name {shown} is not a token: no whitespace before the colon (RFC 9112 §5.1)")
-    return FramingError(f"header {shown} has a control character in its value (RFC 9110 §5.5)")
+        problem = "starts with whitespace: obsolete line folding (RFC 9112 §5.2)"
+    elif not colon:
+        problem = "has no colon (RFC 9112 §5)"
+    elif not _TOKEN.fullmatch(name):
+        problem = "has a name that is not a token: no whitespace before the colon (RFC 9112 §5.1)"
+    else:
+        problem = "has a control character in its value (RFC 9110 §5.5)"
+    return FramingError(f"header line {lines.index(line)} {problem}")
 
 
 class Endpoint(NamedTuple):
@@ -834,8 +807,8 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: Optional[bytes], *,
            expected_token: Optional[str]) -> Decision:
-    """What one request gets, in §2.3's order: ``body`` is what :func:`request_body_length` let the adapter read,
-    ``expected_token`` ``""`` when its variable is unset."""
+    """What one request gets (§2.3): ``body`` as :func:`request_body_length` allowed, ``expected_token`` ``""``
+    when its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -854,7 +827,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # before auth: the routes GET takes are open (kit-routes)
+    if path == HEALTH_PATH:  # the GET routes come before auth (kit-routes)
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
@@ -874,11 +847,11 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise BodyTooLargeError(f"request body over this endpoint's {endpoint.max_body}-byte cap")
     try:
         payload = _json_from_bytes(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice: send it once (§7.1 kit-hostile-input)")
+            raise RequestError("the ping body has the key 'ping' twice: send it once (kit-hostile-input)")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -895,7 +868,6 @@ _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_
 
 
 def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
-    """``"api.example.com:8443"`` as ``("api.example.com", 8443)``; ``"[::1]"`` and ``"::1"`` as ``("::1", None)``."""
     entry = entry.strip().lower()
     match = _HOST_ENTRY.fullmatch(entry)
     if match is None or (entry.count(":") > 1 and not entry.startswith("[")):
@@ -905,7 +877,7 @@ def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
-    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any host)."""
+    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -930,13 +902,12 @@ def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
-    """The proxy URL a connectivity check asks to probe (§2 step 4); :class:`EnvelopeError` when absent or bad."""
-    url = payload.get(BODY_PROXY_URL) or payload.get(BODY_PROXY_URL_LEGACY) or _header(_lower_headers(headers),
-                                                                                         HEADER_PROXY_URL)
-    if not url:
+    """The proxy URL a connectivity check probes (§2 step 4)."""
+    found = _proxy_url_source(payload, _lower_headers(headers))
+    if found is None:
         raise EnvelopeError("connectivity_check needs a proxy URL: body field 'odyssey_proxy_url' or header "
                             "X-Pipelines-Odyssey-Proxy-Url")
-    return validate_proxy_url(url, "the connectivity check")
+    return validate_proxy_url(found[1], "the connectivity check")
 
 
 # ---------------------------------------------------------------------------
@@ -952,7 +923,7 @@ def validate_tool_name(name: Any) -> str:
 
 
 def validate_actor_label(label: Any) -> Optional[str]:
-    """The actor label trimmed, ``None`` for an empty one, :class:`ProxyRequestError` for a bad one (§3.5)."""
+    """The actor label trimmed, ``None`` for an empty one (§3.5)."""
     if label is None:
         return None
     if not isinstance(label, str):
@@ -974,8 +945,7 @@ def validate_actor_label(label: Any) -> Optional[str]:
     raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# Compact, non-ASCII as it is; the strict one (request bodies) refuses NaN and infinities.  Made once: json.dumps
-# with options makes an encoder per call.
+# Made once: json.dumps with options makes an encoder per call
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -997,8 +967,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 
 
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
-    """A header whose value would break the request, named without its value (§7.5 kit-header-values)."""
-    for name, value in headers.items():
+    for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
             return (f"header {name} has a line break or control character in its value (not shown: it may be "
                     "a secret), e.g. an environment variable read with its trailing newline")
@@ -1006,7 +975,7 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as it goes on the wire (§3.1, §3.4); every retry sends it unchanged."""
+    """One proxy request as it goes on the wire (§3.1, §3.4), and again on every retry."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
     url: Any  # the split proxy URL (urllib.parse.SplitResult)
@@ -1023,13 +992,13 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
                "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
-    quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")  # such a name has nothing to encode
+    quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")
     return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quoted}", headers, body)
 
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
                       idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """A tool call, its name, actor label and arguments checked before anything is sent (§3.1, §3.5, §7.5)."""
+    """A tool call, checked before anything is sent (§3.1, §3.5, §7.5)."""
     validate_tool_name(name)
     label = validate_actor_label(actor)
     return proxy_request(proxy_url, run_token, "tools", name, encode_args(name, args), actor=label,
@@ -1038,7 +1007,7 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known type, a JSON object payload, ``__occurred_at`` stamped unless set."""
+    """A live trace event (§3.4): a known type, an object payload, ``__occurred_at`` stamped unless set."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
@@ -1053,7 +1022,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
                   payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """A ``handoff`` trace event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
+    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
@@ -1068,17 +1037,16 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
 # ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to (§3.2, §3.3); ``stale``: a pooled connection the server had closed, re-sent at once."""
+    """What one attempt came to; ``stale``: a pooled connection the server had closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
-    error: Optional[PipelinesError] = None  # ProxyError for proxy replies; post_json's HTTPStatusError
+    error: Optional[PipelinesError] = None
     retry_after: Optional[float] = None
     stale: bool = False
 
 
 def _model_retry_after(headers: Any) -> Optional[float]:
-    """The wait a model API asks for: ``retry-after-ms`` (OpenAI) first, else ``Retry-After``."""
-    lowered = _lower_headers(headers)
+    lowered = _lower_headers(headers)  # OpenAI's retry-after-ms first
     try:
         seconds = float(lowered.get("retry-after-ms") or "") / 1000
     except ValueError:
@@ -1087,7 +1055,7 @@ def _model_retry_after(headers: Any) -> Optional[float]:
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
-    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP-date); ``None`` when absent or unreadable."""
+    """Seconds from a ``Retry-After`` header (seconds or an HTTP date); ``None`` when absent or unreadable."""
     text = (value or "").strip()
     try:
         seconds = float(text)
@@ -1117,7 +1085,6 @@ def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
 
 
 def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
-    """``(value, is_json)``: the parsed JSON, else the text."""
     if not body:
         return None, False
     try:
@@ -1126,13 +1093,13 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
         return body.decode("utf-8", "replace"), False
 
 
-# §3.3 the retry decision as data: (status, error classes or None for any, outcome)
+# §3.3 as data: (status, error classes or None for any, outcome)
 RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
     (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
 
 def retry_decision(status: int, error_class: Optional[str]) -> str:
-    """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply, from :data:`RETRY_TABLE` (§3.3)."""
+    """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
     for table_status, classes, outcome in RETRY_TABLE:
         if status == table_status and (classes is None or error_class in classes):
             return outcome
@@ -1141,7 +1108,7 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: Optional[str] = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body); errors never show ``run_token``."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted from errors."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
@@ -1188,7 +1155,7 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): a driver makes an attempt, then does what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3): after each attempt, a driver does what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
@@ -1213,17 +1180,14 @@ class RetryState:
 
 
 def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
-    """The error of a reply whose ``Retry-After`` is past the cap, saying so (§7.4 kit-retry-after-cap)."""
-    error = outcome.error
-    note = (f" (the proxy asked to wait {outcome.retry_after:g} s before a retry, longer than the "
+    error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
+    who = "the proxy" if isinstance(error, ProxyError) else "the server"
+    text = (f"{error} ({who} asked to wait {outcome.retry_after:g} s before a retry, longer than the "
             f"{policy.max_retry_after_s:g} s this client waits: not retried)")
+    error.args = (text,)
     if isinstance(error, ProxyError):
-        return type(error)(error.message + note, status_code=error.status_code, error_class=error.error_class,
-                           body=error.body, tool_name=error.tool_name, retry_after=error.retry_after)
-    if error is not None:  # another driver's error (post_json's): its words, then why it was not retried
-        error.args = (f"{error}{note.replace('the proxy', 'the server')}",)
-        return error
-    return ProxyError(f"proxy call failed{note}", retry_after=outcome.retry_after)
+        error.message = text
+    return error
 
 
 # ---------------------------------------------------------------------------
@@ -1232,27 +1196,25 @@ def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
-# §7.7 kit-metadata-types: the first-class metadata the platform renders
-_METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (
+_METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (  # §7.7 kit-metadata-types
     ("model", str, "a string"), ("system_prompt_id", str, "a string"),
     ("total_input_tokens", int, "a non-negative integer"), ("total_output_tokens", int, "a non-negative integer"),
     ("agent_runtime_ms", (int, float), "a non-negative number"))
 
 
 def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
-    """The final response as text (§7.7 kit-result-shapes); strict, a non-string ``final_response`` is refused."""
-    if value is None or isinstance(value, str):
+    if value is None or isinstance(value, str):  # §7.7 kit-result-shapes
         return value
     if key == "final_response" and strict:
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
-    dump = getattr(value, "model_dump_json", None)  # a pydantic model, without importing pydantic
+    dump = getattr(value, "model_dump_json", None)  # a pydantic model
     return _safe_text(value, dump if callable(dump) else None)
 
 
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra keys)`` of a result (§7.7 kit-result-shapes)."""
+    """``(final, messages, metadata, extra keys)`` (§7.7 kit-result-shapes)."""
     if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
@@ -1280,9 +1242,8 @@ def _tool_call_name(call: Any) -> Optional[str]:
 
 
 def _normalise_tool_call(call: Any) -> Any:
-    """A nested tool call ``{type, function: {name, arguments}}`` in the flat form (§7.7 kit-flat-tool-calls)."""
     if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
-        flat = {k: v for k, v in call.items() if k not in ("function", "type")}
+        flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
         flat["name"] = call["function"].get("name")
         if "arguments" in call["function"]:
             flat["arguments"] = call["function"]["arguments"]
@@ -1301,12 +1262,11 @@ def _normalise_messages(messages: Any) -> Any:
 
 
 def _well_formed(text: str) -> str:
-    """``text`` as valid Unicode: surrogate pairs joined, lone surrogates as U+FFFD."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # lone surrogates as U+FFFD
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` as the platform would take it, a note per change (§7.7 kit-lenient-response)."""
+    """``body`` as the platform takes it, a note per change (§7.7 kit-lenient-response)."""
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
@@ -1317,49 +1277,55 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
                       for j, call in enumerate(calls) if _tool_call_name(call) is None]
             message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
-    problems = _message_problems(messages, [])
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        notes.append(f"{problems[0]}{more}; messages dropped, as the platform drops a malformed transcript")
-        del body["messages"]
-    problems = _metadata_problems(body.get("metadata"), [])
-    if problems:
-        notes.append(f"{problems[0]}; metadata dropped, as the platform drops it")
-        del body["metadata"]
+    for key, problems in (("messages", _message_problems(messages, [])),
+                          ("metadata", _metadata_problems(body.get("metadata"), []))):
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            notes.append(f"{problems[0]}{more}; {key} dropped, as the platform drops it")
+            del body[key]
     return body, notes
 
 
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                       metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the response envelope (§4) of what an agent returned (§7.7 kit-result-shapes),
-    ``messages`` and ``metadata`` overriding those found there; lenient (kit-lenient-response), or ``strict``
-    (kit-strict-mode) raising :class:`ResponseError`.  A turn reply goes out as built when ``multi_turn``
-    (kit-turn-reply-detected), as the envelope otherwise (kit-turn-reply-single-turn)."""
+    """``(body, warnings)``: the response (§4) to what an agent returned, ``messages`` and ``metadata`` overriding
+    those found, ``strict`` or lenient (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
     notes: List[str] = []
-    if _is_turn_reply(value):
-        if multi_turn:
-            return _turn_reply_body(value, strict)
-        value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-        notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
-                     "response envelope, its message as final_response")
-    final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
-    messages = found_messages if messages is None else messages
-    metadata = found_metadata if metadata is None else metadata
-    body: Dict[str, Any] = {**extra, "final_response": final}
-    if messages is not None:
-        body["messages"] = _normalise_messages(messages)
-    if metadata is not None:
-        body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
+    turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
+        "final_response" not in value)
+    if turn_reply and multi_turn:  # sent as built, its keys in their order (kit-turn-reply-checked)
+        body, key = dict(value), "message"
+        if not strict and body["message"] is not None and not isinstance(body["message"], str):
+            body["message"] = _final_text(body["message"], "message", notes=notes)
+        if not strict and not isinstance(body["session_done"], bool):
+            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
+            body["session_done"] = False
+    else:
+        if turn_reply:
+            value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
+            notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
+                         "response envelope, its message as final_response")
+        final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
+        body, key = {**extra, "final_response": final}, "final_response"
+        messages = found_messages if messages is None else messages
+        metadata = found_metadata if metadata is None else metadata
+        if messages is not None:
+            body["messages"] = _normalise_messages(messages)
+        if metadata is not None:
+            body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
         body, kept = _as_the_platform_keeps(body)
         notes += kept
-    return body, notes + _soft_problems(_response_problems(body, json_safe=not strict), strict)
+    warnings: List[str] = []
+    problems = _text_problems(body, key, warnings)
+    if key == "message" and not isinstance(body.get("session_done"), bool):
+        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    return body, notes + _soft_problems(problems + _shared_problems(body, warnings, not strict) + warnings, strict)
 
 
 def _soft_problems(found: List[str], strict: bool) -> List[str]:
-    """The warnings of ``found`` without their ``warning:``; :class:`ResponseError` for the rest, and when ``strict``
-    for the warnings too, but a final response the platform truncates."""
+    """The warnings in ``found``; :class:`ResponseError` for the rest, and when ``strict`` for them too."""
     errors = [p for p in found if not p.startswith("warning:")]
     soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
     if strict:
@@ -1369,59 +1335,25 @@ def _soft_problems(found: List[str], strict: bool) -> List[str]:
     return soft
 
 
-def _is_turn_reply(value: Any) -> bool:
-    """§7.7 kit-turn-reply-detected."""
-    return isinstance(value, Mapping) and "message" in value and "session_done" in value and (
-        "final_response" not in value)
-
-
-def _turn_reply_body(reply: Mapping[str, Any], strict: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: a turn reply as it goes out, its keys in their order (§7.7 kit-turn-reply-checked)."""
-    body: Dict[str, Any] = dict(reply)
-    notes: List[str] = []
-    if not strict:
-        if body["message"] is not None and not isinstance(body["message"], str):
-            body["message"] = _final_text(body["message"], "message", notes=notes)
-        if not isinstance(body["session_done"], bool):
-            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
-            body["session_done"] = False
-        body, kept = _as_the_platform_keeps(body)
-        notes += kept
-    warnings: List[str] = []
-    problems = _text_problems(body, "message", warnings)
-    if not isinstance(body.get("session_done"), bool):
-        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
-    problems += _shared_problems(body, warnings, json_safe=not strict)
-    return body, notes + _soft_problems(problems + warnings, strict)
-
-
 def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
                      session_done: bool = False) -> Dict[str, Any]:
-    """A multi-turn reply ``{"message", "session_done", "metadata"?}`` (§4.2), checked strictly (§7.7
-    kit-turn-reply-checked): a non-string ``message`` becomes its JSON text."""
+    """A multi-turn reply (§4.2), checked strictly (§7.7 kit-turn-reply-checked)."""
     reply: Dict[str, Any] = {"message": _final_text(message, "message"), "session_done": session_done}
     if metadata is not None:
         reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
-    return _turn_reply_body(reply, strict=True)[0]
+    return response_envelope(reply, strict=True, multi_turn=True)[0]
 
 
 def validate_response(body: Any) -> List[str]:
-    """Every problem of a response body against §4.1 (§7.7 kit-strict-transcript), each starting with its JSON path:
-    errors first, then warnings (``warning: ...``); empty: it goes out as it is."""
-    return _response_problems(body, json_safe=False)
-
-
-def _response_problems(body: Any, json_safe: bool) -> List[str]:
+    """A response body's problems (§4.1, §7.7 kit-strict-transcript), each from its JSON path, warnings last."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
-    problems = _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, json_safe)
-    return problems + warnings
+    return _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, False) + warnings
 
 
 def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> List[str]:
-    """``final_response``, or a turn reply's ``message``: a non-empty string (§4); blank, a warning (§7.7)."""
-    text = body.get(key)
+    text = body.get(key)  # final_response, or a turn reply's message
     if text is None or (key == "message" and text == ""):
         return [f"{key}: required, a non-empty string"]
     if not isinstance(text, str):
@@ -1437,8 +1369,7 @@ def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> Li
 
 
 def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    """What a turn reply shares with the envelope: ``messages``, ``metadata``, and (unless ``json_safe``: the
-    lenient builder made it) values JSON cannot carry."""
+    """``messages``, ``metadata``, and unless ``json_safe`` what JSON cannot carry."""
     problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
     if unsendable:
@@ -1447,7 +1378,6 @@ def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bo
 
 
 def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
-    """``metadata`` is an object or null; mistyped first-class keys are ``warnings`` (§7.7 kit-metadata-types)."""
     if metadata is None:
         return []
     if not isinstance(metadata, Mapping):
@@ -1466,7 +1396,7 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
-    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript); soft problems go to ``warnings``."""
+    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript)."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
@@ -1506,23 +1436,21 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
 
 
 def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
-    """A tool call against the schema's ``oneOf``: exactly one of the flat and the nested form."""
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
-    function = call.get("function")
+    function = call.get("function")  # the schema's oneOf: the flat form or the nested one
     flat = isinstance(call.get("name"), str)
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
         call.get("type", "function") == "function")
     if flat and nested:
-        return [f"{at}: has both 'name' and 'function': send one of the flat and the nested form"]
+        return [f"{at}: has both 'name' and 'function': send one"]
     if not flat and not nested:
         if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
-        return [f"{at}.name: no resolvable tool name (neither 'name' nor 'function.name'); the platform drops it"]
+        return [f"{at}.name: no resolvable tool name; the platform drops it"]
     arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        warnings.append(f"warning: {at}.arguments: should be an object or a JSON-encoded string, got "
-                        f"{json_type(arguments)}")
+        warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
     if "id" in call and not isinstance(call["id"], str):
         return [f"{at}.id: must be a string, got {json_type(call['id'])}"]
     if "id" in call:
@@ -1535,17 +1463,17 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
 # ---------------------------------------------------------------------------
 
 class HttpReply(NamedTuple):
-    """What a dispatch endpoint answers: a status, headers and a JSON body."""
+    """What a dispatch endpoint answers."""
     status: int
     headers: List[Tuple[str, str]]
     body: bytes
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """``payload`` as compact JSON in valid UTF-8 (a lone surrogate as U+FFFD), with its length."""
+    """``payload`` as compact JSON in valid UTF-8, with its length."""
     try:
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
-    except UnicodeEncodeError:
+    except UnicodeEncodeError:  # a lone surrogate: sent as U+FFFD
         body = _COMPACT_JSON.encode(_jsonable(payload, "reply", [])).encode("utf-8")
     return HttpReply(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra_headers],
                      body)
@@ -1623,11 +1551,11 @@ class _Once(Generic[_T]):
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster in Python, each held to part 1 by a test; a port needs none
+# Speed paths: part 1's results computed faster, each held to part 1 by a test; a port needs none
 # ---------------------------------------------------------------------------
 
 def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)`` without its encoding sniff for a body opening ``{`` then a non-NUL byte: UTF-8."""
+    """``json.loads(data)``, skipping its encoding sniff where it would find UTF-8."""
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
@@ -1642,14 +1570,6 @@ def _idempotency_key() -> str:
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
-def _well_formed_head(head: bytes) -> Optional[RequestHead]:
-    """:func:`parse_request_head`'s reading, ``None`` for a head it refuses (the servers then call it for the error)."""
-    try:
-        return parse_request_head(head)
-    except PipelinesError:
-        return None
-
-
 def _plain_text(text: str) -> bool:
     return text.isascii() or _SURROGATE_RE.search(text) is None
 
@@ -1659,37 +1579,32 @@ def _plain_scalar(item: Any) -> bool:
     if kind is str:
         return _plain_text(item)
     if kind is int:
-        return cast(int, item).bit_length() < 14_000  # else maybe over MAX_INT_DIGITS digits
+        return cast(int, item).bit_length() < 14_000  # surely at most MAX_INT_DIGITS digits
     if kind is float:
         return math.isfinite(item)
     return item is None or kind is bool
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string, or a dict of plain scalars with a string ``final_response``,
-    when it has no warning; ``None`` for anything else.  Exact types only: lenient and strict then agree."""
+    """:func:`response_envelope`'s body for a string, or a flat dict of exact JSON scalars, that has no warning;
+    else ``None``."""
     if type(value) is str:
-        final, extra = value, {}
+        final, body = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
             "metadata" not in value):
-        final, extra = value["final_response"], value
+        final, body = value["final_response"], {k: v for k, v in value.items() if k != "final_response"}
+        if not all(type(k) is str and _plain_text(k) and _plain_scalar(v) for k, v in body.items()):
+            return None
     else:
         return None
     if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
         return None
-    body: Dict[str, Any] = {}
-    for key, item in extra.items():
-        if key != "final_response":
-            if type(key) is not str or not _plain_text(key) or not _plain_scalar(item):
-                return None
-            body[key] = item
     body["final_response"] = final  # last, as response_envelope puts it
     return body
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers in any of Python's forms as one
-# dict (§7.2 kit-repeated-header)
+# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers as one dict (kit-repeated-header)
 # ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1697,16 +1612,14 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class _FrozenDict(Dict[Any, Any]):
-    """A dict that refuses mutation, still a dict to ``json.dumps`` and ``isinstance``."""
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
-    def __reduce__(self) -> Any:  # copy, deepcopy and pickle give plain, mutable containers
+    def __reduce__(self) -> Any:  # copies are plain, mutable containers
         return (dict, (dict(self),))
 
 
 class _FrozenList(List[Any]):
-    """A list that refuses mutation, still a list to ``json.dumps`` and ``isinstance``."""
     __slots__ = ()
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
@@ -1719,7 +1632,7 @@ _LEAVES = frozenset({str, int, float, bool, type(None)})
 
 
 def _freeze(value: Any) -> Any:
-    """A deep copy of a JSON value, every dict and list read-only (a frozen one kept as it is)."""
+    """A deep, read-only copy of a JSON value (a frozen one is kept)."""
     kind = type(value)
     if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
         return value
@@ -1731,7 +1644,6 @@ def _freeze(value: Any) -> Any:
 
 
 def _thaw(value: Any) -> Any:
-    """A deep copy of a JSON value with plain dicts and lists."""
     if isinstance(value, dict):
         return {k: _thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -1740,7 +1652,7 @@ def _thaw(value: Any) -> Any:
 
 
 class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name, each with its first value; ``repeats`` holds a name's further values."""
+    """Headers by lower-cased name with their first values; ``repeats`` holds the others."""
     __slots__ = ("repeats",)
 
     def __init__(self) -> None:
@@ -1749,7 +1661,7 @@ class _LowerHeaders(Dict[str, str]):
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1), names lower-cased."""
+    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1)."""
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
@@ -1765,47 +1677,41 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
 
 
 def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
-    """Whether header ``name`` came more than once (``conflicting``: with another value)."""
     extra = getattr(headers, "repeats", {}).get(name, ())
     first = (headers.get(name) or "").strip()
     return any(value.strip() != first for value in extra) if conflicting else bool(extra)
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7 kit-json-safe-response): what the response builder sends for a value JSON, UTF-8
-# or the platform's parser cannot carry (lenient), or names as the problem (strict)
+# Python values as JSON (§7.7 kit-json-safe-response): converted with a note, or refused (strict)
 # ---------------------------------------------------------------------------
-
-_CONVERT = "convert it (to a string, a list or an object)"
-
 
 class _Unsendable(Exception):
     pass
 
 
 def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
-    """Note how a value is sent (lenient), or refuse it naming the fix (strict: ``notes`` is None)."""
-    if notes is None:
+    if notes is None:  # strict
         raise _Unsendable(f"{problem}: {fix}")
     notes.append(f"{problem}; {sent}")
 
 
 def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
               active: Optional[Set[int]] = None) -> Any:
-    """A copy of ``value`` that JSON carries, each change noted with its path in ``notes`` (None: strict)."""
+    """A copy of ``value`` that JSON carries, each change noted in ``notes`` (None: strict, the first raises)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
         if _SURROGATE_RE.search(value) is None:
             return value
-        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not valid UTF-8", "sent as U+FFFD",
-                "replace it, e.g. text.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')")
+        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not UTF-8", "sent as U+FFFD",
+                "replace it")
         return _well_formed(value)
     if isinstance(value, int):
         if value.bit_length() < 14_000 or abs(value) < 10 ** MAX_INT_DIGITS:
             return int(value)
-        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits is more than JSON parsers read",
-                "sent as its decimal text", "send it as a string")
+        _change(notes, f"{path}: an integer of more than {MAX_INT_DIGITS} digits", "sent as its decimal text",
+                "send it as a string")
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
@@ -1814,20 +1720,16 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
         return None
     if isinstance(value, (Mapping, list, tuple, set, frozenset)):
         return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    problem = f"{path}: {type(value).__name__} is not a JSON type"
     iso = getattr(value, "isoformat", None)
-    if callable(iso):
-        _change(notes, problem, "sent as its ISO text", _CONVERT)
-        return _jsonable(_safe_text(value, iso), path, notes, depth, active)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        _change(notes, problem, "sent as UTF-8 text", _CONVERT)
+    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
+    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+    _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
+    if raw:
         return bytes(value).decode("utf-8", "replace")
-    _change(notes, problem, "sent as its text", _CONVERT)
-    return _jsonable(_safe_text(value), path, notes, depth, active)
+    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
 
 
 def _unsendable(value: Any, path: str) -> Optional[str]:
-    """The first place in ``value`` strict :func:`_jsonable` refuses, with the fix; ``None`` for none."""
     try:
         _jsonable(value, path, None)
     except _Unsendable as exc:
@@ -1836,28 +1738,25 @@ def _unsendable(value: Any, path: str) -> Optional[str]:
 
 
 def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
-    """A mapping, list, tuple or set; a cycle, nesting past MAX_JSON_DEPTH or a container that raises is cut."""
     if id(value) in active:
-        _change(notes, f"{_short(path)}: contains itself (a cycle)", "cut there", "send a copy without the "
-                "back-reference")
+        _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
     if depth >= MAX_JSON_DEPTH:
-        _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there",
-                "flatten it or send that part as text")
+        _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there", "flatten it")
         return "[nested too deeply]"
     active.add(id(value))
     try:
         if isinstance(value, Mapping):
             return _jsonable_object(value, path, notes, depth, active)
         if not isinstance(value, (list, tuple)):
-            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", _CONVERT)
+            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
             value = sorted(value, key=_safe_repr)
         return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
     except _Unsendable:
         raise
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read (a broken Mapping)
+    except Exception as exc:  # noqa: BLE001 - a container that raises when read
         _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
-                "cut there", "send plain dicts, lists, strings and numbers")
+                "cut there", "send plain dicts and lists")
         return f"[unreadable {type(value).__name__}]"
     finally:
         active.discard(id(value))
@@ -1865,7 +1764,6 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
 
 def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
                      active: Set[int]) -> Dict[str, Any]:
-    """Every key a string, none lost to a collision."""
     out: Dict[str, Any] = {}
     taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
     for key, item in value.items():
@@ -1876,8 +1774,7 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[s
             text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
             name = _free_name(text, taken, out)
             if name != text:
-                cast(List[str], notes).append(f"{path}: key {shown} would collide with another key once its lone "
-                                              f"surrogates are replaced; sent as {name!r}")
+                cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
         else:
             name = _key_text(key)
             sent = "sent as its text"
@@ -1890,7 +1787,6 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[s
 
 
 def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
-    """``name``, else ``"name 2"``, ``"name 3"``, ...: the first in neither ``taken`` nor ``out``."""
     base, n = name, 2
     while name in taken or name in out:
         name, n = f"{base} {n}", n + 1
@@ -1898,18 +1794,17 @@ def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
 
 
 def _copied(mapping: Mapping[Any, Any]) -> Any:
-    """``dict(mapping)``, or a mapping that raises when read as it is, for :func:`_jsonable` to cut."""
     try:
         return dict(mapping)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - _jsonable cuts it
         return mapping
 
 
 def _int_text(number: int) -> str:
-    """Any integer's decimal text, without ``str()``'s digit limit."""
+    """Decimal text, without ``str()``'s digit limit."""
     if number < 0:
         return "-" + _int_text(-number)
-    if number.bit_length() < 3000:  # under any int_max_str_digits a process may set (640 at the least)
+    if number.bit_length() < 3000:  # under any int_max_str_digits (640 at the least)
         return str(number)
     half = number.bit_length() * 30103 // 200000  # about half its digits
     high, low = divmod(number, 10 ** half)
@@ -1917,8 +1812,7 @@ def _int_text(number: int) -> str:
 
 
 def _key_text(key: Any) -> str:
-    """A non-string key's text, as ``json.dumps`` writes the ones it knows (``true``, ``null``, ``1``)."""
-    if key is None or isinstance(key, bool):
+    if key is None or isinstance(key, bool):  # as json.dumps writes the keys it takes
         return json.dumps(key)
     if isinstance(key, int):
         return _int_text(int.__int__(key))
@@ -1928,7 +1822,6 @@ def _key_text(key: Any) -> str:
 
 
 def _safe_text(value: Any, method: Optional[Callable[[], Any]] = None) -> str:
-    """``method()`` (``isoformat``, ``model_dump_json``), else ``str(value)``, its ``repr``, ``<TypeName>``."""
     try:
         return str(value if method is None else method())
     except Exception:  # noqa: BLE001
@@ -1943,11 +1836,11 @@ def _safe_repr(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Start-up settings, checked once where serve, DispatchApp and code mode read them
+# Start-up settings, checked where serve, DispatchApp and code mode read them
 # ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
-    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range), else ``ValueError``."""
+    """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range)."""
     if isinstance(run_timeout_s, bool) or not isinstance(run_timeout_s, (int, float)) or not (
             0 < run_timeout_s <= MAX_RUN_TIMEOUT_S):
         raise ValueError(f"run_timeout_s must be a number in (0, {MAX_RUN_TIMEOUT_S:g}], got {run_timeout_s!r}")
@@ -1955,15 +1848,14 @@ def check_run_timeout(run_timeout_s: Any) -> float:
 
 
 def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """The proxy host allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``), ``None`` for none (§7.1
-    kit-proxy-host-allow-list); ``ValueError`` for one set but empty, or a malformed entry."""
+    """The allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``; §7.1 kit-proxy-host-allow-list)."""
     if text is None:
         return None
-    entries = [_normal_host_entry(e.strip()) for e in text.split(",") if e.strip()]
+    entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
     if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): list the proxy hosts dispatches "
-                         "may name (e.g. .pipelines.tech), or leave it unset to allow any host")
-    return tuple(entries)
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the proxy hosts, or leave it "
+                         "unset to allow any")
+    return entries
 
 
 def _normal_host_entry(entry: str) -> str:
@@ -3592,7 +3484,7 @@ class _ServerConnection:
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
-                    self.head = head = _well_formed_head(raw) or parse_request_head(raw)
+                    self.head = head = parse_request_head(raw)
                 except PipelinesError as exc:
                     _log.info("refused a request from %s: %s", (self.transport.get_extra_info("peername") or "?")[0],
                               exc)

@@ -645,7 +645,7 @@ def lenient_request_heads() -> None:
         message = http.client.parse_headers(io.BytesIO(fields + b"\r\n\r\n"))
         return pp.RequestHead(method, target, version, list(message.items()))
 
-    pp._well_formed_head = lenient  # the servers' first reading of every head: the strict one is never reached
+    pp.parse_request_head = lenient  # the servers' reading of every head
 
 
 @variant("other_jitter", None)
