@@ -4047,7 +4047,7 @@ class _ServerConnection:
         self.eof = True  # a running dispatch still gets its reply, a body cut short its 400; then a close
         if self.task is None:
             self._advance()
-            self.closing = True
+        self.closing = self.task is None
         return not self.closing
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
