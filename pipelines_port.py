@@ -3449,7 +3449,7 @@ class _ServerConnection:
         self.eof = True  # a running dispatch still gets its reply, a body cut short its 400; then a close
         if self.task is None:
             self._advance()
-            self.closing = True
+        self.closing = self.task is None
         return not self.closing
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
@@ -3683,30 +3683,33 @@ class _ThreadsServer(AsyncDispatchServer):
     """``server="threads"``: each connection's requests go through the blocking handle, on a thread of its own."""
 
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
-        import asyncio
-        import concurrent.futures
-
         if conn.jobs is None:
             import queue
 
             conn.jobs = queue.SimpleQueue()
-            threading.Thread(target=_connection_thread, args=(conn.jobs,), daemon=True).start()
-        job: concurrent.futures.Future[HttpReply] = concurrent.futures.Future()
-        conn.jobs.put((job, functools.partial(self.app.handle, head.method, head.target, conn.headers, body)))
+            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
+        future = self.loop.create_future()
+        conn.jobs.put((future, head, conn.headers, body))
         try:
-            return await asyncio.wrap_future(job)
+            return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on, its reply dropped
             _log.warning("%s was cut before it finished: the server is shutting down", _run_label(conn.headers, body))
             raise
 
-
-def _connection_thread(jobs: Any) -> None:
-    for job, call in iter(jobs.get, None):
-        if job.set_running_or_notify_cancel():
+    def _work(self, jobs: Any) -> None:
+        for future, head, headers, body in iter(jobs.get, None):
             try:
-                job.set_result(call())
-            except Exception as exc:  # noqa: BLE001 - the loop answers the fallback reply
-                job.set_exception(exc)
+                reply = self.app.handle(head.method, head.target, headers, body)
+            except Exception as exc:  # noqa: BLE001 - the last line of defence
+                _log.exception("building the reply failed")
+                reply = _fallback_reply(exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                self.loop.call_soon_threadsafe(_resolve, future, reply)
+
+
+def _resolve(future: Any, result: Any) -> None:
+    if not future.done():  # cancelled meanwhile
+        future.set_result(result)
 
 
 def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:

@@ -170,6 +170,18 @@ def test_a_well_formed_request_after_the_refusals_still_works(served: Served) ->
     assert reply.status == 200 and json.loads(reply.body) == {"final_response": "ran"} and served.ran == [5]
 
 
+def test_a_body_cut_short_by_the_clients_eof_still_gets_its_400(served: Served) -> None:
+    """The client announces 100 bytes, sends 14 and shuts its side: the reply names the short body, then a close."""
+    data = head(b"POST /dispatch HTTP/1.1", b"Host: x", AUTH, b"Content-Length: 100") + b'{"ping": true}'
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        received = b"".join(iter(lambda: sock.recv(65536), b""))
+    (reply,) = _replies(received)
+    assert reply.status == 400 and reply.headers["connection"] == "close"
+    assert "truncated" in json.loads(reply.body)["detail"]
+
+
 # -- shutdown under the threaded server (the asyncio one: tests/test_async_server.py) --------------------------
 
 
