@@ -1,52 +1,48 @@
-"""pipelines_port: put any agent under test on the Pipelines platform, stdlib only.
+"""pipelines_port: put any agent under test on the Pipelines platform, stdlib only (Python 3.9+).
 
-One file, no dependencies, Python 3.9+: copy it as it is into a sandbox upload, run it as a dispatch server,
-or read it while porting.  It speaks the wire contract of CONTRACT.md (§2, §3.3, ... below point there; each
-rule says whether a port MUST, SHOULD or MAY keep it), in three parts, each opening with what it may do:
+Copy this one file as it is into a sandbox upload, run it as a dispatch server, or read it while porting.  It
+speaks the wire contract of CONTRACT.md (the § marks point there), in three parts, each opening with what it
+may do: 1. THE CONTRACT, pure: what a porter reads alone; 2. THE PYTHON RUNTIME: one transport on asyncio
+under both drivers, the proxy client, the dispatch app, its servers, code mode; 3. CONVENIENCES: agent-loop
+helpers, tools from code, framework bridges, the MCP shim, the command line.
 
-1. THE CONTRACT, pure (no sockets, threads, environment or logging): what a porter reads alone.
-2. THE PYTHON RUNTIME: what only Python needs first (speed paths, read-only data, values as JSON), then one
-   transport on asyncio under both drivers, the proxy client, the dispatch app and its servers, code mode.
-3. CONVENIENCES: agent-loop helpers, tools from code, framework bridges, the MCP shim, the command line.
-
-Bytes are a budget: the platform takes at most 200,000 per uploaded file, and a sandbox compiles the whole file
-at every start.  So one mechanism does each job (one transport, one retry loop, one request reader, one JSON
-walker), a rule is named here and explained once in CONTRACT.md, and the map says where the bytes go.
+Bytes are a budget: the platform takes at most 200,000 per file, and a sandbox compiles the file at each start.
+So one mechanism does each job, a rule is named here and explained in CONTRACT.md, and the map shows the cost.
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      138   0.9  PART 1 - THE CONTRACT
-      156   3.4    Constants: the contract's names and numbers
-      223   5.7    Errors
-      360  17.6    Envelope (§2 dispatch, §5 code mode)
-      693  17.6    Inbound decisions (§2)
-     1007   7.1    Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
-     1131   8.5    Reply interpretation (§3.2, §3.3) and the retry decision
-     1296  19.3    Response envelope (§4): building and validation
-     1633   2.5    HTTP replies of a dispatch endpoint: JSON bodies, one error path
-     1687   1.1  PART 2 - THE PYTHON RUNTIME
-     1725   3.7    Speed paths
-     1805   3.8    Python data
-     1893   8.9    Python values as JSON (§7.7 kit-json-safe-response)
-     2071   2.3    Start-up settings
-     2116   1.4    Context binding: the envelope of the dispatch running in this context
-     2147   2.7    Event loops: every exchange runs on one, a blocking caller's on its server's
-     2209   3.2    The deadline wheel: a loop's far timeouts (per connection, run, exchange;
-     2287  16.3    Transport: HTTP/1.1 exchanges on asyncio streams, keep-alive connections
-     2629   4.7    The retry loop of both drivers (RetryState.step decides), and what they share
-     2728  24.7    Proxy client (§3): tool calls, trace events, actors
-     3218   9.5    Running agents: a sync one on a fresh thread, an ``async def`` one as a task
-     3433  17.6    The dispatch app (§2): decide(), then probe the proxy or run the agent
-     3729   5.5    Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin
-     3835  18.8    The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
-     4230   4.8    Starting a server: make_server, start_server, serve (signals and the drain)
-     4326   7.1    Code mode (§5): one agent function, the sandbox's run() entrypoint
-     4445   0.3  PART 3 - CONVENIENCES
-     4454  10.1    Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
-     4652  12.8    Tools from code: JSON Schema from a function's signature, local argument
-     4881  20.8    Framework bridges (the porting guide's steps 1 and 2): a framework's tools as
-     5254   9.8    MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-     5432  13.9    Command line: serve, mcp
+      134   0.4  PART 1 - THE CONTRACT
+      145   2.8    Constants
+      210   4.6    Errors
+      344  15.8    Envelope (§2 dispatch, §5 code mode)
+      645  14.3    Inbound decisions (§2)
+      910   6.6    Request encoding (§3.1, §3.4, §3.5)
+     1032   7.6    Reply interpretation
+     1190  15.3    Response envelope (§4)
+     1458   2.4    HTTP replies of a dispatch endpoint
+     1512   1.1  PART 2 - THE PYTHON RUNTIME
+     1550   2.2    Speed paths
+     1603   3.0    Python data
+     1682   6.8    Python values as JSON
+     1835   1.9    Start-up settings, checked where serve
+     1875   1.4    Context binding
+     1906   2.7    Event loops
+     1968   3.2    The deadline wheel
+     2046  16.3    Transport
+     2388   4.7    The retry loop of both drivers
+     2487  20.8    Proxy client (§3)
+     2891   7.2    Running agents
+     3056  14.5    The dispatch app (§2)
+     3313   3.9    Server adapters
+     3395  14.8    The built-in server
+     3721   4.0    Starting a server
+     3797   4.7    Code mode (§5)
+     3880   0.2  PART 3 - CONVENIENCES
+     3889   9.1    Agent-loop helpers
+     4058  12.2    Tools from code
+     4266  17.4    Framework bridges
+     4572   8.9    MCP shim (§3.6)
+     4726  12.7    Command line: serve, mcp
 
 Quick look::
 
