@@ -2,6 +2,7 @@
 
     python3 bench/bench_fanout.py [--dispatches 300,1000,2000] [--latency 1.0] [--repeat 3] [--cap 120]
                                   [--servers sync,async,async_uvicorn,aiohttp,tuned] [--proxy lean|mock] [--steps]
+                                  [--before-rev REV]
 
 Each server (a process of its own) serves an agent making three proxy calls one after another; the proxy (a
 process of its own: ``lean``, bench/lean_proxy.py, asyncio, or ``mock``, the threaded MockProxy of
@@ -18,7 +19,8 @@ per server, all in the same run:
 Servers: ``sync`` (``python3 -m pipelines_port serve`` with a sync agent: a thread per dispatch, its calls
 on the blocking driver), ``async`` (the same server, an ``async def`` agent awaiting ``pp.aproxy_call``:
 every dispatch on one event loop), ``async_uvicorn`` (the ASGI app with the async agent under uvicorn),
-``threads`` (the sync agent under ``serve --server threads``: a thread per connection), ``aiohttp`` (an aiohttp server and
+``threads`` (the sync agent under ``serve --server threads``: a thread per connection), ``sync_before``,
+``async_before``, ``threads_before`` (the same from the module at ``--before-rev``, to compare a change), ``aiohttp`` (an aiohttp server and
 one ``ClientSession``, the same agent: bench/aiohttp_peer.py), ``tuned`` (FastAPI + uvicorn with one
 ``httpx.AsyncClient``), ``reference`` (FastAPI with a synchronous ``httpx.post`` per call, as the platform
 docs' wrapper) and ``pipelines_port_gunicorn`` (the WSGI app under gunicorn gthread).  The peers run in
@@ -51,6 +53,7 @@ DEFAULT = ["sync", "async", "async_uvicorn", "aiohttp", "tuned"]
 OURS = {"sync": ["bench/agents.py:three_calls", "--no-access-log"],
         "async": ["bench/agents.py:three_calls_async", "--no-access-log"],
         "threads": ["bench/agents.py:three_calls", "--server", "threads", "--no-access-log"]}
+BEFORE = "_before"  # sync_before, async_before, threads_before: the same server from the module at --before-rev
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -190,8 +193,10 @@ def build_servers(names: List[str], python: Optional[str], pycache: str, threads
     servers = []
     for name in names:
         port = benchlib.free_port()
-        if name in OURS:
-            command = [sys.executable, "-m", "pipelines_port", "serve", *OURS[name], "--host", HOST, "--port",
+        if name in OURS or name.endswith(BEFORE) and name[:-len(BEFORE)] in OURS:
+            before = os.path.join(pycache, "before", "pipelines_port.py")
+            launch = ["-m", "pipelines_port"] if name in OURS else [before]
+            command = [sys.executable, *launch, "serve", *OURS[name.replace(BEFORE, "")], "--host", HOST, "--port",
                        str(port), "--token-env", "BENCH_AGENT_TOKEN"]
             servers.append(Server(name, command, dict(base, BENCH_AGENT_TOKEN=AGENT_TOKEN), port))
         elif name == "async_uvicorn":
@@ -250,6 +255,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=64, help="gunicorn gthread threads (default 64)")
     parser.add_argument("--servers", default=",".join(DEFAULT))
     parser.add_argument("--proxy", choices=("lean", "mock"), default="lean")
+    parser.add_argument("--before-rev", default="40680a5", metavar="REV",
+                        help="the module the *_before servers run (git show REV:pipelines_port.py; default 40680a5, "
+                             "the module before issue 40's reshape)")
     parser.add_argument("--steps", action="store_true",
                         help="also show where each dispatch's time went: its request written, its first proxy call, "
                              "each later one, its reply (from the lean proxy's record)")
@@ -259,7 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     names = [n for n in args.servers.split(",") if n]
     counts = [int(c) for c in args.dispatches.split(",") if c]
     _raise_file_limit()
-    python = venv_python() if any(n not in OURS and n != "lean" for n in names) else None
+    python = venv_python() if any(n.replace(BEFORE, "") not in OURS and n != "lean" for n in names) else None
     record = os.path.join(tempfile.gettempdir(), f"fanout-record-{os.getpid()}.json") if args.steps else None
     proxy, proxy_url = start_proxy(args.proxy, args.latency, record)
     agent_s = 3 * args.latency
@@ -267,6 +275,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary: Dict[str, Dict[str, Any]] = {}
     first = 1
     with tempfile.TemporaryDirectory() as pycache:
+        if any(n.endswith(BEFORE) for n in names):
+            os.mkdir(os.path.join(pycache, "before"))
+            with open(os.path.join(pycache, "before", "pipelines_port.py"), "wb") as f:
+                f.write(subprocess.run(["git", "show", f"{args.before_rev}:pipelines_port.py"], cwd=benchlib.ROOT,
+                                       check=True, capture_output=True).stdout)
         servers = build_servers(names, python, pycache, args.threads)
         try:
             for server in servers:
