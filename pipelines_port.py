@@ -137,10 +137,8 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions, each rule named
-#   as CONTRACT.md states it (``§7.3 kit-run-timeout-range``).  No I/O: no
-#   sockets, threads, logging, or environment reads but an omitted
-#   ``environ``.  Part 2 opens with what a port's language gives instead.
+#   What a port must agree on, as data and pure functions, each rule named as in CONTRACT.md.
+#   No I/O: no sockets, threads, logging, or environment reads but an omitted ``environ``.
 #
 # ###########################################################################
 
@@ -215,7 +213,7 @@ _USER_AGENT = "pipelines-port/" + __version__
 # ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
-    """Base of the errors this module raises on purpose; ``headers`` are extra reply headers."""
+    """Base of this module's errors; ``headers`` are extra reply headers."""
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
@@ -324,12 +322,9 @@ class ProxyError(PipelinesError):
 
     def to_value(self) -> Dict[str, Any]:
         """The failure as a tool result (§7.4 kit-errors-return)."""
-        value: Dict[str, Any] = {"error": self.message}
-        if self.error_class:
-            value["error_class"] = self.error_class
-        if self.status_code is not None:
-            value["status_code"] = self.status_code
-        return value
+        extra = {"error_class": self.error_class or None, "status_code": self.status_code}
+        return {"error": self.message, **{k: v for k, v in extra.items() if v is not None}}
+
 
 
 class ProxyRequestError(ProxyError, ValueError):
@@ -405,8 +400,7 @@ def _first_id(*candidates: Any) -> Optional[Id]:
     return None
 
 
-def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
-    """§7.2 kit-sub-agents-catalog, kit-sub-agents-normalised."""
+def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog, kit-sub-agents-normalised
     labels: List[Optional[str]] = []
     for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
@@ -466,21 +460,18 @@ class Envelope:
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
-    __str__ = __repr__
+    def _fields(self) -> Dict[str, Any]:
+        return {n: getattr(self, n) for n in self.__slots__}
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Envelope):
-            return NotImplemented
-        return all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
-
-    __hash__ = None  # type: ignore[assignment]
+    def __eq__(self, other: object) -> bool:  # and so unhashable
+        return self._fields() == other._fields() if isinstance(other, Envelope) else NotImplemented
 
     def __reduce__(self) -> Any:
-        return functools.partial(Envelope, **{n: getattr(self, n) for n in self.__slots__}), ()
+        return functools.partial(Envelope, **self._fields()), ()
 
     def replace(self, **changes: Any) -> Envelope:
         """A copy with some fields changed."""
-        return Envelope(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
+        return Envelope(**{**self._fields(), **changes})
 
     @property
     def api_url(self) -> str:
@@ -536,11 +527,10 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            url_missing = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and "
-                           "headers X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
-            missing = [what for what, absent in ((url_missing, found is None), (
-                "run token (looked for header X-Pipelines-Run-Token)", token is None)) if absent]
-            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
+            missing = ["proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
+                       "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)"] if found is None else []
+            raise EnvelopeError("dispatch is missing " + " and ".join(
+                missing + (["run token (looked for header X-Pipelines-Run-Token)"] if token is None else [])))
         proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
@@ -555,12 +545,10 @@ class Envelope:
         run_token = _check_run_token(run_token, "the run_token argument")
         task = dict(task_input or {})
         raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
-        for key, value in (("task_id", _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))),
-                           ("run_id", _env_id(env.get(ENV_RUN_ID))), ("agent_id", _env_id(env.get(ENV_AGENT_ID))),
-                           ("run_token_jti", _header(env, ENV_RUN_TOKEN_JTI)),
-                           ("tools_schema", _tools_schema_from_env(env))):
-            if value is not None:
-                raw[key] = value
+        found = {"task_id": _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID))),
+                 "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
+                 "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
+        raw.update((key, value) for key, value in found.items() if value is not None)
         return cls._read(raw, proxy_url, run_token, {})
 
     @classmethod
@@ -580,8 +568,8 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        """§2.2, §7.2: wrong types read as absent, ids and jti fall back to ``headers``."""
-        raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields are its parts
+        # §7.2: wrong types read as absent, ids and jti fall back to ``headers``; frozen once, the fields its parts
+        raw = _freeze(body if isinstance(body, dict) else dict(body))
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -631,9 +619,9 @@ def _env_json(text: str, name: str) -> Any:
         raise EnvelopeError(f"{name} is not {'base64-encoded ' if encoded else 'valid '}JSON: {exc}") from None
 
 
-def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
-    """§3.6, §7.2 kit-tools-schema-wrapped."""
+def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
+
         text = (env.get(name) or "").strip()
         if text:
             value = _env_json(text, name)
