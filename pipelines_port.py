@@ -1383,6 +1383,13 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
     return []
 
 
+# §4.1 as data: a message's key, the types it may hold, what the problem says it must be
+_MESSAGE_KEYS: Tuple[Tuple[str, Any, str], ...] = (
+    ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
+    ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
+    ("tool_call_id", str, "a string"))
+
+
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
     """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript)."""
     if messages is None:
@@ -1396,30 +1403,24 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls", ())
+        role, calls, thinking = message.get("role"), message.get("tool_calls", ()), message.get("thinking", ())
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        if content is not None and not isinstance(content, (str, list, tuple)):
-            problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
-        if not isinstance(calls, (list, tuple)):
-            problems.append(f"{at}.tool_calls: must be an array, got {json_type(calls)}")
-        elif role != "assistant" and calls:
+        wrong = {key: f"{at}.{key}: must be {wanted}, got {json_type(message[key])}"
+                 for key, kinds, wanted in _MESSAGE_KEYS if key in message and not isinstance(message[key], kinds)}
+        problems += [wrong.pop(key) for key in ("content", "tool_calls") if key in wrong]  # in the order of the keys
+        calls = calls if isinstance(calls, (list, tuple)) else ()
+        if role != "assistant" and calls:
             warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
-        for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
+        for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
-        thinking = message.get("thinking", ())
-        if not isinstance(thinking, (list, tuple)):
-            problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
-        else:
-            problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                         for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
-        call_id = message.get("tool_call_id")
-        if "tool_call_id" in message and not isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
-        elif role == "tool" and not call_id:
-            problems.append(f"{at}.tool_call_id: required on role 'tool'")
-        elif role == "tool" and call_id not in call_ids:
-            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
+        problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}" for j, block in
+                     enumerate(thinking if isinstance(thinking, (list, tuple)) else ()) if not isinstance(block, Mapping)]
+        problems += wrong.values()
+        call_id = message.get("tool_call_id", "")
+        if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
+            problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} is not the id of an earlier tool "
+                                                      "call" if call_id else "required on role 'tool'"))
     return problems
 
 
@@ -1436,13 +1437,13 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
         if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name; the platform drops it"]
-    arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
+    arguments = (function if nested else call).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
-    if "id" in call and not isinstance(call["id"], str):
-        return [f"{at}.id: must be a string, got {json_type(call['id'])}"]
-    if "id" in call:
-        call_ids.add(call["id"])
+    call_id = call.get("id", "")
+    if not isinstance(call_id, str):
+        return [f"{at}.id: must be a string, got {json_type(call_id)}"]
+    call_ids.add(call_id)
     return []
 
 
