@@ -346,6 +346,7 @@ class StaleRunTokenError(ProxyError):
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
+_TOKEN_REFUSED = re.compile("[\x00-\x1f\x7f]")  # a control character in a run token, a tab too
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -381,7 +382,7 @@ def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
     if not text:
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    if "\t" in text or _CONTROL_CHARACTER.search(text):
+    if _TOKEN_REFUSED.search(text):
         raise EnvelopeError(f"run token from {where} contains control characters")
     return text
 
@@ -452,7 +453,7 @@ class Envelope:
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any = None) -> None:
-        raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
+        raise AttributeError("Envelope is read-only: use replace()")
 
     __delattr__ = __setattr__
 
@@ -475,7 +476,7 @@ class Envelope:
 
     @property
     def api_url(self) -> str:
-        """The proxy URL's origin (``PIPELINES_API_URL``, §5)."""
+        """The proxy URL's origin (§5 ``PIPELINES_API_URL``)."""
         return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
@@ -516,7 +517,7 @@ class Envelope:
 
     @classmethod
     def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
-        """Read an HTTP dispatch: the JSON body, then the headers (§2.2, §7.2)."""
+        """Read an HTTP dispatch: the JSON body, then the headers (§2.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
@@ -592,7 +593,7 @@ class Envelope:
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
-    """``(where, url)`` from the body field, its legacy one, the header, its legacy one (kit-proxy-url-next-source)."""
+    """``(where, url)`` from the first source set (§7.2 kit-proxy-url-next-source)."""
     for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
         if isinstance(body.get(name), str) and body[name].strip():
             return f"body field {name!r}", body[name]
@@ -603,7 +604,8 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Op
 
 
 def json_type(value: Any) -> str:
-    """The JSON type of ``value`` as messages name it: ``"an object"``, ``"a string"``, ``"null"``, ..."""
+    """The JSON type of ``value`` as messages name it: ``"an object"``, ``"null"``, ..."""
+
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
                         ((list, tuple), "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
@@ -639,7 +641,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §
 # ---------------------------------------------------------------------------
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), compared in constant time."""
+    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
     expected = (expected or "").strip()
     received = _lower_headers(headers).get(header_name.lower())
     if not expected or received is None:
@@ -681,6 +683,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if coding is not None or declared is None:
         raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
+
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
     digits = declared.strip()
@@ -753,17 +756,9 @@ def _head_problem(lines: List[bytes]) -> FramingError:
     if version is None or version[1] != b"1":
         error = FramingError if version is None else VersionNotSupportedError
         return error(f"{_short(repr(parts[2]), 40)} is not HTTP/1.x (RFC 9112 §2.3)")
-    line = next(line for line in lines[1:] if _FIELD_LINE_RE.fullmatch(line) is None)
-    name, colon, _ = line.partition(b":")
-    if line[:1] in (b" ", b"\t"):
-        problem = "starts with whitespace: obsolete line folding (RFC 9112 §5.2)"
-    elif not colon:
-        problem = "has no colon (RFC 9112 §5)"
-    elif not _TOKEN.fullmatch(name):
-        problem = "has a name that is not a token: no whitespace before the colon (RFC 9112 §5.1)"
-    else:
-        problem = "has a control character in its value (RFC 9110 §5.5)"
-    return FramingError(f"header line {lines.index(line)} {problem}")
+    line = next(n for n, line in enumerate(lines) if n and _FIELD_LINE_RE.fullmatch(line) is None)
+    return FramingError(f"header line {line} is not a token, a colon and a value without control characters "
+                        "(RFC 9112 §5: no line folding, no whitespace before the colon)")
 
 
 class Endpoint(NamedTuple):
