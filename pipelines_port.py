@@ -528,10 +528,10 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            missing = ["proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
-                       "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)"] if found is None else []
+            url = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
+                   "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
             raise EnvelopeError("dispatch is missing " + " and ".join(
-                missing + (["run token (looked for header X-Pipelines-Run-Token)"] if token is None else [])))
+                [url] * (found is None) + ["run token (looked for header X-Pipelines-Run-Token)"] * (token is None)))
         proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
@@ -1156,21 +1156,17 @@ class RetryState:
             wait = None if outcome.stale else self.policy.delay(self.transport_failures)
             return RetryStep("retry", error=outcome.error, wait_s=wait)
         if outcome.kind == "retry" and (outcome.retry_after or 0) > self.policy.max_retry_after_s:
-            return RetryStep("raise", error=_not_waited(outcome, self.policy))
+            error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
+            text = (f"{error} ({'the proxy' if isinstance(error, ProxyError) else 'the server'} asked to wait "
+                    f"{outcome.retry_after:g} s before a retry, longer than the {self.policy.max_retry_after_s:g} s "
+                    "this client waits: not retried)")
+            error.args = (text,)
+            if isinstance(error, ProxyError):
+                error.message = text
+            return RetryStep("raise", error=error)
         if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
             return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
         return RetryStep("raise", error=outcome.error)
-
-
-def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
-    error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
-    who = "the proxy" if isinstance(error, ProxyError) else "the server"
-    text = (f"{error} ({who} asked to wait {outcome.retry_after:g} s before a retry, longer than the "
-            f"{policy.max_retry_after_s:g} s this client waits: not retried)")
-    error.args = (text,)
-    if isinstance(error, ProxyError):
-        error.message = text
-    return error
 
 
 # ---------------------------------------------------------------------------
@@ -1301,21 +1297,16 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body, kept = _as_the_platform_keeps(body)
         notes += kept
     warnings: List[str] = []
-    problems = _text_problems(body, key, warnings)
+    errors = _text_problems(body, key, warnings)
     if key == "message" and not isinstance(body.get("session_done"), bool):
-        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
-    return body, notes + _soft_problems(problems + _shared_problems(body, warnings, not strict) + warnings, strict)
-
-
-def _soft_problems(found: List[str], strict: bool) -> List[str]:
-    """The warnings in ``found``; :class:`ResponseError` for the rest, and when ``strict`` for them too."""
-    errors = [p for p in found if not p.startswith("warning:")]
-    soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
-    if strict:
+        errors.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    errors += _shared_problems(body, warnings, not strict)
+    soft = [w[len("warning: "):] for w in warnings]
+    if strict:  # a warning is an error too, but for the platform's own truncation
         errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
     if errors:
         raise ResponseError(errors)
-    return soft
+    return body, notes + soft
 
 
 def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
@@ -1409,8 +1400,9 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
             warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
         for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
-        problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}" for j, block in
-                     enumerate(thinking if isinstance(thinking, (list, tuple)) else ()) if not isinstance(block, Mapping)]
+        blocks = thinking if isinstance(thinking, (list, tuple)) else ()
+        problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                     for j, block in enumerate(blocks) if not isinstance(block, Mapping)]
         problems += wrong.values()
         call_id = message.get("tool_call_id", "")
         if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
@@ -1432,7 +1424,7 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
         if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name; the platform drops it"]
-    arguments = (function if nested else call).get("arguments")
+    arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
     call_id = call.get("id", "")
@@ -1479,20 +1471,17 @@ def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Opti
 
 def redact(value: Any, *secrets: Optional[str]) -> Any:
     """``value`` (a string or JSON value) with each non-empty secret replaced by ``[redacted]``."""
-    for secret in secrets:
-        if secret:
-            value = _redact_one(value, secret)
-    return value
-
-
-def _redact_one(value: Any, secret: str) -> Any:
+    kept = [secret for secret in secrets if secret]
     if isinstance(value, str):
-        return value.replace(secret, _REDACTED)
-    if isinstance(value, dict):
-        return {_redact_one(k, secret): _redact_one(v, secret) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact_one(v, secret) for v in value]
+        for secret in kept:
+            value = value.replace(secret, _REDACTED)
+        return value
+    if isinstance(value, dict) and kept:
+        return {redact(k, *kept): redact(v, *kept) for k, v in value.items()}
+    if isinstance(value, list) and kept:
+        return [redact(v, *kept) for v in value]
     return value
+
 
 
 # ###########################################################################
