@@ -180,7 +180,7 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value (a tab is fine)
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value, but a tab
 # §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -313,7 +313,7 @@ class ResponseError(PipelinesError, ValueError):
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy call or trace post (§3.3); ``status_code`` is None when no reply came."""
+    """A failed proxy request (§3.3); ``status_code`` is None when no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -346,7 +346,7 @@ class StaleRunTokenError(ProxyError):
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
-_TOKEN_REFUSED = re.compile("[\x00-\x1f\x7f]")  # a control character in a run token, a tab too
+_TOKEN_REFUSED = re.compile("[\x00-\x1f\x7f]")
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -358,7 +358,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 def validate_proxy_url(url: Any, where: str) -> str:
-    """The proxy base URL without its trailing ``/`` (§7.2 kit-proxy-url-checked); ``where`` names its source."""
+    """The proxy URL from ``where``, checked, without its trailing ``/`` (§7.2 kit-proxy-url-checked)."""
     if not isinstance(url, str) or not url.strip():
         raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
     text = url.strip().rstrip("/")
@@ -496,7 +496,7 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
+        """``base`` (default ``os.environ``) with this run's variables (§5)."""
         env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
         if self.task_id is not None:
@@ -569,7 +569,7 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        # §7.2: wrong types read as absent, ids and jti fall back to ``headers``; frozen once, the fields its parts
+        # §7.2: wrong types read as absent, ids and jti fall back to ``headers``
         raw = _freeze(body if isinstance(body, dict) else dict(body))
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
@@ -593,7 +593,6 @@ class Envelope:
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
-    """``(where, url)`` from the first source set (§7.2 kit-proxy-url-next-source)."""
     for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
         if isinstance(body.get(name), str) and body[name].strip():
             return f"body field {name!r}", body[name]
@@ -604,7 +603,7 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Op
 
 
 def json_type(value: Any) -> str:
-    """The JSON type of ``value`` as messages name it: ``"an object"``, ``"null"``, ..."""
+    """The JSON type of ``value`` as messages name it: ``"an object"``, ..."""
 
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
                         ((list, tuple), "an array"), (Mapping, "an object")):
@@ -636,8 +635,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): ``decide`` says what a request gets; an adapter reads the body ``request_body_length``
-# allows, calls it once, and carries the decision out
+# Inbound decisions (§2): ``decide`` says what a request gets, an adapter carries it out
 # ---------------------------------------------------------------------------
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
@@ -650,7 +648,7 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
         received = received.strip() if scheme.lower() == "bearer" else ""  # compared all the same: same time
-    try:  # servers hand header bytes over as latin-1 text: compare the bytes that came
+    try:  # servers give header bytes as latin-1 text
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
         sent = received.encode("utf-8", "surrogateescape")
@@ -668,7 +666,7 @@ def _content_length(value: Optional[str]) -> Optional[int]:
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
-    """The body bytes an adapter reads for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
+    """The body bytes to read for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
     try:
@@ -694,18 +692,18 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     return int(digits)
 
 
-# RFC 9112: a field name is a token right before its colon (no folding), a value has no control character but HTAB
+# RFC 9112: a field name is a token right before its colon, a value has no control character but HTAB
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])" % _TOKEN.pattern)
 _FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
 
 
 class RequestHead(NamedTuple):
-    """A request line and its header fields, as :func:`parse_request_head` read them."""
+    """A request line and its header fields."""
     method: str
     target: str
     version: str  # "HTTP/1.1" or "HTTP/1.0"
-    headers: List[Tuple[str, str]]  # in order, names as sent
+    headers: List[Tuple[str, str]]  # names as sent
 
     def keep_alive(self) -> bool:
         """Whether the connection may carry another request (RFC 9112 §9.3)."""
@@ -714,7 +712,7 @@ class RequestHead(NamedTuple):
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head (before its empty line) strictly (§7.1 kit-strict-request-head)."""
+    """Read a request head, before its empty line (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     lines = head.split(b"\r\n")
@@ -765,11 +763,11 @@ class Endpoint(NamedTuple):
     """A dispatch endpoint's settings, as :func:`decide` sees them."""
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
-    token_env: Optional[str] = DEFAULT_TOKEN_ENV  # named in the 503 when it is unset
+    token_env: Optional[str] = DEFAULT_TOKEN_ENV
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
     tools_schema: Optional[Sequence[Any]] = None  # served at GET /tools_schema when set
-    proxy_hosts: Optional[Tuple[str, ...]] = None  # the allow-list of proxy hosts; None: any
+    proxy_hosts: Optional[Tuple[str, ...]] = None  # the proxy hosts allowed; None: any
 
     def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
         """The methods routed at ``path``, ``None`` for no route (§7.1 kit-routes)."""
@@ -780,7 +778,7 @@ class Endpoint(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` with ``envelope``."""
+    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` ``envelope``."""
     action: str
     reply: Optional[HttpReply] = None
     proxy_url: Optional[str] = None
@@ -796,7 +794,7 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
-    except RecursionError:  # JSON nested deeper than the parser goes
+    except RecursionError:  # JSON nested too deep to parse
         return Decision("reply", error_reply(RequestError("body is nested too deeply to handle")))
 
 
@@ -810,7 +808,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # the GET routes come before auth (kit-routes)
+    if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
@@ -860,7 +858,7 @@ def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
-    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any)."""
+    """Whether a proxy URL's host and port are on an allow-list (``None``: any)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -898,7 +896,7 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 # ---------------------------------------------------------------------------
 
 def validate_tool_name(name: Any) -> str:
-    """``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1, §7.5 kit-local-tool-name)."""
+    """``name`` when it matches ``TOOL_NAME_RE`` (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
         raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match "
                                 "^[A-Za-z_][A-Za-z0-9_-]{0,127}$", tool_name=name if isinstance(name, str) else None)
@@ -928,13 +926,13 @@ def validate_actor_label(label: Any) -> Optional[str]:
     raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# Made once: json.dumps with options makes an encoder per call
+# made once: json.dumps with options makes an encoder per call
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """A request body: a JSON object (``None`` as ``{}``) within the 1 MiB cap (§3.1, §7.5)."""
+    """A request body: a JSON object (``None`` as ``{}``) within the cap (§3.1, §7.5)."""
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
@@ -958,10 +956,10 @@ def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as it goes on the wire (§3.1, §3.4), and again on every retry."""
+    """One proxy request as sent, and again on every retry (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
-    url: Any  # the split proxy URL (urllib.parse.SplitResult)
+    url: Any  # urllib.parse.SplitResult
     path: str
     headers: Dict[str, str]
     body: bytes
@@ -969,7 +967,7 @@ class ProxyRequest(NamedTuple):
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
                   actor: Optional[str] = None, idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5): the run token as bearer, one Idempotency-Key, the actor."""
+    """``POST {proxy_url}/{kind}/{name}`` with the run token, one Idempotency-Key, the actor (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
                "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
@@ -990,7 +988,7 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known type, an object payload, ``__occurred_at`` stamped unless set."""
+    """A live trace event, ``__occurred_at`` stamped unless set (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
@@ -1005,7 +1003,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
                   payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
+    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
@@ -1020,7 +1018,7 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
 # ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to; ``stale``: a pooled connection the server had closed, re-sent at once."""
+    """What one attempt came to; ``stale``: a pooled connection found closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1038,14 +1036,14 @@ def _model_retry_after(headers: Any) -> Optional[float]:
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
-    """Seconds from a ``Retry-After`` header (seconds or an HTTP date); ``None`` when absent or unreadable."""
+    """Seconds from a ``Retry-After`` header (seconds or an HTTP date), else ``None``."""
     text = (value or "").strip()
     try:
         seconds = float(text)
     except ValueError:
         from email.utils import parsedate_to_datetime
 
-        try:  # an unreadable date raises, or on Python 3.9 gives None
+        try:  # an unreadable date raises, or gives None (3.9)
             seconds = parsedate_to_datetime(text).timestamp() - (time.time() if now is None else now)
         except (TypeError, ValueError, IndexError, AttributeError):
             return None
@@ -1091,7 +1089,7 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: Optional[str] = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted from errors."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
@@ -1113,7 +1111,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
 
 
 class RetryPolicy(NamedTuple):
-    """The retry policy of proxy calls and trace posts (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
+    """The retry policy of proxy requests (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
     max_attempts: int = 4
     base_delay_s: float = 0.5
     max_delay_s: float = 4.0
@@ -1130,7 +1128,7 @@ class RetryPolicy(NamedTuple):
 
 
 class RetryStep(NamedTuple):
-    """What a driver does next: return ``value``, raise ``error``, or send the request again after ``wait_s``."""
+    """What a driver does next: return ``value``, raise ``error``, or retry after ``wait_s``."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1138,7 +1136,7 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): after each attempt, a driver does what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3): a driver does what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
@@ -1193,7 +1191,6 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 
 
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra keys)`` (§7.7 kit-result-shapes)."""
     if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
@@ -1245,7 +1242,6 @@ def _well_formed(text: str) -> str:
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` as the platform takes it, a note per change (§7.7 kit-lenient-response)."""
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
@@ -1268,12 +1264,12 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                       metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the response (§4) to what an agent returned, ``messages`` and ``metadata`` overriding
-    those found, ``strict`` or lenient (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
+    """``(body, warnings)``: the response (§4) to an agent's result, ``messages`` and ``metadata`` overriding its
+    own (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
     notes: List[str] = []
     turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
         "final_response" not in value)
-    if turn_reply and multi_turn:  # sent as built, its keys in their order (kit-turn-reply-checked)
+    if turn_reply and multi_turn:  # sent as built, keys in order (kit-turn-reply-checked)
         body, key = dict(value), "message"
         if not strict and body["message"] is not None and not isinstance(body["message"], str):
             body["message"] = _final_text(body["message"], "message", notes=notes)
@@ -1319,7 +1315,7 @@ def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = No
 
 
 def validate_response(body: Any) -> List[str]:
-    """A response body's problems (§4.1, §7.7 kit-strict-transcript), each from its JSON path, warnings last."""
+    """A response body's problems, each from its JSON path, warnings last (§4.1, §7.7 kit-strict-transcript)."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
@@ -1343,7 +1339,6 @@ def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> Li
 
 
 def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    """``messages``, ``metadata``, and unless ``json_safe`` what JSON cannot carry."""
     problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
     if unsendable:
@@ -1363,13 +1358,14 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
             if value is not None and not (isinstance(value, kind) and (kind is str or (
                     not isinstance(value, bool) and 0 <= value < math.inf))):
                 found.append(f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}")
-    except Exception:  # noqa: BLE001 - a mapping that raises when read: _jsonable names it
+    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
+
         return []
     warnings += found
     return []
 
 
-# §4.1 as data: a message's key, the types it may hold, what the problem says it must be
+# §4.1 as data: a message's key, the types it may hold, what it must be
 _MESSAGE_KEYS: Tuple[Tuple[str, Any, str], ...] = (
     ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
     ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
@@ -1377,7 +1373,6 @@ _MESSAGE_KEYS: Tuple[Tuple[str, Any, str], ...] = (
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
-    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript)."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
@@ -1456,21 +1451,21 @@ def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str
 
 
 def error_reply(exc: BaseException) -> HttpReply:
-    """The one error path (§7.1 kit-error-statuses): ``exc.http_status`` (else 500) and ``{"detail": message}``."""
+    """The one error path: ``exc.http_status`` (else 500), ``{"detail": message}`` (§7.1 kit-error-statuses)."""
     if isinstance(exc, PipelinesError):
         return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
 def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Optional[str]) -> str:
-    """``"TypeName: message"`` on one line of at most ``limit`` characters, ``secrets`` redacted before the cut."""
+    """``"TypeName: message"``, one line of at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: Optional[str]) -> Any:
-    """``value`` (a string or JSON value) with each non-empty secret replaced by ``[redacted]``."""
+    """``value`` (a string or JSON value) with each secret replaced by ``[redacted]``."""
     kept = [secret for secret in secrets if secret]
     if isinstance(value, str):
         for secret in kept:
