@@ -367,14 +367,14 @@ def validate_proxy_url(url: Any, where: str) -> str:
         parts.port  # noqa: B018 - raises ValueError on a bad port
         (parts.hostname or "").encode("idna")
     except UnicodeError:
-        problem = "has a host name that is not valid"
+        problem = "has an invalid host name"
     except ValueError as exc:
         problem = f"is not a valid URL: {exc}"
     else:
         if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
                 parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
             return text
-        problem = "must be an http:// or https:// URL with a host, without query, fragment or whitespace"
+        problem = "must be http:// or https:// with a host, no query, fragment or whitespace"
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
@@ -562,7 +562,7 @@ class Envelope:
         task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
                          {})
         if not isinstance(task, Mapping):
-            raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
+            raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
@@ -801,7 +801,7 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
     if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
+        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented: dispatches are POST")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
@@ -815,8 +815,8 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"this agent's wrapper is misconfigured: environment variable "
-                                     f"{endpoint.token_env} (the agent token) is not set")
+            raise MisconfiguredError(f"this agent's wrapper is misconfigured: {endpoint.token_env} (the agent token) "
+                                     "is not set")
         if _repeated(headers, name.lower()):
             raise AuthError(f"the {name} header was sent more than once: send one credential", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
@@ -832,7 +832,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice: send it once (kit-hostile-input)")
+            raise RequestError("the ping body has the key 'ping' twice (kit-hostile-input)")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -877,8 +877,7 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
 def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
     if not proxy_host_allowed(proxy_url, allowed):
         host = _short(str(urlsplit(proxy_url).hostname), 100)
-        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list of proxy hosts "
-                            f"({', '.join(allowed or ())})")
+        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list: {', '.join(allowed or ())}")
     return proxy_url
 
 
@@ -920,7 +919,7 @@ def validate_actor_label(label: Any) -> Optional[str]:
     elif len(segments) > ACTOR_MAX_SEGMENTS:
         problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
     elif bad:
-        problem = f"has segment {_short(repr(bad[0]), 80)}: each segment is 1-64 characters from [A-Za-z0-9_.:-]"
+        problem = f"has segment {_short(repr(bad[0]), 80)}: not 1-64 characters from [A-Za-z0-9_.:-]"
     else:
         return text
     raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
@@ -950,8 +949,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return (f"header {name} has a line break or control character in its value (not shown: it may be "
-                    "a secret), e.g. an environment variable read with its trailing newline")
+            return f"header {name} has a control character, e.g. a trailing newline, in its value (not shown)"
     return None
 
 
@@ -1207,7 +1205,8 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional
             return (_final_text(attr, key, strict, notes), getattr(value, "messages", None) if whole else None,
                     getattr(value, "metadata", None) if whole else None, {})
     raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
-                        "'final_response', or an object with final_response / final_output / output / message")
+                        "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
+
 
 
 def _tool_call_name(call: Any) -> Optional[str]:
