@@ -412,10 +412,6 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-c
 
 class Envelope:
     """One run's dispatch context (§2.2, §5), read-only (§7.2 kit-read-only-envelope)."""
-    __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
-                 "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
-                 "workspace", "tools_schema", "sub_agents", "raw")
-
     proxy_url: str
     run_token: str
     run_id: Optional[Id]
@@ -433,6 +429,8 @@ class Envelope:
     tools_schema: Optional[Sequence[Any]]
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]  # the whole dispatch body
+    __slots__ = tuple(__annotations__)  # the fields above, in their order
+
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -1252,6 +1250,7 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
                       for j, call in enumerate(calls) if _tool_call_name(call) is None]
             message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
     for key, problems in (("messages", _message_problems(messages, [])),
+
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -1364,13 +1363,6 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
     return []
 
 
-# §4.1 as data: a message's key, the types it may hold, what it must be
-_MESSAGE_KEYS: Tuple[Tuple[str, Any, str], ...] = (
-    ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
-    ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
-    ("tool_call_id", str, "a string"))
-
-
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
     if messages is None:
         return []
@@ -1383,25 +1375,30 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        role, calls, thinking = message.get("role"), message.get("tool_calls", ()), message.get("thinking", ())
+        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls", ())
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        wrong = {key: f"{at}.{key}: must be {wanted}, got {json_type(message[key])}"
-                 for key, kinds, wanted in _MESSAGE_KEYS if key in message and not isinstance(message[key], kinds)}
-        problems += [wrong.pop(key) for key in ("content", "tool_calls") if key in wrong]  # in the order of the keys
-        calls = calls if isinstance(calls, (list, tuple)) else ()
-        if role != "assistant" and calls:
+        if content is not None and not isinstance(content, (str, list, tuple)):
+            problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
+        if not isinstance(calls, (list, tuple)):
+            problems.append(f"{at}.tool_calls: must be an array, got {json_type(calls)}")
+        elif role != "assistant" and calls:
             warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
-        for j, call in enumerate(calls):
+        for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
-        blocks = thinking if isinstance(thinking, (list, tuple)) else ()
-        problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                     for j, block in enumerate(blocks) if not isinstance(block, Mapping)]
-        problems += wrong.values()
-        call_id = message.get("tool_call_id", "")
-        if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
-            problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} is not the id of an earlier tool "
-                                                      "call" if call_id else "required on role 'tool'"))
+        thinking = message.get("thinking", ())
+        if not isinstance(thinking, (list, tuple)):
+            problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
+        else:
+            problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                         for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
+        call_id = message.get("tool_call_id")
+        if "tool_call_id" in message and not isinstance(call_id, str):
+            problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
+        elif role == "tool" and not call_id:
+            problems.append(f"{at}.tool_call_id: required on role 'tool'")
+        elif role == "tool" and call_id not in call_ids:
+            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
     return problems
 
 
