@@ -145,7 +145,6 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
-# ---------------------------------------------------------------------------
 
 # §2.1 headers (any case; stored lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
@@ -210,7 +209,6 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 # ---------------------------------------------------------------------------
 # Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
-# ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
     """Base of this module's errors; ``headers`` are extra reply headers."""
@@ -341,7 +339,6 @@ class StaleRunTokenError(ProxyError):
 
 # ---------------------------------------------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
-# ---------------------------------------------------------------------------
 
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
@@ -634,7 +631,6 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §
 
 # ---------------------------------------------------------------------------
 # Inbound decisions (§2): ``decide`` says what a request gets, an adapter carries it out
-# ---------------------------------------------------------------------------
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
     """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
@@ -890,7 +886,6 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 
 # ---------------------------------------------------------------------------
 # Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
-# ---------------------------------------------------------------------------
 
 def validate_tool_name(name: Any) -> str:
     """``name`` when it matches ``TOOL_NAME_RE`` (§3.1, §7.5 kit-local-tool-name)."""
@@ -1011,7 +1006,6 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
 
 # ---------------------------------------------------------------------------
 # Reply interpretation (§3.2, §3.3) and the retry decision
-# ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
     """What one attempt came to; ``stale``: a pooled connection found closed, re-sent at once."""
@@ -1165,7 +1159,6 @@ class RetryState:
 
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation
-# ---------------------------------------------------------------------------
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -1427,7 +1420,6 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
 
 # ---------------------------------------------------------------------------
 # HTTP replies of a dispatch endpoint: JSON bodies, one error path
-# ---------------------------------------------------------------------------
 
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers."""
