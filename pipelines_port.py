@@ -675,7 +675,6 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if coding is not None or declared is None:
         raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
-
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
     digits = declared.strip()
