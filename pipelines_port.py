@@ -371,7 +371,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
         if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
                 parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
             return text
-        problem = "must be http:// or https:// with a host, no query, fragment or whitespace"
+        problem = "must be an http:// or https:// URL with a host, no query, fragment or whitespace"
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
@@ -941,7 +941,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return f"header {name} has a control character, e.g. a trailing newline, in its value (not shown)"
+            return f"header {name} has a line break or control character in its value (not shown: it may be a secret)"
     return None
 
 
