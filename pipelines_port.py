@@ -324,7 +324,6 @@ class ProxyError(PipelinesError):
         return {"error": self.message, **{k: v for k, v in extra.items() if v is not None}}
 
 
-
 class ProxyRequestError(ProxyError, ValueError):
     """A call refused before sending (§7.5)."""
 
@@ -427,7 +426,6 @@ class Envelope:
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]  # the whole dispatch body
     __slots__ = tuple(__annotations__)  # the fields above, in their order
-
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -599,7 +597,6 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Op
 
 def json_type(value: Any) -> str:
     """The JSON type of ``value`` as messages name it: ``"an object"``, ..."""
-
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
                         ((list, tuple), "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
@@ -617,7 +614,6 @@ def _env_json(text: str, name: str) -> Any:
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
-
         text = (env.get(name) or "").strip()
         if text:
             value = _env_json(text, name)
@@ -1198,7 +1194,6 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional
                         "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
 
 
-
 def _tool_call_name(call: Any) -> Optional[str]:
     for holder in (call, call.get("function") if isinstance(call, Mapping) else None):
         if isinstance(holder, Mapping) and isinstance(holder.get("name"), str) and holder["name"]:
@@ -1242,7 +1237,6 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
                       for j, call in enumerate(calls) if _tool_call_name(call) is None]
             message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
     for key, problems in (("messages", _message_problems(messages, [])),
-
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -1349,7 +1343,6 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
                     not isinstance(value, bool) and 0 <= value < math.inf))):
                 found.append(f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}")
     except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
-
         return []
     warnings += found
     return []
@@ -1463,7 +1456,6 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
     if isinstance(value, list) and kept:
         return [redact(v, *kept) for v in value]
     return value
-
 
 
 # ###########################################################################
