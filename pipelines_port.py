@@ -855,11 +855,8 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    for name, entry_port in map(_split_host_entry, allowed):
-        if entry_port in (None, port) and name and (host == name or (name[0] == "." and (
-                host == name[1:] or host.endswith(name)))):
-            return True
-    return False
+    return any(entry_port in (None, port) and name and (host == name or (name[0] == "." and (
+        host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
 
 
 def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
@@ -884,8 +881,8 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 def validate_tool_name(name: Any) -> str:
     """``name`` when it matches ``TOOL_NAME_RE`` (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
-        raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match "
-                                "^[A-Za-z_][A-Za-z0-9_-]{0,127}$", tool_name=name if isinstance(name, str) else None)
+        raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match ^{TOOL_NAME_RE.pattern}$",
+                                tool_name=name if isinstance(name, str) else None)
     return name
 
 
