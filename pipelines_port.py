@@ -1251,7 +1251,7 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         "final_response" not in value)
     if turn_reply and multi_turn:  # sent as built, keys in order (kit-turn-reply-checked)
         body, key = dict(value), "message"
-        if not strict and body["message"] is not None and not isinstance(body["message"], str):
+        if not strict:
             body["message"] = _final_text(body["message"], "message", notes=notes)
         if not strict and not isinstance(body["session_done"], bool):
             notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
