@@ -683,7 +683,8 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
 
 # RFC 9112: a field name is a token right before its colon, a value has no control character but HTAB
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN.pattern)
+_REQUEST_LINE = rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/" % _TOKEN.pattern
+_REQUEST_LINE_RE = re.compile(_REQUEST_LINE + rb"1\.([0-9])")
 _FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
 
 
@@ -711,7 +712,7 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
                                    "fields")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if request is None or request[3] != b"1":
+    if request is None:
         raise _head_problem(lines)
     headers: List[Tuple[str, str]] = []
     for line in lines[1:]:
@@ -721,7 +722,7 @@ def parse_request_head(head: bytes) -> RequestHead:
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
-    version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
+    version = "HTTP/1.0" if request[3] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
@@ -736,7 +737,7 @@ def _head_problem(lines: List[bytes]) -> FramingError:
     bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
     if bare is not None:
         return FramingError(f"line {bare + 1} of the request head has a bare CR or LF (RFC 9112 §2.2)")
-    request = _REQUEST_LINE_RE.fullmatch(lines[0])
+    request = re.fullmatch(_REQUEST_LINE + rb"([0-9])\.[0-9]", lines[0])  # any major version
     if request is None:
         return FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
     if request[3] != b"1":
