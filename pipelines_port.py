@@ -133,17 +133,14 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions, each rule named
-#   as CONTRACT.md states it (``§7.3 kit-run-timeout-range``).  No I/O: no
-#   sockets, threads, logging, or environment reads but an omitted
-#   ``environ``.  Part 2 opens with what a port's language gives instead.
+#   What a port must agree on, as data and pure functions, each rule named as in CONTRACT.md.
+#   No I/O: no sockets, threads, logging, or environment reads but an omitted ``environ``.
 #
 # ###########################################################################
 
 
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
-# ---------------------------------------------------------------------------
 
 # §2.1 headers (any case; stored lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
@@ -178,7 +175,7 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value (a tab is fine)
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value, but a tab
 # §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -208,10 +205,9 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 # ---------------------------------------------------------------------------
 # Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
-# ---------------------------------------------------------------------------
 
 class PipelinesError(Exception):
-    """Base of the errors this module raises on purpose; ``headers`` are extra reply headers."""
+    """Base of this module's errors; ``headers`` are extra reply headers."""
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
@@ -311,7 +307,7 @@ class ResponseError(PipelinesError, ValueError):
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy call or trace post (§3.3); ``status_code`` is None when no reply came."""
+    """A failed proxy request (§3.3); ``status_code`` is None when no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -320,12 +316,8 @@ class ProxyError(PipelinesError):
 
     def to_value(self) -> Dict[str, Any]:
         """The failure as a tool result (§7.4 kit-errors-return)."""
-        value: Dict[str, Any] = {"error": self.message}
-        if self.error_class:
-            value["error_class"] = self.error_class
-        if self.status_code is not None:
-            value["status_code"] = self.status_code
-        return value
+        extra = {"error_class": self.error_class or None, "status_code": self.status_code}
+        return {"error": self.message, **{k: v for k, v in extra.items() if v is not None}}
 
 
 class ProxyRequestError(ProxyError, ValueError):
@@ -342,11 +334,11 @@ class StaleRunTokenError(ProxyError):
 
 # ---------------------------------------------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
-# ---------------------------------------------------------------------------
 
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
+_TOKEN_REFUSED = re.compile("[\x00-\x1f\x7f]")
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -358,7 +350,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 def validate_proxy_url(url: Any, where: str) -> str:
-    """The proxy base URL without its trailing ``/`` (§7.2 kit-proxy-url-checked); ``where`` names its source."""
+    """The proxy URL from ``where``, checked, without its trailing ``/`` (§7.2 kit-proxy-url-checked)."""
     if not isinstance(url, str) or not url.strip():
         raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
     text = url.strip().rstrip("/")
@@ -367,14 +359,14 @@ def validate_proxy_url(url: Any, where: str) -> str:
         parts.port  # noqa: B018 - raises ValueError on a bad port
         (parts.hostname or "").encode("idna")
     except UnicodeError:
-        problem = "has a host name that is not valid"
+        problem = "has an invalid host name"
     except ValueError as exc:
         problem = f"is not a valid URL: {exc}"
     else:
         if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
                 parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
             return text
-        problem = "must be an http:// or https:// URL with a host, without query, fragment or whitespace"
+        problem = "must be an http:// or https:// URL with a host, no query, fragment or whitespace"
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
 
 
@@ -382,7 +374,7 @@ def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
     if not text:
         raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    if "\t" in text or _CONTROL_CHARACTER.search(text):
+    if _TOKEN_REFUSED.search(text):
         raise EnvelopeError(f"run token from {where} contains control characters")
     return text
 
@@ -401,8 +393,7 @@ def _first_id(*candidates: Any) -> Optional[Id]:
     return None
 
 
-def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
-    """§7.2 kit-sub-agents-catalog, kit-sub-agents-normalised."""
+def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog, kit-sub-agents-normalised
     labels: List[Optional[str]] = []
     for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
@@ -413,10 +404,6 @@ def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:
 
 class Envelope:
     """One run's dispatch context (§2.2, §5), read-only (§7.2 kit-read-only-envelope)."""
-    __slots__ = ("proxy_url", "run_token", "run_id", "task_id", "agent_id", "run_token_jti", "user_instruction",
-                 "task_input", "latest_user_prompt", "session_id", "turn_id", "messages", "scenario_state",
-                 "workspace", "tools_schema", "sub_agents", "raw")
-
     proxy_url: str
     run_token: str
     run_id: Optional[Id]
@@ -434,6 +421,7 @@ class Envelope:
     tools_schema: Optional[Sequence[Any]]
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]  # the whole dispatch body
+    __slots__ = tuple(__annotations__)  # the fields above, in their order
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -454,7 +442,7 @@ class Envelope:
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any = None) -> None:
-        raise AttributeError("Envelope is read-only; use Envelope.replace(...) for a changed copy")
+        raise AttributeError("Envelope is read-only: use replace()")
 
     __delattr__ = __setattr__
 
@@ -462,25 +450,22 @@ class Envelope:
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
-    __str__ = __repr__
+    def _fields(self) -> Dict[str, Any]:
+        return {n: getattr(self, n) for n in self.__slots__}
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Envelope):
-            return NotImplemented
-        return all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
-
-    __hash__ = None  # type: ignore[assignment]
+    def __eq__(self, other: object) -> bool:  # and so unhashable
+        return self._fields() == other._fields() if isinstance(other, Envelope) else NotImplemented
 
     def __reduce__(self) -> Any:
-        return functools.partial(Envelope, **{n: getattr(self, n) for n in self.__slots__}), ()
+        return functools.partial(Envelope, **self._fields()), ()
 
     def replace(self, **changes: Any) -> Envelope:
         """A copy with some fields changed."""
-        return Envelope(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
+        return Envelope(**{**self._fields(), **changes})
 
     @property
     def api_url(self) -> str:
-        """The proxy URL's origin (``PIPELINES_API_URL``, §5)."""
+        """The proxy URL's origin (§5 ``PIPELINES_API_URL``)."""
         return "{0.scheme}://{0.netloc}".format(urlsplit(self.proxy_url))
 
     @property
@@ -500,7 +485,7 @@ class Envelope:
         return turns
 
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-        """``base`` (default ``os.environ``) with this run's ``PIPELINES_*`` variables (§5)."""
+        """``base`` (default ``os.environ``) with this run's variables (§5)."""
         env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
         if self.task_id is not None:
@@ -521,7 +506,7 @@ class Envelope:
 
     @classmethod
     def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
-        """Read an HTTP dispatch: the JSON body, then the headers (§2.2, §7.2)."""
+        """Read an HTTP dispatch: the JSON body, then the headers (§2.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
@@ -532,11 +517,10 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            url_missing = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and "
-                           "headers X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
-            missing = [what for what, absent in ((url_missing, found is None), (
-                "run token (looked for header X-Pipelines-Run-Token)", token is None)) if absent]
-            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
+            url = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
+                   "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
+            raise EnvelopeError("dispatch is missing " + " and ".join(
+                [url] * (found is None) + ["run token (looked for header X-Pipelines-Run-Token)"] * (token is None)))
         proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
@@ -551,12 +535,10 @@ class Envelope:
         run_token = _check_run_token(run_token, "the run_token argument")
         task = dict(task_input or {})
         raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
-        for key, value in (("task_id", _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID)))),
-                           ("run_id", _env_id(env.get(ENV_RUN_ID))), ("agent_id", _env_id(env.get(ENV_AGENT_ID))),
-                           ("run_token_jti", _header(env, ENV_RUN_TOKEN_JTI)),
-                           ("tools_schema", _tools_schema_from_env(env))):
-            if value is not None:
-                raw[key] = value
+        found = {"task_id": _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID))),
+                 "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
+                 "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
+        raw.update((key, value) for key, value in found.items() if value is not None)
         return cls._read(raw, proxy_url, run_token, {})
 
     @classmethod
@@ -569,15 +551,15 @@ class Envelope:
         task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
                          {})
         if not isinstance(task, Mapping):
-            raise EnvelopeError(f"the task input in the environment must be a JSON object, got {json_type(task)}")
+            raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        """§2.2, §7.2: wrong types read as absent, ids and jti fall back to ``headers``."""
-        raw = _freeze(body if isinstance(body, dict) else dict(body))  # frozen once: the fields are its parts
+        # §7.2: wrong types read as absent, ids and jti fall back to ``headers``
+        raw = _freeze(body if isinstance(body, dict) else dict(body))
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -600,7 +582,6 @@ class Envelope:
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
-    """``(where, url)`` from the body field, its legacy one, the header, its legacy one (kit-proxy-url-next-source)."""
     for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
         if isinstance(body.get(name), str) and body[name].strip():
             return f"body field {name!r}", body[name]
@@ -611,7 +592,7 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Op
 
 
 def json_type(value: Any) -> str:
-    """The JSON type of ``value`` as messages name it: ``"an object"``, ``"a string"``, ``"null"``, ..."""
+    """The JSON type of ``value`` as messages name it: ``"an object"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
                         ((list, tuple), "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
@@ -627,8 +608,7 @@ def _env_json(text: str, name: str) -> Any:
         raise EnvelopeError(f"{name} is not {'base64-encoded ' if encoded else 'valid '}JSON: {exc}") from None
 
 
-def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
-    """§3.6, §7.2 kit-tools-schema-wrapped."""
+def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
         text = (env.get(name) or "").strip()
         if text:
@@ -642,12 +622,10 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): ``decide`` says what a request gets; an adapter reads the body ``request_body_length``
-# allows, calls it once, and carries the decision out
-# ---------------------------------------------------------------------------
+# Inbound decisions (§2): ``decide`` says what a request gets, an adapter carries it out
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), compared in constant time."""
+    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
     expected = (expected or "").strip()
     received = _lower_headers(headers).get(header_name.lower())
     if not expected or received is None:
@@ -655,8 +633,8 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     scheme, received = "bearer", received.strip()
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
-        received = received.strip() if scheme.lower() == "bearer" else ""  # compared all the same: same time
-    try:  # servers hand header bytes over as latin-1 text: compare the bytes that came
+        received = received.strip()
+    try:  # servers give header bytes as latin-1 text
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
         sent = received.encode("utf-8", "surrogateescape")
@@ -674,7 +652,7 @@ def _content_length(value: Optional[str]) -> Optional[int]:
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
-    """The body bytes an adapter reads for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
+    """The body bytes to read for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
     try:
@@ -699,18 +677,19 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     return int(digits)
 
 
-# RFC 9112: a field name is a token right before its colon (no folding), a value has no control character but HTAB
+# RFC 9112: a field name is a token right before its colon, a value has no control character but HTAB
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/1\.([0-9])" % _TOKEN.pattern)
+_REQUEST_LINE = rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/" % _TOKEN.pattern
+_REQUEST_LINE_RE = re.compile(_REQUEST_LINE + rb"1\.([0-9])")
 _FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
 
 
 class RequestHead(NamedTuple):
-    """A request line and its header fields, as :func:`parse_request_head` read them."""
+    """A request line and its header fields."""
     method: str
     target: str
     version: str  # "HTTP/1.1" or "HTTP/1.0"
-    headers: List[Tuple[str, str]]  # in order, names as sent
+    headers: List[Tuple[str, str]]  # names as sent
 
     def keep_alive(self) -> bool:
         """Whether the connection may carry another request (RFC 9112 §9.3)."""
@@ -719,7 +698,7 @@ class RequestHead(NamedTuple):
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head (before its empty line) strictly (§7.1 kit-strict-request-head)."""
+    """Read a request head, before its empty line (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     lines = head.split(b"\r\n")
@@ -739,7 +718,7 @@ def parse_request_head(head: bytes) -> RequestHead:
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
-    version = "HTTP/1.0" if request.group(3) == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
+    version = "HTTP/1.0" if request[3] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
@@ -754,35 +733,26 @@ def _head_problem(lines: List[bytes]) -> FramingError:
     bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
     if bare is not None:
         return FramingError(f"line {bare + 1} of the request head has a bare CR or LF (RFC 9112 §2.2)")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not re.fullmatch(rb"[^\x00-\x20\x7f-\xff]+", parts[1]):
+    request = re.fullmatch(_REQUEST_LINE + rb"([0-9])\.[0-9]", lines[0])  # any major version
+    if request is None:
         return FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
-    version = re.fullmatch(rb"HTTP/([0-9])\.[0-9]", parts[2])
-    if version is None or version[1] != b"1":
-        error = FramingError if version is None else VersionNotSupportedError
-        return error(f"{_short(repr(parts[2]), 40)} is not HTTP/1.x (RFC 9112 §2.3)")
-    line = next(line for line in lines[1:] if _FIELD_LINE_RE.fullmatch(line) is None)
-    name, colon, _ = line.partition(b":")
-    if line[:1] in (b" ", b"\t"):
-        problem = "starts with whitespace: obsolete line folding (RFC 9112 §5.2)"
-    elif not colon:
-        problem = "has no colon (RFC 9112 §5)"
-    elif not _TOKEN.fullmatch(name):
-        problem = "has a name that is not a token: no whitespace before the colon (RFC 9112 §5.1)"
-    else:
-        problem = "has a control character in its value (RFC 9110 §5.5)"
-    return FramingError(f"header line {lines.index(line)} {problem}")
+    if request[3] != b"1":
+        return VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
+
+    line = next(n for n, line in enumerate(lines) if n and _FIELD_LINE_RE.fullmatch(line) is None)
+    return FramingError(f"header line {line} is not a token, a colon and a value without control characters "
+                        "(RFC 9112 §5: no line folding, no whitespace before the colon)")
 
 
 class Endpoint(NamedTuple):
     """A dispatch endpoint's settings, as :func:`decide` sees them."""
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
-    token_env: Optional[str] = DEFAULT_TOKEN_ENV  # named in the 503 when it is unset
+    token_env: Optional[str] = DEFAULT_TOKEN_ENV
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
     tools_schema: Optional[Sequence[Any]] = None  # served at GET /tools_schema when set
-    proxy_hosts: Optional[Tuple[str, ...]] = None  # the allow-list of proxy hosts; None: any
+    proxy_hosts: Optional[Tuple[str, ...]] = None  # the proxy hosts allowed; None: any
 
     def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
         """The methods routed at ``path``, ``None`` for no route (§7.1 kit-routes)."""
@@ -793,7 +763,7 @@ class Endpoint(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` with ``envelope``."""
+    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` ``envelope``."""
     action: str
     reply: Optional[HttpReply] = None
     proxy_url: Optional[str] = None
@@ -809,29 +779,29 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
-    except RecursionError:  # JSON nested deeper than the parser goes
+    except RecursionError:  # JSON nested too deep to parse
         return Decision("reply", error_reply(RequestError("body is nested too deeply to handle")))
 
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
     if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented here: dispatches are POST")
+        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented: dispatches are POST")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
         raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # the GET routes come before auth (kit-routes)
+    if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"this agent's wrapper is misconfigured: environment variable "
-                                     f"{endpoint.token_env} (the agent token) is not set")
+            raise MisconfiguredError(f"this agent's wrapper is misconfigured: {endpoint.token_env} (the agent token) "
+                                     "is not set")
         if _repeated(headers, name.lower()):
             raise AuthError(f"the {name} header was sent more than once: send one credential", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
@@ -847,7 +817,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice: send it once (kit-hostile-input)")
+            raise RequestError("the ping body has the key 'ping' twice (kit-hostile-input)")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -873,7 +843,7 @@ def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
-    """Whether a proxy URL's host and port are on a :func:`parse_proxy_hosts` list (``None``: any)."""
+    """Whether a proxy URL's host and port are on an allow-list (``None``: any)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -882,18 +852,14 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    for name, entry_port in map(_split_host_entry, allowed):
-        if entry_port in (None, port) and name and (host == name or (name[0] == "." and (
-                host == name[1:] or host.endswith(name)))):
-            return True
-    return False
+    return any(entry_port in (None, port) and name and (host == name or (name[0] == "." and (
+        host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
 
 
 def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
     if not proxy_host_allowed(proxy_url, allowed):
         host = _short(str(urlsplit(proxy_url).hostname), 100)
-        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list of proxy hosts "
-                            f"({', '.join(allowed or ())})")
+        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list: {', '.join(allowed or ())}")
     return proxy_url
 
 
@@ -908,13 +874,12 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 
 # ---------------------------------------------------------------------------
 # Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
-# ---------------------------------------------------------------------------
 
 def validate_tool_name(name: Any) -> str:
-    """``name`` when it matches ``^[A-Za-z_][A-Za-z0-9_-]{0,127}$`` (§3.1, §7.5 kit-local-tool-name)."""
+    """``name`` when it matches ``TOOL_NAME_RE`` (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
-        raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match "
-                                "^[A-Za-z_][A-Za-z0-9_-]{0,127}$", tool_name=name if isinstance(name, str) else None)
+        raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match ^{TOOL_NAME_RE.pattern}$",
+                                tool_name=name if isinstance(name, str) else None)
     return name
 
 
@@ -935,19 +900,19 @@ def validate_actor_label(label: Any) -> Optional[str]:
     elif len(segments) > ACTOR_MAX_SEGMENTS:
         problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
     elif bad:
-        problem = f"has segment {_short(repr(bad[0]), 80)}: each segment is 1-64 characters from [A-Za-z0-9_.:-]"
+        problem = f"has segment {_short(repr(bad[0]), 80)}: not 1-64 characters from [A-Za-z0-9_.:-]"
     else:
         return text
     raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# Made once: json.dumps with options makes an encoder per call
+# made once: json.dumps with options makes an encoder per call
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """A request body: a JSON object (``None`` as ``{}``) within the 1 MiB cap (§3.1, §7.5)."""
+    """A request body: a JSON object (``None`` as ``{}``) within the cap (§3.1, §7.5)."""
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
@@ -965,16 +930,15 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return (f"header {name} has a line break or control character in its value (not shown: it may be "
-                    "a secret), e.g. an environment variable read with its trailing newline")
+            return f"header {name} has a line break or control character in its value (not shown: it may be a secret)"
     return None
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as it goes on the wire (§3.1, §3.4), and again on every retry."""
+    """One proxy request as sent, and again on every retry (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
-    url: Any  # the split proxy URL (urllib.parse.SplitResult)
+    url: Any  # urllib.parse.SplitResult
     path: str
     headers: Dict[str, str]
     body: bytes
@@ -982,7 +946,7 @@ class ProxyRequest(NamedTuple):
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
                   actor: Optional[str] = None, idempotency_key: Optional[str] = None) -> ProxyRequest:
-    """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5): the run token as bearer, one Idempotency-Key, the actor."""
+    """``POST {proxy_url}/{kind}/{name}`` with the run token, one Idempotency-Key, the actor (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
                "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
@@ -1003,7 +967,7 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
                   occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
-    """A live trace event (§3.4): a known type, an object payload, ``__occurred_at`` stamped unless set."""
+    """A live trace event, ``__occurred_at`` stamped unless set (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
@@ -1018,7 +982,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
                   payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff, which is dropped."""
+    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
@@ -1030,10 +994,9 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
 
 # ---------------------------------------------------------------------------
 # Reply interpretation (§3.2, §3.3) and the retry decision
-# ---------------------------------------------------------------------------
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to; ``stale``: a pooled connection the server had closed, re-sent at once."""
+    """What one attempt came to; ``stale``: a pooled connection found closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1051,14 +1014,14 @@ def _model_retry_after(headers: Any) -> Optional[float]:
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
-    """Seconds from a ``Retry-After`` header (seconds or an HTTP date); ``None`` when absent or unreadable."""
+    """Seconds from a ``Retry-After`` header (seconds or an HTTP date), else ``None``."""
     text = (value or "").strip()
     try:
         seconds = float(text)
     except ValueError:
         from email.utils import parsedate_to_datetime
 
-        try:  # an unreadable date raises, or on Python 3.9 gives None
+        try:  # an unreadable date raises, or gives None (3.9)
             seconds = parsedate_to_datetime(text).timestamp() - (time.time() if now is None else now)
         except (TypeError, ValueError, IndexError, AttributeError):
             return None
@@ -1104,7 +1067,7 @@ def retry_decision(status: int, error_class: Optional[str]) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: Optional[str] = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted from errors."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
@@ -1126,7 +1089,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
 
 
 class RetryPolicy(NamedTuple):
-    """The retry policy of proxy calls and trace posts (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
+    """The retry policy of proxy requests (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
     max_attempts: int = 4
     base_delay_s: float = 0.5
     max_delay_s: float = 4.0
@@ -1143,7 +1106,7 @@ class RetryPolicy(NamedTuple):
 
 
 class RetryStep(NamedTuple):
-    """What a driver does next: return ``value``, raise ``error``, or send the request again after ``wait_s``."""
+    """What a driver does next: return ``value``, raise ``error``, or retry after ``wait_s``."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: Optional[PipelinesError] = None
@@ -1151,7 +1114,7 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): after each attempt, a driver does what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3): a driver does what :meth:`step` says."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
@@ -1169,26 +1132,21 @@ class RetryState:
             wait = None if outcome.stale else self.policy.delay(self.transport_failures)
             return RetryStep("retry", error=outcome.error, wait_s=wait)
         if outcome.kind == "retry" and (outcome.retry_after or 0) > self.policy.max_retry_after_s:
-            return RetryStep("raise", error=_not_waited(outcome, self.policy))
+            error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
+            text = (f"{error} ({'the proxy' if isinstance(error, ProxyError) else 'the server'} asked to wait "
+                    f"{outcome.retry_after:g} s before a retry, longer than the {self.policy.max_retry_after_s:g} s "
+                    "this client waits: not retried)")
+            error.args = (text,)
+            if isinstance(error, ProxyError):
+                error.message = text
+            return RetryStep("raise", error=error)
         if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
             return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
         return RetryStep("raise", error=outcome.error)
 
 
-def _not_waited(outcome: ProxyOutcome, policy: RetryPolicy) -> PipelinesError:
-    error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
-    who = "the proxy" if isinstance(error, ProxyError) else "the server"
-    text = (f"{error} ({who} asked to wait {outcome.retry_after:g} s before a retry, longer than the "
-            f"{policy.max_retry_after_s:g} s this client waits: not retried)")
-    error.args = (text,)
-    if isinstance(error, ProxyError):
-        error.message = text
-    return error
-
-
 # ---------------------------------------------------------------------------
 # Response envelope (§4): building and validation
-# ---------------------------------------------------------------------------
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -1210,7 +1168,6 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 
 
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    """``(final, messages, metadata, extra keys)`` (§7.7 kit-result-shapes)."""
     if value is None or isinstance(value, str):
         return value, None, None, {}
     if isinstance(value, Mapping):
@@ -1227,7 +1184,7 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional
             return (_final_text(attr, key, strict, notes), getattr(value, "messages", None) if whole else None,
                     getattr(value, "metadata", None) if whole else None, {})
     raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
-                        "'final_response', or an object with final_response / final_output / output / message")
+                        "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
 
 
 def _tool_call_name(call: Any) -> Optional[str]:
@@ -1262,7 +1219,6 @@ def _well_formed(text: str) -> str:
 
 
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """``body`` as the platform takes it, a note per change (§7.7 kit-lenient-response)."""
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
     notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
@@ -1285,14 +1241,14 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
 def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                       metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the response (§4) to what an agent returned, ``messages`` and ``metadata`` overriding
-    those found, ``strict`` or lenient (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
+    """``(body, warnings)``: the response (§4) to an agent's result, ``messages`` and ``metadata`` overriding its
+    own (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
     notes: List[str] = []
     turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
         "final_response" not in value)
-    if turn_reply and multi_turn:  # sent as built, its keys in their order (kit-turn-reply-checked)
+    if turn_reply and multi_turn:  # sent as built, keys in order (kit-turn-reply-checked)
         body, key = dict(value), "message"
-        if not strict and body["message"] is not None and not isinstance(body["message"], str):
+        if not strict:
             body["message"] = _final_text(body["message"], "message", notes=notes)
         if not strict and not isinstance(body["session_done"], bool):
             notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
@@ -1314,21 +1270,16 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body, kept = _as_the_platform_keeps(body)
         notes += kept
     warnings: List[str] = []
-    problems = _text_problems(body, key, warnings)
+    errors = _text_problems(body, key, warnings)
     if key == "message" and not isinstance(body.get("session_done"), bool):
-        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
-    return body, notes + _soft_problems(problems + _shared_problems(body, warnings, not strict) + warnings, strict)
-
-
-def _soft_problems(found: List[str], strict: bool) -> List[str]:
-    """The warnings in ``found``; :class:`ResponseError` for the rest, and when ``strict`` for them too."""
-    errors = [p for p in found if not p.startswith("warning:")]
-    soft = [p[len("warning: "):] for p in found if p.startswith("warning:")]
-    if strict:
+        errors.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    errors += _shared_problems(body, warnings, not strict)
+    soft = [w[len("warning: "):] for w in warnings]
+    if strict:  # a warning is an error too, but for the platform's own truncation
         errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
     if errors:
         raise ResponseError(errors)
-    return soft
+    return body, notes + soft
 
 
 def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
@@ -1341,7 +1292,7 @@ def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = No
 
 
 def validate_response(body: Any) -> List[str]:
-    """A response body's problems (§4.1, §7.7 kit-strict-transcript), each from its JSON path, warnings last."""
+    """A response body's problems, each from its JSON path, warnings last (§4.1, §7.7 kit-strict-transcript)."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
@@ -1365,7 +1316,6 @@ def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> Li
 
 
 def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    """``messages``, ``metadata``, and unless ``json_safe`` what JSON cannot carry."""
     problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
     if unsendable:
@@ -1385,14 +1335,13 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
             if value is not None and not (isinstance(value, kind) and (kind is str or (
                     not isinstance(value, bool) and 0 <= value < math.inf))):
                 found.append(f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}")
-    except Exception:  # noqa: BLE001 - a mapping that raises when read: _jsonable names it
+    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
         return []
     warnings += found
     return []
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
-    """``messages`` against §4.1 and the pairing rule (§7.7 kit-strict-transcript)."""
     if messages is None:
         return []
     if not isinstance(messages, (list, tuple)):
@@ -1447,16 +1396,15 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
     arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
-    if "id" in call and not isinstance(call["id"], str):
-        return [f"{at}.id: must be a string, got {json_type(call['id'])}"]
-    if "id" in call:
-        call_ids.add(call["id"])
+    call_id = call.get("id", "")
+    if not isinstance(call_id, str):
+        return [f"{at}.id: must be a string, got {json_type(call_id)}"]
+    call_ids.add(call_id)
     return []
 
 
 # ---------------------------------------------------------------------------
 # HTTP replies of a dispatch endpoint: JSON bodies, one error path
-# ---------------------------------------------------------------------------
 
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers."""
@@ -1476,34 +1424,30 @@ def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str
 
 
 def error_reply(exc: BaseException) -> HttpReply:
-    """The one error path (§7.1 kit-error-statuses): ``exc.http_status`` (else 500) and ``{"detail": message}``."""
+    """The one error path: ``exc.http_status`` (else 500), ``{"detail": message}`` (§7.1 kit-error-statuses)."""
     if isinstance(exc, PipelinesError):
         return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
 def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Optional[str]) -> str:
-    """``"TypeName: message"`` on one line of at most ``limit`` characters, ``secrets`` redacted before the cut."""
+    """``"TypeName: message"``, one line of at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: Optional[str]) -> Any:
-    """``value`` (a string or JSON value) with each non-empty secret replaced by ``[redacted]``."""
-    for secret in secrets:
-        if secret:
-            value = _redact_one(value, secret)
-    return value
-
-
-def _redact_one(value: Any, secret: str) -> Any:
+    """``value`` (a string or JSON value) with each secret replaced by ``[redacted]``."""
+    kept = [secret for secret in secrets if secret]
     if isinstance(value, str):
-        return value.replace(secret, _REDACTED)
-    if isinstance(value, dict):
-        return {_redact_one(k, secret): _redact_one(v, secret) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact_one(v, secret) for v in value]
+        for secret in kept:
+            value = value.replace(secret, _REDACTED)
+        return value
+    if isinstance(value, dict) and kept:
+        return {redact(k, *kept): redact(v, *kept) for k, v in value.items()}
+    if isinstance(value, list) and kept:
+        return [redact(v, *kept) for v in value]
     return value
 
 
