@@ -3987,7 +3987,8 @@ def bound_output(text: Any, limit: int = 8000) -> str:
 def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
                errors: str = "return", **options: Any) -> List[Any]:
     """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
-    _check_errors_mode(errors)
+    if errors not in ("raise", "return"):
+        raise ValueError("errors must be 'raise' or 'return'")
     calls = list(calls)
 
     def one(name: str, args: Any) -> Any:
