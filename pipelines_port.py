@@ -4265,34 +4265,32 @@ def _tools_of(source: Any) -> List[Any]:
     return list(tools)
 
 
-def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
-    kind, name, description = "", getattr(tool, "name", None), getattr(tool, "description", "")
+def _framework_tool(tool: Any) -> Dict[str, Any]:
+    name, description = getattr(tool, "name", None), getattr(tool, "description", "")
     spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-    schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
-    mcp_schemas = [s for s in (getattr(tool, "inputSchema", None), getattr(tool, "input_schema", None))
-                   if isinstance(s, Mapping)]
-    if isinstance(schema, Mapping):
-        kind = "agents"
+    schema = getattr(tool, "params_json_schema", None)
+    mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+    if isinstance(schema, Mapping):  # OpenAI Agents
+        pass
     elif isinstance(spec, Mapping):
-        kind, name, description, schema = "strands", spec.get("name"), spec.get("description"), spec.get("inputSchema")
+        name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
         schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
-    elif mcp_schemas:
-        kind, schema = "mcp", mcp_schemas[0]
-    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # a LangChain BaseTool
-        kind, schema = "langchain", getattr(tool, "args_schema", None)
+    elif isinstance(mcp_schema, Mapping):
+        schema = mcp_schema
+    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain
+        schema = getattr(tool, "args_schema", None)
         if not isinstance(schema, Mapping):
-            model = getattr(tool, "tool_call_schema", None) or tool.get_input_schema()
-            schema = model.model_json_schema() if hasattr(model, "model_json_schema") else model.schema()
+            schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
         schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
     else:
         raise TypeError(f"not a tool this module knows: {type(tool).__name__} (give OpenAI Agents, LangChain, Strands "
                         "or MCP tools, or tools_schema entries)")
-    return kind, {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
+    return {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
     """The ``tools_schema`` (§3.6) of OpenAI Agents, LangChain/LangGraph, Strands or MCP tools, or of an agent's."""
-    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t)[1], "default_execution_mode": "sandbox"}
+    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
@@ -4307,23 +4305,17 @@ def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
 def _proxied_tool(tool: Any, **options: Any) -> Any:
     import importlib  # the tool's framework: loaded already
 
-    refusal = TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents, LangChain or Strands tools (or "
-                        "call proxy_call in the tool's body)")
-    if isinstance(tool, Mapping):
-        raise refusal
-    kind, entry = _framework_tool(tool)
-    call: Callable[..., Any] = functools.partial(proxy_call, entry["name"], **options)
-    acall: Callable[..., Any] = functools.partial(aproxy_call, entry["name"], **options)
-    if kind == "agents" and hasattr(tool, "on_invoke_tool"):
+    acall: Callable[..., Any] = functools.partial(aproxy_call, getattr(tool, "name", ""), **options)
+    if hasattr(tool, "on_invoke_tool") and hasattr(tool, "params_json_schema"):  # OpenAI Agents
         import dataclasses
 
         async def on_invoke_tool(context: Any, arguments: str) -> str:
             return _as_text(await acall(json.loads(arguments) if arguments and arguments.strip() else {}))
 
         return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
-    if kind == "langchain" and hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
+    if hasattr(tool, "args_schema") and hasattr(tool, "invoke"):  # LangChain
         def sync_body(**kwargs: Any) -> str:
-            return _as_text(call(_jsonable_args(kwargs)))
+            return _as_text(proxy_call(tool.name, _jsonable_args(kwargs), **options))
 
         async def async_body(**kwargs: Any) -> str:
             return _as_text(await acall(_jsonable_args(kwargs)))
@@ -4332,16 +4324,17 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
             func=sync_body, coroutine=async_body, name=tool.name, description=tool.description,
             args_schema=tool.args_schema if tool.args_schema is not None else tool.get_input_schema(),
             return_direct=getattr(tool, "return_direct", False))
-    if kind == "strands" and hasattr(tool, "stream"):
+    if isinstance(getattr(tool, "tool_spec", None), Mapping) and hasattr(tool, "stream"):  # Strands
         async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
-            result = await acall(tool_use.get("input") or {})
+            result = await aproxy_call(tool.tool_spec["name"], tool_use.get("input") or {}, **options)
             failed = isinstance(result, Mapping) and "error" in result
             return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
                     "content": [{"text": _as_text(result)}]}
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise refusal
+    raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents, LangChain or Strands tools (or call "
+                    "proxy_call in the tool's body)")
 
 
 def _jsonable_args(value: Any) -> Any:
@@ -4571,7 +4564,6 @@ class McpShim:
         self.client = client
         self._tools: Optional[List[Dict[str, Any]]] = None
         self._envelope: Optional[Envelope] = None
-        self._lock = threading.Lock()
 
     def handle_line(self, line: str) -> Optional[str]:
         """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
@@ -4624,17 +4616,16 @@ class McpShim:
 
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
-        with self._lock:
-            if self._envelope is None:
-                try:
-                    self._envelope = Envelope.from_env(self.environ)
-                except EnvelopeError as exc:
-                    raise _RpcError(-32603, f"the shim has no run: {exc}") from None
-            return self._envelope
+        if self._envelope is None:  # two threads may both read it: the same run
+            try:
+                self._envelope = Envelope.from_env(self.environ)
+            except EnvelopeError as exc:
+                raise _RpcError(-32603, f"the shim has no run: {exc}") from None
+        return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
         """The platform tool list, read once: from the environment, else from the platform."""
-        if self._tools is None:  # two threads may both read it: the same list
+        if self._tools is None:
             try:
                 inline = _tools_schema_from_env(self.environ)
                 self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
@@ -4708,7 +4699,7 @@ class _UsageError(Exception):
 
 def load_agent(spec: str) -> Callable[..., Any]:
     """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names (a file's directory first on ``sys.path``)."""
-    import importlib
+    import importlib.machinery
     import importlib.util
 
     where, sep, attr = spec.rpartition(":")
@@ -4729,18 +4720,14 @@ def load_agent(spec: str) -> Callable[..., Any]:
             loaded = sys.modules.get(name)
             if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
                 name = f"_pipelines_agent_{name}"  # another module has this name
-            found = importlib.util.spec_from_file_location(name, path)
-            if found is None or found.loader is None:
-                raise ValueError(f"cannot load {where} as a Python module")
-            module = sys.modules[name] = importlib.util.module_from_spec(found)
+            loader = importlib.machinery.SourceFileLoader(name, path)
+            module = sys.modules[name] = importlib.util.module_from_spec(
+                cast(Any, importlib.util.spec_from_file_location(name, path, loader=loader)))
             try:
-                loader: Any = found.loader  # no exec_module in Python 3.9's stubs
                 loader.exec_module(module)
             except BaseException:
                 sys.modules.pop(name, None)
                 raise
-    except ValueError:
-        raise
     except SyntaxError as exc:
         raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
     except (Exception, SystemExit) as exc:
@@ -4812,8 +4799,8 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connections close after it (default %(default)g)"),
     ("--max-connections", _POSITIVE, None, "N", "more open connections get 503 (default: by the open-file limit)"),
     ("--strict", None, False, None, f"500 for a response the platform would soften (also: {ENV_STRICT}=1)"),
-    ("--proxy-hosts", str, None, "HOSTS", "proxy hosts allowed, comma-separated: names, IPs, .suffixes; :port optional"
-     f" (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)"),
+    ("--proxy-hosts", str, None, "HOSTS", ("proxy hosts allowed, comma-separated names, IPs or .suffixes, each "
+                                            f"with an optional :port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: tools_schema.json beside the agent)"),
     ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
@@ -4872,11 +4859,10 @@ def _cmd_mcp(args: Any) -> int:
 def _parser(prog: Optional[str] = None) -> Any:
     import argparse
 
-    if prog is None:
-        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-        as_script = getattr(main_spec, "name", "") != "pipelines_port" and os.path.basename(sys.argv[0] or "") == (
-            "pipelines_port.py")
-        prog = "pipelines_port.py" if as_script else "python3 -m pipelines_port"
+    if prog is None:  # `python3 -m` sets __spec__ (its argv[0] is the file too)
+        as_file = getattr(sys.modules.get("__main__"), "__spec__", None) is None and os.path.basename(
+            sys.argv[0]) == "pipelines_port.py"
+        prog = "pipelines_port.py" if as_file else "python3 -m pipelines_port"
     # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on the "
                                      "Pipelines platform, standard library only.")
