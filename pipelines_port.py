@@ -4550,10 +4550,8 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 
 
-class _RpcError(Exception):  # codes: -32700 parse, -32600 invalid request, -32601 method, -32602 params, -32603
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class _RpcError(Exception):  # (code, message); -32700 parse, -32600 request, -32601 method, -32602 params, -32603
+    pass
 
 
 class McpShim:
@@ -4574,8 +4572,7 @@ class McpShim:
             except ValueError as exc:
                 raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
             if not isinstance(message, dict):
-                raise _RpcError(-32600, "batches are not supported" if isinstance(message, list)
-                                else f"a message must be a JSON object, got {json_type(message)}")
+                raise _RpcError(-32600, f"a message must be a JSON object (no batches), got {json_type(message)}")
             method = message.get("method")
             if isinstance(message.get("id"), bool) or not isinstance(message.get("id"), (str, int, type(None))):
                 raise _RpcError(-32600, "id must be a string or a number")
@@ -4586,7 +4583,7 @@ class McpShim:
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
         except _RpcError as exc:
-            reply = {"error": {"code": exc.code, "message": str(exc)}}
+            reply = {"error": {"code": exc.args[0], "message": exc.args[1]}}
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             token = self._envelope.run_token if self._envelope else None
             _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
@@ -4788,12 +4785,12 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
     ("--auth-header", str, "Authorization", "NAME",
-     "header carrying it: Authorization (Bearer <token>), or another with the token as its value"),
+     "its header: Authorization (Bearer <token>) or another holding the bare token"),
     ("--no-auth", None, False, None, "no inbound auth: anyone can dispatch"),
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body (default %(default)s)"),
     ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
     ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "time running dispatches get on SIGTERM (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None, "asyncio: one event loop (default); threads: a thread per connection"),
+    ("--server", SERVERS, "asyncio", None, "asyncio (one event loop; default) or threads (one per connection)"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
      "time for a request's head and body, 408 past it (default %(default)g)"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connections close after it (default %(default)g)"),
@@ -4805,7 +4802,7 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
     ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
-     "collect garbage every N allocations, what is loaded frozen (default %(default)s; 0: Python's)"),
+     "collect garbage every N allocations, startup's objects frozen (default %(default)s; 0: Python's)"),
 )
 
 
@@ -4870,7 +4867,7 @@ def _parser(prog: Optional[str] = None) -> Any:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_ = commands.add_parser(
         "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
-        description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.")
+        description="Serve agent(envelope) as a Pipelines dispatch endpoint.")
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
         how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
@@ -4880,9 +4877,8 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.set_defaults(run=_cmd_serve)
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
-        description=f"Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
-                    f"{ENV_TOOLS_SCHEMA_B64} or the platform, tools/call through the proxy of the run in "
-                    f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.")
+        description=f"MCP on stdin/stdout: tools from {ENV_TOOLS_SCHEMA_B64} or the platform, called through the "
+                    f"proxy of the run in {ENV_PROXY_URL} / {ENV_RUN_TOKEN}; logs on stderr.")
     mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
