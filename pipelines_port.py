@@ -4113,17 +4113,14 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    schema: Dict[str, Any]
     if annotation is Any:
         return {}
     if annotation is None or annotation in _JSON_TYPES:
         return {"type": _JSON_TYPES.get(annotation, "null")}
     if origin is typing.Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
-        schema = {"enum": list(args) if origin is typing.Literal else [m.value for m in annotation]}
-        kinds = {_JSON_TYPES.get(type(v)) for v in schema["enum"]}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        values = list(args) if origin is typing.Literal else [m.value for m in annotation]
+        kinds = {_JSON_TYPES.get(type(v)) for v in values}
+        return {"enum": values, **({"type": kinds.pop()} if len(kinds) == 1 and None not in kinds else {})}
     if origin is Union or type(annotation).__name__ == "UnionType":
         members = [schema_for_type(a) for a in args if a is not type(None)]
         null = [{"type": "null"}] if len(members) < len(args) else []
@@ -4131,17 +4128,11 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
             return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
         return members[0] if len(members) == 1 and not null else {"anyOf": members + null}
     if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
-        schema = {"type": "array"}
-        items = list(dict.fromkeys(a for a in args if a is not Ellipsis))
-        if items:  # a fixed-shape tuple's items are any of its types
-            schema["items"] = schema_for_type(items[0]) if len(items) == 1 else {
-                "anyOf": [schema_for_type(a) for a in items]}
-        return schema
+        items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
+        return {"type": "array", **({"items": items[0] if len(items) == 1 else {"anyOf": items}} if items else {})}
     if annotation is dict or origin is dict:
-        schema = {"type": "object"}
-        if len(args) == 2 and args[1] is not Any:
-            schema["additionalProperties"] = schema_for_type(args[1])
-        return schema
+        values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
+        return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
     raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
                     "list/dict of those, Literal or an Enum")
 
