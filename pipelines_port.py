@@ -4517,23 +4517,20 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
         kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
         if kind == "reasoning_item":
             thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
-        elif kind == "message_output_item":
-            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
-            turns.append(_Turn("assistant", text, thinking=thinking))
-            thinking = []
-        elif kind in ("tool_call_item", "handoff_call_item"):  # a handoff is the model calling transfer_to_X
-            call = {"id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                    "arguments": _field(raw, "arguments") or "{}"}
-            turns.append(_Turn("assistant", tool_calls=[call], thinking=thinking))
-            thinking = []
         elif kind in ("tool_call_output_item", "handoff_output_item"):
             output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
             turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
+        elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff calls transfer_to_X
+            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
+            calls = [] if kind == "message_output_item" else [{
+                "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
+                "arguments": _field(raw, "arguments") or "{}"}]
+            turns.append(_Turn("assistant", text, calls, thinking))
+            thinking = []
     model = getattr(getattr(result, "last_agent", None), "model", None)
     usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     return result.final_output, _read_turns(turns)[1], _run_metadata(
         usages, model if isinstance(model, str) else getattr(model, "model", None))
-
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
 # ---------------------------------------------------------------------------
