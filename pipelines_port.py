@@ -3996,7 +3996,9 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
                 return _call_failed(ProxyRequestError(problem, tool_name=name), name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
-    with ThreadPoolExecutor(max(1, min(max_concurrency, len(calls))), "pipelines-tool") as pool:
+    if len(calls) <= 1 or max_concurrency <= 1:  # a pool costs more than a call on a kept-alive connection
+        return [one(name, args) for name, args in calls]
+    with ThreadPoolExecutor(min(max_concurrency, len(calls)), "pipelines-tool") as pool:
         futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
         return [f.result() for f in futures]
 
