@@ -4502,8 +4502,6 @@ def _langchain_turn(item: Any) -> _Turn:
         str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
         return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
-    if role != "assistant":
-        return _Turn(role, text)
     thoughts = [b.get("thinking") or b.get("text") for b in blocks if b.get("type") in ("thinking", "reasoning")]
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
