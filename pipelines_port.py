@@ -3881,7 +3881,9 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 
 # ###########################################################################
 #
-#   PART 3 - CONVENIENCES: helpers for writing an agent; last, the command line
+#   PART 3 - CONVENIENCES
+#
+#   Helpers for writing an agent; last, the command line.
 #
 # ###########################################################################
 
