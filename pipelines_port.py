@@ -3823,8 +3823,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 #
 #   PART 3 - CONVENIENCES
 #
-#   Helpers for writing an agent (the dispatch app uses only convert_tools
-#   and load_tools_schema); last, the command line.
+#   Helpers for writing an agent; last, the command line.
 #
 # ###########################################################################
 
@@ -3866,20 +3865,18 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         else:
             tool["input_schema"] = schema
             if to == "platform":
-                extras = ("output_schema", "default_execution_mode", "passthrough_binding")
-                tool.update((key, _thaw(value)) for key, value in entry.items() if key in extras)
+                tool.update((key, _thaw(value)) for key, value in entry.items()
+                            if key in ("output_schema", "default_execution_mode", "passthrough_binding"))
         out.append(tool)
     return out
 
 
 def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
     """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6); ``ValueError``."""
-    if source is None:
-        where, tools = "the environment", _tools_schema_from_env(os.environ)
-        if tools is None:
-            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
-    else:
-        where, tools = os.fspath(source), _read_tools_file(source)
+    where = "the environment" if source is None else os.fspath(source)
+    tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
+    if tools is None:
+        raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
     try:
         return convert_tools(tools, "platform")
     except ValueError as exc:
@@ -3887,7 +3884,6 @@ def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List
 
 
 def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
-    """A JSON tool list's entries, bare or as ``{"tools": [...]}`` or ``{"tools_schema": [...]}``."""
     where = os.fspath(source)
     try:
         with open(source, encoding="utf-8") as f:
@@ -3927,7 +3923,10 @@ def bound_output(text: Any, limit: int = 8000) -> str:
 def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
                errors: str = "return", **options: Any) -> List[Any]:
     """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
-    _check_errors_mode(errors)
+    from concurrent.futures import ThreadPoolExecutor
+
+    if errors not in ("raise", "return"):
+        raise ValueError("errors must be 'raise' or 'return'")
     calls = list(calls)
 
     def one(name: str, args: Any) -> Any:
@@ -3935,16 +3934,13 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
             try:
                 args = json.loads(args or "{}")
             except ValueError as exc:
-                error = ProxyRequestError(f"arguments for {name!r} must be a JSON object, got invalid JSON: {exc}",
-                                          tool_name=name)
-                return _call_failed(error, name, errors)
+                problem = f"arguments for {name!r} must be a JSON object, got invalid JSON: {exc}"
+                return _call_failed(ProxyRequestError(problem, tool_name=name), name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
-    if len(calls) <= 1 or max_concurrency <= 1:
+    if len(calls) <= 1 or max_concurrency <= 1:  # a pool costs more than a call on a kept-alive connection
         return [one(name, args) for name, args in calls]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=min(max_concurrency, len(calls)), thread_name_prefix="pipelines-tool") as pool:
+    with ThreadPoolExecutor(min(max_concurrency, len(calls)), "pipelines-tool") as pool:
         futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
         return [f.result() for f in futures]
 
@@ -3964,8 +3960,8 @@ _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, t
 def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping[str, str]] = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
               sleep: Callable[[float], None] = time.sleep) -> Any:
-    """POST JSON to an API (a model's), return the JSON reply: 408, 409, 425, 429, 5xx, 529 and lost connections
-    retried (``retry-after-ms``, ``Retry-After`` honoured), else :class:`HTTPStatusError`; header values never shown."""
+    """POST JSON to a (model) API, return its JSON reply; 408, 409, 425, 429, 5xx, 529 and lost connections retried
+    (as ``retry-after-ms``/``Retry-After`` ask), else :class:`HTTPStatusError`; header values never shown."""
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
@@ -3987,11 +3983,12 @@ def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping
 
     def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> ProxyOutcome:
         value, is_json = _decode_body(reply, "")
-        if 200 <= status < 300 and is_json:
+        ok = 200 <= status < 300
+        if ok and is_json:
             return ProxyOutcome("value", value)
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
-        note = " but the reply is not JSON" if 200 <= status < 300 else ""
-        error = HTTPStatusError(f"{where}: HTTP {status}{note}: {text}", status_code=status, body=value)
+        error = HTTPStatusError(f"{where}: HTTP {status}{' but the reply is not JSON' if ok else ''}: {text}",
+                                status_code=status, body=value)
         kind = "retry" if status in _MODEL_RETRY_STATUSES else "error"
         return ProxyOutcome(kind, error=error, retry_after=_model_retry_after(reply_headers))
 
@@ -3999,13 +3996,12 @@ def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping
                        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
 
 # ---------------------------------------------------------------------------
-# Tools from code: JSON Schema from a function's signature, arguments checked,
-# proxied inside a dispatch and local outside one (§3.6)
+# Tools from code: JSON Schema from a signature, arguments checked, proxied
+# inside a dispatch and local outside one (§3.6)
 # ---------------------------------------------------------------------------
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# validate_args's bounds: keyword -> (the JSON type it bounds, whether a measure keeps to it); a string or an
-# array is measured by its length
+# keyword: (the JSON type it bounds, the test); a string or an array by its length
 _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
     "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
     "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
@@ -4014,11 +4010,10 @@ _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
-    """Every way ``value`` breaks ``schema``, a line each: type, enum, const, the bounds, items, properties, required,
-    additionalProperties, anyOf, oneOf."""
+    """Every way ``value`` breaks ``schema`` (the keywords tool schemas use), one line each."""
     if not isinstance(schema, Mapping):
         return []
-    actual = json_type(value).split()[-1]  # null, boolean, number, string, array, object (or a class name)
+    actual = json_type(value).split()[-1]
     kinds = schema.get("type")
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds)
@@ -4058,22 +4053,18 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
 
 
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
-    """The JSON Schema of a type hint: str, int, float, bool, None, Any, Optional/Union, list/tuple/set[X],
-    dict[str, X], Literal or an Enum; ``TypeError`` for anything else."""
+    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum); else ``TypeError``."""
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    schema: Dict[str, Any]
     if annotation is Any:
         return {}
     if annotation is None or annotation in _JSON_TYPES:
         return {"type": _JSON_TYPES.get(annotation, "null")}
     if origin is typing.Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
-        schema = {"enum": list(args) if origin is typing.Literal else [m.value for m in annotation]}
-        kinds = {_JSON_TYPES.get(type(v)) for v in schema["enum"]}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        values = list(args) if origin is typing.Literal else [m.value for m in annotation]
+        kinds = {_JSON_TYPES.get(type(v)) for v in values}
+        return {"enum": values, **({"type": kinds.pop()} if len(kinds) == 1 and None not in kinds else {})}
     if origin is Union or type(annotation).__name__ == "UnionType":
         members = [schema_for_type(a) for a in args if a is not type(None)]
         null = [{"type": "null"}] if len(members) < len(args) else []
@@ -4081,53 +4072,44 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
             return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
         return members[0] if len(members) == 1 and not null else {"anyOf": members + null}
     if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
-        schema = {"type": "array"}
-        items = list(dict.fromkeys(a for a in args if a is not Ellipsis))
-        if items:  # a fixed-shape tuple's items are any of its types
-            schema["items"] = schema_for_type(items[0]) if len(items) == 1 else {
-                "anyOf": [schema_for_type(a) for a in items]}
-        return schema
+        items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
+        return {"type": "array", **({"items": items[0] if len(items) == 1 else {"anyOf": items}} if items else {})}
     if annotation is dict or origin is dict:
-        schema = {"type": "object"}
-        if len(args) == 2 and args[1] is not Any:
-            schema["additionalProperties"] = schema_for_type(args[1])
-        return schema
+        values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
+        return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
     raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
                     "list/dict of those, Literal or an Enum")
 
 
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
-    """``(description, {argument: its description})`` of a Google (``Args:``) or Sphinx (``:param x:``) docstring."""
-    import inspect
+    import inspect  # cleandoc expands tabs
 
     params: Dict[str, str] = {}
     summary: List[str] = []
     section = current = None
     for line in inspect.cleandoc(doc or "").splitlines():
-        stripped = line.strip()
-        sphinx = re.match(r":param\s+(?:[\w\[\], ]+\s+)?(\w+):\s*(.*)", stripped)
-        google = re.match(r"(\w+)\s*(\([^)]*\))?:\s*(.*)", stripped)
+        text = line.strip()
+        sphinx = re.match(r":param\s+(?:[\w\[\], ]+\s+)?(\w+):\s*(.*)", text)
+        google = re.match(r"(\w+)\s*(?:\([^)]*\))?:\s*(.*)", text)
         if sphinx:
-            section, current = "sphinx", sphinx.group(1)
-            params[current] = sphinx.group(2)
-        elif re.fullmatch(r"(Args|Arguments|Parameters):", stripped):
+            section, current = "sphinx", sphinx[1]
+            params[current] = sphinx[2]
+        elif re.fullmatch(r"(Args|Arguments|Parameters):", text):
             section, current = "args", None
-        elif re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", stripped) or stripped.startswith(":"):
+        elif re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", text) or text.startswith(":"):
             section, current = "other", None
-        elif section == "args" and google and line.startswith(("    ", "\t")) and not line.startswith(
-                ("        ", "\t\t")):
-            current = google.group(1)
-            params[current] = google.group(3)
-        elif current and stripped and (section == "args" or line.startswith((" ", "\t"))):
-            params[current] = f"{params[current]} {stripped}".strip()
+        elif section == "args" and google and re.match(" {4}(?! {4})", line):
+            current = google[1]
+            params[current] = google[2]
+        elif current and text and (section == "args" or line[:1] == " "):
+            params[current] = f"{params[current]} {text}".strip()
         elif section is None:
             summary.append(line)
     return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
 
 
 class Tool:
-    """A function as a tool (see :func:`tool`): inside a dispatch a call is checked against ``input_schema`` and
-    goes through the proxy; outside one the function runs."""
+    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied, outside one it runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
                  default_execution_mode: Optional[str] = None) -> None:
@@ -4142,14 +4124,14 @@ class Tool:
         self.signature = inspect.signature(fn)
         try:
             hints = typing.get_type_hints(fn)
-        except Exception as exc:  # noqa: BLE001 - unresolvable annotations
+        except Exception as exc:  # noqa: BLE001
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
         properties: Dict[str, Any] = {}
         for param in self.signature.parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
             try:
-                prop = properties[param.name] = schema_for_type(hints[param.name]) if param.name in hints else {}
+                prop = properties[param.name] = schema_for_type(hints.get(param.name, Any))
             except TypeError as exc:
                 raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
             if param_docs.get(param.name):
@@ -4157,7 +4139,7 @@ class Tool:
             if param.default is not param.empty:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
-                    prop["default"] = json.loads(json.dumps(default))  # as the JSON a model would send
+                    prop["default"] = json.loads(json.dumps(default))
         required = [p.name for p in self.signature.parameters.values() if p.default is p.empty]
         self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
                                              **({"required": required} if required else {})}
@@ -4196,14 +4178,13 @@ class Tool:
 
 def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, description: Optional[str] = None,
          default_execution_mode: Optional[str] = None) -> Any:
-    """``@tool`` or ``@tool(name=..., ...)``: a :class:`Tool`, its input schema from the type hints, its
-    descriptions from the docstring (``Args:`` or ``:param:`` lines)."""
+    """``@tool`` or ``@tool(name=...)``: a :class:`Tool`, described by its hints and docstring (Google or Sphinx)."""
     make = functools.partial(Tool, name=name, description=description, default_execution_mode=default_execution_mode)
     return make(fn) if fn is not None else make
 
 
 def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
-    """``Tool`` objects and tools_schema entries as one tool list in format ``to`` (see :func:`convert_tools`)."""
+    """``Tool`` objects and tools_schema entries as one tool list in format ``to`` (:func:`convert_tools`)."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
@@ -4219,66 +4200,57 @@ def _tools_of(source: Any) -> List[Any]:
     return list(tools)
 
 
-def _framework_tool(tool: Any) -> Tuple[str, Dict[str, Any]]:
-    """``(framework, tools_schema entry)``: ``agents`` (OpenAI Agents SDK), ``strands``, ``mcp`` or ``langchain``."""
-    kind, name, description = "", getattr(tool, "name", None), getattr(tool, "description", "")
+def _framework_tool(tool: Any) -> Dict[str, Any]:
+    name, description = getattr(tool, "name", None), getattr(tool, "description", "")
     spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-    schema = getattr(tool, "params_json_schema", None)  # an OpenAI Agents SDK FunctionTool
-    mcp_schemas = [s for s in (getattr(tool, "inputSchema", None), getattr(tool, "input_schema", None))
-                   if isinstance(s, Mapping)]  # an MCP Tool's (input_schema in the newer SDKs)
-    if isinstance(schema, Mapping):
-        kind = "agents"
+    schema = getattr(tool, "params_json_schema", None)
+    mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+    if isinstance(schema, Mapping):  # OpenAI Agents
+        pass
     elif isinstance(spec, Mapping):
-        kind, name, description, schema = "strands", spec.get("name"), spec.get("description"), spec.get("inputSchema")
+        name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
         schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
-    elif mcp_schemas:
-        kind, schema = "mcp", mcp_schemas[0]
-    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # a LangChain BaseTool
-        kind, schema = "langchain", getattr(tool, "args_schema", None)
+    elif isinstance(mcp_schema, Mapping):
+        schema = mcp_schema
+    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain
+        schema = getattr(tool, "args_schema", None)
         if not isinstance(schema, Mapping):
-            model = getattr(tool, "tool_call_schema", None) or tool.get_input_schema()
-            schema = model.model_json_schema() if hasattr(model, "model_json_schema") else model.schema()
+            schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
         schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
     else:
         raise TypeError(f"not a tool this module knows: {type(tool).__name__} (give OpenAI Agents, LangChain, Strands "
                         "or MCP tools, or tools_schema entries)")
-    return kind, {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
+    return {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
     """The ``tools_schema`` (§3.6) of OpenAI Agents, LangChain/LangGraph, Strands or MCP tools, or of an agent's."""
-    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t)[1], "default_execution_mode": "sandbox"}
+    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
 
 def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
-    """The same tools (OpenAI Agents ``FunctionTool``, LangChain/LangGraph tools as ``StructuredTool``, Strands
-    tools) whose bodies are ``proxy_call(name, args, actor=actor, errors="return")`` to the run bound here, if any."""
+    """The same tools (OpenAI Agents, LangChain as ``StructuredTool``, Strands), each body ``proxy_call(name, args,
+    actor=actor, errors="return")`` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
     return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
 
 
 def _proxied_tool(tool: Any, **options: Any) -> Any:
-    import importlib  # the tool is the caller's framework object: its framework is loaded
+    import importlib  # the tool's framework: loaded already
 
-    refusal = TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents FunctionTools, LangChain tools or "
-                        "Strands tools (or call proxy_call in the tool's body)")
-    if isinstance(tool, Mapping):
-        raise refusal
-    kind, entry = _framework_tool(tool)
-    call: Callable[..., Any] = functools.partial(proxy_call, entry["name"], **options)
-    acall: Callable[..., Any] = functools.partial(aproxy_call, entry["name"], **options)
-    if kind == "agents" and hasattr(tool, "on_invoke_tool"):
+    acall: Callable[..., Any] = functools.partial(aproxy_call, getattr(tool, "name", ""), **options)
+    if hasattr(tool, "on_invoke_tool") and hasattr(tool, "params_json_schema"):  # OpenAI Agents
         import dataclasses
 
         async def on_invoke_tool(context: Any, arguments: str) -> str:
             return _as_text(await acall(json.loads(arguments) if arguments and arguments.strip() else {}))
 
         return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
-    if kind == "langchain" and hasattr(tool, "args_schema") and hasattr(tool, "invoke"):
+    if hasattr(tool, "args_schema") and hasattr(tool, "invoke"):  # LangChain
         def sync_body(**kwargs: Any) -> str:
-            return _as_text(call(_jsonable_args(kwargs)))
+            return _as_text(proxy_call(tool.name, _jsonable_args(kwargs), **options))
 
         async def async_body(**kwargs: Any) -> str:
             return _as_text(await acall(_jsonable_args(kwargs)))
@@ -4287,20 +4259,21 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
             func=sync_body, coroutine=async_body, name=tool.name, description=tool.description,
             args_schema=tool.args_schema if tool.args_schema is not None else tool.get_input_schema(),
             return_direct=getattr(tool, "return_direct", False))
-    if kind == "strands" and hasattr(tool, "stream"):
+    if isinstance(getattr(tool, "tool_spec", None), Mapping) and hasattr(tool, "stream"):  # Strands
         async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
-            result = await acall(tool_use.get("input") or {})
+            result = await aproxy_call(tool.tool_spec["name"], tool_use.get("input") or {}, **options)
             failed = isinstance(result, Mapping) and "error" in result
             return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
                     "content": [{"text": _as_text(result)}]}
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise refusal
+    raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents, LangChain or Strands tools (or call "
+                    "proxy_call in the tool's body)")
 
 
 def _jsonable_args(value: Any) -> Any:
-    if hasattr(value, "model_dump"):  # a framework may hand over pydantic models
+    if hasattr(value, "model_dump"):  # pydantic
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {str(k): _jsonable_args(v) for k, v in value.items()}
@@ -4308,8 +4281,7 @@ def _jsonable_args(value: Any) -> Any:
 
 
 class Handoffs:
-    """``handoff`` trace events (§3.4) from a framework's control flow, one per change of acting sub-agent,
-    best-effort, to the run bound where it is made; one per run."""
+    """A run's ``handoff`` trace events (§3.4), one per change of acting sub-agent, best-effort."""
 
     def __init__(self, first: Optional[str] = None, *, envelope: Optional[Envelope] = None) -> None:
         self.current = validate_actor_label(first) if first else None
@@ -4317,12 +4289,12 @@ class Handoffs:
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: Optional[str] = None) -> None:
-        """``label`` acts from now on: a handoff from the sub-agent before it, if another, is posted."""
+        """``label`` acts from now on: a handoff from another sub-agent before it is posted."""
         for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
     async def aenter(self, label: str, reason: Optional[str] = None) -> None:
-        """The asyncio form of :meth:`enter`."""
+        """:meth:`enter` on the running loop."""
         for moved in self._moves(label):
             await apost_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
@@ -4360,37 +4332,39 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """The response envelope (§4) of an OpenAI Agents ``RunResult``, a Strands ``Agent`` after its run, LangChain or
-    LangGraph messages (or state) or an Anthropic conversation; else :func:`build_response`.  ``fields`` win."""
+    """The response envelope (§4) of an OpenAI Agents ``RunResult``, a Strands ``Agent``, LangChain/LangGraph messages
+    (or state) or an Anthropic conversation, else :func:`build_response`; ``fields`` win."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
-        final, messages, metadata = _from_strands(result)
+        final, messages, _ = _read_turns([t for t in map(_message_turn, result.messages) if t])
+        usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
+        model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
+        metadata = _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
+                                 ("inputTokens", "outputTokens"))
     else:
         items = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
-        turns = [_langchain_turn(m) if langchain else _anthropic_turn(m) for m in items]
+        turns = [_langchain_turn(m) if langchain else _message_turn(m) for m in items]
         if None in turns:
             return build_response(result, **fields)
         final, messages, metadata = _read_turns(cast(List[_Turn], turns))
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-class _Turn(NamedTuple):  # one message of a framework's transcript, as a reader gives it to _read_turns
+class _Turn(NamedTuple):  # a transcript's message, as every reader gives it to _read_turns
     role: str
     text: str = ""
     tool_calls: Sequence[Dict[str, Any]] = ()
     thinking: Sequence[Dict[str, Any]] = ()
-    results: Sequence[Tuple[Any, Any]] = ()  # (tool call id, output) of a user or tool turn
+    results: Sequence[Tuple[Any, Any]] = ()  # (tool call id, output)
     usage: Any = None
     model: Any = None
 
 
 def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    """``(answer, v1 transcript, tokens and model)``: an assistant turn is one message; another is a tool message
-    per result, then its text (kept, empty, when there is nothing else); the answer is the last text calling no tool."""
     messages: List[Dict[str, Any]] = []
     usages: List[Any] = []
     final, model = "", None
@@ -4427,20 +4401,37 @@ def _run_metadata(usages: Optional[List[Any]], model: Any,
     return metadata
 
 
-def _anthropic_turn(item: Any) -> Optional[_Turn]:
+_BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasoningContent": "reasoning"}
+
+
+def _message_turn(item: Any) -> Optional[_Turn]:
+    # an Anthropic Messages or (Strands') Bedrock Converse message
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
     content = item.get("content") if isinstance(item, Mapping) else None
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
-    blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
-    of = {k: [b for b in blocks if b.get("type") == k] for k in ("text", "tool_use", "thinking", "tool_result")}
-    results = [(b.get("tool_use_id"), "".join(str(p.get("text") or "") for p in b["content"] if isinstance(p, Mapping))
-                if isinstance(b.get("content"), list) else b.get("content")) for b in of["tool_result"]]
-    calls = [{"id": b.get("id"), "name": b.get("name"), "arguments": b.get("input") or {}} for b in of["tool_use"]]
-    thinking = [{"type": "thinking", "text": b["thinking"]} for b in of["thinking"] if b.get("thinking")]
-    text = content if isinstance(content, str) else "".join(str(b.get("text") or "") for b in of["text"])
-    return _Turn(item["role"], text, calls, thinking, results, item.get("usage"), item.get("model"))
+    text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
+    for block in [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else ():
+        kind = block.get("type")
+        for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
+            if isinstance(block.get(key), Mapping):
+                kind, block = _BEDROCK_BLOCKS[key], block[key]
+        call_id = block.get("id", block.get("toolUseId"))
+        if kind == "tool_use":
+            calls.append({"id": call_id, "name": block.get("name"), "arguments": block.get("input") or {}})
+        elif kind == "tool_result":
+            out = block.get("content")
+            results.append((block.get("tool_use_id", call_id), "".join(
+                _as_text(p["json"]) if "json" in p else str(p.get("text") or "") for p in out if isinstance(p, Mapping))
+                if isinstance(out, list) else out))
+        elif kind == "thinking" and block.get("thinking"):
+            thinking.append({"type": "thinking", "text": block["thinking"]})
+        elif kind == "reasoning" and (block.get("reasoningText") or {}).get("text"):
+            thinking.append({"type": "text", "text": block["reasoningText"]["text"]})
+        elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
+            text.append(str(block.get("text") or ""))
+    return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
 
 
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
@@ -4453,8 +4444,6 @@ def _langchain_turn(item: Any) -> _Turn:
         str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
         return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
-    if role != "assistant":
-        return _Turn(role, text)
     thoughts = [b.get("thinking") or b.get("text") for b in blocks if b.get("type") in ("thinking", "reasoning")]
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
@@ -4463,74 +4452,46 @@ def _langchain_turn(item: Any) -> _Turn:
                  getattr(item, "usage_metadata", None), model)
 
 
-def _from_strands(agent: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    final, messages, _ = _read_turns([_bedrock_turn(m) for m in agent.messages])
-    usage = getattr(getattr(agent, "event_loop_metrics", None), "accumulated_usage", None)
-    model_id = (getattr(getattr(agent, "model", None), "config", None) or {}).get("model_id")
-    return final, messages, _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
-                                          ("inputTokens", "outputTokens"))
-
-
-def _bedrock_turn(message: Mapping[str, Any]) -> _Turn:
-    # Bedrock Converse: text, toolUse, toolResult and reasoningContent blocks
-    blocks = [b for b in message.get("content") or () if isinstance(b, Mapping)]
-    of = {key: [b[key] for b in blocks if isinstance(b.get(key), Mapping)]
-          for key in ("toolUse", "toolResult", "reasoningContent")}
-    results = [(r.get("toolUseId"), "".join(str(p.get("text") if "text" in p else _as_text(p.get("json")))
-                                            for p in r.get("content") or () if isinstance(p, Mapping)))
-               for r in of["toolResult"]]
-    thoughts = [(r.get("reasoningText") or {}).get("text") for r in of["reasoningContent"]]
-    calls = [{"id": u.get("toolUseId"), "name": u.get("name"), "arguments": u.get("input") or {}}
-             for u in of["toolUse"]]
-    return _Turn("assistant" if message.get("role") == "assistant" else "user",
-                 "".join(b["text"] for b in blocks if isinstance(b.get("text"), str)), calls,
-                 [{"type": "text", "text": t} for t in thoughts if t], results)
-
-
 def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
     thinking: List[Dict[str, Any]] = []
     for item in result.new_items:
         kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
-        if kind == "reasoning_item":  # the thinking of the next assistant message
+        if kind == "reasoning_item":
             thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
-        elif kind == "message_output_item":
-            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
-            turns.append(_Turn("assistant", text, thinking=thinking))
-            thinking = []
-        elif kind in ("tool_call_item", "handoff_call_item"):  # a handoff is the model calling transfer_to_X
-            call = {"id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                    "arguments": _field(raw, "arguments") or "{}"}
-            turns.append(_Turn("assistant", tool_calls=[call], thinking=thinking))
-            thinking = []
         elif kind in ("tool_call_output_item", "handoff_output_item"):
             output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
             turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
+        elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff calls transfer_to_X
+            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
+            calls = [] if kind == "message_output_item" else [{
+                "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
+                "arguments": _field(raw, "arguments") or "{}"}]
+            turns.append(_Turn("assistant", text, calls, thinking))
+            thinking = []
     model = getattr(getattr(result, "last_agent", None), "model", None)
     usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     return result.final_output, _read_turns(turns)[1], _run_metadata(
         usages, model if isinstance(model, str) else getattr(model, "model", None))
-
-
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
 # ---------------------------------------------------------------------------
 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
-_RPC_PARSE_ERROR, _RPC_INVALID_REQUEST, _RPC_METHOD_NOT_FOUND = -32700, -32600, -32601
-_RPC_INVALID_PARAMS, _RPC_INTERNAL_ERROR = -32602, -32603
+
+
+class _RpcError(Exception):  # (code, message); -32700 parse, -32600 request, -32601 method, -32602 params, -32603
+    pass
 
 
 class McpShim:
-    """An MCP server over stdio (JSON-RPC 2.0, a message per line) whose ``tools/call`` goes through the proxy
-    (kit-mcp-shim); ``tools/list`` comes from §3.6's sources.  Nothing crashes it."""
+    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim): tools from §3.6's sources, called through the proxy."""
 
     def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
         self.client = client
         self._tools: Optional[List[Dict[str, Any]]] = None
         self._envelope: Optional[Envelope] = None
-        self._lock = threading.Lock()
 
     def handle_line(self, line: str) -> Optional[str]:
         """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
@@ -4539,30 +4500,29 @@ class McpShim:
             try:
                 message = json.loads(line) if line.strip() else {}
             except ValueError as exc:
-                raise _RpcError(_RPC_PARSE_ERROR, f"parse error: {_short(str(exc), 120)}") from None
+                raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
             if not isinstance(message, dict):
-                raise _RpcError(_RPC_INVALID_REQUEST, "batches are not supported" if isinstance(message, list)
-                                else f"a message must be a JSON object, got {json_type(message)}")
+                raise _RpcError(-32600, f"a message must be a JSON object (no batches), got {json_type(message)}")
             method = message.get("method")
             if isinstance(message.get("id"), bool) or not isinstance(message.get("id"), (str, int, type(None))):
-                raise _RpcError(_RPC_INVALID_REQUEST, "id must be a string or a number")
+                raise _RpcError(-32600, "id must be a string or a number")
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
-                return None  # a notification, a response to a request never sent, a blank line
+                return None  # a notification, a stray response, a blank line
             request_id = message["id"]
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
-                raise _RpcError(_RPC_INVALID_REQUEST, 'expected {"jsonrpc": "2.0", "method": ...}')
+                raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
         except _RpcError as exc:
-            reply = {"error": {"code": exc.code, "message": str(exc)}}
+            reply = {"error": {"code": exc.args[0], "message": exc.args[1]}}
         except Exception as exc:  # noqa: BLE001 - never crash the shim
             token = self._envelope.run_token if self._envelope else None
             _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
-            reply = {"error": {"code": _RPC_INTERNAL_ERROR, "message": describe_error(exc, DETAIL_LIMIT, token)}}
+            reply = {"error": {"code": -32603, "message": describe_error(exc, DETAIL_LIMIT, token)}}
         return json.dumps({"jsonrpc": "2.0", "id": request_id, **reply}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
         if not isinstance(params, dict):
-            raise _RpcError(_RPC_INVALID_PARAMS, "params must be an object")
+            raise _RpcError(-32602, "params must be an object")
         if method == "initialize":
             asked = params.get("protocolVersion")
             return {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
@@ -4575,37 +4535,36 @@ class McpShim:
             return {"tools": [{"name": t["name"], "description": t.get("description") or "",
                                "inputSchema": t["input_schema"]} for t in self.tools()]}
         if method != "tools/call":
-            raise _RpcError(_RPC_METHOD_NOT_FOUND, f"method not found: {_short(method, 80)}")
+            raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
         name, arguments = params.get("name"), params.get("arguments")
         if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(_RPC_INVALID_PARAMS, "tools/call needs params.name (a string) and .arguments (an object)")
+            raise _RpcError(-32602, "tools/call needs params.name (a string) and .arguments (an object)")
         return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
-        with self._lock:
-            if self._envelope is None:
-                try:
-                    self._envelope = Envelope.from_env(self.environ)
-                except EnvelopeError as exc:
-                    raise _RpcError(_RPC_INTERNAL_ERROR, f"the shim has no run: {exc}") from None
-            return self._envelope
+        if self._envelope is None:  # two threads may both read it: the same run
+            try:
+                self._envelope = Envelope.from_env(self.environ)
+            except EnvelopeError as exc:
+                raise _RpcError(-32603, f"the shim has no run: {exc}") from None
+        return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
-        """The tool list (platform shape), read once: the inline environment first, else the platform's endpoint."""
-        if self._tools is None:  # two threads may both read it: the same list either way
+        """The platform tool list, read once: from the environment, else from the platform."""
+        if self._tools is None:
             try:
                 inline = _tools_schema_from_env(self.environ)
                 self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
             except ValueError as exc:  # EnvelopeError included
-                raise _RpcError(_RPC_INTERNAL_ERROR, f"the tools schema is invalid: {exc}") from None
+                raise _RpcError(-32603, f"the tools schema is invalid: {exc}") from None
         return self._tools
 
     def _fetch_tools(self) -> List[Any]:
         agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
         if not agent_id:
-            raise _RpcError(_RPC_INTERNAL_ERROR, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} (or "
-                                                 f"{ENV_TOOLS_SCHEMA_JSON}), or {ENV_AGENT_ID} to fetch it")
+            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} (or {ENV_TOOLS_SCHEMA_JSON}), or "
+                                    f"{ENV_AGENT_ID} to fetch it")
         envelope = self.envelope()
         try:
             base = urlsplit(validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url,
@@ -4615,14 +4574,14 @@ class McpShim:
                        "User-Agent": _USER_AGENT}
             status, _, body = _shared_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
         except (EnvelopeError, _TransportFailure, _ReplyTooLarge) as exc:
-            raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: "
-                                                 f"{describe_error(exc.__cause__ or exc, 200)}") from None
-        value = _decode_body(body, "")[0] if status == 200 else None
-        tools = value.get("tools") if isinstance(value, dict) else None
-        if not isinstance(tools, list):
-            raise _RpcError(_RPC_INTERNAL_ERROR, f"cannot fetch the tools schema: HTTP {status} from "
-                                                 f"{base.netloc}{path}")
-        return tools
+            problem = describe_error(exc.__cause__ or exc, 200)
+        else:
+            value = _decode_body(body, "")[0] if status == 200 else None
+            tools = value.get("tools") if isinstance(value, dict) else None
+            if isinstance(tools, list):
+                return tools
+            problem = f"HTTP {status} from {base.netloc}{path}"
+        raise _RpcError(-32603, f"cannot fetch the tools schema: {problem}")
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
         """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
@@ -4636,35 +4595,26 @@ class McpShim:
         return result
 
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
-        """Read lines until EOF; ``tools/call`` runs concurrently, replies are written whole, one per line."""
+        """Answer lines until EOF, ``tools/call`` concurrently, each reply a whole line."""
         from concurrent.futures import ThreadPoolExecutor
 
-        stdin = sys.stdin if stdin is None else stdin
-        stdout = sys.stdout if stdout is None else stdout
         write_lock = threading.Lock()
 
         def answer(line: str) -> None:
             reply = self.handle_line(line)
             if reply is not None:
                 with write_lock:
-                    stdout.write(reply + "\n")
-                    stdout.flush()
+                    out = stdout or sys.stdout
+                    out.write(reply + "\n")
+                    out.flush()
 
-        with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="pipelines-mcp") as pool:
-            for line in stdin:
-                # Only tool calls are slow (minutes, at worst): a false positive merely runs on the pool
-                if '"tools/call"' in line:
+        with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
+            for line in stdin or sys.stdin:
+                if '"tools/call"' in line:  # the slow ones; a false positive merely runs on the pool
                     pool.submit(answer, line)
                 else:
                     answer(line)
         return 0
-
-
-class _RpcError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
@@ -4675,9 +4625,8 @@ class _UsageError(Exception):
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The callable named by ``PATH.py:NAME`` or ``package.module:NAME`` (``NAME`` may be dotted), a file's
-    directory first on ``sys.path``; ``ValueError``, one line."""
-    import importlib
+    """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names (a file's directory first on ``sys.path``)."""
+    import importlib.machinery
     import importlib.util
 
     where, sep, attr = spec.rpartition(":")
@@ -4694,22 +4643,18 @@ def load_agent(spec: str) -> Callable[..., Any]:
         if not is_file:
             module = importlib.import_module(where)
         else:
-            name = name[:-3] if name.endswith(".py") else name
+            name = name.removesuffix(".py")
             loaded = sys.modules.get(name)
             if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
                 name = f"_pipelines_agent_{name}"  # another module has this name
-            spec_ = importlib.util.spec_from_file_location(name, path)
-            if spec_ is None or spec_.loader is None:
-                raise ValueError(f"cannot load {where} as a Python module")
-            module = sys.modules[name] = importlib.util.module_from_spec(spec_)
+            loader = importlib.machinery.SourceFileLoader(name, path)
+            module = sys.modules[name] = importlib.util.module_from_spec(
+                cast(Any, importlib.util.spec_from_file_location(name, path, loader=loader)))
             try:
-                loader: Any = spec_.loader  # Loader.exec_module is missing from Python 3.9's stubs
                 loader.exec_module(module)
             except BaseException:
                 sys.modules.pop(name, None)
                 raise
-    except ValueError:
-        raise
     except SyntaxError as exc:
         raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
     except (Exception, SystemExit) as exc:
@@ -4736,7 +4681,6 @@ def _truthy(value: Optional[str]) -> bool:
 
 
 def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
-    """An argparse ``type``: ``convert(text)`` when that works and ``holds``, else an error naming ``expected``."""
     def parse(text: str) -> Any:
         import argparse
 
@@ -4763,7 +4707,7 @@ def _refuse_token(text: str) -> None:
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
-# serve's options after the agent: (flag, type, default, metavar, help); a type of None is a switch, a tuple a choice
+# (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s; 0.0.0.0: all)"),
     ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
@@ -4771,26 +4715,24 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
     ("--auth-header", str, "Authorization", "NAME",
-     "header carrying it: Authorization (Bearer <token>), or another with the token as its value"),
+     "its header: Authorization (Bearer <token>) or another holding the bare token"),
     ("--no-auth", None, False, None, "no inbound auth: anyone can dispatch"),
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body (default %(default)s)"),
     ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
     ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "time running dispatches get on SIGTERM (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None, "asyncio: one event loop (default); threads: a thread per connection"),
+    ("--server", SERVERS, "asyncio", None, "asyncio (one event loop; default) or threads (one per connection)"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
      "time for a request's head and body, 408 past it (default %(default)g)"),
-    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS",
-     "idle keep-alive connections close after it (default %(default)g)"),
+    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connections close after it (default %(default)g)"),
     ("--max-connections", _POSITIVE, None, "N", "more open connections get 503 (default: by the open-file limit)"),
     ("--strict", None, False, None, f"500 for a response the platform would soften (also: {ENV_STRICT}=1)"),
-    ("--proxy-hosts", str, None, "HOSTS", (
-        "proxy hosts dispatches may name, comma-separated: names, IP addresses or .suffixes, each with an optional "
-        f":port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
+    ("--proxy-hosts", str, None, "HOSTS", ("proxy hosts allowed, comma-separated names, IPs or .suffixes, each "
+                                            f"with an optional :port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: tools_schema.json beside the agent)"),
     ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
     ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
-     "collect garbage every N allocations, once what is loaded is frozen (default %(default)s; 0: Python's)"),
+     "collect garbage every N allocations, startup's objects frozen (default %(default)s; 0: Python's)"),
 )
 
 
@@ -4820,7 +4762,7 @@ def _cmd_serve(args: Any) -> int:
         if app.tools_schema is not None:
             say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
-        if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit: a server's environment has no run
+        if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
             say(f"WARNING: {ENV_RUN_TOKEN} is set: a proxy call made outside a dispatch would use that run; unset it")
 
     try:
@@ -4829,7 +4771,7 @@ def _cmd_serve(args: Any) -> int:
                        max_connections=args.max_connections, gc_threshold=args.gc_threshold)
     except OSError as exc:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if status != 0:  # dispatches still running after the grace period: leave without waiting for their threads
+    if status != 0:  # dispatches outlived the grace period: leave without waiting for their threads
         logging.shutdown()
         sys.stdout.flush()
         os._exit(status)
@@ -4844,19 +4786,18 @@ def _cmd_mcp(args: Any) -> int:
 def _parser(prog: Optional[str] = None) -> Any:
     import argparse
 
-    if prog is None:
-        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-        as_script = getattr(main_spec, "name", "") != "pipelines_port" and os.path.basename(sys.argv[0] or "") == (
-            "pipelines_port.py")
-        prog = "pipelines_port.py" if as_script else "python3 -m pipelines_port"
-    # allow_abbrev=False everywhere: `--token SECRET` taken for `--token-env SECRET` would print the secret.
+    if prog is None:  # `python3 -m` sets __spec__ (its argv[0] is the file too)
+        as_file = getattr(sys.modules.get("__main__"), "__spec__", None) is None and os.path.basename(
+            sys.argv[0]) == "pipelines_port.py"
+        prog = "pipelines_port.py" if as_file else "python3 -m pipelines_port"
+    # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on the "
                                      "Pipelines platform, standard library only.")
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_ = commands.add_parser(
         "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
-        description="Serve agent(envelope) as a Pipelines dispatch endpoint: auth, ping, envelope, response.")
+        description="Serve agent(envelope) as a Pipelines dispatch endpoint.")
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
         how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
@@ -4866,9 +4807,8 @@ def _parser(prog: Optional[str] = None) -> Any:
     serve_.set_defaults(run=_cmd_serve)
     mcp_ = commands.add_parser(
         "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
-        description=f"Serve MCP (JSON-RPC 2.0, one message per line) on stdin/stdout: tools/list from "
-                    f"{ENV_TOOLS_SCHEMA_B64} or the platform, tools/call through the proxy of the run in "
-                    f"{ENV_PROXY_URL} / {ENV_RUN_TOKEN}. Logs go to stderr.")
+        description=f"MCP on stdin/stdout: tools from {ENV_TOOLS_SCHEMA_B64} or the platform, called through the "
+                    f"proxy of the run in {ENV_PROXY_URL} / {ENV_RUN_TOKEN}; logs on stderr.")
     mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
