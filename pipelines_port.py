@@ -11,38 +11,38 @@ So one mechanism does each job, a rule is named here and explained in CONTRACT.m
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      134   0.4  PART 1 - THE CONTRACT
-      145   2.8    Constants
-      210   4.6    Errors
-      344  15.8    Envelope (§2 dispatch, §5 code mode)
-      645  14.3    Inbound decisions (§2)
-      910   6.6    Request encoding (§3.1, §3.4, §3.5)
-     1032   7.6    Reply interpretation
-     1190  15.3    Response envelope (§4)
-     1458   2.4    HTTP replies of a dispatch endpoint
-     1512   1.1  PART 2 - THE PYTHON RUNTIME
-     1550   2.2    Speed paths
-     1603   3.0    Python data
-     1682   6.8    Python values as JSON
-     1835   1.9    Start-up settings, checked where serve
-     1875   1.4    Context binding
-     1906   2.7    Event loops
-     1968   3.2    The deadline wheel
-     2046  16.3    Transport
-     2388   4.7    The retry loop of both drivers
-     2487  20.8    Proxy client (§3)
-     2891   7.2    Running agents
-     3056  14.5    The dispatch app (§2)
-     3313   3.9    Server adapters
-     3395  14.8    The built-in server
-     3721   4.0    Starting a server
-     3797   4.7    Code mode (§5)
-     3880   0.2  PART 3 - CONVENIENCES
-     3889   9.1    Agent-loop helpers
-     4058  12.2    Tools from code
-     4266  17.4    Framework bridges
-     4572   8.9    MCP shim (§3.6)
-     4726  12.7    Command line: serve, mcp
+      134   0.3  PART 1 - THE CONTRACT
+      143   2.8    Constants
+      207   4.4    Errors
+      336  15.0    Envelope (§2 dispatch, §5 code mode)
+      625  13.3    Inbound decisions (§2)
+      876   6.3    Request encoding (§3.1, §3.4, §3.5)
+      996   7.3    Reply interpretation
+     1149  14.6    Response envelope (§4)
+     1407   2.3    HTTP replies of a dispatch endpoint
+     1456   1.1  PART 2 - THE PYTHON RUNTIME
+     1494   2.2    Speed paths
+     1547   3.0    Python data
+     1626   6.8    Python values as JSON
+     1779   1.9    Start-up settings, checked where serve
+     1819   1.4    Context binding
+     1850   2.7    Event loops
+     1912   3.2    The deadline wheel
+     1990  16.3    Transport
+     2332   4.7    The retry loop of both drivers
+     2431  20.8    Proxy client (§3)
+     2835   7.2    Running agents
+     3000  14.5    The dispatch app (§2)
+     3257   3.9    Server adapters
+     3339  14.8    The built-in server
+     3665   4.0    Starting a server
+     3741   4.7    Code mode (§5)
+     3824   0.2  PART 3 - CONVENIENCES
+     3832   9.1    Agent-loop helpers
+     3999  11.4    Tools from code
+     4191  15.8    Framework bridges
+     4477   8.0    MCP shim (§3.6)
+     4620  12.1    Command line: serve, mcp
 
 Quick look::
 
@@ -1306,7 +1306,7 @@ def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> Li
     if not isinstance(text, str):
         return [f"{key}: must be a string, got {json_type(text)}"]
     if not text:
-        return [f"{key}: must not be empty"]
+        return [f"{key}: must not be empty (the judge has nothing to grade)"]  # only final_response gets here
     if not text.strip():
         warnings.append(f"warning: {key}: blank (only whitespace)")
     elif key == "final_response" and len(text) > FINAL_RESPONSE_SOFT_LIMIT:
