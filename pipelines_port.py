@@ -3062,7 +3062,7 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 
 
 class DispatchApp:
-    """An agent (sync or ``async def``) and its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
+    """An agent (sync or ``async def``) at its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
     Auth: ``token``, else the variable ``token_env`` read at each request; ``Bearer`` only in ``Authorization``."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
@@ -3082,45 +3082,24 @@ class DispatchApp:
                  f"auth_header must be an HTTP header name, got {auth_header!r}")):
             if wrong:
                 raise ValueError(problem)
-        check_run_timeout(run_timeout_s)
-        self.agent = agent
-        self.token = token
+        self.run_timeout_s = check_run_timeout(run_timeout_s)
+        self.agent, self.token, self.strict = agent, token, strict
         self.token_env = None if token else token_env
-        self.run_timeout_s = float(run_timeout_s)
-        self.strict = strict
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
-        tools = None if tools_schema is None else _thaw(list(tools_schema))
-        if tools is not None:
-            convert_tools(tools, "platform")  # checked, but served as given: the platform's tooling compares them
+        self.tools_schema: Optional[List[Dict[str, Any]]] = None if tools_schema is None else _thaw(list(tools_schema))
+        if self.tools_schema is not None:
+            convert_tools(self.tools_schema, "platform")  # checked, but served as given: the platform compares them
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
         try:
             allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
         except ValueError as exc:
             source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
-        self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
-                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools, proxy_hosts=allowed)
-
-    @property
-    def path(self) -> str:
-        return self.endpoint.path
-
-    @property
-    def auth_header(self) -> str:
-        return self.endpoint.auth_header
-
-    @property
-    def no_auth(self) -> bool:
-        return self.endpoint.no_auth
-
-    @property
-    def max_body(self) -> int:
-        return self.endpoint.max_body
-
-    @property
-    def tools_schema(self) -> Optional[List[Dict[str, Any]]]:
-        return cast(Optional[List[Dict[str, Any]]], self.endpoint.tools_schema)
+        self.path, self.auth_header, self.no_auth, self.max_body = path.rstrip("/") or "/", auth_header, no_auth, int(
+            max_body)
+        self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
+                                 allowed)
 
     def __repr__(self) -> str:
         name = getattr(self.agent, "__name__", self.agent)
@@ -3143,10 +3122,6 @@ class DispatchApp:
             return f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)"
         return ", ".join(hosts) or "none"
 
-    def expected_token(self) -> Optional[str]:
-        """The agent token requests must carry, read now (``""`` when its variable is unset; ``None``: no auth)."""
-        return None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
-
     def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
         """:meth:`ahandle` from a blocking thread."""
         return _on_loop(self.ahandle(method, target, headers, body))
@@ -3154,17 +3129,13 @@ class DispatchApp:
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
         """The reply to a request whose ``body`` is what :func:`request_body_length` allowed (``None``: nothing)."""
         started = time.monotonic()
-        headers = _lower_headers(headers)
-        return await self.acarry_out(self.decide(method, target, headers, body), method, target, headers, started)
-
-    def decide(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> Decision:
-        """:func:`decide` for this endpoint, its token read now."""
-        return decide(self.endpoint, method, target, headers, body, expected_token=self.expected_token())
-
-    def carry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
-                  started: float) -> HttpReply:
-        """:meth:`acarry_out` from a blocking thread."""
-        return _on_loop(self.acarry_out(decision, method, target, headers, started))
+        try:
+            headers = _lower_headers(headers)
+            expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
+            decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
+            return await self.acarry_out(decision, method, target, headers, started)
+        except Exception as exc:  # noqa: BLE001 - a JSON reply, never a host's text page
+            return _fallback_reply(exc)
 
     async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
                          started: float) -> HttpReply:
@@ -3188,10 +3159,6 @@ class DispatchApp:
                             method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
                             stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
         return reply
-
-    def connectivity_check(self, proxy_url: str) -> HttpReply:
-        """:meth:`aconnectivity_check` from a blocking thread."""
-        return _on_loop(self.aconnectivity_check(proxy_url))
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """§2 step 4, the reply to a connectivity check (§3.7, §7.1 kit-proxy-host-allow-list)."""
@@ -3225,8 +3192,8 @@ class DispatchApp:
             return self._failed(failed, envelope, stats)
         except BaseException:  # this dispatch itself was cancelled
             stats.cancelled = True
-            _log.warning("run %s (jti %s) was cut short: the server is shutting down; its further proxy calls are "
-                         "refused", envelope.run_id, envelope.run_token_jti)
+            _log.warning("run %s (jti %s) was cut short by the shutdown; its further proxy calls are refused",
+                         envelope.run_id, envelope.run_token_jti)
             raise
         finally:
             _dispatch_stats.reset(bound)
@@ -3239,43 +3206,78 @@ class DispatchApp:
             return self._failed(exc, envelope, stats)
 
     def _failed(self, failed: BaseException, envelope: Envelope, stats: _DispatchStats) -> HttpReply:
+        secrets = self.secrets(envelope)
         if isinstance(failed, _Overran):
             stats.cancelled = True
             _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
                        "further proxy calls", envelope.run_id, self.run_timeout_s)
             return error_reply(failed)
         if isinstance(failed, ResponseError):
-            return error_reply(ResponseError(self.redact(
-                f"agent returned a value that cannot become a response: {failed}", envelope)))
+            return error_reply(ResponseError(redact(
+                f"agent returned a value that cannot become a response: {failed}", *secrets)))
         import traceback
 
         error = failed.error if isinstance(failed, _AgentRaised) else failed
         trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
-        return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *self.secrets(envelope))))
+        _log.error("run %s: the agent raised:\n%s", envelope.run_id, redact(trace, *secrets))
+        return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
         """The run token and the agent token, which no reply or log line shows."""
         return (envelope.run_token if envelope is not None else None,
                 self.token or os.environ.get(self.token_env or ""))
 
-    def redact(self, text: str, envelope: Optional[Envelope]) -> str:
-        """``text`` without :meth:`secrets`."""
-        return cast(str, redact(text, *self.secrets(envelope)))
-
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
-        return _wsgi(self, environ, start_response)
+        pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
+        pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
+        headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
+        length = request_body_length(headers, self.max_body)
+        body = None
+        if length is not None:
+            body = bytearray()  # read to the end: a host may hand back short reads
+            while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
+                body += chunk
+        reply = self.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers,
+                            None if body is None else bytes(body))
+        # No Connection header: PEP 3333 forbids hop-by-hop headers; the host frames and drains the body itself.
+        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
+        return [reply.body]
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         """The ASGI3 application (HTTP and lifespan)."""
-        await _asgi(self, scope, receive, send)
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"]
+                if kind in ("lifespan.startup", "lifespan.shutdown"):
+                    await send({"type": kind + ".complete"})
+                if kind == "lifespan.shutdown":
+                    return
+        if scope["type"] != "http":
+            raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
+        headers = _lower_headers(scope.get("headers", []))
+        length = request_body_length(headers, self.max_body)
+        body, more = bytearray(), length is not None
+        while more and len(body) < (length or 0):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        reply = await self.ahandle(scope["method"], scope.get("path", "/"), headers,
+                                   None if length is None else bytes(body))
+        # after a body left unread or a refusal made before any agent ran (4xx, 503): kit-strict-request-head
+        close = length is None or 400 <= reply.status < 500 or reply.status == 503
+        sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
+        await send({"type": "http.response.body", "body": reply.body})
 
     @property
     def asgi(self) -> Callable[..., Any]:
         """The ASGI3 application as an ``async def`` function (hosts detect its interface)."""
         async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-            await _asgi(self, scope, receive, send)
+            await self(scope, receive, send)
 
         return asgi
 
@@ -3324,11 +3326,6 @@ DEFAULT_KEEPALIVE_S = 75.0
 SERVE_GC_THRESHOLD = 50_000
 
 
-def _server_url(address: Tuple[Any, ...], path: str) -> str:
-    host = str(address[0])
-    return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}{path}"
-
-
 @functools.lru_cache(maxsize=64)
 def _reason(status: int) -> str:
     from http import HTTPStatus
@@ -3339,67 +3336,6 @@ def _reason(status: int) -> str:
         return "Unknown"
 
 
-def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
-    pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
-    pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
-    headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
-    length = request_body_length(headers, app.max_body)
-    body: Optional[bytes] = None
-    if length is not None:
-        data = bytearray()  # read to the end: a host may hand back short reads
-        while len(data) < length and (chunk := environ["wsgi.input"].read(min(length - len(data), 1 << 16))):
-            data += chunk
-        body = bytes(data)
-    try:
-        reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers, body)
-    except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
-        _log.exception("building the reply failed")
-        reply = _fallback_reply(exc)
-    # No Connection header: PEP 3333 forbids hop-by-hop headers; the host frames and drains the body itself.
-    start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
-    return [reply.body]
-
-
-async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    if scope["type"] == "lifespan":
-        while True:
-            kind = (await receive())["type"]
-            if kind in ("lifespan.startup", "lifespan.shutdown"):
-                await send({"type": kind + ".complete"})
-            if kind == "lifespan.shutdown":
-                return
-    if scope["type"] != "http":
-        raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
-    headers = _lower_headers(scope.get("headers", []))
-    length = request_body_length(headers, app.max_body)
-    body: Optional[bytes] = None
-    if length is not None:
-        data, more = bytearray(), True
-        while more and len(data) < length:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            data += message.get("body", b"")
-            more = message.get("more_body", False)
-        body = bytes(data)
-    try:
-        reply = await app.ahandle(scope["method"], scope.get("path", "/"), headers, body)
-        # after a body left unread or a refusal, made before any agent ran (4xx, 503): kit-strict-request-head
-        close = length is None or 400 <= reply.status < 500 or reply.status == 503
-    except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
-        _log.exception("building the reply failed")
-        reply, close = _fallback_reply(exc), True
-    sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
-    await send({"type": "http.response.start", "status": reply.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
-    await send({"type": "http.response.body", "body": reply.body})
-
-
-# ---------------------------------------------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
-# the same, with a thread per connection answering through handle)
-# ---------------------------------------------------------------------------
-
 @functools.lru_cache(maxsize=4)
 def _server_and_date(second: int) -> str:
     from wsgiref.handlers import format_date_time
@@ -3408,10 +3344,16 @@ def _server_and_date(second: int) -> str:
 
 
 def _fallback_reply(exc: BaseException) -> HttpReply:
-    """The last line of defence when building a reply failed: a JSON 500 naming only the exception's type."""
+    """The last line of defence, logged: a JSON 500 naming only the exception's type."""
+    _log.error("building the reply failed", exc_info=exc)
     name = type(exc).__name__.encode("ascii", "replace")
     body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+
+# ---------------------------------------------------------------------------
+# The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
+# the same, with a thread per connection answering through handle)
+# ---------------------------------------------------------------------------
 
 
 class _ServerConnection:
@@ -3512,7 +3454,6 @@ class _ServerConnection:
         try:
             reply = await server._answer(self, head, body)
         except Exception as exc:  # noqa: BLE001 - the last line of defence
-            _log.exception("building the reply failed")
             reply = _fallback_reply(exc)
         except BaseException:  # cancelled
             if not server.cutting:
@@ -3592,20 +3533,20 @@ class AsyncDispatchServer:
         for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.app = app
-        self.read_timeout_s, self.keepalive_s = float(read_timeout_s), float(keepalive_s)
+        self.app, self.read_timeout_s, self.keepalive_s = app, float(read_timeout_s), float(keepalive_s)
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                           backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
         self._backlog = backlog
         self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
-        return _server_url(self.server_address, self.app.path)
+        host = str(self.server_address[0])
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.server_address[1]}{self.app.path}"
 
     @property
     def in_flight(self) -> int:
@@ -3693,7 +3634,10 @@ class _ThreadsServer(AsyncDispatchServer):
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on, its reply dropped
-            _log.warning("%s was cut before it finished: the server is shutting down", _run_label(conn.headers, body))
+            run_id = _header(conn.headers, HEADER_RUN_ID)
+            with contextlib.suppress(ValueError, LookupError, TypeError):
+                run_id = json.loads(body or b"{}")["run_id"]
+            _log.warning("run %s was cut before it finished: the server is shutting down", _short(str(run_id), 40))
             raise
 
     def _work(self, jobs: Any) -> None:
@@ -3701,7 +3645,6 @@ class _ThreadsServer(AsyncDispatchServer):
             try:
                 reply = self.app.handle(head.method, head.target, headers, body)
             except Exception as exc:  # noqa: BLE001 - the last line of defence
-                _log.exception("building the reply failed")
                 reply = _fallback_reply(exc)
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
@@ -3710,16 +3653,6 @@ class _ThreadsServer(AsyncDispatchServer):
 def _resolve(future: Any, result: Any) -> None:
     if not future.done():  # cancelled meanwhile
         future.set_result(result)
-
-
-def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
-    """``run 17`` for the log, from a dispatch's body or its ``X-Pipelines-Run-Id``; ``a request`` otherwise."""
-    try:
-        run_id = json.loads(body or b"{}")["run_id"]
-    except (ValueError, LookupError, TypeError):
-        run_id = headers.get(HEADER_RUN_ID)
-    return "a request" if run_id is None else f"run {_short(str(run_id), 40)}"
-
 
 # ---------------------------------------------------------------------------
 # Starting a server: make_server, start_server, serve (signals and the drain)
@@ -3768,7 +3701,6 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
           grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
     """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 when every dispatch finished, else 1.
-
     ``ready(server)`` is called once listening; ``gc_threshold=0`` leaves the collector as it is."""
     import gc
     import signal
@@ -3788,14 +3720,13 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
         while not stop.wait(0.5):
             pass
         _log.info("shutting down: refusing new dispatches, waiting up to %g s for in-flight ones", grace_s)
-        finished = server.close(grace_s)
-        if not finished:
-            _log.warning("grace period over with dispatches still running; exiting anyway")
-        return 0 if finished else 1
+        if server.close(grace_s):
+            return 0
+        _log.warning("grace period over with dispatches still running; exiting anyway")
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
 
 # ---------------------------------------------------------------------------
 # Code mode (§5): one agent function, the sandbox's run() entrypoint
@@ -3803,8 +3734,8 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread (for a kernel whose loop runs here), ``envelope`` (default: the bound
-    one) bound; what it raises is re-raised, the run token redacted."""
+    """``fn(*args, **kwargs)`` on a new thread (for a kernel whose loop runs here) with ``envelope`` (default: the
+    bound one) bound; what it raises is re-raised, the run token redacted."""
     envelope = envelope if envelope is not None else _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
@@ -3821,42 +3752,40 @@ def _run_argument(value: Optional[str], argument: str, variable: str) -> str:
     return value
 
 
-def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float) -> Any:
+def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float,
+                   strict: Optional[bool]) -> Dict[str, Any]:
     stats = _DispatchStats()
     bound = _dispatch_stats.set(stats)  # copied into the agent's thread
+    token = envelope.run_token
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
+        result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
     except _Overran:
         stats.cancelled = True
         failure: BaseException = RunTimeoutError(
             f"agent did not finish within run_timeout_s={limit:g} s; its further proxy calls are refused (a thread "
             "cannot be stopped: it may still be running)")
     except _AgentRaised as raised:
-        error = raised.error
-        failure = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
-        if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else as it is: a stale token
-            cause = failure
-            failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
+        failure = cast(BaseException, _redact_exception_chain(raised.error, token))
+        if isinstance(raised.error, Exception) and not isinstance(raised.error, PipelinesError):  # else: a stale token
+            cause, failure = failure, AgentError(f"agent raised {describe_error(raised.error, DETAIL_LIMIT, token)}")
             failure.__cause__ = cause
     except BaseException:  # a kernel interrupt: the agent runs on, its proxy calls refused
         stats.cancelled = True
         raise
+    else:
+        try:
+            body = _without_run_token(_built(result, strict=strict, secrets=(token,),
+                                             multi_turn=envelope.is_multi_turn), envelope)
+            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+            return body
+        except ResponseError as exc:
+            raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
+        except Exception as exc:  # noqa: BLE001 - a clear error, never a half-built dict
+            problem = describe_error(exc, DETAIL_LIMIT, token)
+            raise ResponseError(f"the response cannot be sent as JSON: {problem}") from None
     finally:
         _dispatch_stats.reset(bound)
     raise failure  # outside the except clauses: no context shows the original
-
-
-def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> Dict[str, Any]:
-    try:
-        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,),
-                                         multi_turn=envelope.is_multi_turn), envelope)
-        json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except ResponseError as exc:
-        raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
-    except Exception as exc:  # noqa: BLE001 - a clear error, never a half-built dict
-        raise ResponseError("the response cannot be sent as JSON: "
-                            f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
-    return body
 
 
 def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
@@ -3872,7 +3801,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
         else:
             envelope = Envelope.from_run(task_input, proxy_url=_run_argument(proxy_url, "proxy_url", ENV_PROXY_URL),
                                          run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
-        return _code_mode_body(_code_mode_result(agent, envelope, limit), envelope, strict)
+        return _code_mode_run(agent, envelope, limit, strict)
 
     run.__name__ = run.__qualname__ = "run"
     run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (pipelines_port.code_mode)."
