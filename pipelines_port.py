@@ -3127,38 +3127,35 @@ class DispatchApp:
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed (``None``: nothing)."""
+        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed (``None``: nothing),
+        logged (§7.1 kit-log-line)."""
         started = time.monotonic()
+        stats = _DispatchStats()
         try:
             headers = _lower_headers(headers)
             expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
             decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
-            return await self.acarry_out(decision, method, target, headers, started)
+            if decision.action == "run":
+                reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
+            elif decision.action == "probe":
+                reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
+            else:
+                reply = cast(HttpReply, decision.reply)
+            what = decision.what
+            level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
+            if _access_log.isEnabledFor(level):
+                envelope = decision.envelope
+                ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
+                       [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
+                if what != "dispatch" and reply.status >= 400:
+                    what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
+                _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
+                                method, urlsplit(target).path, reply.status, *ids,
+                                (time.monotonic() - started) * 1000, stats.proxy_calls,
+                                "" if what == "dispatch" else f" ({what})")
+            return reply
         except Exception as exc:  # noqa: BLE001 - a JSON reply, never a host's text page
             return _fallback_reply(exc)
-
-    async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
-                         started: float) -> HttpReply:
-        """Do what ``decision`` asks and log the request (§7.1 kit-log-line)."""
-        stats = _DispatchStats()
-        if decision.action == "run":
-            reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
-        elif decision.action == "probe":
-            reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
-        else:
-            reply = cast(HttpReply, decision.reply)
-        what = decision.what
-        level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
-        if _access_log.isEnabledFor(level):
-            envelope = decision.envelope
-            ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
-                   [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
-            if what != "dispatch" and reply.status >= 400:
-                what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
-            _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
-                            method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
-                            stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
-        return reply
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """§2 step 4, the reply to a connectivity check (§3.7, §7.1 kit-proxy-host-allow-list)."""
@@ -3170,7 +3167,7 @@ class DispatchApp:
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent is ``async def``, a partial of one, or an object whose ``__call__`` is one."""
+        """Whether the agent runs on the loop: ``async def``, through partials and ``__call__``."""
         import inspect
 
         agent = self.agent
@@ -3186,41 +3183,35 @@ class DispatchApp:
         """The reply to running the agent on ``envelope`` within ``run_timeout_s`` (§7.3)."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
+        secrets = self.secrets(envelope)
         try:
             result = await _run_agent(self.agent, envelope, self.run_timeout_s, self.agent_is_async)
-        except (_Overran, _AgentRaised) as failed:
-            return self._failed(failed, envelope, stats)
-        except BaseException:  # this dispatch itself was cancelled
-            stats.cancelled = True
-            _log.warning("run %s (jti %s) was cut short by the shutdown; its further proxy calls are refused",
-                         envelope.run_id, envelope.run_token_jti)
-            raise
-        finally:
-            _dispatch_stats.reset(bound)
-        try:
-            body = _built(result, strict=self.strict, secrets=self.secrets(envelope), multi_turn=envelope.is_multi_turn)
+            body = _built(result, strict=self.strict, secrets=secrets, multi_turn=envelope.is_multi_turn)
             reply = json_reply(200, body)
             clean = _without_run_token(body, envelope, reply.body)
             return reply if clean is body else json_reply(200, clean)
-        except Exception as exc:  # noqa: BLE001 - a 500, never a crash
-            return self._failed(exc, envelope, stats)
-
-    def _failed(self, failed: BaseException, envelope: Envelope, stats: _DispatchStats) -> HttpReply:
-        secrets = self.secrets(envelope)
-        if isinstance(failed, _Overran):
+        except _Overran as overran:
             stats.cancelled = True
-            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
-                       "further proxy calls", envelope.run_id, self.run_timeout_s)
-            return error_reply(failed)
-        if isinstance(failed, ResponseError):
-            return error_reply(ResponseError(redact(
-                f"agent returned a value that cannot become a response: {failed}", *secrets)))
-        import traceback
+            _log.error("run %s: no result within run_timeout_s=%g s: 504; its proxy calls are refused", envelope.run_id,
+                       self.run_timeout_s)
+            return error_reply(overran)
+        except ResponseError as exc:  # from _built: the agent's own is an _AgentRaised
+            return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
+                                                    *secrets)))
+        except Exception as exc:  # noqa: BLE001 - a 500, never a crash
+            import traceback
 
-        error = failed.error if isinstance(failed, _AgentRaised) else failed
-        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        _log.error("run %s: the agent raised:\n%s", envelope.run_id, redact(trace, *secrets))
-        return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
+            error = exc.error if isinstance(exc, _AgentRaised) else exc
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            _log.error("run %s: the agent raised:\n%s", envelope.run_id, redact(trace, *secrets))
+            return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
+        except BaseException:  # this dispatch itself was cancelled
+            stats.cancelled = True
+            _log.warning("run %s (jti %s) was cut by the shutdown; its proxy calls are refused", envelope.run_id,
+                         envelope.run_token_jti)
+            raise
+        finally:
+            _dispatch_stats.reset(bound)
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
         """The run token and the agent token, which no reply or log line shows."""
@@ -3235,12 +3226,12 @@ class DispatchApp:
         length = request_body_length(headers, self.max_body)
         body = None
         if length is not None:
-            body = bytearray()  # read to the end: a host may hand back short reads
+            body = bytearray()  # to the end: a host may hand back short reads
             while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
                 body += chunk
         reply = self.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers,
                             None if body is None else bytes(body))
-        # No Connection header: PEP 3333 forbids hop-by-hop headers; the host frames and drains the body itself.
+        # no Connection header: PEP 3333 forbids hop-by-hop headers
         start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
         return [reply.body]
 
@@ -3266,7 +3257,7 @@ class DispatchApp:
             more = message.get("more_body", False)
         reply = await self.ahandle(scope["method"], scope.get("path", "/"), headers,
                                    None if length is None else bytes(body))
-        # after a body left unread or a refusal made before any agent ran (4xx, 503): kit-strict-request-head
+        # a body left unread, or refused before any agent ran (kit-strict-request-head)
         close = length is None or 400 <= reply.status < 500 or reply.status == 503
         sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
         await send({"type": "http.response.start", "status": reply.status,
@@ -3364,7 +3355,7 @@ class _ServerConnection:
     headers: Mapping[str, str]
     length: Optional[int] = 0  # of the body; None: unread, then a close
     task: Any = None
-    timer: Any = None  # the read or keep-alive timeout; none while a dispatch runs
+    timer: Any = None  # read or keep-alive timeout
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
@@ -3384,11 +3375,11 @@ class _ServerConnection:
         self.buffer += data
         if self.task is None:
             self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined while a dispatch runs: enough for now
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined behind a running dispatch: enough
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
-        self.eof = True  # a running dispatch still gets its reply, a body cut short its 400; then a close
+        self.eof = True  # a running dispatch still gets its reply, then a close
         if self.task is None:
             self._advance()
         self.closing = self.task is None
@@ -3468,7 +3459,6 @@ class _ServerConnection:
             self._advance()
 
     def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
-        """``reply`` with ``Server``, ``Date`` and ``Connection`` where it matters; no body to a HEAD."""
         if self.closing:
             return
         http10 = request is not None and request.version == "HTTP/1.0"
@@ -3482,7 +3472,7 @@ class _ServerConnection:
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
             self.closing = True
-            self.transport.close()  # after what was written
+            self.transport.close()
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
@@ -3494,7 +3484,7 @@ class _ServerConnection:
 
     def _timed_out(self) -> None:
         if not (self.buffer or self.head):
-            return self.cut()  # idle for keepalive_s
+            return self.cut()
         self._send(error_reply(RequestTimeoutError(
             f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
 
