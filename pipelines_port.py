@@ -3096,8 +3096,8 @@ class DispatchApp:
         except ValueError as exc:
             source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
-        self.path, self.auth_header, self.no_auth, self.max_body = path.rstrip("/") or "/", auth_header, no_auth, int(
-            max_body)
+        self.path, self.auth_header, self.no_auth = path.rstrip("/") or "/", auth_header, no_auth
+        self.max_body = int(max_body)
         self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
                                  allowed)
 
@@ -3238,12 +3238,10 @@ class DispatchApp:
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         """The ASGI3 application (HTTP and lifespan)."""
         if scope["type"] == "lifespan":
-            while True:
-                kind = (await receive())["type"]
-                if kind in ("lifespan.startup", "lifespan.shutdown"):
-                    await send({"type": kind + ".complete"})
-                if kind == "lifespan.shutdown":
-                    return
+            while (kind := (await receive())["type"]) != "lifespan.shutdown":
+                await send({"type": kind + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
         if scope["type"] != "http":
             raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
         headers = _lower_headers(scope.get("headers", []))
@@ -3335,7 +3333,6 @@ def _server_and_date(second: int) -> str:
 
 
 def _fallback_reply(exc: BaseException) -> HttpReply:
-    """The last line of defence, logged: a JSON 500 naming only the exception's type."""
     _log.error("building the reply failed", exc_info=exc)
     name = type(exc).__name__.encode("ascii", "replace")
     body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
@@ -3348,8 +3345,6 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
 
 
 class _ServerConnection:
-    """A client connection (an asyncio protocol): one request at a time; reading goes on while it runs."""
-
     transport: Any
     head: Optional[RequestHead] = None  # its body not yet whole
     headers: Mapping[str, str]
@@ -3357,7 +3352,7 @@ class _ServerConnection:
     task: Any = None
     timer: Any = None  # read or keep-alive timeout
     closing = eof = False
-    jobs: Any = None  # server="threads": its thread's queue
+    jobs: Any = None  # server="threads": its thread
 
     def __init__(self, server: AsyncDispatchServer) -> None:
         self.server = server
@@ -3390,7 +3385,7 @@ class _ServerConnection:
         self.server.connections.discard(self)
         self._arm(None)
         if self.jobs is not None:
-            self.jobs.put(None)
+            self.jobs.shutdown(wait=False)
 
     def pause_writing(self) -> None:  # a reply is written whole; the transport buffers it
         pass
@@ -3611,38 +3606,21 @@ class AsyncDispatchServer:
 
 
 class _ThreadsServer(AsyncDispatchServer):
-    """``server="threads"``: each connection's requests go through the blocking handle, on a thread of its own."""
-
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
-        if conn.jobs is None:
-            import queue
+        import asyncio
+        import concurrent.futures
 
-            conn.jobs = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
-        future = self.loop.create_future()
-        conn.jobs.put((future, head, conn.headers, body))
+        if conn.jobs is None:
+            conn.jobs = concurrent.futures.ThreadPoolExecutor(1)
         try:
-            return cast(HttpReply, await future)
-        except BaseException:  # cut by a drain: the thread runs on, its reply dropped
+            return await asyncio.wrap_future(conn.jobs.submit(self.app.handle, head.method, head.target, conn.headers,
+                                                              body))
+        except asyncio.CancelledError:  # cut by a drain: the thread runs on, its reply dropped
             run_id = _header(conn.headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
             _log.warning("run %s was cut before it finished: the server is shutting down", _short(str(run_id), 40))
             raise
-
-    def _work(self, jobs: Any) -> None:
-        for future, head, headers, body in iter(jobs.get, None):
-            try:
-                reply = self.app.handle(head.method, head.target, headers, body)
-            except Exception as exc:  # noqa: BLE001 - the last line of defence
-                reply = _fallback_reply(exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                self.loop.call_soon_threadsafe(_resolve, future, reply)
-
-
-def _resolve(future: Any, result: Any) -> None:
-    if not future.done():  # cancelled meanwhile
-        future.set_result(result)
 
 # ---------------------------------------------------------------------------
 # Starting a server: make_server, start_server, serve (signals and the drain)
