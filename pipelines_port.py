@@ -3101,10 +3101,6 @@ class DispatchApp:
         self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
                                  allowed)
 
-    def __repr__(self) -> str:
-        name = getattr(self.agent, "__name__", self.agent)
-        return f"DispatchApp({name!r}, path={self.path!r}, auth={self.describe_auth()!r})"
-
     def describe_auth(self) -> str:
         """How auth is configured, for a start-up line (never the token)."""
         if self.no_auth:
@@ -3118,17 +3114,15 @@ class DispatchApp:
     def describe_proxy_hosts(self) -> str:
         """Which proxy hosts dispatches may name, for a start-up line."""
         hosts = self.endpoint.proxy_hosts
-        if hosts is None:
-            return f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)"
-        return ", ".join(hosts) or "none"
+        return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)" if hosts is None
+                else ", ".join(hosts) or "none")
 
     def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
         """:meth:`ahandle` from a blocking thread."""
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed (``None``: nothing),
-        logged (§7.1 kit-log-line)."""
+        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed, logged (kit-log-line)."""
         started = time.monotonic()
         stats = _DispatchStats()
         try:
@@ -3154,7 +3148,7 @@ class DispatchApp:
                                 (time.monotonic() - started) * 1000, stats.proxy_calls,
                                 "" if what == "dispatch" else f" ({what})")
             return reply
-        except Exception as exc:  # noqa: BLE001 - a JSON reply, never a host's text page
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON 500
             return _fallback_reply(exc)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
@@ -3162,7 +3156,7 @@ class DispatchApp:
         probe = await aprobe_proxy(proxy_url)
         if self.endpoint.proxy_hosts is None and not probe["reachable"]:
             probe = {"reachable": False, "status_code": None, "latency_ms": None,
-                     "error": "no proxy answered at this URL (details are given only with a proxy-host allow-list)"}
+                     "error": "no proxy answered (details only with a proxy-host allow-list)"}
         return json_reply(200, {"ok": True, "outbound": probe})
 
     @property
@@ -3195,10 +3189,10 @@ class DispatchApp:
             _log.error("run %s: no result within run_timeout_s=%g s: 504; its proxy calls are refused", envelope.run_id,
                        self.run_timeout_s)
             return error_reply(overran)
-        except ResponseError as exc:  # from _built: the agent's own is an _AgentRaised
+        except ResponseError as exc:  # from _built (the agent's own comes as _AgentRaised)
             return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
                                                     *secrets)))
-        except Exception as exc:  # noqa: BLE001 - a 500, never a crash
+        except Exception as exc:  # noqa: BLE001
             import traceback
 
             error = exc.error if isinstance(exc, _AgentRaised) else exc
@@ -3229,7 +3223,7 @@ class DispatchApp:
             body = bytearray()  # to the end: a host may hand back short reads
             while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
                 body += chunk
-        reply = self.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers,
+        reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
                             None if body is None else bytes(body))
         # no Connection header: PEP 3333 forbids hop-by-hop headers
         start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
@@ -3294,6 +3288,10 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
     return {"reachable": error is None, "status_code": status,
             "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": error}
 
+# ---------------------------------------------------------------------------
+# Server adapters: WSGI and ASGI (DispatchApp.wsgi, DispatchApp.__call__); the built-in servers' settings
+# ---------------------------------------------------------------------------
+
 
 def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
     """A WSGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
@@ -3304,14 +3302,11 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
     """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
     return DispatchApp(agent, **options).asgi
 
-# ---------------------------------------------------------------------------
-# Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin layer over DispatchApp
-# ---------------------------------------------------------------------------
 
 DEFAULT_READ_TIMEOUT_S = 30.0  # §7.1 kit-server-timeouts
 DEFAULT_GRACE_S = 30.0
 DEFAULT_KEEPALIVE_S = 75.0
-# serve()'s first-generation GC threshold (CPython's: 700, a quarter of the CPU in a fan-out of 2,000 dispatches)
+# CPython's 700 cost a quarter of the CPU in a fan-out of 2,000 dispatches
 SERVE_GC_THRESHOLD = 50_000
 
 
@@ -3334,7 +3329,7 @@ def _server_and_date(second: int) -> str:
 
 def _fallback_reply(exc: BaseException) -> HttpReply:
     _log.error("building the reply failed", exc_info=exc)
-    name = type(exc).__name__.encode("ascii", "replace")
+    name = type(exc).__name__.encode("ascii", "replace")  # json itself may be what failed
     body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
@@ -3370,11 +3365,11 @@ class _ServerConnection:
         self.buffer += data
         if self.task is None:
             self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined behind a running dispatch: enough
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined behind a running dispatch
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
-        self.eof = True  # a running dispatch still gets its reply, then a close
+        self.eof = True
         if self.task is None:
             self._advance()
         self.closing = self.task is None
@@ -3387,7 +3382,7 @@ class _ServerConnection:
         if self.jobs is not None:
             self.jobs.shutdown(wait=False)
 
-    def pause_writing(self) -> None:  # a reply is written whole; the transport buffers it
+    def pause_writing(self) -> None:  # a reply is written whole: the transport buffers it
         pass
 
     resume_writing = pause_writing
@@ -3396,26 +3391,25 @@ class _ServerConnection:
         buffer, server = self.buffer, self.server
         while self.task is None and not self.closing:
             if self.head is None:
-                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
+                while buffer[:2] == b"\r\n":  # RFC 9112 §2.2
                     del buffer[:2]
                 if not buffer:
                     return
                 if self.timer is None or self.timer.when() > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
+                    self._arm(server.read_timeout_s)  # for the whole request, from its first byte
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
                     if b"\n\n" not in buffer and len(buffer) <= (
                             MAX_REQUEST_HEAD_BYTES if line_ended else MAX_REQUEST_LINE_BYTES):
                         return
-                    end = len(buffer)  # a bare LF or past a limit: refused now, not at the read timeout
+                    end = len(buffer)  # a bare LF or past a limit: refused now
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
                     self.head = head = parse_request_head(raw)
                 except PipelinesError as exc:
-                    _log.info("refused a request from %s: %s", (self.transport.get_extra_info("peername") or "?")[0],
-                              exc)
+                    _log.info("refused a request from %s: %s", self.transport.get_extra_info("peername"), exc)
                     return self._send(error_reply(exc), True)
                 self.headers = _lower_headers(head.headers)
                 self.length = request_body_length(self.headers, server.app.max_body)
@@ -3439,7 +3433,7 @@ class _ServerConnection:
         server = self.server
         try:
             reply = await server._answer(self, head, body)
-        except Exception as exc:  # noqa: BLE001 - the last line of defence
+        except Exception as exc:  # noqa: BLE001
             reply = _fallback_reply(exc)
         except BaseException:  # cancelled
             if not server.cutting:
@@ -3457,13 +3451,10 @@ class _ServerConnection:
         if self.closing:
             return
         http10 = request is not None and request.version == "HTTP/1.0"
-        try:
-            head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
-                            *[f"{name}: {value}\r\n" for name, value in reply.headers],
-                            "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
-                            else "\r\n"]).encode("latin-1")
-        except UnicodeEncodeError as exc:
-            return self._send(_fallback_reply(exc), True)
+        head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
+                        *[f"{name}: {value}\r\n" for name, value in reply.headers],
+                        "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
+                        else "\r\n"]).encode("latin-1")
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
             self.closing = True
@@ -3490,7 +3481,7 @@ class _ServerConnection:
 
 
 def default_max_connections() -> int:
-    """Open connections the built-in server takes: 10,000, or half the process's file limit if lower."""
+    """Open connections the built-in server takes: 10,000, or half the open-file limit if lower."""
     try:
         import resource
 
@@ -3615,11 +3606,11 @@ class _ThreadsServer(AsyncDispatchServer):
         try:
             return await asyncio.wrap_future(conn.jobs.submit(self.app.handle, head.method, head.target, conn.headers,
                                                               body))
-        except asyncio.CancelledError:  # cut by a drain: the thread runs on, its reply dropped
+        except asyncio.CancelledError:  # the thread runs on, its reply dropped
             run_id = _header(conn.headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
-            _log.warning("run %s was cut before it finished: the server is shutting down", _short(str(run_id), 40))
+            _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
             raise
 
 # ---------------------------------------------------------------------------
@@ -3643,8 +3634,7 @@ def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: s
                 server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                 keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: Optional[int] = None,
                 **options: Any) -> AsyncDispatchServer:
-    """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`.  ``server="threads"``
-    answers each connection on a thread of its own, through the blocking :meth:`DispatchApp.handle`."""
+    """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`."""
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
     if isinstance(agent, DispatchApp) and options:
@@ -3673,7 +3663,7 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
     import gc
     import signal
 
-    _raise_file_limit()  # a thousand dispatches at once need more than the usual 1024 open files
+    _raise_file_limit()
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -3702,8 +3692,8 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread (for a kernel whose loop runs here) with ``envelope`` (default: the
-    bound one) bound; what it raises is re-raised, the run token redacted."""
+    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` (default: the bound one) bound; the run token
+    redacted from what it raises."""
     envelope = envelope if envelope is not None else _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
@@ -3748,7 +3738,7 @@ def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: 
             return body
         except ResponseError as exc:
             raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
-        except Exception as exc:  # noqa: BLE001 - a clear error, never a half-built dict
+        except Exception as exc:  # noqa: BLE001
             problem = describe_error(exc, DETAIL_LIMIT, token)
             raise ResponseError(f"the response cannot be sent as JSON: {problem}") from None
     finally:
@@ -3771,7 +3761,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
                                          run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
         return _code_mode_run(agent, envelope, limit, strict)
 
-    run.__name__ = run.__qualname__ = "run"
+    run.__qualname__ = "run"
     run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (pipelines_port.code_mode)."
     run.agent = agent  # type: ignore[attr-defined]
     return run
