@@ -3143,10 +3143,10 @@ class DispatchApp:
                        [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
                 if what != "dispatch" and reply.status >= 400:
                     what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
-                _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
-                                method, urlsplit(target).path, reply.status, *ids,
-                                (time.monotonic() - started) * 1000, stats.proxy_calls,
-                                "" if what == "dispatch" else f" ({what})")
+                _access_log.log(
+                    level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s", method,
+                    urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000, stats.proxy_calls,
+                    "" if what == "dispatch" else f" ({what})")
             return reply
         except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON 500
             return _fallback_reply(exc)
@@ -3186,12 +3186,12 @@ class DispatchApp:
             return reply if clean is body else json_reply(200, clean)
         except _Overran as overran:
             stats.cancelled = True
-            _log.error("run %s: no result within run_timeout_s=%g s: 504; its proxy calls are refused", envelope.run_id,
+            _log.error("run %s: no result within run_timeout_s=%g s: 504, its proxy calls refused", envelope.run_id,
                        self.run_timeout_s)
             return error_reply(overran)
         except ResponseError as exc:  # from _built (the agent's own comes as _AgentRaised)
-            return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
-                                                    *secrets)))
+            problem = f"agent returned a value that cannot become a response: {exc}"
+            return error_reply(ResponseError(redact(problem, *secrets)))
         except Exception as exc:  # noqa: BLE001
             import traceback
 
@@ -3278,13 +3278,13 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
-        status = (await _shared_transport().aexchange(request.url, "POST", request.path, request.headers,
-                                                      request.body, timeout, 64 << 10))[0]
+        exchange = _shared_transport().aexchange
+        status = (await exchange(request.url, "POST", request.path, request.headers, request.body, timeout, 1 << 16))[0]
         error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status} from the proxy"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
         status = getattr(failure, "status", None)
-        error = describe_error((failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure,
-                               200)
+        cause = failure.__cause__ if isinstance(failure, _TransportFailure) else None
+        error = describe_error(cause or failure, 200)
     return {"reachable": error is None, "status_code": status,
             "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": error}
 
@@ -3358,8 +3358,8 @@ class _ServerConnection:
         server.connections.add(self)
         if len(server.connections) <= server.max_connections:
             return self._arm(server.read_timeout_s)
-        self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
-                                               "connections: retry shortly")), True)
+        limit = f"this server is at its limit of {server.max_connections} open connections: retry shortly"
+        self._send(error_reply(OverloadedError(limit)), True)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -3513,8 +3513,8 @@ class AsyncDispatchServer:
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
-        self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                           backlog=backlog)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
         self._backlog = backlog
         self._lock = threading.Lock()
@@ -3550,8 +3550,8 @@ class AsyncDispatchServer:
         with self._lock:
             if self.draining:  # close() came first (serve's SIGTERM)
                 return
-            self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
-                                                           backlog=self._backlog)
+            self._listener = await self.loop.create_server(
+                lambda: _ServerConnection(self), sock=self.socket, backlog=self._backlog)
         await self._stop.wait()
 
     def close(self, grace_s: float = 5.0) -> bool:
@@ -3604,8 +3604,8 @@ class _ThreadsServer(AsyncDispatchServer):
         if conn.jobs is None:
             conn.jobs = concurrent.futures.ThreadPoolExecutor(1)
         try:
-            return await asyncio.wrap_future(conn.jobs.submit(self.app.handle, head.method, head.target, conn.headers,
-                                                              body))
+            job = conn.jobs.submit(self.app.handle, head.method, head.target, conn.headers, body)
+            return await asyncio.wrap_future(job)
         except asyncio.CancelledError:  # the thread runs on, its reply dropped
             run_id = _header(conn.headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
@@ -3732,10 +3732,8 @@ def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: 
         raise
     else:
         try:
-            body = _without_run_token(_built(result, strict=strict, secrets=(token,),
-                                             multi_turn=envelope.is_multi_turn), envelope)
-            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
-            return body
+            body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
+            return _without_run_token(body, envelope, json.dumps(body, ensure_ascii=False, allow_nan=False).encode())
         except ResponseError as exc:
             raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
         except Exception as exc:  # noqa: BLE001
