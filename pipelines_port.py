@@ -3148,7 +3148,7 @@ class DispatchApp:
                     urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000, stats.proxy_calls,
                     "" if what == "dispatch" else f" ({what})")
             return reply
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: a JSON 500
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
             return _fallback_reply(exc)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
@@ -3189,7 +3189,7 @@ class DispatchApp:
             _log.error("run %s: no result within run_timeout_s=%g s: 504, its proxy calls refused", envelope.run_id,
                        self.run_timeout_s)
             return error_reply(overran)
-        except ResponseError as exc:  # from _built (the agent's own comes as _AgentRaised)
+        except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
             problem = f"agent returned a value that cannot become a response: {exc}"
             return error_reply(ResponseError(redact(problem, *secrets)))
         except Exception as exc:  # noqa: BLE001
@@ -3314,10 +3314,7 @@ SERVE_GC_THRESHOLD = 50_000
 def _reason(status: int) -> str:
     from http import HTTPStatus
 
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
+    return HTTPStatus(status).phrase
 
 
 @functools.lru_cache(maxsize=4)
@@ -3334,8 +3331,7 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
 # ---------------------------------------------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
-# the same, with a thread per connection answering through handle)
+# The built-in server: HTTP/1.1 on one asyncio loop (server="threads": each connection's thread calls handle)
 # ---------------------------------------------------------------------------
 
 
@@ -3492,7 +3488,7 @@ def default_max_connections() -> int:
 
 
 class AsyncDispatchServer:
-    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop (§7.1 kit-server-timeouts), bound when made."""
+    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop, bound when made."""
 
     loop: Any = None
     deadlines: Any
@@ -3533,7 +3529,7 @@ class AsyncDispatchServer:
         return self.app.ahandle(head.method, head.target, conn.headers, body)
 
     def serve_forever(self, poll_interval: Optional[float] = None) -> None:
-        """Serve on this thread, on an event loop of its own, until :meth:`close`."""
+        """Serve on this thread, on a loop of its own, until :meth:`close`."""
         import asyncio
 
         try:
@@ -3575,7 +3571,7 @@ class AsyncDispatchServer:
     server_close = shutdown
 
     async def aclose(self, grace_s: float = 5.0) -> bool:
-        """Drain: refuse new requests (503), give running ones ``grace_s``, then answer each 503; True if none was."""
+        """Drain (§7.1 kit-server-timeouts) for up to ``grace_s``: True if no dispatch was cut."""
         import asyncio
 
         self.draining = True
@@ -3585,8 +3581,7 @@ class AsyncDispatchServer:
         pending = (await asyncio.wait(self.tasks, timeout=grace_s))[1] if self.tasks else set()
         if pending:
             self.cutting = True
-            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                         grace_s, len(pending))
+            _log.warning("grace period of %g s over with %d dispatches still running: 503", grace_s, len(pending))
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending, timeout=5)
@@ -3669,7 +3664,7 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
     try:
         server = start_server(agent, host=host, port=port, **options)
         if gc_threshold > 0 and gc.isenabled():
-            gc.freeze()  # what is loaded (the agent, its imports) is never garbage: never rescanned
+            gc.freeze()  # what is loaded now (the agent, its imports) is never garbage
             first, *rest = gc.get_threshold()
             if 0 < first < gc_threshold:
                 gc.set_threshold(gc_threshold, *rest)
@@ -3677,7 +3672,7 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
             ready(server)
         while not stop.wait(0.5):
             pass
-        _log.info("shutting down: refusing new dispatches, waiting up to %g s for in-flight ones", grace_s)
+        _log.info("shutting down: draining for up to %g s", grace_s)
         if server.close(grace_s):
             return 0
         _log.warning("grace period over with dispatches still running; exiting anyway")
@@ -3692,8 +3687,8 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` (default: the bound one) bound; the run token
-    redacted from what it raises."""
+    """``fn(*args, **kwargs)`` on a new thread, ``envelope`` (default: the bound one) bound, its run token redacted
+    from what it raises."""
     envelope = envelope if envelope is not None else _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
@@ -3746,8 +3741,7 @@ def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: 
 
 def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
-    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8): raises
-    :class:`AgentError`, :class:`RunTimeoutError`, :class:`ResponseError` or a :class:`PipelinesError` it raised."""
+    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8)."""
     limit = check_run_timeout(run_timeout_s)
 
     def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
