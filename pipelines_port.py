@@ -3343,7 +3343,7 @@ class _ServerConnection:
     task: Any = None
     timer: Any = None  # read or keep-alive timeout
     closing = eof = False
-    jobs: Any = None  # server="threads": its thread
+    jobs: Any = None  # server="threads": its thread's queue
 
     def __init__(self, server: AsyncDispatchServer) -> None:
         self.server = server
@@ -3376,7 +3376,7 @@ class _ServerConnection:
         self.server.connections.discard(self)
         self._arm(None)
         if self.jobs is not None:
-            self.jobs.shutdown(wait=False)
+            self.jobs.put(None)
 
     def pause_writing(self) -> None:  # a reply is written whole: the transport buffers it
         pass
@@ -3593,20 +3593,35 @@ class AsyncDispatchServer:
 
 class _ThreadsServer(AsyncDispatchServer):
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
-        import asyncio
-        import concurrent.futures
-
         if conn.jobs is None:
-            conn.jobs = concurrent.futures.ThreadPoolExecutor(1)
+            import queue
+
+            conn.jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
+        future = self.loop.create_future()
+        conn.jobs.put((future, head, conn.headers, body))
         try:
-            job = conn.jobs.submit(self.app.handle, head.method, head.target, conn.headers, body)
-            return await asyncio.wrap_future(job)
-        except asyncio.CancelledError:  # the thread runs on, its reply dropped
+            return cast(HttpReply, await future)
+        except BaseException:  # cut by a drain: the thread runs on, its reply dropped
             run_id = _header(conn.headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
             _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
             raise
+
+    def _work(self, jobs: Any) -> None:
+        for future, head, headers, body in iter(jobs.get, None):
+            try:
+                reply = self.app.handle(head.method, head.target, headers, body)
+            except Exception as exc:  # noqa: BLE001
+                reply = _fallback_reply(exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                self.loop.call_soon_threadsafe(_resolve, future, reply)
+
+
+def _resolve(future: Any, result: Any) -> None:
+    if not future.done():  # cancelled meanwhile
+        future.set_result(result)
 
 # ---------------------------------------------------------------------------
 # Starting a server: make_server, start_server, serve (signals and the drain)
