@@ -3314,7 +3314,10 @@ SERVE_GC_THRESHOLD = 50_000
 def _reason(status: int) -> str:
     from http import HTTPStatus
 
-    return HTTPStatus(status).phrase
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # a subclass's own status
+        return "Unknown"
 
 
 @functools.lru_cache(maxsize=4)
