@@ -3063,7 +3063,7 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 
 class DispatchApp:
     """An agent (sync or ``async def``) at its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
-    Auth: ``token``, else the variable ``token_env`` read at each request; ``Bearer`` only in ``Authorization``."""
+    Auth: ``token``, else ``$token_env`` (kit-token-env-per-request); ``Bearer`` only in ``Authorization``."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
