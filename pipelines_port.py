@@ -3186,8 +3186,7 @@ class DispatchApp:
             return reply if clean is body else json_reply(200, clean)
         except _Overran as overran:
             stats.cancelled = True
-            _log.error("run %s: no result within run_timeout_s=%g s: 504, its proxy calls refused", envelope.run_id,
-                       self.run_timeout_s)
+            _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
             return error_reply(overran)
         except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
             problem = f"agent returned a value that cannot become a response: {exc}"
@@ -3201,8 +3200,7 @@ class DispatchApp:
             return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
         except BaseException:  # this dispatch itself was cancelled
             stats.cancelled = True
-            _log.warning("run %s (jti %s) was cut by the shutdown; its proxy calls are refused", envelope.run_id,
-                         envelope.run_token_jti)
+            _log.warning("run %s (jti %s) was cut by the shutdown", envelope.run_id, envelope.run_token_jti)
             raise
         finally:
             _dispatch_stats.reset(bound)
@@ -3732,9 +3730,8 @@ def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: 
         result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
     except _Overran:
         stats.cancelled = True
-        failure: BaseException = RunTimeoutError(
-            f"agent did not finish within run_timeout_s={limit:g} s; its further proxy calls are refused (a thread "
-            "cannot be stopped: it may still be running)")
+        failure: BaseException = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its proxy "
+                                                 "calls are refused (its thread may still be running)")
     except _AgentRaised as raised:
         failure = cast(BaseException, _redact_exception_chain(raised.error, token))
         if isinstance(raised.error, Exception) and not isinstance(raised.error, PipelinesError):  # else: a stale token
