@@ -3002,8 +3002,8 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Option
 
 
 class DispatchApp:
-    """An agent (sync or ``async def``) and its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
-    Auth: ``token``, else the variable ``token_env`` read at each request; ``Bearer`` only in ``Authorization``."""
+    """An agent (sync or ``async def``) at its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
+    Auth: ``token``, else ``$token_env`` (kit-token-env-per-request); ``Bearer`` only in ``Authorization``."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
@@ -3022,49 +3022,24 @@ class DispatchApp:
                  f"auth_header must be an HTTP header name, got {auth_header!r}")):
             if wrong:
                 raise ValueError(problem)
-        check_run_timeout(run_timeout_s)
-        self.agent = agent
-        self.token = token
+        self.run_timeout_s = check_run_timeout(run_timeout_s)
+        self.agent, self.token, self.strict = agent, token, strict
         self.token_env = None if token else token_env
-        self.run_timeout_s = float(run_timeout_s)
-        self.strict = strict
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
-        tools = None if tools_schema is None else _thaw(list(tools_schema))
-        if tools is not None:
-            convert_tools(tools, "platform")  # checked, but served as given: the platform's tooling compares them
+        self.tools_schema: Optional[List[Dict[str, Any]]] = None if tools_schema is None else _thaw(list(tools_schema))
+        if self.tools_schema is not None:
+            convert_tools(self.tools_schema, "platform")  # checked, but served as given: the platform compares them
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
         try:
             allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
         except ValueError as exc:
             source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
-        self.endpoint = Endpoint(path=path.rstrip("/") or "/", auth_header=auth_header, token_env=self.token_env,
-                                 no_auth=no_auth, max_body=int(max_body), tools_schema=tools, proxy_hosts=allowed)
-
-    @property
-    def path(self) -> str:
-        return self.endpoint.path
-
-    @property
-    def auth_header(self) -> str:
-        return self.endpoint.auth_header
-
-    @property
-    def no_auth(self) -> bool:
-        return self.endpoint.no_auth
-
-    @property
-    def max_body(self) -> int:
-        return self.endpoint.max_body
-
-    @property
-    def tools_schema(self) -> Optional[List[Dict[str, Any]]]:
-        return cast(Optional[List[Dict[str, Any]]], self.endpoint.tools_schema)
-
-    def __repr__(self) -> str:
-        name = getattr(self.agent, "__name__", self.agent)
-        return f"DispatchApp({name!r}, path={self.path!r}, auth={self.describe_auth()!r})"
+        self.path, self.auth_header, self.no_auth = path.rstrip("/") or "/", auth_header, no_auth
+        self.max_body = int(max_body)
+        self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
+                                 allowed)
 
     def describe_auth(self) -> str:
         """How auth is configured, for a start-up line (never the token)."""
@@ -3079,71 +3054,54 @@ class DispatchApp:
     def describe_proxy_hosts(self) -> str:
         """Which proxy hosts dispatches may name, for a start-up line."""
         hosts = self.endpoint.proxy_hosts
-        if hosts is None:
-            return f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)"
-        return ", ".join(hosts) or "none"
-
-    def expected_token(self) -> Optional[str]:
-        """The agent token requests must carry, read now (``""`` when its variable is unset; ``None``: no auth)."""
-        return None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
+        return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)" if hosts is None
+                else ", ".join(hosts) or "none")
 
     def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
         """:meth:`ahandle` from a blocking thread."""
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
-        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed (``None``: nothing)."""
+        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed, logged (kit-log-line)."""
         started = time.monotonic()
-        headers = _lower_headers(headers)
-        return await self.acarry_out(self.decide(method, target, headers, body), method, target, headers, started)
-
-    def decide(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> Decision:
-        """:func:`decide` for this endpoint, its token read now."""
-        return decide(self.endpoint, method, target, headers, body, expected_token=self.expected_token())
-
-    def carry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
-                  started: float) -> HttpReply:
-        """:meth:`acarry_out` from a blocking thread."""
-        return _on_loop(self.acarry_out(decision, method, target, headers, started))
-
-    async def acarry_out(self, decision: Decision, method: str, target: str, headers: Mapping[str, str],
-                         started: float) -> HttpReply:
-        """Do what ``decision`` asks and log the request (§7.1 kit-log-line)."""
         stats = _DispatchStats()
-        if decision.action == "run":
-            reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
-        elif decision.action == "probe":
-            reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
-        else:
-            reply = cast(HttpReply, decision.reply)
-        what = decision.what
-        level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
-        if _access_log.isEnabledFor(level):
-            envelope = decision.envelope
-            ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
-                   [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
-            if what != "dispatch" and reply.status >= 400:
-                what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
-            _access_log.log(level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s",
-                            method, urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000,
-                            stats.proxy_calls, "" if what == "dispatch" else f" ({what})")
-        return reply
-
-    def connectivity_check(self, proxy_url: str) -> HttpReply:
-        """:meth:`aconnectivity_check` from a blocking thread."""
-        return _on_loop(self.aconnectivity_check(proxy_url))
+        try:
+            headers = _lower_headers(headers)
+            expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
+            decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
+            if decision.action == "run":
+                reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
+            elif decision.action == "probe":
+                reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
+            else:
+                reply = cast(HttpReply, decision.reply)
+            what = decision.what
+            level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
+            if _access_log.isEnabledFor(level):
+                envelope = decision.envelope
+                ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
+                       [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
+                if what != "dispatch" and reply.status >= 400:
+                    what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
+                _access_log.log(
+                    level, "%s %s status=%d run_id=%s task_id=%s jti=%s duration_ms=%.1f proxy_calls=%d%s", method,
+                    urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000, stats.proxy_calls,
+                    "" if what == "dispatch" else f" ({what})")
+            return reply
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            return _fallback_reply(exc)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """§2 step 4, the reply to a connectivity check (§3.7, §7.1 kit-proxy-host-allow-list)."""
         probe = await aprobe_proxy(proxy_url)
         if self.endpoint.proxy_hosts is None and not probe["reachable"]:
             probe = {"reachable": False, "status_code": None, "latency_ms": None,
-                     "error": "no proxy answered at this URL (details are given only with a proxy-host allow-list)"}
+                     "error": "no proxy answered (details only with a proxy-host allow-list)"}
         return json_reply(200, {"ok": True, "outbound": probe})
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent is ``async def``, a partial of one, or an object whose ``__call__`` is one."""
+        """Whether the agent runs on the loop: ``async def``, through partials and ``__call__``."""
         import inspect
 
         agent = self.agent
@@ -3159,63 +3117,88 @@ class DispatchApp:
         """The reply to running the agent on ``envelope`` within ``run_timeout_s`` (§7.3)."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
+        secrets = self.secrets(envelope)
         try:
             result = await _run_agent(self.agent, envelope, self.run_timeout_s, self.agent_is_async)
-        except (_Overran, _AgentRaised) as failed:
-            return self._failed(failed, envelope, stats)
-        except BaseException:  # this dispatch itself was cancelled
-            stats.cancelled = True
-            _log.warning("run %s (jti %s) was cut short: the server is shutting down; its further proxy calls are "
-                         "refused", envelope.run_id, envelope.run_token_jti)
-            raise
-        finally:
-            _dispatch_stats.reset(bound)
-        try:
-            body = _built(result, strict=self.strict, secrets=self.secrets(envelope), multi_turn=envelope.is_multi_turn)
+            body = _built(result, strict=self.strict, secrets=secrets, multi_turn=envelope.is_multi_turn)
             reply = json_reply(200, body)
             clean = _without_run_token(body, envelope, reply.body)
             return reply if clean is body else json_reply(200, clean)
-        except Exception as exc:  # noqa: BLE001 - a 500, never a crash
-            return self._failed(exc, envelope, stats)
-
-    def _failed(self, failed: BaseException, envelope: Envelope, stats: _DispatchStats) -> HttpReply:
-        if isinstance(failed, _Overran):
+        except _Overran as overran:
             stats.cancelled = True
-            _log.error("run %s: the agent did not finish within run_timeout_s=%g s; answering 504 and refusing its "
-                       "further proxy calls", envelope.run_id, self.run_timeout_s)
-            return error_reply(failed)
-        if isinstance(failed, ResponseError):
-            return error_reply(ResponseError(self.redact(
-                f"agent returned a value that cannot become a response: {failed}", envelope)))
-        import traceback
+            _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
+            return error_reply(overran)
+        except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
+            problem = f"agent returned a value that cannot become a response: {exc}"
+            return error_reply(ResponseError(redact(problem, *secrets)))
+        except Exception as exc:  # noqa: BLE001
+            import traceback
 
-        error = failed.error if isinstance(failed, _AgentRaised) else failed
-        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        _log.error("run %s: the agent raised:\n%s", envelope.run_id, self.redact(trace, envelope))
-        return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *self.secrets(envelope))))
+            error = exc.error if isinstance(exc, _AgentRaised) else exc
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            _log.error("run %s: the agent raised:\n%s", envelope.run_id, redact(trace, *secrets))
+            return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
+        except BaseException:  # this dispatch itself was cancelled
+            stats.cancelled = True
+            _log.warning("run %s (jti %s) was cut by the shutdown", envelope.run_id, envelope.run_token_jti)
+            raise
+        finally:
+            _dispatch_stats.reset(bound)
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
         """The run token and the agent token, which no reply or log line shows."""
         return (envelope.run_token if envelope is not None else None,
                 self.token or os.environ.get(self.token_env or ""))
 
-    def redact(self, text: str, envelope: Optional[Envelope]) -> str:
-        """``text`` without :meth:`secrets`."""
-        return cast(str, redact(text, *self.secrets(envelope)))
-
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
-        return _wsgi(self, environ, start_response)
+        pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
+        pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
+        headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
+        length = request_body_length(headers, self.max_body)
+        body = None
+        if length is not None:
+            body = bytearray()  # to the end: a host may hand back short reads
+            while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
+                body += chunk
+        reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
+                            None if body is None else bytes(body))
+        # no Connection header: PEP 3333 forbids hop-by-hop headers
+        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
+        return [reply.body]
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         """The ASGI3 application (HTTP and lifespan)."""
-        await _asgi(self, scope, receive, send)
+        if scope["type"] == "lifespan":
+            while (kind := (await receive())["type"]) != "lifespan.shutdown":
+                await send({"type": kind + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
+        headers = _lower_headers(scope.get("headers", []))
+        length = request_body_length(headers, self.max_body)
+        body, more = bytearray(), length is not None
+        while more and len(body) < (length or 0):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        reply = await self.ahandle(scope["method"], scope.get("path", "/"), headers,
+                                   None if length is None else bytes(body))
+        # a body left unread, or refused before any agent ran (kit-strict-request-head)
+        close = length is None or 400 <= reply.status < 500 or reply.status == 503
+        sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
+        await send({"type": "http.response.body", "body": reply.body})
 
     @property
     def asgi(self) -> Callable[..., Any]:
         """The ASGI3 application as an ``async def`` function (hosts detect its interface)."""
         async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-            await _asgi(self, scope, receive, send)
+            await self(scope, receive, send)
 
         return asgi
 
@@ -3233,15 +3216,19 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
-        status = (await _shared_transport().aexchange(request.url, "POST", request.path, request.headers,
-                                                      request.body, timeout, 64 << 10))[0]
+        exchange = _shared_transport().aexchange
+        status = (await exchange(request.url, "POST", request.path, request.headers, request.body, timeout, 1 << 16))[0]
         error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status} from the proxy"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
         status = getattr(failure, "status", None)
-        error = describe_error((failure.__cause__ or failure) if isinstance(failure, _TransportFailure) else failure,
-                               200)
+        cause = failure.__cause__ if isinstance(failure, _TransportFailure) else None
+        error = describe_error(cause or failure, 200)
     return {"reachable": error is None, "status_code": status,
             "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": error}
+
+# ---------------------------------------------------------------------------
+# Server adapters: WSGI and ASGI (DispatchApp.wsgi, DispatchApp.__call__); the built-in servers' settings
+# ---------------------------------------------------------------------------
 
 
 def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
@@ -3253,20 +3240,12 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
     """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
     return DispatchApp(agent, **options).asgi
 
-# ---------------------------------------------------------------------------
-# Server adapters: the built-in servers' settings; WSGI and ASGI, each a thin layer over DispatchApp
-# ---------------------------------------------------------------------------
 
 DEFAULT_READ_TIMEOUT_S = 30.0  # §7.1 kit-server-timeouts
 DEFAULT_GRACE_S = 30.0
 DEFAULT_KEEPALIVE_S = 75.0
-# serve()'s first-generation GC threshold (CPython's: 700, a quarter of the CPU in a fan-out of 2,000 dispatches)
+# CPython's 700 cost a quarter of the CPU in a fan-out of 2,000 dispatches
 SERVE_GC_THRESHOLD = 50_000
-
-
-def _server_url(address: Tuple[Any, ...], path: str) -> str:
-    host = str(address[0])
-    return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}{path}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -3275,70 +3254,9 @@ def _reason(status: int) -> str:
 
     try:
         return HTTPStatus(status).phrase
-    except ValueError:
+    except ValueError:  # a subclass's own status
         return "Unknown"
 
-
-def _wsgi(app: DispatchApp, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
-    pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
-    pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
-    headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
-    length = request_body_length(headers, app.max_body)
-    body: Optional[bytes] = None
-    if length is not None:
-        data = bytearray()  # read to the end: a host may hand back short reads
-        while len(data) < length and (chunk := environ["wsgi.input"].read(min(length - len(data), 1 << 16))):
-            data += chunk
-        body = bytes(data)
-    try:
-        reply = app.handle(environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO") or "/", headers, body)
-    except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
-        _log.exception("building the reply failed")
-        reply = _fallback_reply(exc)
-    # No Connection header: PEP 3333 forbids hop-by-hop headers; the host frames and drains the body itself.
-    start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
-    return [reply.body]
-
-
-async def _asgi(app: DispatchApp, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    if scope["type"] == "lifespan":
-        while True:
-            kind = (await receive())["type"]
-            if kind in ("lifespan.startup", "lifespan.shutdown"):
-                await send({"type": kind + ".complete"})
-            if kind == "lifespan.shutdown":
-                return
-    if scope["type"] != "http":
-        raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
-    headers = _lower_headers(scope.get("headers", []))
-    length = request_body_length(headers, app.max_body)
-    body: Optional[bytes] = None
-    if length is not None:
-        data, more = bytearray(), True
-        while more and len(data) < length:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            data += message.get("body", b"")
-            more = message.get("more_body", False)
-        body = bytes(data)
-    try:
-        reply = await app.ahandle(scope["method"], scope.get("path", "/"), headers, body)
-        # after a body left unread or a refusal, made before any agent ran (4xx, 503): kit-strict-request-head
-        close = length is None or 400 <= reply.status < 500 or reply.status == 503
-    except Exception as exc:  # noqa: BLE001 - a JSON reply, never the host's text page
-        _log.exception("building the reply failed")
-        reply, close = _fallback_reply(exc), True
-    sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
-    await send({"type": "http.response.start", "status": reply.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
-    await send({"type": "http.response.body", "body": reply.body})
-
-
-# ---------------------------------------------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio event loop (server="threads":
-# the same, with a thread per connection answering through handle)
-# ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4)
 def _server_and_date(second: int) -> str:
@@ -3348,21 +3266,23 @@ def _server_and_date(second: int) -> str:
 
 
 def _fallback_reply(exc: BaseException) -> HttpReply:
-    """The last line of defence when building a reply failed: a JSON 500 naming only the exception's type."""
-    name = type(exc).__name__.encode("ascii", "replace")
+    _log.error("building the reply failed", exc_info=exc)
+    name = type(exc).__name__.encode("ascii", "replace")  # json itself may be what failed
     body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
+# ---------------------------------------------------------------------------
+# The built-in server: HTTP/1.1 on one asyncio loop (server="threads": each connection's thread calls handle)
+# ---------------------------------------------------------------------------
+
 
 class _ServerConnection:
-    """A client connection (an asyncio protocol): one request at a time; reading goes on while it runs."""
-
     transport: Any
     head: Optional[RequestHead] = None  # its body not yet whole
     headers: Mapping[str, str]
     length: Optional[int] = 0  # of the body; None: unread, then a close
     task: Any = None
-    timer: Any = None  # the read or keep-alive timeout; none while a dispatch runs
+    timer: Any = None  # read or keep-alive timeout
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
@@ -3375,18 +3295,18 @@ class _ServerConnection:
         server.connections.add(self)
         if len(server.connections) <= server.max_connections:
             return self._arm(server.read_timeout_s)
-        self._send(error_reply(OverloadedError(f"this server is at its limit of {server.max_connections} open "
-                                               "connections: retry shortly")), True)
+        limit = f"this server is at its limit of {server.max_connections} open connections: retry shortly"
+        self._send(error_reply(OverloadedError(limit)), True)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         if self.task is None:
             self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined while a dispatch runs: enough for now
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined behind a running dispatch
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
-        self.eof = True  # a running dispatch still gets its reply, a body cut short its 400; then a close
+        self.eof = True
         if self.task is None:
             self._advance()
         self.closing = self.task is None
@@ -3399,7 +3319,7 @@ class _ServerConnection:
         if self.jobs is not None:
             self.jobs.put(None)
 
-    def pause_writing(self) -> None:  # a reply is written whole; the transport buffers it
+    def pause_writing(self) -> None:  # a reply is written whole: the transport buffers it
         pass
 
     resume_writing = pause_writing
@@ -3408,26 +3328,25 @@ class _ServerConnection:
         buffer, server = self.buffer, self.server
         while self.task is None and not self.closing:
             if self.head is None:
-                while buffer[:2] == b"\r\n":  # empty lines before a request line (RFC 9112 §2.2)
+                while buffer[:2] == b"\r\n":  # RFC 9112 §2.2
                     del buffer[:2]
                 if not buffer:
                     return
                 if self.timer is None or self.timer.when() > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)  # from its first byte, the whole request has read_timeout_s
+                    self._arm(server.read_timeout_s)  # for the whole request, from its first byte
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
                     if b"\n\n" not in buffer and len(buffer) <= (
                             MAX_REQUEST_HEAD_BYTES if line_ended else MAX_REQUEST_LINE_BYTES):
                         return
-                    end = len(buffer)  # a bare LF or past a limit: refused now, not at the read timeout
+                    end = len(buffer)  # a bare LF or past a limit: refused now
                 raw = bytes(buffer[:end])
                 del buffer[:end + 4]
                 try:
                     self.head = head = parse_request_head(raw)
                 except PipelinesError as exc:
-                    _log.info("refused a request from %s: %s", (self.transport.get_extra_info("peername") or "?")[0],
-                              exc)
+                    _log.info("refused a request from %s: %s", self.transport.get_extra_info("peername"), exc)
                     return self._send(error_reply(exc), True)
                 self.headers = _lower_headers(head.headers)
                 self.length = request_body_length(self.headers, server.app.max_body)
@@ -3451,8 +3370,7 @@ class _ServerConnection:
         server = self.server
         try:
             reply = await server._answer(self, head, body)
-        except Exception as exc:  # noqa: BLE001 - the last line of defence
-            _log.exception("building the reply failed")
+        except Exception as exc:  # noqa: BLE001
             reply = _fallback_reply(exc)
         except BaseException:  # cancelled
             if not server.cutting:
@@ -3467,21 +3385,17 @@ class _ServerConnection:
             self._advance()
 
     def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
-        """``reply`` with ``Server``, ``Date`` and ``Connection`` where it matters; no body to a HEAD."""
         if self.closing:
             return
         http10 = request is not None and request.version == "HTTP/1.0"
-        try:
-            head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
-                            *[f"{name}: {value}\r\n" for name, value in reply.headers],
-                            "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
-                            else "\r\n"]).encode("latin-1")
-        except UnicodeEncodeError as exc:
-            return self._send(_fallback_reply(exc), True)
+        head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
+                        *[f"{name}: {value}\r\n" for name, value in reply.headers],
+                        "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
+                        else "\r\n"]).encode("latin-1")
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
             self.closing = True
-            self.transport.close()  # after what was written
+            self.transport.close()
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
@@ -3493,7 +3407,7 @@ class _ServerConnection:
 
     def _timed_out(self) -> None:
         if not (self.buffer or self.head):
-            return self.cut()  # idle for keepalive_s
+            return self.cut()
         self._send(error_reply(RequestTimeoutError(
             f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
 
@@ -3504,7 +3418,7 @@ class _ServerConnection:
 
 
 def default_max_connections() -> int:
-    """Open connections the built-in server takes: 10,000, or half the process's file limit if lower."""
+    """Open connections the built-in server takes: 10,000, or half the open-file limit if lower."""
     try:
         import resource
 
@@ -3515,7 +3429,7 @@ def default_max_connections() -> int:
 
 
 class AsyncDispatchServer:
-    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop (§7.1 kit-server-timeouts), bound when made."""
+    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop, bound when made."""
 
     loop: Any = None
     deadlines: Any
@@ -3532,8 +3446,7 @@ class AsyncDispatchServer:
         for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.app = app
-        self.read_timeout_s, self.keepalive_s = float(read_timeout_s), float(keepalive_s)
+        self.app, self.read_timeout_s, self.keepalive_s = app, float(read_timeout_s), float(keepalive_s)
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
@@ -3545,7 +3458,8 @@ class AsyncDispatchServer:
 
     @property
     def url(self) -> str:
-        return _server_url(self.server_address, self.app.path)
+        host = str(self.server_address[0])
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.server_address[1]}{self.app.path}"
 
     @property
     def in_flight(self) -> int:
@@ -3556,7 +3470,7 @@ class AsyncDispatchServer:
         return self.app.ahandle(head.method, head.target, conn.headers, body)
 
     def serve_forever(self, poll_interval: Optional[float] = None) -> None:
-        """Serve on this thread, on an event loop of its own, until :meth:`close`."""
+        """Serve on this thread, on a loop of its own, until :meth:`close`."""
         import asyncio
 
         try:
@@ -3573,8 +3487,8 @@ class AsyncDispatchServer:
         with self._lock:
             if self.draining:  # close() came first (serve's SIGTERM)
                 return
-            self._listener = await self.loop.create_server(lambda: _ServerConnection(self), sock=self.socket,
-                                                           backlog=self._backlog)
+            self._listener = await self.loop.create_server(
+                lambda: _ServerConnection(self), sock=self.socket, backlog=self._backlog)
         await self._stop.wait()
 
     def close(self, grace_s: float = 5.0) -> bool:
@@ -3598,7 +3512,7 @@ class AsyncDispatchServer:
     server_close = shutdown
 
     async def aclose(self, grace_s: float = 5.0) -> bool:
-        """Drain: refuse new requests (503), give running ones ``grace_s``, then answer each 503; True if none was."""
+        """Drain (§7.1 kit-server-timeouts) for up to ``grace_s``: True if no dispatch was cut."""
         import asyncio
 
         self.draining = True
@@ -3608,8 +3522,7 @@ class AsyncDispatchServer:
         pending = (await asyncio.wait(self.tasks, timeout=grace_s))[1] if self.tasks else set()
         if pending:
             self.cutting = True
-            _log.warning("grace period of %g s over with %d dispatches still running: answering each 503",
-                         grace_s, len(pending))
+            _log.warning("grace period of %g s over with %d dispatches still running: 503", grace_s, len(pending))
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending, timeout=5)
@@ -3620,8 +3533,6 @@ class AsyncDispatchServer:
 
 
 class _ThreadsServer(AsyncDispatchServer):
-    """``server="threads"``: each connection's requests go through the blocking handle, on a thread of its own."""
-
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
         if conn.jobs is None:
             import queue
@@ -3633,15 +3544,17 @@ class _ThreadsServer(AsyncDispatchServer):
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on, its reply dropped
-            _log.warning("%s was cut before it finished: the server is shutting down", _run_label(conn.headers, body))
+            run_id = _header(conn.headers, HEADER_RUN_ID)
+            with contextlib.suppress(ValueError, LookupError, TypeError):
+                run_id = json.loads(body or b"{}")["run_id"]
+            _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
             raise
 
     def _work(self, jobs: Any) -> None:
         for future, head, headers, body in iter(jobs.get, None):
             try:
                 reply = self.app.handle(head.method, head.target, headers, body)
-            except Exception as exc:  # noqa: BLE001 - the last line of defence
-                _log.exception("building the reply failed")
+            except Exception as exc:  # noqa: BLE001
                 reply = _fallback_reply(exc)
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
@@ -3650,16 +3563,6 @@ class _ThreadsServer(AsyncDispatchServer):
 def _resolve(future: Any, result: Any) -> None:
     if not future.done():  # cancelled meanwhile
         future.set_result(result)
-
-
-def _run_label(headers: Mapping[str, str], body: Optional[bytes]) -> str:
-    """``run 17`` for the log, from a dispatch's body or its ``X-Pipelines-Run-Id``; ``a request`` otherwise."""
-    try:
-        run_id = json.loads(body or b"{}")["run_id"]
-    except (ValueError, LookupError, TypeError):
-        run_id = headers.get(HEADER_RUN_ID)
-    return "a request" if run_id is None else f"run {_short(str(run_id), 40)}"
-
 
 # ---------------------------------------------------------------------------
 # Starting a server: make_server, start_server, serve (signals and the drain)
@@ -3682,8 +3585,7 @@ def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: s
                 server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                 keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: Optional[int] = None,
                 **options: Any) -> AsyncDispatchServer:
-    """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`.  ``server="threads"``
-    answers each connection on a thread of its own, through the blocking :meth:`DispatchApp.handle`."""
+    """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`."""
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
     if isinstance(agent, DispatchApp) and options:
@@ -3708,18 +3610,17 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
           grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
     """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 when every dispatch finished, else 1.
-
     ``ready(server)`` is called once listening; ``gc_threshold=0`` leaves the collector as it is."""
     import gc
     import signal
 
-    _raise_file_limit()  # a thousand dispatches at once need more than the usual 1024 open files
+    _raise_file_limit()
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
         if gc_threshold > 0 and gc.isenabled():
-            gc.freeze()  # what is loaded (the agent, its imports) is never garbage: never rescanned
+            gc.freeze()  # what is loaded now (the agent, its imports) is never garbage
             first, *rest = gc.get_threshold()
             if 0 < first < gc_threshold:
                 gc.set_threshold(gc_threshold, *rest)
@@ -3727,15 +3628,14 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
             ready(server)
         while not stop.wait(0.5):
             pass
-        _log.info("shutting down: refusing new dispatches, waiting up to %g s for in-flight ones", grace_s)
-        finished = server.close(grace_s)
-        if not finished:
-            _log.warning("grace period over with dispatches still running; exiting anyway")
-        return 0 if finished else 1
+        _log.info("shutting down: draining for up to %g s", grace_s)
+        if server.close(grace_s):
+            return 0
+        _log.warning("grace period over with dispatches still running; exiting anyway")
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
 
 # ---------------------------------------------------------------------------
 # Code mode (§5): one agent function, the sandbox's run() entrypoint
@@ -3743,8 +3643,8 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread (for a kernel whose loop runs here), ``envelope`` (default: the bound
-    one) bound; what it raises is re-raised, the run token redacted."""
+    """``fn(*args, **kwargs)`` on a new thread, ``envelope`` (default: the bound one) bound, its run token redacted
+    from what it raises."""
     envelope = envelope if envelope is not None else _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
@@ -3761,48 +3661,42 @@ def _run_argument(value: Optional[str], argument: str, variable: str) -> str:
     return value
 
 
-def _code_mode_result(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float) -> Any:
+def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float,
+                   strict: Optional[bool]) -> Dict[str, Any]:
     stats = _DispatchStats()
     bound = _dispatch_stats.set(stats)  # copied into the agent's thread
+    token = envelope.run_token
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
+        result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
     except _Overran:
         stats.cancelled = True
-        failure: BaseException = RunTimeoutError(
-            f"agent did not finish within run_timeout_s={limit:g} s; its further proxy calls are refused (a thread "
-            "cannot be stopped: it may still be running)")
+        failure: BaseException = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its proxy "
+                                                 "calls are refused (its thread may still be running)")
     except _AgentRaised as raised:
-        error = raised.error
-        failure = cast(BaseException, _redact_exception_chain(error, envelope.run_token))
-        if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else as it is: a stale token
-            cause = failure
-            failure = AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, envelope.run_token)}")
+        failure = cast(BaseException, _redact_exception_chain(raised.error, token))
+        if isinstance(raised.error, Exception) and not isinstance(raised.error, PipelinesError):  # else: a stale token
+            cause, failure = failure, AgentError(f"agent raised {describe_error(raised.error, DETAIL_LIMIT, token)}")
             failure.__cause__ = cause
     except BaseException:  # a kernel interrupt: the agent runs on, its proxy calls refused
         stats.cancelled = True
         raise
+    else:
+        try:
+            body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
+            return _without_run_token(body, envelope, json.dumps(body, ensure_ascii=False, allow_nan=False).encode())
+        except ResponseError as exc:
+            raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
+        except Exception as exc:  # noqa: BLE001
+            problem = describe_error(exc, DETAIL_LIMIT, token)
+            raise ResponseError(f"the response cannot be sent as JSON: {problem}") from None
     finally:
         _dispatch_stats.reset(bound)
     raise failure  # outside the except clauses: no context shows the original
 
 
-def _code_mode_body(result: Any, envelope: Envelope, strict: Optional[bool]) -> Dict[str, Any]:
-    try:
-        body = _without_run_token(_built(result, strict=strict, secrets=(envelope.run_token,),
-                                         multi_turn=envelope.is_multi_turn), envelope)
-        json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except ResponseError as exc:
-        raise ResponseError([cast(str, redact(p, envelope.run_token)) for p in exc.problems]) from None
-    except Exception as exc:  # noqa: BLE001 - a clear error, never a half-built dict
-        raise ResponseError("the response cannot be sent as JSON: "
-                            f"{describe_error(exc, DETAIL_LIMIT, envelope.run_token)}") from None
-    return body
-
-
 def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
-    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8): raises
-    :class:`AgentError`, :class:`RunTimeoutError`, :class:`ResponseError` or a :class:`PipelinesError` it raised."""
+    """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8)."""
     limit = check_run_timeout(run_timeout_s)
 
     def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
@@ -3812,9 +3706,9 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
         else:
             envelope = Envelope.from_run(task_input, proxy_url=_run_argument(proxy_url, "proxy_url", ENV_PROXY_URL),
                                          run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
-        return _code_mode_body(_code_mode_result(agent, envelope, limit), envelope, strict)
+        return _code_mode_run(agent, envelope, limit, strict)
 
-    run.__name__ = run.__qualname__ = "run"
+    run.__qualname__ = "run"
     run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (pipelines_port.code_mode)."
     run.agent = agent  # type: ignore[attr-defined]
     return run

@@ -133,8 +133,7 @@ def test_when_building_the_reply_fails_anyway_the_caller_gets_a_json_500(
 
     server = pp.start_server(agent, token=AGENT_TOKEN, server=server_kind)
     try:
-        monkeypatch.setattr(pp.DispatchApp, "carry_out", broken)
-        monkeypatch.setattr(pp.DispatchApp, "acarry_out", broken)
+        monkeypatch.setattr(pp, "decide", broken)
         status, raw = dispatch(f"http://127.0.0.1:{server.server_address[1]}", proxy, "tuple")
     finally:
         server.close(2)
@@ -149,8 +148,7 @@ def test_wsgi_and_asgi_answer_json_when_building_the_reply_fails(monkeypatch: py
         raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
 
     app = pp.DispatchApp(agent, no_auth=True)
-    monkeypatch.setattr(pp.DispatchApp, "carry_out", broken)
-    monkeypatch.setattr(pp.DispatchApp, "acarry_out", broken)
+    monkeypatch.setattr(pp, "decide", broken)
     started: Dict[str, Any] = {}
     wsgi_body = b"".join(app.wsgi({"REQUEST_METHOD": "POST", "PATH_INFO": "/dispatch", "CONTENT_LENGTH": "2",
                                    "wsgi.input": io.BytesIO(b"{}")},
