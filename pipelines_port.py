@@ -1515,9 +1515,8 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with the standard library: sockets,
-#   threads, the environment and the log live here, every protocol decision
-#   is part 1's.  Global state: ContextVars and lazy singletons (_Once).
+#   Part 1's decisions carried out with sockets, threads, the environment
+#   and the log.  Global state: ContextVars and lazy singletons (_Once).
 #
 # ###########################################################################
 
@@ -1526,7 +1525,7 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-    """A value built on first use, exactly once, under a lock (import stays cheap); :meth:`replace` swaps it."""
+    """A value built on first use, once, under a lock; :meth:`replace` swaps it."""
 
     __slots__ = ("_make", "_lock", "_value")
 
@@ -1554,18 +1553,16 @@ class _Once(Generic[_T]):
 # Speed paths: part 1's results computed faster, each held to part 1 by a test; a port needs none
 # ---------------------------------------------------------------------------
 
-def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)``, skipping its encoding sniff where it would find UTF-8."""
+def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
 
 
-def _idempotency_key() -> str:
-    """``str(uuid.uuid4())`` at under half its cost."""
+def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
     raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
-    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    raw[6] = (raw[6] & 0x0F) | 0x40
+    raw[8] = (raw[8] & 0x3F) | 0x80
     text = raw.hex()
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
@@ -2403,46 +2400,38 @@ def _debug_headers(headers: Mapping[str, str]) -> str:
 
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
-_Interpret = Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome]
 
 
-def _retry_loop(send: Callable[[], _Reply], interpret: _Interpret, *, policy: RetryPolicy,
-                sleep: Callable[[float], Any], transport_error: Callable[[BaseException], PipelinesError],
-                before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The blocking driver of :class:`RetryState` (§3.3; :func:`_aretry_loop` is its twin, line for line):
-    ``before_attempt`` may refuse the call and returns the seconds to wait for a pacing slot, ``send`` makes one
-    exchange, ``interpret`` reads its reply, ``transport_error`` names an exchange that got none."""
-    state = RetryState(policy)
-    while True:
-        wait = before_attempt() if before_attempt is not None else 0.0
-        if wait > 0:
-            sleep(wait)
-        try:
-            outcome = interpret(*send())
-        except _TransportFailure as failure:
-            outcome = _transport_outcome(failure, transport_error)
-        step = state.step(outcome)
-        if step.action == "return":
-            return step.value
-        if step.action == "raise":
-            raise cast(PipelinesError, step.error)
-        _log_retry(step, outcome, state)
-        if step.wait_s is not None:
-            sleep(step.wait_s)
+def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+                *, sleep: Callable[[float], Any], **options: Any) -> Any:
+    """:func:`_aretry_loop` for blocking ``send`` and ``sleep``: nothing awaits, so it never suspends."""
+    def blocking_sleep(seconds: float) -> None:
+        sleep(seconds)  # its result, awaitable or not, is not awaited: no loop here
+
+    core = _aretry_loop(send, interpret, sleep=blocking_sleep, **options)
+    try:
+        core.send(None)
+    except StopIteration as done:
+        return done.value
+    core.close()
+    raise RuntimeError("a blocking retry loop was handed an awaitable")
 
 
-async def _aretry_loop(send: Callable[[], Awaitable[_Reply]], interpret: _Interpret, *, policy: RetryPolicy,
-                       sleep: Callable[[float], Awaitable[Any]],
+async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+                       *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError],
                        before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The asyncio driver of :class:`RetryState`: :func:`_retry_loop` with ``await`` at each wait and send."""
+    """The one driver of :class:`RetryState` (§3.3): ``before_attempt`` may refuse the call and returns the seconds
+    to wait for a pacing slot, ``send`` makes one exchange, ``interpret`` reads its reply, ``transport_error`` names
+    an exchange that got none; ``send`` and ``sleep`` may return awaitables."""
     state = RetryState(policy)
     while True:
         wait = before_attempt() if before_attempt is not None else 0.0
-        if wait > 0:
-            await sleep(wait)
+        if wait > 0 and hasattr(slept := sleep(wait), "__await__"):
+            await slept
         try:
-            outcome = interpret(*(await send()))
+            reply = send()
+            outcome = interpret(*(await reply if hasattr(reply, "__await__") else reply))
         except _TransportFailure as failure:
             outcome = _transport_outcome(failure, transport_error)
         step = state.step(outcome)
@@ -2451,8 +2440,8 @@ async def _aretry_loop(send: Callable[[], Awaitable[_Reply]], interpret: _Interp
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
         _log_retry(step, outcome, state)
-        if step.wait_s is not None:
-            await sleep(step.wait_s)
+        if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
+            await slept
 
 
 def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
@@ -2652,23 +2641,13 @@ class ProxyClient:
                              occurred_at=_utc_now_iso(), actor=actor)
 
     def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
-        try:
-            return _retry_loop(sleep=self._sleep or time.sleep, **self._loop_arguments(envelope, request, timeout,
-                                                                                      self.exchange))
-        except _ReplyTooLarge as big:
-            raise ProxyError(f"proxy reply to {request.name!r} {big}", status_code=big.status,
-                             tool_name=request.name) from None
+        return _retry_loop(**self._attempts(envelope, request, timeout, self.exchange, self._sleep or time.sleep))
 
-    async def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
-        try:
-            return await _aretry_loop(sleep=self._asleep, **self._loop_arguments(envelope, request, timeout,
-                                                                                 self.aexchange))
-        except _ReplyTooLarge as big:
-            raise ProxyError(f"proxy reply to {request.name!r} {big}", status_code=big.status,
-                             tool_name=request.name) from None
+    def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Awaitable[Any]:
+        return _aretry_loop(**self._attempts(envelope, request, timeout, self.aexchange, self._sleep or _asleep))
 
-    def _loop_arguments(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
-                        exchange: Callable[..., Any]) -> Dict[str, Any]:
+    def _attempts(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
+                  exchange: Callable[..., Any], sleep: Callable[[float], Any]) -> Dict[str, Any]:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
         if stats is not None:
@@ -2680,24 +2659,25 @@ class ProxyClient:
                                  "answered already", tool_name=name)
             return pacer.reserve(envelope.run_token) if pacer is not None else 0.0
 
-        return {
-            "send": lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                                     MAX_REPLY_BYTES),
-            "interpret": lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
-                                                                      run_token=envelope.run_token),
-            "policy": self.retry,
-            "transport_error": lambda cause: ProxyTransportError(_failed_before_reply(f"proxy call {name!r}", cause),
-                                                                 tool_name=name),
-            "before_attempt": before_attempt,
-        }
+        async def send() -> _Reply:  # a coroutine under both drivers: it suspends only where exchange does
+            try:
+                reply = exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                                 MAX_REPLY_BYTES)
+                return cast(_Reply, await reply if hasattr(reply, "__await__") else reply)
+            except _ReplyTooLarge as big:
+                raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
 
-    async def _asleep(self, seconds: float) -> None:
-        if self._sleep is None:
-            import asyncio
+        return {"send": send, "policy": self.retry, "sleep": sleep, "before_attempt": before_attempt,
+                "interpret": lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
+                                                                          run_token=envelope.run_token),
+                "transport_error": lambda cause: ProxyTransportError(
+                    _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name)}
 
-            await asyncio.sleep(seconds)
-        elif hasattr(result := self._sleep(seconds), "__await__"):
-            await result
+
+async def _asleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
 
 
 def _check_envelope(envelope: Any) -> None:
