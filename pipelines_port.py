@@ -1629,7 +1629,6 @@ _LEAVES = frozenset({str, int, float, bool, type(None)})
 
 
 def _freeze(value: Any) -> Any:
-    """A deep, read-only copy of a JSON value (a frozen one is kept)."""
     kind = type(value)
     if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
         return value
@@ -1648,8 +1647,7 @@ def _thaw(value: Any) -> Any:
     return value
 
 
-class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name with their first values; ``repeats`` holds the others."""
+class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; ``repeats``: the others
     __slots__ = ("repeats",)
 
     def __init__(self) -> None:
@@ -1658,7 +1656,7 @@ class _LowerHeaders(Dict[str, str]):
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1)."""
+    """Headers from a mapping, a ``Message`` or pairs (bytes as latin-1)."""
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
@@ -1712,29 +1710,19 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
-            return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
+            return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
+
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
-    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
-        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    iso = getattr(value, "isoformat", None)
-    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
-    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
-    _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
-    if raw:
-        return bytes(value).decode("utf-8", "replace")
-    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
-
-
-def _unsendable(value: Any, path: str) -> Optional[str]:
-    try:
-        _jsonable(value, path, None)
-    except _Unsendable as exc:
-        return str(exc)
-    return None
-
-
-def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
+    if not isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        iso = getattr(value, "isoformat", None)
+        raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
+        sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+        _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
+        if raw:
+            return bytes(value).decode("utf-8", "replace")
+        return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
+    active = set() if active is None else active
     if id(value) in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
@@ -1751,7 +1739,7 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
         return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
     except _Unsendable:
         raise
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read
+    except Exception as exc:  # noqa: BLE001
         _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
                 "cut there", "send plain dicts and lists")
         return f"[unreadable {type(value).__name__}]"
@@ -1759,10 +1747,19 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
         active.discard(id(value))
 
 
+def _unsendable(value: Any, path: str) -> Optional[str]:
+    try:
+        _jsonable(value, path, None)
+    except _Unsendable as exc:
+        return str(exc)
+    return None
+
+
+
 def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
                      active: Set[int]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
+    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
     for key, item in value.items():
         if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
             name = str.__str__(key)  # a str subclass's own __str__ may raise
@@ -1793,15 +1790,14 @@ def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
 def _copied(mapping: Mapping[Any, Any]) -> Any:
     try:
         return dict(mapping)
-    except Exception:  # noqa: BLE001 - _jsonable cuts it
+    except Exception:  # noqa: BLE001
         return mapping
 
 
-def _int_text(number: int) -> str:
-    """Decimal text, without ``str()``'s digit limit."""
+def _int_text(number: int) -> str:  # str() without its digit limit (640 at the least)
     if number < 0:
         return "-" + _int_text(-number)
-    if number.bit_length() < 3000:  # under any int_max_str_digits (640 at the least)
+    if number.bit_length() < 2000:
         return str(number)
     half = number.bit_length() * 30103 // 200000  # about half its digits
     high, low = divmod(number, 10 ** half)
@@ -1809,7 +1805,8 @@ def _int_text(number: int) -> str:
 
 
 def _key_text(key: Any) -> str:
-    if key is None or isinstance(key, bool):  # as json.dumps writes the keys it takes
+    if key is None or isinstance(key, bool):
+
         return json.dumps(key)
     if isinstance(key, int):
         return _int_text(int.__int__(key))
@@ -1864,12 +1861,12 @@ def _normal_host_entry(entry: str) -> str:
 
         with contextlib.suppress(ValueError):
             return str(ipaddress.IPv6Address(entry))
-    elif _HOST_ENTRY.fullmatch(entry):
-        port = _split_host_entry(entry)[1]
-        if port is None or 0 < port < 65536:
-            return entry.lower()
+    elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
+
+        return entry.lower()
     raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
                      "optionally with :port, without scheme, path or other wildcards")
+
 
 
 # ---------------------------------------------------------------------------
@@ -1892,23 +1889,20 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound here, else the sandbox's run from a ``PIPELINES_*`` environment that has a run token
-    (§5 child-env-explicit); :class:`EnvelopeError` when neither is there."""
+    """The envelope bound here, else the run in a ``PIPELINES_*`` environment with a run token (§5
+    child-env-explicit)."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(
-        f"no dispatch envelope is bound to this context and the environment has no run ({ENV_RUN_TOKEN} is not "
-        "set): call inside a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
+    raise EnvelopeError(f"no dispatch envelope is bound to this context and {ENV_RUN_TOKEN} is not set: call inside "
+                        "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: every exchange runs on one, a blocking caller's on its server's
-# loop or on the module's own loop thread, while the caller waits
+# Event loops: every exchange runs on one, a blocking caller's on its server's or the module's loop thread
 # ---------------------------------------------------------------------------
 
-# A sync agent's thread carries its server's loop: a thousand agent threads wait on futures, not on sockets.
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
 
@@ -1929,29 +1923,29 @@ def _start_loop() -> Any:
     return loop
 
 
-_loop_thread = _Once(_start_loop)  # the module's own loop, on a daemon thread started on first use
-if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
+_loop_thread = _Once(_start_loop)
+if hasattr(os, "register_at_fork"):  # a forked child has no such thread
     os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
 
 
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
-    """``coroutine`` run for this blocking thread on its server's loop, else the module's loop thread (a thread
-    running that very loop: on a fresh thread), in a copy of this context; ``TimeoutError`` after ``timeout``.
-    Whatever interrupts the wait (a signal, a worker abort) cancels the coroutine and goes on."""
+    """``coroutine`` run on this thread's server loop, else the module's loop thread (from that thread: on a fresh
+    one); ``TimeoutError`` after ``timeout``; whatever interrupts the wait cancels it."""
     import asyncio
     import concurrent.futures
 
     loop = _server_loop.get()
     if loop is None or not loop.is_running() or _runs_on(loop):
         loop = _loop_thread()
-    if _runs_on(loop):  # a blocking call inside an async def agent on the module's loop
+    if _runs_on(loop):
         try:
             return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
         except _Overran:
             raise TimeoutError(f"no result within {timeout:g} s") from None
         except _AgentRaised as raised:
             error = raised.error
-        raise error  # outside the except clause: no _AgentRaised in its context
+        raise error  # outside the except clause: no _AgentRaised as its context
+
     try:
         future = asyncio.run_coroutine_threadsafe(coroutine, loop)
     except RuntimeError:  # the server's loop closed after the check
@@ -2059,16 +2053,16 @@ class _TransportFailure(Exception):
 class _ReplyTooLarge(Exception):
     """A reply body over the caller's cap, refused without reading it all."""
 
-    def __init__(self, status: int, cap: int, length: Optional[int]) -> None:
+    def __init__(self, status: int, cap: int, length: Optional[int] = None) -> None:
         self.status = status
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length is not None
                          else f"exceeds the {cap}-byte cap")
 
 
+
+
 class _ClientConnection:
-    """A keep-alive connection.  :meth:`reply` reads one HTTP/1.1 reply (1xx skipped; the body framed by
-    Content-Length, chunked coding or the connection's end, at most ``max_reply`` bytes); a malformed or cut one
-    is a ``ConnectionError``.  ``received``: a byte of it arrived (a drop before that is a stale connection)."""
+    """A keep-alive connection; ``received``: a byte of the reply arrived (a drop before it: a stale connection)."""
 
     __slots__ = ("reader", "writer", "idle_since", "received")
 
@@ -2082,11 +2076,9 @@ class _ClientConnection:
     def close(self) -> None:
         self.writer.close()
 
-    def abort(self) -> None:
-        self.writer.transport.abort()
-
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        """``(status, headers, body, keep_alive)`` of the reply to the request just written."""
+        """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (1xx skipped; the body framed by
+        Content-Length, chunked coding or the connection's end); a malformed or cut one is a ``ConnectionError``."""
         import asyncio
 
         self.received = False
@@ -2101,7 +2093,7 @@ class _ClientConnection:
     async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         reader = self.reader
         status = 100
-        while 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints): the real one follows
+        while 100 <= status < 200:  # 100 Continue, 103 Early Hints: the real reply follows
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
             version, _, rest = lines[0].partition(b" ")
@@ -2112,7 +2104,7 @@ class _ClientConnection:
                 raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and headers:  # obs-fold: the header before goes on
+            if line[:1] in (b" ", b"\t") and headers:  # obs-fold
                 headers[-1] = (headers[-1][0], headers[-1][1] + " " + line.strip().decode("latin-1"))
                 continue
             name, colon, value = line.partition(b":")
@@ -2134,9 +2126,9 @@ class _ClientConnection:
                     raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
                 size = int(size_text, 16)
                 if len(body) + size > max_reply:
-                    raise _ReplyTooLarge(status, max_reply, None)
+                    raise _ReplyTooLarge(status, max_reply)
                 if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, up to the empty line
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
                         pass
                     break
                 chunk = await reader.readexactly(size + 2)
@@ -2152,12 +2144,9 @@ class _ClientConnection:
             body += await reader.readexactly(length)
         else:  # the connection's end frames the body (RFC 9112 §6.3)
             keep_alive = False
-            while True:
-                chunk = await reader.read(1 << 16)
-                if not chunk:
-                    break
+            while chunk := await reader.read(1 << 16):
                 if len(body) + len(chunk) > max_reply:
-                    raise _ReplyTooLarge(status, max_reply, None)
+                    raise _ReplyTooLarge(status, max_reply)
                 body += chunk
         if reader._buffer:  # bytes past the reply's end: nothing asked for them
             keep_alive = False
@@ -2165,13 +2154,13 @@ class _ClientConnection:
 
 
 class _Pool:
-    """A loop's idle connections per (scheme, host, port): at most ``max_idle`` per origin, each closed after
-    ``idle_s`` by a reaper task living while any are idle (and closing them all when the loop ends)."""
+    """A loop's idle connections per origin, at most ``max_idle`` each, closed after ``idle_s`` by a reaper task
+    that lives while any are idle (and closes them all when the loop ends)."""
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # held in a weak-keyed map by its loop: no strong reference back
+        self._loop = weakref.proxy(loop)  # its loop holds it in a weak-keyed map
         self._max_idle, self._idle_s = max_idle, idle_s
         self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}
         self._reaper: Any = None
@@ -2207,7 +2196,7 @@ class _Pool:
         import asyncio
 
         try:
-            while True:  # sleeps first; ends after a sleep that left nothing idle (not a task per exchange)
+            while True:  # ends after a sleep that left nothing idle
                 await asyncio.sleep(self._idle_s / 2)
                 if not any(self._idle.values()):
                     break
@@ -2218,7 +2207,7 @@ class _Pool:
                             conn.close()
                     conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
-            self.close()  # the loop is shutting down: leave no socket open
+            self.close()  # the loop is shutting down
             raise
         finally:
             self._reaper = None
@@ -2244,7 +2233,7 @@ class _Transport:
         if pool is None:
             with self._lock:
                 pool = self._pools.get(loop)
-                if pool is None:  # a fan-out of N runs holds N connections to the one proxy: no small cap
+                if pool is None:  # a fan-out of N runs holds N connections to the one proxy
                     max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
                     pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
@@ -2259,7 +2248,7 @@ class _Transport:
                     loop.call_soon_threadsafe(pool.close)
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
-                 max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+                 max_reply: int) -> _Reply:
         """:meth:`aexchange` from a blocking thread."""
         import asyncio
         import concurrent.futures
@@ -2271,11 +2260,9 @@ class _Transport:
             raise _TransportFailure() from exc
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                        timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One request on the running loop (``base``: the split URL).  Its deadline cancels this task where it
-        waits, as ``asyncio.timeout`` does (3.11+): that cancellation is the timeout, any other goes on.  Not
-        ``asyncio.wait_for``: before 3.12 it adds a task, a future and a timer per call, and a fan-out makes
-        thousands."""
+                        timeout: float, max_reply: int) -> _Reply:
+        """One request on the running loop (``base``: the split URL).  Its deadline cancels this task, as
+        ``asyncio.timeout`` (3.11+) does; ``asyncio.wait_for`` before 3.12 adds a task, a future and a timer."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2283,15 +2270,20 @@ class _Transport:
             raise ValueError(problem)
         loop = asyncio.get_running_loop()
         scheme, host = base.scheme.lower(), base.hostname
-        port = base.port or (443 if scheme == "https" else 80)
+        default_port = 443 if scheme == "https" else 80
+        port = base.port or default_port
         key = (scheme, host, port)
         started = loop.time()
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{_loggable_path(path)}" if debug else ""
+        where = f"{host}:{port}{path.split('?', 1)[0]}{'?…' if '?' in path else ''}" if debug else ""  # no key
         if debug:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
-            request = _request_bytes(method, path, host, port, scheme, headers, body)
+            named = host if host.isascii() else host.encode("idna").decode("ascii")
+            fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
+                       f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
+                       + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
         pool = self._pool(loop)
@@ -2312,7 +2304,7 @@ class _Transport:
             status, headers_, reply, keep_alive = await conn.reply(max_reply)
         except asyncio.CancelledError:
             if conn is not None:  # what is left of the reply must not meet the next request
-                conn.abort()
+                conn.writer.transport.abort()
             if expired and _uncancel(task) == 0:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
@@ -2320,7 +2312,7 @@ class _Transport:
         except (_ReplyTooLarge, OSError) as exc:  # ConnectionError included
             if conn is None:
                 raise
-            conn.abort()
+            conn.writer.transport.abort()
             if isinstance(exc, _ReplyTooLarge):
                 raise
             raise _TransportFailure(stale=reused and not conn.received) from exc
@@ -2340,43 +2332,23 @@ class _Transport:
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         try:
-            reader, writer = await asyncio.open_connection(host, port, ssl=context,
-                                                           server_hostname=host if context is not None else None)
-        except OSError as exc:  # asyncio's "Connect call failed (...)" as the system words it
-            worded = isinstance(exc, ConnectionError) and exc.errno
-            raise _TransportFailure() from (type(exc)(exc.errno, os.strerror(exc.errno)) if worded else exc)
-        except UnicodeError as exc:
+            return _ClientConnection(*await asyncio.open_connection(
+                host, port, ssl=context, server_hostname=host if context is not None else None))
+        except (OSError, UnicodeError) as exc:
+            if isinstance(exc, ConnectionError) and exc.errno:  # asyncio's "Connect call failed": as the system says
+                exc = type(exc)(exc.errno, os.strerror(exc.errno))
             raise _TransportFailure() from exc
-        return _ClientConnection(reader, writer)
 
 
 def _uncancel(task: Any) -> int:
-    """``task.uncancel()`` (3.11+).  Before 3.11, 0: a cancellation in the very turn the deadline fires is taken
-    for the timeout, as ``asyncio.wait_for`` takes it."""
+    """``task.uncancel()`` (3.11+); before, 0: a cancel in the turn the deadline fires is taken for the timeout,
+    as ``asyncio.wait_for`` takes it."""
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
 
-def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],
-                   body: bytes) -> bytes:
-    try:
-        host.encode("ascii")
-    except UnicodeEncodeError:
-        host = host.encode("idna").decode("ascii")
-    shown = f"[{host}]" if ":" in host else host
-    if port != (443 if scheme == "https" else 80):
-        shown = f"{shown}:{port}"
-    fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    return (f"{method} {path} HTTP/1.1\r\nHost: {shown}\r\n".encode("ascii") + fields.encode("latin-1")
-            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-
-
-def _loggable_path(path: str) -> str:
-    """A path for a log line: without its query, which may carry a key."""
-    return path.split("?", 1)[0] + ("?…" if "?" in path else "")
-
-
 def _make_tls_context() -> ssl.SSLContext:
+
     import ssl
 
     return ssl.create_default_context()
