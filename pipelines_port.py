@@ -1960,37 +1960,33 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
         raise
 
 # ---------------------------------------------------------------------------
-# The deadline wheel: a loop's far timeouts (per connection, run, exchange;
-# few fire) share one asyncio timer per 0.25 s tick
+# The deadline wheel: a loop's far timeouts (few fire) share one asyncio timer per 0.25 s tick
 # ---------------------------------------------------------------------------
 
 class _Deadline:
-    """A timeout of :class:`_Deadlines`, with a ``TimerHandle``'s ``cancel()`` and ``when()``."""
+    """A far timeout, with a ``TimerHandle``'s ``when()`` and ``cancel()``."""
 
-    __slots__ = ("_when", "_callback", "_args", "_tick")
+    __slots__ = ("_when", "_call", "_tick")
 
-    def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
-        self._when, self._callback, self._args, self._tick = when, callback, args, tick
+    def __init__(self, when: float, call: Optional[Callable[[], Any]], tick: Set[Any]) -> None:
+        self._when, self._call, self._tick = when, call, tick
 
     def when(self) -> float:
         return self._when
 
     def cancel(self) -> None:
-        if self._tick is not None:
-            self._tick.discard(self)
-        self._tick, self._callback, self._args = None, None, ()
+        self._tick.discard(self)
+        self._call = None
 
     def _run(self) -> None:
-        callback, args = self._callback, self._args
-        self.cancel()
-        if callback is not None:  # not cancelled between its tick and now
-            callback(*args)
+        call, self._call = self._call, None
+        if call is not None:  # not cancelled between its tick and now
+            call()
 
 
 class _Deadlines:
-    """One loop's timeouts, on its thread: one at least ``COARSE_AFTER_S`` away joins its ``GRAIN_S`` tick (at most
-    that late), a nearer one is an exact ``loop.call_at``.  At thousands of dispatches at once a ``TimerHandle``
-    each was a real share of the loop's work."""
+    """One loop's timeouts, on its thread: one ``COARSE_AFTER_S`` or more away joins its ``GRAIN_S`` tick (at most
+    that late), a nearer one is a ``loop.call_at``; a ``TimerHandle`` per dispatch was a real share of the loop."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
@@ -2017,7 +2013,7 @@ class _Deadlines:
         if entries is None:
             entries = self._ticks[tick] = set()
             loop.call_at(tick * self.GRAIN_S, self._fire, tick)
-        deadline = _Deadline(when, callback, args, entries)
+        deadline = _Deadline(when, functools.partial(callback, *args), entries)
         entries.add(deadline)
         return deadline
 
@@ -2035,7 +2031,7 @@ class _Deadlines:
 
     def _fire(self, tick: int) -> None:
         for deadline in self._ticks.pop(tick, ()):
-            self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops no other
+            self._loop.call_soon(deadline._run)  # a handle each: one that raises stops no other
 
 # ---------------------------------------------------------------------------
 # Transport: HTTP/1.1 exchanges on asyncio streams, keep-alive connections
@@ -2374,19 +2370,20 @@ def _debug_headers(headers: Mapping[str, str]) -> str:
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
 
+def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """``coroutine`` run to its end on this thread: it must not suspend (all it awaits is done already)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    coroutine.close()
+    raise RuntimeError("a blocking call awaited something pending")
+
+
 def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                 *, sleep: Callable[[float], Any], **options: Any) -> Any:
-    """:func:`_aretry_loop` for blocking ``send`` and ``sleep``: nothing awaits, so it never suspends."""
-    def blocking_sleep(seconds: float) -> None:
-        sleep(seconds)  # its result, awaitable or not, is not awaited: no loop here
-
-    core = _aretry_loop(send, interpret, sleep=blocking_sleep, **options)
-    try:
-        core.send(None)
-    except StopIteration as done:
-        return done.value
-    core.close()
-    raise RuntimeError("a blocking retry loop was handed an awaitable")
+    """:func:`_aretry_loop` for a blocking ``send`` and ``sleep`` (what ``sleep`` returns is not awaited)."""
+    return _blocking(_aretry_loop(send, interpret, sleep=lambda seconds: sleep(seconds) and None, **options))
 
 
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
@@ -2471,23 +2468,17 @@ class _Pacer:
     """§7.4 kit-pacing: at most ``limit`` requests per key (a run token) in any ``window_s``."""
 
     def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
-        self.limit = limit
-        self.window_s = window_s
-        self._max_tokens = max_tokens
+        self.limit, self.window_s, self._max_tokens = limit, window_s, max_tokens
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def reserve(self, key: str, now: Optional[float] = None) -> float:
-        """Reserve the next slot for ``key``: the seconds to wait for it."""
+        """The seconds to wait for ``key``'s next slot, reserved."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log.get(key)
-            if log is None:
-                log = self._log[key] = deque(maxlen=self.limit)
-                if len(self._log) > self._max_tokens:
-                    self._log.popitem(last=False)
-            else:
-                self._log.move_to_end(key)
+            log = self._log[key] = self._log.pop(key, deque(maxlen=self.limit))  # the most recent last
+            if len(self._log) > self._max_tokens:
+                self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
         if slot > now:
@@ -2498,12 +2489,8 @@ class _Pacer:
 class _DispatchStats:
     """A dispatch's proxy calls, for its log line; ``cancelled``: the run is over, its calls refused."""
 
-    __slots__ = ("proxy_calls", "cancelled", "_lock")
-
     def __init__(self) -> None:
-        self.proxy_calls = 0
-        self.cancelled = False
-        self._lock = threading.Lock()
+        self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
 
     def count(self) -> None:
         with self._lock:
@@ -2511,8 +2498,7 @@ class _DispatchStats:
 
 
 _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.ContextVar(
-    "pipelines_port_dispatch_stats", default=None
-)
+    "pipelines_port_dispatch_stats", default=None)
 
 
 class ProxyClient:
@@ -2536,39 +2522,24 @@ class ProxyClient:
     def call(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
              timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
         """Call tool ``name``: the unwrapped ``response`` (§3.2); ``errors="return"``: §7.4 kit-errors-return."""
-        try:
-            return self._run(envelope, self._tool_call(envelope, name, args, actor, idempotency_key, errors), timeout)
-        except ProxyError as exc:
-            return _call_failed(exc, name, errors)
+        return _blocking(self._call(envelope, name, args, actor, timeout, idempotency_key, errors, True))
 
     async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
                     timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
                     errors: str = "raise") -> Any:
         """:meth:`call` on the running loop."""
-        try:
-            request = self._tool_call(envelope, name, args, actor, idempotency_key, errors)
-            return await self._arun(envelope, request, timeout)
-        except ProxyError as exc:
-            return _call_failed(exc, name, errors)
+        return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
     def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: Optional[str] = None,
               timeout: Optional[float] = None, best_effort: bool = False) -> _Accepted:
         """Post a live trace event (§3.4); ``best_effort=True``: a failure is logged, ``None`` returned."""
-        try:
-            return _accepted(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
-        except ProxyError as exc:
-            _trace_failed(exc, event_type, best_effort)
-        return None
+        return _blocking(self._trace(envelope, event_type, payload, actor, timeout, best_effort, True))
 
     async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
                      actor: Optional[str] = None, timeout: Optional[float] = None,
                      best_effort: bool = False) -> _Accepted:
         """:meth:`trace` on the running loop."""
-        try:
-            return _accepted(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
-        except ProxyError as exc:
-            _trace_failed(exc, event_type, best_effort)
-        return None
+        return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
     def close(self) -> None:
         """Close the idle keep-alive connections."""
@@ -2595,33 +2566,41 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
-                   idempotency_key: Optional[str], errors: str) -> ProxyRequest:
-        if errors not in ("raise", "return"):
-            raise ValueError("errors must be 'raise' or 'return'")
-        _check_envelope(envelope)
-        request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
-                                    idempotency_key=idempotency_key)
-        label = request.headers.get(HEADER_ACTOR_ID)
-        if label:
-            _warn_if_undeclared(envelope, label)
-        return request
+    # -- one coroutine under both drivers: under call() and trace() nothing in it suspends ----
 
-    def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: Optional[str]) -> ProxyRequest:
-        _check_envelope(envelope)
-        return trace_request(envelope.proxy_url, envelope.run_token, event_type, payload,
-                             occurred_at=_utc_now_iso(), actor=actor)
+    async def _call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str], timeout: Optional[float],
+                    idempotency_key: Optional[str], errors: str, blocking: bool) -> Any:
+        try:
+            if errors not in ("raise", "return"):
+                raise ValueError("errors must be 'raise' or 'return'")
+            _check_envelope(envelope)
+            request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
+                                        idempotency_key=idempotency_key)
+            label = request.headers.get(HEADER_ACTOR_ID)
+            if label:
+                _warn_if_undeclared(envelope, label)
+            return await self._retried(envelope, request, timeout, blocking)
+        except ProxyError as exc:
+            return _call_failed(exc, name, errors)
 
-    def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
-        return _retry_loop(**self._attempts(envelope, request, timeout, self.exchange, self._sleep or time.sleep))
+    async def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: Optional[str],
+                     timeout: Optional[float], best_effort: bool, blocking: bool) -> _Accepted:
+        try:
+            _check_envelope(envelope)
+            request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload,
+                                    occurred_at=_utc_now_iso(), actor=actor)
+            result = await self._retried(envelope, request, timeout, blocking)
+            return result if isinstance(result, dict) else None
+        except ProxyError as exc:
+            _trace_failed(exc, event_type, best_effort)
+        return None
 
-    def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Awaitable[Any]:
-        return _aretry_loop(**self._attempts(envelope, request, timeout, self.aexchange, self._sleep or _asleep))
-
-    def _attempts(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
-                  exchange: Callable[..., Any], sleep: Callable[[float], Any]) -> Dict[str, Any]:
+    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
+                       blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
+        exchange = self.exchange if blocking else self.aexchange
+        sleep = self._sleep or (time.sleep if blocking else _asleep)
         if stats is not None:
             stats.count()
 
@@ -2631,19 +2610,17 @@ class ProxyClient:
                                  "answered already", tool_name=name)
             return pacer.reserve(envelope.run_token) if pacer is not None else 0.0
 
-        async def send() -> _Reply:  # a coroutine under both drivers: it suspends only where exchange does
-            try:
-                reply = exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                                 MAX_REPLY_BYTES)
-                return cast(_Reply, await reply if hasattr(reply, "__await__") else reply)
-            except _ReplyTooLarge as big:
-                raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
-
-        return {"send": send, "policy": self.retry, "sleep": sleep, "before_attempt": before_attempt,
-                "interpret": lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
-                                                                          run_token=envelope.run_token),
-                "transport_error": lambda cause: ProxyTransportError(
-                    _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name)}
+        try:
+            return await _aretry_loop(
+                lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                                 MAX_REPLY_BYTES),
+                lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
+                                                             run_token=envelope.run_token),
+                policy=self.retry, sleep=(lambda s: sleep(s) and None) if blocking else sleep,
+                before_attempt=before_attempt, transport_error=lambda cause: ProxyTransportError(
+                    _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name))
+        except _ReplyTooLarge as big:
+            raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
 
 
 async def _asleep(seconds: float) -> None:
@@ -2668,10 +2645,6 @@ def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> No
     if not best_effort:
         raise exc
     _log.warning("trace event %r not recorded: %s", event_type, exc)
-
-
-def _accepted(result: Any) -> _Accepted:
-    return result if isinstance(result, dict) else None
 
 
 @functools.lru_cache(maxsize=4096)
