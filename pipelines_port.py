@@ -1525,7 +1525,7 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-    """A value built on first use, once, under a lock; :meth:`replace` swaps it."""
+    """A value made once, on first use; :meth:`replace` swaps it."""
 
     __slots__ = ("_make", "_lock", "_value")
 
@@ -1583,8 +1583,7 @@ def _plain_scalar(item: Any) -> bool:
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string, or a flat dict of exact JSON scalars, that has no warning;
-    else ``None``."""
+    """:func:`response_envelope`'s body for a plain string or flat dict of JSON scalars; else ``None``."""
     if type(value) is str:
         final, body = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
@@ -1929,8 +1928,8 @@ if hasattr(os, "register_at_fork"):  # a forked child has no such thread
 
 
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
-    """``coroutine`` run on this thread's server loop, else the module's loop thread (from that thread: on a fresh
-    one); ``TimeoutError`` after ``timeout``; whatever interrupts the wait cancels it."""
+    """``coroutine`` run on this thread's server loop, else the module's loop thread; ``TimeoutError`` after
+    ``timeout``; whatever interrupts the wait cancels it."""
     import asyncio
     import concurrent.futures
 
@@ -1963,9 +1962,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
 # The deadline wheel: a loop's far timeouts (few fire) share one asyncio timer per 0.25 s tick
 # ---------------------------------------------------------------------------
 
-class _Deadline:
-    """A far timeout, with a ``TimerHandle``'s ``when()`` and ``cancel()``."""
-
+class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
     __slots__ = ("_when", "_call", "_tick")
 
     def __init__(self, when: float, call: Optional[Callable[[], Any]], tick: Set[Any]) -> None:
@@ -1985,8 +1982,8 @@ class _Deadline:
 
 
 class _Deadlines:
-    """One loop's timeouts, on its thread: one ``COARSE_AFTER_S`` or more away joins its ``GRAIN_S`` tick (at most
-    that late), a nearer one is a ``loop.call_at``; a ``TimerHandle`` per dispatch was a real share of the loop."""
+    """One loop's timeouts: one ``COARSE_AFTER_S`` away or more joins its ``GRAIN_S`` tick (a TimerHandle per
+    dispatch was a real share of the loop's work), a nearer one is a ``loop.call_at``."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
@@ -2047,14 +2044,10 @@ class _TransportFailure(Exception):
 
 
 class _ReplyTooLarge(Exception):
-    """A reply body over the caller's cap, refused without reading it all."""
-
     def __init__(self, status: int, cap: int, length: Optional[int] = None) -> None:
         self.status = status
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length is not None
                          else f"exceeds the {cap}-byte cap")
-
-
 
 
 class _ClientConnection:
@@ -2073,8 +2066,8 @@ class _ClientConnection:
         self.writer.close()
 
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (1xx skipped; the body framed by
-        Content-Length, chunked coding or the connection's end); a malformed or cut one is a ``ConnectionError``."""
+        """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (RFC 9112 framing, 1xx skipped); a
+        malformed or cut one is a ``ConnectionError``."""
         import asyncio
 
         self.received = False
@@ -2150,8 +2143,7 @@ class _ClientConnection:
 
 
 class _Pool:
-    """A loop's idle connections per origin, at most ``max_idle`` each, closed after ``idle_s`` by a reaper task
-    that lives while any are idle (and closes them all when the loop ends)."""
+    """A loop's idle connections per origin (``max_idle`` each), closed after ``idle_s`` by a reaper task."""
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
@@ -2210,9 +2202,8 @@ class _Pool:
 
 
 class _Transport:
-    """HTTP(S) exchanges, the one I/O layer of every outbound call: ``(status, headers, body)``, or
-    :class:`_TransportFailure` / :class:`_ReplyTooLarge`.  ``timeout`` bounds the whole attempt, connecting
-    included; a reused connection dropped before any byte of the reply is ``stale`` (re-sent at once, same key)."""
+    """The one I/O layer of every outbound call: ``(status, headers, body)``, or :class:`_TransportFailure` /
+    :class:`_ReplyTooLarge`; ``timeout`` bounds the attempt, connecting included."""
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
     IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
@@ -2257,8 +2248,8 @@ class _Transport:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
-        """One request on the running loop (``base``: the split URL).  Its deadline cancels this task, as
-        ``asyncio.timeout`` (3.11+) does; ``asyncio.wait_for`` before 3.12 adds a task, a future and a timer."""
+        """One request on the running loop (``base``: the split URL); its deadline cancels this task (no
+        ``asyncio.wait_for``: before 3.12 it adds a task, a future and a timer)."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2337,14 +2328,12 @@ class _Transport:
 
 
 def _uncancel(task: Any) -> int:
-    """``task.uncancel()`` (3.11+); before, 0: a cancel in the turn the deadline fires is taken for the timeout,
-    as ``asyncio.wait_for`` takes it."""
+    """``task.uncancel()``; before 3.11, 0: a cancel as the deadline fires is taken for the timeout."""
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
 
 def _make_tls_context() -> ssl.SSLContext:
-
     import ssl
 
     return ssl.create_default_context()
@@ -2361,7 +2350,6 @@ _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-ke
 
 
 def _debug_headers(headers: Mapping[str, str]) -> str:
-    """The headers worth a debug line, secrets redacted."""
     shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
              if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
     return (", " + ", ".join(shown)) if shown else ""
@@ -2371,7 +2359,7 @@ _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
 
 def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
-    """``coroutine`` run to its end on this thread: it must not suspend (all it awaits is done already)."""
+    """``coroutine`` run here to its end; it must not suspend."""
     try:
         coroutine.send(None)
     except StopIteration as done:
@@ -2382,7 +2370,7 @@ def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
 
 def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                 *, sleep: Callable[[float], Any], **options: Any) -> Any:
-    """:func:`_aretry_loop` for a blocking ``send`` and ``sleep`` (what ``sleep`` returns is not awaited)."""
+    """:func:`_aretry_loop` for a blocking ``send`` and ``sleep``."""
     return _blocking(_aretry_loop(send, interpret, sleep=lambda seconds: sleep(seconds) and None, **options))
 
 
@@ -2390,9 +2378,9 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError],
                        before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The one driver of :class:`RetryState` (§3.3): ``before_attempt`` may refuse the call and returns the seconds
-    to wait for a pacing slot, ``send`` makes one exchange, ``interpret`` reads its reply, ``transport_error`` names
-    an exchange that got none; ``send`` and ``sleep`` may return awaitables."""
+    """The one driver of :class:`RetryState` (§3.3): ``before_attempt`` may refuse and gives the pacing wait,
+    ``send`` makes an exchange, ``transport_error`` names one that got no reply; a certificate or DNS failure is
+    not retried."""
     state = RetryState(policy)
     while True:
         wait = before_attempt() if before_attempt is not None else 0.0
@@ -2402,38 +2390,28 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             reply = send()
             outcome = interpret(*(await reply if hasattr(reply, "__await__") else reply))
         except _TransportFailure as failure:
-            outcome = _transport_outcome(failure, transport_error)
+            import socket
+
+            cause = failure.__cause__ or failure
+            error = transport_error(cause)
+            error.__cause__, error.__suppress_context__ = cause, True
+            ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
+            final = isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(
+                cause, ssl.SSLCertVerificationError))
+            outcome = ProxyOutcome("error" if final else "transport", error=error, stale=failure.stale)
         step = state.step(outcome)
         if step.action == "return":
             return step.value
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
-        _log_retry(step, outcome, state)
+        if outcome.kind != "transport":
+            _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
+        elif outcome.stale:
+            _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
+        else:
+            _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
         if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
             await slept
-
-
-def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
-                       ) -> ProxyOutcome:
-    """``"transport"`` (retried, same key), or ``"error"`` for a certificate or DNS failure, which no retry fixes."""
-    import socket
-
-    cause = failure.__cause__ or failure
-    error = transport_error(cause)
-    error.__cause__, error.__suppress_context__ = cause, True
-    ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
-    if isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(cause, ssl.SSLCertVerificationError)):
-        return ProxyOutcome("error", error=error)
-    return ProxyOutcome("transport", error=error, stale=failure.stale)
-
-
-def _log_retry(step: RetryStep, outcome: ProxyOutcome, state: RetryState) -> None:
-    if outcome.kind != "transport":
-        _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
-    elif outcome.stale:
-        _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
-    else:
-        _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
 
 
 def _failed_before_reply(what: str, cause: BaseException) -> str:
@@ -2837,7 +2815,7 @@ class _AgentRaised(Exception):
 
 
 def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], Any]) -> threading.Thread:
-    """``fn()`` on a new daemon thread in a copy of this context, then ``done(result, _AgentRaised or None)``."""
+    """``fn()`` on a daemon thread in a copy of this context, then ``done(result, _AgentRaised or None)``."""
     context = contextvars.copy_context()
 
     def target() -> None:
@@ -2845,7 +2823,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
             outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
-        with contextlib.suppress(RuntimeError):  # done's loop closed meanwhile: nobody waits any more
+        with contextlib.suppress(RuntimeError):  # done's loop closed meanwhile
             done(*outcome)
 
     thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
@@ -2854,7 +2832,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
 
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
-    """``fn()`` by :func:`_start_thread`, waited for; :class:`_Overran` after ``timeout_s`` (a thread runs on)."""
+    """``fn()`` on a fresh thread, waited for; :class:`_Overran` after ``timeout_s`` (the thread runs on)."""
     outcome: List[Any] = []
     worker = _start_thread(fn, lambda result, error: outcome.extend((result, error)))
     worker.join(timeout_s)
@@ -2866,7 +2844,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -
 
 
 class _RedactedError(Exception):
-    """Stands in an exception chain for a link whose text showed a secret."""
+    """A link of an exception chain whose text showed a secret."""
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
@@ -2880,8 +2858,7 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
 
 
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """What stands for ``exc`` once no link of its chain (IPython prints it all) shows a secret: each cleaned in
-    place, or replaced by a :class:`_RedactedError` when its text still shows one."""
+    """``exc`` with no link of its chain showing a secret: each cleaned in place, or a :class:`_RedactedError`."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
@@ -2890,10 +2867,10 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*getattr(error, "__dict__", {}), "args", *fields):  # __notes__ included
+        for name in (*getattr(error, "__dict__", {}), "args", *fields):
             with contextlib.suppress(Exception):
                 setattr(error, name, _scrub(getattr(error, name), wanted))
-        for member in getattr(error, "exceptions", None) or ():  # an ExceptionGroup's
+        for member in getattr(error, "exceptions", None) or ():
             if isinstance(member, BaseException):
                 clean(member)
         error.__cause__ = clean(error.__cause__)
@@ -2901,7 +2878,7 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
         try:
             text = f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
             message = redact(str(error), *wanted)
-        except Exception:  # noqa: BLE001 - a __str__ that fails shows nothing
+        except Exception:  # noqa: BLE001
             text = message = ""
         if not any(secret in text for secret in wanted):
             return error
@@ -2915,7 +2892,7 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
 
 
 def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
-    """``call()`` with ``envelope`` bound, an awaitable it returns run by ``asyncio.run`` (this thread has no loop)."""
+    """``call()`` with ``envelope`` bound, an awaitable it returns run by ``asyncio.run``."""
     import inspect
 
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
@@ -2931,8 +2908,8 @@ def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
 
 
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
-    """``agent(envelope)`` as a task of the running loop, or on a fresh thread whose exchanges come back to it; else
-    :class:`_AgentRaised`, or :class:`_Overran` after ``timeout_s``."""
+    """``agent(envelope)`` as a task of the running loop or on a fresh thread; else :class:`_AgentRaised`, or
+    :class:`_Overran` after ``timeout_s``."""
     import asyncio
     import inspect
 
@@ -2941,7 +2918,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     task: Any = None
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
-        if waiter.done():  # timed out, or the awaiting task was cancelled
+        if waiter.done():  # timed out, or cancelled
             pass
         elif error is None:
             waiter.set_result(result)
@@ -2950,17 +2927,17 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
 
     if is_async:
         async def run() -> None:
-            _current.set(envelope)  # in the task's own context, seen by every task it starts
+            _current.set(envelope)  # the task's own context
             try:
                 result = agent(envelope)
                 settle(await result if inspect.isawaitable(result) else result, None)
-            except BaseException as exc:  # noqa: BLE001 - its own cancellation too (§7.3 kit-base-exception-500)
+            except BaseException as exc:  # noqa: BLE001 - its cancellation too (§7.3 kit-base-exception-500)
                 settle(None, _AgentRaised(exc))
 
         task = loop.create_task(run())
     else:
         def run_sync() -> Any:
-            _server_loop.set(loop)  # its exchanges come back to this loop
+            _server_loop.set(loop)
             return _call_agent(functools.partial(agent, envelope), envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
@@ -2971,7 +2948,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     finally:
         timer.cancel()
         if task is not None:
-            task.cancel()  # a no-op once it is done
+            task.cancel()
 
 
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
