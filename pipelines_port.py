@@ -1527,11 +1527,8 @@ _T = TypeVar("_T")
 class _Once(Generic[_T]):
     """A value made once, on first use; :meth:`replace` swaps it."""
 
-    __slots__ = ("_make", "_lock", "_value")
-
     def __init__(self, make: Callable[[], _T]) -> None:
-        self._make = make
-        self._lock = threading.Lock()
+        self._make, self._lock = make, threading.Lock()
         self._value: Optional[_T] = None
 
     def __call__(self) -> _T:
@@ -1548,9 +1545,8 @@ class _Once(Generic[_T]):
             self._value = value
 
 
-
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster, each held to part 1 by a test; a port needs none
+# Speed paths: part 1's results computed faster (each held to it by a test); a port needs none
 # ---------------------------------------------------------------------------
 
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
@@ -1600,7 +1596,7 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers as one dict (kit-repeated-header)
+# Python data: read-only JSON containers (§7.2), headers as one dict
 # ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1641,17 +1637,11 @@ def _freeze(value: Any) -> Any:
 def _thaw(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
+    return [_thaw(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; ``repeats``: the others
-    __slots__ = ("repeats",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.repeats: Dict[str, List[str]] = {}
+    repeats: Dict[str, List[str]]
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
@@ -1659,6 +1649,7 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
+    out.repeats = {}
     items = getattr(headers, "items", None)
     for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
         key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
@@ -1677,7 +1668,7 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7 kit-json-safe-response): converted with a note, or refused (strict)
+# Python values as JSON (§7.7): converted with a note, or refused (strict)
 # ---------------------------------------------------------------------------
 
 class _Unsendable(Exception):
@@ -1710,7 +1701,6 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
     if isinstance(value, float):
         if math.isfinite(value):
             return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
-
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
     if not isinstance(value, (Mapping, list, tuple, set, frozenset)):
@@ -1752,7 +1742,6 @@ def _unsendable(value: Any, path: str) -> Optional[str]:
     except _Unsendable as exc:
         return str(exc)
     return None
-
 
 
 def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
@@ -1805,7 +1794,6 @@ def _int_text(number: int) -> str:  # str() without its digit limit (640 at the 
 
 def _key_text(key: Any) -> str:
     if key is None or isinstance(key, bool):
-
         return json.dumps(key)
     if isinstance(key, int):
         return _int_text(int.__int__(key))
@@ -1829,7 +1817,7 @@ def _safe_repr(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Start-up settings, checked where serve, DispatchApp and code mode read them
+# Start-up settings
 # ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
@@ -1861,15 +1849,13 @@ def _normal_host_entry(entry: str) -> str:
         with contextlib.suppress(ValueError):
             return str(ipaddress.IPv6Address(entry))
     elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
-
         return entry.lower()
     raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
                      "optionally with :port, without scheme, path or other wildcards")
 
 
-
 # ---------------------------------------------------------------------------
-# Context binding: the envelope of the dispatch running in this context
+# Context binding: the running dispatch's envelope
 # ---------------------------------------------------------------------------
 
 _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("pipelines_port_envelope", default=None)
@@ -1899,7 +1885,7 @@ def current_envelope() -> Envelope:
                         "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: every exchange runs on one, a blocking caller's on its server's or the module's loop thread
+# Event loops: a blocking caller's exchanges run on its server's loop or the module's
 # ---------------------------------------------------------------------------
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
@@ -2031,8 +2017,7 @@ class _Deadlines:
             self._loop.call_soon(deadline._run)  # a handle each: one that raises stops no other
 
 # ---------------------------------------------------------------------------
-# Transport: HTTP/1.1 exchanges on asyncio streams, keep-alive connections
-# pooled per event loop and origin
+# Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
 # ---------------------------------------------------------------------------
 
 class _TransportFailure(Exception):
@@ -2343,7 +2328,7 @@ _default_tls_context = _Once(_make_tls_context)  # one per process: loading the 
 _shared_transport = _Once(lambda: _Transport())  # probes and JSON APIs; each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# The retry loop of both drivers (RetryState.step decides), and what they share
+# The retry loop of both drivers (RetryState.step decides)
 # ---------------------------------------------------------------------------
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
@@ -2795,7 +2780,7 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
     return body
 
 # ---------------------------------------------------------------------------
-# Running agents: a sync one on a fresh thread, an ``async def`` one as a task of the loop, within a deadline
+# Running agents: sync on a fresh thread, ``async def`` as a task, within a deadline
 # ---------------------------------------------------------------------------
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
