@@ -1937,11 +1937,10 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
         future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
     try:
         return future.result(timeout)
-    except concurrent.futures.TimeoutError:
+    except BaseException as exc:
         future.cancel()
-        raise TimeoutError(f"no result within {timeout:g} s") from None
-    except BaseException:
-        future.cancel()
+        if isinstance(exc, concurrent.futures.TimeoutError):
+            raise TimeoutError(f"no result within {timeout:g} s") from None
         raise
 
 # ---------------------------------------------------------------------------
@@ -2198,16 +2197,12 @@ class _Transport:
 
         self._ssl_context = ssl_context
         self._pools: weakref.WeakKeyDictionary[Any, _Pool] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:
-            with self._lock:
-                pool = self._pools.get(loop)
-                if pool is None:  # a fan-out of N runs holds N connections to the one proxy
-                    max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
-                    pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
+        if pool is None:  # on the loop's own thread: none other makes it; a fan-out of N runs keeps N connections
+            max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
+            pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
     def close(self) -> None:
@@ -2361,16 +2356,11 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
 
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
-                       transport_error: Callable[[BaseException], PipelinesError],
-                       before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The one driver of :class:`RetryState` (§3.3): ``before_attempt`` may refuse and gives the pacing wait,
-    ``send`` makes an exchange, ``transport_error`` names one that got no reply; a certificate or DNS failure is
-    not retried."""
+                       transport_error: Callable[[BaseException], PipelinesError]) -> Any:
+    """The one driver of :class:`RetryState` (§3.3): ``send`` makes an exchange, ``transport_error`` names one that
+    got no reply (a certificate or DNS failure: not retried)."""
     state = RetryState(policy)
     while True:
-        wait = before_attempt() if before_attempt is not None else 0.0
-        if wait > 0 and hasattr(slept := sleep(wait), "__await__"):
-            await slept
         try:
             reply = send()
             outcome = interpret(*(await reply if hasattr(reply, "__await__") else reply))
@@ -2562,25 +2552,28 @@ class ProxyClient:
                        blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
-        exchange = self.exchange if blocking else self.aexchange
+        exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else _asleep)
+        pause: Callable[[float], Any] = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
         if stats is not None:
             stats.count()
 
-        def before_attempt() -> float:
+        async def send() -> _Reply:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
                                  "answered already", tool_name=name)
-            return pacer.reserve(envelope.run_token) if pacer is not None else 0.0
+            wait = pacer.reserve(envelope.run_token) if pacer is not None else 0.0
+            if wait > 0 and hasattr(slept := pause(wait), "__await__"):
+                await slept
+            reply = exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                             MAX_REPLY_BYTES)
+            return cast(_Reply, await reply if hasattr(reply, "__await__") else reply)
 
         try:
             return await _aretry_loop(
-                lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                                 MAX_REPLY_BYTES),
-                lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
-                                                             run_token=envelope.run_token),
-                policy=self.retry, sleep=(lambda s: sleep(s) and None) if blocking else sleep,
-                before_attempt=before_attempt, transport_error=lambda cause: ProxyTransportError(
+                send, lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
+                                                                   run_token=envelope.run_token),
+                policy=self.retry, sleep=pause, transport_error=lambda cause: ProxyTransportError(
                     _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name))
         except _ReplyTooLarge as big:
             raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
