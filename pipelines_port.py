@@ -1515,8 +1515,8 @@ def _redact_one(value: Any, secret: str) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Part 1's decisions carried out with sockets, threads, the environment
-#   and the log.  Global state: ContextVars and lazy singletons (_Once).
+#   Part 1's decisions carried out with sockets, threads, the environment and
+#   the log.  Global state: ContextVars and lazy singletons.
 #
 # ###########################################################################
 
@@ -1525,7 +1525,6 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-    """A value made once, on first use; :meth:`replace` swaps it."""
 
     def __init__(self, make: Callable[[], _T]) -> None:
         self._make, self._lock = make, threading.Lock()
@@ -1572,7 +1571,7 @@ def _plain_scalar(item: Any) -> bool:
     if kind is str:
         return _plain_text(item)
     if kind is int:
-        return cast(int, item).bit_length() < 14_000  # surely at most MAX_INT_DIGITS digits
+        return cast(int, item).bit_length() < 14_000  # surely under MAX_INT_DIGITS
     if kind is float:
         return math.isfinite(item)
     return item is None or kind is bool
@@ -1640,7 +1639,7 @@ def _thaw(value: Any) -> Any:
     return [_thaw(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; ``repeats``: the others
+class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeats: the others
     repeats: Dict[str, List[str]]
 
 
@@ -1676,7 +1675,7 @@ class _Unsendable(Exception):
 
 
 def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
-    if notes is None:  # strict
+    if notes is None:
         raise _Unsendable(f"{problem}: {fix}")
     notes.append(f"{problem}; {sent}")
 
@@ -1750,7 +1749,7 @@ def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[s
     taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
     for key, item in value.items():
         if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
-            name = str.__str__(key)  # a str subclass's own __str__ may raise
+            name = str.__str__(key)  # a subclass's __str__ may raise
         elif isinstance(key, str):
             shown = _short(repr(_well_formed(key)), 40)
             text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
@@ -1787,7 +1786,7 @@ def _int_text(number: int) -> str:  # str() without its digit limit (640 at the 
         return "-" + _int_text(-number)
     if number.bit_length() < 2000:
         return str(number)
-    half = number.bit_length() * 30103 // 200000  # about half its digits
+    half = number.bit_length() * 30103 // 200000  # half its digits
     high, low = divmod(number, 10 ** half)
     return _int_text(high) + _int_text(low).zfill(half)
 
@@ -1843,7 +1842,7 @@ def _normal_host_entry(entry: str) -> str:
     shown = _short(entry, 100)
     if entry.startswith("*."):
         entry = entry[1:]
-    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address: its short form
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
         import ipaddress
 
         with contextlib.suppress(ValueError):
@@ -1929,7 +1928,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
             raise TimeoutError(f"no result within {timeout:g} s") from None
         except _AgentRaised as raised:
             error = raised.error
-        raise error  # outside the except clause: no _AgentRaised as its context
+        raise error  # outside the except: no _AgentRaised as its context
 
     try:
         future = asyncio.run_coroutine_threadsafe(coroutine, loop)
@@ -1972,13 +1971,13 @@ class _Deadlines:
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
-    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use)
+    _of_loop: Any = None  # WeakKeyDictionary: loop -> its _Deadlines
     _lock = threading.Lock()
 
     def __init__(self, loop: Any) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # a weak-keyed entry's value must not keep its key alive
+        self._loop = weakref.proxy(loop)  # a weak-keyed value must not keep its key alive
         self._ticks: Dict[int, Set[_Deadline]] = {}
 
     @classmethod
@@ -2035,9 +2034,8 @@ class _ReplyTooLarge(Exception):
 
 
 class _ClientConnection:
-    """A keep-alive connection; ``received``: a byte of the reply arrived (a drop before it: a stale connection)."""
 
-    __slots__ = ("reader", "writer", "idle_since", "received")
+    __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
 
     def __init__(self, reader: Any, writer: Any) -> None:
         self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
@@ -2066,7 +2064,7 @@ class _ClientConnection:
     async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         reader = self.reader
         status = 100
-        while 100 <= status < 200:  # 100 Continue, 103 Early Hints: the real reply follows
+        while 100 <= status < 200:  # 100 Continue, 103 Early Hints
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
             version, _, rest = lines[0].partition(b" ")
@@ -2127,12 +2125,11 @@ class _ClientConnection:
 
 
 class _Pool:
-    """A loop's idle connections per origin (``max_idle`` each), closed after ``idle_s`` by a reaper task."""
 
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # its loop holds it in a weak-keyed map
+        self._loop = weakref.proxy(loop)
         self._max_idle, self._idle_s = max_idle, idle_s
         self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}
         self._reaper: Any = None
@@ -2168,7 +2165,7 @@ class _Pool:
         import asyncio
 
         try:
-            while True:  # ends after a sleep that left nothing idle
+            while True:
                 await asyncio.sleep(self._idle_s / 2)
                 if not any(self._idle.values()):
                     break
@@ -2179,7 +2176,7 @@ class _Pool:
                             conn.close()
                     conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
-            self.close()  # the loop is shutting down
+            self.close()
             raise
         finally:
             self._reaper = None
@@ -2200,7 +2197,7 @@ class _Transport:
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:  # on the loop's own thread: none other makes it; a fan-out of N runs keeps N connections
+        if pool is None:  # made on its loop's thread: no race
             max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
             pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
@@ -2222,7 +2219,7 @@ class _Transport:
 
         exchange = self.aexchange(base, method, path, headers, body, timeout, max_reply)
         try:
-            return _on_loop(exchange, timeout + 5.0)  # the exchange bounds itself: the margin is for a stopped loop
+            return _on_loop(exchange, timeout + 5.0)  # the margin is for a stopped loop
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
@@ -2276,7 +2273,7 @@ class _Transport:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
             raise
-        except (_ReplyTooLarge, OSError) as exc:  # ConnectionError included
+        except (_ReplyTooLarge, OSError) as exc:
             if conn is None:
                 raise
             conn.writer.transport.abort()
@@ -2302,13 +2299,12 @@ class _Transport:
             return _ClientConnection(*await asyncio.open_connection(
                 host, port, ssl=context, server_hostname=host if context is not None else None))
         except (OSError, UnicodeError) as exc:
-            if isinstance(exc, ConnectionError) and exc.errno:  # asyncio's "Connect call failed": as the system says
+            if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
                 exc = type(exc)(exc.errno, os.strerror(exc.errno))
             raise _TransportFailure() from exc
 
 
-def _uncancel(task: Any) -> int:
-    """``task.uncancel()``; before 3.11, 0: a cancel as the deadline fires is taken for the timeout."""
+def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
@@ -2320,7 +2316,7 @@ def _make_tls_context() -> ssl.SSLContext:
 
 
 _default_tls_context = _Once(_make_tls_context)  # one per process: loading the CAs is slow
-_shared_transport = _Once(lambda: _Transport())  # probes and JSON APIs; each ProxyClient has its own
+_shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
 # The retry loop of both drivers (RetryState.step decides)
@@ -2350,7 +2346,6 @@ def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
 
 def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                 *, sleep: Callable[[float], Any], **options: Any) -> Any:
-    """:func:`_aretry_loop` for a blocking ``send`` and ``sleep``."""
     return _blocking(_aretry_loop(send, interpret, sleep=lambda seconds: sleep(seconds) and None, **options))
 
 
@@ -2402,8 +2397,8 @@ def _utc_now_iso() -> str:
 # Proxy client (§3): tool calls, trace events, actors
 # ---------------------------------------------------------------------------
 
-_Payload = Optional[Mapping[str, Any]]  # a tool call's arguments, a trace event's payload
-_Accepted = Optional[Dict[str, Any]]  # a trace post's answer: {"accepted": true, "sequence": N}
+_Payload = Optional[Mapping[str, Any]]
+_Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
 
 def _env_float(name: str, default: float) -> float:
@@ -2429,7 +2424,7 @@ class _Pacer:
         """The seconds to wait for ``key``'s next slot, reserved."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log[key] = self._log.pop(key, deque(maxlen=self.limit))  # the most recent last
+            log = self._log[key] = self._log.pop(key, deque(maxlen=self.limit))  # moved last: the most recent
             if len(self._log) > self._max_tokens:
                 self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
@@ -2502,7 +2497,7 @@ class ProxyClient:
         """:meth:`close`, from a coroutine."""
         self.close()
 
-    # -- seams: a subclass overrides them to observe or change the wire ----
+    # seams: a subclass overrides them to observe or change the wire
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> _Reply:
@@ -2519,7 +2514,7 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # -- one coroutine under both drivers: under call() and trace() nothing in it suspends ----
+    # one coroutine for both drivers: under call() and trace() nothing in it suspends
 
     async def _call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str], timeout: Optional[float],
                     idempotency_key: Optional[str], errors: str, blocking: bool) -> Any:
@@ -2763,7 +2758,7 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
     """:func:`build_response` as the servers and ``run()`` send it, no warning showing ``secrets`` or the run token."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:  # nothing to warn about, strict or not
+    if plain is not None:
         return plain
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
@@ -2781,19 +2776,16 @@ ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
 
 
 class _Overran(RunTimeoutError):
-    """The run's deadline passed."""
+    pass
 
 
-class _AgentRaised(Exception):
-    """What the agent raised, apart from what hits the waiter itself (a signal, a worker abort)."""
-
+class _AgentRaised(Exception):  # the agent's error, told apart from one hitting the waiter (a signal)
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
 
 
 def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], Any]) -> threading.Thread:
-    """``fn()`` on a daemon thread in a copy of this context, then ``done(result, _AgentRaised or None)``."""
     context = contextvars.copy_context()
 
     def target() -> None:
@@ -2801,7 +2793,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
             outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
-        with contextlib.suppress(RuntimeError):  # done's loop closed meanwhile
+        with contextlib.suppress(RuntimeError):  # done's loop closed
             done(*outcome)
 
     thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
@@ -2810,7 +2802,6 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
 
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
-    """``fn()`` on a fresh thread, waited for; :class:`_Overran` after ``timeout_s`` (the thread runs on)."""
     outcome: List[Any] = []
     worker = _start_thread(fn, lambda result, error: outcome.extend((result, error)))
     worker.join(timeout_s)
@@ -2822,7 +2813,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -
 
 
 class _RedactedError(Exception):
-    """A link of an exception chain whose text showed a secret."""
+    pass
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
@@ -2870,7 +2861,6 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
 
 
 def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
-    """``call()`` with ``envelope`` bound, an awaitable it returns run by ``asyncio.run``."""
     import inspect
 
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
@@ -2896,7 +2886,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     task: Any = None
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
-        if waiter.done():  # timed out, or cancelled
+        if waiter.done():
             pass
         elif error is None:
             waiter.set_result(result)
@@ -2905,7 +2895,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
 
     if is_async:
         async def run() -> None:
-            _current.set(envelope)  # the task's own context
+            _current.set(envelope)
             try:
                 result = agent(envelope)
                 settle(await result if inspect.isawaitable(result) else result, None)
