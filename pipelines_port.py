@@ -1884,7 +1884,8 @@ def current_envelope() -> Envelope:
                         "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: a blocking caller's exchanges run on its server's loop or the module's
+# Event loops: a blocking caller's exchanges run on its server's loop or the module's; far timeouts
+# share a timer per 0.25 s tick (the deadline wheel)
 # ---------------------------------------------------------------------------
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
@@ -1942,9 +1943,6 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
             raise TimeoutError(f"no result within {timeout:g} s") from None
         raise
 
-# ---------------------------------------------------------------------------
-# The deadline wheel: a loop's far timeouts (few fire) share one asyncio timer per 0.25 s tick
-# ---------------------------------------------------------------------------
 
 class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
     __slots__ = ("_when", "_call", "_tick")
@@ -2049,21 +2047,8 @@ class _ClientConnection:
 
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (RFC 9112 framing, 1xx skipped); a
-        malformed or cut one is a ``ConnectionError``."""
-        import asyncio
-
-        self.received = False
-        try:
-            return await self._reply(max_reply)
-        except asyncio.IncompleteReadError:
-            cut = "before the reply was complete" if self.received else "before replying"
-            raise ConnectionResetError(f"the proxy closed the connection {cut}") from None
-        except asyncio.LimitOverrunError:
-            raise ConnectionError("malformed HTTP reply: a line over 64 KiB") from None
-
-    async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        reader = self.reader
-        status = 100
+        malformed one is a ``ConnectionError``."""
+        reader, status, self.received = self.reader, 100, False
         while 100 <= status < 200:  # 100 Continue, 103 Early Hints
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
@@ -2273,12 +2258,17 @@ class _Transport:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
             raise
-        except (_ReplyTooLarge, OSError) as exc:
+        except (_ReplyTooLarge, OSError, EOFError, asyncio.LimitOverrunError) as exc:  # EOFError: IncompleteReadError
             if conn is None:
                 raise
             conn.writer.transport.abort()
             if isinstance(exc, _ReplyTooLarge):
                 raise
+            if isinstance(exc, EOFError):
+                cut = "before the reply was complete" if conn.received else "before replying"
+                exc = ConnectionResetError(f"the proxy closed the connection {cut}")
+            elif not isinstance(exc, OSError):
+                exc = ConnectionError("malformed HTTP reply: a line over 64 KiB")
             raise _TransportFailure(stale=reused and not conn.received) from exc
         finally:
             timer.cancel()
@@ -2319,7 +2309,7 @@ _default_tls_context = _Once(_make_tls_context)  # one per process: loading the 
 _shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# The retry loop of both drivers (RetryState.step decides)
+# Proxy client (§3): the retry loop of both drivers (RetryState.step decides), tool calls, trace events, actors
 # ---------------------------------------------------------------------------
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
@@ -2393,9 +2383,6 @@ def _utc_now_iso() -> str:
     now = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
-# ---------------------------------------------------------------------------
-# Proxy client (§3): tool calls, trace events, actors
-# ---------------------------------------------------------------------------
 
 _Payload = Optional[Mapping[str, Any]]
 _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
