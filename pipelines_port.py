@@ -2110,7 +2110,6 @@ class _ClientConnection:
 
 
 class _Pool:
-
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
@@ -2299,13 +2298,13 @@ def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fir
     return uncancel() if uncancel is not None else 0
 
 
-def _make_tls_context() -> ssl.SSLContext:
+@functools.lru_cache(maxsize=None)
+def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CAs is slow
     import ssl
 
     return ssl.create_default_context()
 
 
-_default_tls_context = _Once(_make_tls_context)  # one per process: loading the CAs is slow
 _shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
@@ -2447,12 +2446,10 @@ class ProxyClient:
         if not self.timeout > 0:  # 0 would make every exchange fail at once
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
-        self.retry = retry
         if rate_per_minute is None:
             rate_per_minute = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE)
+        self.retry, self._sleep, self._transport = retry, sleep, _Transport(ssl_context)
         self._pacer = _Pacer(int(rate_per_minute)) if rate_per_minute >= 1 else None
-        self._sleep = sleep
-        self._transport = _Transport(ssl_context)
 
     def call(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
              timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
@@ -2873,12 +2870,8 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     task: Any = None
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
-        if waiter.done():
-            pass
-        elif error is None:
-            waiter.set_result(result)
-        else:
-            waiter.set_exception(error)
+        if not waiter.done():
+            waiter.set_result(result) if error is None else waiter.set_exception(error)
 
     if is_async:
         async def run() -> None:
