@@ -1525,7 +1525,6 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-
     def __init__(self, make: Callable[[], _T]) -> None:
         self._make, self._lock = make, threading.Lock()
         self._value: Optional[_T] = None
@@ -2032,7 +2031,6 @@ class _ReplyTooLarge(Exception):
 
 
 class _ClientConnection:
-
     __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
 
     def __init__(self, reader: Any, writer: Any) -> None:
@@ -2048,8 +2046,8 @@ class _ClientConnection:
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (RFC 9112 framing, 1xx skipped); a
         malformed one is a ``ConnectionError``."""
-        reader, status, self.received = self.reader, 100, False
-        while 100 <= status < 200:  # 100 Continue, 103 Early Hints
+        reader, self.received = self.reader, False
+        while True:
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
             version, _, rest = lines[0].partition(b" ")
@@ -2058,6 +2056,8 @@ class _ClientConnection:
             status = int(rest[:3])
             if status == 101:
                 raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
+            if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
+                break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
             if line[:1] in (b" ", b"\t") and headers:  # obs-fold
@@ -2298,7 +2298,7 @@ def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fir
     return uncancel() if uncancel is not None else 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CAs is slow
     import ssl
 
@@ -2324,7 +2324,7 @@ _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
 
 def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
-    """``coroutine`` run here to its end; it must not suspend."""
+    """``coroutine`` run here; it must not suspend."""
     try:
         coroutine.send(None)
     except StopIteration as done:
@@ -2378,11 +2378,6 @@ def _failed_before_reply(what: str, cause: BaseException) -> str:
     return f"{what} failed before a reply arrived: {type(cause).__name__}: {_short(reason, 200)}"
 
 
-def _utc_now_iso() -> str:
-    now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-
-
 _Payload = Optional[Mapping[str, Any]]
 _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
@@ -2407,7 +2402,6 @@ class _Pacer:
         self._lock = threading.Lock()
 
     def reserve(self, key: str, now: Optional[float] = None) -> float:
-        """The seconds to wait for ``key``'s next slot, reserved."""
         now = time.monotonic() if now is None else now
         with self._lock:
             log = self._log[key] = self._log.pop(key, deque(maxlen=self.limit))  # moved last: the most recent
@@ -2519,8 +2513,10 @@ class ProxyClient:
                      timeout: Optional[float], best_effort: bool, blocking: bool) -> _Accepted:
         try:
             _check_envelope(envelope)
-            request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload,
-                                    occurred_at=_utc_now_iso(), actor=actor)
+            now = time.time()
+            request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
+                                    occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
+                                    + f"{int(now % 1 * 1000):03d}Z")
             result = await self._retried(envelope, request, timeout, blocking)
             return result if isinstance(result, dict) else None
         except ProxyError as exc:
@@ -2533,7 +2529,7 @@ class ProxyClient:
         seconds = self.timeout if timeout is None else float(timeout)
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else _asleep)
-        pause: Callable[[float], Any] = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
+        pause = cast(Callable[[float], Any], (lambda s: sleep(s) and None) if blocking else sleep)  # no loop to await
         if stats is not None:
             stats.count()
 
