@@ -1701,15 +1701,18 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
             return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
-    if not isinstance(value, (Mapping, list, tuple, set, frozenset)):
-        iso = getattr(value, "isoformat", None)
-        raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
-        sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
-        _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
-        if raw:
-            return bytes(value).decode("utf-8", "replace")
-        return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
-    active = set() if active is None else active
+    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
+    iso = getattr(value, "isoformat", None)
+    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
+    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+    _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
+    if raw:
+        return bytes(value).decode("utf-8", "replace")
+    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
+
+
+def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
     if id(value) in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
@@ -2404,9 +2407,13 @@ class _Pacer:
     def reserve(self, key: str, now: Optional[float] = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log[key] = self._log.pop(key, deque(maxlen=self.limit))  # moved last: the most recent
-            if len(self._log) > self._max_tokens:
-                self._log.popitem(last=False)
+            log = self._log.get(key)
+            if log is None:
+                log = self._log[key] = deque(maxlen=self.limit)
+                if len(self._log) > self._max_tokens:
+                    self._log.popitem(last=False)
+            else:
+                self._log.move_to_end(key)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
         if slot > now:
