@@ -1947,22 +1947,24 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
 
 
 class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
-    __slots__ = ("_when", "_call", "_tick")
+    __slots__ = ("_when", "_callback", "_args", "_tick")
 
-    def __init__(self, when: float, call: Optional[Callable[[], Any]], tick: Set[Any]) -> None:
-        self._when, self._call, self._tick = when, call, tick
+    def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
+        self._when, self._args, self._tick = when, args, tick
+        self._callback: Optional[Callable[..., Any]] = callback
 
     def when(self) -> float:
         return self._when
 
     def cancel(self) -> None:
         self._tick.discard(self)
-        self._call = None
+        self._callback = None
 
     def _run(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:  # not cancelled between its tick and now
-            call()
+        callback = self._callback
+        self.cancel()
+        if callback is not None:  # not cancelled between its tick and now
+            callback(*self._args)
 
 
 class _Deadlines:
@@ -1994,7 +1996,7 @@ class _Deadlines:
         if entries is None:
             entries = self._ticks[tick] = set()
             loop.call_at(tick * self.GRAIN_S, self._fire, tick)
-        deadline = _Deadline(when, functools.partial(callback, *args), entries)
+        deadline = _Deadline(when, callback, args, entries)
         entries.add(deadline)
         return deadline
 
