@@ -1577,7 +1577,7 @@ def _plain_scalar(item: Any) -> bool:
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a plain string or flat dict of JSON scalars; else ``None``."""
+    """:func:`response_envelope`'s body for a string or flat dict of JSON scalars; else ``None``."""
     if type(value) is str:
         final, body = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
@@ -1968,8 +1968,8 @@ class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
 
 
 class _Deadlines:
-    """One loop's timeouts: one ``COARSE_AFTER_S`` away or more joins its ``GRAIN_S`` tick (a TimerHandle per
-    dispatch was a real share of the loop's work), a nearer one is a ``loop.call_at``."""
+    """One loop's timeouts: one ``COARSE_AFTER_S`` away or more joins its ``GRAIN_S`` tick (a TimerHandle each
+    was a real share of the loop's work), a nearer one is a ``loop.call_at``."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
@@ -2214,8 +2214,8 @@ class _Transport:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
-        """One request on the running loop (``base``: the split URL); its deadline cancels this task (no
-        ``asyncio.wait_for``: before 3.12 it adds a task, a future and a timer)."""
+        """One request on the running loop (``base``: the split URL); its deadline cancels this task (before 3.12
+        ``asyncio.wait_for`` adds a task, a future and a timer)."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2340,7 +2340,7 @@ def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
 
 def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                 *, sleep: Callable[[float], Any], **options: Any) -> Any:
-    return _blocking(_aretry_loop(send, interpret, sleep=lambda seconds: sleep(seconds) and None, **options))
+    return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
@@ -2745,7 +2745,7 @@ def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
-    """:func:`build_response` as the servers and ``run()`` send it, no warning showing ``secrets`` or the run token."""
+    """:func:`build_response` as the servers send it, no warning showing ``secrets`` or the run token."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
     if plain is not None:
         return plain
