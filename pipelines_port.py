@@ -1886,8 +1886,7 @@ def current_envelope() -> Envelope:
                         "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: a blocking caller's exchanges run on its server's loop or the module's; far timeouts
-# share a timer per 0.25 s tick (the deadline wheel)
+# Event loops: a blocking caller's exchanges on its server's loop or the module's; far timeouts on a 0.25 s wheel
 # ---------------------------------------------------------------------------
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
