@@ -1455,9 +1455,8 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Carries out part 1's decisions with the standard library: sockets,
-#   threads, the environment and the log live here, every protocol decision
-#   is part 1's.  Global state: ContextVars and lazy singletons (_Once).
+#   Part 1's decisions carried out with sockets, threads, the environment and
+#   the log.  Global state: ContextVars and lazy singletons.
 #
 # ###########################################################################
 
@@ -1466,13 +1465,8 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):
-    """A value built on first use, exactly once, under a lock (import stays cheap); :meth:`replace` swaps it."""
-
-    __slots__ = ("_make", "_lock", "_value")
-
     def __init__(self, make: Callable[[], _T]) -> None:
-        self._make = make
-        self._lock = threading.Lock()
+        self._make, self._lock = make, threading.Lock()
         self._value: Optional[_T] = None
 
     def __call__(self) -> _T:
@@ -1489,23 +1483,20 @@ class _Once(Generic[_T]):
             self._value = value
 
 
-
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster, each held to part 1 by a test; a port needs none
+# Speed paths: part 1's results computed faster (each held to it by a test); a port needs none
 # ---------------------------------------------------------------------------
 
-def _json_from_bytes(data: bytes) -> Any:
-    """``json.loads(data)``, skipping its encoding sniff where it would find UTF-8."""
+def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
 
 
-def _idempotency_key() -> str:
-    """``str(uuid.uuid4())`` at under half its cost."""
+def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
     raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
-    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    raw[6] = (raw[6] & 0x0F) | 0x40
+    raw[8] = (raw[8] & 0x3F) | 0x80
     text = raw.hex()
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
@@ -1519,15 +1510,14 @@ def _plain_scalar(item: Any) -> bool:
     if kind is str:
         return _plain_text(item)
     if kind is int:
-        return cast(int, item).bit_length() < 14_000  # surely at most MAX_INT_DIGITS digits
+        return cast(int, item).bit_length() < 14_000  # surely under MAX_INT_DIGITS
     if kind is float:
         return math.isfinite(item)
     return item is None or kind is bool
 
 
 def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string, or a flat dict of exact JSON scalars, that has no warning;
-    else ``None``."""
+    """:func:`response_envelope`'s body for a string or flat dict of JSON scalars; else ``None``."""
     if type(value) is str:
         final, body = value, {}
     elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
@@ -1544,7 +1534,7 @@ def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers (§7.2 kit-read-only-envelope), headers as one dict (kit-repeated-header)
+# Python data: read-only JSON containers (§7.2), headers as one dict
 # ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1572,7 +1562,6 @@ _LEAVES = frozenset({str, int, float, bool, type(None)})
 
 
 def _freeze(value: Any) -> Any:
-    """A deep, read-only copy of a JSON value (a frozen one is kept)."""
     kind = type(value)
     if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
         return value
@@ -1586,25 +1575,19 @@ def _freeze(value: Any) -> Any:
 def _thaw(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
+    return [_thaw(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-class _LowerHeaders(Dict[str, str]):
-    """Headers by lower-cased name with their first values; ``repeats`` holds the others."""
-    __slots__ = ("repeats",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.repeats: Dict[str, List[str]] = {}
+class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeats: the others
+    repeats: Dict[str, List[str]]
 
 
 def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Headers from a mapping, an ``email.message.Message`` or pairs (bytes as latin-1)."""
+    """Headers from a mapping, a ``Message`` or pairs (bytes as latin-1)."""
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
+    out.repeats = {}
     items = getattr(headers, "items", None)
     for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
         key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
@@ -1623,7 +1606,7 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7 kit-json-safe-response): converted with a note, or refused (strict)
+# Python values as JSON (§7.7): converted with a note, or refused (strict)
 # ---------------------------------------------------------------------------
 
 class _Unsendable(Exception):
@@ -1631,7 +1614,7 @@ class _Unsendable(Exception):
 
 
 def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
-    if notes is None:  # strict
+    if notes is None:
         raise _Unsendable(f"{problem}: {fix}")
     notes.append(f"{problem}; {sent}")
 
@@ -1655,7 +1638,7 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
-            return value if type(value) is float else float.__float__(value)  # a subclass's __repr__ may raise
+            return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
     if isinstance(value, (Mapping, list, tuple, set, frozenset)):
@@ -1667,14 +1650,6 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
     if raw:
         return bytes(value).decode("utf-8", "replace")
     return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
-
-
-def _unsendable(value: Any, path: str) -> Optional[str]:
-    try:
-        _jsonable(value, path, None)
-    except _Unsendable as exc:
-        return str(exc)
-    return None
 
 
 def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
@@ -1694,7 +1669,7 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
         return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
     except _Unsendable:
         raise
-    except Exception as exc:  # noqa: BLE001 - a container that raises when read
+    except Exception as exc:  # noqa: BLE001
         _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
                 "cut there", "send plain dicts and lists")
         return f"[unreadable {type(value).__name__}]"
@@ -1702,13 +1677,21 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
         active.discard(id(value))
 
 
+def _unsendable(value: Any, path: str) -> Optional[str]:
+    try:
+        _jsonable(value, path, None)
+    except _Unsendable as exc:
+        return str(exc)
+    return None
+
+
 def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
                      active: Set[int]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}  # sent as they are
+    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
     for key, item in value.items():
         if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
-            name = str.__str__(key)  # a str subclass's own __str__ may raise
+            name = str.__str__(key)  # a subclass's __str__ may raise
         elif isinstance(key, str):
             shown = _short(repr(_well_formed(key)), 40)
             text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
@@ -1736,23 +1719,22 @@ def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
 def _copied(mapping: Mapping[Any, Any]) -> Any:
     try:
         return dict(mapping)
-    except Exception:  # noqa: BLE001 - _jsonable cuts it
+    except Exception:  # noqa: BLE001
         return mapping
 
 
-def _int_text(number: int) -> str:
-    """Decimal text, without ``str()``'s digit limit."""
+def _int_text(number: int) -> str:  # str() without its digit limit (640 at the least)
     if number < 0:
         return "-" + _int_text(-number)
-    if number.bit_length() < 3000:  # under any int_max_str_digits (640 at the least)
+    if number.bit_length() < 2000:
         return str(number)
-    half = number.bit_length() * 30103 // 200000  # about half its digits
+    half = number.bit_length() * 30103 // 200000  # half its digits
     high, low = divmod(number, 10 ** half)
     return _int_text(high) + _int_text(low).zfill(half)
 
 
 def _key_text(key: Any) -> str:
-    if key is None or isinstance(key, bool):  # as json.dumps writes the keys it takes
+    if key is None or isinstance(key, bool):
         return json.dumps(key)
     if isinstance(key, int):
         return _int_text(int.__int__(key))
@@ -1776,7 +1758,7 @@ def _safe_repr(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Start-up settings, checked where serve, DispatchApp and code mode read them
+# Start-up settings
 # ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
@@ -1802,21 +1784,19 @@ def _normal_host_entry(entry: str) -> str:
     shown = _short(entry, 100)
     if entry.startswith("*."):
         entry = entry[1:]
-    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address: its short form
+    if entry.count(":") > 1 and not entry.startswith("["):  # a bare IPv6 address
         import ipaddress
 
         with contextlib.suppress(ValueError):
             return str(ipaddress.IPv6Address(entry))
-    elif _HOST_ENTRY.fullmatch(entry):
-        port = _split_host_entry(entry)[1]
-        if port is None or 0 < port < 65536:
-            return entry.lower()
+    elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
+        return entry.lower()
     raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
                      "optionally with :port, without scheme, path or other wildcards")
 
 
 # ---------------------------------------------------------------------------
-# Context binding: the envelope of the dispatch running in this context
+# Context binding: the running dispatch's envelope
 # ---------------------------------------------------------------------------
 
 _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("pipelines_port_envelope", default=None)
@@ -1835,23 +1815,20 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound here, else the sandbox's run from a ``PIPELINES_*`` environment that has a run token
-    (§5 child-env-explicit); :class:`EnvelopeError` when neither is there."""
+    """The envelope bound here, else the run in a ``PIPELINES_*`` environment with a run token (§5
+    child-env-explicit)."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(
-        f"no dispatch envelope is bound to this context and the environment has no run ({ENV_RUN_TOKEN} is not "
-        "set): call inside a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
+    raise EnvelopeError(f"no dispatch envelope is bound to this context and {ENV_RUN_TOKEN} is not set: call inside "
+                        "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: every exchange runs on one, a blocking caller's on its server's
-# loop or on the module's own loop thread, while the caller waits
+# Event loops: a blocking caller's exchanges on its server's loop or the module's; far timeouts on a 0.25 s wheel
 # ---------------------------------------------------------------------------
 
-# A sync agent's thread carries its server's loop: a thousand agent threads wait on futures, not on sockets.
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
 
@@ -1872,84 +1849,76 @@ def _start_loop() -> Any:
     return loop
 
 
-_loop_thread = _Once(_start_loop)  # the module's own loop, on a daemon thread started on first use
-if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
+_loop_thread = _Once(_start_loop)
+if hasattr(os, "register_at_fork"):  # a forked child has no such thread
     os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
 
 
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
-    """``coroutine`` run for this blocking thread on its server's loop, else the module's loop thread (a thread
-    running that very loop: on a fresh thread), in a copy of this context; ``TimeoutError`` after ``timeout``.
-    Whatever interrupts the wait (a signal, a worker abort) cancels the coroutine and goes on."""
+    """``coroutine`` run on this thread's server loop, else the module's loop thread; ``TimeoutError`` after
+    ``timeout``; whatever interrupts the wait cancels it."""
     import asyncio
     import concurrent.futures
 
     loop = _server_loop.get()
     if loop is None or not loop.is_running() or _runs_on(loop):
         loop = _loop_thread()
-    if _runs_on(loop):  # a blocking call inside an async def agent on the module's loop
+    if _runs_on(loop):
         try:
             return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
         except _Overran:
             raise TimeoutError(f"no result within {timeout:g} s") from None
         except _AgentRaised as raised:
             error = raised.error
-        raise error  # outside the except clause: no _AgentRaised in its context
+        raise error  # outside the except: no _AgentRaised as its context
+
     try:
         future = asyncio.run_coroutine_threadsafe(coroutine, loop)
     except RuntimeError:  # the server's loop closed after the check
         future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
     try:
         return future.result(timeout)
-    except concurrent.futures.TimeoutError:
+    except BaseException as exc:
         future.cancel()
-        raise TimeoutError(f"no result within {timeout:g} s") from None
-    except BaseException:
-        future.cancel()
+        if isinstance(exc, concurrent.futures.TimeoutError):
+            raise TimeoutError(f"no result within {timeout:g} s") from None
         raise
 
-# ---------------------------------------------------------------------------
-# The deadline wheel: a loop's far timeouts (per connection, run, exchange;
-# few fire) share one asyncio timer per 0.25 s tick
-# ---------------------------------------------------------------------------
 
-class _Deadline:
-    """A timeout of :class:`_Deadlines`, with a ``TimerHandle``'s ``cancel()`` and ``when()``."""
-
+class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
     __slots__ = ("_when", "_callback", "_args", "_tick")
 
     def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
-        self._when, self._callback, self._args, self._tick = when, callback, args, tick
+        self._when, self._args, self._tick = when, args, tick
+        self._callback: Optional[Callable[..., Any]] = callback
 
     def when(self) -> float:
         return self._when
 
     def cancel(self) -> None:
-        if self._tick is not None:
-            self._tick.discard(self)
-        self._tick, self._callback, self._args = None, None, ()
+        self._tick.discard(self)
+        self._callback = None
 
     def _run(self) -> None:
-        callback, args = self._callback, self._args
+        callback = self._callback
         self.cancel()
         if callback is not None:  # not cancelled between its tick and now
-            callback(*args)
+            callback(*self._args)
 
 
 class _Deadlines:
-    """One loop's timeouts, on its thread: one at least ``COARSE_AFTER_S`` away joins its ``GRAIN_S`` tick (at most
-    that late), a nearer one is an exact ``loop.call_at``.  At thousands of dispatches at once a ``TimerHandle``
-    each was a real share of the loop's work."""
+    """One loop's timeouts: one ``COARSE_AFTER_S`` away or more joins its ``GRAIN_S`` tick (a TimerHandle each
+    was a real share of the loop's work), a nearer one is a ``loop.call_at``."""
 
     GRAIN_S = 0.25
     COARSE_AFTER_S = 10.0
-    _of_loop: Any = None  # loop -> its _Deadlines (a WeakKeyDictionary, made on first use)
+    _of_loop: Any = None  # WeakKeyDictionary: loop -> its _Deadlines
     _lock = threading.Lock()
 
     def __init__(self, loop: Any) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # a weak-keyed entry's value must not keep its key alive
+        self._loop = weakref.proxy(loop)  # a weak-keyed value must not keep its key alive
         self._ticks: Dict[int, Set[_Deadline]] = {}
 
     @classmethod
@@ -1984,11 +1953,10 @@ class _Deadlines:
 
     def _fire(self, tick: int) -> None:
         for deadline in self._ticks.pop(tick, ()):
-            self._loop.call_soon(deadline._run)  # each its own handle: one that raises stops no other
+            self._loop.call_soon(deadline._run)  # a handle each: one that raises stops no other
 
 # ---------------------------------------------------------------------------
-# Transport: HTTP/1.1 exchanges on asyncio streams, keep-alive connections
-# pooled per event loop and origin
+# Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
 # ---------------------------------------------------------------------------
 
 class _TransportFailure(Exception):
@@ -2000,20 +1968,14 @@ class _TransportFailure(Exception):
 
 
 class _ReplyTooLarge(Exception):
-    """A reply body over the caller's cap, refused without reading it all."""
-
-    def __init__(self, status: int, cap: int, length: Optional[int]) -> None:
+    def __init__(self, status: int, cap: int, length: Optional[int] = None) -> None:
         self.status = status
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length is not None
                          else f"exceeds the {cap}-byte cap")
 
 
 class _ClientConnection:
-    """A keep-alive connection.  :meth:`reply` reads one HTTP/1.1 reply (1xx skipped; the body framed by
-    Content-Length, chunked coding or the connection's end, at most ``max_reply`` bytes); a malformed or cut one
-    is a ``ConnectionError``.  ``received``: a byte of it arrived (a drop before that is a stale connection)."""
-
-    __slots__ = ("reader", "writer", "idle_since", "received")
+    __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
 
     def __init__(self, reader: Any, writer: Any) -> None:
         self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
@@ -2025,26 +1987,11 @@ class _ClientConnection:
     def close(self) -> None:
         self.writer.close()
 
-    def abort(self) -> None:
-        self.writer.transport.abort()
-
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        """``(status, headers, body, keep_alive)`` of the reply to the request just written."""
-        import asyncio
-
-        self.received = False
-        try:
-            return await self._reply(max_reply)
-        except asyncio.IncompleteReadError:
-            cut = "before the reply was complete" if self.received else "before replying"
-            raise ConnectionResetError(f"the proxy closed the connection {cut}") from None
-        except asyncio.LimitOverrunError:
-            raise ConnectionError("malformed HTTP reply: a line over 64 KiB") from None
-
-    async def _reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        reader = self.reader
-        status = 100
-        while 100 <= status < 200:  # an interim reply (100 Continue, 103 Early Hints): the real one follows
+        """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (RFC 9112 framing, 1xx skipped); a
+        malformed one is a ``ConnectionError``."""
+        reader, self.received = self.reader, False
+        while True:
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
             version, _, rest = lines[0].partition(b" ")
@@ -2053,9 +2000,11 @@ class _ClientConnection:
             status = int(rest[:3])
             if status == 101:
                 raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
+            if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
+                break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and headers:  # obs-fold: the header before goes on
+            if line[:1] in (b" ", b"\t") and headers:  # obs-fold
                 headers[-1] = (headers[-1][0], headers[-1][1] + " " + line.strip().decode("latin-1"))
                 continue
             name, colon, value = line.partition(b":")
@@ -2077,9 +2026,9 @@ class _ClientConnection:
                     raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
                 size = int(size_text, 16)
                 if len(body) + size > max_reply:
-                    raise _ReplyTooLarge(status, max_reply, None)
+                    raise _ReplyTooLarge(status, max_reply)
                 if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, up to the empty line
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
                         pass
                     break
                 chunk = await reader.readexactly(size + 2)
@@ -2095,12 +2044,9 @@ class _ClientConnection:
             body += await reader.readexactly(length)
         else:  # the connection's end frames the body (RFC 9112 §6.3)
             keep_alive = False
-            while True:
-                chunk = await reader.read(1 << 16)
-                if not chunk:
-                    break
+            while chunk := await reader.read(1 << 16):
                 if len(body) + len(chunk) > max_reply:
-                    raise _ReplyTooLarge(status, max_reply, None)
+                    raise _ReplyTooLarge(status, max_reply)
                 body += chunk
         if reader._buffer:  # bytes past the reply's end: nothing asked for them
             keep_alive = False
@@ -2108,13 +2054,10 @@ class _ClientConnection:
 
 
 class _Pool:
-    """A loop's idle connections per (scheme, host, port): at most ``max_idle`` per origin, each closed after
-    ``idle_s`` by a reaper task living while any are idle (and closing them all when the loop ends)."""
-
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
-        self._loop = weakref.proxy(loop)  # held in a weak-keyed map by its loop: no strong reference back
+        self._loop = weakref.proxy(loop)
         self._max_idle, self._idle_s = max_idle, idle_s
         self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}
         self._reaper: Any = None
@@ -2150,7 +2093,7 @@ class _Pool:
         import asyncio
 
         try:
-            while True:  # sleeps first; ends after a sleep that left nothing idle (not a task per exchange)
+            while True:
                 await asyncio.sleep(self._idle_s / 2)
                 if not any(self._idle.values()):
                     break
@@ -2161,16 +2104,15 @@ class _Pool:
                             conn.close()
                     conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
-            self.close()  # the loop is shutting down: leave no socket open
+            self.close()
             raise
         finally:
             self._reaper = None
 
 
 class _Transport:
-    """HTTP(S) exchanges, the one I/O layer of every outbound call: ``(status, headers, body)``, or
-    :class:`_TransportFailure` / :class:`_ReplyTooLarge`.  ``timeout`` bounds the whole attempt, connecting
-    included; a reused connection dropped before any byte of the reply is ``stale`` (re-sent at once, same key)."""
+    """The one I/O layer of every outbound call: ``(status, headers, body)``, or :class:`_TransportFailure` /
+    :class:`_ReplyTooLarge`; ``timeout`` bounds the attempt, connecting included."""
 
     MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
     IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
@@ -2180,16 +2122,12 @@ class _Transport:
 
         self._ssl_context = ssl_context
         self._pools: weakref.WeakKeyDictionary[Any, _Pool] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:
-            with self._lock:
-                pool = self._pools.get(loop)
-                if pool is None:  # a fan-out of N runs holds N connections to the one proxy: no small cap
-                    max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
-                    pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
+        if pool is None:  # made on its loop's thread: no race
+            max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
+            pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
     def close(self) -> None:
@@ -2202,23 +2140,21 @@ class _Transport:
                     loop.call_soon_threadsafe(pool.close)
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
-                 max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
+                 max_reply: int) -> _Reply:
         """:meth:`aexchange` from a blocking thread."""
         import asyncio
         import concurrent.futures
 
         exchange = self.aexchange(base, method, path, headers, body, timeout, max_reply)
         try:
-            return _on_loop(exchange, timeout + 5.0)  # the exchange bounds itself: the margin is for a stopped loop
+            return _on_loop(exchange, timeout + 5.0)  # the margin is for a stopped loop
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                        timeout: float, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes]:
-        """One request on the running loop (``base``: the split URL).  Its deadline cancels this task where it
-        waits, as ``asyncio.timeout`` does (3.11+): that cancellation is the timeout, any other goes on.  Not
-        ``asyncio.wait_for``: before 3.12 it adds a task, a future and a timer per call, and a fan-out makes
-        thousands."""
+                        timeout: float, max_reply: int) -> _Reply:
+        """One request on the running loop (``base``: the split URL); its deadline cancels this task (before 3.12
+        ``asyncio.wait_for`` adds a task, a future and a timer)."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2226,15 +2162,20 @@ class _Transport:
             raise ValueError(problem)
         loop = asyncio.get_running_loop()
         scheme, host = base.scheme.lower(), base.hostname
-        port = base.port or (443 if scheme == "https" else 80)
+        default_port = 443 if scheme == "https" else 80
+        port = base.port or default_port
         key = (scheme, host, port)
         started = loop.time()
         debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{_loggable_path(path)}" if debug else ""
+        where = f"{host}:{port}{path.split('?', 1)[0]}{'?…' if '?' in path else ''}" if debug else ""  # no key
         if debug:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
-            request = _request_bytes(method, path, host, port, scheme, headers, body)
+            named = host if host.isascii() else host.encode("idna").decode("ascii")
+            fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
+                       f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
+                       + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
         pool = self._pool(loop)
@@ -2255,17 +2196,22 @@ class _Transport:
             status, headers_, reply, keep_alive = await conn.reply(max_reply)
         except asyncio.CancelledError:
             if conn is not None:  # what is left of the reply must not meet the next request
-                conn.abort()
+                conn.writer.transport.abort()
             if expired and _uncancel(task) == 0:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
             raise
-        except (_ReplyTooLarge, OSError) as exc:  # ConnectionError included
+        except (_ReplyTooLarge, OSError, EOFError, asyncio.LimitOverrunError) as exc:  # EOFError: IncompleteReadError
             if conn is None:
                 raise
-            conn.abort()
+            conn.writer.transport.abort()
             if isinstance(exc, _ReplyTooLarge):
                 raise
+            if isinstance(exc, EOFError):
+                cut = "before the reply was complete" if conn.received else "before replying"
+                exc = ConnectionResetError(f"the proxy closed the connection {cut}")
+            elif not isinstance(exc, OSError):
+                exc = ConnectionError("malformed HTTP reply: a line over 64 KiB")
             raise _TransportFailure(stale=reused and not conn.received) from exc
         finally:
             timer.cancel()
@@ -2283,139 +2229,92 @@ class _Transport:
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         try:
-            reader, writer = await asyncio.open_connection(host, port, ssl=context,
-                                                           server_hostname=host if context is not None else None)
-        except OSError as exc:  # asyncio's "Connect call failed (...)" as the system words it
-            worded = isinstance(exc, ConnectionError) and exc.errno
-            raise _TransportFailure() from (type(exc)(exc.errno, os.strerror(exc.errno)) if worded else exc)
-        except UnicodeError as exc:
+            return _ClientConnection(*await asyncio.open_connection(
+                host, port, ssl=context, server_hostname=host if context is not None else None))
+        except (OSError, UnicodeError) as exc:
+            if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
+                exc = type(exc)(exc.errno, os.strerror(exc.errno))
             raise _TransportFailure() from exc
-        return _ClientConnection(reader, writer)
 
 
-def _uncancel(task: Any) -> int:
-    """``task.uncancel()`` (3.11+).  Before 3.11, 0: a cancellation in the very turn the deadline fires is taken
-    for the timeout, as ``asyncio.wait_for`` takes it."""
+def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
 
-def _request_bytes(method: str, path: str, host: str, port: int, scheme: str, headers: Mapping[str, str],
-                   body: bytes) -> bytes:
-    try:
-        host.encode("ascii")
-    except UnicodeEncodeError:
-        host = host.encode("idna").decode("ascii")
-    shown = f"[{host}]" if ":" in host else host
-    if port != (443 if scheme == "https" else 80):
-        shown = f"{shown}:{port}"
-    fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    return (f"{method} {path} HTTP/1.1\r\nHost: {shown}\r\n".encode("ascii") + fields.encode("latin-1")
-            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-
-
-def _loggable_path(path: str) -> str:
-    """A path for a log line: without its query, which may carry a key."""
-    return path.split("?", 1)[0] + ("?…" if "?" in path else "")
-
-
-def _make_tls_context() -> ssl.SSLContext:
+@functools.cache
+def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CAs is slow
     import ssl
 
     return ssl.create_default_context()
 
 
-_default_tls_context = _Once(_make_tls_context)  # one per process: loading the CAs is slow
-_shared_transport = _Once(lambda: _Transport())  # probes and JSON APIs; each ProxyClient has its own
+_shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# The retry loop of both drivers (RetryState.step decides), and what they share
+# Proxy client (§3): the retry loop of both drivers (RetryState.step decides), tool calls, trace events, actors
 # ---------------------------------------------------------------------------
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
 
 
 def _debug_headers(headers: Mapping[str, str]) -> str:
-    """The headers worth a debug line, secrets redacted."""
     shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
              if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
     return (", " + ", ".join(shown)) if shown else ""
 
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
-_Interpret = Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome]
 
 
-def _retry_loop(send: Callable[[], _Reply], interpret: _Interpret, *, policy: RetryPolicy,
-                sleep: Callable[[float], Any], transport_error: Callable[[BaseException], PipelinesError],
-                before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The blocking driver of :class:`RetryState` (§3.3; :func:`_aretry_loop` is its twin, line for line):
-    ``before_attempt`` may refuse the call and returns the seconds to wait for a pacing slot, ``send`` makes one
-    exchange, ``interpret`` reads its reply, ``transport_error`` names an exchange that got none."""
+def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """``coroutine`` run here; it must not suspend."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    coroutine.close()
+    raise RuntimeError("a blocking call awaited something pending")
+
+
+def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+                *, sleep: Callable[[float], Any], **options: Any) -> Any:
+    return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
+
+
+async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+                       *, policy: RetryPolicy, sleep: Callable[[float], Any],
+                       transport_error: Callable[[BaseException], PipelinesError]) -> Any:
+    """The one driver of :class:`RetryState` (§3.3): ``send`` makes an exchange, ``transport_error`` names one that
+    got no reply (a certificate or DNS failure: not retried)."""
     state = RetryState(policy)
     while True:
-        wait = before_attempt() if before_attempt is not None else 0.0
-        if wait > 0:
-            sleep(wait)
         try:
-            outcome = interpret(*send())
+            reply = send()
+            outcome = interpret(*(await reply if hasattr(reply, "__await__") else reply))
         except _TransportFailure as failure:
-            outcome = _transport_outcome(failure, transport_error)
+            import socket
+
+            cause = failure.__cause__ or failure
+            error = transport_error(cause)
+            error.__cause__, error.__suppress_context__ = cause, True
+            ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
+            final = isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(
+                cause, ssl.SSLCertVerificationError))
+            outcome = ProxyOutcome("error" if final else "transport", error=error, stale=failure.stale)
         step = state.step(outcome)
         if step.action == "return":
             return step.value
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
-        _log_retry(step, outcome, state)
-        if step.wait_s is not None:
-            sleep(step.wait_s)
-
-
-async def _aretry_loop(send: Callable[[], Awaitable[_Reply]], interpret: _Interpret, *, policy: RetryPolicy,
-                       sleep: Callable[[float], Awaitable[Any]],
-                       transport_error: Callable[[BaseException], PipelinesError],
-                       before_attempt: Optional[Callable[[], float]] = None) -> Any:
-    """The asyncio driver of :class:`RetryState`: :func:`_retry_loop` with ``await`` at each wait and send."""
-    state = RetryState(policy)
-    while True:
-        wait = before_attempt() if before_attempt is not None else 0.0
-        if wait > 0:
-            await sleep(wait)
-        try:
-            outcome = interpret(*(await send()))
-        except _TransportFailure as failure:
-            outcome = _transport_outcome(failure, transport_error)
-        step = state.step(outcome)
-        if step.action == "return":
-            return step.value
-        if step.action == "raise":
-            raise cast(PipelinesError, step.error)
-        _log_retry(step, outcome, state)
-        if step.wait_s is not None:
-            await sleep(step.wait_s)
-
-
-def _transport_outcome(failure: _TransportFailure, transport_error: Callable[[BaseException], PipelinesError]
-                       ) -> ProxyOutcome:
-    """``"transport"`` (retried, same key), or ``"error"`` for a certificate or DNS failure, which no retry fixes."""
-    import socket
-
-    cause = failure.__cause__ or failure
-    error = transport_error(cause)
-    error.__cause__, error.__suppress_context__ = cause, True
-    ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
-    if isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(cause, ssl.SSLCertVerificationError)):
-        return ProxyOutcome("error", error=error)
-    return ProxyOutcome("transport", error=error, stale=failure.stale)
-
-
-def _log_retry(step: RetryStep, outcome: ProxyOutcome, state: RetryState) -> None:
-    if outcome.kind != "transport":
-        _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
-    elif outcome.stale:
-        _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
-    else:
-        _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
+        if outcome.kind != "transport":
+            _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
+        elif outcome.stale:
+            _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
+        else:
+            _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
+        if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
+            await slept
 
 
 def _failed_before_reply(what: str, cause: BaseException) -> str:
@@ -2423,16 +2322,8 @@ def _failed_before_reply(what: str, cause: BaseException) -> str:
     return f"{what} failed before a reply arrived: {type(cause).__name__}: {_short(reason, 200)}"
 
 
-def _utc_now_iso() -> str:
-    now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-
-# ---------------------------------------------------------------------------
-# Proxy client (§3): tool calls, trace events, actors
-# ---------------------------------------------------------------------------
-
-_Payload = Optional[Mapping[str, Any]]  # a tool call's arguments, a trace event's payload
-_Accepted = Optional[Dict[str, Any]]  # a trace post's answer: {"accepted": true, "sequence": N}
+_Payload = Optional[Mapping[str, Any]]
+_Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
 
 def _env_float(name: str, default: float) -> float:
@@ -2450,14 +2341,11 @@ class _Pacer:
     """§7.4 kit-pacing: at most ``limit`` requests per key (a run token) in any ``window_s``."""
 
     def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
-        self.limit = limit
-        self.window_s = window_s
-        self._max_tokens = max_tokens
+        self.limit, self.window_s, self._max_tokens = limit, window_s, max_tokens
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def reserve(self, key: str, now: Optional[float] = None) -> float:
-        """Reserve the next slot for ``key``: the seconds to wait for it."""
         now = time.monotonic() if now is None else now
         with self._lock:
             log = self._log.get(key)
@@ -2477,12 +2365,8 @@ class _Pacer:
 class _DispatchStats:
     """A dispatch's proxy calls, for its log line; ``cancelled``: the run is over, its calls refused."""
 
-    __slots__ = ("proxy_calls", "cancelled", "_lock")
-
     def __init__(self) -> None:
-        self.proxy_calls = 0
-        self.cancelled = False
-        self._lock = threading.Lock()
+        self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
 
     def count(self) -> None:
         with self._lock:
@@ -2490,8 +2374,7 @@ class _DispatchStats:
 
 
 _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.ContextVar(
-    "pipelines_port_dispatch_stats", default=None
-)
+    "pipelines_port_dispatch_stats", default=None)
 
 
 class ProxyClient:
@@ -2505,49 +2388,32 @@ class ProxyClient:
         if not self.timeout > 0:  # 0 would make every exchange fail at once
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
-        self.retry = retry
         if rate_per_minute is None:
             rate_per_minute = _env_float(ENV_PROXY_RATE_PER_MINUTE, RATE_LIMIT_PER_MINUTE)
+        self.retry, self._sleep, self._transport = retry, sleep, _Transport(ssl_context)
         self._pacer = _Pacer(int(rate_per_minute)) if rate_per_minute >= 1 else None
-        self._sleep = sleep
-        self._transport = _Transport(ssl_context)
 
     def call(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
              timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
         """Call tool ``name``: the unwrapped ``response`` (§3.2); ``errors="return"``: §7.4 kit-errors-return."""
-        try:
-            return self._run(envelope, self._tool_call(envelope, name, args, actor, idempotency_key, errors), timeout)
-        except ProxyError as exc:
-            return _call_failed(exc, name, errors)
+        return _blocking(self._call(envelope, name, args, actor, timeout, idempotency_key, errors, True))
 
     async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
                     timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
                     errors: str = "raise") -> Any:
         """:meth:`call` on the running loop."""
-        try:
-            request = self._tool_call(envelope, name, args, actor, idempotency_key, errors)
-            return await self._arun(envelope, request, timeout)
-        except ProxyError as exc:
-            return _call_failed(exc, name, errors)
+        return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
     def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: Optional[str] = None,
               timeout: Optional[float] = None, best_effort: bool = False) -> _Accepted:
         """Post a live trace event (§3.4); ``best_effort=True``: a failure is logged, ``None`` returned."""
-        try:
-            return _accepted(self._run(envelope, self._trace(envelope, event_type, payload, actor), timeout))
-        except ProxyError as exc:
-            _trace_failed(exc, event_type, best_effort)
-        return None
+        return _blocking(self._trace(envelope, event_type, payload, actor, timeout, best_effort, True))
 
     async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
                      actor: Optional[str] = None, timeout: Optional[float] = None,
                      best_effort: bool = False) -> _Accepted:
         """:meth:`trace` on the running loop."""
-        try:
-            return _accepted(await self._arun(envelope, self._trace(envelope, event_type, payload, actor), timeout))
-        except ProxyError as exc:
-            _trace_failed(exc, event_type, best_effort)
-        return None
+        return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
     def close(self) -> None:
         """Close the idle keep-alive connections."""
@@ -2557,7 +2423,7 @@ class ProxyClient:
         """:meth:`close`, from a coroutine."""
         self.close()
 
-    # -- seams: a subclass overrides them to observe or change the wire ----
+    # seams: a subclass overrides them to observe or change the wire
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> _Reply:
@@ -2574,70 +2440,72 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    def _tool_call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str],
-                   idempotency_key: Optional[str], errors: str) -> ProxyRequest:
-        if errors not in ("raise", "return"):
-            raise ValueError("errors must be 'raise' or 'return'")
-        _check_envelope(envelope)
-        request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
-                                    idempotency_key=idempotency_key)
-        label = request.headers.get(HEADER_ACTOR_ID)
-        if label:
-            _warn_if_undeclared(envelope, label)
-        return request
+    # one coroutine for both drivers: under call() and trace() nothing in it suspends
 
-    def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: Optional[str]) -> ProxyRequest:
-        _check_envelope(envelope)
-        return trace_request(envelope.proxy_url, envelope.run_token, event_type, payload,
-                             occurred_at=_utc_now_iso(), actor=actor)
-
-    def _run(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
+    async def _call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str], timeout: Optional[float],
+                    idempotency_key: Optional[str], errors: str, blocking: bool) -> Any:
         try:
-            return _retry_loop(sleep=self._sleep or time.sleep, **self._loop_arguments(envelope, request, timeout,
-                                                                                      self.exchange))
-        except _ReplyTooLarge as big:
-            raise ProxyError(f"proxy reply to {request.name!r} {big}", status_code=big.status,
-                             tool_name=request.name) from None
+            if errors not in ("raise", "return"):
+                raise ValueError("errors must be 'raise' or 'return'")
+            _check_envelope(envelope)
+            request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
+                                        idempotency_key=idempotency_key)
+            label = request.headers.get(HEADER_ACTOR_ID)
+            if label:
+                _warn_if_undeclared(envelope, label)
+            return await self._retried(envelope, request, timeout, blocking)
+        except ProxyError as exc:
+            return _call_failed(exc, name, errors)
 
-    async def _arun(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float]) -> Any:
+    async def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: Optional[str],
+                     timeout: Optional[float], best_effort: bool, blocking: bool) -> _Accepted:
         try:
-            return await _aretry_loop(sleep=self._asleep, **self._loop_arguments(envelope, request, timeout,
-                                                                                 self.aexchange))
-        except _ReplyTooLarge as big:
-            raise ProxyError(f"proxy reply to {request.name!r} {big}", status_code=big.status,
-                             tool_name=request.name) from None
+            _check_envelope(envelope)
+            now = time.time()
+            request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
+                                    occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
+                                    + f"{int(now % 1 * 1000):03d}Z")
+            result = await self._retried(envelope, request, timeout, blocking)
+            return result if isinstance(result, dict) else None
+        except ProxyError as exc:
+            _trace_failed(exc, event_type, best_effort)
+        return None
 
-    def _loop_arguments(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
-                        exchange: Callable[..., Any]) -> Dict[str, Any]:
+    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
+                       blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
+        exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
+        sleep = self._sleep or (time.sleep if blocking else _asleep)
+        pause = cast(Callable[[float], Any], (lambda s: sleep(s) and None) if blocking else sleep)  # no loop to await
         if stats is not None:
             stats.count()
 
-        def before_attempt() -> float:
+        async def send() -> _Reply:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
                                  "answered already", tool_name=name)
-            return pacer.reserve(envelope.run_token) if pacer is not None else 0.0
+            wait = pacer.reserve(envelope.run_token) if pacer is not None else 0.0
+            if wait > 0 and hasattr(slept := pause(wait), "__await__"):
+                await slept
+            reply = exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                             MAX_REPLY_BYTES)
+            return cast(_Reply, await reply if hasattr(reply, "__await__") else reply)
 
-        return {
-            "send": lambda: exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                                     MAX_REPLY_BYTES),
-            "interpret": lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
-                                                                      run_token=envelope.run_token),
-            "policy": self.retry,
-            "transport_error": lambda cause: ProxyTransportError(_failed_before_reply(f"proxy call {name!r}", cause),
-                                                                 tool_name=name),
-            "before_attempt": before_attempt,
-        }
+        try:
+            return await _aretry_loop(
+                send, lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
+                                                                   run_token=envelope.run_token),
+                policy=self.retry, sleep=pause, transport_error=lambda cause: ProxyTransportError(
+                    _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name))
+        except _ReplyTooLarge as big:
+            raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
 
-    async def _asleep(self, seconds: float) -> None:
-        if self._sleep is None:
-            import asyncio
 
-            await asyncio.sleep(seconds)
-        elif hasattr(result := self._sleep(seconds), "__await__"):
-            await result
+async def _asleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
 
 
 def _check_envelope(envelope: Any) -> None:
@@ -2656,10 +2524,6 @@ def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> No
     if not best_effort:
         raise exc
     _log.warning("trace event %r not recorded: %s", event_type, exc)
-
-
-def _accepted(result: Any) -> _Accepted:
-    return result if isinstance(result, dict) else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -2820,9 +2684,9 @@ def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
-    """:func:`build_response` as the servers and ``run()`` send it, no warning showing ``secrets`` or the run token."""
+    """:func:`build_response` as the servers send it, no warning showing ``secrets`` or the run token."""
     plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:  # nothing to warn about, strict or not
+    if plain is not None:
         return plain
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
@@ -2832,7 +2696,7 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
     return body
 
 # ---------------------------------------------------------------------------
-# Running agents: a sync one on a fresh thread, an ``async def`` one as a task of the loop, within a deadline
+# Running agents: sync on a fresh thread, ``async def`` as a task, within a deadline
 # ---------------------------------------------------------------------------
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
@@ -2840,19 +2704,16 @@ ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
 
 
 class _Overran(RunTimeoutError):
-    """The run's deadline passed."""
+    pass
 
 
-class _AgentRaised(Exception):
-    """What the agent raised, apart from what hits the waiter itself (a signal, a worker abort)."""
-
+class _AgentRaised(Exception):  # the agent's error, told apart from one hitting the waiter (a signal)
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
 
 
 def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], Any]) -> threading.Thread:
-    """``fn()`` on a new daemon thread in a copy of this context, then ``done(result, _AgentRaised or None)``."""
     context = contextvars.copy_context()
 
     def target() -> None:
@@ -2860,7 +2721,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
             outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
-        with contextlib.suppress(RuntimeError):  # done's loop closed meanwhile: nobody waits any more
+        with contextlib.suppress(RuntimeError):  # done's loop closed
             done(*outcome)
 
     thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
@@ -2869,7 +2730,6 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
 
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
-    """``fn()`` by :func:`_start_thread`, waited for; :class:`_Overran` after ``timeout_s`` (a thread runs on)."""
     outcome: List[Any] = []
     worker = _start_thread(fn, lambda result, error: outcome.extend((result, error)))
     worker.join(timeout_s)
@@ -2881,7 +2741,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -
 
 
 class _RedactedError(Exception):
-    """Stands in an exception chain for a link whose text showed a secret."""
+    pass
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
@@ -2895,8 +2755,7 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
 
 
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """What stands for ``exc`` once no link of its chain (IPython prints it all) shows a secret: each cleaned in
-    place, or replaced by a :class:`_RedactedError` when its text still shows one."""
+    """``exc`` with no link of its chain showing a secret: each cleaned in place, or a :class:`_RedactedError`."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
@@ -2905,10 +2764,10 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*getattr(error, "__dict__", {}), "args", *fields):  # __notes__ included
+        for name in (*getattr(error, "__dict__", {}), "args", *fields):
             with contextlib.suppress(Exception):
                 setattr(error, name, _scrub(getattr(error, name), wanted))
-        for member in getattr(error, "exceptions", None) or ():  # an ExceptionGroup's
+        for member in getattr(error, "exceptions", None) or ():
             if isinstance(member, BaseException):
                 clean(member)
         error.__cause__ = clean(error.__cause__)
@@ -2916,7 +2775,7 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
         try:
             text = f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
             message = redact(str(error), *wanted)
-        except Exception:  # noqa: BLE001 - a __str__ that fails shows nothing
+        except Exception:  # noqa: BLE001
             text = message = ""
         if not any(secret in text for secret in wanted):
             return error
@@ -2930,7 +2789,6 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
 
 
 def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
-    """``call()`` with ``envelope`` bound, an awaitable it returns run by ``asyncio.run`` (this thread has no loop)."""
     import inspect
 
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
@@ -2946,8 +2804,8 @@ def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
 
 
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
-    """``agent(envelope)`` as a task of the running loop, or on a fresh thread whose exchanges come back to it; else
-    :class:`_AgentRaised`, or :class:`_Overran` after ``timeout_s``."""
+    """``agent(envelope)`` as a task of the running loop or on a fresh thread; else :class:`_AgentRaised`, or
+    :class:`_Overran` after ``timeout_s``."""
     import asyncio
     import inspect
 
@@ -2956,26 +2814,22 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     task: Any = None
 
     def settle(result: Any, error: Optional[BaseException]) -> None:
-        if waiter.done():  # timed out, or the awaiting task was cancelled
-            pass
-        elif error is None:
-            waiter.set_result(result)
-        else:
-            waiter.set_exception(error)
+        if not waiter.done():
+            waiter.set_result(result) if error is None else waiter.set_exception(error)
 
     if is_async:
         async def run() -> None:
-            _current.set(envelope)  # in the task's own context, seen by every task it starts
+            _current.set(envelope)
             try:
                 result = agent(envelope)
                 settle(await result if inspect.isawaitable(result) else result, None)
-            except BaseException as exc:  # noqa: BLE001 - its own cancellation too (§7.3 kit-base-exception-500)
+            except BaseException as exc:  # noqa: BLE001 - its cancellation too (§7.3 kit-base-exception-500)
                 settle(None, _AgentRaised(exc))
 
         task = loop.create_task(run())
     else:
         def run_sync() -> Any:
-            _server_loop.set(loop)  # its exchanges come back to this loop
+            _server_loop.set(loop)
             return _call_agent(functools.partial(agent, envelope), envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
@@ -2986,7 +2840,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     finally:
         timer.cancel()
         if task is not None:
-            task.cancel()  # a no-op once it is done
+            task.cancel()
 
 
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
