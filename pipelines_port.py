@@ -11,38 +11,36 @@ So one mechanism does each job, a rule is named here and explained in CONTRACT.m
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      134   0.3  PART 1 - THE CONTRACT
-      143   2.8    Constants
-      207   4.4    Errors
-      336  15.0    Envelope (§2 dispatch, §5 code mode)
-      625  13.3    Inbound decisions (§2)
-      876   6.3    Request encoding (§3.1, §3.4, §3.5)
-      996   7.3    Reply interpretation
-     1149  14.6    Response envelope (§4)
-     1407   2.3    HTTP replies of a dispatch endpoint
-     1456   1.1  PART 2 - THE PYTHON RUNTIME
-     1494   2.2    Speed paths
-     1547   3.0    Python data
-     1626   6.8    Python values as JSON
-     1779   1.9    Start-up settings, checked where serve
-     1819   1.4    Context binding
-     1850   2.7    Event loops
-     1912   3.2    The deadline wheel
-     1990  16.3    Transport
-     2332   4.7    The retry loop of both drivers
-     2431  20.8    Proxy client (§3)
-     2835   7.2    Running agents
-     3000  14.5    The dispatch app (§2)
-     3257   3.9    Server adapters
-     3339  14.8    The built-in server
-     3665   4.0    Starting a server
-     3741   4.7    Code mode (§5)
-     3824   0.2  PART 3 - CONVENIENCES
-     3832   9.1    Agent-loop helpers
-     3999  11.4    Tools from code
-     4191  15.8    Framework bridges
-     4477   8.0    MCP shim (§3.6)
-     4620  12.1    Command line: serve, mcp
+      132   0.3  PART 1 - THE CONTRACT
+      141   2.8    Constants
+      205   4.4    Errors
+      334  15.0    Envelope (§2 dispatch, §5 code mode)
+      623  13.3    Inbound decisions (§2)
+      874   6.3    Request encoding (§3.1, §3.4, §3.5)
+      994   7.3    Reply interpretation
+     1147  14.6    Response envelope (§4)
+     1405   2.3    HTTP replies of a dispatch endpoint
+     1454   0.8  PART 2 - THE PYTHON RUNTIME
+     1485   2.0    Speed paths
+     1535   2.7    Python data
+     1607   6.5    Python values as JSON (§7.7)
+     1759   1.8    Start-up settings
+     1797   1.3    Context binding
+     1827   4.9    Event loops
+     1957  14.0    Transport
+     2253  23.2    Proxy client (§3)
+     2697   6.3    Running agents
+     2852  14.2    The dispatch app (§2)
+     3082   1.8    Server adapters
+     3127  12.9    The built-in server
+     3420   3.7    Starting a server
+     3493   4.3    Code mode (§5)
+     3570   0.2  PART 3 - CONVENIENCES
+     3578   9.1    Agent-loop helpers
+     3745  11.4    Tools from code
+     3937  15.8    Framework bridges
+     4223   8.0    MCP shim (§3.6)
+     4366  12.1    Command line: serve, mcp
 
 Quick look::
 
@@ -70,7 +68,6 @@ import math
 import os
 import random
 import re
-import select
 import sys
 import threading
 import time
@@ -78,12 +75,11 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping  # isinstance against typing.Mapping costs a Python-level check per call
 from typing import (
     TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Deque, Dict, FrozenSet, Generic, Iterable,
-    Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Type, TypeVar, Union, cast,
+    Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar, Union, cast,
 )
 from urllib.parse import quote, urlsplit
 
 if TYPE_CHECKING:  # imported lazily at run time: they cost import time
-    import http.client
     import ssl
 
 if __name__ == "__main__":
