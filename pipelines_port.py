@@ -11,36 +11,36 @@ So one mechanism does each job, a rule is named here and explained in CONTRACT.m
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      132   0.3  PART 1 - THE CONTRACT
-      141   2.8    Constants
-      205   4.4    Errors
-      334  15.0    Envelope (§2 dispatch, §5 code mode)
-      623  13.3    Inbound decisions (§2)
-      874   6.3    Request encoding (§3.1, §3.4, §3.5)
-      994   7.3    Reply interpretation
-     1147  14.6    Response envelope (§4)
-     1405   2.3    HTTP replies of a dispatch endpoint
-     1454   0.8  PART 2 - THE PYTHON RUNTIME
-     1485   2.0    Speed paths
-     1535   2.7    Python data
-     1607   6.5    Python values as JSON (§7.7)
-     1759   1.8    Start-up settings
-     1797   1.3    Context binding
-     1827   4.9    Event loops
-     1957  14.0    Transport
-     2253  23.2    Proxy client (§3)
-     2697   6.3    Running agents
-     2852  14.2    The dispatch app (§2)
-     3082   1.8    Server adapters
-     3127  12.9    The built-in server
-     3420   3.7    Starting a server
-     3493   4.3    Code mode (§5)
-     3570   0.2  PART 3 - CONVENIENCES
-     3578   9.1    Agent-loop helpers
-     3745  11.4    Tools from code
-     3937  15.8    Framework bridges
-     4223   8.0    MCP shim (§3.6)
-     4366  12.1    Command line: serve, mcp
+      130   0.3  PART 1 - THE CONTRACT
+      139   2.8    Constants
+      203   4.4    Errors
+      332  15.0    Envelope (§2 dispatch, §5 code mode)
+      621  13.3    Inbound decisions (§2)
+      872   6.3    Request encoding (§3.1, §3.4, §3.5)
+      992   7.3    Reply interpretation
+     1145  14.6    Response envelope (§4)
+     1403   2.3    HTTP replies of a dispatch endpoint
+     1452   0.8  PART 2 - THE PYTHON RUNTIME
+     1483   2.0    Speed paths
+     1533   2.7    Python data
+     1605   6.5    Python values as JSON (§7.7)
+     1757   1.8    Start-up settings
+     1795   1.3    Context binding
+     1825   4.9    Event loops
+     1955  14.0    Transport
+     2251  23.2    Proxy client (§3)
+     2695   6.3    Running agents
+     2850  14.2    The dispatch app (§2)
+     3080   1.8    Server adapters
+     3125  12.9    The built-in server
+     3418   3.7    Starting a server
+     3491   4.3    Code mode (§5)
+     3568   0.2  PART 3 - CONVENIENCES
+     3576   9.1    Agent-loop helpers
+     3743  11.4    Tools from code
+     3935  15.8    Framework bridges
+     4221   8.0    MCP shim (§3.6)
+     4364  12.1    Command line: serve, mcp
 
 Quick look::
 
