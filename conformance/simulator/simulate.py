@@ -100,7 +100,7 @@ from .session import Conversation, UserModel
 from ..harness.mock_proxy import MockProxy, RecordedRequest
 from ..kit import prog
 from ..models import cache as _cache
-from ..models.client import ChatClient, Endpoint, endpoint_from_options
+from ..models.client import ChatClient, Endpoint, ModelServers, endpoint_from_options
 from ..models.scripted import scripted_endpoint
 
 __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "run_id_of",
@@ -1367,6 +1367,9 @@ def _simulate_rows(args: argparse.Namespace, data: datasets.Dataset, agent: Any,
 
 def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, gate_options: _Gate) -> bool:
     """The reports written and printed, the cache's problems said, the gate applied: True when the gate fails."""
+    model_servers = roles.models.servers.report()
+    if model_servers:  # how many requests each server took at once
+        result["summary"]["model_servers"] = model_servers
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
@@ -1432,6 +1435,7 @@ class ModelRoles:
         self._scripted: Optional[Endpoint] = None
         self._cache: Optional[_cache.AnswerCache] = None
         self.caches: List[_cache.AnswerCache] = []
+        self.servers = ModelServers()  # this run's servers: each one's concurrency, shared by the roles there
 
     def client(self, model: str, url: Optional[str], key_env: Optional[str], *, option: str,
                concurrency: int) -> ChatClient:
@@ -1445,7 +1449,7 @@ class ModelRoles:
                 endpoint = endpoint_from_options(model, url, key_env, what=option, concurrency=concurrency)
         except ValueError as exc:
             raise SetupError(str(exc)) from None
-        return ChatClient(endpoint, cache=self._answer_cache(scripted))
+        return ChatClient(endpoint, cache=self._answer_cache(scripted), servers=self.servers, role=option.lstrip("-"))
 
     def _answer_cache(self, scripted: bool) -> Optional[_cache.AnswerCache]:
         """The stand-in answers at once: nothing of it is kept unless ``--model-cache DIR`` says where."""
