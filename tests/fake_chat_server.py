@@ -26,6 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
+from conformance.models import roles
 from conformance.models.scripted_roles import answer_role
 
 __all__ = ["Reply", "DROP", "FakeChatServer", "Recorded"]
@@ -53,6 +54,17 @@ class Recorded(NamedTuple):
     path: str
     headers: Dict[str, str]
     json: Any
+
+
+def _role_of(body: Any) -> str:
+    """The kit role a request is for: the name its ``json_schema`` form sends, else what its schema says."""
+    response_format = (body.get("response_format") or {}) if isinstance(body, dict) else {}
+    if isinstance(response_format.get("json_schema"), dict):
+        return str(response_format["json_schema"].get("name") or "")
+    schema = response_format.get("schema") if isinstance(response_format.get("schema"), dict) else {}
+    properties = schema.get("properties") or {}
+    return (roles.JUDGE if "anyOf" in schema else roles.TOOL if "response" in properties
+            else roles.USER if "message" in properties else "")
 
 
 class FakeChatServer:
@@ -143,9 +155,7 @@ class FakeChatServer:
                               {"error": {"message": f"HTTP {step.status}", "type": "server_error"}}, step.headers)
         content = step.content
         if content is None:
-            name = ((body.get("response_format") or {}).get("json_schema") or {}).get("name", "") if isinstance(
-                body, dict) else ""
-            content = json.dumps(answer_role(name, body.get("messages") if isinstance(body, dict) else []))
+            content = json.dumps(answer_role(_role_of(body), body.get("messages") if isinstance(body, dict) else []))
         self._send(handler, 200, {
             "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 1, "model": "fake",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},

@@ -98,8 +98,9 @@ def test_every_row_gets_the_judges_verdict_in_every_report(judged_run: Dict[str,
 def test_what_the_judge_is_shown(judged_run: Dict[str, Any], capsys: pytest.CaptureFixture) -> None:
     with FakeChatServer() as server:  # answers like the scripted judge, and records what it was sent
         code, _, err = simulate_cli(capsys, *judged_run["common"], "--judge", "any-model", "--judge-url",
-                                    server.base_url, "--judge-key-env", "", "--no-model-cache")
+                                    server.base_url, "--judge-key-env", "", "--no-model-cache", "--max-tokens", "300")
         assert code == 0, err
+        assert {r.json["max_tokens"] for r in server.requests} == {300}
         cases = sorted((json.loads(r.json["messages"][1]["content"]) for r in server.requests),
                        key=lambda c: c["user_instruction"])
         system = server.requests[0].json["messages"][0]["content"]
@@ -226,6 +227,8 @@ def test_gate_options_without_a_judge_or_with_a_bad_rate_are_usage_errors(
     code, _, err = simulate_cli(capsys, *judged_run["common"], "--judge", "scripted", "--judge-prompt",
                                 judged_run["dir"] / "missing.md")
     assert code == 2 and "--judge-prompt: cannot read" in err
+    code, _, err = simulate_cli(capsys, *judged_run["common"], "--judge", "scripted", "--max-tokens", "0")
+    assert code == 2 and "--max-tokens must be a positive number of tokens, got 0" in err
 
 
 def test_a_judge_that_fails_leaves_rows_not_judged_and_fails_the_gate(

@@ -12,7 +12,7 @@ import pytest
 from conformance.models import roles
 from conformance.models.cache import AnswerCache
 import pipelines_port as pp
-from conformance.models.client import ChatClient, Endpoint, ModelError, endpoint_from_options, object_root
+from conformance.models.client import ChatClient, Endpoint, ModelError, ModelServers, endpoint_from_options, object_root
 from tests.fake_chat_server import DROP, FakeChatServer, Reply
 
 SCHEMA = roles.judge_schema(False)
@@ -344,3 +344,23 @@ def test_a_probe_that_gets_no_answer_lets_the_others_go_at_once() -> None:
         answers = ask_at_once(c, 8)
     assert all(isinstance(a, ModelError) and "502" in str(a) for a in answers)
     assert len(server.requests) == 16  # each request tried twice: nobody waited for a form that never came
+
+
+def test_every_role_on_one_llama_cpp_server_waits_for_one_discovery() -> None:
+    """The judge (an anyOf root) and the simulated backend (an object) on one server: one request finds the form
+    for both, the others wait, whichever role they are."""
+    servers = ModelServers()
+    with FakeChatServer([Reply(delay=0.02)], refuse_json_schema=True) as server:  # each role its scripted answer
+        judge = ChatClient(Endpoint(server.base_url, "m", None), sleep=lambda s: None, servers=servers, role="judge")
+        tools = ChatClient(Endpoint(server.base_url, "m", None), sleep=lambda s: None, servers=servers,
+                           role="simulator")
+        threads = [threading.Thread(target=ask, args=(judge,)) for _ in range(6)] + [
+            threading.Thread(target=lambda: tools.ask_json(MESSAGES, roles.TOOL_SCHEMA, name=roles.TOOL,
+                                                           strict=False)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    forms = [(r.json.get("response_format") or {}).get("type") for r in server.requests]
+    assert forms.count("json_schema") == 4 and len(forms) == 16, forms  # one probe and its 3 retries, then 12
+    assert judge.form == tools.form == "json_object+schema"

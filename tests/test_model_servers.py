@@ -11,7 +11,7 @@ import json
 import pathlib
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import pytest
 

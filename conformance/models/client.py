@@ -40,6 +40,7 @@ line, report or cache file (errors are scrubbed of it, in case a server echoes i
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
@@ -220,9 +221,10 @@ class _Dialect:
     """How one model at one server takes a request: its form and parameters, found once and shared.
 
     ``version`` counts the changes.  A kind of request (``True``: a schema with an ``anyOf`` root) is proven
-    when one was answered in the current version; until then one request of that kind asks (the probe) while
-    the others of that kind wait for it.  A probe that ends without an answer (a timeout, an error status) lets
-    the rest go at once rather than one after another.
+    when one was answered in the current version; until then one request asks (the probe, one at a time
+    whatever its kind, so the form is found once) while the others of unproven kinds wait for it.  A probe
+    that ends without an answer (a timeout, an error status) lets the rest of its kind go at once rather than
+    one after another.
     """
 
     def __init__(self) -> None:
@@ -231,18 +233,18 @@ class _Dialect:
         self.temperature = True  # ... and only their default temperature
         self.version = 0
         self._proven: Set[Tuple[bool, int]] = set()
-        self._probing: Set[bool] = set()
+        self._probing = False
         self._open: Set[bool] = set()
         self._condition = threading.Condition()
 
     def turn(self, kind: bool) -> bool:
-        """Wait while another request probes this kind; ``True`` when the caller is now the probe."""
+        """Wait while another request probes and this kind is unproven; ``True`` when the caller is the probe."""
         with self._condition:
-            while (kind, self.version) not in self._proven and kind not in self._open and kind in self._probing:
+            while (kind, self.version) not in self._proven and kind not in self._open and self._probing:
                 self._condition.wait()
             if (kind, self.version) in self._proven or kind in self._open:
                 return False
-            self._probing.add(kind)
+            self._probing = True
             return True
 
     def done(self, kind: bool, probe: bool, answered_in: Optional[int]) -> None:
@@ -251,12 +253,12 @@ class _Dialect:
             if answered_in == self.version:
                 self._proven.add((kind, answered_in))
             if probe:
-                self._probing.discard(kind)
+                self._probing = False
                 if answered_in is None:
                     self._open.add(kind)
             self._condition.notify_all()
 
-    def change(self, seen: int, update: Callable[["_Dialect"], bool]) -> bool:
+    def change(self, seen: int, update: Callable[[_Dialect], bool]) -> bool:
         """Whether to ask again: another request changed the dialect since version ``seen``, or ``update`` (which
         says whether it changed anything) did, starting a new version."""
         with self._condition:
@@ -328,7 +330,7 @@ class ChatClient:
             exc.usage = dict(spent)
             raise
 
-    def _ask(self, conversation: List[Dict[str, Any]], request: "_Request",
+    def _ask(self, conversation: List[Dict[str, Any]], request: _Request,
              check: Optional[Callable[[Dict[str, Any]], Optional[str]]], key: Optional[str],
              spent: Dict[str, int]) -> Answer:
         """An answer, asked once more when the first is unusable; raises :class:`ModelError`."""
@@ -356,7 +358,7 @@ class ChatClient:
         with self._usage_lock:
             self.usage.add(spent)
 
-    def _complete(self, conversation: List[Dict[str, Any]], request: "_Request",
+    def _complete(self, conversation: List[Dict[str, Any]], request: _Request,
                   spent: Dict[str, int]) -> Tuple[str, str]:
         """One completion's content and finish reason, in the form the endpoint takes (found once, shared)."""
         dialect = self._dialect
@@ -369,7 +371,7 @@ class ChatClient:
                 try:
                     reply = self._post(self._payload(conversation, request, FORMS[form]), spent, request.priority)
                 except pp.HTTPStatusError as exc:
-                    if dialect.change(version, lambda d: _adjusted(d, exc) or _next_form(d, form, exc, kind)):
+                    if dialect.change(version, functools.partial(_learn, form=form, exc=exc, rooted=kind)):
                         continue
                     raise ModelError(self._scrub(_status_message(exc, self.endpoint))) from None
                 answered_in = version
@@ -377,7 +379,7 @@ class ChatClient:
         finally:
             dialect.done(kind, probe, answered_in)
 
-    def _payload(self, conversation: List[Dict[str, Any]], request: "_Request", form: str) -> Dict[str, Any]:
+    def _payload(self, conversation: List[Dict[str, Any]], request: _Request, form: str) -> Dict[str, Any]:
         dialect = self._dialect
         payload: Dict[str, Any] = {"model": self.endpoint.model, "messages": conversation,
                                    dialect.token_limit: self.endpoint.max_tokens}
@@ -434,6 +436,11 @@ def _schema_note(schema: Mapping[str, Any]) -> str:
 def _refuses_form(exc: pp.HTTPStatusError) -> bool:
     """The server refused the request's ``response_format`` (not the request as a whole)."""
     return exc.status_code in (400, 422, 500, 501) and bool(_REFUSED_FORM.search(_body_text(exc.body)))
+
+
+def _learn(dialect: _Dialect, *, form: int, exc: pp.HTTPStatusError, rooted: bool) -> bool:
+    """What a refusal teaches: a parameter to rename or drop, else the next form (``True`` when either)."""
+    return _adjusted(dialect, exc) or _next_form(dialect, form, exc, rooted)
 
 
 def _next_form(dialect: _Dialect, form: int, exc: pp.HTTPStatusError, rooted: bool) -> bool:

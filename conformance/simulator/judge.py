@@ -14,8 +14,8 @@ backend's rules, only when the row has behavior instructions (null when it has n
 row (``..models.roles.judge_schema``) and carries the verdict's rules, so a server that constrains decoding
 to it cannot break them: a PASS has ``task_completion`` 4 or 5 and ``failure_mode`` null, a FAIL names a
 snake_case ``failure_mode``.  The same rules are checked after every answer, whatever the server
-(:func:`verdict_problem` and the schema; one re-ask, the rule named).  Judge requests wait behind the requests an agent waits
-on (the simulated backend's, the simulated user's) when they share a server.
+(:func:`verdict_problem` and the schema; one re-ask, the rule named).  Judge requests wait behind the requests
+an agent waits on (the simulated backend's, the simulated user's) when they share a server.
 
 A row is **not judged**, with the reason, when it was not run (the dataset check rejected it), when the run
 ended in an error before any final response (there is nothing to grade), or when the judge could not answer

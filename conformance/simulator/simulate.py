@@ -1111,7 +1111,11 @@ def add_judge_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--judge-prompt", metavar="FILE",
                        help=f"the rubric to judge by (default: the kit's, {os.path.relpath(judging.PROMPT_FILE)})")
     group.add_argument("--judge-jobs", type=int, default=16, metavar="N",
-                       help="judge requests at once (default 16); they run beside the rows, not after them")
+                       help="judge requests at once, at most (default 16; fewer while the server cannot take more); "
+                            "they run beside the rows, not after them")
+    group.add_argument("--max-tokens", type=int, default=Endpoint._field_defaults["max_tokens"], metavar="N",
+                       help="the most tokens a model role (judge, simulator, user) may answer with (default "
+                            "%(default)s): a bound on a small model that rambles")
     group.add_argument("--model-cache", "--judge-cache", dest="model_cache", metavar="DIR",
                        help="keep model answers here, so an unchanged run asks nothing again (default "
                             f"{_cache.default_directory()})")
@@ -1436,6 +1440,8 @@ class ModelRoles:
         self._cache: Optional[_cache.AnswerCache] = None
         self.caches: List[_cache.AnswerCache] = []
         self.servers = ModelServers()  # this run's servers: each one's concurrency, shared by the roles there
+        if args.max_tokens < 1:
+            raise SetupError(f"--max-tokens must be a positive number of tokens, got {args.max_tokens}")
 
     def client(self, model: str, url: Optional[str], key_env: Optional[str], *, option: str,
                concurrency: int) -> ChatClient:
@@ -1449,7 +1455,8 @@ class ModelRoles:
                 endpoint = endpoint_from_options(model, url, key_env, what=option, concurrency=concurrency)
         except ValueError as exc:
             raise SetupError(str(exc)) from None
-        return ChatClient(endpoint, cache=self._answer_cache(scripted), servers=self.servers, role=option.lstrip("-"))
+        return ChatClient(endpoint._replace(max_tokens=self.args.max_tokens), cache=self._answer_cache(scripted),
+                          servers=self.servers, role=option.lstrip("-"))
 
     def _answer_cache(self, scripted: bool) -> Optional[_cache.AnswerCache]:
         """The stand-in answers at once: nothing of it is kept unless ``--model-cache DIR`` says where."""

