@@ -86,12 +86,12 @@ def test_every_row_gets_the_judges_verdict_in_every_report(judged_run: Dict[str,
     assert "judge (scripted): pass rate 40.0%: 2 PASS, 3 FAIL, 0 not judged" in text
     assert "judge: FAIL 1/5 incorrect_completion, instruction adherence 1/5" in text and "5 requests" in text
     assert "judge: FAIL 2/5 correct_refusal_no_oracle:" in text  # no behavior: no score shown
-    assert "instruction adherence 3.00/5 on average over 2 rows with behavior" in text
+    assert "instruction adherence 3.00/5 on average over 2 runs with behavior" in text
     assert "judged PASS" in err or "PASS 5/5" in err  # the progress lines carry the verdict
     page = (out / "r.html").read_text(encoding="utf-8")
     assert 'value="mode-incorrect-completion"' in page and 'value="fail"' in page  # filterable
     assert page.count('<aside class="verdict">') == 5 and "pass rate 40.0%" in page
-    assert page.count("instruction adherence <b>") == 2 and "instruction adherence 3.00/5 (2 rows)" in page
+    assert page.count("instruction adherence <b>") == 2 and "instruction adherence 3.00/5 (2 runs)" in page
     assert 'data-tags="ran refusal flagged fail mode-incorrect-completion"' in page
 
 

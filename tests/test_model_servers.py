@@ -222,7 +222,7 @@ def test_every_role_on_one_slow_server_that_answers_one_at_a_time(
     assert any(c.get("answered_by") == "model" for r in runs for c in r["tool_calls"])
     assert sum(1 for r in runs if r.get("session")) == 3
     assert names.count(roles.JUDGE) == 9 and names.count(roles.TOOL) >= 9 and names.count(roles.USER) >= 3
-    (figures,) = report["summary"]["model_servers"]
+    (figures,) = report["model_servers"]
     assert figures["roles"] == ["judge", "simulator", "user-model"] and figures["requests"] == len(names)
     assert server.max_active <= figures["max_at_once"] <= 6  # never 16 judge requests queued at the server
     assert f"at most {figures['max_at_once']} at once" in text and "model server http://127.0.0.1:" in text

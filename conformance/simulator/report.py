@@ -153,7 +153,7 @@ def render_text(result: Mapping[str, Any]) -> str:
         if spent:
             lines.append(f"{label} usage: {_plural(spent['requests'], 'request')}, {spent['prompt_tokens']:,} prompt + "
                          f"{spent['completion_tokens']:,} completion tokens, {spent['cached']} answered from the cache")
-    for server in s.get("model_servers") or []:
+    for server in result.get("model_servers") or []:  # the run's, not the rows': a merge of shards has none
         lines.append(server_text(server))
     verdicts = s.get("judge")
     if verdicts:
@@ -386,7 +386,7 @@ def render_html(result: Mapping[str, Any]) -> str:
     if result.get("judge"):
         judge = result["judge"]
         meta.append(f"judge {judge.get('model')} ({judge.get('server')}), rubric {judge.get('prompt')}")
-    meta += [server_text(server) for server in s.get("model_servers") or []]
+    meta += [server_text(server) for server in result.get("model_servers") or []]
     parts = [
         _head(title),
         f"<header><h1>{_e(title)}</h1><div class=\"meta\">{_e(' · '.join(meta))}</div>",

@@ -1373,7 +1373,7 @@ def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, gat
     """The reports written and printed, the cache's problems said, the gate applied: True when the gate fails."""
     model_servers = roles.models.servers.report()
     if model_servers:  # how many requests each server took at once
-        result["summary"]["model_servers"] = model_servers
+        result["model_servers"] = model_servers
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))

