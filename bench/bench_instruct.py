@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,10 @@ def run(folder: pathlib.Path, dataset: pathlib.Path, base_url: str, args: argpar
     runs = report["runs"]
     return {"wall": wall, "rows": len({r["row"] for r in runs}), "runs": len(runs),
             "judged": sum(1 for r in runs if r["judge"].get("verdict")),
-            "not_judged": [f"row {r['row']}: {r['judge'].get('error')}" for r in runs if not r["judge"].get("verdict")],
+            "not_judged": [f"row {r['row']} trial {r.get('trial', 1)}: {r['judge'].get('error')}" for r in runs
+                           if not r["judge"].get("verdict")],
+            "errors": [f"row {r['row']} trial {r.get('trial', 1)}: {r['errors'][0][:300]}" for r in runs
+                       if r["status"] != "ok"],
             "server": (report.get("model_servers") or [{}])[0],
             "usage": report["summary"].get("model_usage") or {}}
 
@@ -68,6 +72,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark stops its server too
     reason = missing()
     if reason:
         raise SystemExit(reason)
@@ -99,6 +104,8 @@ def main() -> int:
                       f"slowed down {figures.get('slowed_down')}x; {usage}", flush=True)
                 for why in result["not_judged"]:
                     print(f"    not judged: {why}", flush=True)
+                for why in result["errors"]:
+                    print(f"    run error: {why}", flush=True)
     print(f"\nmedian of {args.repeat}: {statistics.median(per_row):.1f} s a row, {statistics.median(per_run):.1f} s "
           f"a run (--trials {args.trials}, --jobs {args.jobs}, --max-tokens {args.max_tokens}, {os.cpu_count()} "
           f"cores, load average {os.getloadavg()[0]:.1f})")

@@ -74,13 +74,17 @@ def test_answers_that_queue_at_the_server_cut_the_limit_by_one() -> None:
     server = Server("llama", clock)
     lane = server.lane("judge", 16, 120.0)
     service = 10.0  # seconds a request takes alone
+    limits = []
     for _ in range(40):
         tickets = [server.acquire(lane) for _ in range(int(server.limit))]
         for i, t in enumerate(tickets, 1):  # served one after another: the i-th waited for the ones before it
             answer(server, clock, t, service if i == 1 else 0.0)
             clock.now += 0 if i == len(tickets) else service
-    assert server.limit < 4 and server.cuts >= 1  # 3 at once take 30 s > 25 s: queueing, so 2 or 3 stay
-    assert queueing_bound(10.0, 120.0) == 25.0 and queueing_bound(1.0, 120.0) == 6.0
+        limits.append(int(server.limit))
+    # The second of two at once takes twice the service time, past 1.75 times it: requests queue, and the limit
+    # stays at 1 or 2 after its first rounds.
+    assert set(limits[5:]) <= {1, 2} and server.cuts >= 5, limits
+    assert queueing_bound(10.0, 120.0) == 17.5 and queueing_bound(1.0, 120.0) == 6.0
     assert queueing_bound(50.0, 120.0) == 60.0  # a slow model is not cut before half the timeout
 
 

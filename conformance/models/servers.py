@@ -8,7 +8,8 @@ server's limit on requests at once adapts to what the server sustains, as TCP's 
   doubles per round trip) until the server first pushes back, then by one per round trip; a limit never
   reached does not grow;
 - it halves on a timeout, a 429, a 503 or any other failure worth a retry (the server is overloaded, or gone);
-  it shrinks by one when an answer took far longer than the fastest answer of its role (``queueing_bound``):
+  it shrinks by one when an answer took far longer than its role's service time (``queueing_bound``; the
+  service time is the fastest answer to a request that found no other in flight, else the fastest answer):
   requests are waiting at the server, as they do at a local server that answers one at a time (llama.cpp's,
   Ollama's by default), and a longer queue there only delays the agents' tool answers and ends in timeouts.
   Either cut happens at most once per round trip: an answer to a request sent before the last cut cuts (or
@@ -43,33 +44,48 @@ OTHER = "other"
 T = TypeVar("T")
 
 
-def queueing_bound(fastest_s: float, timeout_s: float) -> float:
-    """The latency past which an answer says requests queue at the server: 2.5 times the fastest of its role and
-    5 s more than it (a hosted API's answers vary that much unqueued), but never past half the timeout."""
-    return min(max(2.5 * fastest_s, fastest_s + 5.0), timeout_s / 2)
+def queueing_bound(service_s: float, timeout_s: float) -> float:
+    """The latency past which an answer says requests queue at the server: 1.75 times its role's service time
+    (a server that answers one at a time takes twice it with one request ahead) and 5 s more than it (a hosted
+    API's answers vary that much unqueued), but never past half the timeout."""
+    return min(max(1.75 * service_s, service_s + 5.0), timeout_s / 2)
 
 
 class Lane:
-    """One role's requests at a server (one client): its bound, its requests in flight, its fastest answer."""
+    """One role's requests at a server (one client): its bound, its requests in flight, its service time."""
 
-    __slots__ = ("label", "bound", "timeout_s", "in_flight", "fastest_s", "requests")
+    __slots__ = ("label", "bound", "timeout_s", "in_flight", "fastest_s", "fastest_alone_s", "requests")
 
     def __init__(self, label: str, bound: int, timeout_s: float) -> None:
         self.label = label
         self.bound = max(1, bound)
         self.timeout_s = timeout_s
         self.in_flight = 0
-        self.fastest_s: Optional[float] = None
+        self.fastest_s: Optional[float] = None  # of every answer ...
+        self.fastest_alone_s: Optional[float] = None  # ... and of the answers to requests sent with none in flight
         self.requests = 0
+
+    @property
+    def service_s(self) -> Optional[float]:
+        """How long this role's request takes with nothing ahead of it, as far as is known."""
+        return self.fastest_alone_s if self.fastest_alone_s is not None else self.fastest_s
+
+    def answered(self, latency_s: float, alone: bool) -> None:
+        self.fastest_s = latency_s if self.fastest_s is None else min(self.fastest_s, latency_s)
+        if alone:
+            self.fastest_alone_s = latency_s if self.fastest_alone_s is None else min(self.fastest_alone_s, latency_s)
+
 
 
 class Ticket(NamedTuple):
-    """A granted slot: whose, when, in which round of cuts, and how many times the limit was full before it."""
+    """A granted slot: whose, when, in which round of cuts, how many times the limit was full before it, and
+    whether it found no other request in flight."""
 
     lane: Lane
     sent_at: float
     epoch: int
     fills: int
+    alone: bool
 
 
 class _Waiter:
@@ -94,6 +110,7 @@ class Server:
         self._waiting: List[_Waiter] = []
         self._order = itertools.count()
         self._lanes: List[Lane] = []
+        self._ceiling = 1  # the largest bound of the lanes: the limit never passes it
         self._condition = threading.Condition()
         self._clock = clock
         self._since = clock()
@@ -108,6 +125,7 @@ class Server:
         lane = Lane(label, bound, timeout_s)
         with self._condition:
             self._lanes.append(lane)
+            self._ceiling = max(self._ceiling, lane.bound)
         return lane
 
     def shared(self, key: Any, make: Callable[[], T]) -> T:
@@ -139,9 +157,9 @@ class Server:
                 self._cut(ticket, halve=True)
             elif ended == ANSWERED:
                 latency = now - ticket.sent_at
-                fastest = ticket.lane.fastest_s
-                ticket.lane.fastest_s = latency if fastest is None else min(fastest, latency)
-                if fastest is not None and latency > queueing_bound(fastest, ticket.lane.timeout_s):
+                service = ticket.lane.service_s
+                ticket.lane.answered(latency, ticket.alone)
+                if service is not None and latency > queueing_bound(service, ticket.lane.timeout_s):
                     self._cut(ticket, halve=False)
                 elif self._fills > ticket.fills and ticket.epoch == self._epoch:  # out while the limit was full
                     self._grow()
@@ -150,8 +168,7 @@ class Server:
     # -- the parts -----------------------------------------------------------------------------------------------
 
     def _slots(self) -> int:
-        ceiling = max((lane.bound for lane in self._lanes), default=1)
-        return max(1, min(int(self.limit), ceiling))
+        return max(1, min(int(self.limit), self._ceiling))
 
     def _grant(self) -> None:
         """Slots to waiters, best first; a waiter whose role is at its own bound lets the next one by."""
@@ -168,7 +185,7 @@ class Server:
             waiter.lane.in_flight += 1
             waiter.lane.requests += 1
             self.max_at_once = max(self.max_at_once, self._in_flight)
-            waiter.ticket = Ticket(waiter.lane, now, self._epoch, self._fills)
+            waiter.ticket = Ticket(waiter.lane, now, self._epoch, self._fills, self._in_flight == 1)
             if self._in_flight >= self._slots():
                 self._fills += 1
             granted = True
@@ -176,8 +193,8 @@ class Server:
             self._condition.notify_all()
 
     def _grow(self) -> None:
-        ceiling = max((lane.bound for lane in self._lanes), default=1)
-        self.limit = min(float(ceiling), self.limit + (1.0 if self.limit < self._threshold else 1.0 / self.limit))
+        step = 1.0 if self.limit < self._threshold else 1.0 / self.limit
+        self.limit = min(float(self._ceiling), self.limit + step)
 
     def _cut(self, ticket: Ticket, *, halve: bool) -> None:
         if ticket.epoch != self._epoch:  # sent before the last cut: that cut already answered this round trip
@@ -202,7 +219,7 @@ class Server:
             return {"server": self.name, "roles": sorted({lane.label for lane in lanes}),
                     "requests": sum(lane.requests for lane in lanes), "max_at_once": self.max_at_once,
                     "typical_at_once": round(self._load_s / self._busy_s, 2) if self._busy_s else 0.0,
-                    "bound": max((lane.bound for lane in self._lanes), default=1), "slowed_down": self.cuts}
+                    "bound": self._ceiling, "slowed_down": self.cuts}
 
 
 class ModelServers:

@@ -33,11 +33,14 @@ FIXTURES = ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.jso
 TOOLS = ROOT / "templates" / "tools_schema.json"
 SAMPLE = ROOT / "conformance" / "simulator" / "samples" / "orders.csv"
 # The server's options: a context for the longest case (the rubric and a conversation's case, about 2,500
-# tokens) and both cores.  Its prompt cache in memory (--cache) is left off: each state it keeps is a whole
-# context's (about 100 MB here), and the server grew past 6 GB with it.  Without it the server still reuses the
-# previous request's prefix, and the judge's requests, which wait while agents' requests are queued, come in
-# runs that share the rubric.
-SERVER_OPTIONS = ("--n_ctx", "4096", "--n_threads", "2")
+# tokens); both cores for reading prompts, one for writing answers: llama.cpp's threads meet at a barrier after
+# every step, and writing takes a small step per token, so on a machine busy with other work a descheduled
+# thread stalls the other (two threads wrote 0.8 tokens a second here, one wrote 33).  Its prompt cache in
+# memory (--cache) is left off: each state it keeps holds the logits of every token of the context (this
+# model's vocabulary is 49,152 wide), and the server grew past 6 GB with it.  Without it the server still reuses
+# the previous request's prefix, and the judge's requests, which wait while agents' requests are queued, come
+# in runs that share the rubric.
+SERVER_OPTIONS = ("--n_ctx", "4096", "--n_threads", "1", "--n_threads_batch", "2")
 # A verdict takes 50 to 100 tokens, a tool's answer or a user's turn about as many; a 135M model sometimes runs on
 # to the limit (a tool's answer may be any JSON), and at about 20 tokens a second the kit's 2,048 would cost
 # 100 s each time.
