@@ -7,6 +7,7 @@ The limit's rules on a clock of the test's own; then over sockets on 127.0.0.1 a
 
 from __future__ import annotations
 
+import html
 import json
 import pathlib
 import threading
@@ -18,6 +19,7 @@ import pytest
 from conformance.models import roles
 from conformance.models.client import ChatClient, Endpoint, ModelServers
 from conformance.models.servers import ANSWERED, CRITICAL, DEFERRED, OTHER, OVERLOADED, Server, queueing_bound
+from conformance.simulator import report as report_text
 from tests.fake_chat_server import FakeChatServer, Reply
 from tests.test_simulate import ROOT, simulate_cli, write_csv
 
@@ -113,6 +115,28 @@ def test_waiters_go_critical_first_then_in_order_and_each_role_keeps_its_bound()
     figures = server.figures()
     assert figures["requests"] == 5 and figures["max_at_once"] == 1 and figures["roles"] == ["judge", "simulator"]
     assert figures["bound"] == 8
+
+
+def test_a_judge_request_waits_while_an_agents_is_out_at_a_server_that_takes_one_at_a_time() -> None:
+    """At a limit of 2 or less a deferred request is not sent beside a critical one (it would be served before
+    the agent's next request); at a larger limit it is."""
+    for limit, goes_beside in ((2, False), (8, True)):
+        clock = Clock()
+        server = Server("s", clock)
+        tools, judge = server.lane("simulator", 16, 120.0), server.lane("judge", 16, 120.0)
+        server.limit = float(limit)
+        critical = server.acquire(tools, CRITICAL)
+        sent = threading.Event()
+        def judge_asks(server: Server = server, judge: Any = judge, sent: threading.Event = sent) -> None:
+            server.acquire(judge, DEFERRED)
+            sent.set()
+
+        waiter = threading.Thread(target=judge_asks)
+        waiter.start()
+        assert sent.wait(0.5) is goes_beside, limit
+        server.release(critical, OTHER)
+        assert sent.wait(10)  # the agent's request answered: the judge's goes
+        waiter.join(10)
 
 
 def test_a_server_that_sheds_load_gets_what_it_sustains() -> None:
@@ -214,7 +238,7 @@ def test_every_role_on_one_slow_server_that_answers_one_at_a_time(
         code, text, err = simulate_cli(capsys, "--csv", dataset, "--code", ROOT / "templates" / "openai_chat.py",
                                        "--model", "scripted", "--tools", ROOT / "templates" / "tools_schema.json",
                                        "--no-model-cache", "--jobs", "3", "--judge-jobs", "16", *model,
-                                       "--json", tmp_path / "r.json")
+                                       "--json", tmp_path / "r.json", "--html", tmp_path / "r.html")
         names = [((r.json.get("response_format") or {}).get("json_schema") or {}).get("name")
                  for r in server.requests]
     assert code == 0, err
@@ -229,4 +253,6 @@ def test_every_role_on_one_slow_server_that_answers_one_at_a_time(
     (figures,) = report["model_servers"]
     assert figures["roles"] == ["judge", "simulator", "user-model"] and figures["requests"] == len(names)
     assert server.max_active <= figures["max_at_once"] <= 6  # never 16 judge requests queued at the server
-    assert f"at most {figures['max_at_once']} at once" in text and "model server http://127.0.0.1:" in text
+    line = report_text.server_text(figures)
+    assert f"at most {figures['max_at_once']} at once, typically {figures['typical_at_once']}" in line
+    assert line in text and html.escape(line, quote=False) in (tmp_path / "r.html").read_text(encoding="utf-8")

@@ -19,7 +19,10 @@ server's limit on requests at once adapts to what the server sustains, as TCP's 
 
 Requests wait for a slot in priority order: :data:`CRITICAL` (on an agent's critical path: the simulated
 backend's tool answers, the simulated user's turns) before :data:`DEFERRED` (the judge's, which can wait), first
-come first served within each.  A slow server thus still gets every row run and judged, the judge later.
+come first served within each.  While the limit is 2 or less (a server that takes about one request at a time)
+a deferred request also waits while a critical one is out: it would be served before the agent's next request,
+which then waits a whole judge request at the server.  A slow server thus still gets every row run and judged,
+the judge later.
 :meth:`ModelServers.report` says, per server, how many requests it took at once.
 """
 
@@ -78,10 +81,11 @@ class Lane:
 
 
 class Ticket(NamedTuple):
-    """A granted slot: whose, when, in which round of cuts, how many times the limit was full before it, and
-    whether it found no other request in flight."""
+    """A granted slot: whose, how urgent, when, in which round of cuts, how many times the limit was full before
+    it, and whether it found no other request in flight."""
 
     lane: Lane
+    priority: int
     sent_at: float
     epoch: int
     fills: int
@@ -107,6 +111,7 @@ class Server:
         self._epoch = 0  # counts the cuts
         self._fills = 0  # counts the grants that took the last slot
         self._in_flight = 0
+        self._critical = 0  # CRITICAL requests in flight
         self._waiting: List[_Waiter] = []
         self._order = itertools.count()
         self._lanes: List[Lane] = []
@@ -152,6 +157,8 @@ class Server:
             now = self._clock()
             self._account(now)
             self._in_flight -= 1
+            if ticket.priority == CRITICAL:
+                self._critical -= 1
             ticket.lane.in_flight -= 1
             if ended == OVERLOADED:
                 self._cut(ticket, halve=True)
@@ -171,21 +178,26 @@ class Server:
         return max(1, min(int(self.limit), self._ceiling))
 
     def _grant(self) -> None:
-        """Slots to waiters, best first; a waiter whose role is at its own bound lets the next one by."""
+        """Slots to waiters, best first; a waiter whose role is at its own bound lets the next one by, and so does
+        a deferred one while a critical request is out at a server that takes about one at a time."""
         granted = False
         for waiter in list(self._waiting):
             if self._in_flight >= self._slots():
                 break
-            if waiter.lane.in_flight >= waiter.lane.bound:
+            priority = waiter.key[0]
+            if waiter.lane.in_flight >= waiter.lane.bound or (
+                    priority != CRITICAL and self._critical and self._slots() <= 2):
                 continue
             now = self._clock()
             self._account(now)
             self._waiting.remove(waiter)
             self._in_flight += 1
+            if priority == CRITICAL:
+                self._critical += 1
             waiter.lane.in_flight += 1
             waiter.lane.requests += 1
             self.max_at_once = max(self.max_at_once, self._in_flight)
-            waiter.ticket = Ticket(waiter.lane, now, self._epoch, self._fills, self._in_flight == 1)
+            waiter.ticket = Ticket(waiter.lane, priority, now, self._epoch, self._fills, self._in_flight == 1)
             if self._in_flight >= self._slots():
                 self._fills += 1
             granted = True
