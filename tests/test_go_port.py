@@ -220,7 +220,7 @@ def test_the_check_passes_at_strict_behind_a_chi_router(chi_binary: pathlib.Path
         assert_the_check_passes_at_strict(server, AGENT_TOKEN)
         auth = {"Authorization": f"Bearer {AGENT_TOKEN}"}
         assert post(server, {"ping": True}, auth, path=f"{CHI_PREFIX}/dispatch")[0] == 200
-        status, _, body = post(server, {"ping": True}, auth)  # /dispatch, outside the prefix: chi's own 404
+        status, _, body = post(server, {"ping": True}, auth, path="/dispatch")  # outside the prefix: chi's 404
         assert status == 404 and b"detail" not in body
     finally:
         log = server.log()
