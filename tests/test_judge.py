@@ -157,6 +157,7 @@ BEHAVIOR = "cancel_order only succeeds when the order is pending."
 @pytest.mark.parametrize("behavior,broken,rule", [
     ("", answer(failure_mode=None), "a FAIL must name its failure_mode"),
     ("", answer(failure_mode="incorrectRefundsNoOrc"), "snake_case"),
+    ("", answer(failure_mode="incomplete\n"), "snake_case"),  # the pattern's $ would let a newline by
     ("", answer(verdict="PASS", failure_mode=None, task_completion=1), "a PASS has task_completion 4 or 5"),
     ("", answer(verdict="PASS", task_completion=5), "a PASS has failure_mode null"),
     ("", answer(instruction_adherence=4), "answer.instruction_adherence: expected null"),

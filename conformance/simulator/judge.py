@@ -130,7 +130,7 @@ def verdict_problem(answer: Mapping[str, Any]) -> Optional[str]:
     mode = answer.get("failure_mode")
     if answer.get("verdict") == "FAIL" and not (isinstance(mode, str) and mode.strip()):
         return "a FAIL must name its failure_mode"
-    if answer.get("verdict") == "FAIL" and not _SNAKE_CASE.match(mode):
+    if answer.get("verdict") == "FAIL" and not _SNAKE_CASE.fullmatch(mode):
         return f"a FAIL names its failure_mode in snake_case (such as incorrect_completion), not {mode[:60]!r}"
     if answer.get("verdict") == "PASS" and mode is not None:
         return "a PASS has failure_mode null"
