@@ -45,6 +45,10 @@ SERVER_OPTIONS = ("--n_ctx", "4096", "--n_threads", "1", "--n_threads_batch", "2
 # to the limit (a tool's answer may be any JSON), and at about 20 tokens a second the kit's 2,048 would cost
 # 100 s each time.
 MAX_TOKENS = 256
+# A run's time: up to two judge requests may be at the server before a tool answer (the limit grew to 3 in one
+# run), and on a machine busy with other work one row's tool answers (written to MAX_TOKENS, then re-asked) took
+# 287 and 398 s: past the 300 s default, such a run is an error and not judged.  What this test asserts is the share judged, not the speed (bench_instruct.py measures that).
+RUN_TIMEOUT_S = "600"
 TRIALS = 2
 EXTRA_ROWS = [  # the sample's seven rows, and three more: the simulated backend and the simulated user again
     {"user": "Please change the shipping address of order 9003 to 5 Canal Street, Manchester.",
@@ -93,7 +97,7 @@ def run_simulate(server: ModelServer, dataset: Path, out: Path, capsys: pytest.C
     code = simulate.main([str(a) for a in (
         "--csv", dataset, "--code", ROOT / "templates" / "openai_chat.py", "--model", "scripted",
         "--responses", FIXTURES, "--tools", TOOLS, "--no-model-cache", "--jobs", "2", "--max-turns", "2",
-        "--max-tokens", MAX_TOKENS, *model, *extra, "--json", out)])
+        "--max-tokens", MAX_TOKENS, "--timeout", RUN_TIMEOUT_S, *model, *extra, "--json", out)])
     text, err = capsys.readouterr()
     assert code in (0, 1) and "Traceback" not in err, err[-3000:]
     report: Dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
