@@ -119,11 +119,19 @@ def test_waiters_go_critical_first_then_in_order_and_each_role_keeps_its_bound()
 
 def test_a_judge_request_waits_while_an_agents_is_out_at_a_server_that_takes_one_at_a_time() -> None:
     """At a limit of 2 or less a deferred request is not sent beside a critical one (it would be served before
-    the agent's next request); at a larger limit it is."""
-    for limit, goes_beside in ((2, False), (8, True)):
+    the agent's next request); at a larger limit it is, unless answers have shown requests queueing at the
+    server (a limit grown back to 3 there put two judge requests before an agent's tool answer)."""
+    for limit, queued, goes_beside in ((2, False, False), (8, False, True), (8, True, False)):
         clock = Clock()
         server = Server("s", clock)
         tools, judge = server.lane("simulator", 16, 120.0), server.lane("judge", 16, 120.0)
+        if queued:  # one alone in 10 s, then two at once: the second answered after 30 s, past 17.5
+            answer(server, clock, server.acquire(judge, DEFERRED), 10.0)
+            server.limit = 2.0
+            pair = [server.acquire(judge, DEFERRED) for _ in range(2)]
+            answer(server, clock, pair[0], 10.0)
+            answer(server, clock, pair[1], 20.0)
+            assert server.cuts == 1 and server.queues
         server.limit = float(limit)
         critical = server.acquire(tools, CRITICAL)
         sent = threading.Event()

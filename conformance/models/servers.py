@@ -19,9 +19,10 @@ server's limit on requests at once adapts to what the server sustains, as TCP's 
 
 Requests wait for a slot in priority order: :data:`CRITICAL` (on an agent's critical path: the simulated
 backend's tool answers, the simulated user's turns) before :data:`DEFERRED` (the judge's, which can wait), first
-come first served within each.  While the limit is 2 or less (a server that takes about one request at a time)
-a deferred request also waits while a critical one is out: it would be served before the agent's next request,
-which then waits a whole judge request at the server.  A slow server thus still gets every row run and judged,
+come first served within each.  At a server that takes about one request at a time (its limit is 2 or less, or
+an answer has shown requests queueing there, whatever the limit has grown to since) a deferred request also
+waits while a critical one is out: it would be served before the agent's next request, which then waits a whole
+judge request at the server.  A slow server thus still gets every row run and judged,
 the judge later.
 :meth:`ModelServers.report` says, per server, how many requests it took at once.
 """
@@ -112,6 +113,7 @@ class Server:
         self._fills = 0  # counts the grants that took the last slot
         self._in_flight = 0
         self._critical = 0  # CRITICAL requests in flight
+        self.queues = False  # an answer has shown requests queueing here (a cut by one): a server of one at a time
         self._waiting: List[_Waiter] = []
         self._order = itertools.count()
         self._lanes: List[Lane] = []
@@ -179,14 +181,15 @@ class Server:
 
     def _grant(self) -> None:
         """Slots to waiters, best first; a waiter whose role is at its own bound lets the next one by, and so does
-        a deferred one while a critical request is out at a server that takes about one at a time."""
+        a deferred one while a critical request is out at a server that takes about one at a time (a limit of 2 or
+        less, or requests seen queueing there)."""
         granted = False
         for waiter in list(self._waiting):
             if self._in_flight >= self._slots():
                 break
             priority = waiter.key[0]
             if waiter.lane.in_flight >= waiter.lane.bound or (
-                    priority != CRITICAL and self._critical and self._slots() <= 2):
+                    priority != CRITICAL and self._critical and (self._slots() <= 2 or self.queues)):
                 continue
             now = self._clock()
             self._account(now)
@@ -213,6 +216,7 @@ class Server:
             return
         self._epoch += 1
         self.cuts += 1
+        self.queues = self.queues or not halve
         self.limit = max(1.0, float(int(self.limit / 2)) if halve else self.limit - 1.0)
         self._threshold = self.limit
 
