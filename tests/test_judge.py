@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import xml.etree.ElementTree as ET
 from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from conformance.models import roles
 from conformance.models.client import ChatClient, Endpoint
 from conformance.simulator import gate, judge, shards, simulate
 from tests.fake_chat_server import FakeChatServer, Reply
@@ -29,9 +31,10 @@ def script(final: str, *calls: Tuple[str, Dict[str, Any]]) -> str:
 # FAIL correct_refusal_no_oracle, FAIL unreported_tool_failure, PASS (a refusal with its reason).
 STATE = json.dumps({"order": {"4521": {"status": "shipped"}}})
 ROWS = [
-    {"user": script("Order 4521 has shipped.", ("get_order", {"order_id": "4521"})), "state": STATE},
+    {"user": script("Order 4521 has shipped.", ("get_order", {"order_id": "4521"})), "state": STATE,
+     "behavior": "get_order returns the order as the ledger has it."},
     {"user": script("Done: order 4521 is cancelled.", ("cancel_order", {"order_id": "4521"})), "state": STATE,
-     "expected_outcome": "refusal"},
+     "expected_outcome": "refusal", "behavior": "Only the buyer may cancel an order; the user is not the buyer."},
     {"user": script("I cannot do that, sorry."), "state": STATE},
     {"user": script("All good, refunded.", ("refund_order", {"order_id": "4521"})), "state": STATE,
      "failure_rules": json.dumps([{"trigger": "after_n_calls", "tool": "refund_order", "n": 1, "duration": 1,
@@ -68,7 +71,11 @@ def test_every_row_gets_the_judges_verdict_in_every_report(judged_run: Dict[str,
     assert verdicts(report) == EXPECTED
     first = report["runs"][0]["judge"]
     assert first["model"] == "scripted" and 1 <= first["task_completion"] <= 5 and first["explanation"]
-    assert set(first) >= {"verdict", "task_completion", "failure_mode", "explanation", "model"}
+    assert set(first) >= {"verdict", "task_completion", "failure_mode", "instruction_adherence", "explanation",
+                          "model"}
+    # instruction_adherence: scored on the rows with behavior (the first kept the rules, the second broke them)
+    assert [r["judge"]["instruction_adherence"] for r in report["runs"]] == [5, 1, None, None, None]
+    assert report["summary"]["judge"]["instruction_adherence"] == {"mean": 3.0, "runs": 2}
     assert report["runs"][0]["usage"]["judge"]["requests"] == 1
     summary = report["summary"]["judge"]
     assert (summary["pass"], summary["fail"], summary["not_judged"], summary["pass_rate"]) == (2, 3, 0, 0.4)
@@ -77,19 +84,23 @@ def test_every_row_gets_the_judges_verdict_in_every_report(judged_run: Dict[str,
     assert summary["usage"]["requests"] == 5 and summary["usage"]["prompt_tokens"] > 0
     assert report["judge"]["model"] == "scripted" and "prompts/judge.md" in report["judge"]["prompt"]
     assert "judge (scripted): pass rate 40.0%: 2 PASS, 3 FAIL, 0 not judged" in text
-    assert "judge: FAIL 1/5 incorrect_completion" in text and "5 requests" in text
+    assert "judge: FAIL 1/5 incorrect_completion, instruction adherence 1/5" in text and "5 requests" in text
+    assert "judge: FAIL 2/5 correct_refusal_no_oracle:" in text  # no behavior: no score shown
+    assert "instruction adherence 3.00/5 on average over 2 runs with behavior" in text
     assert "judged PASS" in err or "PASS 5/5" in err  # the progress lines carry the verdict
     page = (out / "r.html").read_text(encoding="utf-8")
     assert 'value="mode-incorrect-completion"' in page and 'value="fail"' in page  # filterable
     assert page.count('<aside class="verdict">') == 5 and "pass rate 40.0%" in page
+    assert page.count("instruction adherence <b>") == 2 and "instruction adherence 3.00/5 (2 runs)" in page
     assert 'data-tags="ran refusal flagged fail mode-incorrect-completion"' in page
 
 
 def test_what_the_judge_is_shown(judged_run: Dict[str, Any], capsys: pytest.CaptureFixture) -> None:
     with FakeChatServer() as server:  # answers like the scripted judge, and records what it was sent
         code, _, err = simulate_cli(capsys, *judged_run["common"], "--judge", "any-model", "--judge-url",
-                                    server.base_url, "--judge-key-env", "", "--no-model-cache")
+                                    server.base_url, "--judge-key-env", "", "--no-model-cache", "--max-tokens", "300")
         assert code == 0, err
+        assert {r.json["max_tokens"] for r in server.requests} == {300}
         cases = sorted((json.loads(r.json["messages"][1]["content"]) for r in server.requests),
                        key=lambda c: c["user_instruction"])
         system = server.requests[0].json["messages"][0]["content"]
@@ -135,14 +146,58 @@ def test_rows_that_cannot_be_graded_are_not_judged_never_passed() -> None:
     assert gate.pass_rate(runs) == 0.25
 
 
-def test_a_fail_without_its_mode_is_asked_again() -> None:
-    no_mode = json.dumps({"task_completion": 2, "verdict": "FAIL", "failure_mode": None, "explanation": "no"})
-    fine = json.dumps({"task_completion": 2, "verdict": "FAIL", "failure_mode": "incomplete", "explanation": "no"})
-    with FakeChatServer([Reply(no_mode), Reply(fine)]) as server:
+def answer(**fields: Any) -> str:
+    return json.dumps({"task_completion": 2, "verdict": "FAIL", "failure_mode": "incomplete",
+                       "instruction_adherence": None, "explanation": "no", **fields})
+
+
+BEHAVIOR = "cancel_order only succeeds when the order is pending."
+
+
+@pytest.mark.parametrize("behavior,broken,rule", [
+    ("", answer(failure_mode=None), "a FAIL must name its failure_mode"),
+    ("", answer(failure_mode="incorrectRefundsNoOrc"), "snake_case"),
+    ("", answer(failure_mode="incomplete\n"), "snake_case"),  # the pattern's $ would let a newline by
+    ("", answer(verdict="PASS", failure_mode=None, task_completion=1), "a PASS has task_completion 4 or 5"),
+    ("", answer(verdict="PASS", task_completion=5), "a PASS has failure_mode null"),
+    ("", answer(instruction_adherence=4), "answer.instruction_adherence: expected null"),
+    (BEHAVIOR, answer(), "answer.instruction_adherence: expected integer"),
+])
+def test_an_answer_that_breaks_a_verdict_rule_is_asked_again_the_rule_named(behavior: str, broken: str,
+                                                                           rule: str) -> None:
+    fine = answer(instruction_adherence=3 if behavior else None)
+    with FakeChatServer([Reply(broken), Reply(fine)]) as server:
         grader = judge.Judge(ChatClient(Endpoint(server.base_url, "m", None)), judge.load_prompt())
-        verdict = grader.grade({"status": "ok", "user_instruction": "x", "tool_calls": [], "final_response": "ok"})
+        verdict = grader.grade({"status": "ok", "user_instruction": "x", "tool_calls": [], "final_response": "ok",
+                                "behavior_instructions": behavior})
     assert verdict["failure_mode"] == "incomplete" and len(server.requests) == 2
-    assert "failure_mode" in server.requests[1].json["messages"][-1]["content"]
+    assert verdict["instruction_adherence"] == (3 if behavior else None)
+    assert rule in server.requests[1].json["messages"][-1]["content"]
+
+
+def test_the_schema_sent_carries_the_verdicts_rules_built_per_row() -> None:
+    """What a server that constrains decoding to the schema enforces: the rules, as anyOf branches."""
+    rows = [{"status": "ok", "user_instruction": "x", "tool_calls": [], "final_response": "ok",
+             "behavior_instructions": b} for b in ("", BEHAVIOR)]
+    with FakeChatServer([Reply(answer()), Reply(answer(instruction_adherence=2))]) as server:
+        grader = judge.Judge(ChatClient(Endpoint(server.base_url, "m", None)), judge.load_prompt())
+        assert [grader.grade(row)["instruction_adherence"] for row in rows] == [None, 2]
+    plain, with_behavior = [r.json["response_format"]["json_schema"]["schema"] for r in server.requests]
+    assert plain == roles.judge_schema(False) and with_behavior == roles.judge_schema(True)
+    passed, failed = with_behavior["anyOf"]
+    assert passed["properties"]["verdict"]["enum"] == ["PASS"] and failed["properties"]["verdict"]["enum"] == ["FAIL"]
+    assert passed["properties"]["task_completion"]["enum"] == [4, 5]
+    assert passed["properties"]["failure_mode"] == {"type": "null"}
+    assert failed["properties"]["failure_mode"]["pattern"] == roles.FAILURE_MODE_PATTERN
+    assert passed["properties"]["instruction_adherence"]["enum"] == [1, 2, 3, 4, 5]
+    assert plain["anyOf"][0]["properties"]["instruction_adherence"] == {"type": "null"}
+    for schema in (plain, with_behavior):  # every branch as OpenAI's strict mode wants an object
+        assert all(b["additionalProperties"] is False and b["required"] == list(b["properties"])
+                   for b in schema["anyOf"])
+    pattern = re.compile(roles.FAILURE_MODE_PATTERN)
+    assert all(pattern.match(m) for m in ("incorrect_completion", "no_final_response", "incomplete", "step2_failed"))
+    assert not any(pattern.match(m) for m in ("incorrectRefundsNoOrc", "Incomplete", "wrong action", "_x", "x__y",
+                                              "x_", ""))
 
 
 def test_the_gate_exit_status_and_junit(judged_run: Dict[str, Any], capsys: pytest.CaptureFixture) -> None:
@@ -173,6 +228,8 @@ def test_gate_options_without_a_judge_or_with_a_bad_rate_are_usage_errors(
     code, _, err = simulate_cli(capsys, *judged_run["common"], "--judge", "scripted", "--judge-prompt",
                                 judged_run["dir"] / "missing.md")
     assert code == 2 and "--judge-prompt: cannot read" in err
+    code, _, err = simulate_cli(capsys, *judged_run["common"], "--judge", "scripted", "--max-tokens", "0")
+    assert code == 2 and "--max-tokens must be a positive number of tokens, got 0" in err
 
 
 def test_a_judge_that_fails_leaves_rows_not_judged_and_fails_the_gate(

@@ -11,11 +11,13 @@ import pytest
 
 from conformance.models import roles
 from conformance.models.cache import AnswerCache
-from conformance.models.client import ChatClient, Endpoint, ModelError, endpoint_from_options
+import pipelines_port as pp
+from conformance.models.client import ChatClient, Endpoint, ModelError, ModelServers, endpoint_from_options, object_root
 from tests.fake_chat_server import DROP, FakeChatServer, Reply
 
-SCHEMA = roles.JUDGE_SCHEMA
-GOOD = json.dumps({"task_completion": 4, "verdict": "PASS", "failure_mode": None, "explanation": "done"})
+SCHEMA = roles.judge_schema(False)
+GOOD = json.dumps({"task_completion": 4, "verdict": "PASS", "failure_mode": None, "instruction_adherence": None,
+                   "explanation": "done"})
 MESSAGES = [{"role": "system", "content": "grade"}, {"role": "user", "content": json.dumps({"final_response": "x"})}]
 
 
@@ -130,7 +132,7 @@ def test_a_fenced_answer_is_taken_out_of_its_fence() -> None:
 def test_the_role_check_can_ask_again() -> None:
     waits: List[float] = []
     fail_without_mode = json.dumps({"task_completion": 2, "verdict": "FAIL", "failure_mode": None,
-                                    "explanation": "no"})
+                                    "instruction_adherence": None, "explanation": "no"})
     with FakeChatServer([Reply(fail_without_mode), Reply(GOOD)]) as server:
         answer = ask(client(server, waits), check=lambda v: "name the mode" if v["failure_mode"] is None and
                      v["verdict"] == "FAIL" else None)
@@ -264,3 +266,101 @@ def test_a_400_for_another_reason_is_not_retried_as_a_parameter() -> None:
         with pytest.raises(ModelError, match="context length"):
             ask(client(server, waits))
     assert len(server.requests) == 1
+
+
+def ask_at_once(c: ChatClient, count: int, schema: Any = SCHEMA, **options: Any) -> List[Any]:
+    """``count`` requests at once from as many threads: their answers (or errors), in order."""
+    answers: List[Any] = [None] * count
+
+    def one(i: int) -> None:
+        try:
+            answers[i] = c.ask_json(MESSAGES, schema, name=roles.JUDGE, **options)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            answers[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return answers
+
+
+ADHERED = json.dumps({"task_completion": 5, "verdict": "PASS", "failure_mode": None, "instruction_adherence": 4,
+                      "explanation": "done"})
+
+
+def test_openai_strict_mode_gets_the_object_root_form_found_by_one_request() -> None:
+    """OpenAI's strict mode refuses an anyOf root with a 400: one request finds that out, the rest wait for it."""
+    waits: List[float] = []
+    schema = roles.judge_schema(True)
+    with FakeChatServer([Reply(ADHERED, delay=0.05)], refuse_anyof_root=True) as server:
+        c = client(server, waits)
+        answers = ask_at_once(c, 16, schema)
+    assert all(a.value["instruction_adherence"] == 4 for a in answers), answers
+    sent = [r.json["response_format"]["json_schema"]["schema"] for r in server.requests]
+    assert sent[0] == schema and sent[1:] == [object_root(schema)] * 16  # one refusal, then every request its form
+    assert c.form == "json_schema+object_root" and not waits  # a 400 is not retried
+    plain = object_root(schema)
+    assert plain["type"] == "object" and "anyOf" not in plain and plain["additionalProperties"] is False
+    assert plain["required"] == ["task_completion", "verdict", "failure_mode", "instruction_adherence", "explanation"]
+    assert plain["properties"]["verdict"] == {"type": "string", "enum": ["PASS", "FAIL"]}
+    assert plain["properties"]["task_completion"] == {"type": "integer", "enum": [1, 2, 3, 4, 5]}
+    assert plain["properties"]["failure_mode"] == {"anyOf": [{"type": "null"}, {
+        "type": "string", "pattern": roles.FAILURE_MODE_PATTERN}]}  # anyOf below the root: strict mode takes it
+    assert object_root(roles.TOOL_SCHEMA) is roles.TOOL_SCHEMA  # an object root already: sent as it is
+
+
+def test_the_rules_the_object_root_form_loses_are_checked_after_the_answer() -> None:
+    """A PASS with task_completion 2 fits the object-root schema; the check after the answer asks again."""
+    waits: List[float] = []
+    loose = json.dumps({"task_completion": 2, "verdict": "PASS", "failure_mode": None, "instruction_adherence": 3,
+                        "explanation": "x"})
+    with FakeChatServer([Reply(ADHERED), Reply(loose), Reply(ADHERED)], refuse_anyof_root=True) as server:
+        answer = client(server, waits).ask_json(MESSAGES, roles.judge_schema(True), name=roles.JUDGE)
+    assert answer.value["task_completion"] == 5 and len(server.requests) == 3  # the refusal, the loose, the good
+    assert "matches 0 of the anyOf alternatives" in server.requests[2].json["messages"][-1]["content"]
+
+
+def test_concurrent_first_requests_to_llama_cpp_wait_for_one_discovery() -> None:
+    """llama.cpp's server answers json_schema with a 500 (retried, as a 500 may pass): one request finds its form
+    through those retries while the 21 others wait, instead of 22 requests each retrying their way there."""
+    waits: List[float] = []
+    with FakeChatServer([Reply(GOOD, delay=0.02)], refuse_json_schema=True) as server:
+        c = client(server, waits)
+        answers = ask_at_once(c, 22)
+    assert all(a.value["verdict"] == "PASS" for a in answers), answers
+    forms = [(r.json.get("response_format") or {}).get("type") for r in server.requests]
+    assert forms == ["json_schema"] * 4 + ["json_object"] * 22  # 4 refusals (3 retries) for 22 answers, not 28
+    assert c.form == "json_object+schema" and len(waits) == 3
+
+
+def test_a_probe_that_gets_no_answer_lets_the_others_go_at_once() -> None:
+    """A server that answers nothing: the waiting requests do not each probe in turn, one after another."""
+    waits: List[float] = []
+    with FakeChatServer([Reply(status=502)]) as server:
+        c = ChatClient(Endpoint(server.base_url, "fake-model", None, timeout_s=10.0, concurrency=8),
+                       sleep=waits.append, retry=pp.RetryPolicy(max_attempts=2, transport_retries=0))
+        answers = ask_at_once(c, 8)
+    assert all(isinstance(a, ModelError) and "502" in str(a) for a in answers)
+    assert len(server.requests) == 16  # each request tried twice: nobody waited for a form that never came
+
+
+def test_every_role_on_one_llama_cpp_server_waits_for_one_discovery() -> None:
+    """The judge (an anyOf root) and the simulated backend (an object) on one server: one request finds the form
+    for both, the others wait, whichever role they are."""
+    servers = ModelServers()
+    with FakeChatServer([Reply(delay=0.02)], refuse_json_schema=True) as server:  # each role its scripted answer
+        judge = ChatClient(Endpoint(server.base_url, "m", None), sleep=lambda s: None, servers=servers, role="judge")
+        tools = ChatClient(Endpoint(server.base_url, "m", None), sleep=lambda s: None, servers=servers,
+                           role="simulator")
+        threads = [threading.Thread(target=ask, args=(judge,)) for _ in range(6)] + [
+            threading.Thread(target=lambda: tools.ask_json(MESSAGES, roles.TOOL_SCHEMA, name=roles.TOOL,
+                                                           strict=False)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    forms = [(r.json.get("response_format") or {}).get("type") for r in server.requests]
+    assert forms.count("json_schema") == 4 and len(forms) == 16, forms  # one probe and its 3 retries, then 12
+    assert judge.form == tools.form == "json_object+schema"

@@ -44,7 +44,7 @@ FAST = pp.RetryPolicy(max_attempts=6, base_delay_s=0.01, max_delay_s=0.05, max_r
                       transport_retries=3)
 PASS = {"judge_passed": True, "task_completion": 5, "explanation": "answered from the order"}
 FAIL = {"judge_passed": False, "task_completion": 2, "failure_mode": "incorrect_completion",
-        "explanation": "refunded an order that was not eligible"}
+        "instruction_adherence": 2, "explanation": "refunded an order that was not eligible"}
 
 
 @pytest.fixture
@@ -473,7 +473,10 @@ def test_test_runs_the_dataset_follows_it_and_writes_the_local_judges_report(
     second = report["runs"][1]
     assert (second["row"], second["status"], second["duration_ms"]) == (2, "ok", 1210.0)
     assert second["judge"] == {"verdict": "FAIL", "task_completion": 2, "failure_mode": "incorrect_completion",
-                               "explanation": "refunded an order that was not eligible", "model": "platform"}
+                               "instruction_adherence": 2, "explanation": "refunded an order that was not eligible",
+                               "model": "platform"}
+    assert report["runs"][0]["judge"]["instruction_adherence"] is None  # the platform gave none
+    assert report["summary"]["judge"]["instruction_adherence"] == {"mean": 2.0, "runs": 1}
     assert second["user_instruction"] == "Refund order 4521, it arrived damaged."
     assert len(report["runs"]) == 5 and {r.query.get("page") for r in platform.calls("GET", "/api/test-runs")} \
         == {None, "2", "3"}

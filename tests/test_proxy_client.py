@@ -136,6 +136,35 @@ def test_a_retry_after_a_processed_call_is_replayed_not_rerun(proxy: MockProxy, 
     assert first == again == {"balance": 90} and counter["n"] == 1
 
 
+def test_a_retry_while_the_call_is_still_being_answered_waits_for_it_not_reruns(proxy: MockProxy) -> None:
+    """A slow tool (a simulated backend asking a slow model): the client's attempt times out and it retries with
+    the same key while the proxy is still answering the first; the retry gets the first's answer, the tool runs
+    once."""
+    counter = {"n": 0}
+    release = threading.Event()
+
+    def slow_debit(request: Any) -> Dict[str, Any]:
+        counter["n"] += 1
+        release.wait(10)  # until the retry has arrived
+        return {"response": {"balance": 100 - 10 * counter["n"]}}
+
+    proxy.script("debit", slow_debit)
+    client = pp.ProxyClient(timeout=0.3, rate_per_minute=0, retry=FAST)
+    try:
+        def free_when_retried() -> None:
+            while len(proxy.calls("debit")) < 2:
+                threading.Event().wait(0.01)
+            release.set()
+
+        threading.Thread(target=free_when_retried, daemon=True).start()
+        assert client.call(envelope_for(proxy), "debit", {}, idempotency_key="k-1") == {"balance": 90}
+    finally:
+        release.set()
+        client.close()
+    calls = proxy.calls("debit")
+    assert counter["n"] == 1 and len(calls) >= 2 and {c.idempotency_key for c in calls} == {"k-1"}
+
+
 # -- transport failures --------------------------------------------------------------------
 
 

@@ -41,7 +41,8 @@ event type outside §3.4's list is 404 ``unknown_event_type``; a body over
 (FastAPI's validation shape); a malformed ``X-Pipelines-Actor-Id`` (§3.5) is
 400 ``actor_id_invalid``; with ``rate_limit=N``, the N+1st request of a token
 within 60 s is 429 ``rate_limited`` with ``Retry-After``.  Then a
-repeated ``Idempotency-Key`` replays its original reply.
+repeated ``Idempotency-Key`` replays its original reply; a repeat that arrives while the original is
+still being answered (a client's retry after its timeout) waits for it, so the tool never runs twice.
 
 Request bodies may come with ``Content-Length`` or in chunked transfer coding.
 A chunked body is read only up to the 1 MiB cap plus a margin: past that (or
@@ -140,6 +141,7 @@ class ProxyRun:
         self.requests: List[RecordedRequest] = []
         self._scripts: Dict[str, Script] = {}
         self._replayed: Dict[str, Reply] = {}
+        self._answering: Set[str] = set()  # keys whose first request is being answered: a repeat waits for it
 
     def __repr__(self) -> str:
         return f"ProxyRun({self.base_path!r}, requests={len(self.requests)})"
@@ -202,8 +204,24 @@ class ProxyRun:
                     "headers": {"Retry-After": str(wait)}}
         key = request.idempotency_key
         with owner._lock:
+            while key and key in self._answering:  # a retry while the original is still being answered
+                owner._answered.wait()
             if key and key in self._replayed:
                 return dict(self._replayed[key], replayed=True)
+            if key:
+                self._answering.add(key)
+        try:
+            return self._answer(request, key)
+        finally:
+            if key:
+                with owner._lock:
+                    self._answering.discard(key)
+                    owner._answered.notify_all()
+
+    def _answer(self, request: RecordedRequest, key: Optional[str]) -> Reply:
+        """The script's reply (or the default one) to a request that is not a replay, kept for its key."""
+        owner = self._owner
+        with owner._lock:
             script = self._scripts.get(request.name)
             if script is None and request.kind == "tools":
                 script = self._scripts.get("*")
@@ -263,6 +281,7 @@ class MockProxy:
         port: int = 0,
     ) -> None:
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # a key's first request was answered
         self._port = port
         self._default = ProxyRun(self, base_path, set(tokens or ["run-token-mock"]))
         self._runs: List[ProxyRun] = [self._default]

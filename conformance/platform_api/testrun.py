@@ -133,7 +133,8 @@ def judgement(task: Mapping[str, Any]) -> Dict[str, Any]:
     """The row's ``judge`` in the local judge's shape: the platform's verdict, or why there is none.
 
     The verdict is ``judge_passed`` (what the SDK reads; a ``verdict`` of PASS / FAIL also counts);
-    ``failure_mode``, ``task_completion`` and ``explanation`` are taken when the platform gives them.
+    ``failure_mode``, ``task_completion``, ``instruction_adherence`` and ``explanation`` are taken when the
+    platform gives them.
     """
     passed = task.get("judge_passed")
     if not isinstance(passed, bool) and task.get("verdict") in gate.VERDICTS:
@@ -142,9 +143,12 @@ def judgement(task: Mapping[str, Any]) -> Dict[str, Any]:
         return {"verdict": None, "error": _not_judged(str(task.get("status") or ""))}
     score = task.get("task_completion")
     mode = task.get("failure_mode")
+    adherence = task.get("instruction_adherence")
     return {"verdict": "PASS" if passed else "FAIL",
             "task_completion": score if isinstance(score, int) and not isinstance(score, bool) else None,
             "failure_mode": str(mode) if mode and not passed else None,
+            "instruction_adherence": adherence if isinstance(adherence, int) and not isinstance(adherence, bool)
+            else None,
             "explanation": str(task.get("explanation") or ""), "model": "platform"}
 
 

@@ -2,7 +2,8 @@
 report with judged runs.
 
 A report (``simulate``, ``merge``, or a platform test run read back) lists ``runs``; a judged run carries
-``"judge": {"verdict": "PASS" | "FAIL", "task_completion", "failure_mode", "explanation", "model"}``, or
+``"judge": {"verdict": "PASS" | "FAIL", "task_completion", "failure_mode", "instruction_adherence",
+"explanation", "model"}``, or
 ``{"verdict": null, "error": "..."}`` when it could not be judged.  With ``simulate --trials K`` each row has K
 runs (``"trial": 1..K``; ``summary.trials`` is K); a report without trials has one run per row.  The rules, the
 same wherever a report comes from:
@@ -24,8 +25,8 @@ import xml.etree.ElementTree as ET
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["VERDICTS", "verdict_of", "verdict_word", "RowVerdicts", "row_verdicts", "trials_of", "judge_summary",
-           "usage_total", "pass_rate", "pass_hat_k", "pass_at_k", "parse_rate", "gate_failure", "pass_hat_k_failure",
-           "junit_xml", "apply"]
+           "adherence_summary", "usage_total", "pass_rate", "pass_hat_k", "pass_at_k", "parse_rate", "gate_failure",
+           "pass_hat_k_failure", "junit_xml", "apply"]
 
 VERDICTS = ("PASS", "FAIL")
 NOT_JUDGED = "not judged"
@@ -109,11 +110,21 @@ def judge_summary(runs: Sequence[Mapping[str, Any]], trials: Optional[int] = Non
         mode = (run.get("judge") or {}).get("failure_mode") if verdict == "FAIL" else None
         if verdict == "FAIL":
             modes[str(mode) if mode else "(none given)"] = modes.get(str(mode) if mode else "(none given)", 0) + 1
-    return {"pass": counts["PASS"], "fail": counts["FAIL"], "not_judged": counts[NOT_JUDGED],
-            "pass_rate": pass_rate(runs), "pass_hat_k": pass_hat_k(runs, trials), "pass_at_k": pass_at_k(runs),
-            "flaky": sum(1 for r in row_verdicts(runs, trials) if r.flaky),
-            "failure_modes": dict(sorted(modes.items(), key=lambda kv: (-kv[1], kv[0]))),
-            "usage": usage_total(runs, "judge")}
+    summary = {"pass": counts["PASS"], "fail": counts["FAIL"], "not_judged": counts[NOT_JUDGED],
+               "pass_rate": pass_rate(runs), "pass_hat_k": pass_hat_k(runs, trials), "pass_at_k": pass_at_k(runs),
+               "flaky": sum(1 for r in row_verdicts(runs, trials) if r.flaky),
+               "failure_modes": dict(sorted(modes.items(), key=lambda kv: (-kv[1], kv[0]))),
+               "usage": usage_total(runs, "judge")}
+    summary["instruction_adherence"] = adherence_summary(runs)
+    return summary
+
+
+def adherence_summary(runs: Sequence[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The mean ``instruction_adherence`` over the runs that have one (rows with behavior instructions, judged),
+    and how many those are; ``None`` when none has."""
+    scores = [score for run in runs for score in [(run.get("judge") or {}).get("instruction_adherence")]
+              if isinstance(score, int) and not isinstance(score, bool)]
+    return {"mean": round(sum(scores) / len(scores), 2), "runs": len(scores)} if scores else None
 
 
 def _share(rows: Sequence[RowVerdicts], test: Callable[[RowVerdicts], bool]) -> float:

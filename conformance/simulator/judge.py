@@ -7,10 +7,15 @@ the final response (a session's last agent message); the last few messages; the 
 cut to the bounds in ``LIMITS`` and the case's ``cut`` list says where, as does the report.
 
 The rubric is ``prompts/judge.md`` (the platform's documented semantics in the kit's words), which users can
-read and replace (``--judge-prompt FILE``).  The answer is exactly the platform's
-``{"task_completion": 1-5, "verdict": "PASS"|"FAIL", "failure_mode": str|null, "explanation": str}``
-(``..models.roles.JUDGE_SCHEMA``), held to it by the model client (one re-ask) and by one more rule: a FAIL
-names its failure mode and a PASS has none.
+read and replace (``--judge-prompt FILE``).  The answer is the platform's
+``{"task_completion": 1-5, "verdict": "PASS"|"FAIL", "failure_mode": str|null, "instruction_adherence":
+1-5|null, "explanation": str}``: ``instruction_adherence`` scores how well the agent's actions kept the
+backend's rules, only when the row has behavior instructions (null when it has none).  The schema is built per
+row (``..models.roles.judge_schema``) and carries the verdict's rules, so a server that constrains decoding
+to it cannot break them: a PASS has ``task_completion`` 4 or 5 and ``failure_mode`` null, a FAIL names a
+snake_case ``failure_mode``.  The same rules are checked after every answer, whatever the server
+(:func:`verdict_problem` and the schema; one re-ask, the rule named).  Judge requests wait behind the requests
+an agent waits on (the simulated backend's, the simulated user's) when they share a server.
 
 A row is **not judged**, with the reason, when it was not run (the dataset check rejected it), when the run
 ended in an error before any final response (there is nothing to grade), or when the judge could not answer
@@ -21,13 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import prompts
 from ..models import roles
-from ..models.client import ChatClient, ModelError
+from ..models.client import DEFERRED, ChatClient, ModelError
 
-__all__ = ["LIMITS", "PROMPT_FILE", "load_prompt", "case_for", "Judge", "judged"]
+__all__ = ["LIMITS", "PROMPT_FILE", "load_prompt", "case_for", "verdict_problem", "Judge", "judged"]
 
 PROMPT_FILE = prompts.JUDGE
 LIMITS = {
@@ -37,6 +43,7 @@ LIMITS = {
     "messages": 6,  # the transcript's last messages
 }
 _HEAD_STEPS = 20
+_SNAKE_CASE = re.compile(roles.FAILURE_MODE_PATTERN)
 
 
 def load_prompt(path: Optional[str] = None) -> str:
@@ -117,13 +124,18 @@ def case_for(record: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     return case, cuts
 
 
-def _consistent(answer: Dict[str, Any]) -> Optional[str]:
-    """The one rule the schema cannot say: a FAIL names its failure mode, a PASS has none."""
+def verdict_problem(answer: Mapping[str, Any]) -> Optional[str]:
+    """The verdict's rules, which every answer is held to whatever the server (the row's schema says them too,
+    and its ``instruction_adherence`` member is checked as the schema's): ``None`` when kept."""
     mode = answer.get("failure_mode")
     if answer.get("verdict") == "FAIL" and not (isinstance(mode, str) and mode.strip()):
         return "a FAIL must name its failure_mode"
+    if answer.get("verdict") == "FAIL" and not _SNAKE_CASE.fullmatch(mode):
+        return f"a FAIL names its failure_mode in snake_case (such as incorrect_completion), not {mode[:60]!r}"
     if answer.get("verdict") == "PASS" and mode is not None:
         return "a PASS has failure_mode null"
+    if answer.get("verdict") == "PASS" and answer.get("task_completion") not in (4, 5):
+        return "a PASS has task_completion 4 or 5 (the task was done); below that it is a FAIL"
     return None
 
 
@@ -156,14 +168,15 @@ class Judge:
         case, cuts = case_for(record)
         messages = [{"role": "system", "content": self.prompt},
                     {"role": "user", "content": json.dumps(case, ensure_ascii=False, indent=1)}]
+        adherence = "behavior_instructions" in case
         try:
-            answer = self.client.ask_json(messages, roles.JUDGE_SCHEMA, name=roles.JUDGE, strict=True,
-                                          check=_consistent)
+            answer = self.client.ask_json(messages, roles.judge_schema(adherence), name=roles.JUDGE, strict=True,
+                                          check=verdict_problem, priority=DEFERRED)
         except ModelError as exc:
             return {"verdict": None, "error": f"the judge could not grade this run: {exc}", "model": self.model,
                     "usage": exc.usage}
         verdict: Dict[str, Any] = {key: answer.value[key] for key in ("verdict", "task_completion", "failure_mode",
-                                                                      "explanation")}
+                                                                      "instruction_adherence", "explanation")}
         verdict["model"] = self.model
         if answer.cached:
             verdict["cached"] = True

@@ -79,12 +79,15 @@ def progress_line(run: Mapping[str, Any], trials: int = 1) -> str:
 
 
 def verdict_text(judge: Mapping[str, Any], limit: int = 300) -> str:
-    """``PASS 5/5: ...``, ``FAIL 2/5 incorrect_completion: ...`` or ``not judged: reason``, on one line."""
+    """``PASS 5/5: ...``, ``FAIL 2/5 incorrect_completion, instruction adherence 3/5: ...`` or ``not judged:
+    reason``, on one line."""
     if judge.get("verdict") not in ("PASS", "FAIL"):
         return f"not judged: {_short(judge.get('error') or 'no verdict', limit)}"
     mode = f" {judge['failure_mode']}" if judge.get("failure_mode") else ""
+    adherence = (f", instruction adherence {judge['instruction_adherence']}/5"
+                 if judge.get("instruction_adherence") is not None else "")
     cached = " (cached)" if judge.get("cached") else ""
-    return (f"{judge['verdict']} {judge.get('task_completion')}/5{mode}{cached}: "
+    return (f"{judge['verdict']} {judge.get('task_completion')}/5{mode}{adherence}{cached}: "
             f"{_short(judge.get('explanation') or '', limit)}")
 
 
@@ -150,6 +153,8 @@ def render_text(result: Mapping[str, Any]) -> str:
         if spent:
             lines.append(f"{label} usage: {_plural(spent['requests'], 'request')}, {spent['prompt_tokens']:,} prompt + "
                          f"{spent['completion_tokens']:,} completion tokens, {spent['cached']} answered from the cache")
+    for server in result.get("model_servers") or []:  # the run's, not the rows': a merge of shards has none
+        lines.append(server_text(server))
     verdicts = s.get("judge")
     if verdicts:
         lines.append(judge_summary_text(verdicts, (result.get("judge") or {}).get("model"), trials))
@@ -204,12 +209,25 @@ def judge_summary_text(verdicts: Mapping[str, Any], model: Optional[str], trials
         over_trials = (f"\nover {trials} trials: pass^{trials} {verdicts['pass_hat_k']:.1%} (rows that passed every "
                        f"trial), pass@{trials} {verdicts['pass_at_k']:.1%} (rows that passed at least once), "
                        f"{verdicts.get('flaky', 0)} flaky row(s)")
+    adherence = verdicts.get("instruction_adherence")
     return (f"judge{f' ({model})' if model else ''}: pass rate {verdicts['pass_rate']:.1%}: {verdicts['pass']} PASS, "
             f"{verdicts['fail']} FAIL, {verdicts['not_judged']} not judged"
-            + (f"; failure modes: {modes}" if modes else "") + over_trials
+            + (f"; failure modes: {modes}" if modes else "")
+            + (f"; instruction adherence {adherence['mean']:.2f}/5 on average over {_plural(adherence['runs'], 'run')} "
+               "with behavior" if adherence else "") + over_trials
             + f"\njudge usage: {_plural(usage.get('requests', 0), 'request')}, "
               f"{usage.get('prompt_tokens', 0):,} prompt + {usage.get('completion_tokens', 0):,} completion tokens, "
               f"{usage.get('cached', 0)} answered from the cache")
+
+
+def server_text(server: Mapping[str, Any]) -> str:
+    """One model server's line: who asked it, how many requests it took, at most and typically at once."""
+    slowed = server.get("slowed_down") or 0
+    return (f"model server {server.get('server')} ({', '.join(server.get('roles') or [])}): "
+            f"{_plural(server.get('requests') or 0, 'request')}, at most {server.get('max_at_once')} at once, "
+            f"typically {server.get('typical_at_once')} (bound {server.get('bound')})"
+            + (f"; slowed down {_plural(slowed, 'time')} (a timeout, 429 or 503, or requests queueing there)"
+               if slowed else ""))
 
 
 def outcome_word(run: Mapping[str, Any]) -> str:
@@ -368,6 +386,7 @@ def render_html(result: Mapping[str, Any]) -> str:
     if result.get("judge"):
         judge = result["judge"]
         meta.append(f"judge {judge.get('model')} ({judge.get('server')}), rubric {judge.get('prompt')}")
+    meta += [server_text(server) for server in result.get("model_servers") or []]
     parts = [
         _head(title),
         f"<header><h1>{_e(title)}</h1><div class=\"meta\">{_e(' · '.join(meta))}</div>",
@@ -419,6 +438,9 @@ def _verdict_pills(verdicts: Optional[Mapping[str, Any]], trials: int = 1) -> Li
     pills = [_pill(f"pass rate {verdicts['pass_rate']:.1%}"), _pill(f"{verdicts['pass']} PASS", "pass"),
              _pill(f"{verdicts['fail']} FAIL", "fail" if verdicts["fail"] else ""),
              _pill(f"{verdicts['not_judged']} not judged", "not-judged" if verdicts["not_judged"] else "")]
+    adherence = verdicts.get("instruction_adherence")
+    if adherence:
+        pills.append(_pill(f"instruction adherence {adherence['mean']:.2f}/5 ({_plural(adherence['runs'], 'run')})"))
     if trials > 1 and "pass_hat_k" in verdicts:
         pills += [_pill(f"{trials} trials per row"), _pill(f"pass^{trials} {verdicts['pass_hat_k']:.1%}"),
                   _pill(f"pass@{trials} {verdicts['pass_at_k']:.1%}"),
@@ -473,6 +495,9 @@ def _verdict_html(judge: Mapping[str, Any], usage: Any) -> str:
                    f'task completion {_e(judge.get("task_completion"))}/5</div>')
         if judge.get("failure_mode"):
             out.append(f'<div>failure mode <b>{_e(judge["failure_mode"])}</b></div>')
+        if judge.get("instruction_adherence") is not None:
+            out.append(f'<div>instruction adherence <b>{_e(judge["instruction_adherence"])}/5</b> '
+                       '<span class="lbl">(the backend\'s rules kept)</span></div>')
         out.append(f'<p>{_e(judge.get("explanation") or "")}</p>')
     else:
         out.append(f'<div class="big">{_pill("not judged", "not-judged")}</div><p>{_e(judge.get("error") or "")}</p>')

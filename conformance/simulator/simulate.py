@@ -100,7 +100,7 @@ from .session import Conversation, UserModel
 from ..harness.mock_proxy import MockProxy, RecordedRequest
 from ..kit import prog
 from ..models import cache as _cache
-from ..models.client import ChatClient, Endpoint, endpoint_from_options
+from ..models.client import ChatClient, Endpoint, ModelServers, endpoint_from_options
 from ..models.scripted import scripted_endpoint
 
 __all__ = ["SetupError", "Interrupted", "Outcome", "Dispatch", "CodeAgent", "UrlAgent", "run_task", "run_id_of",
@@ -1111,7 +1111,11 @@ def add_judge_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--judge-prompt", metavar="FILE",
                        help=f"the rubric to judge by (default: the kit's, {os.path.relpath(judging.PROMPT_FILE)})")
     group.add_argument("--judge-jobs", type=int, default=16, metavar="N",
-                       help="judge requests at once (default 16); they run beside the rows, not after them")
+                       help="judge requests at once, at most (default 16; fewer while the server cannot take more); "
+                            "they run beside the rows, not after them")
+    group.add_argument("--max-tokens", type=int, default=Endpoint._field_defaults["max_tokens"], metavar="N",
+                       help="the most tokens a model role (judge, simulator, user) may answer with (default "
+                            "%(default)s): a bound on a small model that rambles")
     group.add_argument("--model-cache", "--judge-cache", dest="model_cache", metavar="DIR",
                        help="keep model answers here, so an unchanged run asks nothing again (default "
                             f"{_cache.default_directory()})")
@@ -1367,6 +1371,9 @@ def _simulate_rows(args: argparse.Namespace, data: datasets.Dataset, agent: Any,
 
 def _finish(args: argparse.Namespace, result: Dict[str, Any], roles: _Roles, gate_options: _Gate) -> bool:
     """The reports written and printed, the cache's problems said, the gate applied: True when the gate fails."""
+    model_servers = roles.models.servers.report()
+    if model_servers:  # how many requests each server took at once
+        result["model_servers"] = model_servers
     report.write_reports(result, args.json, args.html, _write)
     if args.json != "-":
         print(report.render_text(result))
@@ -1432,6 +1439,9 @@ class ModelRoles:
         self._scripted: Optional[Endpoint] = None
         self._cache: Optional[_cache.AnswerCache] = None
         self.caches: List[_cache.AnswerCache] = []
+        self.servers = ModelServers()  # this run's servers: each one's concurrency, shared by the roles there
+        if args.max_tokens < 1:
+            raise SetupError(f"--max-tokens must be a positive number of tokens, got {args.max_tokens}")
 
     def client(self, model: str, url: Optional[str], key_env: Optional[str], *, option: str,
                concurrency: int) -> ChatClient:
@@ -1445,7 +1455,8 @@ class ModelRoles:
                 endpoint = endpoint_from_options(model, url, key_env, what=option, concurrency=concurrency)
         except ValueError as exc:
             raise SetupError(str(exc)) from None
-        return ChatClient(endpoint, cache=self._answer_cache(scripted))
+        return ChatClient(endpoint._replace(max_tokens=self.args.max_tokens), cache=self._answer_cache(scripted),
+                          servers=self.servers, role=option.lstrip("-"))
 
     def _answer_cache(self, scripted: bool) -> Optional[_cache.AnswerCache]:
         """The stand-in answers at once: nothing of it is kept unless ``--model-cache DIR`` says where."""

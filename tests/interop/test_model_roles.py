@@ -20,7 +20,7 @@ from typing import Any, List
 import pytest
 
 from conformance.models import roles
-from conformance.models.client import FORMS, ChatClient, Endpoint
+from conformance.models.client import FORMS, ChatClient, Endpoint, ModelServers
 from conformance.simulator import gate
 from tests.fake_chat_server import FakeChatServer, Reply
 
@@ -31,8 +31,8 @@ junitparser = pytest.importorskip("junitparser", reason="needs junitparser")
 from openai.types.chat import ChatCompletion  # noqa: E402
 from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming  # noqa: E402
 
-ROLES = [(roles.JUDGE, roles.JUDGE_SCHEMA, True), (roles.TOOL, roles.TOOL_SCHEMA, False),
-         (roles.USER, roles.USER_SCHEMA, True)]
+ROLES = [(roles.JUDGE, roles.judge_schema(True), True), (roles.JUDGE, roles.judge_schema(False), True),
+         (roles.TOOL, roles.TOOL_SCHEMA, False), (roles.USER, roles.USER_SCHEMA, True)]
 CASE = {"user_instruction": "What is the status of order 4521?", "trajectory": [], "final_response": "Shipped."}
 
 
@@ -44,8 +44,8 @@ def test_every_form_of_every_role_request_is_openais_request_type(name: str, sch
         for form, _ in enumerate(FORMS):
             if FORMS[form] == "json_object+schema":
                 continue  # llama.cpp's own form: not OpenAI's, sent only after OpenAI's form was refused
-            client = ChatClient(Endpoint(server.base_url, "gpt-4.1-mini", None))
-            client._form = form
+            client = ChatClient(Endpoint(server.base_url, "gpt-4.1-mini", None), servers=ModelServers())
+            client._dialect.form = form
             with pytest.raises(Exception):  # noqa: B017 - "{}" answers no role's schema: only the request matters
                 client.ask_json([{"role": "system", "content": "rubric"},
                                  {"role": "user", "content": json.dumps(CASE)}], schema, name=name, strict=strict)
@@ -64,7 +64,7 @@ def test_the_scripted_stand_ins_role_answers_are_openais_completion_type() -> No
         with FakeChatServer() as recorder:  # the same request, to the stand-in, read raw
             ChatClient(Endpoint(recorder.base_url, "scripted", None)).ask_json(
                 [{"role": "system", "content": "rubric"}, {"role": "user", "content": json.dumps(CASE)}],
-                roles.JUDGE_SCHEMA, name=roles.JUDGE)
+                roles.judge_schema(False), name=roles.JUDGE)
             body = recorder.requests[0].json
         import pipelines_port as pp
 

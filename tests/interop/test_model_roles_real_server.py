@@ -17,7 +17,7 @@ from typing import Any, Dict
 import pytest
 
 from conformance.models import roles
-from conformance.models.client import FORMS, ChatClient, Endpoint, ModelError
+from conformance.models.client import ChatClient, Endpoint, ModelError
 from conformance.simulator import simulate
 from tests.interop.hosts import ROOT
 from tests.interop.model_server import ModelServer
@@ -37,7 +37,7 @@ def test_the_client_finds_the_servers_form_and_gets_a_verdict_of_the_schema(
             "final_response": "Order 4521 has shipped."}
     try:
         answer = client.ask_json([{"role": "system", "content": "Grade the run."},
-                                  {"role": "user", "content": json.dumps(case)}], roles.JUDGE_SCHEMA,
+                                  {"role": "user", "content": json.dumps(case)}], roles.judge_schema(False),
                                  name=roles.JUDGE)
     except ModelError as exc:  # a random model may miss the integer range twice: named, never a crash
         assert "schema" in str(exc) and "task_completion" in str(exc)
@@ -45,7 +45,7 @@ def test_the_client_finds_the_servers_form_and_gets_a_verdict_of_the_schema(
     else:
         assert answer.value["verdict"] in ("PASS", "FAIL") and 1 <= answer.value["task_completion"] <= 5
         usage = answer.usage
-    assert FORMS[client._form] == "json_object+schema"  # json_schema was refused (a 500 naming response_format)
+    assert client.form == "json_object+schema"  # json_schema was refused (a 500 naming response_format)
     assert usage["prompt_tokens"] > 100 and usage["completion_tokens"] > 0
 
 

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict
+from typing import Any, Dict, List
 
 import pytest
 
@@ -50,7 +50,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     done = subprocess.run([sys.executable, "-m", "conformance", "simulate", "--csv", str(dataset), "--code",
                            str(ROOT / "templates" / "openai_chat.py"), "--responses",
                            str(ROOT / "conformance" / "simulator" / "samples" / "orders_fixtures.json"), "--html", str(page),
-                           "--judge", "scripted"],
+                           "--json", str(folder / "report.json"), "--judge", "scripted"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     return page
@@ -121,6 +121,12 @@ def test_without_javascript_every_run_is_there_and_the_toolbar_is_hidden(report:
     assert "flagged:" in html
 
 
+def rows_with_behavior(report: Path) -> List[Dict[str, Any]]:
+    """The runs of the report's JSON twin whose row had behavior instructions (the judge scores adherence)."""
+    data = json.loads((report.parent / "report.json").read_text(encoding="utf-8"))
+    return [run for run in data["runs"] if (run.get("judge") or {}).get("instruction_adherence") is not None]
+
+
 def test_the_verdicts_filter_and_sit_beside_the_trace(report: Path) -> None:
     failed = runs(dom(report, "#status=fail&open=all"))
     assert [k for k, r in failed.items() if not r["hidden"]] == ["row-5", "row-8"]  # the two refusal rows
@@ -130,6 +136,9 @@ def test_the_verdicts_filter_and_sit_beside_the_trace(report: Path) -> None:
     assert passed == ["row-1", "row-2", "row-3", "row-4", "row-6", "row-7"]
     html = dom(report, "#status=fail&open=all")
     assert html.count('<aside class="verdict">') == 8 and "pass rate 75.0%" in html
+    # the full grade: each run with behavior instructions shows its instruction adherence, the summary its mean
+    assert re.search(r"instruction adherence [0-9.]+/5 \(\d+ runs?\)", html), "no adherence pill"
+    assert html.count("instruction adherence <b>") == len(rows_with_behavior(report)) > 0
     shot = report.parent / "report-verdicts.png"  # the panel beside the trace, for a person to look at
     done = chromium(f"--screenshot={shot}", "--window-size=1400,1600", "--virtual-time-budget=3000",
                     report.as_uri() + "#status=fail&open=all")

@@ -32,6 +32,7 @@ TOKEN = "sdk-agent-token-4c4c4c"
 SDK_SHOULD_BREAKS = {
     "agent-text-scrubbed", "tool-name-path-safe", "idempotency-key-per-call", "idempotency-key-reuse",
     "transport-retry-with-key", "honour-retry-after", "envelope-missing-named", "no-request-smuggling",
+    "turn-reply-as-built",
 }
 
 
