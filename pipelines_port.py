@@ -1,13 +1,12 @@
 """pipelines_port: put any agent under test on the Pipelines platform, stdlib only (Python 3.9+).
 
 Copy this one file as it is into a sandbox upload, run it as a dispatch server, or read it while porting.  It
-speaks the wire contract of CONTRACT.md (the § marks point there), in three parts, each opening with what it
-may do: 1. THE CONTRACT, pure: what a porter reads alone; 2. THE PYTHON RUNTIME: one transport on asyncio
-under both drivers, the proxy client, the dispatch app, its servers, code mode; 3. CONVENIENCES: agent-loop
-helpers, tools from code, framework bridges, the MCP shim, the command line.
+speaks the wire contract of CONTRACT.md (the § marks point there) in three parts, each opening with what it may
+do: 1. THE CONTRACT, pure, what a porter reads alone; 2. THE PYTHON RUNTIME: one asyncio transport under both
+drivers, the proxy client, the dispatch app and its servers, code mode; 3. CONVENIENCES.
 
-Bytes are a budget: the platform takes at most 200,000 per file, and a sandbox compiles the file at each start.
-So one mechanism does each job, a rule is named here and explained in CONTRACT.md, and the map shows the cost.
+Bytes are a budget (the platform takes 200,000 per file; a sandbox compiles the file at each start): one
+mechanism per job, each rule named here and explained in CONTRACT.md.
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
