@@ -130,7 +130,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #   PART 1 - THE CONTRACT
 #
 #   What a port must agree on, as data and pure functions, each rule named as in CONTRACT.md.
-#   No I/O: no sockets, threads, logging, or environment reads but an omitted ``environ``.
+#   No I/O but reading ``os.environ`` when ``environ`` is omitted.
 #
 # ###########################################################################
 
@@ -138,7 +138,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
 
-# §2.1 headers (any case; stored lower-case), §2.2 body fields, §3.5
+# §2.1 headers (stored lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -171,7 +171,7 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value, but a tab
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # but a tab
 # §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -347,31 +347,24 @@ def _short(text: str, limit: int = 200) -> str:
 
 def validate_proxy_url(url: Any, where: str) -> str:
     """The proxy URL from ``where``, checked, without its trailing ``/`` (§7.2 kit-proxy-url-checked)."""
-    if not isinstance(url, str) or not url.strip():
-        raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
-    text = url.strip().rstrip("/")
+    text = url.strip().rstrip("/") if isinstance(url, str) else ""
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
         (parts.hostname or "").encode("idna")
-    except UnicodeError:
-        problem = "has an invalid host name"
-    except ValueError as exc:
-        problem = f"is not a valid URL: {exc}"
-    else:
-        if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
-                parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
-            return text
-        problem = "must be an http:// or https:// URL with a host, no query, fragment or whitespace"
-    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
+    except ValueError:  # and UnicodeError
+        parts = urlsplit("")
+    if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
+            parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
+        return text
+    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a valid host "
+                        "name, no query, fragment or whitespace")
 
 
 def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
-    if not text:
-        raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    if _TOKEN_REFUSED.search(text):
-        raise EnvelopeError(f"run token from {where} contains control characters")
+    if not text or _TOKEN_REFUSED.search(text):
+        raise EnvelopeError(f"run token from {where} must be a non-empty string without control characters")
     return text
 
 
@@ -389,7 +382,7 @@ def _first_id(*candidates: Any) -> Optional[Id]:
     return None
 
 
-def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog, kit-sub-agents-normalised
+def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog
     labels: List[Optional[str]] = []
     for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
@@ -417,7 +410,7 @@ class Envelope:
     tools_schema: Optional[Sequence[Any]]
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]  # the whole dispatch body
-    __slots__ = tuple(__annotations__)  # the fields above, in their order
+    __slots__ = tuple(__annotations__)
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -449,7 +442,7 @@ class Envelope:
     def _fields(self) -> Dict[str, Any]:
         return {n: getattr(self, n) for n in self.__slots__}
 
-    def __eq__(self, other: object) -> bool:  # and so unhashable
+    def __eq__(self, other: object) -> bool:
         return self._fields() == other._fields() if isinstance(other, Envelope) else NotImplemented
 
     def __reduce__(self) -> Any:
@@ -554,8 +547,8 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        # §7.2: wrong types read as absent, ids and jti fall back to ``headers``
-        raw = _freeze(body if isinstance(body, dict) else dict(body))
+        raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types read as absent
+
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -662,9 +655,10 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     if coding is not None and coding.strip().lower() != "chunked":
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if coding is not None or declared is None:
-        raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
+        raise LengthRequiredError("a Content-Length header is required")
     if _repeated(headers, "content-length", conflicting=True):
-        raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
+        raise RequestError("Content-Length headers that disagree")
+
     digits = declared.strip()
     if not (digits.isascii() and digits.isdigit()):
         raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
@@ -674,10 +668,9 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
 
 
 # RFC 9112: a field name is a token right before its colon, a value has no control character but HTAB
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_REQUEST_LINE = rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/" % _TOKEN.pattern
-_REQUEST_LINE_RE = re.compile(_REQUEST_LINE + rb"1\.([0-9])")
-_FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN)
+_FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN)
 
 
 class RequestHead(NamedTuple):
@@ -703,18 +696,23 @@ def parse_request_head(head: bytes) -> RequestHead:
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
         raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
                                    "fields")
+    if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
+        raise FramingError("the request head has a bare CR or LF (RFC 9112 §2.2)")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     if request is None:
-        raise _head_problem(lines)
+        raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
+    if request[3] != b"1":
+        raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
     headers: List[Tuple[str, str]] = []
     for line in lines[1:]:
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
-            raise _head_problem(lines)
+            raise FramingError(f"header line {lines.index(line, 1)} is not a token, a colon and a value without "
+                               "control characters (RFC 9112 §5: no line folding, no whitespace before the colon)")
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
-    version = "HTTP/1.0" if request[3] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
+    version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
@@ -724,20 +722,6 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
     return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
 
-
-def _head_problem(lines: List[bytes]) -> FramingError:
-    bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
-    if bare is not None:
-        return FramingError(f"line {bare + 1} of the request head has a bare CR or LF (RFC 9112 §2.2)")
-    request = re.fullmatch(_REQUEST_LINE + rb"([0-9])\.[0-9]", lines[0])  # any major version
-    if request is None:
-        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
-    if request[3] != b"1":
-        return VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
-
-    line = next(n for n, line in enumerate(lines) if n and _FIELD_LINE_RE.fullmatch(line) is None)
-    return FramingError(f"header line {line} is not a token, a colon and a value without control characters "
-                        "(RFC 9112 §5: no line folding, no whitespace before the colon)")
 
 
 class Endpoint(NamedTuple):
@@ -796,10 +780,9 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"this agent's wrapper is misconfigured: {endpoint.token_env} (the agent token) "
-                                     "is not set")
+            raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
         if _repeated(headers, name.lower()):
-            raise AuthError(f"the {name} header was sent more than once: send one credential", bearer=bearer)
+            raise AuthError(f"the {name} header was sent more than once", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
             raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
     length = _body_length(headers, endpoint.max_body)
@@ -813,7 +796,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice (kit-hostile-input)")
+            raise RequestError("the ping body has the key 'ping' twice")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
