@@ -1303,59 +1303,48 @@ def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bo
 
 
 def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
-    if metadata is None:
-        return []
-    if not isinstance(metadata, Mapping):
+    if metadata is not None and not isinstance(metadata, Mapping):
         return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
-    found = []
-    try:
-        for key, kind, wanted in _METADATA_TYPES:
-            value = metadata.get(key)
-            if value is not None and not (isinstance(value, kind) and (kind is str or (
-                    not isinstance(value, bool) and 0 <= value < math.inf))):
-                found.append(f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}")
-    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
-        return []
-    warnings += found
+    with contextlib.suppress(Exception):  # a mapping that raises: _jsonable names it
+        warnings += [f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}"
+                     for key, kind, wanted in _METADATA_TYPES if metadata for value in (metadata.get(key),)
+                     if value is not None and not (isinstance(value, kind) and (kind is str or (
+                         not isinstance(value, bool) and 0 <= value < math.inf)))]
     return []
 
 
+_MESSAGE_FIELDS = (  # each present field's types (§4.1)
+    ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
+    ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
+    ("tool_call_id", str, "a string"))
+
+
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
-    if messages is None:
-        return []
-    if not isinstance(messages, (list, tuple)):
+    if messages is not None and not isinstance(messages, (list, tuple)):
         return [f"messages: must be an array or null, got {json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
     call_ids: Set[str] = set()
-    for i, message in enumerate(messages):
+    for i, message in enumerate(messages or ()):
         at = f"messages[{i}]"
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls", ())
+        problems += [f"{at}.{key}: must be {wanted}, got {json_type(message[key])}"
+                     for key, kinds, wanted in _MESSAGE_FIELDS if key in message and not isinstance(message[key], kinds)]
+        role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        if content is not None and not isinstance(content, (str, list, tuple)):
-            problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
-        if not isinstance(calls, (list, tuple)):
-            problems.append(f"{at}.tool_calls: must be an array, got {json_type(calls)}")
-        elif role != "assistant" and calls:
+        if calls and isinstance(calls, (list, tuple)) and role != "assistant":
             warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
         for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
-        thinking = message.get("thinking", ())
-        if not isinstance(thinking, (list, tuple)):
-            problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
-        else:
-            problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                         for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
-        call_id = message.get("tool_call_id")
-        if "tool_call_id" in message and not isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
-        elif role == "tool" and not call_id:
-            problems.append(f"{at}.tool_call_id: required on role 'tool'")
-        elif role == "tool" and call_id not in call_ids:
-            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
+        problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                     for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
+                     if not isinstance(block, Mapping)]
+        call_id = message.get("tool_call_id", "")
+        if role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
+            problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} is not the id of an earlier tool call"
+                                                      if call_id else "required on role 'tool'"))
     return problems
 
 
