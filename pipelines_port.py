@@ -214,7 +214,7 @@ class PipelinesError(Exception):
 
 
 class RequestError(PipelinesError, ValueError, status=400):
-    """A request that cannot be handled as sent."""
+    """A bad request."""
 
 
 class EnvelopeError(RequestError):
@@ -245,7 +245,7 @@ class BodyTooLargeError(RequestError, status=413):
 
 
 class UnsupportedTransferCodingError(RequestError, status=501):
-    """A Transfer-Encoding other than chunked."""
+    """A Transfer-Encoding but chunked."""
 
 
 class FramingError(RequestError):
@@ -261,11 +261,11 @@ class HeadersTooLargeError(FramingError, status=431):
 
 
 class VersionNotSupportedError(FramingError, status=505):
-    """An HTTP version other than 1.x."""
+    """An HTTP version but 1.x."""
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request not read within the server's ``read_timeout_s``."""
+    """A request not read within ``read_timeout_s``."""
 
 
 class AuthError(PipelinesError, status=401):
@@ -303,7 +303,7 @@ class ResponseError(PipelinesError, ValueError):
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy request (§3.3); ``status_code`` is None when no reply came."""
+    """A failed proxy request (§3.3); ``status_code`` None: no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -864,17 +864,14 @@ def validate_tool_name(name: Any) -> str:
 
 def validate_actor_label(label: Any) -> Optional[str]:
     """The actor label trimmed, ``None`` for an empty one (§3.5)."""
-    if label is None:
+    if label is None or (isinstance(label, str) and not label.strip()):
         return None
-    if not isinstance(label, str):
-        raise ProxyRequestError(f"actor label must be a string, got {type(label).__name__}",
-                                error_class="actor_id_invalid")
-    text = label.strip()
+    text = label.strip() if isinstance(label, str) else ""
     segments = text.split("/")
     bad = [segment for segment in segments if not ACTOR_SEGMENT_RE.fullmatch(segment)]
-    if not text:
-        return None
-    if len(text) > ACTOR_MAX_LENGTH:
+    if not isinstance(label, str):
+        problem = f"must be a string, got {type(label).__name__}"
+    elif len(text) > ACTOR_MAX_LENGTH:
         problem = f"is {len(text)} characters long (at most {ACTOR_MAX_LENGTH})"
     elif len(segments) > ACTOR_MAX_SEGMENTS:
         problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
@@ -882,7 +879,7 @@ def validate_actor_label(label: Any) -> Optional[str]:
         problem = f"has segment {_short(repr(bad[0]), 80)}: not 1-64 characters from [A-Za-z0-9_.:-]"
     else:
         return text
-    raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
+    raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
 
 
 # made once: json.dumps with options makes an encoder per call
@@ -892,24 +889,22 @@ _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     """A request body: a JSON object (``None`` as ``{}``) within the cap (§3.1, §7.5)."""
-    if args is None:
-        args = {}
-    if not isinstance(args, Mapping):
+    if not isinstance(args, Mapping) and args is not None:
         raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {json_type(args)}", tool_name=name)
     try:
-        body = _STRICT_COMPACT_JSON.encode(args).encode("utf-8")
+        body = _STRICT_COMPACT_JSON.encode(args or {}).encode("utf-8")
     except (TypeError, ValueError) as exc:
-        raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
+        raise ProxyRequestError(f"{what} for {name!r} are not JSON: {exc}", tool_name=name) from None
     if len(body) > MAX_REQUEST_BYTES:
-        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte "
-                                "cap", tool_name=name)
+        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes, over the {MAX_REQUEST_BYTES}-byte cap",
+                                tool_name=name)
     return body
 
 
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return f"header {name} has a line break or control character in its value (not shown: it may be a secret)"
+            return f"header {name} has a line break or control character in its value (not shown)"
     return None
 
 
@@ -965,10 +960,9 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
-    if source == target:
-        return None
     extra = {"reason": reason, "payload_preview": payload_preview}
-    return {"from_sub_agent": source, "to_sub_agent": target, **{k: v for k, v in extra.items() if v is not None}}
+    return None if source == target else {"from_sub_agent": source, "to_sub_agent": target,
+                                          **{k: v for k, v in extra.items() if v is not None}}
 
 
 # ---------------------------------------------------------------------------
@@ -1038,10 +1032,8 @@ RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
 
 def retry_decision(status: int, error_class: Optional[str]) -> str:
     """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
-    for table_status, classes, outcome in RETRY_TABLE:
-        if status == table_status and (classes is None or error_class in classes):
-            return outcome
-    return "fail"
+    return next((outcome for table_status, classes, outcome in RETRY_TABLE
+                 if status == table_status and (classes is None or error_class in classes)), "fail")
 
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -1102,26 +1094,23 @@ class RetryState:
     def step(self, outcome: ProxyOutcome) -> RetryStep:
         """The next step after an attempt that came to ``outcome``."""
         self.attempts += 1
+        policy, error, wait = self.policy, outcome.error, outcome.retry_after
         if outcome.kind == "value":
             return RetryStep("return", outcome.value)
         if outcome.kind == "transport":
             self.transport_failures += 1
-            if self.transport_failures > self.policy.transport_retries:
-                return RetryStep("raise", error=outcome.error)
-            wait = None if outcome.stale else self.policy.delay(self.transport_failures)
-            return RetryStep("retry", error=outcome.error, wait_s=wait)
-        if outcome.kind == "retry" and (outcome.retry_after or 0) > self.policy.max_retry_after_s:
-            error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
-            text = (f"{error} ({'the proxy' if isinstance(error, ProxyError) else 'the server'} asked to wait "
-                    f"{outcome.retry_after:g} s before a retry, longer than the {self.policy.max_retry_after_s:g} s "
-                    "this client waits: not retried)")
-            error.args = (text,)
+            if self.transport_failures <= policy.transport_retries:
+                return RetryStep("retry", error=error, wait_s=None if outcome.stale else policy.delay(
+                    self.transport_failures))
+        elif outcome.kind == "retry" and (wait or 0) > policy.max_retry_after_s:
+            error = error or ProxyError("proxy call failed", retry_after=wait)
+            error.args = (f"{error} ({'the proxy' if isinstance(error, ProxyError) else 'the server'} asked to wait "
+                          f"{wait:g} s, over the {policy.max_retry_after_s:g} s this client waits)",)
             if isinstance(error, ProxyError):
-                error.message = text
-            return RetryStep("raise", error=error)
-        if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
-            return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
-        return RetryStep("raise", error=outcome.error)
+                error.message = error.args[0]
+        elif outcome.kind == "retry" and self.attempts < policy.max_attempts:
+            return RetryStep("retry", error=error, wait_s=policy.delay(self.attempts, wait))
+        return RetryStep("raise", error=error)
 
 
 # ---------------------------------------------------------------------------
