@@ -435,7 +435,8 @@ class Envelope:
 
     __delattr__ = __setattr__
 
-    def __repr__(self) -> str:  # never the run token
+    def __repr__(self) -> str:
+
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
@@ -523,12 +524,10 @@ class Envelope:
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
         run_token = _check_run_token(run_token, "the run_token argument")
         task = dict(task_input or {})
-        raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
-        found = {"task_id": _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID))),
-                 "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
-                 "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
-        raw.update((key, value) for key, value in found.items() if value is not None)
-        return cls._read(raw, proxy_url, run_token, {})
+        raw = {"input": task, BODY_PROXY_URL: proxy_url, "task_id": _first_id(task.get("task_id"), _env_id(
+            env.get(ENV_TASK_ID))), "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
+               "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
+        return cls._read({k: v for k, v in raw.items() if v is not None}, proxy_url, run_token, {})
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
@@ -658,7 +657,6 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
         raise LengthRequiredError("a Content-Length header is required")
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("Content-Length headers that disagree")
-
     digits = declared.strip()
     if not (digits.isascii() and digits.isdigit()):
         raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
@@ -720,8 +718,7 @@ def parse_request_head(head: bytes) -> RequestHead:
                            "(RFC 9112 §6.3)")
     if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
         raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
-    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
-
+    return RequestHead(request[1].decode("ascii"), request[2].decode("ascii"), version, headers)
 
 
 class Endpoint(NamedTuple):
@@ -760,13 +757,14 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
     except RecursionError:  # JSON nested too deep to parse
-        return Decision("reply", error_reply(RequestError("body is nested too deeply to handle")))
+        return Decision("reply", error_reply(RequestError("body is nested too deeply")))
+
 
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
     if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented: dispatches are POST")
+        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
@@ -800,11 +798,14 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
-    if payload.get("connectivity_check") is True:
-        return Decision("probe", proxy_url=_allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts),
-                        what="connectivity check")
-    envelope = Envelope.from_dispatch(payload, headers)
-    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
+    probe = payload.get("connectivity_check") is True
+    envelope = None if probe else Envelope.from_dispatch(payload, headers)
+    proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
+    if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
+        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on this "
+                            f"endpoint's allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+    if probe:
+        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
     return Decision("run", envelope=envelope, what="dispatch")
 
 
@@ -835,19 +836,12 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
 
 
-def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
-    if not proxy_host_allowed(proxy_url, allowed):
-        host = _short(str(urlsplit(proxy_url).hostname), 100)
-        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list: {', '.join(allowed or ())}")
-    return proxy_url
-
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
     """The proxy URL a connectivity check probes (§2 step 4)."""
     found = _proxy_url_source(payload, _lower_headers(headers))
     if found is None:
-        raise EnvelopeError("connectivity_check needs a proxy URL: body field 'odyssey_proxy_url' or header "
-                            "X-Pipelines-Odyssey-Proxy-Url")
+        raise EnvelopeError("connectivity_check needs a proxy URL")
     return validate_proxy_url(found[1], "the connectivity check")
 
 
