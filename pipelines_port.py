@@ -436,7 +436,6 @@ class Envelope:
     __delattr__ = __setattr__
 
     def __repr__(self) -> str:
-
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
@@ -547,7 +546,6 @@ class Envelope:
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
         raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types read as absent
-
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -1098,10 +1096,11 @@ class RetryState:
                     self.transport_failures))
         elif outcome.kind == "retry" and (wait or 0) > policy.max_retry_after_s:
             error = error or ProxyError("proxy call failed", retry_after=wait)
-            error.args = (f"{error} ({'the proxy' if isinstance(error, ProxyError) else 'the server'} asked to wait "
-                          f"{wait:g} s, over the {policy.max_retry_after_s:g} s this client waits)",)
+            who = "the proxy" if isinstance(error, ProxyError) else "the server"
+            text = f"{error} ({who} asked to wait {wait:g} s over the {policy.max_retry_after_s:g} s this client waits)"
+            error.args = (text,)
             if isinstance(error, ProxyError):
-                error.message = error.args[0]
+                error.message = text
         elif outcome.kind == "retry" and self.attempts < policy.max_attempts:
             return RetryStep("retry", error=error, wait_s=policy.delay(self.attempts, wait))
         return RetryStep("raise", error=error)
@@ -1312,8 +1311,8 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        problems += [f"{at}.{key}: must be {wanted}, got {json_type(message[key])}"
-                     for key, kinds, wanted in _MESSAGE_FIELDS if key in message and not isinstance(message[key], kinds)]
+        problems += [f"{at}.{key}: must be {wanted}, got {json_type(message[key])}" for key, kinds, wanted in
+                     _MESSAGE_FIELDS if key in message and not isinstance(message[key], kinds)]
         role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
@@ -1325,9 +1324,10 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
                      for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
                      if not isinstance(block, Mapping)]
         call_id = message.get("tool_call_id", "")
-        if role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
-            problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} is not the id of an earlier tool call"
-                                                      if call_id else "required on role 'tool'"))
+        if role == "tool" and not call_id and isinstance(call_id, str):
+            problems.append(f"{at}.tool_call_id: required on role 'tool'")
+        elif role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
+            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
     return problems
 
 
