@@ -1182,7 +1182,7 @@ def _well_formed(text: str) -> str:
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
-    notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
+    notes = [note.removeprefix("body.") for note in notes]
     messages = body.get("messages")
     for i, message in enumerate(messages) if isinstance(messages, list) else ():
         calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -1231,10 +1231,7 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body, kept = _as_the_platform_keeps(body)
         notes += kept
     warnings: List[str] = []
-    errors = _text_problems(body, key, warnings)
-    if key == "message" and not isinstance(body.get("session_done"), bool):
-        errors.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
-    errors += _shared_problems(body, warnings, not strict)
+    errors = _body_problems(body, key, warnings, not strict)
     soft = [w[len("warning: "):] for w in warnings]
     if strict:  # a warning is an error too, but for the platform's own truncation
         errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
@@ -1257,31 +1254,28 @@ def validate_response(body: Any) -> List[str]:
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
-    return _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, False) + warnings
+    return _body_problems(body, "final_response", warnings, False) + warnings
 
 
-def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> List[str]:
+def _body_problems(body: Mapping[str, Any], key: str, warnings: List[str], json_safe: bool) -> List[str]:
     text = body.get(key)  # final_response, or a turn reply's message
+    problems: List[str] = []
     if text is None or (key == "message" and text == ""):
-        return [f"{key}: required, a non-empty string"]
-    if not isinstance(text, str):
-        return [f"{key}: must be a string, got {json_type(text)}"]
-    if not text:
-        return [f"{key}: must not be empty (the judge has nothing to grade)"]  # only final_response gets here
-    if not text.strip():
+        problems.append(f"{key}: required, a non-empty string")
+    elif not isinstance(text, str):
+        problems.append(f"{key}: must be a string, got {json_type(text)}")
+    elif not text:  # only final_response gets here
+        problems.append(f"{key}: must not be empty (the judge has nothing to grade)")
+    elif not text.strip():
         warnings.append(f"warning: {key}: blank (only whitespace)")
     elif key == "final_response" and len(text) > FINAL_RESPONSE_SOFT_LIMIT:
         warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates it at "
                         f"~{FINAL_RESPONSE_SOFT_LIMIT}")
-    return []
-
-
-def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
+    if key == "message" and not isinstance(body.get("session_done"), bool):
+        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    problems += _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
-    if unsendable:
-        problems.append(unsendable[len("body."):] if unsendable.startswith("body.") else unsendable)
-    return problems
+    return [*problems, unsendable.removeprefix("body.")] if unsendable else problems
 
 
 def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
