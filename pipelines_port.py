@@ -1129,21 +1129,21 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 
 
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+    mapping = isinstance(value, Mapping)
     if value is None or isinstance(value, str):
         return value, None, None, {}
-    if isinstance(value, Mapping):
-        if "final_response" in value:
-            extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
-            final = _final_text(value["final_response"], "final_response", strict, notes)
-            return final, value.get("messages"), value.get("metadata"), extra
-        key = next((k for k in _FINAL_KEYS[1:] if value.get(k) is not None), None)
-        return (None if key is None else _final_text(value[key], key, notes=notes)), None, None, {}
+    if mapping and "final_response" in value:
+        extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
+        final = _final_text(value["final_response"], "final_response", strict, notes)
+        return final, value.get("messages"), value.get("metadata"), extra
     for key in _FINAL_KEYS:
-        attr = getattr(value, key, None)
-        if attr is not None and not callable(attr):
+        found = value.get(key) if mapping else getattr(value, key, None)
+        if found is not None and (mapping or not callable(found)):
             whole = key == "final_response"  # an envelope-shaped object
-            return (_final_text(attr, key, strict, notes), getattr(value, "messages", None) if whole else None,
+            return (_final_text(found, key, strict, notes), getattr(value, "messages", None) if whole else None,
                     getattr(value, "metadata", None) if whole else None, {})
+    if mapping:
+        return None, None, None, {}
     raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
                         "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
 
@@ -1189,7 +1189,7 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
         if isinstance(calls, list):
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
                       for j, call in enumerate(calls) if _tool_call_name(call) is None]
-            message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
+            message["tool_calls"] = [call for call in calls if _tool_call_name(call) is not None]
     for key, problems in (("messages", _message_problems(messages, [])),
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
@@ -1217,8 +1217,7 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
     else:
         if turn_reply:
             value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-            notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
-                         "response envelope, its message as final_response")
+            notes.append("session_done: a single-turn dispatch has no session to end; message sent as final_response")
         final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
         body, key = {**extra, "final_response": final}, "final_response"
         messages = found_messages if messages is None else messages
