@@ -692,20 +692,22 @@ def parse_request_head(head: bytes) -> RequestHead:
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
         raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
                                    "fields")
-    if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
-        raise FramingError("the request head has a bare CR or LF (RFC 9112 §2.2)")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if request is None:
-        raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
-    if request[3] != b"1":
-        raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
     headers: List[Tuple[str, str]] = []
-    for line in lines[1:]:
+    for line in lines[1:] if request and request[3] == b"1" else ():
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
-            raise FramingError(f"header line {lines.index(line, 1)} is not a token, a colon and a value without "
-                               "control characters (RFC 9112 §5: no line folding, no whitespace before the colon)")
+            break
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
+    if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
+        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
+            raise FramingError("the request head has a bare CR or LF (RFC 9112 §2.2)")
+        if request is None:
+            raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
+        if request[3] != b"1":
+            raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
+        raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value without control "
+                           "characters (RFC 9112 §5: no line folding, no whitespace before the colon)")
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
