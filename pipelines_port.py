@@ -1131,9 +1131,9 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 
 
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
-    mapping = isinstance(value, Mapping)
     if value is None or isinstance(value, str):
         return value, None, None, {}
+    mapping = isinstance(value, Mapping)
     if mapping and "final_response" in value:
         extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
         final = _final_text(value["final_response"], "final_response", strict, notes)
@@ -1280,13 +1280,17 @@ def _body_problems(body: Mapping[str, Any], key: str, warnings: List[str], json_
 
 
 def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
-    if metadata is not None and not isinstance(metadata, Mapping):
+    if metadata is None:
+        return []
+    if not isinstance(metadata, Mapping):
         return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
-    with contextlib.suppress(Exception):  # a mapping that raises: _jsonable names it
+    try:
         warnings += [f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}"
-                     for key, kind, wanted in _METADATA_TYPES if metadata for value in (metadata.get(key),)
+                     for key, kind, wanted in _METADATA_TYPES for value in (metadata.get(key),)
                      if value is not None and not (isinstance(value, kind) and (kind is str or (
                          not isinstance(value, bool) and 0 <= value < math.inf)))]
+    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
+        pass
     return []
 
 
@@ -1297,11 +1301,13 @@ _MESSAGE_FIELDS = (  # each present field's types (§4.1)
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
-    if messages is not None and not isinstance(messages, (list, tuple)):
+    if messages is None:
+        return []
+    if not isinstance(messages, (list, tuple)):
         return [f"messages: must be an array or null, got {json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
     call_ids: Set[str] = set()
-    for i, message in enumerate(messages or ()):
+    for i, message in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
