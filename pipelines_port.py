@@ -1312,8 +1312,9 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        problems += [f"{at}.{key}: must be {wanted}, got {json_type(message[key])}" for key, kinds, wanted in
-                     _MESSAGE_FIELDS if key in message and not isinstance(message[key], kinds)]
+        for key, kinds, wanted in _MESSAGE_FIELDS:
+            if key in message and not isinstance(message[key], kinds):
+                problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
         role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
