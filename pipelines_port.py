@@ -370,7 +370,7 @@ def _check_run_token(token: Any, where: str) -> str:
 
 def _env_id(value: Optional[str]) -> Optional[Id]:
     number = _content_length(value)  # §7.2 kit-env-ids-numeric
-    return ((value or "").strip() or None) if number is None else number
+    return _first_id(value) if number is None else number
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
@@ -476,13 +476,11 @@ class Envelope:
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) with this run's variables (§5)."""
         env = dict(os.environ if base is None else base)
-        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
-        if self.task_id is not None:
-            task["task_id"] = self.task_id
+        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input), "task_id": self.task_id}
         values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
                   ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
-                  ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None,
-                  ENV_TASK_INPUT_JSON: json.dumps(task, separators=(",", ":"))}
+                  ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None, ENV_TASK_INPUT_JSON: json.dumps(
+                      {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode("ascii")
@@ -535,8 +533,7 @@ class Envelope:
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
-                         {})
+        task = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)), {})
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
@@ -596,7 +593,7 @@ def _env_json(text: str, name: str) -> Any:
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
-        text = (env.get(name) or "").strip()
+        text = _header(env, name)
         if text:
             value = _env_json(text, name)
             if isinstance(value, dict) and isinstance(value.get("tools"), list):
