@@ -419,11 +419,11 @@ class Envelope:
                  messages: Optional[Sequence[Any]] = None, scenario_state: Optional[Mapping[str, Any]] = None,
                  workspace: Optional[Mapping[str, Any]] = None, tools_schema: Optional[Sequence[Any]] = None,
                  sub_agents: Iterable[Any] = (), raw: Optional[Mapping[str, Any]] = None) -> None:
-        instruction = user_instruction if isinstance(user_instruction, str) else ""
         self._fill(*map(_freeze, (validate_proxy_url(proxy_url, "the proxy_url argument"),
                                   _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id,
-                                  run_token_jti, instruction, dict(task_input or {}), latest_user_prompt, session_id,
-                                  turn_id, messages, scenario_state, workspace, tools_schema)),
+                                  run_token_jti, user_instruction if isinstance(user_instruction, str) else "",
+                                  dict(task_input or {}), latest_user_prompt, session_id, turn_id, messages,
+                                  scenario_state, workspace, tools_schema)),
                    _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
     def _fill(self, *values: Any) -> None:
@@ -616,7 +616,7 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     scheme, received = "bearer", received.strip()
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
-        received = received.strip()
+    received = received.strip()
     try:  # servers give header bytes as latin-1 text
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
@@ -1393,11 +1393,10 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
     if isinstance(value, str):
         for secret in kept:
             value = value.replace(secret, _REDACTED)
-        return value
-    if isinstance(value, dict) and kept:
-        return {redact(k, *kept): redact(v, *kept) for k, v in value.items()}
-    if isinstance(value, list) and kept:
-        return [redact(v, *kept) for v in value]
+    elif isinstance(value, dict) and kept:
+        value = {redact(k, *kept): redact(v, *kept) for k, v in value.items()}
+    elif isinstance(value, list) and kept:
+        value = [redact(v, *kept) for v in value]
     return value
 
 
