@@ -533,7 +533,8 @@ class Envelope:
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        task = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)), {})
+        names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
+        task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
