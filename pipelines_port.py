@@ -650,7 +650,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     if coding is not None and coding.strip().lower() != "chunked":
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if coding is not None or declared is None:
-        raise LengthRequiredError("a Content-Length header is required")
+        raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
     if _repeated(headers, "content-length", conflicting=True):
         raise RequestError("Content-Length headers that disagree")
     digits = declared.strip()
