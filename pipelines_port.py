@@ -776,7 +776,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
+            raise MisconfiguredError(f"the wrapper is misconfigured: {endpoint.token_env} (the agent token) is not set")
         if _repeated(headers, name.lower()):
             raise AuthError(f"the {name} header was sent more than once", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
