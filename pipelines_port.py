@@ -334,7 +334,6 @@ class StaleRunTokenError(ProxyError):
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
-_TOKEN_REFUSED = re.compile("[\x00-\x1f\x7f]")
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -363,7 +362,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
 
 def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
-    if not text or _TOKEN_REFUSED.search(text):
+    if not text or _CONTROL_CHARACTER.search(text):  # it goes in a header
         raise EnvelopeError(f"run token from {where} must be a non-empty string without control characters")
     return text
 
