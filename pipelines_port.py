@@ -605,7 +605,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): ``decide`` says what a request gets, an adapter carries it out
+# Inbound decisions (§2): ``decide`` says what a request gets, an adapter does it
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
     """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
