@@ -757,7 +757,6 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
         return Decision("reply", error_reply(RequestError("body is nested too deeply")))
 
 
-
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
     if method not in HTTP_METHODS:
