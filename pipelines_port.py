@@ -832,7 +832,6 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
 
 
-
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
     """The proxy URL a connectivity check probes (§2 step 4)."""
     found = _proxy_url_source(payload, _lower_headers(headers))
