@@ -503,8 +503,8 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            url = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
-                   "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
+            url = ("proxy URL (looked for body field 'odyssey_proxy_url' or 'pwsa_proxy_url', header "
+                   "X-Pipelines-Odyssey-Proxy-Url or X-Pipelines-Pwsa-Proxy-Url)")
             raise EnvelopeError("dispatch is missing " + " and ".join(
                 [url] * (found is None) + ["run token (looked for header X-Pipelines-Run-Token)"] * (token is None)))
         proxy_url = validate_proxy_url(found[1], found[0])
@@ -800,9 +800,8 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
         raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on this "
                             f"endpoint's allow-list: {', '.join(endpoint.proxy_hosts or ())}")
-    if probe:
-        return Decision("probe", proxy_url=proxy_url, what="connectivity check")
-    return Decision("run", envelope=envelope, what="dispatch")
+    return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
+        "run", envelope=envelope, what="dispatch")
 
 
 _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
