@@ -1207,9 +1207,9 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body, key = dict(value), "message"
         if not strict:
             body["message"] = _final_text(body["message"], "message", notes=notes)
-        if not strict and not isinstance(body["session_done"], bool):
-            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
-            body["session_done"] = False
+            if not isinstance(body["session_done"], bool):
+                notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
+                body["session_done"] = False
     else:
         if turn_reply:
             value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
