@@ -129,7 +129,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #   PART 1 - THE CONTRACT
 #
 #   What a port must agree on, as data and pure functions, each rule named as in CONTRACT.md.
-#   No I/O: no sockets, threads, logging, or environment reads but an omitted ``environ``.
+#   No I/O but reading ``os.environ`` when ``environ`` is omitted.
 #
 # ###########################################################################
 
@@ -137,7 +137,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
 
-# §2.1 headers (any case; stored lower-case), §2.2 body fields, §3.5
+# §2.1 headers (stored lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -170,7 +170,7 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value, but a tab
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # but a tab
 # §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -213,7 +213,7 @@ class PipelinesError(Exception):
 
 
 class RequestError(PipelinesError, ValueError, status=400):
-    """A request that cannot be handled as sent."""
+    """A bad request."""
 
 
 class EnvelopeError(RequestError):
@@ -244,7 +244,7 @@ class BodyTooLargeError(RequestError, status=413):
 
 
 class UnsupportedTransferCodingError(RequestError, status=501):
-    """A Transfer-Encoding other than chunked."""
+    """A Transfer-Encoding but chunked."""
 
 
 class FramingError(RequestError):
@@ -260,11 +260,11 @@ class HeadersTooLargeError(FramingError, status=431):
 
 
 class VersionNotSupportedError(FramingError, status=505):
-    """An HTTP version other than 1.x."""
+    """An HTTP version but 1.x."""
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request not read within the server's ``read_timeout_s``."""
+    """A request not read within ``read_timeout_s``."""
 
 
 class AuthError(PipelinesError, status=401):
@@ -302,7 +302,7 @@ class ResponseError(PipelinesError, ValueError):
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy request (§3.3); ``status_code`` is None when no reply came."""
+    """A failed proxy request (§3.3); ``status_code`` None: no reply came."""
     def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
                  body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
@@ -333,7 +333,6 @@ class StaleRunTokenError(ProxyError):
 Id = Union[int, str]
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
-_TOKEN_REFUSED = re.compile("[\x00-\x1f\x7f]")
 
 
 def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
@@ -346,37 +345,30 @@ def _short(text: str, limit: int = 200) -> str:
 
 def validate_proxy_url(url: Any, where: str) -> str:
     """The proxy URL from ``where``, checked, without its trailing ``/`` (§7.2 kit-proxy-url-checked)."""
-    if not isinstance(url, str) or not url.strip():
-        raise EnvelopeError(f"proxy URL from {where} must be a non-empty string")
-    text = url.strip().rstrip("/")
+    text = url.strip().rstrip("/") if isinstance(url, str) else ""
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
         (parts.hostname or "").encode("idna")
-    except UnicodeError:
-        problem = "has an invalid host name"
-    except ValueError as exc:
-        problem = f"is not a valid URL: {exc}"
-    else:
-        if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
-                parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
-            return text
-        problem = "must be an http:// or https:// URL with a host, no query, fragment or whitespace"
-    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} {problem}")
+    except ValueError:  # and UnicodeError
+        parts = urlsplit("")
+    if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
+            parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
+        return text
+    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a valid host "
+                        "name, no query, fragment or whitespace")
 
 
 def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
-    if not text:
-        raise EnvelopeError(f"run token from {where} must be a non-empty string")
-    if _TOKEN_REFUSED.search(text):
-        raise EnvelopeError(f"run token from {where} contains control characters")
+    if not text or _CONTROL_CHARACTER.search(text):  # it goes in a header
+        raise EnvelopeError(f"run token from {where} must be a non-empty string without control characters")
     return text
 
 
 def _env_id(value: Optional[str]) -> Optional[Id]:
     number = _content_length(value)  # §7.2 kit-env-ids-numeric
-    return ((value or "").strip() or None) if number is None else number
+    return _first_id(value) if number is None else number
 
 
 def _first_id(*candidates: Any) -> Optional[Id]:
@@ -388,7 +380,7 @@ def _first_id(*candidates: Any) -> Optional[Id]:
     return None
 
 
-def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog, kit-sub-agents-normalised
+def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog
     labels: List[Optional[str]] = []
     for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
@@ -416,7 +408,7 @@ class Envelope:
     tools_schema: Optional[Sequence[Any]]
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]  # the whole dispatch body
-    __slots__ = tuple(__annotations__)  # the fields above, in their order
+    __slots__ = tuple(__annotations__)
 
     def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
                  agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
@@ -425,11 +417,11 @@ class Envelope:
                  messages: Optional[Sequence[Any]] = None, scenario_state: Optional[Mapping[str, Any]] = None,
                  workspace: Optional[Mapping[str, Any]] = None, tools_schema: Optional[Sequence[Any]] = None,
                  sub_agents: Iterable[Any] = (), raw: Optional[Mapping[str, Any]] = None) -> None:
-        instruction = user_instruction if isinstance(user_instruction, str) else ""
         self._fill(*map(_freeze, (validate_proxy_url(proxy_url, "the proxy_url argument"),
                                   _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id,
-                                  run_token_jti, instruction, dict(task_input or {}), latest_user_prompt, session_id,
-                                  turn_id, messages, scenario_state, workspace, tools_schema)),
+                                  run_token_jti, user_instruction if isinstance(user_instruction, str) else "",
+                                  dict(task_input or {}), latest_user_prompt, session_id, turn_id, messages,
+                                  scenario_state, workspace, tools_schema)),
                    _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
     def _fill(self, *values: Any) -> None:
@@ -441,14 +433,14 @@ class Envelope:
 
     __delattr__ = __setattr__
 
-    def __repr__(self) -> str:  # never the run token
+    def __repr__(self) -> str:
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
     def _fields(self) -> Dict[str, Any]:
         return {n: getattr(self, n) for n in self.__slots__}
 
-    def __eq__(self, other: object) -> bool:  # and so unhashable
+    def __eq__(self, other: object) -> bool:
         return self._fields() == other._fields() if isinstance(other, Envelope) else NotImplemented
 
     def __reduce__(self) -> Any:
@@ -482,13 +474,11 @@ class Envelope:
     def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) with this run's variables (§5)."""
         env = dict(os.environ if base is None else base)
-        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input)}
-        if self.task_id is not None:
-            task["task_id"] = self.task_id
+        task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input), "task_id": self.task_id}
         values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
                   ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
-                  ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None,
-                  ENV_TASK_INPUT_JSON: json.dumps(task, separators=(",", ":"))}
+                  ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None, ENV_TASK_INPUT_JSON: json.dumps(
+                      {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode("ascii")
@@ -512,8 +502,8 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            url = ("proxy URL (looked for body field 'odyssey_proxy_url', legacy 'pwsa_proxy_url', and headers "
-                   "X-Pipelines-Odyssey-Proxy-Url, legacy X-Pipelines-Pwsa-Proxy-Url)")
+            url = ("proxy URL (looked for body field 'odyssey_proxy_url' or 'pwsa_proxy_url', header "
+                   "X-Pipelines-Odyssey-Proxy-Url or X-Pipelines-Pwsa-Proxy-Url)")
             raise EnvelopeError("dispatch is missing " + " and ".join(
                 [url] * (found is None) + ["run token (looked for header X-Pipelines-Run-Token)"] * (token is None)))
         proxy_url = validate_proxy_url(found[1], found[0])
@@ -529,12 +519,10 @@ class Envelope:
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
         run_token = _check_run_token(run_token, "the run_token argument")
         task = dict(task_input or {})
-        raw: Dict[str, Any] = {"input": task, BODY_PROXY_URL: proxy_url}
-        found = {"task_id": _first_id(task.get("task_id"), _env_id(env.get(ENV_TASK_ID))),
-                 "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
-                 "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
-        raw.update((key, value) for key, value in found.items() if value is not None)
-        return cls._read(raw, proxy_url, run_token, {})
+        raw = {"input": task, BODY_PROXY_URL: proxy_url, "task_id": _first_id(task.get("task_id"), _env_id(
+            env.get(ENV_TASK_ID))), "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
+               "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
+        return cls._read({k: v for k, v in raw.items() if v is not None}, proxy_url, run_token, {})
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
@@ -543,8 +531,8 @@ class Envelope:
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
-                         {})
+        names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
+        task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
         if not isinstance(task, Mapping):
             raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
@@ -553,8 +541,7 @@ class Envelope:
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        # §7.2: wrong types read as absent, ids and jti fall back to ``headers``
-        raw = _freeze(body if isinstance(body, dict) else dict(body))
+        raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types read as absent
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -605,7 +592,7 @@ def _env_json(text: str, name: str) -> Any:
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
-        text = (env.get(name) or "").strip()
+        text = _header(env, name)
         if text:
             value = _env_json(text, name)
             if isinstance(value, dict) and isinstance(value.get("tools"), list):
@@ -617,7 +604,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): ``decide`` says what a request gets, an adapter carries it out
+# Inbound decisions (§2): ``decide`` says what a request gets, an adapter does it
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
     """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
@@ -628,7 +615,7 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     scheme, received = "bearer", received.strip()
     if header_name.lower() == "authorization":
         scheme, _, received = received.partition(" ")
-        received = received.strip()
+    received = received.strip()
     try:  # servers give header bytes as latin-1 text
         sent = received.encode("latin-1")
     except UnicodeEncodeError:
@@ -663,7 +650,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     if coding is not None or declared is None:
         raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
     if _repeated(headers, "content-length", conflicting=True):
-        raise RequestError("Content-Length headers that disagree (RFC 9112 §6.3)")
+        raise RequestError("Content-Length headers that disagree")
     digits = declared.strip()
     if not (digits.isascii() and digits.isdigit()):
         raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
@@ -673,10 +660,9 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
 
 
 # RFC 9112: a field name is a token right before its colon, a value has no control character but HTAB
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_REQUEST_LINE = rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/" % _TOKEN.pattern
-_REQUEST_LINE_RE = re.compile(_REQUEST_LINE + rb"1\.([0-9])")
-_FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN.pattern)
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN)
+_FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN)
 
 
 class RequestHead(NamedTuple):
@@ -703,17 +689,24 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
                                    "fields")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if request is None:
-        raise _head_problem(lines)
     headers: List[Tuple[str, str]] = []
-    for line in lines[1:]:
+    for line in lines[1:] if request and request[3] == b"1" else ():
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
-            raise _head_problem(lines)
+            break
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
+    if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
+        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
+            raise FramingError("the request head has a bare CR or LF (RFC 9112 §2.2)")
+        if request is None:
+            raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
+        if request[3] != b"1":
+            raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
+        raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value without control "
+                           "characters (RFC 9112 §5: no line folding, no whitespace before the colon)")
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
-    version = "HTTP/1.0" if request[3] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
+    version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
@@ -721,22 +714,7 @@ def parse_request_head(head: bytes) -> RequestHead:
                            "(RFC 9112 §6.3)")
     if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
         raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
-    return RequestHead(request.group(1).decode("ascii"), request.group(2).decode("ascii"), version, headers)
-
-
-def _head_problem(lines: List[bytes]) -> FramingError:
-    bare = next((n for n, line in enumerate(lines) if b"\r" in line or b"\n" in line), None)
-    if bare is not None:
-        return FramingError(f"line {bare + 1} of the request head has a bare CR or LF (RFC 9112 §2.2)")
-    request = re.fullmatch(_REQUEST_LINE + rb"([0-9])\.[0-9]", lines[0])  # any major version
-    if request is None:
-        return FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
-    if request[3] != b"1":
-        return VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
-
-    line = next(n for n, line in enumerate(lines) if n and _FIELD_LINE_RE.fullmatch(line) is None)
-    return FramingError(f"header line {line} is not a token, a colon and a value without control characters "
-                        "(RFC 9112 §5: no line folding, no whitespace before the colon)")
+    return RequestHead(request[1].decode("ascii"), request[2].decode("ascii"), version, headers)
 
 
 class Endpoint(NamedTuple):
@@ -775,13 +753,13 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
     except RecursionError:  # JSON nested too deep to parse
-        return Decision("reply", error_reply(RequestError("body is nested too deeply to handle")))
+        return Decision("reply", error_reply(RequestError("body is nested too deeply")))
 
 
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
             expected_token: Optional[str]) -> Decision:
     if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented: dispatches are POST")
+        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
@@ -795,10 +773,9 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"this agent's wrapper is misconfigured: {endpoint.token_env} (the agent token) "
-                                     "is not set")
+            raise MisconfiguredError(f"the wrapper is misconfigured: {endpoint.token_env} (the agent token) is not set")
         if _repeated(headers, name.lower()):
-            raise AuthError(f"the {name} header was sent more than once: send one credential", bearer=bearer)
+            raise AuthError(f"the {name} header was sent more than once", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
             raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
     length = _body_length(headers, endpoint.max_body)
@@ -812,16 +789,18 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice (kit-hostile-input)")
+            raise RequestError("the ping body has the key 'ping' twice")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
-    if payload.get("connectivity_check") is True:
-        return Decision("probe", proxy_url=_allowed(connectivity_proxy_url(payload, headers), endpoint.proxy_hosts),
-                        what="connectivity check")
-    envelope = Envelope.from_dispatch(payload, headers)
-    _allowed(envelope.proxy_url, endpoint.proxy_hosts)
-    return Decision("run", envelope=envelope, what="dispatch")
+    probe = payload.get("connectivity_check") is True
+    envelope = None if probe else Envelope.from_dispatch(payload, headers)
+    proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
+    if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
+        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on this "
+                            f"endpoint's allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+    return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
+        "run", envelope=envelope, what="dispatch")
 
 
 _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
@@ -851,19 +830,11 @@ def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool
         host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
 
 
-def _allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> str:
-    if not proxy_host_allowed(proxy_url, allowed):
-        host = _short(str(urlsplit(proxy_url).hostname), 100)
-        raise EnvelopeError(f"proxy URL host {host!r} is not on this endpoint's allow-list: {', '.join(allowed or ())}")
-    return proxy_url
-
-
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
     """The proxy URL a connectivity check probes (§2 step 4)."""
     found = _proxy_url_source(payload, _lower_headers(headers))
     if found is None:
-        raise EnvelopeError("connectivity_check needs a proxy URL: body field 'odyssey_proxy_url' or header "
-                            "X-Pipelines-Odyssey-Proxy-Url")
+        raise EnvelopeError("connectivity_check needs a proxy URL")
     return validate_proxy_url(found[1], "the connectivity check")
 
 
@@ -880,17 +851,14 @@ def validate_tool_name(name: Any) -> str:
 
 def validate_actor_label(label: Any) -> Optional[str]:
     """The actor label trimmed, ``None`` for an empty one (§3.5)."""
-    if label is None:
+    if label is None or (isinstance(label, str) and not label.strip()):
         return None
-    if not isinstance(label, str):
-        raise ProxyRequestError(f"actor label must be a string, got {type(label).__name__}",
-                                error_class="actor_id_invalid")
-    text = label.strip()
+    text = label.strip() if isinstance(label, str) else ""
     segments = text.split("/")
     bad = [segment for segment in segments if not ACTOR_SEGMENT_RE.fullmatch(segment)]
-    if not text:
-        return None
-    if len(text) > ACTOR_MAX_LENGTH:
+    if not isinstance(label, str):
+        problem = f"must be a string, got {type(label).__name__}"
+    elif len(text) > ACTOR_MAX_LENGTH:
         problem = f"is {len(text)} characters long (at most {ACTOR_MAX_LENGTH})"
     elif len(segments) > ACTOR_MAX_SEGMENTS:
         problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
@@ -898,7 +866,7 @@ def validate_actor_label(label: Any) -> Optional[str]:
         problem = f"has segment {_short(repr(bad[0]), 80)}: not 1-64 characters from [A-Za-z0-9_.:-]"
     else:
         return text
-    raise ProxyRequestError(f"invalid actor label {_short(repr(text), 80)}: {problem}", error_class="actor_id_invalid")
+    raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
 
 
 # made once: json.dumps with options makes an encoder per call
@@ -908,24 +876,22 @@ _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     """A request body: a JSON object (``None`` as ``{}``) within the cap (§3.1, §7.5)."""
-    if args is None:
-        args = {}
-    if not isinstance(args, Mapping):
+    if not isinstance(args, Mapping) and args is not None:
         raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {json_type(args)}", tool_name=name)
     try:
-        body = _STRICT_COMPACT_JSON.encode(args).encode("utf-8")
+        body = _STRICT_COMPACT_JSON.encode(args or {}).encode("utf-8")
     except (TypeError, ValueError) as exc:
-        raise ProxyRequestError(f"{what} for {name!r} are not JSON-serialisable: {exc}", tool_name=name) from None
+        raise ProxyRequestError(f"{what} for {name!r} are not JSON: {exc}", tool_name=name) from None
     if len(body) > MAX_REQUEST_BYTES:
-        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes as JSON, over the {MAX_REQUEST_BYTES}-byte "
-                                "cap", tool_name=name)
+        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes, over the {MAX_REQUEST_BYTES}-byte cap",
+                                tool_name=name)
     return body
 
 
 def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return f"header {name} has a line break or control character in its value (not shown: it may be a secret)"
+            return f"header {name} has a line break or control character in its value (not shown)"
     return None
 
 
@@ -981,10 +947,9 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[st
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
-    if source == target:
-        return None
     extra = {"reason": reason, "payload_preview": payload_preview}
-    return {"from_sub_agent": source, "to_sub_agent": target, **{k: v for k, v in extra.items() if v is not None}}
+    return None if source == target else {"from_sub_agent": source, "to_sub_agent": target,
+                                          **{k: v for k, v in extra.items() if v is not None}}
 
 
 # ---------------------------------------------------------------------------
@@ -1054,10 +1019,8 @@ RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
 
 def retry_decision(status: int, error_class: Optional[str]) -> str:
     """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
-    for table_status, classes, outcome in RETRY_TABLE:
-        if status == table_status and (classes is None or error_class in classes):
-            return outcome
-    return "fail"
+    return next((outcome for table_status, classes, outcome in RETRY_TABLE
+                 if status == table_status and (classes is None or error_class in classes)), "fail")
 
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -1118,26 +1081,24 @@ class RetryState:
     def step(self, outcome: ProxyOutcome) -> RetryStep:
         """The next step after an attempt that came to ``outcome``."""
         self.attempts += 1
+        policy, error, wait = self.policy, outcome.error, outcome.retry_after
         if outcome.kind == "value":
             return RetryStep("return", outcome.value)
         if outcome.kind == "transport":
             self.transport_failures += 1
-            if self.transport_failures > self.policy.transport_retries:
-                return RetryStep("raise", error=outcome.error)
-            wait = None if outcome.stale else self.policy.delay(self.transport_failures)
-            return RetryStep("retry", error=outcome.error, wait_s=wait)
-        if outcome.kind == "retry" and (outcome.retry_after or 0) > self.policy.max_retry_after_s:
-            error = outcome.error or ProxyError("proxy call failed", retry_after=outcome.retry_after)
-            text = (f"{error} ({'the proxy' if isinstance(error, ProxyError) else 'the server'} asked to wait "
-                    f"{outcome.retry_after:g} s before a retry, longer than the {self.policy.max_retry_after_s:g} s "
-                    "this client waits: not retried)")
+            if self.transport_failures <= policy.transport_retries:
+                return RetryStep("retry", error=error, wait_s=None if outcome.stale else policy.delay(
+                    self.transport_failures))
+        elif outcome.kind == "retry" and (wait or 0) > policy.max_retry_after_s:
+            error = error or ProxyError("proxy call failed", retry_after=wait)
+            who = "the proxy" if isinstance(error, ProxyError) else "the server"
+            text = f"{error} ({who} asked to wait {wait:g} s over the {policy.max_retry_after_s:g} s this client waits)"
             error.args = (text,)
             if isinstance(error, ProxyError):
                 error.message = text
-            return RetryStep("raise", error=error)
-        if outcome.kind == "retry" and self.attempts < self.policy.max_attempts:
-            return RetryStep("retry", error=outcome.error, wait_s=self.policy.delay(self.attempts, outcome.retry_after))
-        return RetryStep("raise", error=outcome.error)
+        elif outcome.kind == "retry" and self.attempts < policy.max_attempts:
+            return RetryStep("retry", error=error, wait_s=policy.delay(self.attempts, wait))
+        return RetryStep("raise", error=error)
 
 
 # ---------------------------------------------------------------------------
@@ -1165,19 +1126,19 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
 def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
     if value is None or isinstance(value, str):
         return value, None, None, {}
-    if isinstance(value, Mapping):
-        if "final_response" in value:
-            extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
-            final = _final_text(value["final_response"], "final_response", strict, notes)
-            return final, value.get("messages"), value.get("metadata"), extra
-        key = next((k for k in _FINAL_KEYS[1:] if value.get(k) is not None), None)
-        return (None if key is None else _final_text(value[key], key, notes=notes)), None, None, {}
+    mapping = isinstance(value, Mapping)
+    if mapping and "final_response" in value:
+        extra = {k: v for k, v in value.items() if k not in ("final_response", "messages", "metadata")}
+        final = _final_text(value["final_response"], "final_response", strict, notes)
+        return final, value.get("messages"), value.get("metadata"), extra
     for key in _FINAL_KEYS:
-        attr = getattr(value, key, None)
-        if attr is not None and not callable(attr):
+        found = value.get(key) if mapping else getattr(value, key, None)
+        if found is not None and (mapping or not callable(found)):
             whole = key == "final_response"  # an envelope-shaped object
-            return (_final_text(attr, key, strict, notes), getattr(value, "messages", None) if whole else None,
+            return (_final_text(found, key, strict, notes), getattr(value, "messages", None) if whole else None,
                     getattr(value, "metadata", None) if whole else None, {})
+    if mapping:
+        return None, None, None, {}
     raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
                         "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
 
@@ -1216,14 +1177,14 @@ def _well_formed(text: str) -> str:
 def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     notes: List[str] = []
     body = _jsonable(body, "body", notes)
-    notes = [note[len("body."):] if note.startswith("body.") else note for note in notes]
+    notes = [note.removeprefix("body.") for note in notes]
     messages = body.get("messages")
     for i, message in enumerate(messages) if isinstance(messages, list) else ():
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(calls, list):
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
                       for j, call in enumerate(calls) if _tool_call_name(call) is None]
-            message["tool_calls"] = [_normalise_tool_call(c) for c in calls if _tool_call_name(c) is not None]
+            message["tool_calls"] = [call for call in calls if _tool_call_name(call) is not None]
     for key, problems in (("messages", _message_problems(messages, [])),
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
@@ -1245,14 +1206,13 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body, key = dict(value), "message"
         if not strict:
             body["message"] = _final_text(body["message"], "message", notes=notes)
-        if not strict and not isinstance(body["session_done"], bool):
-            notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
-            body["session_done"] = False
+            if not isinstance(body["session_done"], bool):
+                notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
+                body["session_done"] = False
     else:
         if turn_reply:
             value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-            notes.append("session_done: a single-turn dispatch has no session to end; the turn reply is sent as the "
-                         "response envelope, its message as final_response")
+            notes.append("session_done: a single-turn dispatch has no session to end; message sent as final_response")
         final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
         body, key = {**extra, "final_response": final}, "final_response"
         messages = found_messages if messages is None else messages
@@ -1265,10 +1225,7 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
         body, kept = _as_the_platform_keeps(body)
         notes += kept
     warnings: List[str] = []
-    errors = _text_problems(body, key, warnings)
-    if key == "message" and not isinstance(body.get("session_done"), bool):
-        errors.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
-    errors += _shared_problems(body, warnings, not strict)
+    errors = _body_problems(body, key, warnings, not strict)
     soft = [w[len("warning: "):] for w in warnings]
     if strict:  # a warning is an error too, but for the platform's own truncation
         errors += [w for w in soft if not w.startswith("final_response: ") or "truncates" not in w]
@@ -1291,31 +1248,28 @@ def validate_response(body: Any) -> List[str]:
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
-    return _text_problems(body, "final_response", warnings) + _shared_problems(body, warnings, False) + warnings
+    return _body_problems(body, "final_response", warnings, False) + warnings
 
 
-def _text_problems(body: Mapping[str, Any], key: str, warnings: List[str]) -> List[str]:
+def _body_problems(body: Mapping[str, Any], key: str, warnings: List[str], json_safe: bool) -> List[str]:
     text = body.get(key)  # final_response, or a turn reply's message
+    problems: List[str] = []
     if text is None or (key == "message" and text == ""):
-        return [f"{key}: required, a non-empty string"]
-    if not isinstance(text, str):
-        return [f"{key}: must be a string, got {json_type(text)}"]
-    if not text:
-        return [f"{key}: must not be empty (the judge has nothing to grade)"]  # only final_response gets here
-    if not text.strip():
+        problems.append(f"{key}: required, a non-empty string")
+    elif not isinstance(text, str):
+        problems.append(f"{key}: must be a string, got {json_type(text)}")
+    elif not text:  # only final_response gets here
+        problems.append(f"{key}: must not be empty (the judge has nothing to grade)")
+    elif not text.strip():
         warnings.append(f"warning: {key}: blank (only whitespace)")
     elif key == "final_response" and len(text) > FINAL_RESPONSE_SOFT_LIMIT:
         warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates it at "
                         f"~{FINAL_RESPONSE_SOFT_LIMIT}")
-    return []
-
-
-def _shared_problems(body: Mapping[str, Any], warnings: List[str], json_safe: bool) -> List[str]:
-    problems = _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
+    if key == "message" and not isinstance(body.get("session_done"), bool):
+        problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
+    problems += _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
     unsendable = None if json_safe else _unsendable(body, "body")
-    if unsendable:
-        problems.append(unsendable[len("body."):] if unsendable.startswith("body.") else unsendable)
-    return problems
+    return [*problems, unsendable.removeprefix("body.")] if unsendable else problems
 
 
 def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
@@ -1323,17 +1277,20 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
         return []
     if not isinstance(metadata, Mapping):
         return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
-    found = []
     try:
-        for key, kind, wanted in _METADATA_TYPES:
-            value = metadata.get(key)
-            if value is not None and not (isinstance(value, kind) and (kind is str or (
-                    not isinstance(value, bool) and 0 <= value < math.inf))):
-                found.append(f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}")
+        warnings += [f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}"
+                     for key, kind, wanted in _METADATA_TYPES for value in (metadata.get(key),)
+                     if value is not None and not (isinstance(value, kind) and (kind is str or (
+                         not isinstance(value, bool) and 0 <= value < math.inf)))]
     except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
-        return []
-    warnings += found
+        pass
     return []
+
+
+_MESSAGE_FIELDS = (  # each present field's types (§4.1)
+    ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
+    ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
+    ("tool_call_id", str, "a string"))
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
@@ -1348,29 +1305,23 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if not isinstance(message, Mapping):
             problems.append(f"{at}: must be an object, got {json_type(message)}")
             continue
-        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls", ())
+        for key, kinds, wanted in _MESSAGE_FIELDS:
+            if key in message and not isinstance(message[key], kinds):
+                problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
+        role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        if content is not None and not isinstance(content, (str, list, tuple)):
-            problems.append(f"{at}.content: must be a string, an array of parts or null, got {json_type(content)}")
-        if not isinstance(calls, (list, tuple)):
-            problems.append(f"{at}.tool_calls: must be an array, got {json_type(calls)}")
-        elif role != "assistant" and calls:
+        if calls and isinstance(calls, (list, tuple)) and role != "assistant":
             warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
         for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
-        thinking = message.get("thinking", ())
-        if not isinstance(thinking, (list, tuple)):
-            problems.append(f"{at}.thinking: must be an array of objects, got {json_type(thinking)}")
-        else:
-            problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                         for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
-        call_id = message.get("tool_call_id")
-        if "tool_call_id" in message and not isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: must be a string, got {json_type(call_id)}")
-        elif role == "tool" and not call_id:
+        problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
+                     for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
+                     if not isinstance(block, Mapping)]
+        call_id = message.get("tool_call_id", "")
+        if role == "tool" and not call_id and isinstance(call_id, str):
             problems.append(f"{at}.tool_call_id: required on role 'tool'")
-        elif role == "tool" and call_id not in call_ids:
+        elif role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
             problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
     return problems
 
@@ -1438,11 +1389,10 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
     if isinstance(value, str):
         for secret in kept:
             value = value.replace(secret, _REDACTED)
-        return value
-    if isinstance(value, dict) and kept:
-        return {redact(k, *kept): redact(v, *kept) for k, v in value.items()}
-    if isinstance(value, list) and kept:
-        return [redact(v, *kept) for v in value]
+    elif isinstance(value, dict) and kept:
+        value = {redact(k, *kept): redact(v, *kept) for k, v in value.items()}
+    elif isinstance(value, list) and kept:
+        value = [redact(v, *kept) for v in value]
     return value
 
 
