@@ -1497,38 +1497,6 @@ def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
-def _plain_text(text: str) -> bool:
-    return text.isascii() or _SURROGATE_RE.search(text) is None
-
-
-def _plain_scalar(item: Any) -> bool:
-    kind = type(item)
-    if kind is str:
-        return _plain_text(item)
-    if kind is int:
-        return cast(int, item).bit_length() < 14_000  # surely under MAX_INT_DIGITS
-    if kind is float:
-        return math.isfinite(item)
-    return item is None or kind is bool
-
-
-def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string or flat dict of JSON scalars; else ``None``."""
-    if type(value) is str:
-        final, body = value, {}
-    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
-            "metadata" not in value):
-        final, body = value["final_response"], {k: v for k, v in value.items() if k != "final_response"}
-        if not all(type(k) is str and _plain_text(k) and _plain_scalar(v) for k, v in body.items()):
-            return None
-    else:
-        return None
-    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
-        return None
-    body["final_response"] = final  # last, as response_envelope puts it
-    return body
-
-
 # ---------------------------------------------------------------------------
 # Python data: read-only JSON containers (§7.2), headers as one dict
 # ---------------------------------------------------------------------------
@@ -1880,77 +1848,6 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
             raise TimeoutError(f"no result within {timeout:g} s") from None
         raise
 
-
-class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
-    __slots__ = ("_when", "_callback", "_args", "_tick")
-
-    def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
-        self._when, self._args, self._tick = when, args, tick
-        self._callback: Optional[Callable[..., Any]] = callback
-
-    def when(self) -> float:
-        return self._when
-
-    def cancel(self) -> None:
-        self._tick.discard(self)
-        self._callback = None
-
-    def _run(self) -> None:
-        callback = self._callback
-        self.cancel()
-        if callback is not None:  # not cancelled between its tick and now
-            callback(*self._args)
-
-
-class _Deadlines:
-    """One loop's timeouts: one ``COARSE_AFTER_S`` away or more joins its ``GRAIN_S`` tick (a TimerHandle each
-    was a real share of the loop's work), a nearer one is a ``loop.call_at``."""
-
-    GRAIN_S = 0.25
-    COARSE_AFTER_S = 10.0
-    _of_loop: Any = None  # WeakKeyDictionary: loop -> its _Deadlines
-    _lock = threading.Lock()
-
-    def __init__(self, loop: Any) -> None:
-        import weakref
-
-        self._loop = weakref.proxy(loop)  # a weak-keyed value must not keep its key alive
-        self._ticks: Dict[int, Set[_Deadline]] = {}
-
-    @classmethod
-    def call_at(cls, loop: Any, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        """``loop.call_at(when, callback, *args)`` for a timeout."""
-        return cls._for(loop).at(when, callback, *args)
-
-    def at(self, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        loop = self._loop
-        if when - loop.time() < self.COARSE_AFTER_S:
-            return loop.call_at(when, callback, *args)
-        tick = math.ceil(when / self.GRAIN_S)
-        entries = self._ticks.get(tick)
-        if entries is None:
-            entries = self._ticks[tick] = set()
-            loop.call_at(tick * self.GRAIN_S, self._fire, tick)
-        deadline = _Deadline(when, callback, args, entries)
-        entries.add(deadline)
-        return deadline
-
-    @classmethod
-    def _for(cls, loop: Any) -> _Deadlines:
-        deadlines = cls._of_loop.get(loop) if cls._of_loop is not None else None
-        if deadlines is None:
-            with cls._lock:
-                if cls._of_loop is None:
-                    import weakref
-
-                    cls._of_loop = weakref.WeakKeyDictionary()
-                deadlines = cls._of_loop.setdefault(loop, cls(loop))
-        return cast(_Deadlines, deadlines)
-
-    def _fire(self, tick: int) -> None:
-        for deadline in self._ticks.pop(tick, ()):
-            self._loop.call_soon(deadline._run)  # a handle each: one that raises stops no other
-
 # ---------------------------------------------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
 # ---------------------------------------------------------------------------
@@ -2049,7 +1946,7 @@ class _ClientConnection:
         return status, headers, bytes(body), keep_alive
 
 
-class _Pool:
+class _Pool:  # one loop's idle connections, oldest first; expired ones are closed whenever it is touched
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
@@ -2059,17 +1956,16 @@ class _Pool:
         self._reaper: Any = None
 
     def take(self, key: Tuple[str, str, int]) -> Optional[_ClientConnection]:
-        idle = self._idle.get(key)
-        now = self._loop.time()
+        idle = self._expire(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self._idle_s:
+            if not conn.closed:
                 return conn
             conn.close()
         return None
 
     def give(self, key: Tuple[str, str, int], conn: _ClientConnection) -> None:
-        idle = self._idle.setdefault(key, [])
+        idle = self._expire(key)
         if conn.closed or len(idle) >= self._max_idle:
             conn.close()
             return
@@ -2078,6 +1974,13 @@ class _Pool:
         if self._reaper is None:  # in a context of its own: it must not keep a dispatch's envelope alive
             self._reaper = contextvars.Context().run(self._loop.create_task, self._reap())
 
+    def _expire(self, key: Tuple[str, str, int]) -> List[_ClientConnection]:
+        idle = self._idle.setdefault(key, [])
+        cutoff = self._loop.time() - self._idle_s
+        while idle and (idle[0].closed or idle[0].idle_since <= cutoff):
+            idle.pop(0).close()
+        return idle
+
     def close(self) -> None:
         idle, self._idle = self._idle, {}
         for conn in (c for conns in idle.values() for c in conns):
@@ -2085,20 +1988,16 @@ class _Pool:
         if self._reaper is not None:
             self._reaper.cancel()
 
+    # The reaper closes what a dropped client left idle, and everything as asyncio.run() cancels it at the loop's
+    # end (else the connections would keep the loop alive).
     async def _reap(self) -> None:
         import asyncio
 
         try:
-            while True:
+            while any(self._idle.values()):
                 await asyncio.sleep(self._idle_s / 2)
-                if not any(self._idle.values()):
-                    break
-                cutoff = self._loop.time() - self._idle_s
-                for conns in self._idle.values():
-                    for conn in conns:
-                        if conn.closed or conn.idle_since <= cutoff:
-                            conn.close()
-                    conns[:] = [c for c in conns if not c.closed]
+                for key in list(self._idle):
+                    self._expire(key)
         except asyncio.CancelledError:
             self.close()
             raise
@@ -2184,7 +2083,7 @@ class _Transport:
             expired.append(True)
             task.cancel()
 
-        timer = _Deadlines.call_at(loop, started + timeout, expire)
+        timer = loop.call_at(started + timeout, expire)
         try:
             if conn is None:
                 conn = await self._connect(scheme, host, port)
@@ -2681,9 +2580,6 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
     """:func:`build_response` as the servers send it, no warning showing ``secrets`` or the run token."""
-    plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:
-        return plain
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
     bound = _current.get()
