@@ -1850,11 +1850,8 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
 
 # ---------------------------------------------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
-# ---------------------------------------------------------------------------
 
-class _TransportFailure(Exception):
-    """No usable reply (the cause is ``__cause__``); ``stale``: a reused connection the server had closed."""
-
+class _TransportFailure(Exception):  # no usable reply (the cause is __cause__); stale: a reused connection was closed
     def __init__(self, stale: bool = False) -> None:
         super().__init__()
         self.stale = stale
@@ -1863,8 +1860,7 @@ class _TransportFailure(Exception):
 class _ReplyTooLarge(Exception):
     def __init__(self, status: int, cap: int, length: Optional[int] = None) -> None:
         self.status = status
-        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length is not None
-                         else f"exceeds the {cap}-byte cap")
+        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
 
 
 class _ClientConnection:
@@ -1880,9 +1876,8 @@ class _ClientConnection:
     def close(self) -> None:
         self.writer.close()
 
+    # (status, headers, body, keep_alive) of one reply: RFC 9112 framing, 1xx skipped, malformed: ConnectionError
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (RFC 9112 framing, 1xx skipped); a
-        malformed one is a ``ConnectionError``."""
         reader, self.received = self.reader, False
         while True:
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
@@ -2005,11 +2000,7 @@ class _Pool:  # one loop's idle connections, oldest first; expired ones are clos
             self._reaper = None
 
 
-class _Transport:
-    """The one I/O layer of every outbound call: ``(status, headers, body)``, or :class:`_TransportFailure` /
-    :class:`_ReplyTooLarge`; ``timeout`` bounds the attempt, connecting included."""
-
-    MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
+class _Transport:  # every outbound call's I/O; timeout bounds an attempt, connecting included
     IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
@@ -2020,13 +2011,12 @@ class _Transport:
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race
-            max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
+        if pool is None:  # made on its loop's thread: no race; idle ones: half a server's connections at most
+            max_idle = max(64, min(4096, default_max_connections() // 2))
             pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
 
-    def close(self) -> None:
-        """Close the idle connections, each pool on its loop's thread."""
+    def close(self) -> None:  # each pool on its loop's thread
         for loop, pool in list(self._pools.items()):
             if _runs_on(loop) or not loop.is_running():
                 pool.close()
@@ -2036,7 +2026,6 @@ class _Transport:
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> _Reply:
-        """:meth:`aexchange` from a blocking thread."""
         import asyncio
         import concurrent.futures
 
@@ -2046,10 +2035,10 @@ class _Transport:
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
+    # base: the split URL.  The deadline cancels this task (before 3.12 asyncio.wait_for adds a task, a future and
+    # a timer).
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
-        """One request on the running loop (``base``: the split URL); its deadline cancels this task (before 3.12
-        ``asyncio.wait_for`` adds a task, a future and a timer)."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2061,10 +2050,9 @@ class _Transport:
         port = base.port or default_port
         key = (scheme, host, port)
         started = loop.time()
-        debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{path.split('?', 1)[0]}{'?…' if '?' in path else ''}" if debug else ""  # no key
-        if debug:
-            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
+        where = f"{host}:{port}{path.split('?', 1)[0]}" if _log.isEnabledFor(logging.DEBUG) else ""  # no query: keys
+        if where:
+            _log.debug("-> %s %s (%d bytes)", method, where, len(body))
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
             fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
@@ -2089,32 +2077,28 @@ class _Transport:
                 conn = await self._connect(scheme, host, port)
             conn.writer.write(request)
             status, headers_, reply, keep_alive = await conn.reply(max_reply)
-        except asyncio.CancelledError:
+        except BaseException as exc:  # EOFError: IncompleteReadError
+            received = conn is not None and conn.received
             if conn is not None:  # what is left of the reply must not meet the next request
                 conn.writer.transport.abort()
-            if expired and _uncancel(task) == 0:
+            if isinstance(exc, asyncio.CancelledError) and expired and _uncancel(task) == 0:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
-            raise
-        except (_ReplyTooLarge, OSError, EOFError, asyncio.LimitOverrunError) as exc:  # EOFError: IncompleteReadError
-            if conn is None:
-                raise
-            conn.writer.transport.abort()
-            if isinstance(exc, _ReplyTooLarge):
-                raise
             if isinstance(exc, EOFError):
-                cut = "before the reply was complete" if conn.received else "before replying"
+                cut = "before the reply was complete" if received else "before replying"
                 exc = ConnectionResetError(f"the proxy closed the connection {cut}")
-            elif not isinstance(exc, OSError):
+            elif isinstance(exc, asyncio.LimitOverrunError):
                 exc = ConnectionError("malformed HTTP reply: a line over 64 KiB")
-            raise _TransportFailure(stale=reused and not conn.received) from exc
+            elif not isinstance(exc, OSError):
+                raise
+            raise _TransportFailure(stale=reused and not received) from exc
         finally:
             timer.cancel()
         if keep_alive and not conn.closed:
             pool.give(key, conn)
         else:
             conn.close()
-        if debug:
+        if where:
             _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                        (loop.time() - started) * 1000)
         return status, headers_, reply
@@ -2147,23 +2131,12 @@ def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CA
 _shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# Proxy client (§3): the retry loop of both drivers (RetryState.step decides), tool calls, trace events, actors
-# ---------------------------------------------------------------------------
-
-_SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
-
-
-def _debug_headers(headers: Mapping[str, str]) -> str:
-    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
-             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
-    return (", " + ", ".join(shown)) if shown else ""
-
+# Proxy client (§3): one retry loop for both drivers, tool calls, trace events, actors
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
 
-def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
-    """``coroutine`` run here; it must not suspend."""
+def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:  # run here: it must not suspend
     try:
         coroutine.send(None)
     except StopIteration as done:
@@ -2177,11 +2150,11 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
+# The one driver of RetryState (§3.3); transport_error names an exchange that got no reply (a certificate or DNS
+# failure is not retried).
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
-    """The one driver of :class:`RetryState` (§3.3): ``send`` makes an exchange, ``transport_error`` names one that
-    got no reply (a certificate or DNS failure: not retried)."""
     state = RetryState(policy)
     while True:
         try:
@@ -2202,12 +2175,10 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             return step.value
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
-        if outcome.kind != "transport":
-            _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
-        elif outcome.stale:
+        if outcome.stale:
             _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
         else:
-            _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
+            _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
         if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
             await slept
 
@@ -2232,9 +2203,7 @@ def _env_float(name: str, default: float) -> float:
     return value
 
 
-class _Pacer:
-    """§7.4 kit-pacing: at most ``limit`` requests per key (a run token) in any ``window_s``."""
-
+class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any window_s
     def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
         self.limit, self.window_s, self._max_tokens = limit, window_s, max_tokens
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
@@ -2257,9 +2226,7 @@ class _Pacer:
         return slot - now
 
 
-class _DispatchStats:
-    """A dispatch's proxy calls, for its log line; ``cancelled``: the run is over, its calls refused."""
-
+class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over, its calls refused
     def __init__(self) -> None:
         self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
 
@@ -2315,7 +2282,7 @@ class ProxyClient:
         self._transport.close()
 
     async def aclose(self) -> None:
-        """:meth:`close`, from a coroutine."""
+        """:meth:`close` on the running loop."""
         self.close()
 
     # seams: a subclass overrides them to observe or change the wire
@@ -2378,8 +2345,7 @@ class ProxyClient:
 
         async def send() -> _Reply:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
-                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
-                                 "answered already", tool_name=name)
+                raise ProxyError(f"proxy call {name!r} refused: its dispatch overran its run_timeout_s", tool_name=name)
             wait = pacer.reserve(envelope.run_token) if pacer is not None else 0.0
             if wait > 0 and hasattr(slept := pause(wait), "__await__"):
                 await slept
@@ -2411,7 +2377,7 @@ def _check_envelope(envelope: Any) -> None:
 def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
     if errors == "raise" or isinstance(exc, StaleRunTokenError):  # a stale token: the run is over
         raise exc
-    _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
+    _log.info("tool %r failed, returned to the agent: %s", name, exc)
     return exc.to_value()
 
 
@@ -2421,10 +2387,9 @@ def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> No
     _log.warning("trace event %r not recorded: %s", event_type, exc)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)  # once per run and label
 def _warn_undeclared(label: str, catalog: Tuple[str, ...], *run: Any) -> None:
-    _log.warning("actor label %r is not in this run's declared sub_agents %s; the platform will show it as undeclared",
-                 label, list(catalog))
+    _log.warning("actor label %r is undeclared: not in this run's sub_agents %s", label, list(catalog))
 
 
 def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
@@ -2488,7 +2453,7 @@ class Actor:
         return proxy_call(name, args, **self._options(options))
 
     async def acall(self, name: str, args: _Payload = None, **options: Any) -> Any:
-        """:func:`aproxy_call` as this actor."""
+        """:meth:`call` on the running loop."""
         return await aproxy_call(name, args, **self._options(options))
 
     def trace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
@@ -2496,7 +2461,7 @@ class Actor:
         return post_trace(event_type, payload, **self._options(options))
 
     async def atrace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
-        """:func:`apost_trace` as this actor."""
+        """:meth:`trace` on the running loop."""
         return await apost_trace(event_type, payload, **self._options(options))
 
     def handoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
@@ -2504,7 +2469,7 @@ class Actor:
         return post_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
-        """:func:`apost_handoff` from this actor to ``to_sub_agent``."""
+        """:meth:`handoff_to` on the running loop."""
         return await apost_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     def actor(self, child: str) -> Actor:
@@ -2536,10 +2501,8 @@ async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Op
 
 
 def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: bool) -> Optional[Envelope]:
-    if envelope is not None:
-        return envelope
     try:
-        return current_envelope()
+        return envelope or current_envelope()
     except EnvelopeError as exc:
         _trace_failed(exc, event_type, best_effort)
         return None
@@ -2579,13 +2542,14 @@ def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
-    """:func:`build_response` as the servers send it, no warning showing ``secrets`` or the run token."""
+    # as the servers send it: no warning shows the secrets or the run token
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
     bound = _current.get()
     for warning in warnings:
         _log.warning("response: %s", redact(warning, *secrets, bound.run_token if bound is not None else None))
     return body
+
 
 # ---------------------------------------------------------------------------
 # Running agents: sync on a fresh thread, ``async def`` as a task, within a deadline
