@@ -1460,28 +1460,24 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
 _T = TypeVar("_T")
 
 
-class _Once(Generic[_T]):
+class _Once(Generic[_T]):  # a lazy singleton
     def __init__(self, make: Callable[[], _T]) -> None:
         self._make, self._lock = make, threading.Lock()
         self._value: Optional[_T] = None
 
     def __call__(self) -> _T:
-        value = self._value
-        if value is None:
+        if self._value is None:
             with self._lock:
                 if self._value is None:
                     self._value = self._make()
-                value = self._value
-        return value
+        return cast(_T, self._value)
 
     def replace(self, value: Optional[_T]) -> None:
-        with self._lock:
-            self._value = value
+        self._value = value
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster (each held to it by a test); a port needs none
-# ---------------------------------------------------------------------------
+# Speed paths: part 1's results computed faster; a port needs none
 
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
@@ -1499,7 +1495,6 @@ def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
 
 # ---------------------------------------------------------------------------
 # Python data: read-only JSON containers (§7.2), headers as one dict
-# ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise TypeError("envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))")
@@ -1546,8 +1541,7 @@ class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeat
     repeats: Dict[str, List[str]]
 
 
-def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Headers from a mapping, a ``Message`` or pairs (bytes as latin-1)."""
+def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a Message or pairs (bytes: latin-1)
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
@@ -1571,7 +1565,6 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 
 # ---------------------------------------------------------------------------
 # Python values as JSON (§7.7): converted with a note, or refused (strict)
-# ---------------------------------------------------------------------------
 
 class _Unsendable(Exception):
     pass
@@ -1583,9 +1576,9 @@ def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> No
     notes.append(f"{problem}; {sent}")
 
 
+# a copy of value that JSON carries, each change noted in notes (None: strict, the first raises _Unsendable)
 def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
               active: Optional[Set[int]] = None) -> Any:
-    """A copy of ``value`` that JSON carries, each change noted in ``notes`` (None: strict, the first raises)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -1698,12 +1691,10 @@ def _int_text(number: int) -> str:  # str() without its digit limit (640 at the 
 
 
 def _key_text(key: Any) -> str:
-    if key is None or isinstance(key, bool):
-        return json.dumps(key)
+    if key is None or isinstance(key, (bool, float)):
+        return json.dumps(_jsonable(key, "key", []))
     if isinstance(key, int):
         return _int_text(int.__int__(key))
-    if isinstance(key, float):
-        return json.dumps(_jsonable(key, "key", []))
     return _well_formed(_safe_text(key))
 
 
@@ -1723,7 +1714,6 @@ def _safe_repr(value: Any) -> str:
 
 # ---------------------------------------------------------------------------
 # Start-up settings
-# ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
     """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range)."""
@@ -1739,8 +1729,7 @@ def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
         return None
     entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
     if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the proxy hosts, or leave it "
-                         "unset to allow any")
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the hosts, or leave it unset")
     return entries
 
 
@@ -1755,13 +1744,11 @@ def _normal_host_entry(entry: str) -> str:
             return str(ipaddress.IPv6Address(entry))
     elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
         return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
-                     "optionally with :port, without scheme, path or other wildcards")
+    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix, optionally with :port")
 
 
 # ---------------------------------------------------------------------------
 # Context binding: the running dispatch's envelope
-# ---------------------------------------------------------------------------
 
 _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("pipelines_port_envelope", default=None)
 
@@ -1769,8 +1756,7 @@ _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("p
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
     """Bind ``envelope`` to this context (each thread and task has its own) for the ``with`` block."""
-    if not isinstance(envelope, Envelope):
-        raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
+    _check_envelope(envelope)
     token = _current.set(envelope)
     try:
         yield envelope
@@ -1779,19 +1765,17 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound here, else the run in a ``PIPELINES_*`` environment with a run token (§5
-    child-env-explicit)."""
+    """The envelope bound here, else the run in a ``PIPELINES_*`` environment (§5 child-env-explicit)."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(f"no dispatch envelope is bound to this context and {ENV_RUN_TOKEN} is not set: call inside "
-                        "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
+    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: call inside a dispatch, "
+                        "use `with bind_envelope(envelope):` or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: a blocking caller's exchanges on its server's loop or the module's; far timeouts on a 0.25 s wheel
-# ---------------------------------------------------------------------------
+# Event loops: a blocking caller's exchanges on its server's loop or the module's
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
@@ -1815,12 +1799,11 @@ def _start_loop() -> Any:
 
 _loop_thread = _Once(_start_loop)
 if hasattr(os, "register_at_fork"):  # a forked child has no such thread
-    os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
+    os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
 
 
+# coroutine run on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
-    """``coroutine`` run on this thread's server loop, else the module's loop thread; ``TimeoutError`` after
-    ``timeout``; whatever interrupts the wait cancels it."""
     import asyncio
     import concurrent.futures
 
@@ -1883,11 +1866,11 @@ class _ClientConnection:
             lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             self.received = True
             version, _, rest = lines[0].partition(b" ")
-            if not version.startswith(b"HTTP/1.") or not rest[:3].isdigit() or len(rest[:3]) != 3:
+            if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit():
                 raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
             status = int(rest[:3])
             if status == 101:
-                raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
+                raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, never asked for")
             if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
                 break
         headers: List[Tuple[str, str]] = []
@@ -2050,9 +2033,6 @@ class _Transport:  # every outbound call's I/O; timeout bounds an attempt, conne
         port = base.port or default_port
         key = (scheme, host, port)
         started = loop.time()
-        where = f"{host}:{port}{path.split('?', 1)[0]}" if _log.isEnabledFor(logging.DEBUG) else ""  # no query: keys
-        if where:
-            _log.debug("-> %s %s (%d bytes)", method, where, len(body))
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
             fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
@@ -2098,9 +2078,9 @@ class _Transport:  # every outbound call's I/O; timeout bounds an attempt, conne
             pool.give(key, conn)
         else:
             conn.close()
-        if where:
-            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
-                       (loop.time() - started) * 1000)
+        if _log.isEnabledFor(logging.DEBUG):  # no query: it may hold a key
+            _log.debug("%s %s:%d%s (%d bytes): HTTP %d (%d bytes) in %.1f ms", method, host, port, path.split("?")[0],
+                       len(body), status, len(reply), (loop.time() - started) * 1000)
         return status, headers_, reply
 
     async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
@@ -2263,7 +2243,6 @@ class ProxyClient:
     async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
                     timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
                     errors: str = "raise") -> Any:
-        """:meth:`call` on the running loop."""
         return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
     def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: Optional[str] = None,
@@ -2274,7 +2253,6 @@ class ProxyClient:
     async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
                      actor: Optional[str] = None, timeout: Optional[float] = None,
                      best_effort: bool = False) -> _Accepted:
-        """:meth:`trace` on the running loop."""
         return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
     def close(self) -> None:
@@ -2282,7 +2260,6 @@ class ProxyClient:
         self._transport.close()
 
     async def aclose(self) -> None:
-        """:meth:`close` on the running loop."""
         self.close()
 
     # seams: a subclass overrides them to observe or change the wire
@@ -2294,7 +2271,6 @@ class ProxyClient:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
-        """:meth:`exchange` on the running loop."""
         return await self._transport.aexchange(base, method, path, headers, body, timeout, max_reply)
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -2453,7 +2429,6 @@ class Actor:
         return proxy_call(name, args, **self._options(options))
 
     async def acall(self, name: str, args: _Payload = None, **options: Any) -> Any:
-        """:meth:`call` on the running loop."""
         return await aproxy_call(name, args, **self._options(options))
 
     def trace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
@@ -2461,7 +2436,6 @@ class Actor:
         return post_trace(event_type, payload, **self._options(options))
 
     async def atrace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
-        """:meth:`trace` on the running loop."""
         return await apost_trace(event_type, payload, **self._options(options))
 
     def handoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
@@ -2469,7 +2443,6 @@ class Actor:
         return post_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
-        """:meth:`handoff_to` on the running loop."""
         return await apost_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     def actor(self, child: str) -> Actor:
