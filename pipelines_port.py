@@ -1576,7 +1576,7 @@ def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> No
     notes.append(f"{problem}; {sent}")
 
 
-# a copy of value that JSON carries, each change noted in notes (None: strict, the first raises _Unsendable)
+# value as JSON carries it, each change noted (notes None: strict, the first raises)
 def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
               active: Optional[Set[int]] = None) -> Any:
     if value is None or isinstance(value, bool):
@@ -1802,7 +1802,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has no such thread
     os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
 
 
-# coroutine run on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
+# on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
     import asyncio
     import concurrent.futures
@@ -1834,7 +1834,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
 # ---------------------------------------------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
 
-class _TransportFailure(Exception):  # no usable reply (the cause is __cause__); stale: a reused connection was closed
+class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
     def __init__(self, stale: bool = False) -> None:
         super().__init__()
         self.stale = stale
@@ -1859,7 +1859,7 @@ class _ClientConnection:
     def close(self) -> None:
         self.writer.close()
 
-    # (status, headers, body, keep_alive) of one reply: RFC 9112 framing, 1xx skipped, malformed: ConnectionError
+    # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         reader, self.received = self.reader, False
         while True:
@@ -1924,7 +1924,7 @@ class _ClientConnection:
         return status, headers, bytes(body), keep_alive
 
 
-class _Pool:  # one loop's idle connections, oldest first; expired ones are closed whenever it is touched
+class _Pool:  # one loop's idle connections
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
@@ -1934,16 +1934,16 @@ class _Pool:  # one loop's idle connections, oldest first; expired ones are clos
         self._reaper: Any = None
 
     def take(self, key: Tuple[str, str, int]) -> Optional[_ClientConnection]:
-        idle = self._expire(key)
+        idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if not conn.closed and self._loop.time() - conn.idle_since < self._idle_s:
                 return conn
             conn.close()
         return None
 
     def give(self, key: Tuple[str, str, int], conn: _ClientConnection) -> None:
-        idle = self._expire(key)
+        idle = self._idle.setdefault(key, [])
         if conn.closed or len(idle) >= self._max_idle:
             conn.close()
             return
@@ -1952,13 +1952,6 @@ class _Pool:  # one loop's idle connections, oldest first; expired ones are clos
         if self._reaper is None:  # in a context of its own: it must not keep a dispatch's envelope alive
             self._reaper = contextvars.Context().run(self._loop.create_task, self._reap())
 
-    def _expire(self, key: Tuple[str, str, int]) -> List[_ClientConnection]:
-        idle = self._idle.setdefault(key, [])
-        cutoff = self._loop.time() - self._idle_s
-        while idle and (idle[0].closed or idle[0].idle_since <= cutoff):
-            idle.pop(0).close()
-        return idle
-
     def close(self) -> None:
         idle, self._idle = self._idle, {}
         for conn in (c for conns in idle.values() for c in conns):
@@ -1966,16 +1959,19 @@ class _Pool:  # one loop's idle connections, oldest first; expired ones are clos
         if self._reaper is not None:
             self._reaper.cancel()
 
-    # The reaper closes what a dropped client left idle, and everything as asyncio.run() cancels it at the loop's
-    # end (else the connections would keep the loop alive).
+    # closes those idle too long, and all as asyncio.run() ends the loop (else its connections keep it alive)
     async def _reap(self) -> None:
         import asyncio
 
         try:
             while any(self._idle.values()):
                 await asyncio.sleep(self._idle_s / 2)
-                for key in list(self._idle):
-                    self._expire(key)
+                cutoff = self._loop.time() - self._idle_s
+                for conns in self._idle.values():
+                    for conn in conns:
+                        if conn.closed or conn.idle_since <= cutoff:
+                            conn.close()
+                    conns[:] = [c for c in conns if not c.closed]
         except asyncio.CancelledError:
             self.close()
             raise
@@ -1983,7 +1979,7 @@ class _Pool:  # one loop's idle connections, oldest first; expired ones are clos
             self._reaper = None
 
 
-class _Transport:  # every outbound call's I/O; timeout bounds an attempt, connecting included
+class _Transport:  # every outbound call's I/O
     IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
 
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
@@ -1994,7 +1990,7 @@ class _Transport:  # every outbound call's I/O; timeout bounds an attempt, conne
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race; idle ones: half a server's connections at most
+        if pool is None:  # made on its loop's thread: no race
             max_idle = max(64, min(4096, default_max_connections() // 2))
             pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
         return pool
@@ -2018,8 +2014,8 @@ class _Transport:  # every outbound call's I/O; timeout bounds an attempt, conne
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
-    # base: the split URL.  The deadline cancels this task (before 3.12 asyncio.wait_for adds a task, a future and
-    # a timer).
+    # base: the split URL; timeout bounds it, connecting included: its deadline cancels this task (asyncio.wait_for
+    # adds a task, a future and a timer before 3.12)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
         import asyncio
@@ -2130,8 +2126,7 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
-# The one driver of RetryState (§3.3); transport_error names an exchange that got no reply (a certificate or DNS
-# failure is not retried).
+# The one driver of RetryState (§3.3); transport_error names an exchange without a reply (DNS or certificate: final)
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
@@ -2145,7 +2140,7 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
 
             cause = failure.__cause__ or failure
             error = transport_error(cause)
-            error.__cause__, error.__suppress_context__ = cause, True
+            error.__cause__ = cause
             ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
             final = isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(
                 cause, ssl.SSLCertVerificationError))
@@ -2206,7 +2201,7 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         return slot - now
 
 
-class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over, its calls refused
+class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over
     def __init__(self) -> None:
         self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
 
@@ -2278,7 +2273,7 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # one coroutine for both drivers: under call() and trace() nothing in it suspends
+    # one coroutine for both drivers: under call() and trace() nothing suspends
 
     async def _call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str], timeout: Optional[float],
                     idempotency_key: Optional[str], errors: str, blocking: bool) -> Any:

@@ -478,49 +478,6 @@ def test_the_pool_reaper_closes_what_idled_too_long_and_keeps_the_rest() -> None
     assert left == 0 and kept_in_order_then_ended
 
 
-def test_the_pool_closes_what_idled_too_long_when_touched_and_keeps_the_rest() -> None:
-    """Real connections to a loopback listener: giving or taking one closes each one idle past ``idle_s`` or
-    closed by the server, keeps the fresh ones in their order; close() closes the rest; no task is left."""
-    import socket
-
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    port = listener.getsockname()[1]
-    key = ("http", "127.0.0.1", port)
-
-    async def main() -> Tuple[List[bool], List[bool], bool, bool, bool, List[Any]]:
-        loop = asyncio.get_running_loop()
-        pool = pp._Pool(loop, max_idle=100, idle_s=0.5)
-        transport = pp._Transport()
-        conns = [await transport._connect("http", "127.0.0.1", port) for _ in range(41)]
-        for conn in conns[:30]:
-            pool.give(key, conn)
-        conns[3].close()  # as after the server's EOF
-        await asyncio.sleep(0.6)
-        for conn in conns[30:40]:  # the first give closes the first 30, idle too long
-            pool.give(key, conn)
-        await asyncio.sleep(0)
-        first_30 = [c.writer.is_closing() for c in conns[:30]]
-        last_10 = [c.writer.is_closing() for c in conns[30:40]]
-        order_kept = pool._idle[key] == conns[30:40]
-        taken = pool.take(key) is conns[39]
-        await asyncio.sleep(0.6)
-        pool.give(key, conns[40])  # the other nine aged out
-        expired = pool._idle[key] == [conns[40]] and all(c.writer.is_closing() for c in conns[30:39])
-        pool.close()
-        conns[39].close()
-        await asyncio.sleep(0)
-        closed = all(c.writer.is_closing() for c in conns)
-        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        return first_30, last_10, order_kept and taken, expired, closed, left
-
-    try:
-        first_30, last_10, kept_in_order, expired, closed, left = asyncio.run(main())
-    finally:
-        listener.close()
-    assert all(first_30) and not any(last_10)
-    assert kept_in_order and expired and closed and left == []
-
-
 def test_one_client_serves_many_event_loops_each_with_its_own_pool() -> None:
     with MockProxy(tokens=["run-token-loops-xxxxxxxx"]) as proxy:
         client = pp.ProxyClient(rate_per_minute=0, timeout=30)
