@@ -1470,7 +1470,7 @@ class _Once(Generic[_T]):  # a lazy singleton
             with self._lock:
                 if self._value is None:
                     self._value = self._make()
-        return cast(_T, self._value)
+        return self._value
 
     def replace(self, value: Optional[_T]) -> None:
         self._value = value
@@ -1744,7 +1744,8 @@ def _normal_host_entry(entry: str) -> str:
             return str(ipaddress.IPv6Address(entry))
     elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
         return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix, optionally with :port")
+    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix, optionally with :port, "
+                     "without scheme or path")
 
 
 # ---------------------------------------------------------------------------
