@@ -2038,6 +2038,9 @@ class _Transport:  # every outbound call's I/O
                        + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
+        where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(logging.DEBUG) else ""  # no query: keys
+        if where:
+            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         pool = self._pool(loop)
         conn = pool.take(key)
         reused = conn is not None
@@ -2075,9 +2078,9 @@ class _Transport:  # every outbound call's I/O
             pool.give(key, conn)
         else:
             conn.close()
-        if _log.isEnabledFor(logging.DEBUG):  # no query: it may hold a key
-            _log.debug("%s %s:%d%s (%d bytes): HTTP %d (%d bytes) in %.1f ms", method, host, port, path.split("?")[0],
-                       len(body), status, len(reply), (loop.time() - started) * 1000)
+        if where:
+            _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
+                       (loop.time() - started) * 1000)
         return status, headers_, reply
 
     async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
@@ -2091,6 +2094,15 @@ class _Transport:  # every outbound call's I/O
             if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
                 exc = type(exc)(exc.errno, os.strerror(exc.errno))
             raise _TransportFailure() from exc
+
+
+_SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
+
+
+def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of the others only the key and actor
+    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
+             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
+    return (", " + ", ".join(shown)) if shown else ""
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
@@ -2216,8 +2228,7 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
 
 
 class ProxyClient:
-    """Calls the per-run proxy (§3, §7.4); ``timeout`` (per attempt) and ``rate_per_minute`` (0: no pacing) default
-    to ``PIPELINES_PROXY_TIMEOUT_S`` and ``PIPELINES_PROXY_RATE_PER_MINUTE``; ``sleep`` may return an awaitable."""
+    """The per-run proxy's client (§3, §7.4); ``timeout`` and ``rate_per_minute`` default to ``PIPELINES_PROXY_*``."""
 
     def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
                  rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
@@ -2503,8 +2514,7 @@ ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                    metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None) -> Dict[str, Any]:
-    """The response envelope (§4, §7.7) for an agent's result, warnings logged; ``strict`` (default
-    ``PIPELINES_PORT_STRICT``) raises :class:`ResponseError` instead."""
+    """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``PIPELINES_PORT_STRICT``) raises."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
