@@ -1864,21 +1864,17 @@ class _ClientConnection:
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         reader, self.received = self.reader, False
         while True:
-            lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
+            head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
             self.received = True
+            lines = head.replace(b"\r\n ", b" ").replace(b"\r\n\t", b" ").split(b"\r\n")  # obs-fold: a space
             version, _, rest = lines[0].partition(b" ")
-            if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit():
+            if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
                 raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
             status = int(rest[:3])
-            if status == 101:
-                raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, never asked for")
             if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
                 break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and headers:  # obs-fold
-                headers[-1] = (headers[-1][0], headers[-1][1] + " " + line.strip().decode("latin-1"))
-                continue
             name, colon, value = line.partition(b":")
             if not colon or not name.strip():
                 raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
