@@ -44,12 +44,12 @@ def _exchange(reply: bytes) -> Tuple[int, Dict[str, str], bytes]:
 
 
 CASES: List[Tuple[str, bytes, int, bytes, Dict[str, Any]]] = [
-    ("chunked", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4;ext=1\r\nabcd\r\n2\r\nef\r\n0\r\n"
-                b"X-Trailer: t\r\n\r\n", 200, b"abcdef", {}),
+    ("chunked", (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4;ext=1\r\nabcd\r\n2\r\nef\r\n0\r\n"
+                 b"X-Trailer: t\r\n\r\n"), 200, b"abcdef", {}),
     ("content-length", b"HTTP/1.1 201 Created\r\nContent-Length: 3\r\n\r\nxyz", 201, b"xyz", {}),
     ("close-delimited", b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nto the end", 200, b"to the end", {}),
-    ("1xx skipped", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", 200, b"ok", {}),
+    ("1xx skipped", (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"), 200, b"ok", {}),
     ("obs-fold", b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n  b\r\nContent-Length: 0\r\n\r\n", 200, b"",
      {"X-Folded": "a   b"}),
     ("no body on 204", b"HTTP/1.1 204 No Content\r\n\r\n", 204, b"", {}),
