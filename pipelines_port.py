@@ -2664,7 +2664,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             return _call_agent(functools.partial(agent, envelope), envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
-    timer = loop.call_at(loop.time() + timeout_s, settle, None,
+    timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
                                _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
         return await waiter
@@ -3088,7 +3088,7 @@ class _ServerConnection:
         if self.timer is not None:
             self.timer.cancel()
         server = self.server
-        self.timer = None if seconds is None else server.loop.call_at(server.loop.time() + seconds, self._timed_out)
+        self.timer = None if seconds is None else server.deadlines.at(server.loop.time() + seconds, self._timed_out)
 
     def _timed_out(self) -> None:
         if not (self.buffer or self.head):
@@ -3167,7 +3167,7 @@ class AsyncDispatchServer:
         import asyncio
 
         self.loop = asyncio.get_running_loop()
-        self.deadlines = None  # R4SHIM
+        self.deadlines = _Deadlines._for(self.loop)
         self._stop = asyncio.Event()
         with self._lock:
             if self.draining:  # close() came first (serve's SIGTERM)
