@@ -1409,28 +1409,24 @@ def redact(value: Any, *secrets: Optional[str]) -> Any:
 _T = TypeVar("_T")
 
 
-class _Once(Generic[_T]):
+class _Once(Generic[_T]):  # a lazy singleton
     def __init__(self, make: Callable[[], _T]) -> None:
         self._make, self._lock = make, threading.Lock()
         self._value: Optional[_T] = None
 
     def __call__(self) -> _T:
-        value = self._value
-        if value is None:
+        if self._value is None:
             with self._lock:
                 if self._value is None:
                     self._value = self._make()
-                value = self._value
-        return value
+        return self._value
 
     def replace(self, value: Optional[_T]) -> None:
-        with self._lock:
-            self._value = value
+        self._value = value
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster (each held to it by a test); a port needs none
-# ---------------------------------------------------------------------------
+# Speed paths: part 1's results computed faster; a port needs none
 
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
@@ -1446,41 +1442,8 @@ def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
-def _plain_text(text: str) -> bool:
-    return text.isascii() or _SURROGATE_RE.search(text) is None
-
-
-def _plain_scalar(item: Any) -> bool:
-    kind = type(item)
-    if kind is str:
-        return _plain_text(item)
-    if kind is int:
-        return cast(int, item).bit_length() < 14_000  # surely under MAX_INT_DIGITS
-    if kind is float:
-        return math.isfinite(item)
-    return item is None or kind is bool
-
-
-def _plain_envelope(value: Any) -> Optional[Dict[str, Any]]:
-    """:func:`response_envelope`'s body for a string or flat dict of JSON scalars; else ``None``."""
-    if type(value) is str:
-        final, body = value, {}
-    elif type(value) is dict and type(value.get("final_response")) is str and "messages" not in value and (
-            "metadata" not in value):
-        final, body = value["final_response"], {k: v for k, v in value.items() if k != "final_response"}
-        if not all(type(k) is str and _plain_text(k) and _plain_scalar(v) for k, v in body.items()):
-            return None
-    else:
-        return None
-    if not final.strip() or len(final) > FINAL_RESPONSE_SOFT_LIMIT or not _plain_text(final):
-        return None
-    body["final_response"] = final  # last, as response_envelope puts it
-    return body
-
-
 # ---------------------------------------------------------------------------
 # Python data: read-only JSON containers (§7.2), headers as one dict
-# ---------------------------------------------------------------------------
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise TypeError("envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))")
@@ -1527,8 +1490,7 @@ class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeat
     repeats: Dict[str, List[str]]
 
 
-def _lower_headers(headers: HeadersLike) -> Dict[str, str]:
-    """Headers from a mapping, a ``Message`` or pairs (bytes as latin-1)."""
+def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a Message or pairs (bytes: latin-1)
     if isinstance(headers, _LowerHeaders):
         return headers
     out = _LowerHeaders()
@@ -1552,7 +1514,6 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 
 # ---------------------------------------------------------------------------
 # Python values as JSON (§7.7): converted with a note, or refused (strict)
-# ---------------------------------------------------------------------------
 
 class _Unsendable(Exception):
     pass
@@ -1564,9 +1525,9 @@ def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> No
     notes.append(f"{problem}; {sent}")
 
 
+# value as JSON carries it, each change noted (notes None: strict, the first raises)
 def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
               active: Optional[Set[int]] = None) -> Any:
-    """A copy of ``value`` that JSON carries, each change noted in ``notes`` (None: strict, the first raises)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -1679,12 +1640,10 @@ def _int_text(number: int) -> str:  # str() without its digit limit (640 at the 
 
 
 def _key_text(key: Any) -> str:
-    if key is None or isinstance(key, bool):
-        return json.dumps(key)
+    if key is None or isinstance(key, (bool, float)):
+        return json.dumps(_jsonable(key, "key", []))
     if isinstance(key, int):
         return _int_text(int.__int__(key))
-    if isinstance(key, float):
-        return json.dumps(_jsonable(key, "key", []))
     return _well_formed(_safe_text(key))
 
 
@@ -1704,7 +1663,6 @@ def _safe_repr(value: Any) -> str:
 
 # ---------------------------------------------------------------------------
 # Start-up settings
-# ---------------------------------------------------------------------------
 
 def check_run_timeout(run_timeout_s: Any) -> float:
     """``run_timeout_s`` as a float in (0, 1800] (§7.3 kit-run-timeout-range)."""
@@ -1720,8 +1678,7 @@ def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
         return None
     entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
     if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the proxy hosts, or leave it "
-                         "unset to allow any")
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the hosts, or leave it unset")
     return entries
 
 
@@ -1736,13 +1693,12 @@ def _normal_host_entry(entry: str) -> str:
             return str(ipaddress.IPv6Address(entry))
     elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
         return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix (*.suffix too), "
-                     "optionally with :port, without scheme, path or other wildcards")
+    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix, optionally with :port, "
+                     "without scheme or path")
 
 
 # ---------------------------------------------------------------------------
 # Context binding: the running dispatch's envelope
-# ---------------------------------------------------------------------------
 
 _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("pipelines_port_envelope", default=None)
 
@@ -1750,8 +1706,7 @@ _current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("p
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
     """Bind ``envelope`` to this context (each thread and task has its own) for the ``with`` block."""
-    if not isinstance(envelope, Envelope):
-        raise TypeError(f"bind_envelope() needs an Envelope, got {type(envelope).__name__}")
+    _check_envelope(envelope)
     token = _current.set(envelope)
     try:
         yield envelope
@@ -1760,19 +1715,17 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound here, else the run in a ``PIPELINES_*`` environment with a run token (§5
-    child-env-explicit)."""
+    """The envelope bound here, else the run in a ``PIPELINES_*`` environment (§5 child-env-explicit)."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(f"no dispatch envelope is bound to this context and {ENV_RUN_TOKEN} is not set: call inside "
-                        "a dispatch or run(), wrap the code in `with bind_envelope(envelope):`, or pass envelope=...")
+    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: call inside a dispatch, "
+                        "use `with bind_envelope(envelope):` or pass envelope=...")
 
 # ---------------------------------------------------------------------------
-# Event loops: a blocking caller's exchanges on its server's loop or the module's; far timeouts on a 0.25 s wheel
-# ---------------------------------------------------------------------------
+# Event loops: a blocking caller's exchanges on its server's loop or the module's
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
@@ -1796,12 +1749,11 @@ def _start_loop() -> Any:
 
 _loop_thread = _Once(_start_loop)
 if hasattr(os, "register_at_fork"):  # a forked child has no such thread
-    os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
+    os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
 
 
+# on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
-    """``coroutine`` run on this thread's server loop, else the module's loop thread; ``TimeoutError`` after
-    ``timeout``; whatever interrupts the wait cancels it."""
     import asyncio
     import concurrent.futures
 
@@ -1829,84 +1781,10 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None
             raise TimeoutError(f"no result within {timeout:g} s") from None
         raise
 
-
-class _Deadline:  # a far timeout, with a TimerHandle's when() and cancel()
-    __slots__ = ("_when", "_callback", "_args", "_tick")
-
-    def __init__(self, when: float, callback: Callable[..., Any], args: Tuple[Any, ...], tick: Set[Any]) -> None:
-        self._when, self._args, self._tick = when, args, tick
-        self._callback: Optional[Callable[..., Any]] = callback
-
-    def when(self) -> float:
-        return self._when
-
-    def cancel(self) -> None:
-        self._tick.discard(self)
-        self._callback = None
-
-    def _run(self) -> None:
-        callback = self._callback
-        self.cancel()
-        if callback is not None:  # not cancelled between its tick and now
-            callback(*self._args)
-
-
-class _Deadlines:
-    """One loop's timeouts: one ``COARSE_AFTER_S`` away or more joins its ``GRAIN_S`` tick (a TimerHandle each
-    was a real share of the loop's work), a nearer one is a ``loop.call_at``."""
-
-    GRAIN_S = 0.25
-    COARSE_AFTER_S = 10.0
-    _of_loop: Any = None  # WeakKeyDictionary: loop -> its _Deadlines
-    _lock = threading.Lock()
-
-    def __init__(self, loop: Any) -> None:
-        import weakref
-
-        self._loop = weakref.proxy(loop)  # a weak-keyed value must not keep its key alive
-        self._ticks: Dict[int, Set[_Deadline]] = {}
-
-    @classmethod
-    def call_at(cls, loop: Any, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        """``loop.call_at(when, callback, *args)`` for a timeout."""
-        return cls._for(loop).at(when, callback, *args)
-
-    def at(self, when: float, callback: Callable[..., Any], *args: Any) -> Any:
-        loop = self._loop
-        if when - loop.time() < self.COARSE_AFTER_S:
-            return loop.call_at(when, callback, *args)
-        tick = math.ceil(when / self.GRAIN_S)
-        entries = self._ticks.get(tick)
-        if entries is None:
-            entries = self._ticks[tick] = set()
-            loop.call_at(tick * self.GRAIN_S, self._fire, tick)
-        deadline = _Deadline(when, callback, args, entries)
-        entries.add(deadline)
-        return deadline
-
-    @classmethod
-    def _for(cls, loop: Any) -> _Deadlines:
-        deadlines = cls._of_loop.get(loop) if cls._of_loop is not None else None
-        if deadlines is None:
-            with cls._lock:
-                if cls._of_loop is None:
-                    import weakref
-
-                    cls._of_loop = weakref.WeakKeyDictionary()
-                deadlines = cls._of_loop.setdefault(loop, cls(loop))
-        return cast(_Deadlines, deadlines)
-
-    def _fire(self, tick: int) -> None:
-        for deadline in self._ticks.pop(tick, ()):
-            self._loop.call_soon(deadline._run)  # a handle each: one that raises stops no other
-
 # ---------------------------------------------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
-# ---------------------------------------------------------------------------
 
-class _TransportFailure(Exception):
-    """No usable reply (the cause is ``__cause__``); ``stale``: a reused connection the server had closed."""
-
+class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
     def __init__(self, stale: bool = False) -> None:
         super().__init__()
         self.stale = stale
@@ -1915,8 +1793,7 @@ class _TransportFailure(Exception):
 class _ReplyTooLarge(Exception):
     def __init__(self, status: int, cap: int, length: Optional[int] = None) -> None:
         self.status = status
-        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length is not None
-                         else f"exceeds the {cap}-byte cap")
+        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
 
 
 class _ClientConnection:
@@ -1932,26 +1809,21 @@ class _ClientConnection:
     def close(self) -> None:
         self.writer.close()
 
+    # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        """``(status, headers, body, keep_alive)`` of one HTTP/1.1 reply (RFC 9112 framing, 1xx skipped); a
-        malformed one is a ``ConnectionError``."""
         reader, self.received = self.reader, False
         while True:
-            lines = (await reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
+            head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
             self.received = True
+            lines = head.replace(b"\r\n ", b" ").replace(b"\r\n\t", b" ").split(b"\r\n")  # obs-fold: a space
             version, _, rest = lines[0].partition(b" ")
-            if not version.startswith(b"HTTP/1.") or not rest[:3].isdigit() or len(rest[:3]) != 3:
+            if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
                 raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
             status = int(rest[:3])
-            if status == 101:
-                raise ConnectionError("malformed HTTP reply: 101 Switching Protocols, which no request asked for")
             if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
                 break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and headers:  # obs-fold
-                headers[-1] = (headers[-1][0], headers[-1][1] + " " + line.strip().decode("latin-1"))
-                continue
             name, colon, value = line.partition(b":")
             if not colon or not name.strip():
                 raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
@@ -1998,7 +1870,7 @@ class _ClientConnection:
         return status, headers, bytes(body), keep_alive
 
 
-class _Pool:
+class _Pool:  # one loop's idle connections
     def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
         import weakref
 
@@ -2009,10 +1881,9 @@ class _Pool:
 
     def take(self, key: Tuple[str, str, int]) -> Optional[_ClientConnection]:
         idle = self._idle.get(key)
-        now = self._loop.time()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self._idle_s:
+            if not conn.closed and self._loop.time() - conn.idle_since < self._idle_s:
                 return conn
             conn.close()
         return None
@@ -2034,14 +1905,13 @@ class _Pool:
         if self._reaper is not None:
             self._reaper.cancel()
 
+    # closes those idle too long, and all as asyncio.run() ends the loop (else its connections keep it alive)
     async def _reap(self) -> None:
         import asyncio
 
         try:
-            while True:
+            while any(self._idle.values()):
                 await asyncio.sleep(self._idle_s / 2)
-                if not any(self._idle.values()):
-                    break
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
                     for conn in conns:
@@ -2055,13 +1925,7 @@ class _Pool:
             self._reaper = None
 
 
-class _Transport:
-    """The one I/O layer of every outbound call: ``(status, headers, body)``, or :class:`_TransportFailure` /
-    :class:`_ReplyTooLarge`; ``timeout`` bounds the attempt, connecting included."""
-
-    MAX_IDLE_PER_ORIGIN: Optional[int] = None  # None: half of default_max_connections(), from 64 to 4096
-    IDLE_TIMEOUT_S = 60.0  # at or below the usual front ends' (AWS ALB 60 s, nginx 75 s)
-
+class _Transport:  # every outbound call's I/O
     def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
         import weakref
 
@@ -2070,13 +1934,11 @@ class _Transport:
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race
-            max_idle = self.MAX_IDLE_PER_ORIGIN or max(64, min(4096, default_max_connections() // 2))
-            pool = self._pools[loop] = _Pool(loop, max_idle, self.IDLE_TIMEOUT_S)
+        if pool is None:  # made on its loop's thread: no race; idle 60 s at most, as AWS ALB (nginx: 75 s)
+            pool = self._pools[loop] = _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0)
         return pool
 
-    def close(self) -> None:
-        """Close the idle connections, each pool on its loop's thread."""
+    def close(self) -> None:  # each pool on its loop's thread
         for loop, pool in list(self._pools.items()):
             if _runs_on(loop) or not loop.is_running():
                 pool.close()
@@ -2086,7 +1948,6 @@ class _Transport:
 
     def exchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes, timeout: float,
                  max_reply: int) -> _Reply:
-        """:meth:`aexchange` from a blocking thread."""
         import asyncio
         import concurrent.futures
 
@@ -2096,10 +1957,10 @@ class _Transport:
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
+    # base: the split URL; timeout bounds it, connecting included: its deadline cancels this task (asyncio.wait_for
+    # adds a task, a future and a timer before 3.12)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
-        """One request on the running loop (``base``: the split URL); its deadline cancels this task (before 3.12
-        ``asyncio.wait_for`` adds a task, a future and a timer)."""
         import asyncio
 
         problem = _header_problem(headers)
@@ -2111,10 +1972,6 @@ class _Transport:
         port = base.port or default_port
         key = (scheme, host, port)
         started = loop.time()
-        debug = _log.isEnabledFor(logging.DEBUG)
-        where = f"{host}:{port}{path.split('?', 1)[0]}{'?…' if '?' in path else ''}" if debug else ""  # no key
-        if debug:
-            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
             fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
@@ -2123,6 +1980,9 @@ class _Transport:
                        + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
+        where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(logging.DEBUG) else ""  # no query: keys
+        if where:
+            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         pool = self._pool(loop)
         conn = pool.take(key)
         reused = conn is not None
@@ -2133,38 +1993,34 @@ class _Transport:
             expired.append(True)
             task.cancel()
 
-        timer = _Deadlines.call_at(loop, started + timeout, expire)
+        timer = loop.call_at(started + timeout, expire)
         try:
             if conn is None:
                 conn = await self._connect(scheme, host, port)
             conn.writer.write(request)
             status, headers_, reply, keep_alive = await conn.reply(max_reply)
-        except asyncio.CancelledError:
+        except BaseException as exc:  # EOFError: IncompleteReadError
+            received = conn is not None and conn.received
             if conn is not None:  # what is left of the reply must not meet the next request
                 conn.writer.transport.abort()
-            if expired and _uncancel(task) == 0:
+            if isinstance(exc, asyncio.CancelledError) and expired and _uncancel(task) == 0:
                 what = "connection" if conn is None else "complete reply"
                 raise _TransportFailure() from TimeoutError(f"timed out: no {what} within {timeout:g} s")
-            raise
-        except (_ReplyTooLarge, OSError, EOFError, asyncio.LimitOverrunError) as exc:  # EOFError: IncompleteReadError
-            if conn is None:
-                raise
-            conn.writer.transport.abort()
-            if isinstance(exc, _ReplyTooLarge):
-                raise
             if isinstance(exc, EOFError):
-                cut = "before the reply was complete" if conn.received else "before replying"
+                cut = "before the reply was complete" if received else "before replying"
                 exc = ConnectionResetError(f"the proxy closed the connection {cut}")
-            elif not isinstance(exc, OSError):
+            elif isinstance(exc, asyncio.LimitOverrunError):
                 exc = ConnectionError("malformed HTTP reply: a line over 64 KiB")
-            raise _TransportFailure(stale=reused and not conn.received) from exc
+            elif not isinstance(exc, OSError):
+                raise
+            raise _TransportFailure(stale=reused and not received) from exc
         finally:
             timer.cancel()
         if keep_alive and not conn.closed:
             pool.give(key, conn)
         else:
             conn.close()
-        if debug:
+        if where:
             _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                        (loop.time() - started) * 1000)
         return status, headers_, reply
@@ -2182,6 +2038,15 @@ class _Transport:
             raise _TransportFailure() from exc
 
 
+_SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
+
+
+def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of the others only the key and actor
+    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
+             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
+    return (", " + ", ".join(shown)) if shown else ""
+
+
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
     uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
@@ -2197,23 +2062,12 @@ def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CA
 _shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# Proxy client (§3): the retry loop of both drivers (RetryState.step decides), tool calls, trace events, actors
-# ---------------------------------------------------------------------------
-
-_SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
-
-
-def _debug_headers(headers: Mapping[str, str]) -> str:
-    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
-             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
-    return (", " + ", ".join(shown)) if shown else ""
-
+# Proxy client (§3): one retry loop for both drivers, tool calls, trace events, actors
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
 
-def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:
-    """``coroutine`` run here; it must not suspend."""
+def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:  # run here: it must not suspend
     try:
         coroutine.send(None)
     except StopIteration as done:
@@ -2227,11 +2081,10 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
+# The one driver of RetryState (§3.3); transport_error names an exchange without a reply (DNS or certificate: final)
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
-    """The one driver of :class:`RetryState` (§3.3): ``send`` makes an exchange, ``transport_error`` names one that
-    got no reply (a certificate or DNS failure: not retried)."""
     state = RetryState(policy)
     while True:
         try:
@@ -2242,7 +2095,7 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
 
             cause = failure.__cause__ or failure
             error = transport_error(cause)
-            error.__cause__, error.__suppress_context__ = cause, True
+            error.__cause__ = cause
             ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
             final = isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(
                 cause, ssl.SSLCertVerificationError))
@@ -2252,12 +2105,10 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             return step.value
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
-        if outcome.kind != "transport":
-            _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
-        elif outcome.stale:
+        if outcome.stale:
             _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
         else:
-            _log.warning("%s; retrying in %.2f s", step.error, step.wait_s or 0.0)
+            _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
         if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
             await slept
 
@@ -2282,9 +2133,7 @@ def _env_float(name: str, default: float) -> float:
     return value
 
 
-class _Pacer:
-    """§7.4 kit-pacing: at most ``limit`` requests per key (a run token) in any ``window_s``."""
-
+class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any window_s
     def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
         self.limit, self.window_s, self._max_tokens = limit, window_s, max_tokens
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
@@ -2307,9 +2156,7 @@ class _Pacer:
         return slot - now
 
 
-class _DispatchStats:
-    """A dispatch's proxy calls, for its log line; ``cancelled``: the run is over, its calls refused."""
-
+class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over
     def __init__(self) -> None:
         self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
 
@@ -2323,8 +2170,7 @@ _dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.
 
 
 class ProxyClient:
-    """Calls the per-run proxy (§3, §7.4); ``timeout`` (per attempt) and ``rate_per_minute`` (0: no pacing) default
-    to ``PIPELINES_PROXY_TIMEOUT_S`` and ``PIPELINES_PROXY_RATE_PER_MINUTE``; ``sleep`` may return an awaitable."""
+    """The per-run proxy's client (§3, §7.4); ``timeout`` and ``rate_per_minute`` default to ``PIPELINES_PROXY_*``."""
 
     def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
                  rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
@@ -2346,7 +2192,6 @@ class ProxyClient:
     async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
                     timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
                     errors: str = "raise") -> Any:
-        """:meth:`call` on the running loop."""
         return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
     def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: Optional[str] = None,
@@ -2357,7 +2202,6 @@ class ProxyClient:
     async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
                      actor: Optional[str] = None, timeout: Optional[float] = None,
                      best_effort: bool = False) -> _Accepted:
-        """:meth:`trace` on the running loop."""
         return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
     def close(self) -> None:
@@ -2365,7 +2209,6 @@ class ProxyClient:
         self._transport.close()
 
     async def aclose(self) -> None:
-        """:meth:`close`, from a coroutine."""
         self.close()
 
     # seams: a subclass overrides them to observe or change the wire
@@ -2377,7 +2220,6 @@ class ProxyClient:
 
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
-        """:meth:`exchange` on the running loop."""
         return await self._transport.aexchange(base, method, path, headers, body, timeout, max_reply)
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -2385,7 +2227,7 @@ class ProxyClient:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
-    # one coroutine for both drivers: under call() and trace() nothing in it suspends
+    # one coroutine for both drivers: under call() and trace() nothing suspends
 
     async def _call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str], timeout: Optional[float],
                     idempotency_key: Optional[str], errors: str, blocking: bool) -> Any:
@@ -2428,8 +2270,7 @@ class ProxyClient:
 
         async def send() -> _Reply:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
-                raise ProxyError(f"proxy call {name!r} refused: this dispatch overran its run_timeout_s and was "
-                                 "answered already", tool_name=name)
+                raise ProxyError(f"proxy call {name!r} refused: its dispatch overran its run_timeout_s", tool_name=name)
             wait = pacer.reserve(envelope.run_token) if pacer is not None else 0.0
             if wait > 0 and hasattr(slept := pause(wait), "__await__"):
                 await slept
@@ -2461,7 +2302,7 @@ def _check_envelope(envelope: Any) -> None:
 def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
     if errors == "raise" or isinstance(exc, StaleRunTokenError):  # a stale token: the run is over
         raise exc
-    _log.info("tool %r failed, returning the error to the agent: %s", name, exc)
+    _log.info("tool %r failed, returned to the agent: %s", name, exc)
     return exc.to_value()
 
 
@@ -2471,10 +2312,9 @@ def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> No
     _log.warning("trace event %r not recorded: %s", event_type, exc)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)  # once per run and label
 def _warn_undeclared(label: str, catalog: Tuple[str, ...], *run: Any) -> None:
-    _log.warning("actor label %r is not in this run's declared sub_agents %s; the platform will show it as undeclared",
-                 label, list(catalog))
+    _log.warning("actor label %r is undeclared: not in this run's sub_agents %s", label, list(catalog))
 
 
 def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
@@ -2538,7 +2378,6 @@ class Actor:
         return proxy_call(name, args, **self._options(options))
 
     async def acall(self, name: str, args: _Payload = None, **options: Any) -> Any:
-        """:func:`aproxy_call` as this actor."""
         return await aproxy_call(name, args, **self._options(options))
 
     def trace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
@@ -2546,7 +2385,6 @@ class Actor:
         return post_trace(event_type, payload, **self._options(options))
 
     async def atrace(self, event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
-        """:func:`apost_trace` as this actor."""
         return await apost_trace(event_type, payload, **self._options(options))
 
     def handoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
@@ -2554,7 +2392,6 @@ class Actor:
         return post_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     async def ahandoff_to(self, to_sub_agent: str, **options: Any) -> _Accepted:
-        """:func:`apost_handoff` from this actor to ``to_sub_agent``."""
         return await apost_handoff(self.label, to_sub_agent, **self._options(options, actor=False))
 
     def actor(self, child: str) -> Actor:
@@ -2586,10 +2423,8 @@ async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Op
 
 
 def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: bool) -> Optional[Envelope]:
-    if envelope is not None:
-        return envelope
     try:
-        return current_envelope()
+        return envelope or current_envelope()
     except EnvelopeError as exc:
         _trace_failed(exc, event_type, best_effort)
         return None
@@ -2621,24 +2456,21 @@ ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                    metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None) -> Dict[str, Any]:
-    """The response envelope (§4, §7.7) for an agent's result, warnings logged; ``strict`` (default
-    ``PIPELINES_PORT_STRICT``) raises :class:`ResponseError` instead."""
+    """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``PIPELINES_PORT_STRICT``) raises."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
 def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
            metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
            secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
-    """:func:`build_response` as the servers send it, no warning showing ``secrets`` or the run token."""
-    plain = _plain_envelope(value) if messages is None and metadata is None else None
-    if plain is not None:
-        return plain
+    # as the servers send it: no warning shows the secrets or the run token
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
     bound = _current.get()
     for warning in warnings:
         _log.warning("response: %s", redact(warning, *secrets, bound.run_token if bound is not None else None))
     return body
+
 
 # ---------------------------------------------------------------------------
 # Running agents: sync on a fresh thread, ``async def`` as a task, within a deadline
