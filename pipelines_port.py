@@ -4362,7 +4362,6 @@ class McpShim:
 
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
-# ---------------------------------------------------------------------------
 
 class _UsageError(Exception):
     pass
@@ -4410,9 +4409,8 @@ def load_agent(spec: str) -> Callable[..., Any]:
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-            hint = (" (it has `agent`: add `run = pp.code_mode(agent)`)" if attr == "run" and "agent" in names
-                    else f" (callables defined there: {', '.join(names)[:200] or 'none'})")
+            hint = (" (it has `agent`: add `run = pp.code_mode(agent)`)"
+                    if attr == "run" and "agent" in vars(module) else "")
             raise ValueError(f"{where} has no function {attr!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
@@ -4445,38 +4443,35 @@ def _digits(text: str) -> Optional[int]:
 def _refuse_token(text: str) -> None:
     import argparse
 
-    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN, or "
-                                     "name another variable with --token-env NAME")
+    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN or use "
+                                     "--token-env NAME")
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
-    ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s; 0.0.0.0: all)"),
+    ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s)"),
     ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
-     "port (default %(default)s; 0: a free one)"),
+     "port (default %(default)s; 0: any free)"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
-    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
-    ("--auth-header", str, "Authorization", "NAME",
-     "its header: Authorization (Bearer <token>) or another holding the bare token"),
-    ("--no-auth", None, False, None, "no inbound auth: anyone can dispatch"),
-    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body (default %(default)s)"),
+    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable (default %(default)s)"),
+    ("--auth-header", str, "Authorization", "NAME", "the token's header (default %(default)s: Bearer)"),
+    ("--no-auth", None, False, None, "no inbound auth"),
+    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body (default %(default)s)"),
     ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
-    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "time running dispatches get on SIGTERM (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None, "asyncio (one event loop; default) or threads (one per connection)"),
-    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
-     "time for a request's head and body, 408 past it (default %(default)g)"),
-    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connections close after it (default %(default)g)"),
-    ("--max-connections", _POSITIVE, None, "N", "more open connections get 503 (default: by the open-file limit)"),
-    ("--strict", None, False, None, f"500 for a response the platform would soften (also: {ENV_STRICT}=1)"),
-    ("--proxy-hosts", str, None, "HOSTS", ("proxy hosts allowed, comma-separated names, IPs or .suffixes, each "
-                                            f"with an optional :port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
-    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: tools_schema.json beside the agent)"),
-    ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
-    ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
+    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM (default %(default)g)"),
+    ("--server", SERVERS, "asyncio", None, "asyncio (default) or threads"),
+    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408 (default %(default)g)"),
+    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout (default %(default)g)"),
+    ("--max-connections", _POSITIVE, None, "N", "open connections, then 503 (default: by open-file limit)"),
+    ("--strict", None, False, None, f"500 for a response the platform would soften (or {ENV_STRICT}=1)"),
+    ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed, by commas (default: ${ENV_PROXY_ALLOWED_HOSTS})"),
+    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: beside the agent)"),
+    ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
+    ("--no-access-log", None, False, None, "no line per request"),
     ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
-     "collect garbage every N allocations, startup's objects frozen (default %(default)s; 0: Python's)"),
+     "gen-0 GC threshold (default %(default)s; 0: Python's)"),
 )
 
 
@@ -4507,7 +4502,7 @@ def _cmd_serve(args: Any) -> int:
             say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
-            say(f"WARNING: {ENV_RUN_TOKEN} is set: a proxy call made outside a dispatch would use that run; unset it")
+            say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
@@ -4535,13 +4530,10 @@ def _parser(prog: Optional[str] = None) -> Any:
             sys.argv[0]) == "pipelines_port.py"
         prog = "pipelines_port.py" if as_file else "python3 -m pipelines_port"
     # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on the "
-                                     "Pipelines platform, standard library only.")
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on Pipelines.")
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve_ = commands.add_parser(
-        "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
-        description="Serve agent(envelope) as a Pipelines dispatch endpoint.")
+    serve_ = commands.add_parser("serve", help="serve agent(envelope) as a dispatch endpoint", allow_abbrev=False)
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
         how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
@@ -4549,11 +4541,10 @@ def _parser(prog: Optional[str] = None) -> Any:
         serve_.add_argument(flag, help=text, **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
-    mcp_ = commands.add_parser(
-        "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
-        description=f"MCP on stdin/stdout: tools from {ENV_TOOLS_SCHEMA_B64} or the platform, called through the "
-                    f"proxy of the run in {ENV_PROXY_URL} / {ENV_RUN_TOKEN}; logs on stderr.")
-    mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
+    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the run's proxy",
+                               description="MCP server on stdio, tools called through the run's proxy.",
+                               allow_abbrev=False)
+    mcp_.add_argument("--debug", action="store_true", help="log proxy traffic, redacted")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
 
@@ -4562,8 +4553,8 @@ def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) ->
     """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
-        print(f"pipelines_port {argv[0]}: a kit command: run `pipelines-port {argv[0]}` (pip install the kit) or "
-              f"`python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
+        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}` or `python3 -m conformance {argv[0]}`",
+              file=sys.stderr)
         return 2
     parser = _parser(prog)
     args = parser.parse_args(argv)
