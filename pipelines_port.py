@@ -3573,9 +3573,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 
 
 # ---------------------------------------------------------------------------
-# Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
-# output, a retrying JSON client for model APIs
-# ---------------------------------------------------------------------------
+# Agent-loop helpers: tool formats (§3.6), tool calls, bounded output, post_json
 
 TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
@@ -3604,7 +3602,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         schema = _thaw(schema) if schema is not None else {"type": "object", "properties": {}}
         if to == "openai_chat":
             tool = {"type": "function", "function": {**tool, "parameters": schema}}
-        elif to == "openai_responses":  # strict said out loud: by default every property would be required
+        elif to == "openai_responses":  # strict on would make every property required
             tool = {"type": "function", **tool, "parameters": schema, "strict": False}
         else:
             tool["input_schema"] = schema
@@ -3616,7 +3614,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
 
 
 def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
-    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6); ``ValueError``."""
+    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6)."""
     where = "the environment" if source is None else os.fspath(source)
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
     if tools is None:
@@ -3655,7 +3653,7 @@ def _as_text(value: Any) -> str:
 
 
 def bound_output(text: Any, limit: int = 8000) -> str:
-    """``text`` (JSON when not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
+    """``text`` (JSON if not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
     shown = _as_text(text)
     if len(shown) <= limit:
         return shown
@@ -3682,7 +3680,7 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
                 return _call_failed(ProxyRequestError(problem, tool_name=name), name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
-    if len(calls) <= 1 or max_concurrency <= 1:  # a pool costs more than a call on a kept-alive connection
+    if len(calls) <= 1 or max_concurrency <= 1:
         return [one(name, args) for name, args in calls]
     with ThreadPoolExecutor(min(max_concurrency, len(calls)), "pipelines-tool") as pool:
         futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
@@ -3690,7 +3688,7 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
 
 
 class HTTPStatusError(PipelinesError):
-    """A JSON API (a model's) answered an error status after retries, or no JSON."""
+    """A model's JSON API answered an error status after retries, or no JSON."""
 
     def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
         super().__init__(message)
@@ -3704,8 +3702,7 @@ _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, t
 def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping[str, str]] = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
               sleep: Callable[[float], None] = time.sleep) -> Any:
-    """POST JSON to a (model) API, return its JSON reply; 408, 409, 425, 429, 5xx, 529 and lost connections retried
-    (as ``retry-after-ms``/``Retry-After`` ask), else :class:`HTTPStatusError`; header values never shown."""
+    """POST ``payload`` to a model's JSON API, return its JSON reply; 408, 409, 425, 429, 5xx, 529 retried."""
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
