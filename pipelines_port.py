@@ -3737,12 +3737,10 @@ def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping
                        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
 
 # ---------------------------------------------------------------------------
-# Tools from code: JSON Schema from a signature, arguments checked, proxied
-# inside a dispatch and local outside one (§3.6)
-# ---------------------------------------------------------------------------
+# Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); a string or an array by its length
+# keyword: (the JSON type it bounds, the test); a string's or array's length
 _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
     "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
     "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
@@ -3794,7 +3792,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
 
 
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
-    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum); else ``TypeError``."""
+    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum), else ``TypeError``."""
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -3825,38 +3823,35 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
     import inspect  # cleandoc expands tabs
 
-    params: Dict[str, str] = {}
     summary: List[str] = []
+    params: Dict[str, str] = {}
     section = current = None
     for line in inspect.cleandoc(doc or "").splitlines():
         text = line.strip()
-        sphinx = re.match(r":param\s+(?:[\w\[\], ]+\s+)?(\w+):\s*(.*)", text)
-        google = re.match(r"(\w+)\s*(?:\([^)]*\))?:\s*(.*)", text)
-        if sphinx:
-            section, current = "sphinx", sphinx[1]
-            params[current] = sphinx[2]
-        elif re.fullmatch(r"(Args|Arguments|Parameters):", text):
-            section, current = "args", None
-        elif re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", text) or text.startswith(":"):
-            section, current = "other", None
-        elif section == "args" and google and re.match(" {4}(?! {4})", line):
-            current = google[1]
-            params[current] = google[2]
-        elif current and text and (section == "args" or line[:1] == " "):
-            params[current] = f"{params[current]} {text}".strip()
+        google = section in ("Args", "Arguments", "Parameters") and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line)
+        found = google or re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text)
+        if found:
+            section, current = section or ":param", found[1]
+            params[current] = found[2]
+        elif re.fullmatch(r"[A-Z]\w*( \w+)?:|:.*", line):  # a Google section's title, another Sphinx field
+            section, current = text[:-1], None
+        elif current and text and line[:1] == " ":
+            params[current] = f"{params[current]} {text}".lstrip()
         elif section is None:
             summary.append(line)
     return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
 
 
 class Tool:
-    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied, outside one it runs."""
+    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied; outside, it runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
                  default_execution_mode: Optional[str] = None) -> None:
         import inspect
         import typing
 
+        if default_execution_mode not in (None, "sandbox", "passthrough"):
+            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
         summary, param_docs = _docstring_parts(fn.__doc__)
@@ -3868,6 +3863,7 @@ class Tool:
         except Exception as exc:  # noqa: BLE001
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
         properties: Dict[str, Any] = {}
+        required: List[str] = []
         for param in self.signature.parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
@@ -3877,15 +3873,14 @@ class Tool:
                 raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
             if param_docs.get(param.name):
                 prop["description"] = param_docs[param.name]
-            if param.default is not param.empty:
+            if param.default is param.empty:
+                required.append(param.name)
+            else:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
                     prop["default"] = json.loads(json.dumps(default))
-        required = [p.name for p in self.signature.parameters.values() if p.default is p.empty]
         self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
                                              **({"required": required} if required else {})}
-        if default_execution_mode not in (None, "sandbox", "passthrough"):
-            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
