@@ -4211,17 +4211,16 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
         usages, model if isinstance(model, str) else getattr(model, "model", None))
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-# ---------------------------------------------------------------------------
 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 
 
-class _RpcError(Exception):  # (code, message); -32700 parse, -32600 request, -32601 method, -32602 params, -32603
+class _RpcError(Exception):  # (JSON-RPC error code, message)
     pass
 
 
 class McpShim:
-    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim): tools from §3.6's sources, called through the proxy."""
+    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim) whose tools are called through the proxy."""
 
     def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
@@ -4243,14 +4242,14 @@ class McpShim:
             if isinstance(message.get("id"), bool) or not isinstance(message.get("id"), (str, int, type(None))):
                 raise _RpcError(-32600, "id must be a string or a number")
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
-                return None  # a notification, a stray response, a blank line
+                return None
             request_id = message["id"]
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
         except _RpcError as exc:
             reply = {"error": {"code": exc.args[0], "message": exc.args[1]}}
-        except Exception as exc:  # noqa: BLE001 - never crash the shim
+        except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
             _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
             reply = {"error": {"code": -32603, "message": describe_error(exc, DETAIL_LIMIT, token)}}
@@ -4279,7 +4278,7 @@ class McpShim:
 
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
-        if self._envelope is None:  # two threads may both read it: the same run
+        if self._envelope is None:  # two threads reading it read the same run
             try:
                 self._envelope = Envelope.from_env(self.environ)
             except EnvelopeError as exc:
@@ -4334,19 +4333,18 @@ class McpShim:
         """Answer lines until EOF, ``tools/call`` concurrently, each reply a whole line."""
         from concurrent.futures import ThreadPoolExecutor
 
-        write_lock = threading.Lock()
+        out, write_lock = stdout or sys.stdout, threading.Lock()
 
         def answer(line: str) -> None:
             reply = self.handle_line(line)
             if reply is not None:
                 with write_lock:
-                    out = stdout or sys.stdout
                     out.write(reply + "\n")
                     out.flush()
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
-                if '"tools/call"' in line:  # the slow ones; a false positive merely runs on the pool
+                if '"tools/call"' in line:  # the slow ones
                     pool.submit(answer, line)
                 else:
                     answer(line)
