@@ -3924,10 +3924,7 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
-# Framework bridges (kit-framework-bridges): a framework's tools as tools_schema
-# and proxied, its run result as the response
-# ---------------------------------------------------------------------------
-
+# Framework bridges (kit-framework-bridges): tools in and out, a run's response
 
 def _tools_of(source: Any) -> List[Any]:
     tools = source if isinstance(source, (list, tuple)) else getattr(source, "tools", None)
@@ -3954,8 +3951,7 @@ def _framework_tool(tool: Any) -> Dict[str, Any]:
             schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
         schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
     else:
-        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (give OpenAI Agents, LangChain, Strands "
-                        "or MCP tools, or tools_schema entries)")
+        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, Strands, MCP)")
     return {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
 
 
@@ -3967,8 +3963,7 @@ def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
 
 
 def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
-    """The same tools (OpenAI Agents, LangChain as ``StructuredTool``, Strands), each body ``proxy_call(name, args,
-    actor=actor, errors="return")`` to the run bound here."""
+    """The same tools (OpenAI Agents, LangChain, Strands), each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
     return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
 
@@ -4004,8 +3999,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents, LangChain or Strands tools (or call "
-                    "proxy_call in the tool's body)")
+    raise TypeError(f"cannot proxy a {type(tool).__name__}: call proxy_call in its body")
 
 
 def _jsonable_args(value: Any) -> Any:
@@ -4068,8 +4062,7 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """The response envelope (§4) of an OpenAI Agents ``RunResult``, a Strands ``Agent``, LangChain/LangGraph messages
-    (or state) or an Anthropic conversation, else :func:`build_response`; ``fields`` win."""
+    """The response envelope (§4) of a framework's run (kit-framework-bridges), else :func:`build_response`."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
@@ -4090,7 +4083,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-class _Turn(NamedTuple):  # a transcript's message, as every reader gives it to _read_turns
+class _Turn(NamedTuple):  # a transcript's message, for _read_turns
     role: str
     text: str = ""
     tool_calls: Sequence[Dict[str, Any]] = ()
@@ -4141,7 +4134,7 @@ _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasonin
 
 
 def _message_turn(item: Any) -> Optional[_Turn]:
-    # an Anthropic Messages or (Strands') Bedrock Converse message
+    # an Anthropic Messages or a Bedrock Converse (Strands) message
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
     content = item.get("content") if isinstance(item, Mapping) else None
