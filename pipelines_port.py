@@ -3699,10 +3699,10 @@ _MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
 _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
 
 
-def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping[str, str]] = None,
+def post_json(url: str, payload: Optional[Mapping[str, Any]], *, headers: Optional[Mapping[str, str]] = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
-              sleep: Callable[[float], None] = time.sleep) -> Any:
-    """POST ``payload`` to a model's JSON API, return its JSON reply; 408, 409, 425, 429, 5xx, 529 retried."""
+              sleep: Callable[[float], None] = time.sleep, method: str = "POST") -> Any:
+    """``payload`` sent by ``method`` (None: no body) to a JSON API, its JSON reply; 408, 429, 5xx and more retried."""
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
@@ -3711,14 +3711,14 @@ def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping
     if base.scheme.lower() not in ("http", "https") or not base.hostname:
         raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
     path = (base.path or "/") + (f"?{base.query}" if base.query else "")
-    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = b"" if payload is None else json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT,
             **(headers or {})}
-    where = f"POST {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
+    where = f"{method} {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
 
     def send() -> _Reply:
         try:
-            return _shared_transport().exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
+            return _shared_transport().exchange(base, method, path, sent, body, timeout, max_reply_bytes)
         except _ReplyTooLarge as big:
             raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
 
@@ -4295,21 +4295,14 @@ class McpShim:
                                     f"{ENV_AGENT_ID} to fetch it")
         envelope = self.envelope()
         try:
-            base = urlsplit(validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url,
-                                               ENV_API_URL))
-            path = f"{base.path}/api/agents/{quote(agent_id, safe='')}/tools-schema"
-            headers = {"Accept": "application/json", "Authorization": "Bearer " + envelope.run_token,
-                       "User-Agent": _USER_AGENT}
-            status, _, body = _shared_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
-        except (EnvelopeError, _TransportFailure, _ReplyTooLarge) as exc:
-            problem = describe_error(exc.__cause__ or exc, 200)
-        else:
-            value = _decode_body(body, "")[0] if status == 200 else None
-            tools = value.get("tools") if isinstance(value, dict) else None
-            if isinstance(tools, list):
-                return tools
-            problem = f"HTTP {status} from {base.netloc}{path}"
-        raise _RpcError(-32603, f"cannot fetch the tools schema: {problem}")
+            api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
+            reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
+                              headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0)
+        except (EnvelopeError, HTTPStatusError) as exc:
+            raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
+        if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
+            raise _RpcError(-32603, "cannot fetch the tools schema: the reply has no tools list")
+        return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
         """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
