@@ -3828,8 +3828,8 @@ def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
     section = current = None
     for line in inspect.cleandoc(doc or "").splitlines():
         text = line.strip()
-        google = section in ("Args", "Arguments", "Parameters") and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line)
-        found = google or re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text)
+        found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
+            section in ("Args", "Arguments", "Parameters") and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line))
         if found:
             section, current = section or ":param", found[1]
             params[current] = found[2]
