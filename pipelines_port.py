@@ -3680,9 +3680,7 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
                 return _call_failed(ProxyRequestError(problem, tool_name=name), name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
-    if len(calls) <= 1 or max_concurrency <= 1:
-        return [one(name, args) for name, args in calls]
-    with ThreadPoolExecutor(min(max_concurrency, len(calls)), "pipelines-tool") as pool:
+    with ThreadPoolExecutor(max(1, min(max_concurrency, len(calls))), "pipelines-tool") as pool:
         futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
         return [f.result() for f in futures]
 
@@ -3816,8 +3814,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     if annotation is dict or origin is dict:
         values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
-    raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
-                    "list/dict of those, Literal or an Enum")
+    raise TypeError(f"no JSON Schema for type {annotation!r} (see schema_for_type)")
 
 
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
