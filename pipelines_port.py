@@ -3807,11 +3807,11 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
         null = [{"type": "null"}] if len(members) < len(args) else []
         if len(members) == 1 and null and set(members[0]) == {"type"} and isinstance(members[0]["type"], str):
             return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
-        return members[0] if len(members) == 1 and not null else {"anyOf": members + null}
-    if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
+        return {"anyOf": members + null}
+    if (origin or annotation) in (list, tuple, set, frozenset):
         items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
         return {"type": "array", **({"items": items[0] if len(items) == 1 else {"anyOf": items}} if items else {})}
-    if annotation is dict or origin is dict:
+    if (origin or annotation) is dict:
         values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
     raise TypeError(f"no JSON Schema for type {annotation!r} (see schema_for_type)")
