@@ -4409,10 +4409,6 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
     return parse
 
 
-def _digits(text: str) -> Optional[int]:
-    return int(text) if text.strip().isdigit() else None  # int() would take -5 and 1_000 too
-
-
 def _refuse_token(text: str) -> None:
     import argparse
 
@@ -4421,11 +4417,11 @@ def _refuse_token(text: str) -> None:
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
-_POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
+_POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s)"),
-    ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
+    ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
      "port (default %(default)s; 0: any free)"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable (default %(default)s)"),
@@ -4443,7 +4439,7 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: beside the agent)"),
     ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
-    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
+    ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
      "gen-0 GC threshold (default %(default)s; 0: Python's)"),
 )
 
