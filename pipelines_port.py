@@ -4439,8 +4439,8 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: beside the agent)"),
     ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
-    ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
-     "gen-0 GC threshold (default %(default)s; 0: Python's)"),
+    ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
+     SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold (default %(default)s; 0: Python's)"),
 )
 
 
