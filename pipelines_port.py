@@ -3579,7 +3579,7 @@ TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
 
 def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
-    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6 kit-model-tool-names); ``ValueError`` if bad."""
+    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6, kit-model-tool-names)."""
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
     out: List[Dict[str, Any]] = []
@@ -3680,9 +3680,9 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
                 return _call_failed(ProxyRequestError(problem, tool_name=name), name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
+    context = contextvars.copy_context()  # the caller's: its bound envelope
     with ThreadPoolExecutor(max(1, min(max_concurrency, len(calls))), "pipelines-tool") as pool:
-        futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
-        return [f.result() for f in futures]
+        return list(pool.map(lambda call: context.copy().run(one, *call), calls))
 
 
 class HTTPStatusError(PipelinesError):
