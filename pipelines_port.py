@@ -3953,7 +3953,7 @@ def _framework_tool(tool: Any) -> Dict[str, Any]:
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The ``tools_schema`` (§3.6) of OpenAI Agents, LangChain/LangGraph, Strands or MCP tools, or of an agent's."""
+    """The ``tools_schema`` (§3.6) of a framework's tools or agent (kit-framework-bridges)."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
@@ -4016,7 +4016,7 @@ class Handoffs:
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: Optional[str] = None) -> None:
-        """``label`` acts from now on: a handoff from another sub-agent before it is posted."""
+        """``label`` acts from now on; a change of sub-agent is posted."""
         for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
@@ -4228,12 +4228,12 @@ class McpShim:
                 raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
             if not isinstance(message, dict):
                 raise _RpcError(-32600, f"a message must be a JSON object (no batches), got {json_type(message)}")
-            method = message.get("method")
-            if isinstance(message.get("id"), bool) or not isinstance(message.get("id"), (str, int, type(None))):
+            method, given = message.get("method"), message.get("id")
+            if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
                 raise _RpcError(-32600, "id must be a string or a number")
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
                 return None
-            request_id = message["id"]
+            request_id = given
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
