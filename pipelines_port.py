@@ -4418,21 +4418,21 @@ def _refuse_token(text: str) -> None:
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
-# (flag, type, default, metavar, help): type None is a switch, a tuple the choices
+# (flag, type, default, metavar, help): type None is a switch, a tuple the choices; a default shown if set
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
-    ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s)"),
+    ("--host", str, "127.0.0.1", None, "interface to listen on"),
     ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
-     "port (default %(default)s; 0: any free)"),
-    ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
-    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable (default %(default)s)"),
-    ("--auth-header", str, "Authorization", "NAME", "the token's header (default %(default)s: Bearer)"),
+     "port, 0: any free"),
+    ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path"),
+    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable"),
+    ("--auth-header", str, "Authorization", "NAME", "token header, Authorization: Bearer <token>"),
     ("--no-auth", None, False, None, "no inbound auth"),
-    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body (default %(default)s)"),
-    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
-    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None, "asyncio (default) or threads"),
-    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408 (default %(default)g)"),
-    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout (default %(default)g)"),
+    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s, at most 1800"),
+    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM"),
+    ("--server", SERVERS, "asyncio", None, "asyncio or threads"),
+    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408"),
+    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout"),
     ("--max-connections", _POSITIVE, None, "N", "open connections, then 503 (default: by open-file limit)"),
     ("--strict", None, False, None, f"500 for a response the platform would soften (or {ENV_STRICT}=1)"),
     ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed, by commas (default: ${ENV_PROXY_ALLOWED_HOSTS})"),
@@ -4440,7 +4440,7 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
     ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
     ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
-     SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold (default %(default)s; 0: Python's)"),
+     SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold, 0: Python's"),
 )
 
 
@@ -4507,7 +4507,7 @@ def _parser(prog: Optional[str] = None) -> Any:
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
         how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
                                if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
-        serve_.add_argument(flag, help=text, **how)
+        serve_.add_argument(flag, help=text if default in (None, False) else f"{text} (default %(default)s)", **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
     mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the run's proxy",
