@@ -4494,12 +4494,9 @@ def _cmd_mcp(args: Any) -> int:
 def _parser(prog: Optional[str] = None) -> Any:
     import argparse
 
-    if prog is None:  # `python3 -m` sets __spec__ (its argv[0] is the file too)
-        as_file = getattr(sys.modules.get("__main__"), "__spec__", None) is None and os.path.basename(
-            sys.argv[0]) == "pipelines_port.py"
-        prog = "pipelines_port.py" if as_file else "python3 -m pipelines_port"
     # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on Pipelines.")
+    parser = argparse.ArgumentParser(prog=prog or "python3 -m pipelines_port", allow_abbrev=False,
+                                     description="Put an agent under test on Pipelines.")
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_ = commands.add_parser("serve", help="serve agent(envelope) as a dispatch endpoint", allow_abbrev=False)
@@ -4540,4 +4537,4 @@ def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="pipelines_port.py" if __spec__ is None else None))  # `python3 -m` sets __spec__
