@@ -4294,7 +4294,8 @@ class McpShim:
         try:
             api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
             reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
-                              headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0)
+                              headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
+                              retry=RetryPolicy())  # the proxy's: a few seconds at most
         except (EnvelopeError, HTTPStatusError) as exc:
             raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
         if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
