@@ -4252,8 +4252,7 @@ class McpShim:
             asked = params.get("protocolVersion")
             return {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
                     "capabilities": {"tools": {"listChanged": False}},
-                    "serverInfo": {"name": "pipelines_port", "version": __version__},
-                    "instructions": "Every tool call goes through the Pipelines per-run proxy."}
+                    "serverInfo": {"name": "pipelines_port", "version": __version__}}
         if method == "ping":
             return {}
         if method == "tools/list":
@@ -4348,7 +4347,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
 
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
-        raise ValueError(f"expected PATH_OR_MODULE:FUNCTION (e.g. agent.py:agent or mypkg.agent:agent), got {spec!r}")
+        raise ValueError(f"expected PATH_OR_MODULE:FUNCTION, got {spec!r}")
     path = os.path.abspath(where)
     is_file = where.endswith(".py") or os.sep in where or "/" in where
     if is_file and not os.path.isfile(path):
