@@ -4138,7 +4138,7 @@ def _message_turn(item: Any) -> Optional[_Turn]:
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else ():
+    for block in [b for b in content if isinstance(b, Mapping)]:  # none in a string
         kind = block.get("type")
         for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
             if isinstance(block.get(key), Mapping):
