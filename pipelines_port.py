@@ -4199,6 +4199,7 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
     usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     return result.final_output, _read_turns(turns)[1], _run_metadata(
         usages, model if isinstance(model, str) else getattr(model, "model", None))
+
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
 
