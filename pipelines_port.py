@@ -3659,7 +3659,7 @@ def bound_output(text: Any, limit: int = 8000) -> str:
         return shown
     keep = max(limit - 40, 2)
     head, tail = keep - keep // 2, keep // 2
-    return f"{shown[:head]}\n...[{len(shown) - head - tail} characters truncated]...\n{shown[len(shown) - tail:]}"
+    return f"{shown[:head]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
 
 
 def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
