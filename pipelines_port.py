@@ -3830,7 +3830,7 @@ def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
         if found:
             section, current = section or ":param", found[1]
             params[current] = found[2]
-        elif re.fullmatch(r"[A-Z]\w*( \w+)?:|:.*", line):  # a Google section's title, another Sphinx field
+        elif re.fullmatch(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):|:.*", text):
             section, current = text[:-1], None
         elif current and text and line[:1] == " ":
             params[current] = f"{params[current]} {text}".lstrip()
