@@ -4446,7 +4446,7 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
 
 
 def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # on stderr
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
     if not access_log:
         _access_log.setLevel(logging.WARNING)
