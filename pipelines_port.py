@@ -4165,7 +4165,7 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system"
 
 def _langchain_turn(item: Any) -> _Turn:
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-    blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
+    blocks = [b for b in content if isinstance(b, Mapping)]  # none in a string
     text = content if isinstance(content, str) else "".join(
         str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
