@@ -3354,15 +3354,13 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
 
 
 # ---------------------------------------------------------------------------
-# Agent-loop helpers: tool formats (§3.6), concurrent tool calls, bounded
-# output, a retrying JSON client for model APIs
-# ---------------------------------------------------------------------------
+# Agent-loop helpers: tool formats (§3.6), tool calls, bounded output, post_json
 
 TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
 
 def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
-    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6 kit-model-tool-names); ``ValueError`` if bad."""
+    """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6, kit-model-tool-names)."""
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
     out: List[Dict[str, Any]] = []
@@ -3385,7 +3383,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         schema = _thaw(schema) if schema is not None else {"type": "object", "properties": {}}
         if to == "openai_chat":
             tool = {"type": "function", "function": {**tool, "parameters": schema}}
-        elif to == "openai_responses":  # strict said out loud: by default every property would be required
+        elif to == "openai_responses":  # strict on would make every property required
             tool = {"type": "function", **tool, "parameters": schema, "strict": False}
         else:
             tool["input_schema"] = schema
@@ -3397,7 +3395,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
 
 
 def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
-    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6); ``ValueError``."""
+    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6)."""
     where = "the environment" if source is None else os.fspath(source)
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
     if tools is None:
@@ -3436,13 +3434,13 @@ def _as_text(value: Any) -> str:
 
 
 def bound_output(text: Any, limit: int = 8000) -> str:
-    """``text`` (JSON when not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
+    """``text`` (JSON if not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
     shown = _as_text(text)
     if len(shown) <= limit:
         return shown
     keep = max(limit - 40, 2)
     head, tail = keep - keep // 2, keep // 2
-    return f"{shown[:head]}\n...[{len(shown) - head - tail} characters truncated]...\n{shown[len(shown) - tail:]}"
+    return f"{shown[:head]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
 
 
 def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
@@ -3463,15 +3461,13 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
                 return _call_failed(ProxyRequestError(problem, tool_name=name), name, errors)
         return proxy_call(name, args, errors=errors, **options)
 
-    if len(calls) <= 1 or max_concurrency <= 1:  # a pool costs more than a call on a kept-alive connection
-        return [one(name, args) for name, args in calls]
-    with ThreadPoolExecutor(min(max_concurrency, len(calls)), "pipelines-tool") as pool:
-        futures = [pool.submit(contextvars.copy_context().run, one, name, args) for name, args in calls]
-        return [f.result() for f in futures]
+    context = contextvars.copy_context()  # the caller's: its bound envelope
+    with ThreadPoolExecutor(max(1, min(max_concurrency, len(calls))), "pipelines-tool") as pool:
+        return list(pool.map(lambda call: context.copy().run(one, *call), calls))
 
 
 class HTTPStatusError(PipelinesError):
-    """A JSON API (a model's) answered an error status after retries, or no JSON."""
+    """A model's JSON API answered an error status after retries, or no JSON."""
 
     def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
         super().__init__(message)
@@ -3482,11 +3478,10 @@ _MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
 _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
 
 
-def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping[str, str]] = None,
+def post_json(url: str, payload: Optional[Mapping[str, Any]], *, headers: Optional[Mapping[str, str]] = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
-              sleep: Callable[[float], None] = time.sleep) -> Any:
-    """POST JSON to a (model) API, return its JSON reply; 408, 409, 425, 429, 5xx, 529 and lost connections retried
-    (as ``retry-after-ms``/``Retry-After`` ask), else :class:`HTTPStatusError`; header values never shown."""
+              sleep: Callable[[float], None] = time.sleep, method: str = "POST") -> Any:
+    """``payload`` sent by ``method`` (None: no body) to a JSON API, its JSON reply; 408, 429, 5xx and more retried."""
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
@@ -3495,14 +3490,14 @@ def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping
     if base.scheme.lower() not in ("http", "https") or not base.hostname:
         raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
     path = (base.path or "/") + (f"?{base.query}" if base.query else "")
-    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = b"" if payload is None else json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT,
             **(headers or {})}
-    where = f"POST {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
+    where = f"{method} {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
 
     def send() -> _Reply:
         try:
-            return _shared_transport().exchange(base, "POST", path, sent, body, timeout, max_reply_bytes)
+            return _shared_transport().exchange(base, method, path, sent, body, timeout, max_reply_bytes)
         except _ReplyTooLarge as big:
             raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
 
@@ -3521,12 +3516,10 @@ def post_json(url: str, payload: Mapping[str, Any], *, headers: Optional[Mapping
                        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
 
 # ---------------------------------------------------------------------------
-# Tools from code: JSON Schema from a signature, arguments checked, proxied
-# inside a dispatch and local outside one (§3.6)
-# ---------------------------------------------------------------------------
+# Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); a string or an array by its length
+# keyword: (the JSON type it bounds, the test); a string's or array's length
 _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
     "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
     "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
@@ -3578,7 +3571,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
 
 
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
-    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum); else ``TypeError``."""
+    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum), else ``TypeError``."""
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -3595,52 +3588,48 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
         null = [{"type": "null"}] if len(members) < len(args) else []
         if len(members) == 1 and null and set(members[0]) == {"type"} and isinstance(members[0]["type"], str):
             return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
-        return members[0] if len(members) == 1 and not null else {"anyOf": members + null}
-    if annotation in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset):
+        return {"anyOf": members + null}
+    if (origin or annotation) in (list, tuple, set, frozenset):
         items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
         return {"type": "array", **({"items": items[0] if len(items) == 1 else {"anyOf": items}} if items else {})}
-    if annotation is dict or origin is dict:
+    if (origin or annotation) is dict:
         values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
-    raise TypeError(f"no JSON Schema for type {annotation!r}: use str, int, float, bool, None, Optional, "
-                    "list/dict of those, Literal or an Enum")
+    raise TypeError(f"no JSON Schema for type {annotation!r} (see schema_for_type)")
 
 
 def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
     import inspect  # cleandoc expands tabs
 
-    params: Dict[str, str] = {}
     summary: List[str] = []
+    params: Dict[str, str] = {}
     section = current = None
     for line in inspect.cleandoc(doc or "").splitlines():
         text = line.strip()
-        sphinx = re.match(r":param\s+(?:[\w\[\], ]+\s+)?(\w+):\s*(.*)", text)
-        google = re.match(r"(\w+)\s*(?:\([^)]*\))?:\s*(.*)", text)
-        if sphinx:
-            section, current = "sphinx", sphinx[1]
-            params[current] = sphinx[2]
-        elif re.fullmatch(r"(Args|Arguments|Parameters):", text):
-            section, current = "args", None
-        elif re.fullmatch(r"(Returns|Raises|Yields|Examples?|Notes?):", text) or text.startswith(":"):
-            section, current = "other", None
-        elif section == "args" and google and re.match(" {4}(?! {4})", line):
-            current = google[1]
-            params[current] = google[2]
-        elif current and text and (section == "args" or line[:1] == " "):
-            params[current] = f"{params[current]} {text}".strip()
+        found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
+            section in ("Args", "Arguments", "Parameters") and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line))
+        if found:
+            section, current = section or ":param", found[1]
+            params[current] = found[2]
+        elif re.fullmatch(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):|:.*", text):
+            section, current = text[:-1], None
+        elif current and text and line[:1] == " ":
+            params[current] = f"{params[current]} {text}".lstrip()
         elif section is None:
             summary.append(line)
     return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
 
 
 class Tool:
-    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied, outside one it runs."""
+    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied; outside, it runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
                  default_execution_mode: Optional[str] = None) -> None:
         import inspect
         import typing
 
+        if default_execution_mode not in (None, "sandbox", "passthrough"):
+            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
         summary, param_docs = _docstring_parts(fn.__doc__)
@@ -3652,6 +3641,7 @@ class Tool:
         except Exception as exc:  # noqa: BLE001
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
         properties: Dict[str, Any] = {}
+        required: List[str] = []
         for param in self.signature.parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
@@ -3661,15 +3651,14 @@ class Tool:
                 raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
             if param_docs.get(param.name):
                 prop["description"] = param_docs[param.name]
-            if param.default is not param.empty:
+            if param.default is param.empty:
+                required.append(param.name)
+            else:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
                     prop["default"] = json.loads(json.dumps(default))
-        required = [p.name for p in self.signature.parameters.values() if p.default is p.empty]
         self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
                                              **({"required": required} if required else {})}
-        if default_execution_mode not in (None, "sandbox", "passthrough"):
-            raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -3713,10 +3702,7 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
-# Framework bridges (kit-framework-bridges): a framework's tools as tools_schema
-# and proxied, its run result as the response
-# ---------------------------------------------------------------------------
-
+# Framework bridges (kit-framework-bridges): tools in and out, a run's response
 
 def _tools_of(source: Any) -> List[Any]:
     tools = source if isinstance(source, (list, tuple)) else getattr(source, "tools", None)
@@ -3743,21 +3729,19 @@ def _framework_tool(tool: Any) -> Dict[str, Any]:
             schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
         schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
     else:
-        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (give OpenAI Agents, LangChain, Strands "
-                        "or MCP tools, or tools_schema entries)")
+        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, Strands, MCP)")
     return {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The ``tools_schema`` (§3.6) of OpenAI Agents, LangChain/LangGraph, Strands or MCP tools, or of an agent's."""
+    """The ``tools_schema`` (§3.6) of a framework's tools or agent (kit-framework-bridges)."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
 
 def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
-    """The same tools (OpenAI Agents, LangChain as ``StructuredTool``, Strands), each body ``proxy_call(name, args,
-    actor=actor, errors="return")`` to the run bound here."""
+    """The same tools (OpenAI Agents, LangChain, Strands), each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
     return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
 
@@ -3793,8 +3777,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise TypeError(f"cannot proxy a {type(tool).__name__}: give OpenAI Agents, LangChain or Strands tools (or call "
-                    "proxy_call in the tool's body)")
+    raise TypeError(f"cannot proxy a {type(tool).__name__}: call proxy_call in its body")
 
 
 def _jsonable_args(value: Any) -> Any:
@@ -3814,7 +3797,7 @@ class Handoffs:
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: Optional[str] = None) -> None:
-        """``label`` acts from now on: a handoff from another sub-agent before it is posted."""
+        """``label`` acts from now on; a change of sub-agent is posted."""
         for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
@@ -3857,8 +3840,7 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """The response envelope (§4) of an OpenAI Agents ``RunResult``, a Strands ``Agent``, LangChain/LangGraph messages
-    (or state) or an Anthropic conversation, else :func:`build_response`; ``fields`` win."""
+    """The response envelope (§4) of a framework's run (kit-framework-bridges), else :func:`build_response`."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
@@ -3879,7 +3861,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-class _Turn(NamedTuple):  # a transcript's message, as every reader gives it to _read_turns
+class _Turn(NamedTuple):  # a transcript's message, for _read_turns
     role: str
     text: str = ""
     tool_calls: Sequence[Dict[str, Any]] = ()
@@ -3930,14 +3912,14 @@ _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasonin
 
 
 def _message_turn(item: Any) -> Optional[_Turn]:
-    # an Anthropic Messages or (Strands') Bedrock Converse message
+    # an Anthropic Messages or a Bedrock Converse (Strands) message
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
     content = item.get("content") if isinstance(item, Mapping) else None
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else ():
+    for block in [b for b in content if isinstance(b, Mapping)]:  # none in a string
         kind = block.get("type")
         for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
             if isinstance(block.get(key), Mapping):
@@ -3964,7 +3946,7 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system"
 
 def _langchain_turn(item: Any) -> _Turn:
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-    blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
+    blocks = [b for b in content if isinstance(b, Mapping)]  # none in a string
     text = content if isinstance(content, str) else "".join(
         str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
@@ -3998,19 +3980,19 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
     usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
     return result.final_output, _read_turns(turns)[1], _run_metadata(
         usages, model if isinstance(model, str) else getattr(model, "model", None))
+
 # ---------------------------------------------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
-# ---------------------------------------------------------------------------
 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 
 
-class _RpcError(Exception):  # (code, message); -32700 parse, -32600 request, -32601 method, -32602 params, -32603
+class _RpcError(Exception):  # (JSON-RPC error code, message)
     pass
 
 
 class McpShim:
-    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim): tools from §3.6's sources, called through the proxy."""
+    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim) whose tools are called through the proxy."""
 
     def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
@@ -4028,18 +4010,18 @@ class McpShim:
                 raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
             if not isinstance(message, dict):
                 raise _RpcError(-32600, f"a message must be a JSON object (no batches), got {json_type(message)}")
-            method = message.get("method")
-            if isinstance(message.get("id"), bool) or not isinstance(message.get("id"), (str, int, type(None))):
+            method, given = message.get("method"), message.get("id")
+            if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
                 raise _RpcError(-32600, "id must be a string or a number")
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
-                return None  # a notification, a stray response, a blank line
-            request_id = message["id"]
+                return None
+            request_id = given
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
         except _RpcError as exc:
             reply = {"error": {"code": exc.args[0], "message": exc.args[1]}}
-        except Exception as exc:  # noqa: BLE001 - never crash the shim
+        except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
             _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
             reply = {"error": {"code": -32603, "message": describe_error(exc, DETAIL_LIMIT, token)}}
@@ -4052,8 +4034,7 @@ class McpShim:
             asked = params.get("protocolVersion")
             return {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
                     "capabilities": {"tools": {"listChanged": False}},
-                    "serverInfo": {"name": "pipelines_port", "version": __version__},
-                    "instructions": "Every tool call goes through the Pipelines per-run proxy."}
+                    "serverInfo": {"name": "pipelines_port", "version": __version__}}
         if method == "ping":
             return {}
         if method == "tools/list":
@@ -4068,7 +4049,7 @@ class McpShim:
 
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
-        if self._envelope is None:  # two threads may both read it: the same run
+        if self._envelope is None:  # two threads reading it read the same run
             try:
                 self._envelope = Envelope.from_env(self.environ)
             except EnvelopeError as exc:
@@ -4092,21 +4073,15 @@ class McpShim:
                                     f"{ENV_AGENT_ID} to fetch it")
         envelope = self.envelope()
         try:
-            base = urlsplit(validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url,
-                                               ENV_API_URL))
-            path = f"{base.path}/api/agents/{quote(agent_id, safe='')}/tools-schema"
-            headers = {"Accept": "application/json", "Authorization": "Bearer " + envelope.run_token,
-                       "User-Agent": _USER_AGENT}
-            status, _, body = _shared_transport().exchange(base, "GET", path, headers, b"", 30.0, MAX_REPLY_BYTES)
-        except (EnvelopeError, _TransportFailure, _ReplyTooLarge) as exc:
-            problem = describe_error(exc.__cause__ or exc, 200)
-        else:
-            value = _decode_body(body, "")[0] if status == 200 else None
-            tools = value.get("tools") if isinstance(value, dict) else None
-            if isinstance(tools, list):
-                return tools
-            problem = f"HTTP {status} from {base.netloc}{path}"
-        raise _RpcError(-32603, f"cannot fetch the tools schema: {problem}")
+            api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
+            reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
+                              headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
+                              retry=RetryPolicy())  # the proxy's: a few seconds at most
+        except (EnvelopeError, HTTPStatusError) as exc:
+            raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
+        if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
+            raise _RpcError(-32603, "cannot fetch the tools schema: the reply has no tools list")
+        return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
         """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
@@ -4123,19 +4098,18 @@ class McpShim:
         """Answer lines until EOF, ``tools/call`` concurrently, each reply a whole line."""
         from concurrent.futures import ThreadPoolExecutor
 
-        write_lock = threading.Lock()
+        out, write_lock = stdout or sys.stdout, threading.Lock()
 
         def answer(line: str) -> None:
             reply = self.handle_line(line)
             if reply is not None:
                 with write_lock:
-                    out = stdout or sys.stdout
                     out.write(reply + "\n")
                     out.flush()
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
-                if '"tools/call"' in line:  # the slow ones; a false positive merely runs on the pool
+                if '"tools/call"' in line:  # the slow ones
                     pool.submit(answer, line)
                 else:
                     answer(line)
@@ -4143,7 +4117,6 @@ class McpShim:
 
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
-# ---------------------------------------------------------------------------
 
 class _UsageError(Exception):
     pass
@@ -4156,7 +4129,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
 
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
-        raise ValueError(f"expected PATH_OR_MODULE:FUNCTION (e.g. agent.py:agent or mypkg.agent:agent), got {spec!r}")
+        raise ValueError(f"expected PATH_OR_MODULE:FUNCTION, got {spec!r}")
     path = os.path.abspath(where)
     is_file = where.endswith(".py") or os.sep in where or "/" in where
     if is_file and not os.path.isfile(path):
@@ -4191,9 +4164,8 @@ def load_agent(spec: str) -> Callable[..., Any]:
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-            hint = (" (it has `agent`: add `run = pp.code_mode(agent)`)" if attr == "run" and "agent" in names
-                    else f" (callables defined there: {', '.join(names)[:200] or 'none'})")
+            hint = (" (it has `agent`: add `run = pp.code_mode(agent)`)"
+                    if attr == "run" and "agent" in vars(module) else "")
             raise ValueError(f"{where} has no function {attr!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
@@ -4219,50 +4191,43 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
     return parse
 
 
-def _digits(text: str) -> Optional[int]:
-    return int(text) if text.strip().isdigit() else None  # int() would take -5 and 1_000 too
-
-
 def _refuse_token(text: str) -> None:
     import argparse
 
-    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN, or "
-                                     "name another variable with --token-env NAME")
+    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN or use "
+                                     "--token-env NAME")
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
-_POSITIVE = _option_type(_digits, lambda v: v > 0, "a positive whole number")
-# (flag, type, default, metavar, help): type None is a switch, a tuple the choices
+_POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
+# (flag, type, default, metavar, help): type None is a switch, a tuple the choices; a default shown if set
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
-    ("--host", str, "127.0.0.1", None, "interface to listen on (default %(default)s; 0.0.0.0: all)"),
-    ("--port", _option_type(_digits, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
-     "port (default %(default)s; 0: a free one)"),
-    ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path (default %(default)s)"),
-    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "variable holding the agent token (default %(default)s)"),
-    ("--auth-header", str, "Authorization", "NAME",
-     "its header: Authorization (Bearer <token>) or another holding the bare token"),
-    ("--no-auth", None, False, None, "no inbound auth: anyone can dispatch"),
-    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest request body (default %(default)s)"),
-    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s (default %(default)g, at most 1800)"),
-    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "time running dispatches get on SIGTERM (default %(default)g)"),
-    ("--server", SERVERS, "asyncio", None, "asyncio (one event loop; default) or threads (one per connection)"),
-    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS",
-     "time for a request's head and body, 408 past it (default %(default)g)"),
-    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connections close after it (default %(default)g)"),
-    ("--max-connections", _POSITIVE, None, "N", "more open connections get 503 (default: by the open-file limit)"),
-    ("--strict", None, False, None, f"500 for a response the platform would soften (also: {ENV_STRICT}=1)"),
-    ("--proxy-hosts", str, None, "HOSTS", ("proxy hosts allowed, comma-separated names, IPs or .suffixes, each "
-                                            f"with an optional :port (default: {ENV_PROXY_ALLOWED_HOSTS}, else any)")),
-    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: tools_schema.json beside the agent)"),
-    ("--debug", None, False, None, f"log proxy traffic, secrets redacted (also: {ENV_DEBUG}=1)"),
-    ("--no-access-log", None, False, None, "no log line per request (agents' errors still show)"),
-    ("--gc-threshold", _option_type(_digits, lambda v: True, "a whole number, 0 or more"), SERVE_GC_THRESHOLD, "N",
-     "collect garbage every N allocations, startup's objects frozen (default %(default)s; 0: Python's)"),
+    ("--host", str, "127.0.0.1", None, "interface to listen on"),
+    ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
+     "port, 0: any free"),
+    ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path"),
+    ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable"),
+    ("--auth-header", str, "Authorization", "NAME", "token header, Authorization: Bearer <token>"),
+    ("--no-auth", None, False, None, "no inbound auth"),
+    ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s, at most 1800"),
+    ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM"),
+    ("--server", SERVERS, "asyncio", None, "asyncio or threads"),
+    ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408"),
+    ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout"),
+    ("--max-connections", _POSITIVE, None, "N", "open connections, then 503 (default: by open-file limit)"),
+    ("--strict", None, False, None, f"500 for a response the platform would soften (or {ENV_STRICT}=1)"),
+    ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed, by commas (default: ${ENV_PROXY_ALLOWED_HOSTS})"),
+    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: beside the agent)"),
+    ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
+    ("--no-access-log", None, False, None, "no line per request"),
+    ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
+     SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold, 0: Python's"),
 )
 
 
 def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
-    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # on stderr
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
     if not access_log:
         _access_log.setLevel(logging.WARNING)
@@ -4288,7 +4253,7 @@ def _cmd_serve(args: Any) -> int:
             say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
-            say(f"WARNING: {ENV_RUN_TOKEN} is set: a proxy call made outside a dispatch would use that run; unset it")
+            say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
@@ -4311,30 +4276,23 @@ def _cmd_mcp(args: Any) -> int:
 def _parser(prog: Optional[str] = None) -> Any:
     import argparse
 
-    if prog is None:  # `python3 -m` sets __spec__ (its argv[0] is the file too)
-        as_file = getattr(sys.modules.get("__main__"), "__spec__", None) is None and os.path.basename(
-            sys.argv[0]) == "pipelines_port.py"
-        prog = "pipelines_port.py" if as_file else "python3 -m pipelines_port"
     # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Put an agent under test on the "
-                                     "Pipelines platform, standard library only.")
+    parser = argparse.ArgumentParser(prog=prog or "python3 -m pipelines_port", allow_abbrev=False,
+                                     description="Put an agent under test on Pipelines.")
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve_ = commands.add_parser(
-        "serve", help="serve an agent as a dispatch endpoint (CONTRACT §2)", allow_abbrev=False,
-        description="Serve agent(envelope) as a Pipelines dispatch endpoint.")
+    serve_ = commands.add_parser("serve", help="serve agent(envelope) as a dispatch endpoint", allow_abbrev=False)
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
         how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
                                if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
-        serve_.add_argument(flag, help=text, **how)
+        serve_.add_argument(flag, help=text if default in (None, False) else f"{text} (default %(default)s)", **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
-    mcp_ = commands.add_parser(
-        "mcp", help="a stdio MCP server whose tools go through the per-run proxy", allow_abbrev=False,
-        description=f"MCP on stdin/stdout: tools from {ENV_TOOLS_SCHEMA_B64} or the platform, called through the "
-                    f"proxy of the run in {ENV_PROXY_URL} / {ENV_RUN_TOKEN}; logs on stderr.")
-    mcp_.add_argument("--debug", action="store_true", help="log every proxy request and reply, secrets redacted")
+    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the run's proxy",
+                               description="MCP server on stdio, tools called through the run's proxy.",
+                               allow_abbrev=False)
+    mcp_.add_argument("--debug", action="store_true", help="log proxy traffic, redacted")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
 
@@ -4343,8 +4301,8 @@ def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) ->
     """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
-        print(f"pipelines_port {argv[0]}: a kit command: run `pipelines-port {argv[0]}` (pip install the kit) or "
-              f"`python3 -m conformance {argv[0]}` from a checkout", file=sys.stderr)
+        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}` or `python3 -m conformance {argv[0]}`",
+              file=sys.stderr)
         return 2
     parser = _parser(prog)
     args = parser.parse_args(argv)
@@ -4361,4 +4319,4 @@ def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="pipelines_port.py" if __spec__ is None else None))  # `python3 -m` sets __spec__
