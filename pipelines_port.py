@@ -2749,7 +2749,7 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
     return redact(value, *secrets)
 
 
-# ``exc`` with no link of its chain showing a secret: each cleaned in place, or replaced by a _RedactedError
+# exc with no link of its chain showing a secret: each cleaned in place, or replaced by a _RedactedError
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
@@ -2797,8 +2797,7 @@ def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
     return result
 
 
-# ``agent(envelope)`` as a task of the running loop or on a fresh thread: its result, an _AgentRaised, or an
-# _Overran after ``timeout_s``
+# agent(envelope) as a task of the running loop or on a fresh thread: its result, else _AgentRaised or _Overran
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
     import asyncio
     import inspect
@@ -2990,8 +2989,7 @@ class DispatchApp:
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
         """The run token and the agent token, which no reply or log line shows."""
-        return (envelope.run_token if envelope is not None else None,
-                self.token or os.environ.get(self.token_env or ""))
+        return envelope.run_token if envelope else None, self.token or os.environ.get(self.token_env or "")
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
@@ -3134,8 +3132,8 @@ class _ServerConnection:
         server.connections.add(self)
         if len(server.connections) <= server.max_connections:
             return self._arm(server.read_timeout_s)
-        limit = f"this server is at its limit of {server.max_connections} open connections: retry shortly"
-        self._send(error_reply(OverloadedError(limit)), True)
+        self._send(error_reply(OverloadedError(
+            f"this server is at its limit of {server.max_connections} open connections: retry shortly")), True)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -3379,7 +3377,7 @@ class _ThreadsServer(AsyncDispatchServer):
         conn.jobs.put((future, head, conn.headers, body))
         try:
             return cast(HttpReply, await future)
-        except BaseException:  # cut by a drain: the thread runs on, its reply dropped
+        except BaseException:  # cut by a drain: the thread runs on
             run_id = _header(conn.headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
@@ -3392,7 +3390,7 @@ class _ThreadsServer(AsyncDispatchServer):
                 reply = self.app.handle(head.method, head.target, headers, body)
             except Exception as exc:  # noqa: BLE001
                 reply = _fallback_reply(exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            with contextlib.suppress(RuntimeError):  # the loop has closed
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
 
 
