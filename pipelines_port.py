@@ -2800,7 +2800,6 @@ def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
 # agent(envelope) as a task of the running loop or on a fresh thread: its result, else _AgentRaised or _Overran
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
     import asyncio
-    import inspect
 
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
@@ -2814,8 +2813,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
         async def run() -> None:
             _current.set(envelope)
             try:
-                result = agent(envelope)
-                settle(await result if inspect.isawaitable(result) else result, None)
+                settle(await agent(envelope), None)
             except BaseException as exc:  # noqa: BLE001 - its cancellation too (§7.3 kit-base-exception-500)
                 settle(None, _AgentRaised(exc))
 
@@ -2825,7 +2823,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _server_loop.set(loop)
             return _call_agent(functools.partial(agent, envelope), envelope)
 
-        _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
+        _start_thread(run_sync, functools.partial(loop.call_soon_threadsafe, settle))
     timer = loop.call_later(timeout_s, settle, None,
                             _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
@@ -2971,8 +2969,8 @@ class DispatchApp:
             _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
             return error_reply(overran)
         except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
-            problem = f"agent returned a value that cannot become a response: {exc}"
-            return error_reply(ResponseError(redact(problem, *secrets)))
+            return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
+                                                    *secrets)))
         except Exception as exc:  # noqa: BLE001
             import traceback
 
