@@ -3117,7 +3117,8 @@ class _ServerConnection:
     headers: Mapping[str, str]
     length: Optional[int] = 0  # of the body; None: unread, then a close
     task: Any = None
-    timer: Any = None  # read or keep-alive timeout
+    deadline: Optional[float] = None  # of the read or keep-alive timeout
+    timer: Any = None  # due by the deadline, re-armed if early: a keep-alive request sets none
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
@@ -3150,7 +3151,8 @@ class _ServerConnection:
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self.closing = True  # a running dispatch finishes unanswered: its tool calls are real
         self.server.connections.discard(self)
-        self._arm(None)
+        if self.timer is not None:
+            self.timer.cancel()
         if self.jobs is not None:
             self.jobs.put(None)
 
@@ -3167,7 +3169,7 @@ class _ServerConnection:
                     del buffer[:2]
                 if not buffer:
                     return
-                if self.timer is None or self.timer.when() > server.loop.time() + server.read_timeout_s:
+                if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
                     self._arm(server.read_timeout_s)  # for the whole request, from its first byte
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
@@ -3235,11 +3237,18 @@ class _ServerConnection:
             self._arm(self.server.keepalive_s)
 
     def _arm(self, seconds: Optional[float]) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = None if seconds is None else self.server.loop.call_later(seconds, self._timed_out)
+        server = self.server
+        self.deadline = None if seconds is None else server.loop.time() + seconds
+        if self.timer is None and seconds is not None:  # waits the shorter timeout at most: due by any deadline
+            wait = min(seconds, server.read_timeout_s, server.keepalive_s)
+            self.timer = server.loop.call_later(wait, self._timed_out)
 
     def _timed_out(self) -> None:
+        self.timer = None
+        if self.deadline is None:
+            return
+        if self.deadline > self.server.loop.time():
+            return self._arm(self.deadline - self.server.loop.time())
         if not (self.buffer or self.head):
             return self.cut()
         self._send(error_reply(RequestTimeoutError(
