@@ -2823,7 +2823,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _server_loop.set(loop)
             return _call_agent(functools.partial(agent, envelope), envelope)
 
-        _start_thread(run_sync, functools.partial(loop.call_soon_threadsafe, settle))
+        _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
     timer = loop.call_later(timeout_s, settle, None,
                             _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
