@@ -2785,16 +2785,16 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
 def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
     import inspect
 
-    _current.set(envelope)  # in the thread's own copy of the context
-    result = call()
-    if inspect.isawaitable(result):
-        import asyncio
+    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
+        result = call()
+        if inspect.isawaitable(result):
+            import asyncio
 
-        async def awaited() -> Any:
-            return await result
+            async def awaited() -> Any:
+                return await result
 
-        result = asyncio.run(awaited())
-    return result
+            result = asyncio.run(awaited())
+        return result
 
 
 # agent(envelope) as a task of the running loop or on a fresh thread: its result, else _AgentRaised or _Overran
