@@ -2763,11 +2763,12 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
             with contextlib.suppress(Exception):
                 setattr(error, name, _scrub(getattr(error, name), wanted))
         for member in getattr(error, "exceptions", None) or ():
-            clean(member)
+            if isinstance(member, BaseException):  # a group's; another class's attribute may hold anything
+                clean(member)
         error.__cause__, error.__context__ = clean(error.__cause__), clean(error.__context__)
         try:
             message = str(error)
-            shown = message + repr(error)
+            shown = f"{message}\n{error!r}"
         except Exception:  # noqa: BLE001
             message = shown = ""
         if not any(secret in shown for secret in wanted):
