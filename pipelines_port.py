@@ -2473,8 +2473,7 @@ def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None
 
 
 # ---------------------------------------------------------------------------
-# Running agents: sync on a fresh thread, ``async def`` as a task, within a deadline
-# ---------------------------------------------------------------------------
+# Running agents: sync on a fresh thread, async as a task, within a deadline
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
 ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
@@ -2508,7 +2507,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
     outcome: List[Any] = []
-    worker = _start_thread(fn, lambda result, error: outcome.extend((result, error)))
+    worker = _start_thread(fn, lambda *pair: outcome.extend(pair))
     worker.join(timeout_s)
     if worker.is_alive():
         raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
@@ -2526,13 +2525,13 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
         return tuple(_scrub(v, secrets) for v in value)
     if isinstance(value, (bytes, bytearray)):
         for secret in secrets:
-            value = value.replace(secret.encode("utf-8"), _REDACTED.encode("ascii"))
+            value = value.replace(secret.encode(), _REDACTED.encode())
         return value
     return redact(value, *secrets)
 
 
+# exc with no link of its chain showing a secret: each cleaned in place, or replaced by a _RedactedError
 def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
-    """``exc`` with no link of its chain showing a secret: each cleaned in place, or a :class:`_RedactedError`."""
     wanted = [s for s in secrets if s]
     seen: Dict[int, Optional[BaseException]] = {}
 
@@ -2541,22 +2540,22 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*getattr(error, "__dict__", {}), "args", *fields):
+        for name in (*getattr(error, "__dict__", {}), "args", *fields):  # __notes__ among them
             with contextlib.suppress(Exception):
                 setattr(error, name, _scrub(getattr(error, name), wanted))
         for member in getattr(error, "exceptions", None) or ():
-            if isinstance(member, BaseException):
+            if isinstance(member, BaseException):  # a group's; another class's attribute may hold anything
                 clean(member)
-        error.__cause__ = clean(error.__cause__)
-        error.__context__ = clean(error.__context__)
+        error.__cause__, error.__context__ = clean(error.__cause__), clean(error.__context__)
         try:
-            text = f"{error}\n{error!r}\n" + "\n".join(map(str, getattr(error, "__notes__", None) or ()))
-            message = redact(str(error), *wanted)
+            message = str(error)
+            shown = f"{message}\n{error!r}"
         except Exception:  # noqa: BLE001
-            text = message = ""
-        if not any(secret in text for secret in wanted):
+            message = shown = ""
+        if not any(secret in shown for secret in wanted):
             return error
-        stand_in = _RedactedError(f"{type(error).__name__}: {message}" if message else type(error).__name__)
+        name = type(error).__name__
+        stand_in = _RedactedError(f"{name}: {redact(message, *wanted)}" if message else name)
         stand_in.__cause__, stand_in.__context__ = error.__cause__, error.__context__
         stand_in.__suppress_context__ = error.__suppress_context__
         seen[id(error)] = stand_in.with_traceback(error.__traceback__)
@@ -2580,11 +2579,9 @@ def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
         return result
 
 
+# agent(envelope) as a task of the running loop or on a fresh thread: its result, else _AgentRaised or _Overran
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
-    """``agent(envelope)`` as a task of the running loop or on a fresh thread; else :class:`_AgentRaised`, or
-    :class:`_Overran` after ``timeout_s``."""
     import asyncio
-    import inspect
 
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
@@ -2598,8 +2595,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
         async def run() -> None:
             _current.set(envelope)
             try:
-                result = agent(envelope)
-                settle(await result if inspect.isawaitable(result) else result, None)
+                settle(await agent(envelope), None)
             except BaseException as exc:  # noqa: BLE001 - its cancellation too (§7.3 kit-base-exception-500)
                 settle(None, _AgentRaised(exc))
 
@@ -2610,8 +2606,8 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             return _call_agent(functools.partial(agent, envelope), envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
-    timer = _Deadlines.call_at(loop, loop.time() + timeout_s, settle, None,
-                               _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
+    timer = loop.call_later(timeout_s, settle, None,
+                            _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
     try:
         return await waiter
     finally:
@@ -2620,21 +2616,18 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             task.cancel()
 
 
-def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: Optional[bytes] = None) -> Dict[str, Any]:
-    encoded = json.dumps(body, ensure_ascii=False).encode("utf-8") if encoded is None else encoded
-    if envelope.run_token.encode("utf-8") not in encoded:
+def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes) -> Dict[str, Any]:
+    if envelope.run_token.encode() not in encoded:
         return body
     _log.warning("the agent's response contained the run token; it was redacted")
     return redact(body, envelope.run_token)  # type: ignore[no-any-return]
 
 # ---------------------------------------------------------------------------
 # The dispatch app (§2): decide(), then probe the proxy or run the agent
-# ---------------------------------------------------------------------------
 
 
 class DispatchApp:
-    """An agent (sync or ``async def``) at its endpoint (§2, §7.1), answering through :meth:`ahandle`; an ASGI3 app.
-    Auth: ``token``, else ``$token_env`` (kit-token-env-per-request); ``Bearer`` only in ``Authorization``."""
+    """An agent (sync or ``async def``) at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
@@ -2654,8 +2647,8 @@ class DispatchApp:
             if wrong:
                 raise ValueError(problem)
         self.run_timeout_s = check_run_timeout(run_timeout_s)
-        self.agent, self.token, self.strict = agent, token, strict
-        self.token_env = None if token else token_env
+        self.agent, self.token, self.strict, self.no_auth = agent, token, strict, no_auth
+        self.token_env = None if token else token_env  # kit-token-env-per-request: read at each request
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
         self.tools_schema: Optional[List[Dict[str, Any]]] = None if tools_schema is None else _thaw(list(tools_schema))
@@ -2667,8 +2660,7 @@ class DispatchApp:
         except ValueError as exc:
             source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
-        self.path, self.auth_header, self.no_auth = path.rstrip("/") or "/", auth_header, no_auth
-        self.max_body = int(max_body)
+        self.path, self.auth_header, self.max_body = path.rstrip("/") or "/", auth_header, int(max_body)
         self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
                                  allowed)
 
@@ -2700,16 +2692,15 @@ class DispatchApp:
             headers = _lower_headers(headers)
             expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
             decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
+            envelope, what = decision.envelope, decision.what
             if decision.action == "run":
-                reply = await self.arun_agent(cast(Envelope, decision.envelope), stats)
+                reply = await self.arun_agent(cast(Envelope, envelope), stats)
             elif decision.action == "probe":
                 reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
             else:
                 reply = cast(HttpReply, decision.reply)
-            what = decision.what
             level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
             if _access_log.isEnabledFor(level):
-                envelope = decision.envelope
                 ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
                        [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
                 if what != "dispatch" and reply.status >= 400:
@@ -2760,8 +2751,8 @@ class DispatchApp:
             _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
             return error_reply(overran)
         except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
-            problem = f"agent returned a value that cannot become a response: {exc}"
-            return error_reply(ResponseError(redact(problem, *secrets)))
+            return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
+                                                    *secrets)))
         except Exception as exc:  # noqa: BLE001
             import traceback
 
@@ -2778,8 +2769,7 @@ class DispatchApp:
 
     def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
         """The run token and the agent token, which no reply or log line shows."""
-        return (envelope.run_token if envelope is not None else None,
-                self.token or os.environ.get(self.token_env or ""))
+        return envelope.run_token if envelope else None, self.token or os.environ.get(self.token_env or "")
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
@@ -2794,8 +2784,7 @@ class DispatchApp:
                 body += chunk
         reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
                             None if body is None else bytes(body))
-        # no Connection header: PEP 3333 forbids hop-by-hop headers
-        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)
+        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)  # PEP 3333: no Connection header
         return [reply.body]
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -2858,8 +2847,7 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
             "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": error}
 
 # ---------------------------------------------------------------------------
-# Server adapters: WSGI and ASGI (DispatchApp.wsgi, DispatchApp.__call__); the built-in servers' settings
-# ---------------------------------------------------------------------------
+# Server adapters (WSGI, ASGI) and the built-in servers' settings
 
 
 def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
@@ -2875,8 +2863,7 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
 DEFAULT_READ_TIMEOUT_S = 30.0  # §7.1 kit-server-timeouts
 DEFAULT_GRACE_S = 30.0
 DEFAULT_KEEPALIVE_S = 75.0
-# CPython's 700 cost a quarter of the CPU in a fan-out of 2,000 dispatches
-SERVE_GC_THRESHOLD = 50_000
+SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost a quarter of the CPU in a fan-out of 2,000 dispatches
 
 
 @functools.lru_cache(maxsize=64)
@@ -2885,7 +2872,7 @@ def _reason(status: int) -> str:
 
     try:
         return HTTPStatus(status).phrase
-    except ValueError:  # a subclass's own status
+    except ValueError:
         return "Unknown"
 
 
@@ -2903,8 +2890,7 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
 # ---------------------------------------------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio loop (server="threads": each connection's thread calls handle)
-# ---------------------------------------------------------------------------
+# The built-in server: HTTP/1.1 on one asyncio loop, or a thread per connection
 
 
 class _ServerConnection:
@@ -2913,7 +2899,8 @@ class _ServerConnection:
     headers: Mapping[str, str]
     length: Optional[int] = 0  # of the body; None: unread, then a close
     task: Any = None
-    timer: Any = None  # read or keep-alive timeout
+    deadline: Optional[float] = None  # of the read or keep-alive timeout
+    timer: Any = None  # due by the deadline, re-armed if early: a keep-alive request sets none
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
@@ -2926,8 +2913,8 @@ class _ServerConnection:
         server.connections.add(self)
         if len(server.connections) <= server.max_connections:
             return self._arm(server.read_timeout_s)
-        limit = f"this server is at its limit of {server.max_connections} open connections: retry shortly"
-        self._send(error_reply(OverloadedError(limit)), True)
+        self._send(error_reply(OverloadedError(
+            f"this server is at its limit of {server.max_connections} open connections: retry shortly")), True)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -2946,7 +2933,8 @@ class _ServerConnection:
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self.closing = True  # a running dispatch finishes unanswered: its tool calls are real
         self.server.connections.discard(self)
-        self._arm(None)
+        if self.timer is not None:
+            self.timer.cancel()
         if self.jobs is not None:
             self.jobs.put(None)
 
@@ -2963,7 +2951,7 @@ class _ServerConnection:
                     del buffer[:2]
                 if not buffer:
                     return
-                if self.timer is None or self.timer.when() > server.loop.time() + server.read_timeout_s:
+                if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
                     self._arm(server.read_timeout_s)  # for the whole request, from its first byte
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
@@ -3031,12 +3019,18 @@ class _ServerConnection:
             self._arm(self.server.keepalive_s)
 
     def _arm(self, seconds: Optional[float]) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
         server = self.server
-        self.timer = None if seconds is None else server.deadlines.at(server.loop.time() + seconds, self._timed_out)
+        self.deadline = None if seconds is None else server.loop.time() + seconds
+        if self.timer is None and seconds is not None:  # waits the shorter timeout at most: due by any deadline
+            wait = min(seconds, server.read_timeout_s, server.keepalive_s)
+            self.timer = server.loop.call_later(wait, self._timed_out)
 
     def _timed_out(self) -> None:
+        self.timer = None
+        if self.deadline is None:
+            return
+        if self.deadline > self.server.loop.time():
+            return self._arm(self.deadline - self.server.loop.time())
         if not (self.buffer or self.head):
             return self.cut()
         self._send(error_reply(RequestTimeoutError(
@@ -3063,7 +3057,6 @@ class AsyncDispatchServer:
     """The built-in dispatch server, HTTP/1.1 on one asyncio event loop, bound when made."""
 
     loop: Any = None
-    deadlines: Any
     draining = cutting = False
     _listener: Any = None
     _stop: Any
@@ -3113,7 +3106,6 @@ class AsyncDispatchServer:
         import asyncio
 
         self.loop = asyncio.get_running_loop()
-        self.deadlines = _Deadlines._for(self.loop)
         self._stop = asyncio.Event()
         with self._lock:
             if self.draining:  # close() came first (serve's SIGTERM)
@@ -3174,7 +3166,7 @@ class _ThreadsServer(AsyncDispatchServer):
         conn.jobs.put((future, head, conn.headers, body))
         try:
             return cast(HttpReply, await future)
-        except BaseException:  # cut by a drain: the thread runs on, its reply dropped
+        except BaseException:  # cut by a drain: the thread runs on
             run_id = _header(conn.headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
@@ -3187,7 +3179,7 @@ class _ThreadsServer(AsyncDispatchServer):
                 reply = self.app.handle(head.method, head.target, headers, body)
             except Exception as exc:  # noqa: BLE001
                 reply = _fallback_reply(exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            with contextlib.suppress(RuntimeError):  # the loop has closed
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
 
 
@@ -3197,7 +3189,6 @@ def _resolve(future: Any, result: Any) -> None:
 
 # ---------------------------------------------------------------------------
 # Starting a server: make_server, start_server, serve (signals and the drain)
-# ---------------------------------------------------------------------------
 
 def _raise_file_limit() -> None:
     with contextlib.suppress(ImportError, OSError, ValueError):
@@ -3240,8 +3231,7 @@ def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: 
 def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
           grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
-    """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 when every dispatch finished, else 1.
-    ``ready(server)`` is called once listening; ``gc_threshold=0`` leaves the collector as it is."""
+    """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 if every dispatch finished, else 1."""
     import gc
     import signal
 
@@ -3250,13 +3240,13 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
     previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
-        if gc_threshold > 0 and gc.isenabled():
+        if gc_threshold > 0 and gc.isenabled():  # gc_threshold=0 leaves the collector as it is
             gc.freeze()  # what is loaded now (the agent, its imports) is never garbage
             first, *rest = gc.get_threshold()
             if 0 < first < gc_threshold:
                 gc.set_threshold(gc_threshold, *rest)
         if ready is not None:
-            ready(server)
+            ready(server)  # listening
         while not stop.wait(0.5):
             pass
         _log.info("shutting down: draining for up to %g s", grace_s)
@@ -3270,12 +3260,11 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 
 # ---------------------------------------------------------------------------
 # Code mode (§5): one agent function, the sandbox's run() entrypoint
-# ---------------------------------------------------------------------------
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread, ``envelope`` (default: the bound one) bound, its run token redacted
-    from what it raises."""
+    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` (default: the bound one) bound, its run token
+    redacted from what it raises."""
     envelope = envelope if envelope is not None else _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
@@ -3339,9 +3328,9 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None
                                          run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
         return _code_mode_run(agent, envelope, limit, strict)
 
-    run.__qualname__ = "run"
-    run.__doc__ = f"Code-mode entrypoint for {getattr(agent, '__name__', 'the agent')} (pipelines_port.code_mode)."
     run.agent = agent  # type: ignore[attr-defined]
+    return run
+
     return run
 
 # ###########################################################################
