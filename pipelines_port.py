@@ -206,7 +206,7 @@ class PipelinesError(Exception):
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
-    def __init_subclass__(cls, status: Optional[int] = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, status: int | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if status is not None:
             cls.http_status = status
@@ -296,15 +296,15 @@ class AgentError(PipelinesError):
 
 class ResponseError(PipelinesError, ValueError):
     """A value that cannot become a response (§4); ``problems`` lists them all."""
-    def __init__(self, problems: Union[str, Sequence[str]]) -> None:
+    def __init__(self, problems: str | Sequence[str]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
     """A failed proxy request (§3.3); ``status_code`` None: no reply came."""
-    def __init__(self, message: str, *, status_code: Optional[int] = None, error_class: Optional[str] = None,
-                 body: Any = None, tool_name: Optional[str] = None, retry_after: Optional[float] = None) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, error_class: str | None = None,
+                 body: Any = None, tool_name: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message, self.status_code, self.error_class = message, status_code, error_class
         self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
@@ -335,7 +335,7 @@ HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
 
-def _header(headers: Mapping[str, str], name: str) -> Optional[str]:
+def _header(headers: Mapping[str, str], name: str) -> str | None:
     return (headers.get(name) or "").strip() or None
 
 
@@ -366,12 +366,12 @@ def _check_run_token(token: Any, where: str) -> str:
     return text
 
 
-def _env_id(value: Optional[str]) -> Optional[Id]:
+def _env_id(value: str | None) -> Id | None:
     number = _content_length(value)  # §7.2 kit-env-ids-numeric
     return _first_id(value) if number is None else number
 
 
-def _first_id(*candidates: Any) -> Optional[Id]:
+def _first_id(*candidates: Any) -> Id | None:
     for value in candidates:
         if isinstance(value, int) and not isinstance(value, bool):  # §7.2 kit-float-ids-absent
             return value
@@ -381,7 +381,7 @@ def _first_id(*candidates: Any) -> Optional[Id]:
 
 
 def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog
-    labels: List[Optional[str]] = []
+    labels: List[str | None] = []
     for entry in value if isinstance(value, list) else ():
         label = entry.get("actor_id") if isinstance(entry, dict) else entry
         with contextlib.suppress(ProxyRequestError):
@@ -393,30 +393,30 @@ class Envelope:
     """One run's dispatch context (§2.2, §5), read-only (§7.2 kit-read-only-envelope)."""
     proxy_url: str
     run_token: str
-    run_id: Optional[Id]
-    task_id: Optional[Id]
-    agent_id: Optional[Id]
-    run_token_jti: Optional[str]
+    run_id: Id | None
+    task_id: Id | None
+    agent_id: Id | None
+    run_token_jti: str | None
     user_instruction: str
     task_input: Mapping[str, Any]
-    latest_user_prompt: Optional[str]
-    session_id: Optional[Id]
-    turn_id: Optional[Any]
-    messages: Optional[Sequence[Any]]
-    scenario_state: Optional[Mapping[str, Any]]
-    workspace: Optional[Mapping[str, Any]]
-    tools_schema: Optional[Sequence[Any]]
+    latest_user_prompt: str | None
+    session_id: Id | None
+    turn_id: Any | None
+    messages: Sequence[Any] | None
+    scenario_state: Mapping[str, Any] | None
+    workspace: Mapping[str, Any] | None
+    tools_schema: Sequence[Any] | None
     sub_agents: Tuple[str, ...]
     raw: Mapping[str, Any]  # the whole dispatch body
     __slots__ = tuple(__annotations__)
 
-    def __init__(self, *, proxy_url: str, run_token: str, run_id: Optional[Id] = None, task_id: Optional[Id] = None,
-                 agent_id: Optional[Id] = None, run_token_jti: Optional[str] = None, user_instruction: str = "",
-                 task_input: Optional[Mapping[str, Any]] = None, latest_user_prompt: Optional[str] = None,
-                 session_id: Optional[Id] = None, turn_id: Optional[Any] = None,
-                 messages: Optional[Sequence[Any]] = None, scenario_state: Optional[Mapping[str, Any]] = None,
-                 workspace: Optional[Mapping[str, Any]] = None, tools_schema: Optional[Sequence[Any]] = None,
-                 sub_agents: Iterable[Any] = (), raw: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, *, proxy_url: str, run_token: str, run_id: Id | None = None, task_id: Id | None = None,
+                 agent_id: Id | None = None, run_token_jti: str | None = None, user_instruction: str = "",
+                 task_input: Mapping[str, Any] | None = None, latest_user_prompt: str | None = None,
+                 session_id: Id | None = None, turn_id: Any | None = None,
+                 messages: Sequence[Any] | None = None, scenario_state: Mapping[str, Any] | None = None,
+                 workspace: Mapping[str, Any] | None = None, tools_schema: Sequence[Any] | None = None,
+                 sub_agents: Iterable[Any] = (), raw: Mapping[str, Any] | None = None) -> None:
         self._fill(*map(_freeze, (validate_proxy_url(proxy_url, "the proxy_url argument"),
                                   _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id,
                                   run_token_jti, user_instruction if isinstance(user_instruction, str) else "",
@@ -471,7 +471,7 @@ class Envelope:
             turns.append({"role": "user", "content": prompt})
         return turns
 
-    def child_env(self, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    def child_env(self, base: Mapping[str, str] | None = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) with this run's variables (§5)."""
         env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input), "task_id": self.task_id}
@@ -490,7 +490,7 @@ class Envelope:
         return env
 
     @classmethod
-    def from_dispatch(cls, body: Union[Mapping[str, Any], bytes, str], headers: HeadersLike = None) -> Envelope:
+    def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
         """Read an HTTP dispatch: the JSON body, then the headers (§2.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
@@ -510,8 +510,8 @@ class Envelope:
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
-    def from_run(cls, task_input: Optional[Mapping[str, Any]], *, proxy_url: str, run_token: str,
-                 environ: Optional[Mapping[str, str]] = None) -> Envelope:
+    def from_run(cls, task_input: Mapping[str, Any] | None, *, proxy_url: str, run_token: str,
+                 environ: Mapping[str, str] | None = None) -> Envelope:
         """Read code mode's ``run()`` arguments and ``environ`` (§5)."""
         if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
@@ -525,7 +525,7 @@ class Envelope:
         return cls._read({k: v for k, v in raw.items() if v is not None}, proxy_url, run_token, {})
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Envelope:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Envelope:
         """Read the code-mode environment (§5)."""
         env = os.environ if environ is None else environ
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
@@ -563,7 +563,7 @@ class Envelope:
         return envelope
 
 
-def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[Tuple[str, str]]:
+def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tuple[str, str] | None:
     for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
         if isinstance(body.get(name), str) and body[name].strip():
             return f"body field {name!r}", body[name]
@@ -590,7 +590,7 @@ def _env_json(text: str, name: str) -> Any:
         raise EnvelopeError(f"{name} is not {'base64-encoded ' if encoded else 'valid '}JSON: {exc}") from None
 
 
-def _tools_schema_from_env(env: Mapping[str, str]) -> Optional[List[Any]]:  # §7.2 kit-tools-schema-wrapped
+def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
         text = _header(env, name)
         if text:
@@ -628,12 +628,12 @@ def is_ping(body: Any) -> bool:
     return isinstance(body, Mapping) and len(body) == 1 and body.get("ping") is True
 
 
-def _content_length(value: Optional[str]) -> Optional[int]:
+def _content_length(value: str | None) -> int | None:
     value = (value or "").strip()  # ASCII digits, at most 18
     return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
 
 
-def request_body_length(headers: Mapping[str, str], max_body: int) -> Optional[int]:
+def request_body_length(headers: Mapping[str, str], max_body: int) -> int | None:
     """The body bytes to read for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
@@ -721,13 +721,13 @@ class Endpoint(NamedTuple):
     """A dispatch endpoint's settings, as :func:`decide` sees them."""
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
-    token_env: Optional[str] = DEFAULT_TOKEN_ENV
+    token_env: str | None = DEFAULT_TOKEN_ENV
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
-    tools_schema: Optional[Sequence[Any]] = None  # served at GET /tools_schema when set
-    proxy_hosts: Optional[Tuple[str, ...]] = None  # the proxy hosts allowed; None: any
+    tools_schema: Sequence[Any] | None = None  # served at GET /tools_schema when set
+    proxy_hosts: Tuple[str, ...] | None = None  # the proxy hosts allowed; None: any
 
-    def allowed_methods(self, path: str) -> Optional[Tuple[str, ...]]:
+    def allowed_methods(self, path: str) -> Tuple[str, ...] | None:
         """The methods routed at ``path``, ``None`` for no route (§7.1 kit-routes)."""
         if path == self.path:
             return ("POST",)
@@ -738,14 +738,14 @@ class Endpoint(NamedTuple):
 class Decision(NamedTuple):
     """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` ``envelope``."""
     action: str
-    reply: Optional[HttpReply] = None
-    proxy_url: Optional[str] = None
-    envelope: Optional[Envelope] = None
+    reply: HttpReply | None = None
+    proxy_url: str | None = None
+    envelope: Envelope | None = None
     what: str = "rejected"
 
 
-def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: Optional[bytes], *,
-           expected_token: Optional[str]) -> Decision:
+def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: bytes | None, *,
+           expected_token: str | None) -> Decision:
     """What one request gets (§2.3): ``body`` as :func:`request_body_length` allowed, ``expected_token`` ``""``
     when its variable is unset."""
     try:
@@ -756,8 +756,8 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
         return Decision("reply", error_reply(RequestError("body is nested too deeply")))
 
 
-def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: Optional[bytes],
-            expected_token: Optional[str]) -> Decision:
+def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
+            expected_token: str | None) -> Decision:
     if method not in HTTP_METHODS:
         raise UnknownMethodError(f"method {_short(method, 40)} is not implemented")
     path = urlsplit(target).path.rstrip("/") or "/"
@@ -807,7 +807,7 @@ _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_
                          r"(?::(?P<port>[0-9]{1,5}))?")
 
 
-def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
+def _split_host_entry(entry: str) -> Tuple[str, int | None]:
     entry = entry.strip().lower()
     match = _HOST_ENTRY.fullmatch(entry)
     if match is None or (entry.count(":") > 1 and not entry.startswith("[")):
@@ -816,7 +816,7 @@ def _split_host_entry(entry: str) -> Tuple[str, Optional[int]]:
     return match.group("name").strip("[]").rstrip("."), int(port) if port else None
 
 
-def proxy_host_allowed(proxy_url: str, allowed: Optional[Sequence[str]]) -> bool:
+def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
     """Whether a proxy URL's host and port are on an allow-list (``None``: any)."""
     if allowed is None:
         return True
@@ -849,7 +849,7 @@ def validate_tool_name(name: Any) -> str:
     return name
 
 
-def validate_actor_label(label: Any) -> Optional[str]:
+def validate_actor_label(label: Any) -> str | None:
     """The actor label trimmed, ``None`` for an empty one (§3.5)."""
     if label is None or (isinstance(label, str) and not label.strip()):
         return None
@@ -888,7 +888,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     return body
 
 
-def _header_problem(headers: Mapping[str, str]) -> Optional[str]:
+def _header_problem(headers: Mapping[str, str]) -> str | None:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
             return f"header {name} has a line break or control character in its value (not shown)"
@@ -906,7 +906,7 @@ class ProxyRequest(NamedTuple):
 
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
-                  actor: Optional[str] = None, idempotency_key: Optional[str] = None) -> ProxyRequest:
+                  actor: str | None = None, idempotency_key: str | None = None) -> ProxyRequest:
     """``POST {proxy_url}/{kind}/{name}`` with the run token, one Idempotency-Key, the actor (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
@@ -917,8 +917,8 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
     return ProxyRequest(kind, name, url, f"{url.path.rstrip('/')}/{kind}/{quoted}", headers, body)
 
 
-def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: Optional[str] = None,
-                      idempotency_key: Optional[str] = None) -> ProxyRequest:
+def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: str | None = None,
+                      idempotency_key: str | None = None) -> ProxyRequest:
     """A tool call, checked before anything is sent (§3.1, §3.5, §7.5)."""
     validate_tool_name(name)
     label = validate_actor_label(actor)
@@ -926,8 +926,8 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
                          idempotency_key=idempotency_key)
 
 
-def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Optional[Mapping[str, Any]], *,
-                  occurred_at: str, actor: Optional[str] = None) -> ProxyRequest:
+def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapping[str, Any] | None, *,
+                  occurred_at: str, actor: str | None = None) -> ProxyRequest:
     """A live trace event, ``__occurred_at`` stamped unless set (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
@@ -941,8 +941,8 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Opti
                          encode_args(event_type, event, what="trace payload"), actor=label)
 
 
-def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
-                  payload_preview: Optional[str] = None) -> Optional[Dict[str, Any]]:
+def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
+                  payload_preview: str | None = None) -> Dict[str, Any] | None:
     """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
@@ -959,12 +959,12 @@ class ProxyOutcome(NamedTuple):
     """What one attempt came to; ``stale``: a pooled connection found closed, re-sent at once."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
-    error: Optional[PipelinesError] = None
-    retry_after: Optional[float] = None
+    error: PipelinesError | None = None
+    retry_after: float | None = None
     stale: bool = False
 
 
-def _model_retry_after(headers: Any) -> Optional[float]:
+def _model_retry_after(headers: Any) -> float | None:
     lowered = _lower_headers(headers)  # OpenAI's retry-after-ms first
     try:
         seconds = float(lowered.get("retry-after-ms") or "") / 1000
@@ -973,7 +973,7 @@ def _model_retry_after(headers: Any) -> Optional[float]:
     return seconds if seconds >= 0 else parse_retry_after(lowered.get("retry-after"))
 
 
-def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds from a ``Retry-After`` header (seconds or an HTTP date), else ``None``."""
     text = (value or "").strip()
     try:
@@ -988,7 +988,7 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
     return None if math.isnan(seconds) else max(0.0, seconds)
 
 
-def error_fields(body: Any) -> Tuple[Optional[str], Optional[str]]:
+def error_fields(body: Any) -> Tuple[str | None, str | None]:
     """``(error_class, message)`` from the three error body shapes (§3.3 error-body-shapes)."""
     if not isinstance(body, dict):
         return None, None
@@ -1013,18 +1013,18 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
 
 
 # §3.3 as data: (status, error classes or None for any, outcome)
-RETRY_TABLE: Tuple[Tuple[int, Optional[FrozenSet[str]], str], ...] = (
+RETRY_TABLE: Tuple[Tuple[int, FrozenSet[str] | None, str], ...] = (
     (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
 
-def retry_decision(status: int, error_class: Optional[str]) -> str:
+def retry_decision(status: int, error_class: str | None) -> str:
     """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
     return next((outcome for table_status, classes, outcome in RETRY_TABLE
                  if status == table_status and (classes is None or error_class in classes)), "fail")
 
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
-                    run_token: Optional[str] = None) -> ProxyOutcome:
+                    run_token: str | None = None) -> ProxyOutcome:
     """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
@@ -1055,7 +1055,7 @@ class RetryPolicy(NamedTuple):
     max_retry_after_s: float = 60.0
     transport_retries: int = 2
 
-    def delay(self, retry_number: int, retry_after: Optional[float] = None) -> float:
+    def delay(self, retry_number: int, retry_after: float | None = None) -> float:
         """Seconds to wait before retry ``retry_number`` (1 for the first)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
@@ -1067,8 +1067,8 @@ class RetryStep(NamedTuple):
     """What a driver does next: return ``value``, raise ``error``, or retry after ``wait_s``."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
-    error: Optional[PipelinesError] = None
-    wait_s: Optional[float] = None
+    error: PipelinesError | None = None
+    wait_s: float | None = None
 
 
 class RetryState:
@@ -1112,7 +1112,7 @@ _METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (  # §7.7 kit-metadata-type
     ("agent_runtime_ms", (int, float), "a non-negative number"))
 
 
-def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[str]] = None) -> Optional[str]:
+def _final_text(value: Any, key: str, strict: bool = True, notes: List[str] | None = None) -> str | None:
     if value is None or isinstance(value, str):  # §7.7 kit-result-shapes
         return value
     if key == "final_response" and strict:
@@ -1123,7 +1123,7 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: Optional[List[
     return _safe_text(value, dump if callable(dump) else None)
 
 
-def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional[str], Any, Any, Dict[str, Any]]:
+def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[str | None, Any, Any, Dict[str, Any]]:
     if value is None or isinstance(value, str):
         return value, None, None, {}
     mapping = isinstance(value, Mapping)
@@ -1143,7 +1143,7 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[Optional
                         "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
 
 
-def _tool_call_name(call: Any) -> Optional[str]:
+def _tool_call_name(call: Any) -> str | None:
     for holder in (call, call.get("function") if isinstance(call, Mapping) else None):
         if isinstance(holder, Mapping) and isinstance(holder.get("name"), str) and holder["name"]:
             return str(holder["name"])
@@ -1194,8 +1194,8 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
     return body, notes
 
 
-def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
-                      metadata: Optional[Mapping[str, Any]] = None, strict: bool = False,
+def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
+                      metadata: Mapping[str, Any] | None = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
     """``(body, warnings)``: the response (§4) to an agent's result, ``messages`` and ``metadata`` overriding its
     own (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
@@ -1234,7 +1234,7 @@ def response_envelope(value: Any, *, messages: Optional[Sequence[Mapping[str, An
     return body, notes + soft
 
 
-def build_turn_reply(message: Any, *, metadata: Optional[Mapping[str, Any]] = None,
+def build_turn_reply(message: Any, *, metadata: Mapping[str, Any] | None = None,
                      session_done: bool = False) -> Dict[str, Any]:
     """A multi-turn reply (§4.2), checked strictly (§7.7 kit-turn-reply-checked)."""
     reply: Dict[str, Any] = {"message": _final_text(message, "message"), "session_done": session_done}
@@ -1376,14 +1376,14 @@ def error_reply(exc: BaseException) -> HttpReply:
     return json_reply(500, {"detail": describe_error(exc)})
 
 
-def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: Optional[str]) -> str:
+def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: str | None) -> str:
     """``"TypeName: message"``, one line of at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
-def redact(value: Any, *secrets: Optional[str]) -> Any:
+def redact(value: Any, *secrets: str | None) -> Any:
     """``value`` (a string or JSON value) with each secret replaced by ``[redacted]``."""
     kept = [secret for secret in secrets if secret]
     if isinstance(value, str):
@@ -1412,7 +1412,7 @@ _T = TypeVar("_T")
 class _Once(Generic[_T]):  # a lazy singleton
     def __init__(self, make: Callable[[], _T]) -> None:
         self._make, self._lock = make, threading.Lock()
-        self._value: Optional[_T] = None
+        self._value: _T | None = None
 
     def __call__(self) -> _T:
         if self._value is None:
@@ -1421,7 +1421,7 @@ class _Once(Generic[_T]):  # a lazy singleton
                     self._value = self._make()
         return self._value
 
-    def replace(self, value: Optional[_T]) -> None:
+    def replace(self, value: _T | None) -> None:
         self._value = value
 
 
@@ -1519,15 +1519,15 @@ class _Unsendable(Exception):
     pass
 
 
-def _change(notes: Optional[List[str]], problem: str, sent: str, fix: str) -> None:
+def _change(notes: List[str] | None, problem: str, sent: str, fix: str) -> None:
     if notes is None:
         raise _Unsendable(f"{problem}: {fix}")
     notes.append(f"{problem}; {sent}")
 
 
 # value as JSON carries it, each change noted (notes None: strict, the first raises)
-def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
-              active: Optional[Set[int]] = None) -> Any:
+def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0,
+              active: Set[int] | None = None) -> Any:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -1558,7 +1558,7 @@ def _jsonable(value: Any, path: str, notes: Optional[List[str]], depth: int = 0,
     return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
 
 
-def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth: int, active: Set[int]) -> Any:
+def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: int, active: Set[int]) -> Any:
     if id(value) in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
@@ -1583,7 +1583,7 @@ def _jsonable_container(value: Any, path: str, notes: Optional[List[str]], depth
         active.discard(id(value))
 
 
-def _unsendable(value: Any, path: str) -> Optional[str]:
+def _unsendable(value: Any, path: str) -> str | None:
     try:
         _jsonable(value, path, None)
     except _Unsendable as exc:
@@ -1591,7 +1591,7 @@ def _unsendable(value: Any, path: str) -> Optional[str]:
     return None
 
 
-def _jsonable_object(value: Mapping[Any, Any], path: str, notes: Optional[List[str]], depth: int,
+def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str] | None, depth: int,
                      active: Set[int]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
@@ -1647,7 +1647,7 @@ def _key_text(key: Any) -> str:
     return _well_formed(_safe_text(key))
 
 
-def _safe_text(value: Any, method: Optional[Callable[[], Any]] = None) -> str:
+def _safe_text(value: Any, method: Callable[[], Any] | None = None) -> str:
     try:
         return str(value if method is None else method())
     except Exception:  # noqa: BLE001
@@ -1672,7 +1672,7 @@ def check_run_timeout(run_timeout_s: Any) -> float:
     return float(run_timeout_s)
 
 
-def parse_proxy_hosts(text: Optional[str]) -> Optional[Tuple[str, ...]]:
+def parse_proxy_hosts(text: str | None) -> Tuple[str, ...] | None:
     """The allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``; §7.1 kit-proxy-host-allow-list)."""
     if text is None:
         return None
@@ -1700,7 +1700,7 @@ def _normal_host_entry(entry: str) -> str:
 # ---------------------------------------------------------------------------
 # Context binding: the running dispatch's envelope
 
-_current: contextvars.ContextVar[Optional[Envelope]] = contextvars.ContextVar("pipelines_port_envelope", default=None)
+_current: contextvars.ContextVar[Envelope | None] = contextvars.ContextVar("pipelines_port_envelope", default=None)
 
 
 @contextlib.contextmanager
@@ -1753,7 +1753,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has no such thread
 
 
 # on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
-def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: Optional[float] = None) -> _T:
+def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
     import asyncio
     import concurrent.futures
 
@@ -1791,7 +1791,7 @@ class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: 
 
 
 class _ReplyTooLarge(Exception):
-    def __init__(self, status: int, cap: int, length: Optional[int] = None) -> None:
+    def __init__(self, status: int, cap: int, length: int | None = None) -> None:
         self.status = status
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
 
@@ -1879,7 +1879,7 @@ class _Pool:  # one loop's idle connections
         self._idle: Dict[Tuple[str, str, int], List[_ClientConnection]] = {}
         self._reaper: Any = None
 
-    def take(self, key: Tuple[str, str, int]) -> Optional[_ClientConnection]:
+    def take(self, key: Tuple[str, str, int]) -> _ClientConnection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -1926,7 +1926,7 @@ class _Pool:  # one loop's idle connections
 
 
 class _Transport:  # every outbound call's I/O
-    def __init__(self, ssl_context: Optional[ssl.SSLContext] = None) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
         import weakref
 
         self._ssl_context = ssl_context
@@ -2048,7 +2048,7 @@ def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of t
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
-    uncancel: Optional[Callable[[], int]] = getattr(task, "uncancel", None)
+    uncancel: Callable[[], int] | None = getattr(task, "uncancel", None)
     return uncancel() if uncancel is not None else 0
 
 
@@ -2139,7 +2139,7 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def reserve(self, key: str, now: Optional[float] = None) -> float:
+    def reserve(self, key: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
             log = self._log.get(key)
@@ -2165,16 +2165,16 @@ class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: 
             self.proxy_calls += 1
 
 
-_dispatch_stats: contextvars.ContextVar[Optional[_DispatchStats]] = contextvars.ContextVar(
+_dispatch_stats: contextvars.ContextVar[_DispatchStats | None] = contextvars.ContextVar(
     "pipelines_port_dispatch_stats", default=None)
 
 
 class ProxyClient:
     """The per-run proxy's client (§3, §7.4); ``timeout`` and ``rate_per_minute`` default to ``PIPELINES_PROXY_*``."""
 
-    def __init__(self, *, timeout: Optional[float] = None, retry: RetryPolicy = RetryPolicy(),
-                 rate_per_minute: Optional[float] = None, ssl_context: Optional[ssl.SSLContext] = None,
-                 sleep: Optional[Callable[[float], Any]] = None) -> None:
+    def __init__(self, *, timeout: float | None = None, retry: RetryPolicy = RetryPolicy(),
+                 rate_per_minute: float | None = None, ssl_context: ssl.SSLContext | None = None,
+                 sleep: Callable[[float], Any] | None = None) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
         if not self.timeout > 0:  # 0 would make every exchange fail at once
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
@@ -2184,23 +2184,23 @@ class ProxyClient:
         self.retry, self._sleep, self._transport = retry, sleep, _Transport(ssl_context)
         self._pacer = _Pacer(int(rate_per_minute)) if rate_per_minute >= 1 else None
 
-    def call(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
-             timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise") -> Any:
+    def call(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: str | None = None,
+             timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise") -> Any:
         """Call tool ``name``: the unwrapped ``response`` (§3.2); ``errors="return"``: §7.4 kit-errors-return."""
         return _blocking(self._call(envelope, name, args, actor, timeout, idempotency_key, errors, True))
 
-    async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: Optional[str] = None,
-                    timeout: Optional[float] = None, idempotency_key: Optional[str] = None,
+    async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: str | None = None,
+                    timeout: float | None = None, idempotency_key: str | None = None,
                     errors: str = "raise") -> Any:
         return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
-    def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: Optional[str] = None,
-              timeout: Optional[float] = None, best_effort: bool = False) -> _Accepted:
+    def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: str | None = None,
+              timeout: float | None = None, best_effort: bool = False) -> _Accepted:
         """Post a live trace event (§3.4); ``best_effort=True``: a failure is logged, ``None`` returned."""
         return _blocking(self._trace(envelope, event_type, payload, actor, timeout, best_effort, True))
 
     async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
-                     actor: Optional[str] = None, timeout: Optional[float] = None,
+                     actor: str | None = None, timeout: float | None = None,
                      best_effort: bool = False) -> _Accepted:
         return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
@@ -2223,14 +2223,14 @@ class ProxyClient:
         return await self._transport.aexchange(base, method, path, headers, body, timeout, max_reply)
 
     def interpret(self, status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
-                  run_token: Optional[str] = None) -> ProxyOutcome:
+                  run_token: str | None = None) -> ProxyOutcome:
         """What one proxy reply means: :func:`interpret_reply`."""
         return interpret_reply(status, headers, body, tool_name=tool_name, run_token=run_token)
 
     # one coroutine for both drivers: under call() and trace() nothing suspends
 
-    async def _call(self, envelope: Envelope, name: str, args: Any, actor: Optional[str], timeout: Optional[float],
-                    idempotency_key: Optional[str], errors: str, blocking: bool) -> Any:
+    async def _call(self, envelope: Envelope, name: str, args: Any, actor: str | None, timeout: float | None,
+                    idempotency_key: str | None, errors: str, blocking: bool) -> Any:
         try:
             if errors not in ("raise", "return"):
                 raise ValueError("errors must be 'raise' or 'return'")
@@ -2244,8 +2244,8 @@ class ProxyClient:
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
-    async def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: Optional[str],
-                     timeout: Optional[float], best_effort: bool, blocking: bool) -> _Accepted:
+    async def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: str | None,
+                     timeout: float | None, best_effort: bool, blocking: bool) -> _Accepted:
         try:
             _check_envelope(envelope)
             now = time.time()
@@ -2258,7 +2258,7 @@ class ProxyClient:
             _trace_failed(exc, event_type, best_effort)
         return None
 
-    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: Optional[float],
+    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None,
                        blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
@@ -2335,18 +2335,18 @@ def set_default_client(client: ProxyClient) -> ProxyClient:
     return previous
 
 
-def proxy_call(name: str, args: _Payload = None, *, envelope: Optional[Envelope] = None, actor: Optional[str] = None,
-               timeout: Optional[float] = None, idempotency_key: Optional[str] = None, errors: str = "raise",
-               client: Optional[ProxyClient] = None) -> Any:
+def proxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None, actor: str | None = None,
+               timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise",
+               client: ProxyClient | None = None) -> Any:
     """:meth:`ProxyClient.call` for ``envelope`` or the one bound here."""
     return (client or _default_client()).call(envelope or current_envelope(), name, args, actor=actor,
                                               timeout=timeout, idempotency_key=idempotency_key, errors=errors)
 
 
-async def aproxy_call(name: str, args: _Payload = None, *, envelope: Optional[Envelope] = None,
-                      actor: Optional[str] = None, timeout: Optional[float] = None,
-                      idempotency_key: Optional[str] = None, errors: str = "raise",
-                      client: Optional[ProxyClient] = None) -> Any:
+async def aproxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None,
+                      actor: str | None = None, timeout: float | None = None,
+                      idempotency_key: str | None = None, errors: str = "raise",
+                      client: ProxyClient | None = None) -> Any:
     """:func:`proxy_call` on the running loop."""
     return await (client or _default_client()).acall(envelope or current_envelope(), name, args, actor=actor,
                                                      timeout=timeout, idempotency_key=idempotency_key, errors=errors)
@@ -2357,8 +2357,8 @@ class Actor:
 
     __slots__ = ("label", "_envelope", "_client")
 
-    def __init__(self, label: str, *, envelope: Optional[Envelope] = None,
-                 client: Optional[ProxyClient] = None) -> None:
+    def __init__(self, label: str, *, envelope: Envelope | None = None,
+                 client: ProxyClient | None = None) -> None:
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
@@ -2399,30 +2399,30 @@ class Actor:
         return Actor(f"{self.label}/{child}", envelope=self._envelope, client=self._client)
 
 
-def as_actor(label: str, *, envelope: Optional[Envelope] = None, client: Optional[ProxyClient] = None) -> Actor:
+def as_actor(label: str, *, envelope: Envelope | None = None, client: ProxyClient | None = None) -> Actor:
     """A handle whose calls carry ``X-Pipelines-Actor-Id: label``; validated now (§3.5)."""
     return Actor(label, envelope=envelope, client=client)
 
 
-def post_trace(event_type: str, payload: _Payload = None, *, envelope: Optional[Envelope] = None,
-               actor: Optional[str] = None, timeout: Optional[float] = None, best_effort: bool = False,
-               client: Optional[ProxyClient] = None) -> _Accepted:
+def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
+               actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
+               client: ProxyClient | None = None) -> _Accepted:
     """:meth:`ProxyClient.trace` for ``envelope`` or the one bound here."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
     return None if envelope is None else (client or _default_client()).trace(
         envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
 
 
-async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Optional[Envelope] = None,
-                      actor: Optional[str] = None, timeout: Optional[float] = None, best_effort: bool = False,
-                      client: Optional[ProxyClient] = None) -> _Accepted:
+async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
+                      actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
+                      client: ProxyClient | None = None) -> _Accepted:
     """:func:`post_trace` on the running loop."""
     envelope = _trace_envelope(envelope, event_type, best_effort)
     return None if envelope is None else await (client or _default_client()).atrace(
         envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
 
 
-def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: bool) -> Optional[Envelope]:
+def _trace_envelope(envelope: Envelope | None, event_type: str, best_effort: bool) -> Envelope | None:
     try:
         return envelope or current_envelope()
     except EnvelopeError as exc:
@@ -2430,21 +2430,21 @@ def _trace_envelope(envelope: Optional[Envelope], event_type: str, best_effort: 
         return None
 
 
-def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
-                 payload_preview: Optional[str] = None, **options: Any) -> _Accepted:
+def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
+                 payload_preview: str | None = None, **options: Any) -> _Accepted:
     """A ``handoff`` trace event (§3.4), a self-handoff dropped; ``options`` as for :func:`post_trace`."""
     event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
     return None if event is None else post_trace("handoff", event, **options)
 
 
-async def apost_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: Optional[str] = None,
-                        payload_preview: Optional[str] = None, **options: Any) -> _Accepted:
+async def apost_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
+                        payload_preview: str | None = None, **options: Any) -> _Accepted:
     """:func:`post_handoff` on the running loop."""
     event = _handoff(from_sub_agent, to_sub_agent, reason, payload_preview)
     return None if event is None else await apost_trace("handoff", event, **options)
 
 
-def _handoff(source: str, target: str, reason: Optional[str], payload_preview: Optional[str]) -> _Accepted:
+def _handoff(source: str, target: str, reason: str | None, payload_preview: str | None) -> _Accepted:
     event = handoff_event(source, target, reason=reason, payload_preview=payload_preview)
     if event is None:
         _log.info("dropping self-handoff %r -> %r", source, target)
@@ -2454,15 +2454,15 @@ def _handoff(source: str, target: str, reason: Optional[str], payload_preview: O
 ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 
-def build_response(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
-                   metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None) -> Dict[str, Any]:
+def build_response(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
+                   metadata: Mapping[str, Any] | None = None, strict: bool | None = None) -> Dict[str, Any]:
     """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``PIPELINES_PORT_STRICT``) raises."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
-def _built(value: Any, *, messages: Optional[Sequence[Mapping[str, Any]]] = None,
-           metadata: Optional[Mapping[str, Any]] = None, strict: Optional[bool] = None,
-           secrets: Sequence[Optional[str]] = (), multi_turn: bool = False) -> Dict[str, Any]:
+def _built(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
+           metadata: Mapping[str, Any] | None = None, strict: bool | None = None,
+           secrets: Sequence[str | None] = (), multi_turn: bool = False) -> Dict[str, Any]:
     # as the servers send it: no warning shows the secrets or the run token
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
@@ -2489,12 +2489,12 @@ class _AgentRaised(Exception):  # the agent's error, told apart from one hitting
         self.error = error
 
 
-def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], Any]) -> threading.Thread:
+def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | None], Any]) -> threading.Thread:
     context = contextvars.copy_context()
 
     def target() -> None:
         try:
-            outcome: Tuple[Any, Optional[BaseException]] = (context.run(fn), None)
+            outcome: Tuple[Any, BaseException | None] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
         with contextlib.suppress(RuntimeError):  # done's loop closed
@@ -2505,7 +2505,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, Optional[BaseExcep
     return thread
 
 
-def _on_fresh_thread(fn: Callable[[], Any], timeout_s: Optional[float] = None) -> Any:
+def _on_fresh_thread(fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
     outcome: List[Any] = []
     worker = _start_thread(fn, lambda *pair: outcome.extend(pair))
     worker.join(timeout_s)
@@ -2531,11 +2531,11 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
 
 
 # exc with no link of its chain showing a secret: each cleaned in place, or replaced by a _RedactedError
-def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str]) -> Optional[BaseException]:
+def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
     wanted = [s for s in secrets if s]
-    seen: Dict[int, Optional[BaseException]] = {}
+    seen: Dict[int, BaseException | None] = {}
 
-    def clean(error: Optional[BaseException]) -> Optional[BaseException]:
+    def clean(error: BaseException | None) -> BaseException | None:
         if error is None or not wanted or id(error) in seen:
             return seen.get(id(error), error)
         seen[id(error)] = error
@@ -2564,7 +2564,7 @@ def _redact_exception_chain(exc: Optional[BaseException], *secrets: Optional[str
     return clean(exc)
 
 
-def _call_agent(call: Callable[[], Any], envelope: Optional[Envelope]) -> Any:
+def _call_agent(call: Callable[[], Any], envelope: Envelope | None) -> Any:
     import inspect
 
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
@@ -2587,7 +2587,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     waiter = loop.create_future()
     task: Any = None
 
-    def settle(result: Any, error: Optional[BaseException]) -> None:
+    def settle(result: Any, error: BaseException | None) -> None:
         if not waiter.done():
             waiter.set_result(result) if error is None else waiter.set_exception(error)
 
@@ -2630,11 +2630,11 @@ class DispatchApp:
     """An agent (sync or ``async def``) at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
-                 token: Optional[str] = None, token_env: Optional[str] = DEFAULT_TOKEN_ENV,
+                 token: str | None = None, token_env: str | None = DEFAULT_TOKEN_ENV,
                  auth_header: str = "Authorization", no_auth: bool = False, max_body: int = DEFAULT_MAX_BODY_BYTES,
                  run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-                 tools_schema: Union[Sequence[Any], str, os.PathLike[str], None] = None,
-                 proxy_hosts: Union[Sequence[str], str, None] = None, strict: Optional[bool] = None) -> None:
+                 tools_schema: Sequence[Any] | str | os.PathLike[str] | None = None,
+                 proxy_hosts: Sequence[str] | str | None = None, strict: bool | None = None) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
         for wrong, problem in (
@@ -2651,7 +2651,7 @@ class DispatchApp:
         self.token_env = None if token else token_env  # kit-token-env-per-request: read at each request
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
-        self.tools_schema: Optional[List[Dict[str, Any]]] = None if tools_schema is None else _thaw(list(tools_schema))
+        self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
         if self.tools_schema is not None:
             convert_tools(self.tools_schema, "platform")  # checked, but served as given: the platform compares them
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
@@ -2680,11 +2680,11 @@ class DispatchApp:
         return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)" if hosts is None
                 else ", ".join(hosts) or "none")
 
-    def handle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
+    def handle(self, method: str, target: str, headers: HeadersLike, body: bytes | None) -> HttpReply:
         """:meth:`ahandle` from a blocking thread."""
         return _on_loop(self.ahandle(method, target, headers, body))
 
-    async def ahandle(self, method: str, target: str, headers: HeadersLike, body: Optional[bytes]) -> HttpReply:
+    async def ahandle(self, method: str, target: str, headers: HeadersLike, body: bytes | None) -> HttpReply:
         """The reply to a request whose ``body`` is what :func:`request_body_length` allowed, logged (kit-log-line)."""
         started = time.monotonic()
         stats = _DispatchStats()
@@ -2731,11 +2731,11 @@ class DispatchApp:
             agent = agent.func
         return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
 
-    def run_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
+    def run_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
         """:meth:`arun_agent` from a blocking thread."""
         return _on_loop(self.arun_agent(envelope, stats))
 
-    async def arun_agent(self, envelope: Envelope, stats: Optional[_DispatchStats] = None) -> HttpReply:
+    async def arun_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
         """The reply to running the agent on ``envelope`` within ``run_timeout_s`` (§7.3)."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
@@ -2767,7 +2767,7 @@ class DispatchApp:
         finally:
             _dispatch_stats.reset(bound)
 
-    def secrets(self, envelope: Optional[Envelope]) -> Tuple[Optional[str], Optional[str]]:
+    def secrets(self, envelope: Envelope | None) -> Tuple[str | None, str | None]:
         """The run token and the agent token, which no reply or log line shows."""
         return envelope.run_token if envelope else None, self.token or os.environ.get(self.token_env or "")
 
@@ -2831,7 +2831,7 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """:func:`probe_proxy` on the running loop."""
     started = time.monotonic()
-    status: Optional[int] = None
+    status: int | None = None
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
@@ -2895,11 +2895,11 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
 
 class _ServerConnection:
     transport: Any
-    head: Optional[RequestHead] = None  # its body not yet whole
+    head: RequestHead | None = None  # its body not yet whole
     headers: Mapping[str, str]
-    length: Optional[int] = 0  # of the body; None: unread, then a close
+    length: int | None = 0  # of the body; None: unread, then a close
     task: Any = None
-    deadline: Optional[float] = None  # of the read or keep-alive timeout
+    deadline: float | None = None  # of the read or keep-alive timeout
     timer: Any = None  # due by the deadline, re-armed if early: a keep-alive request sets none
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
@@ -2930,7 +2930,7 @@ class _ServerConnection:
         self.closing = self.task is None
         return not self.closing
 
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
+    def connection_lost(self, exc: BaseException | None) -> None:
         self.closing = True  # a running dispatch finishes unanswered: its tool calls are real
         self.server.connections.discard(self)
         if self.timer is not None:
@@ -2985,7 +2985,7 @@ class _ServerConnection:
                 self.task = server.loop.create_task(self._run(head, body))
                 server.tasks.add(self.task)
 
-    async def _run(self, head: RequestHead, body: Optional[bytes]) -> None:
+    async def _run(self, head: RequestHead, body: bytes | None) -> None:
         server = self.server
         try:
             reply = await server._answer(self, head, body)
@@ -3003,7 +3003,7 @@ class _ServerConnection:
             self.transport.resume_reading()
             self._advance()
 
-    def _send(self, reply: HttpReply, close: bool, request: Optional[RequestHead] = None) -> None:
+    def _send(self, reply: HttpReply, close: bool, request: RequestHead | None = None) -> None:
         if self.closing:
             return
         http10 = request is not None and request.version == "HTTP/1.0"
@@ -3018,7 +3018,7 @@ class _ServerConnection:
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
-    def _arm(self, seconds: Optional[float]) -> None:
+    def _arm(self, seconds: float | None) -> None:
         server = self.server
         self.deadline = None if seconds is None else server.loop.time() + seconds
         if self.timer is None and seconds is not None:  # waits the shorter timeout at most: due by any deadline
@@ -3060,11 +3060,11 @@ class AsyncDispatchServer:
     draining = cutting = False
     _listener: Any = None
     _stop: Any
-    _thread: Optional[threading.Thread] = None
+    _thread: threading.Thread | None = None
 
     def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 max_connections: Optional[int] = None, backlog: int = 4096) -> None:
+                 max_connections: int | None = None, backlog: int = 4096) -> None:
         import socket
 
         for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
@@ -3090,10 +3090,10 @@ class AsyncDispatchServer:
         """Dispatches and probes running now."""
         return len(self.tasks)
 
-    def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> Awaitable[HttpReply]:
+    def _answer(self, conn: _ServerConnection, head: RequestHead, body: bytes | None) -> Awaitable[HttpReply]:
         return self.app.ahandle(head.method, head.target, conn.headers, body)
 
-    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
+    def serve_forever(self, poll_interval: float | None = None) -> None:
         """Serve on this thread, on a loop of its own, until :meth:`close`."""
         import asyncio
 
@@ -3156,7 +3156,7 @@ class AsyncDispatchServer:
 
 
 class _ThreadsServer(AsyncDispatchServer):
-    async def _answer(self, conn: _ServerConnection, head: RequestHead, body: Optional[bytes]) -> HttpReply:
+    async def _answer(self, conn: _ServerConnection, head: RequestHead, body: bytes | None) -> HttpReply:
         if conn.jobs is None:
             import queue
 
@@ -3203,9 +3203,9 @@ def _raise_file_limit() -> None:
 SERVERS = ("asyncio", "threads")
 
 
-def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
+def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 8080,
                 server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: Optional[int] = None,
+                keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: int | None = None,
                 **options: Any) -> AsyncDispatchServer:
     """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`."""
     if server not in SERVERS:
@@ -3219,7 +3219,7 @@ def make_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: s
         app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, max_connections=max_connections)
 
 
-def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 0,
+def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 0,
                  **options: Any) -> AsyncDispatchServer:
     """:func:`make_server`'s server, serving on a background thread (tests, notebooks)."""
     server = make_server(agent, host=host, port=port, **options)
@@ -3228,8 +3228,8 @@ def start_server(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: 
     return server
 
 
-def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "127.0.0.1", port: int = 8080,
-          grace_s: float = DEFAULT_GRACE_S, ready: Optional[Callable[[Any], None]] = None,
+def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 8080,
+          grace_s: float = DEFAULT_GRACE_S, ready: Callable[[Any], None] | None = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
     """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 if every dispatch finished, else 1."""
     import gc
@@ -3262,7 +3262,7 @@ def serve(agent: Union[DispatchApp, Callable[[Envelope], Any]], *, host: str = "
 # Code mode (§5): one agent function, the sandbox's run() entrypoint
 
 
-def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[Envelope] = None, **kwargs: Any) -> Any:
+def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope | None = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on a new thread with ``envelope`` (default: the bound one) bound, its run token
     redacted from what it raises."""
     envelope = envelope if envelope is not None else _current.get()
@@ -3273,7 +3273,7 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Optional[E
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
 
 
-def _run_argument(value: Optional[str], argument: str, variable: str) -> str:
+def _run_argument(value: str | None, argument: str, variable: str) -> str:
     if value is None:
         value = os.environ.get(variable, "")
         if not value.strip():
@@ -3282,7 +3282,7 @@ def _run_argument(value: Optional[str], argument: str, variable: str) -> str:
 
 
 def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float,
-                   strict: Optional[bool]) -> Dict[str, Any]:
+                   strict: bool | None) -> Dict[str, Any]:
     stats = _DispatchStats()
     bound = _dispatch_stats.set(stats)  # copied into the agent's thread
     token = envelope.run_token
@@ -3314,13 +3314,13 @@ def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: 
     raise failure  # outside the except clauses: no context shows the original
 
 
-def code_mode(agent: Callable[[Envelope], Any], *, strict: Optional[bool] = None,
+def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
               run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8)."""
     limit = check_run_timeout(run_timeout_s)
 
-    def run(task_input: Optional[Mapping[str, Any]] = None, *, proxy_url: Optional[str] = None,
-            run_token: Optional[str] = None) -> Dict[str, Any]:
+    def run(task_input: Mapping[str, Any] | None = None, *, proxy_url: str | None = None,
+            run_token: str | None = None) -> Dict[str, Any]:
         if proxy_url is None and run_token is None and task_input is None:
             envelope = Envelope.from_env()
         else:
@@ -3383,7 +3383,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
     return out
 
 
-def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List[Dict[str, Any]]:
+def load_tools_schema(source: str | os.PathLike[str] | None = None) -> List[Dict[str, Any]]:
     """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6)."""
     where = "the environment" if source is None else os.fspath(source)
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
@@ -3395,7 +3395,7 @@ def load_tools_schema(source: Union[str, os.PathLike[str], None] = None) -> List
         raise ValueError(f"tools schema {where}: {exc}") from None
 
 
-def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
+def _read_tools_file(source: str | os.PathLike[str]) -> List[Any]:
     where = os.fspath(source)
     try:
         with open(source, encoding="utf-8") as f:
@@ -3411,7 +3411,7 @@ def _read_tools_file(source: Union[str, os.PathLike[str]]) -> List[Any]:
     return tools
 
 
-def tools_schema_beside(agent_spec: str) -> Optional[str]:
+def tools_schema_beside(agent_spec: str) -> str | None:
     """The ``tools_schema.json`` beside the agent file of ``PATH.py:NAME``, if there is one."""
     where = agent_spec.rpartition(":")[0]
     beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
@@ -3432,7 +3432,7 @@ def bound_output(text: Any, limit: int = 8000) -> str:
     return f"{shown[:head]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
 
 
-def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]], *, max_concurrency: int = 8,
+def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, max_concurrency: int = 8,
                errors: str = "return", **options: Any) -> List[Any]:
     """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
     from concurrent.futures import ThreadPoolExecutor
@@ -3458,7 +3458,7 @@ def call_tools(calls: Iterable[Tuple[str, Union[Mapping[str, Any], str, None]]],
 class HTTPStatusError(PipelinesError):
     """A model's JSON API answered an error status after retries, or no JSON."""
 
-    def __init__(self, message: str, *, status_code: Optional[int] = None, body: Any = None) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, body: Any = None) -> None:
         super().__init__(message)
         self.status_code, self.body = status_code, body
 
@@ -3467,7 +3467,7 @@ _MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
 _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
 
 
-def post_json(url: str, payload: Optional[Mapping[str, Any]], *, headers: Optional[Mapping[str, str]] = None,
+def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[str, str] | None = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
               sleep: Callable[[float], None] = time.sleep, method: str = "POST") -> Any:
     """``payload`` sent by ``method`` (None: no body) to a JSON API, its JSON reply; 408, 429, 5xx and more retried."""
@@ -3587,7 +3587,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     raise TypeError(f"no JSON Schema for type {annotation!r} (see schema_for_type)")
 
 
-def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
+def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
     import inspect  # cleandoc expands tabs
 
     summary: List[str] = []
@@ -3612,8 +3612,8 @@ def _docstring_parts(doc: Optional[str]) -> Tuple[str, Dict[str, str]]:
 class Tool:
     """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied; outside, it runs."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
-                 default_execution_mode: Optional[str] = None) -> None:
+    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
+                 default_execution_mode: str | None = None) -> None:
         import inspect
         import typing
 
@@ -3679,8 +3679,8 @@ class Tool:
         return (aproxy_call if self.is_async else proxy_call)(self.name, arguments)
 
 
-def tool(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, description: Optional[str] = None,
-         default_execution_mode: Optional[str] = None) -> Any:
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
+         default_execution_mode: str | None = None) -> Any:
     """``@tool`` or ``@tool(name=...)``: a :class:`Tool`, described by its hints and docstring (Google or Sphinx)."""
     make = functools.partial(Tool, name=name, description=description, default_execution_mode=default_execution_mode)
     return make(fn) if fn is not None else make
@@ -3729,7 +3729,7 @@ def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
     return convert_tools(entries, "platform")
 
 
-def proxied_tools(source: Any, *, actor: Optional[str] = None) -> List[Any]:
+def proxied_tools(source: Any, *, actor: str | None = None) -> List[Any]:
     """The same tools (OpenAI Agents, LangChain, Strands), each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
     return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
@@ -3780,17 +3780,17 @@ def _jsonable_args(value: Any) -> Any:
 class Handoffs:
     """A run's ``handoff`` trace events (§3.4), one per change of acting sub-agent, best-effort."""
 
-    def __init__(self, first: Optional[str] = None, *, envelope: Optional[Envelope] = None) -> None:
+    def __init__(self, first: str | None = None, *, envelope: Envelope | None = None) -> None:
         self.current = validate_actor_label(first) if first else None
         self._envelope = envelope if envelope is not None else _current.get()
         self._lock = threading.Lock()
 
-    def enter(self, label: str, reason: Optional[str] = None) -> None:
+    def enter(self, label: str, reason: str | None = None) -> None:
         """``label`` acts from now on; a change of sub-agent is posted."""
         for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
-    async def aenter(self, label: str, reason: Optional[str] = None) -> None:
+    async def aenter(self, label: str, reason: str | None = None) -> None:
         """:meth:`enter` on the running loop."""
         for moved in self._moves(label):
             await apost_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
@@ -3887,7 +3887,7 @@ def _field(item: Any, key: str) -> Any:
     return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
 
 
-def _run_metadata(usages: Optional[List[Any]], model: Any,
+def _run_metadata(usages: List[Any] | None, model: Any,
                   keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
     metadata: Dict[str, Any] = {} if usages is None else {
         "total_input_tokens": sum(int(_field(u, keys[0]) or 0) for u in usages),
@@ -3900,7 +3900,7 @@ def _run_metadata(usages: Optional[List[Any]], model: Any,
 _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasoningContent": "reasoning"}
 
 
-def _message_turn(item: Any) -> Optional[_Turn]:
+def _message_turn(item: Any) -> _Turn | None:
     # an Anthropic Messages or a Bedrock Converse (Strands) message
     if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
         item = item.model_dump()
@@ -3983,13 +3983,13 @@ class _RpcError(Exception):  # (JSON-RPC error code, message)
 class McpShim:
     """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim) whose tools are called through the proxy."""
 
-    def __init__(self, *, environ: Optional[Mapping[str, str]] = None, client: Optional[ProxyClient] = None) -> None:
+    def __init__(self, *, environ: Mapping[str, str] | None = None, client: ProxyClient | None = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
         self.client = client
-        self._tools: Optional[List[Dict[str, Any]]] = None
-        self._envelope: Optional[Envelope] = None
+        self._tools: List[Dict[str, Any]] | None = None
+        self._envelope: Envelope | None = None
 
-    def handle_line(self, line: str) -> Optional[str]:
+    def handle_line(self, line: str) -> str | None:
         """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
         request_id = method = None
         try:
@@ -4162,7 +4162,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], target)
 
 
-def _truthy(value: Optional[str]) -> bool:
+def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -4190,7 +4190,7 @@ def _refuse_token(text: str) -> None:
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices; a default shown if set
-_SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, Optional[str], str], ...] = (
+_SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
     ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
      "port, 0: any free"),
@@ -4262,7 +4262,7 @@ def _cmd_mcp(args: Any) -> int:
     return McpShim().serve()
 
 
-def _parser(prog: Optional[str] = None) -> Any:
+def _parser(prog: str | None = None) -> Any:
     import argparse
 
     # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
@@ -4286,7 +4286,7 @@ def _parser(prog: Optional[str] = None) -> Any:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
