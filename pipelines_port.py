@@ -3361,9 +3361,9 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         name, schema = spec.get("name"), spec.get("input_schema", spec.get("parameters"))
         if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
             raise ValueError(f"tools[{i}].name: {_short(repr(name), 60)} must match ^{TOOL_NAME_RE.pattern}$")
-        problem = ("input_schema must be a JSON Schema object" if not isinstance(schema, (Mapping, type(None)))
+        problem = ("input_schema must be an object" if not isinstance(schema, (Mapping, type(None)))
                    else "declared twice" if name in seen
-                   else "model APIs take names of at most 64 characters" if to != "platform" and len(name) > 64
+                   else "model APIs take at most 64 characters" if to != "platform" and len(name) > 64
                    else "")
         if problem:
             raise ValueError(f"tools[{i}] ({name}): {problem}")
@@ -3423,7 +3423,7 @@ def _as_text(value: Any) -> str:
 
 
 def bound_output(text: Any, limit: int = 8000) -> str:
-    """``text`` (JSON if not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
+    """``text`` (JSON if not a string) cut to about ``limit`` characters, head and tail kept."""
     shown = _as_text(text)
     if len(shown) <= limit:
         return shown
@@ -3434,7 +3434,7 @@ def bound_output(text: Any, limit: int = 8000) -> str:
 
 def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, max_concurrency: int = 8,
                errors: str = "return", **options: Any) -> List[Any]:
-    """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
+    """A model turn's tool calls by :func:`proxy_call`, ``max_concurrency`` at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     if errors not in ("raise", "return"):
@@ -3456,7 +3456,7 @@ def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, m
 
 
 class HTTPStatusError(PipelinesError):
-    """A model's JSON API answered an error status after retries, or no JSON."""
+    """A JSON API answered an error status after retries, or no JSON."""
 
     def __init__(self, message: str, *, status_code: int | None = None, body: Any = None) -> None:
         super().__init__(message)
@@ -3470,7 +3470,7 @@ _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, t
 def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[str, str] | None = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
               sleep: Callable[[float], None] = time.sleep, method: str = "POST") -> Any:
-    """``payload`` sent by ``method`` (None: no body) to a JSON API, its JSON reply; 408, 429, 5xx and more retried."""
+    """``payload`` (None: no body) sent by ``method`` to a JSON API; its JSON reply, retried."""
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
@@ -3508,7 +3508,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); a string's or array's length
+# keyword: (the JSON type it bounds, the test); strings and arrays by length
 _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
     "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
     "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
@@ -3517,7 +3517,7 @@ _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
-    """Every way ``value`` breaks ``schema`` (the keywords tool schemas use), one line each."""
+    """Every way ``value`` breaks ``schema`` (the keywords tool schemas use)."""
     if not isinstance(schema, Mapping):
         return []
     actual = json_type(value).split()[-1]
@@ -3560,7 +3560,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
 
 
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
-    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum), else ``TypeError``."""
+    """The JSON Schema of a type hint (JSON's, Any, Union, containers, Literal, Enum)."""
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -3584,7 +3584,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     if (origin or annotation) is dict:
         values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
-    raise TypeError(f"no JSON Schema for type {annotation!r} (see schema_for_type)")
+    raise TypeError(f"no JSON Schema for type {annotation!r}")
 
 
 def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
@@ -3610,7 +3610,7 @@ def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
 
 
 class Tool:
-    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied; outside, it runs."""
+    """A function as a tool: in a dispatch a call is checked and proxied; outside, it runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
                  default_execution_mode: str | None = None) -> None:
@@ -3633,7 +3633,7 @@ class Tool:
         required: List[str] = []
         for param in self.signature.parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
+                raise TypeError(f"tool {self.name!r}: *{param.name} is not a named argument")
             try:
                 prop = properties[param.name] = schema_for_type(hints.get(param.name, Any))
             except TypeError as exc:
@@ -3664,7 +3664,7 @@ class Tool:
         return validate_args(self.input_schema, arguments)
 
     def arguments(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """The JSON arguments a call sends (enum members as their values)."""
+        """The JSON arguments a call sends."""
         bound = self.signature.bind(*args, **kwargs)
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in bound.arguments.items()}
 
@@ -3674,20 +3674,19 @@ class Tool:
         arguments = self.arguments(*args, **kwargs)
         problems = self.validate(arguments)
         if problems:
-            raise ProxyRequestError(f"arguments for tool {self.name!r} do not match its input schema: "
-                                    + "; ".join(problems), tool_name=self.name)
+            raise ProxyRequestError(f"arguments for tool {self.name!r}: " + "; ".join(problems), tool_name=self.name)
         return (aproxy_call if self.is_async else proxy_call)(self.name, arguments)
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
          default_execution_mode: str | None = None) -> Any:
-    """``@tool`` or ``@tool(name=...)``: a :class:`Tool`, described by its hints and docstring (Google or Sphinx)."""
+    """``@tool`` or ``@tool(name=...)``: a :class:`Tool` described by its hints and docstring."""
     make = functools.partial(Tool, name=name, description=description, default_execution_mode=default_execution_mode)
     return make(fn) if fn is not None else make
 
 
 def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
-    """``Tool`` objects and tools_schema entries as one tool list in format ``to`` (:func:`convert_tools`)."""
+    """``Tool`` objects and tools_schema entries as one tool list in format ``to``."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
@@ -3696,7 +3695,7 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
 def _tools_of(source: Any) -> List[Any]:
     tools = source if isinstance(source, (list, tuple)) else getattr(source, "tools", None)
     if not isinstance(tools, (list, tuple)):
-        raise TypeError(f"give a list of tools or an agent with .tools, got {type(source).__name__}")
+        raise TypeError(f"expected a list of tools or an agent with .tools, got {type(source).__name__}")
     return list(tools)
 
 
@@ -3723,14 +3722,14 @@ def _framework_tool(tool: Any) -> Dict[str, Any]:
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The ``tools_schema`` (§3.6) of a framework's tools or agent (kit-framework-bridges)."""
+    """The ``tools_schema`` (§3.6) of a framework's tools or agent."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
 
 def proxied_tools(source: Any, *, actor: str | None = None) -> List[Any]:
-    """The same tools (OpenAI Agents, LangChain, Strands), each body a :func:`proxy_call` to the run bound here."""
+    """The same framework tools, each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
     return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
 
@@ -3766,7 +3765,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise TypeError(f"cannot proxy a {type(tool).__name__}: call proxy_call in its body")
+    raise TypeError(f"cannot proxy a {type(tool).__name__}")
 
 
 def _jsonable_args(value: Any) -> Any:
@@ -3778,7 +3777,7 @@ def _jsonable_args(value: Any) -> Any:
 
 
 class Handoffs:
-    """A run's ``handoff`` trace events (§3.4), one per change of acting sub-agent, best-effort."""
+    """A run's ``handoff`` trace events (§3.4), one per change of sub-agent, best-effort."""
 
     def __init__(self, first: str | None = None, *, envelope: Envelope | None = None) -> None:
         self.current = validate_actor_label(first) if first else None
@@ -3786,7 +3785,7 @@ class Handoffs:
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: str | None = None) -> None:
-        """``label`` acts from now on; a change of sub-agent is posted."""
+        """``label`` acts from now on."""
         for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
@@ -3816,7 +3815,7 @@ class Handoffs:
         return functools.wraps(fn)(async_node if inspect.iscoroutinefunction(fn) else sync_node)
 
     def agents_hooks(self) -> Any:
-        """OpenAI Agents SDK ``RunHooks`` entering each agent that starts (by its name)."""
+        """OpenAI Agents SDK ``RunHooks`` entering each agent that starts."""
         import importlib
 
         handoffs = self
@@ -3829,7 +3828,7 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """The response envelope (§4) of a framework's run (kit-framework-bridges), else :func:`build_response`."""
+    """The response envelope (§4) of a framework's run, else :func:`build_response`."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
@@ -3981,7 +3980,7 @@ class _RpcError(Exception):  # (JSON-RPC error code, message)
 
 
 class McpShim:
-    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim) whose tools are called through the proxy."""
+    """A stdio MCP server (kit-mcp-shim) whose tools are called through the proxy."""
 
     def __init__(self, *, environ: Mapping[str, str] | None = None, client: ProxyClient | None = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
@@ -3990,7 +3989,7 @@ class McpShim:
         self._envelope: Envelope | None = None
 
     def handle_line(self, line: str) -> str | None:
-        """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
+        """The reply line to one input line, or ``None``."""
         request_id = method = None
         try:
             try:
@@ -3998,7 +3997,7 @@ class McpShim:
             except ValueError as exc:
                 raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
             if not isinstance(message, dict):
-                raise _RpcError(-32600, f"a message must be a JSON object (no batches), got {json_type(message)}")
+                raise _RpcError(-32600, f"expected a JSON object, got {json_type(message)}")
             method, given = message.get("method"), message.get("id")
             if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
                 raise _RpcError(-32600, "id must be a string or a number")
@@ -4033,7 +4032,7 @@ class McpShim:
             raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
         name, arguments = params.get("name"), params.get("arguments")
         if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(-32602, "tools/call needs params.name (a string) and .arguments (an object)")
+            raise _RpcError(-32602, "tools/call needs a string name and object arguments")
         return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
@@ -4046,7 +4045,7 @@ class McpShim:
         return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
-        """The platform tool list, read once: from the environment, else from the platform."""
+        """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
             try:
                 inline = _tools_schema_from_env(self.environ)
@@ -4058,8 +4057,7 @@ class McpShim:
     def _fetch_tools(self) -> List[Any]:
         agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
         if not agent_id:
-            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} (or {ENV_TOOLS_SCHEMA_JSON}), or "
-                                    f"{ENV_AGENT_ID} to fetch it")
+            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
         envelope = self.envelope()
         try:
             api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
@@ -4069,11 +4067,11 @@ class McpShim:
         except (EnvelopeError, HTTPStatusError) as exc:
             raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
         if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
-            raise _RpcError(-32603, "cannot fetch the tools schema: the reply has no tools list")
+            raise _RpcError(-32603, "cannot fetch the tools schema: no tools list")
         return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
-        """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
+        """One ``tools/call`` through the proxy, as an MCP result."""
         try:
             value = proxy_call(name, arguments, envelope=self.envelope(), client=self.client)
         except ProxyError as exc:
@@ -4084,7 +4082,7 @@ class McpShim:
         return result
 
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
-        """Answer lines until EOF, ``tools/call`` concurrently, each reply a whole line."""
+        """Answer lines until EOF, ``tools/call`` concurrently."""
         from concurrent.futures import ThreadPoolExecutor
 
         out, write_lock = stdout or sys.stdout, threading.Lock()
@@ -4112,7 +4110,7 @@ class _UsageError(Exception):
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names (a file's directory first on ``sys.path``)."""
+    """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names."""
     import importlib.machinery
     import importlib.util
 
@@ -4183,8 +4181,7 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
 def _refuse_token(text: str) -> None:
     import argparse
 
-    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN or use "
-                                     "--token-env NAME")
+    raise argparse.ArgumentTypeError("--token is not accepted (ps shows it): use --token-env NAME")
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
@@ -4196,19 +4193,19 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
      "port, 0: any free"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable"),
-    ("--auth-header", str, "Authorization", "NAME", "token header, Authorization: Bearer <token>"),
+    ("--auth-header", str, "Authorization", "NAME", "token header"),
     ("--no-auth", None, False, None, "no inbound auth"),
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body"),
-    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s, at most 1800"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s"),
     ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM"),
     ("--server", SERVERS, "asyncio", None, "asyncio or threads"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout"),
-    ("--max-connections", _POSITIVE, None, "N", "open connections, then 503 (default: by open-file limit)"),
-    ("--strict", None, False, None, f"500 for a response the platform would soften (or {ENV_STRICT}=1)"),
-    ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed, by commas (default: ${ENV_PROXY_ALLOWED_HOSTS})"),
-    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: beside the agent)"),
-    ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
+    ("--max-connections", _POSITIVE, None, "N", "open connections, then 503"),
+    ("--strict", None, False, None, f"500 for a response to soften (or {ENV_STRICT}=1)"),
+    ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed (or ${ENV_PROXY_ALLOWED_HOSTS})"),
+    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema"),
+    ("--debug", None, False, None, f"log proxy traffic (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
     ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
      SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold, 0: Python's"),
@@ -4242,7 +4239,7 @@ def _cmd_serve(args: Any) -> int:
             say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
-            say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
+            say(f"WARNING: {ENV_RUN_TOKEN} is set")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
@@ -4250,7 +4247,7 @@ def _cmd_serve(args: Any) -> int:
                        max_connections=args.max_connections, gc_threshold=args.gc_threshold)
     except OSError as exc:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if status != 0:  # dispatches outlived the grace period: leave without waiting for their threads
+    if status != 0:  # dispatches outlived the grace period: do not wait for their threads
         logging.shutdown()
         sys.stdout.flush()
         os._exit(status)
@@ -4271,27 +4268,24 @@ def _parser(prog: str | None = None) -> Any:
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_ = commands.add_parser("serve", help="serve agent(envelope) as a dispatch endpoint", allow_abbrev=False)
-    serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
+    serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
         how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
                                if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
         serve_.add_argument(flag, help=text if default in (None, False) else f"{text} (default %(default)s)", **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
-    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the run's proxy",
-                               description="MCP server on stdio, tools called through the run's proxy.",
-                               allow_abbrev=False)
-    mcp_.add_argument("--debug", action="store_true", help="log proxy traffic, redacted")
+    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the proxy", allow_abbrev=False)
+    mcp_.add_argument("--debug", action="store_true", help="log proxy traffic")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
-    """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
+    """The command line (``serve``, ``mcp``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
-        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}` or `python3 -m conformance {argv[0]}`",
-              file=sys.stderr)
+        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}`", file=sys.stderr)
         return 2
     parser = _parser(prog)
     args = parser.parse_args(argv)
