@@ -3769,7 +3769,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
 
 
 def _jsonable_args(value: Any) -> Any:
-    if hasattr(value, "model_dump"):  # pydantic
+    if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {str(k): _jsonable_args(v) for k, v in value.items()}
@@ -3849,7 +3849,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-class _Turn(NamedTuple):  # a transcript's message, for _read_turns
+class _Turn(NamedTuple):
     role: str
     text: str = ""
     tool_calls: Sequence[Dict[str, Any]] = ()
@@ -3907,7 +3907,7 @@ def _message_turn(item: Any) -> _Turn | None:
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in [b for b in content if isinstance(b, Mapping)]:  # none in a string
+    for block in [b for b in content if isinstance(b, Mapping)]:
         kind = block.get("type")
         for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
             if isinstance(block.get(key), Mapping):
@@ -3934,7 +3934,7 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system"
 
 def _langchain_turn(item: Any) -> _Turn:
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-    blocks = [b for b in content if isinstance(b, Mapping)]  # none in a string
+    blocks = [b for b in content if isinstance(b, Mapping)]
     text = content if isinstance(content, str) else "".join(
         str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
@@ -4050,7 +4050,7 @@ class McpShim:
             try:
                 inline = _tools_schema_from_env(self.environ)
                 self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
-            except ValueError as exc:  # EnvelopeError included
+            except ValueError as exc:
                 raise _RpcError(-32603, f"the tools schema is invalid: {exc}") from None
         return self._tools
 
@@ -4096,7 +4096,7 @@ class McpShim:
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
-                if '"tools/call"' in line:  # the slow ones
+                if '"tools/call"' in line:
                     pool.submit(answer, line)
                 else:
                     answer(line)
@@ -4135,15 +4135,13 @@ def load_agent(spec: str) -> Callable[..., Any]:
             loader = importlib.machinery.SourceFileLoader(name, path)
             module = sys.modules[name] = importlib.util.module_from_spec(
                 cast(Any, importlib.util.spec_from_file_location(name, path, loader=loader)))
-            try:
-                loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(name, None)
-                raise
-    except SyntaxError as exc:
-        raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
+            loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         import traceback
+
+        sys.modules.pop(name, None)  # a module half run
+        if isinstance(exc, SyntaxError):
+            raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
 
         frames = traceback.extract_tb(exc.__traceback__)
         raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
@@ -4198,11 +4196,11 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body"),
     ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s"),
     ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM"),
-    ("--server", SERVERS, "asyncio", None, "asyncio or threads"),
+    ("--server", SERVERS, "asyncio", None, "the server"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout"),
     ("--max-connections", _POSITIVE, None, "N", "open connections, then 503"),
-    ("--strict", None, False, None, f"500 for a response to soften (or {ENV_STRICT}=1)"),
+    ("--strict", None, False, None, f"500, not a softened response (or {ENV_STRICT}=1)"),
     ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed (or ${ENV_PROXY_ALLOWED_HOSTS})"),
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema"),
     ("--debug", None, False, None, f"log proxy traffic (or {ENV_DEBUG}=1)"),
@@ -4213,7 +4211,7 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
 
 
 def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # on stderr
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
     if not access_log:
         _access_log.setLevel(logging.WARNING)
@@ -4223,10 +4221,10 @@ def _cmd_serve(args: Any) -> int:
     _configure_logging(args.debug, logging.INFO, access_log=not args.no_access_log)
     try:
         agent = load_agent(args.agent)
-        tools_schema = args.tools_schema if args.tools_schema is not None else tools_schema_beside(args.agent)
         app = agent if isinstance(agent, DispatchApp) else DispatchApp(
             agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
-            max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
+            max_body=args.max_body, run_timeout_s=args.timeout,
+            tools_schema=args.tools_schema or tools_schema_beside(args.agent),
             proxy_hosts=args.proxy_hosts, strict=True if args.strict else None)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
@@ -4270,9 +4268,9 @@ def _parser(prog: str | None = None) -> Any:
     serve_ = commands.add_parser("serve", help="serve agent(envelope) as a dispatch endpoint", allow_abbrev=False)
     serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
-        how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
-                               if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
-        serve_.add_argument(flag, help=text if default in (None, False) else f"{text} (default %(default)s)", **how)
+        how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind}
+                               if isinstance(kind, tuple) else {"type": kind, "metavar": metavar})
+        serve_.add_argument(flag, default=default, help=f"{text} (default %(default)s)" if default else text, **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
     mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the proxy", allow_abbrev=False)
