@@ -3474,10 +3474,10 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
+        if base.scheme.lower() not in ("http", "https") or not base.hostname:
+            raise ValueError("must be http:// or https:// with a host")
     except ValueError as exc:
-        raise ValueError(f"invalid URL {_short(url)!r}: {exc}") from None
-    if base.scheme.lower() not in ("http", "https") or not base.hostname:
-        raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
+        raise ValueError(f"URL {_short(url)!r}: {exc}") from None
     path = (base.path or "/") + (f"?{base.query}" if base.query else "")
     body = b"" if payload is None else json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT,
@@ -3496,7 +3496,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
         if ok and is_json:
             return ProxyOutcome("value", value)
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
-        error = HTTPStatusError(f"{where}: HTTP {status}{' but the reply is not JSON' if ok else ''}: {text}",
+        error = HTTPStatusError(f"{where}: HTTP {status}{', not JSON' if ok else ''}: {text}",
                                 status_code=status, body=value)
         kind = "retry" if status in _MODEL_RETRY_STATUSES else "error"
         return ProxyOutcome(kind, error=error, retry_after=_model_retry_after(reply_headers))
@@ -3537,7 +3537,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure = value if kind == "number" else len(value)
             if not holds(measure, schema[key]):
-                problems.append(f"{path}: {key} is {schema[key]}, got {'' if kind == 'number' else 'length '}{measure}")
+                problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
     if actual == "array" and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
@@ -3549,7 +3549,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
             if name in properties or isinstance(extra, Mapping):
                 problems += validate_args(properties.get(name, extra), item, f"{path}.{name}")
             elif extra is False:
-                problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
+                problems.append(f"{path}.{name}: not allowed")
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
@@ -3975,7 +3975,7 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 
 
-class _RpcError(Exception):  # (JSON-RPC error code, message)
+class _RpcError(Exception):  # (code, message)
     pass
 
 
@@ -4115,7 +4115,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
     import importlib.util
 
     where, sep, attr = spec.rpartition(":")
-    if not sep or not where or not attr:
+    if not where or not attr:
         raise ValueError(f"expected PATH_OR_MODULE:FUNCTION, got {spec!r}")
     path = os.path.abspath(where)
     is_file = where.endswith(".py") or os.sep in where or "/" in where
