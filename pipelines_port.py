@@ -3384,7 +3384,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
 
 
 def load_tools_schema(source: str | os.PathLike[str] | None = None) -> List[Dict[str, Any]]:
-    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6)."""
+    """The platform tool list from a JSON file, else from the environment (§3.6)."""
     where = "the environment" if source is None else os.fspath(source)
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
     if tools is None:
@@ -3412,7 +3412,7 @@ def _read_tools_file(source: str | os.PathLike[str]) -> List[Any]:
 
 
 def tools_schema_beside(agent_spec: str) -> str | None:
-    """The ``tools_schema.json`` beside the agent file of ``PATH.py:NAME``, if there is one."""
+    """The ``tools_schema.json`` beside the agent file of ``PATH.py:NAME``, or None."""
     where = agent_spec.rpartition(":")[0]
     beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
     return beside if where.endswith(".py") and os.path.isfile(beside) else None
@@ -3508,7 +3508,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); strings and arrays by length
+# keyword: (the JSON type it bounds, the test); strings and arrays by their length
 _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
     "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
     "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
@@ -3529,8 +3529,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
     problems: List[str] = []
     if "enum" in schema and value not in schema["enum"]:
-        shown = ", ".join(json.dumps(v) for v in schema["enum"])
-        problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
+        problems.append(f"{path}: must be one of {json.dumps(schema['enum'])}")
     if "const" in schema and value != schema["const"]:
         problems.append(f"{path}: must be {json.dumps(schema['const'])}")
     for key, (kind, holds) in _BOUNDS.items():
@@ -3576,7 +3575,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
         members = [schema_for_type(a) for a in args if a is not type(None)]
         null = [{"type": "null"}] if len(members) < len(args) else []
         if len(members) == 1 and null and set(members[0]) == {"type"} and isinstance(members[0]["type"], str):
-            return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
+            return {"type": [members[0]["type"], "null"]}
         return {"anyOf": members + null}
     if (origin or annotation) in (list, tuple, set, frozenset):
         items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
@@ -3680,13 +3679,13 @@ class Tool:
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
          default_execution_mode: str | None = None) -> Any:
-    """``@tool`` or ``@tool(name=...)``: a :class:`Tool` described by its hints and docstring."""
+    """``@tool`` or ``@tool(name=...)``: a :class:`Tool` from hints and docstring."""
     make = functools.partial(Tool, name=name, description=description, default_execution_mode=default_execution_mode)
     return make(fn) if fn is not None else make
 
 
 def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
-    """``Tool`` objects and tools_schema entries as one tool list in format ``to``."""
+    """Tools and tools_schema entries as one tool list in format ``to``."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
@@ -3801,7 +3800,7 @@ class Handoffs:
         return [(previous, label)] if previous and previous != label else []
 
     def node(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, a LangGraph node (sync or async), entering ``label`` before each call."""
+        """``fn`` as a LangGraph node entering ``label`` before each call."""
         import inspect
 
         async def async_node(*args: Any, **kwargs: Any) -> Any:
@@ -3995,7 +3994,7 @@ class McpShim:
             try:
                 message = json.loads(line) if line.strip() else {}
             except ValueError as exc:
-                raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
+                raise _RpcError(-32700, f"parse error: {exc}") from None
             if not isinstance(message, dict):
                 raise _RpcError(-32600, f"expected a JSON object, got {json_type(message)}")
             method, given = message.get("method"), message.get("id")
@@ -4105,10 +4104,6 @@ class McpShim:
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
 
-class _UsageError(Exception):
-    pass
-
-
 def load_agent(spec: str) -> Callable[..., Any]:
     """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names."""
     import importlib.machinery
@@ -4184,7 +4179,7 @@ def _refuse_token(text: str) -> None:
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
-# (flag, type, default, metavar, help): type None is a switch, a tuple the choices; a default shown if set
+# (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
     ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
@@ -4219,15 +4214,11 @@ def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None
 
 def _cmd_serve(args: Any) -> int:
     _configure_logging(args.debug, logging.INFO, access_log=not args.no_access_log)
-    try:
-        agent = load_agent(args.agent)
-        app = agent if isinstance(agent, DispatchApp) else DispatchApp(
-            agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
-            max_body=args.max_body, run_timeout_s=args.timeout,
-            tools_schema=args.tools_schema or tools_schema_beside(args.agent),
-            proxy_hosts=args.proxy_hosts, strict=True if args.strict else None)
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+    agent = load_agent(args.agent)  # a ValueError is a usage error (main)
+    app = agent if isinstance(agent, DispatchApp) else DispatchApp(
+        agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
+        max_body=args.max_body, run_timeout_s=args.timeout, proxy_hosts=args.proxy_hosts,
+        tools_schema=args.tools_schema or tools_schema_beside(args.agent), strict=args.strict or None)
 
     def ready(server: Any) -> None:
         say = functools.partial(print, "pipelines_port serve:", flush=True)
@@ -4244,7 +4235,7 @@ def _cmd_serve(args: Any) -> int:
                        read_timeout_s=args.read_timeout, keepalive_s=args.keepalive,
                        max_connections=args.max_connections, gc_threshold=args.gc_threshold)
     except OSError as exc:
-        raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     if status != 0:  # dispatches outlived the grace period: do not wait for their threads
         logging.shutdown()
         sys.stdout.flush()
@@ -4292,7 +4283,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
-    except _UsageError as exc:
+    except ValueError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
