@@ -3528,10 +3528,8 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
                    or (k == "integer" and actual == "number" and value % 1 == 0) for k in kinds):
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
     problems: List[str] = []
-    if "enum" in schema and value not in schema["enum"]:
-        problems.append(f"{path}: must be one of {json.dumps(schema['enum'])}")
-    if "const" in schema and value != schema["const"]:
-        problems.append(f"{path}: must be {json.dumps(schema['const'])}")
+    if value not in schema.get("enum", [value]) or ("const" in schema and schema["const"] != value):
+        problems.append(f"{path}: not in {json.dumps(schema.get('enum', [schema.get('const')]))}")
     for key, (kind, holds) in _BOUNDS.items():
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure = value if kind == "number" else len(value)
@@ -3701,9 +3699,9 @@ def _tools_of(source: Any) -> List[Any]:
 def _framework_tool(tool: Any) -> Dict[str, Any]:
     name, description = getattr(tool, "name", None), getattr(tool, "description", "")
     spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-    schema = getattr(tool, "params_json_schema", None)
+    schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
     mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
-    if isinstance(schema, Mapping):  # OpenAI Agents
+    if isinstance(schema, Mapping):
         pass
     elif isinstance(spec, Mapping):
         name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
