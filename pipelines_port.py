@@ -3437,8 +3437,6 @@ def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, m
     """A model turn's tool calls by :func:`proxy_call`, ``max_concurrency`` at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    if errors not in ("raise", "return"):
-        raise ValueError("errors must be 'raise' or 'return'")
     calls = list(calls)
 
     def one(name: str, args: Any) -> Any:
@@ -4122,8 +4120,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
         else:
             name = name.removesuffix(".py")
-            loaded = sys.modules.get(name)
-            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+            if name in sys.modules and getattr(sys.modules[name], "__file__", None) != path:
                 name = f"_pipelines_agent_{name}"  # another module has this name
             loader = importlib.machinery.SourceFileLoader(name, path)
             module = sys.modules[name] = importlib.util.module_from_spec(
@@ -4203,15 +4200,15 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
 )
 
 
-def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
+def _configure_logging(debug: bool, level: int) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
-    if not access_log:
-        _access_log.setLevel(logging.WARNING)
 
 
 def _cmd_serve(args: Any) -> int:
-    _configure_logging(args.debug, logging.INFO, access_log=not args.no_access_log)
+    _configure_logging(args.debug, logging.INFO)
+    if args.no_access_log:
+        _access_log.setLevel(logging.WARNING)
     agent = load_agent(args.agent)  # a ValueError is a usage error (main)
     app = agent if isinstance(agent, DispatchApp) else DispatchApp(
         agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
