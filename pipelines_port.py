@@ -3537,7 +3537,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
     if actual == "object":
-        properties = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
+        properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
         problems += [f"{path}.{name}: required" for name in schema.get("required") or () if name not in value]
         extra = schema.get("additionalProperties", True)
         for name, item in value.items():
@@ -3833,7 +3833,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         metadata = _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
                                  ("inputTokens", "outputTokens"))
     else:
-        items = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
+        items = result.get("messages", result) if isinstance(result, Mapping) else result
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
@@ -4105,7 +4105,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
     import importlib.machinery
     import importlib.util
 
-    where, sep, attr = spec.rpartition(":")
+    where, _, attr = spec.rpartition(":")
     if not where or not attr:
         raise ValueError(f"expected PATH_OR_MODULE:FUNCTION, got {spec!r}")
     path = os.path.abspath(where)
