@@ -4220,7 +4220,7 @@ def _cmd_serve(args: Any) -> int:
         say(f"listening on {server.url}")
         say(f"auth: {app.describe_auth()}")
         if app.tools_schema is not None:
-            say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
+            say(f"{len(app.tools_schema)} tools declared (GET /tools_schema)")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
             say(f"WARNING: {ENV_RUN_TOKEN} is set")
