@@ -4021,8 +4021,8 @@ class McpShim:
         if method == "ping":
             return {}
         if method == "tools/list":
-            return {"tools": [{"name": t["name"], "description": t.get("description") or "",
-                               "inputSchema": t["input_schema"]} for t in self.tools()]}
+            return {"tools": [{"name": t["name"], "description": t["description"], "inputSchema": t["input_schema"]}
+                              for t in self.tools()]}
         if method != "tools/call":
             raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
         name, arguments = params.get("name"), params.get("arguments")
@@ -4277,7 +4277,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.run(args) or 0)
+        return cast(int, args.run(args))
     except ValueError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
