@@ -3361,9 +3361,9 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         name, schema = spec.get("name"), spec.get("input_schema", spec.get("parameters"))
         if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
             raise ValueError(f"tools[{i}].name: {_short(repr(name), 60)} must match ^{TOOL_NAME_RE.pattern}$")
-        problem = ("input_schema must be a JSON Schema object" if not isinstance(schema, (Mapping, type(None)))
+        problem = ("input_schema must be an object" if not isinstance(schema, (Mapping, type(None)))
                    else "declared twice" if name in seen
-                   else "model APIs take names of at most 64 characters" if to != "platform" and len(name) > 64
+                   else "model APIs take at most 64 characters" if to != "platform" and len(name) > 64
                    else "")
         if problem:
             raise ValueError(f"tools[{i}] ({name}): {problem}")
@@ -3384,7 +3384,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
 
 
 def load_tools_schema(source: str | os.PathLike[str] | None = None) -> List[Dict[str, Any]]:
-    """The platform tool list from a JSON file or, with no ``source``, the environment (§3.6)."""
+    """The platform tool list from a JSON file, else from the environment (§3.6)."""
     where = "the environment" if source is None else os.fspath(source)
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
     if tools is None:
@@ -3412,7 +3412,7 @@ def _read_tools_file(source: str | os.PathLike[str]) -> List[Any]:
 
 
 def tools_schema_beside(agent_spec: str) -> str | None:
-    """The ``tools_schema.json`` beside the agent file of ``PATH.py:NAME``, if there is one."""
+    """The ``tools_schema.json`` beside the agent file of ``PATH.py:NAME``, or None."""
     where = agent_spec.rpartition(":")[0]
     beside = os.path.join(os.path.dirname(os.path.abspath(where)), "tools_schema.json")
     return beside if where.endswith(".py") and os.path.isfile(beside) else None
@@ -3423,7 +3423,7 @@ def _as_text(value: Any) -> str:
 
 
 def bound_output(text: Any, limit: int = 8000) -> str:
-    """``text`` (JSON if not a string) cut to about ``limit`` characters, head and tail kept (kit-bounded-output)."""
+    """``text`` (JSON if not a string) cut to about ``limit`` characters, head and tail kept."""
     shown = _as_text(text)
     if len(shown) <= limit:
         return shown
@@ -3434,11 +3434,9 @@ def bound_output(text: Any, limit: int = 8000) -> str:
 
 def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, max_concurrency: int = 8,
                errors: str = "return", **options: Any) -> List[Any]:
-    """A model turn's tool calls (arguments JSON text or not) by :func:`proxy_call`, ``max_concurrency`` at a time."""
+    """A model turn's tool calls by :func:`proxy_call`, ``max_concurrency`` at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    if errors not in ("raise", "return"):
-        raise ValueError("errors must be 'raise' or 'return'")
     calls = list(calls)
 
     def one(name: str, args: Any) -> Any:
@@ -3456,7 +3454,7 @@ def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, m
 
 
 class HTTPStatusError(PipelinesError):
-    """A model's JSON API answered an error status after retries, or no JSON."""
+    """A JSON API answered an error status after retries, or no JSON."""
 
     def __init__(self, message: str, *, status_code: int | None = None, body: Any = None) -> None:
         super().__init__(message)
@@ -3470,14 +3468,14 @@ _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, t
 def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[str, str] | None = None,
               timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
               sleep: Callable[[float], None] = time.sleep, method: str = "POST") -> Any:
-    """``payload`` sent by ``method`` (None: no body) to a JSON API, its JSON reply; 408, 429, 5xx and more retried."""
+    """``payload`` (None: no body) sent by ``method`` to a JSON API; its JSON reply, retried."""
     try:
         base = urlsplit(url)
         port = f":{base.port}" if base.port else ""
+        if base.scheme.lower() not in ("http", "https") or not base.hostname:
+            raise ValueError("must be http:// or https:// with a host")
     except ValueError as exc:
-        raise ValueError(f"invalid URL {_short(url)!r}: {exc}") from None
-    if base.scheme.lower() not in ("http", "https") or not base.hostname:
-        raise ValueError(f"URL {_short(url)!r} must be http:// or https:// with a host")
+        raise ValueError(f"URL {_short(url)!r}: {exc}") from None
     path = (base.path or "/") + (f"?{base.query}" if base.query else "")
     body = b"" if payload is None else json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     sent = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": _USER_AGENT,
@@ -3496,7 +3494,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
         if ok and is_json:
             return ProxyOutcome("value", value)
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
-        error = HTTPStatusError(f"{where}: HTTP {status}{' but the reply is not JSON' if ok else ''}: {text}",
+        error = HTTPStatusError(f"{where}: HTTP {status}{', not JSON' if ok else ''}: {text}",
                                 status_code=status, body=value)
         kind = "retry" if status in _MODEL_RETRY_STATUSES else "error"
         return ProxyOutcome(kind, error=error, retry_after=_model_retry_after(reply_headers))
@@ -3508,7 +3506,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); a string's or array's length
+# keyword: (the JSON type it bounds, the test); strings and arrays by their length
 _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
     "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
     "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
@@ -3517,7 +3515,7 @@ _BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
-    """Every way ``value`` breaks ``schema`` (the keywords tool schemas use), one line each."""
+    """Every way ``value`` breaks ``schema`` (the keywords tool schemas use)."""
     if not isinstance(schema, Mapping):
         return []
     actual = json_type(value).split()[-1]
@@ -3528,28 +3526,25 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
                    or (k == "integer" and actual == "number" and value % 1 == 0) for k in kinds):
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
     problems: List[str] = []
-    if "enum" in schema and value not in schema["enum"]:
-        shown = ", ".join(json.dumps(v) for v in schema["enum"])
-        problems.append(f"{path}: {_short(json.dumps(value, default=str), 60)} is not one of {shown}")
-    if "const" in schema and value != schema["const"]:
-        problems.append(f"{path}: must be {json.dumps(schema['const'])}")
+    if value not in schema.get("enum", [value]) or ("const" in schema and schema["const"] != value):
+        problems.append(f"{path}: not in {json.dumps(schema.get('enum', [schema.get('const')]))}")
     for key, (kind, holds) in _BOUNDS.items():
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure = value if kind == "number" else len(value)
             if not holds(measure, schema[key]):
-                problems.append(f"{path}: {key} is {schema[key]}, got {'' if kind == 'number' else 'length '}{measure}")
+                problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
     if actual == "array" and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
     if actual == "object":
-        properties = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
+        properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
         problems += [f"{path}.{name}: required" for name in schema.get("required") or () if name not in value]
         extra = schema.get("additionalProperties", True)
         for name, item in value.items():
             if name in properties or isinstance(extra, Mapping):
                 problems += validate_args(properties.get(name, extra), item, f"{path}.{name}")
             elif extra is False:
-                problems.append(f"{path}.{name}: not allowed (additionalProperties is false)")
+                problems.append(f"{path}.{name}: not allowed")
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
@@ -3560,7 +3555,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
 
 
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
-    """The JSON Schema of a type hint (JSON's, Any, Union, list/tuple/set, dict, Literal, Enum), else ``TypeError``."""
+    """The JSON Schema of a type hint (JSON's, Any, Union, containers, Literal, Enum)."""
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -3576,7 +3571,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
         members = [schema_for_type(a) for a in args if a is not type(None)]
         null = [{"type": "null"}] if len(members) < len(args) else []
         if len(members) == 1 and null and set(members[0]) == {"type"} and isinstance(members[0]["type"], str):
-            return {"type": [members[0]["type"], "null"]}  # a plain Optional[X]
+            return {"type": [members[0]["type"], "null"]}
         return {"anyOf": members + null}
     if (origin or annotation) in (list, tuple, set, frozenset):
         items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
@@ -3584,7 +3579,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     if (origin or annotation) is dict:
         values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
-    raise TypeError(f"no JSON Schema for type {annotation!r} (see schema_for_type)")
+    raise TypeError(f"no JSON Schema for type {annotation!r}")
 
 
 def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
@@ -3610,7 +3605,7 @@ def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
 
 
 class Tool:
-    """A function as a tool (:func:`tool`): inside a dispatch a call is checked and proxied; outside, it runs."""
+    """A function as a tool: in a dispatch a call is checked and proxied; outside, it runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
                  default_execution_mode: str | None = None) -> None:
@@ -3633,7 +3628,7 @@ class Tool:
         required: List[str] = []
         for param in self.signature.parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                raise TypeError(f"tool {self.name!r}: *{param.name} cannot be described as named arguments")
+                raise TypeError(f"tool {self.name!r}: *{param.name} is not a named argument")
             try:
                 prop = properties[param.name] = schema_for_type(hints.get(param.name, Any))
             except TypeError as exc:
@@ -3664,7 +3659,7 @@ class Tool:
         return validate_args(self.input_schema, arguments)
 
     def arguments(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """The JSON arguments a call sends (enum members as their values)."""
+        """The JSON arguments a call sends."""
         bound = self.signature.bind(*args, **kwargs)
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in bound.arguments.items()}
 
@@ -3674,20 +3669,19 @@ class Tool:
         arguments = self.arguments(*args, **kwargs)
         problems = self.validate(arguments)
         if problems:
-            raise ProxyRequestError(f"arguments for tool {self.name!r} do not match its input schema: "
-                                    + "; ".join(problems), tool_name=self.name)
+            raise ProxyRequestError(f"arguments for tool {self.name!r}: " + "; ".join(problems), tool_name=self.name)
         return (aproxy_call if self.is_async else proxy_call)(self.name, arguments)
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
          default_execution_mode: str | None = None) -> Any:
-    """``@tool`` or ``@tool(name=...)``: a :class:`Tool`, described by its hints and docstring (Google or Sphinx)."""
+    """``@tool`` or ``@tool(name=...)``: a :class:`Tool` from hints and docstring."""
     make = functools.partial(Tool, name=name, description=description, default_execution_mode=default_execution_mode)
     return make(fn) if fn is not None else make
 
 
 def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
-    """``Tool`` objects and tools_schema entries as one tool list in format ``to`` (:func:`convert_tools`)."""
+    """Tools and tools_schema entries as one tool list in format ``to``."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
 # ---------------------------------------------------------------------------
@@ -3696,16 +3690,16 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
 def _tools_of(source: Any) -> List[Any]:
     tools = source if isinstance(source, (list, tuple)) else getattr(source, "tools", None)
     if not isinstance(tools, (list, tuple)):
-        raise TypeError(f"give a list of tools or an agent with .tools, got {type(source).__name__}")
+        raise TypeError(f"expected a list of tools or an agent with .tools, got {type(source).__name__}")
     return list(tools)
 
 
 def _framework_tool(tool: Any) -> Dict[str, Any]:
     name, description = getattr(tool, "name", None), getattr(tool, "description", "")
     spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-    schema = getattr(tool, "params_json_schema", None)
+    schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
     mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
-    if isinstance(schema, Mapping):  # OpenAI Agents
+    if isinstance(schema, Mapping):
         pass
     elif isinstance(spec, Mapping):
         name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
@@ -3723,14 +3717,14 @@ def _framework_tool(tool: Any) -> Dict[str, Any]:
 
 
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
-    """The ``tools_schema`` (§3.6) of a framework's tools or agent (kit-framework-bridges)."""
+    """The ``tools_schema`` (§3.6) of a framework's tools or agent."""
     entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
                for t in _tools_of(source)]
     return convert_tools(entries, "platform")
 
 
 def proxied_tools(source: Any, *, actor: str | None = None) -> List[Any]:
-    """The same tools (OpenAI Agents, LangChain, Strands), each body a :func:`proxy_call` to the run bound here."""
+    """The same framework tools, each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
     return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
 
@@ -3766,11 +3760,11 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
 
         return importlib.import_module("strands.tools.tools").PythonAgentTool(
             tool.tool_name, dict(tool.tool_spec), tool_func)
-    raise TypeError(f"cannot proxy a {type(tool).__name__}: call proxy_call in its body")
+    raise TypeError(f"cannot proxy a {type(tool).__name__}")
 
 
 def _jsonable_args(value: Any) -> Any:
-    if hasattr(value, "model_dump"):  # pydantic
+    if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {str(k): _jsonable_args(v) for k, v in value.items()}
@@ -3778,7 +3772,7 @@ def _jsonable_args(value: Any) -> Any:
 
 
 class Handoffs:
-    """A run's ``handoff`` trace events (§3.4), one per change of acting sub-agent, best-effort."""
+    """A run's ``handoff`` trace events (§3.4), one per change of sub-agent, best-effort."""
 
     def __init__(self, first: str | None = None, *, envelope: Envelope | None = None) -> None:
         self.current = validate_actor_label(first) if first else None
@@ -3786,7 +3780,7 @@ class Handoffs:
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: str | None = None) -> None:
-        """``label`` acts from now on; a change of sub-agent is posted."""
+        """``label`` acts from now on."""
         for moved in self._moves(label):
             post_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
@@ -3802,7 +3796,7 @@ class Handoffs:
         return [(previous, label)] if previous and previous != label else []
 
     def node(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, a LangGraph node (sync or async), entering ``label`` before each call."""
+        """``fn`` as a LangGraph node entering ``label`` before each call."""
         import inspect
 
         async def async_node(*args: Any, **kwargs: Any) -> Any:
@@ -3816,7 +3810,7 @@ class Handoffs:
         return functools.wraps(fn)(async_node if inspect.iscoroutinefunction(fn) else sync_node)
 
     def agents_hooks(self) -> Any:
-        """OpenAI Agents SDK ``RunHooks`` entering each agent that starts (by its name)."""
+        """OpenAI Agents SDK ``RunHooks`` entering each agent that starts."""
         import importlib
 
         handoffs = self
@@ -3829,7 +3823,7 @@ class Handoffs:
 
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
-    """The response envelope (§4) of a framework's run (kit-framework-bridges), else :func:`build_response`."""
+    """The response envelope (§4) of a framework's run, else :func:`build_response`."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):
         final, messages, metadata = _from_agents_run(result)
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
@@ -3839,7 +3833,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         metadata = _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
                                  ("inputTokens", "outputTokens"))
     else:
-        items = result.get("messages") if isinstance(result, Mapping) and "messages" in result else result
+        items = result.get("messages", result) if isinstance(result, Mapping) else result
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
@@ -3850,7 +3844,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-class _Turn(NamedTuple):  # a transcript's message, for _read_turns
+class _Turn(NamedTuple):
     role: str
     text: str = ""
     tool_calls: Sequence[Dict[str, Any]] = ()
@@ -3908,7 +3902,7 @@ def _message_turn(item: Any) -> _Turn | None:
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in [b for b in content if isinstance(b, Mapping)]:  # none in a string
+    for block in [b for b in content if isinstance(b, Mapping)]:
         kind = block.get("type")
         for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
             if isinstance(block.get(key), Mapping):
@@ -3935,7 +3929,7 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system"
 
 def _langchain_turn(item: Any) -> _Turn:
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-    blocks = [b for b in content if isinstance(b, Mapping)]  # none in a string
+    blocks = [b for b in content if isinstance(b, Mapping)]
     text = content if isinstance(content, str) else "".join(
         str(b.get("text") or "") for b in blocks if b.get("type") == "text")
     if role == "tool":
@@ -3976,12 +3970,12 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 
 
-class _RpcError(Exception):  # (JSON-RPC error code, message)
+class _RpcError(Exception):  # (code, message)
     pass
 
 
 class McpShim:
-    """A stdio MCP server (JSON-RPC 2.0 by lines; kit-mcp-shim) whose tools are called through the proxy."""
+    """A stdio MCP server (kit-mcp-shim) whose tools are called through the proxy."""
 
     def __init__(self, *, environ: Mapping[str, str] | None = None, client: ProxyClient | None = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
@@ -3990,15 +3984,15 @@ class McpShim:
         self._envelope: Envelope | None = None
 
     def handle_line(self, line: str) -> str | None:
-        """The reply line to one input line, or ``None`` (notifications, responses, blank lines)."""
+        """The reply line to one input line, or ``None``."""
         request_id = method = None
         try:
             try:
                 message = json.loads(line) if line.strip() else {}
             except ValueError as exc:
-                raise _RpcError(-32700, f"parse error: {_short(str(exc), 120)}") from None
+                raise _RpcError(-32700, f"parse error: {exc}") from None
             if not isinstance(message, dict):
-                raise _RpcError(-32600, f"a message must be a JSON object (no batches), got {json_type(message)}")
+                raise _RpcError(-32600, f"expected a JSON object, got {json_type(message)}")
             method, given = message.get("method"), message.get("id")
             if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
                 raise _RpcError(-32600, "id must be a string or a number")
@@ -4027,13 +4021,13 @@ class McpShim:
         if method == "ping":
             return {}
         if method == "tools/list":
-            return {"tools": [{"name": t["name"], "description": t.get("description") or "",
-                               "inputSchema": t["input_schema"]} for t in self.tools()]}
+            return {"tools": [{"name": t["name"], "description": t["description"], "inputSchema": t["input_schema"]}
+                              for t in self.tools()]}
         if method != "tools/call":
             raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
         name, arguments = params.get("name"), params.get("arguments")
         if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(-32602, "tools/call needs params.name (a string) and .arguments (an object)")
+            raise _RpcError(-32602, "tools/call needs a string name and object arguments")
         return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
@@ -4046,20 +4040,19 @@ class McpShim:
         return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
-        """The platform tool list, read once: from the environment, else from the platform."""
+        """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
             try:
                 inline = _tools_schema_from_env(self.environ)
                 self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
-            except ValueError as exc:  # EnvelopeError included
+            except ValueError as exc:
                 raise _RpcError(-32603, f"the tools schema is invalid: {exc}") from None
         return self._tools
 
     def _fetch_tools(self) -> List[Any]:
         agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
         if not agent_id:
-            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} (or {ENV_TOOLS_SCHEMA_JSON}), or "
-                                    f"{ENV_AGENT_ID} to fetch it")
+            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
         envelope = self.envelope()
         try:
             api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
@@ -4069,11 +4062,11 @@ class McpShim:
         except (EnvelopeError, HTTPStatusError) as exc:
             raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
         if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
-            raise _RpcError(-32603, "cannot fetch the tools schema: the reply has no tools list")
+            raise _RpcError(-32603, "cannot fetch the tools schema: no tools list")
         return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
-        """One ``tools/call`` through the proxy, as an MCP result (``isError`` on failure)."""
+        """One ``tools/call`` through the proxy, as an MCP result."""
         try:
             value = proxy_call(name, arguments, envelope=self.envelope(), client=self.client)
         except ProxyError as exc:
@@ -4084,7 +4077,7 @@ class McpShim:
         return result
 
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
-        """Answer lines until EOF, ``tools/call`` concurrently, each reply a whole line."""
+        """Answer lines until EOF, ``tools/call`` concurrently."""
         from concurrent.futures import ThreadPoolExecutor
 
         out, write_lock = stdout or sys.stdout, threading.Lock()
@@ -4098,7 +4091,7 @@ class McpShim:
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
-                if '"tools/call"' in line:  # the slow ones
+                if '"tools/call"' in line:
                     pool.submit(answer, line)
                 else:
                     answer(line)
@@ -4107,17 +4100,13 @@ class McpShim:
 # ---------------------------------------------------------------------------
 # Command line: serve, mcp
 
-class _UsageError(Exception):
-    pass
-
-
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names (a file's directory first on ``sys.path``)."""
+    """The callable ``PATH.py:NAME`` or ``package.module:NAME`` names."""
     import importlib.machinery
     import importlib.util
 
-    where, sep, attr = spec.rpartition(":")
-    if not sep or not where or not attr:
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
         raise ValueError(f"expected PATH_OR_MODULE:FUNCTION, got {spec!r}")
     path = os.path.abspath(where)
     is_file = where.endswith(".py") or os.sep in where or "/" in where
@@ -4131,21 +4120,18 @@ def load_agent(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
         else:
             name = name.removesuffix(".py")
-            loaded = sys.modules.get(name)
-            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+            if name in sys.modules and getattr(sys.modules[name], "__file__", None) != path:
                 name = f"_pipelines_agent_{name}"  # another module has this name
             loader = importlib.machinery.SourceFileLoader(name, path)
             module = sys.modules[name] = importlib.util.module_from_spec(
                 cast(Any, importlib.util.spec_from_file_location(name, path, loader=loader)))
-            try:
-                loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(name, None)
-                raise
-    except SyntaxError as exc:
-        raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
+            loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         import traceback
+
+        sys.modules.pop(name, None)  # a module half run
+        if isinstance(exc, SyntaxError):
+            raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
 
         frames = traceback.extract_tb(exc.__traceback__)
         raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
@@ -4183,74 +4169,69 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
 def _refuse_token(text: str) -> None:
     import argparse
 
-    raise argparse.ArgumentTypeError("--token is not accepted (a process list would show it): set AGENT_TOKEN or use "
-                                     "--token-env NAME")
+    raise argparse.ArgumentTypeError("--token is not accepted (ps shows it): use --token-env NAME")
 
 
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
-# (flag, type, default, metavar, help): type None is a switch, a tuple the choices; a default shown if set
+# (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
     ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
      "port, 0: any free"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable"),
-    ("--auth-header", str, "Authorization", "NAME", "token header, Authorization: Bearer <token>"),
+    ("--auth-header", str, "Authorization", "NAME", "token header"),
     ("--no-auth", None, False, None, "no inbound auth"),
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body"),
-    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s, at most 1800"),
+    ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s"),
     ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM"),
-    ("--server", SERVERS, "asyncio", None, "asyncio or threads"),
+    ("--server", SERVERS, "asyncio", None, "the server"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout"),
-    ("--max-connections", _POSITIVE, None, "N", "open connections, then 503 (default: by open-file limit)"),
-    ("--strict", None, False, None, f"500 for a response the platform would soften (or {ENV_STRICT}=1)"),
-    ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed, by commas (default: ${ENV_PROXY_ALLOWED_HOSTS})"),
-    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema (default: beside the agent)"),
-    ("--debug", None, False, None, f"log proxy traffic, redacted (or {ENV_DEBUG}=1)"),
+    ("--max-connections", _POSITIVE, None, "N", "open connections, then 503"),
+    ("--strict", None, False, None, f"500, not a softened response (or {ENV_STRICT}=1)"),
+    ("--proxy-hosts", str, None, "HOSTS", f"proxy hosts allowed (or ${ENV_PROXY_ALLOWED_HOSTS})"),
+    ("--tools-schema", str, None, "FILE", "served at GET /tools_schema"),
+    ("--debug", None, False, None, f"log proxy traffic (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
     ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
      SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold, 0: Python's"),
 )
 
 
-def _configure_logging(debug: bool, level: int, access_log: bool = True) -> None:
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # on stderr
+def _configure_logging(debug: bool, level: int) -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
-    if not access_log:
-        _access_log.setLevel(logging.WARNING)
 
 
 def _cmd_serve(args: Any) -> int:
-    _configure_logging(args.debug, logging.INFO, access_log=not args.no_access_log)
-    try:
-        agent = load_agent(args.agent)
-        tools_schema = args.tools_schema if args.tools_schema is not None else tools_schema_beside(args.agent)
-        app = agent if isinstance(agent, DispatchApp) else DispatchApp(
-            agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
-            max_body=args.max_body, run_timeout_s=args.timeout, tools_schema=tools_schema,
-            proxy_hosts=args.proxy_hosts, strict=True if args.strict else None)
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+    _configure_logging(args.debug, logging.INFO)
+    if args.no_access_log:
+        _access_log.setLevel(logging.WARNING)
+    agent = load_agent(args.agent)  # a ValueError is a usage error (main)
+    app = agent if isinstance(agent, DispatchApp) else DispatchApp(
+        agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
+        max_body=args.max_body, run_timeout_s=args.timeout, proxy_hosts=args.proxy_hosts,
+        tools_schema=args.tools_schema or tools_schema_beside(args.agent), strict=args.strict or None)
 
     def ready(server: Any) -> None:
         say = functools.partial(print, "pipelines_port serve:", flush=True)
         say(f"listening on {server.url}")
         say(f"auth: {app.describe_auth()}")
         if app.tools_schema is not None:
-            say(f"{len(app.tools_schema)} tools declared, served at GET /tools_schema")
+            say(f"{len(app.tools_schema)} tools declared (GET /tools_schema)")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
-            say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
+            say(f"WARNING: {ENV_RUN_TOKEN} is set")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
                        read_timeout_s=args.read_timeout, keepalive_s=args.keepalive,
                        max_connections=args.max_connections, gc_threshold=args.gc_threshold)
     except OSError as exc:
-        raise _UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if status != 0:  # dispatches outlived the grace period: leave without waiting for their threads
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    if status != 0:  # dispatches outlived the grace period: do not wait for their threads
         logging.shutdown()
         sys.stdout.flush()
         os._exit(status)
@@ -4271,27 +4252,24 @@ def _parser(prog: str | None = None) -> Any:
     parser.add_argument("--version", action="version", version=f"pipelines_port {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_ = commands.add_parser("serve", help="serve agent(envelope) as a dispatch endpoint", allow_abbrev=False)
-    serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION", help="e.g. agent.py:agent or mypkg.agent:agent")
+    serve_.add_argument("agent", metavar="PATH_OR_MODULE:FUNCTION")
     for flag, kind, default, metavar, text in _SERVE_OPTIONS:
-        how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind, "default": default}
-                               if isinstance(kind, tuple) else {"type": kind, "default": default, "metavar": metavar})
-        serve_.add_argument(flag, help=text if default in (None, False) else f"{text} (default %(default)s)", **how)
+        how: Dict[str, Any] = ({"action": "store_true"} if kind is None else {"choices": kind}
+                               if isinstance(kind, tuple) else {"type": kind, "metavar": metavar})
+        serve_.add_argument(flag, default=default, help=f"{text} (default %(default)s)" if default else text, **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
-    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the run's proxy",
-                               description="MCP server on stdio, tools called through the run's proxy.",
-                               allow_abbrev=False)
-    mcp_.add_argument("--debug", action="store_true", help="log proxy traffic, redacted")
+    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the proxy", allow_abbrev=False)
+    mcp_.add_argument("--debug", action="store_true", help="log proxy traffic")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
-    """The command line (``serve``, ``mcp``); returns the exit status.  ``prog`` names the command in messages."""
+    """The command line (``serve``, ``mcp``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
-        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}` or `python3 -m conformance {argv[0]}`",
-              file=sys.stderr)
+        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}`", file=sys.stderr)
         return 2
     parser = _parser(prog)
     args = parser.parse_args(argv)
@@ -4299,8 +4277,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.run(args) or 0)
-    except _UsageError as exc:
+        return cast(int, args.run(args))
+    except ValueError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
