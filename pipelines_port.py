@@ -4186,7 +4186,7 @@ _SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
     ("--max-body", _POSITIVE, DEFAULT_MAX_BODY_BYTES, "BYTES", "largest body"),
     ("--timeout", _SECONDS, DEFAULT_RUN_TIMEOUT_S, "SECONDS", "run_timeout_s"),
     ("--grace", _SECONDS, DEFAULT_GRACE_S, "SECONDS", "drain time on SIGTERM"),
-    ("--server", SERVERS, "asyncio", None, "the server"),
+    ("--server", SERVERS, "asyncio", None, "one event loop, or a thread per connection"),
     ("--read-timeout", _SECONDS, DEFAULT_READ_TIMEOUT_S, "SECONDS", "read limit, then 408"),
     ("--keepalive", _SECONDS, DEFAULT_KEEPALIVE_S, "SECONDS", "idle connection timeout"),
     ("--max-connections", _POSITIVE, None, "N", "open connections, then 503"),
@@ -4223,7 +4223,7 @@ def _cmd_serve(args: Any) -> int:
             say(f"{len(app.tools_schema)} tools declared (GET /tools_schema)")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
         if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
-            say(f"WARNING: {ENV_RUN_TOKEN} is set")
+            say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
 
     try:
         status = serve(app, host=args.host, port=args.port, grace_s=args.grace, ready=ready, server=args.server,
