@@ -2483,7 +2483,7 @@ class _Overran(RunTimeoutError):
     pass
 
 
-class _AgentRaised(Exception):  # the agent's error, told apart from one hitting the waiter (a signal)
+class _AgentRaised(Exception):  # the agent's, not one hitting the waiter (a signal)
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
@@ -2497,7 +2497,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | No
             outcome: Tuple[Any, BaseException | None] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
-        with contextlib.suppress(RuntimeError):  # done's loop closed
+        with contextlib.suppress(RuntimeError):  # loop closed
             done(*outcome)
 
     thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
@@ -2530,7 +2530,7 @@ def _scrub(value: Any, secrets: Sequence[str]) -> Any:
     return redact(value, *secrets)
 
 
-# exc with no link of its chain showing a secret: each cleaned in place, or replaced by a _RedactedError
+# exc's chain with no secret showing: each link cleaned in place, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
     wanted = [s for s in secrets if s]
     seen: Dict[int, BaseException | None] = {}
@@ -2540,11 +2540,11 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*getattr(error, "__dict__", {}), "args", *fields):  # __notes__ among them
+        for name in (*getattr(error, "__dict__", {}), "args", *fields):
             with contextlib.suppress(Exception):
                 setattr(error, name, _scrub(getattr(error, name), wanted))
         for member in getattr(error, "exceptions", None) or ():
-            if isinstance(member, BaseException):  # a group's; another class's attribute may hold anything
+            if isinstance(member, BaseException):  # a group's
                 clean(member)
         error.__cause__, error.__context__ = clean(error.__cause__), clean(error.__context__)
         try:
@@ -2579,7 +2579,7 @@ def _call_agent(call: Callable[[], Any], envelope: Envelope | None) -> Any:
         return result
 
 
-# agent(envelope) as a task of the running loop or on a fresh thread: its result, else _AgentRaised or _Overran
+# agent(envelope) as a task or on a fresh thread: its result, else _AgentRaised or _Overran
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
     import asyncio
 
@@ -2596,7 +2596,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _current.set(envelope)
             try:
                 settle(await agent(envelope), None)
-            except BaseException as exc:  # noqa: BLE001 - its cancellation too (§7.3 kit-base-exception-500)
+            except BaseException as exc:  # noqa: BLE001 - §7.3 kit-base-exception-500
                 settle(None, _AgentRaised(exc))
 
         task = loop.create_task(run())
@@ -2648,12 +2648,12 @@ class DispatchApp:
                 raise ValueError(problem)
         self.run_timeout_s = check_run_timeout(run_timeout_s)
         self.agent, self.token, self.strict, self.no_auth = agent, token, strict, no_auth
-        self.token_env = None if token else token_env  # kit-token-env-per-request: read at each request
+        self.token_env = None if token else token_env  # kit-token-env-per-request
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
         self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
         if self.tools_schema is not None:
-            convert_tools(self.tools_schema, "platform")  # checked, but served as given: the platform compares them
+            convert_tools(self.tools_schema, "platform")  # checked; served as given
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
         try:
             allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
@@ -2665,17 +2665,17 @@ class DispatchApp:
                                  allowed)
 
     def describe_auth(self) -> str:
-        """How auth is configured, for a start-up line (never the token)."""
+        """Auth, for a start-up line (never the token)."""
         if self.no_auth:
-            return "DISABLED (no_auth): anyone who can reach this endpoint can dispatch"
+            return "DISABLED (no_auth): anyone can dispatch"
         value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
         source = "the configured token" if self.token else f"${self.token_env}"
         unset = self.token_env and not os.environ.get(self.token_env)
         return f"{self.auth_header}: {value} (token from {source})" + (
-            f"; {self.token_env} is NOT set: every request gets 503 until it is" if unset else "")
+            f"; {self.token_env} is NOT set: every request gets 503" if unset else "")
 
     def describe_proxy_hosts(self) -> str:
-        """Which proxy hosts dispatches may name, for a start-up line."""
+        """The allowed proxy hosts, for a start-up line."""
         hosts = self.endpoint.proxy_hosts
         return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)" if hosts is None
                 else ", ".join(hosts) or "none")
@@ -2710,7 +2710,7 @@ class DispatchApp:
                     urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000, stats.proxy_calls,
                     "" if what == "dispatch" else f" ({what})")
             return reply
-        except Exception as exc:  # noqa: BLE001 - the last line of defence
+        except Exception as exc:  # noqa: BLE001
             return _fallback_reply(exc)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
@@ -2750,7 +2750,7 @@ class DispatchApp:
             stats.cancelled = True
             _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
             return error_reply(overran)
-        except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
+        except ResponseError as exc:  # from _built
             return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
                                                     *secrets)))
         except Exception as exc:  # noqa: BLE001
@@ -2760,7 +2760,7 @@ class DispatchApp:
             trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             _log.error("run %s: the agent raised:\n%s", envelope.run_id, redact(trace, *secrets))
             return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
-        except BaseException:  # this dispatch itself was cancelled
+        except BaseException:  # cancelled
             stats.cancelled = True
             _log.warning("run %s (jti %s) was cut by the shutdown", envelope.run_id, envelope.run_token_jti)
             raise
@@ -2779,7 +2779,7 @@ class DispatchApp:
         length = request_body_length(headers, self.max_body)
         body = None
         if length is not None:
-            body = bytearray()  # to the end: a host may hand back short reads
+            body = bytearray()  # a host may hand back short reads
             while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
                 body += chunk
         reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
@@ -2807,7 +2807,7 @@ class DispatchApp:
             more = message.get("more_body", False)
         reply = await self.ahandle(scope["method"], scope.get("path", "/"), headers,
                                    None if length is None else bytes(body))
-        # a body left unread, or refused before any agent ran (kit-strict-request-head)
+        # kit-strict-request-head
         close = length is None or 400 <= reply.status < 500 or reply.status == 503
         sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
         await send({"type": "http.response.start", "status": reply.status,
@@ -2816,7 +2816,7 @@ class DispatchApp:
 
     @property
     def asgi(self) -> Callable[..., Any]:
-        """The ASGI3 application as an ``async def`` function (hosts detect its interface)."""
+        """The ASGI3 application as an ``async def`` function."""
         async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
             await self(scope, receive, send)
 
@@ -2863,7 +2863,7 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
 DEFAULT_READ_TIMEOUT_S = 30.0  # §7.1 kit-server-timeouts
 DEFAULT_GRACE_S = 30.0
 DEFAULT_KEEPALIVE_S = 75.0
-SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost a quarter of the CPU in a fan-out of 2,000 dispatches
+SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost 25 % of the CPU in a fan-out
 
 
 @functools.lru_cache(maxsize=64)
@@ -2895,12 +2895,12 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
 
 class _ServerConnection:
     transport: Any
-    head: RequestHead | None = None  # its body not yet whole
+    head: RequestHead | None = None  # its body awaited
     headers: Mapping[str, str]
     length: int | None = 0  # of the body; None: unread, then a close
     task: Any = None
     deadline: float | None = None  # of the read or keep-alive timeout
-    timer: Any = None  # due by the deadline, re-armed if early: a keep-alive request sets none
+    timer: Any = None  # due by the deadline, re-armed if early
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
@@ -2920,7 +2920,7 @@ class _ServerConnection:
         self.buffer += data
         if self.task is None:
             self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined behind a running dispatch
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -2931,14 +2931,14 @@ class _ServerConnection:
         return not self.closing
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.closing = True  # a running dispatch finishes unanswered: its tool calls are real
+        self.closing = True  # a running dispatch finishes unanswered
         self.server.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()
         if self.jobs is not None:
             self.jobs.put(None)
 
-    def pause_writing(self) -> None:  # a reply is written whole: the transport buffers it
+    def pause_writing(self) -> None:  # the transport buffers a reply
         pass
 
     resume_writing = pause_writing
@@ -2952,7 +2952,7 @@ class _ServerConnection:
                 if not buffer:
                     return
                 if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)  # for the whole request, from its first byte
+                    self._arm(server.read_timeout_s)  # for the whole request
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
@@ -3021,7 +3021,7 @@ class _ServerConnection:
     def _arm(self, seconds: float | None) -> None:
         server = self.server
         self.deadline = None if seconds is None else server.loop.time() + seconds
-        if self.timer is None and seconds is not None:  # waits the shorter timeout at most: due by any deadline
+        if self.timer is None and seconds is not None:  # due by any deadline
             wait = min(seconds, server.read_timeout_s, server.keepalive_s)
             self.timer = server.loop.call_later(wait, self._timed_out)
 
@@ -3037,7 +3037,7 @@ class _ServerConnection:
             f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
 
     def cut(self) -> None:
-        if self.task is None and not self.closing:  # a running dispatch has a drain's grace period
+        if self.task is None and not self.closing:  # a running dispatch gets the grace period
             self.closing = True
             self.transport.close()
 
@@ -3108,7 +3108,7 @@ class AsyncDispatchServer:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         with self._lock:
-            if self.draining:  # close() came first (serve's SIGTERM)
+            if self.draining:  # close() came first
                 return
             self._listener = await self.loop.create_server(
                 lambda: _ServerConnection(self), sock=self.socket, backlog=self._backlog)
@@ -3167,10 +3167,7 @@ class _ThreadsServer(AsyncDispatchServer):
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on
-            run_id = _header(conn.headers, HEADER_RUN_ID)
-            with contextlib.suppress(ValueError, LookupError, TypeError):
-                run_id = json.loads(body or b"{}")["run_id"]
-            _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
+            _log.warning("run %s was cut by the shutdown", _short(str(_header(conn.headers, HEADER_RUN_ID)), 40))
             raise
 
     def _work(self, jobs: Any) -> None:
@@ -3221,7 +3218,7 @@ def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "
 
 def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 0,
                  **options: Any) -> AsyncDispatchServer:
-    """:func:`make_server`'s server, serving on a background thread (tests, notebooks)."""
+    """:func:`make_server`'s server, serving on a background thread."""
     server = make_server(agent, host=host, port=port, **options)
     server._thread = threading.Thread(target=server.serve_forever, name="pipelines-server", daemon=True)
     server._thread.start()
@@ -3240,13 +3237,13 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
     previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
-        if gc_threshold > 0 and gc.isenabled():  # gc_threshold=0 leaves the collector as it is
-            gc.freeze()  # what is loaded now (the agent, its imports) is never garbage
+        if gc_threshold > 0 and gc.isenabled():
+            gc.freeze()  # the agent and its imports are never garbage
             first, *rest = gc.get_threshold()
             if 0 < first < gc_threshold:
                 gc.set_threshold(gc_threshold, *rest)
         if ready is not None:
-            ready(server)  # listening
+            ready(server)
         while not stop.wait(0.5):
             pass
         _log.info("shutting down: draining for up to %g s", grace_s)
@@ -3263,8 +3260,7 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope | None = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` (default: the bound one) bound, its run token
-    redacted from what it raises."""
+    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` bound, its run token kept out of errors."""
     envelope = envelope if envelope is not None else _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
@@ -3288,16 +3284,12 @@ def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: 
     token = envelope.run_token
     try:
         result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
-    except _Overran:
-        stats.cancelled = True
-        failure: BaseException = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its proxy "
-                                                 "calls are refused (its thread may still be running)")
     except _AgentRaised as raised:
         failure = cast(BaseException, _redact_exception_chain(raised.error, token))
         if isinstance(raised.error, Exception) and not isinstance(raised.error, PipelinesError):  # else: a stale token
             cause, failure = failure, AgentError(f"agent raised {describe_error(raised.error, DETAIL_LIMIT, token)}")
             failure.__cause__ = cause
-    except BaseException:  # a kernel interrupt: the agent runs on, its proxy calls refused
+    except BaseException:  # _Overran or a kernel interrupt: the agent runs on, its proxy calls refused
         stats.cancelled = True
         raise
     else:
@@ -3329,8 +3321,6 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
         return _code_mode_run(agent, envelope, limit, strict)
 
     run.agent = agent  # type: ignore[attr-defined]
-    return run
-
     return run
 
 # ###########################################################################
