@@ -2521,13 +2521,7 @@ class _RedactedError(Exception):
 
 
 def _scrub(value: Any, secrets: Sequence[str]) -> Any:
-    if type(value) is tuple:
-        return tuple(_scrub(v, secrets) for v in value)
-    if isinstance(value, (bytes, bytearray)):
-        for secret in secrets:
-            value = value.replace(secret.encode(), _REDACTED.encode())
-        return value
-    return redact(value, *secrets)
+    return tuple(_scrub(v, secrets) for v in value) if type(value) is tuple else redact(value, *secrets)
 
 
 # exc's chain with no secret showing: each link cleaned in place, or replaced by a _RedactedError
@@ -2914,7 +2908,7 @@ class _ServerConnection:
         if len(server.connections) <= server.max_connections:
             return self._arm(server.read_timeout_s)
         self._send(error_reply(OverloadedError(
-            f"this server is at its limit of {server.max_connections} open connections: retry shortly")), True)
+            f"at the limit of {server.max_connections} open connections: retry shortly")), True)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -3240,8 +3234,7 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
         if gc_threshold > 0 and gc.isenabled():
             gc.freeze()  # the agent and its imports are never garbage
             first, *rest = gc.get_threshold()
-            if 0 < first < gc_threshold:
-                gc.set_threshold(gc_threshold, *rest)
+            gc.set_threshold(first and max(first, gc_threshold), *rest)
         if ready is not None:
             ready(server)
         while not stop.wait(0.5):
@@ -3273,37 +3266,8 @@ def _run_argument(value: str | None, argument: str, variable: str) -> str:
     if value is None:
         value = os.environ.get(variable, "")
         if not value.strip():
-            raise EnvelopeError(f"run() got no {argument} argument, and environment variable {variable} is not set")
+            raise EnvelopeError(f"run() got no {argument}, and {variable} is not set")
     return value
-
-
-def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float,
-                   strict: bool | None) -> Dict[str, Any]:
-    stats = _DispatchStats()
-    bound = _dispatch_stats.set(stats)  # copied into the agent's thread
-    token = envelope.run_token
-    try:
-        result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
-    except _AgentRaised as raised:
-        failure = cast(BaseException, _redact_exception_chain(raised.error, token))
-        if isinstance(raised.error, Exception) and not isinstance(raised.error, PipelinesError):  # else: a stale token
-            cause, failure = failure, AgentError(f"agent raised {describe_error(raised.error, DETAIL_LIMIT, token)}")
-            failure.__cause__ = cause
-    except BaseException:  # _Overran or a kernel interrupt: the agent runs on, its proxy calls refused
-        stats.cancelled = True
-        raise
-    else:
-        try:
-            body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
-            return _without_run_token(body, envelope, json.dumps(body, ensure_ascii=False, allow_nan=False).encode())
-        except ResponseError as exc:
-            raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
-        except Exception as exc:  # noqa: BLE001
-            problem = describe_error(exc, DETAIL_LIMIT, token)
-            raise ResponseError(f"the response cannot be sent as JSON: {problem}") from None
-    finally:
-        _dispatch_stats.reset(bound)
-    raise failure  # outside the except clauses: no context shows the original
 
 
 def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
@@ -3318,7 +3282,33 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
         else:
             envelope = Envelope.from_run(task_input, proxy_url=_run_argument(proxy_url, "proxy_url", ENV_PROXY_URL),
                                          run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
-        return _code_mode_run(agent, envelope, limit, strict)
+        stats, token = _DispatchStats(), envelope.run_token
+        bound = _dispatch_stats.set(stats)  # copied into the agent's thread
+        try:
+            result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope),
+                                      limit)
+        except _AgentRaised as raised:
+            error = raised.error
+            failure = cast(BaseException, _redact_exception_chain(error, token))
+            if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else: a stale token
+                cause, failure = failure, AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, token)}")
+                failure.__cause__ = cause
+        except BaseException:  # _Overran or a kernel interrupt: the agent runs on, its proxy calls refused
+            stats.cancelled = True
+            raise
+        else:
+            try:
+                body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
+                encoded = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+                return _without_run_token(body, envelope, encoded)
+            except ResponseError as exc:
+                raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
+            except Exception as exc:  # noqa: BLE001
+                raise ResponseError("the response cannot be sent as JSON: "
+                                    + describe_error(exc, DETAIL_LIMIT, token)) from None
+        finally:
+            _dispatch_stats.reset(bound)
+        raise failure  # outside the except clauses: no context shows the original
 
     run.agent = agent  # type: ignore[attr-defined]
     return run
