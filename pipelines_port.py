@@ -2558,11 +2558,11 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
     return clean(exc)
 
 
-def _call_agent(call: Callable[[], Any], envelope: Envelope | None) -> Any:
+def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
     import inspect
 
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
-        result = call()
+        result = fn(*args)
         if inspect.isawaitable(result):
             import asyncio
 
@@ -2597,7 +2597,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     else:
         def run_sync() -> Any:
             _server_loop.set(loop)
-            return _call_agent(functools.partial(agent, envelope), envelope)
+            return _call_agent(envelope, agent, envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
     timer = loop.call_later(timeout_s, settle, None,
@@ -2633,7 +2633,7 @@ class DispatchApp:
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
         for wrong, problem in (
                 (not path.startswith("/"), f"path must start with '/', got {path!r}"),
-                (no_auth and token, "no_auth=True and a token contradict each other: choose one"),
+                (no_auth and token, "no_auth=True contradicts a token: choose one"),
                 (not (no_auth or token or token_env), "auth needs a token or a token_env, or no_auth=True"),
                 (max_body < 1, f"max_body must be a positive number of bytes, got {max_body!r}"),
                 (not re.fullmatch(r"[A-Za-z0-9-]+", auth_header),
@@ -2679,7 +2679,7 @@ class DispatchApp:
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: bytes | None) -> HttpReply:
-        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed, logged (kit-log-line)."""
+        """The reply to a request (``body`` as :func:`request_body_length` allowed), logged (kit-log-line)."""
         started = time.monotonic()
         stats = _DispatchStats()
         try:
@@ -2712,12 +2712,12 @@ class DispatchApp:
         probe = await aprobe_proxy(proxy_url)
         if self.endpoint.proxy_hosts is None and not probe["reachable"]:
             probe = {"reachable": False, "status_code": None, "latency_ms": None,
-                     "error": "no proxy answered (details only with a proxy-host allow-list)"}
+                     "error": "unreachable (details only with an allow-list)"}
         return json_reply(200, {"ok": True, "outbound": probe})
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent runs on the loop: ``async def``, through partials and ``__call__``."""
+        """Whether the agent is ``async def`` (through partials and ``__call__``): it runs on the loop."""
         import inspect
 
         agent = self.agent
@@ -2789,7 +2789,7 @@ class DispatchApp:
             await send({"type": "lifespan.shutdown.complete"})
             return
         if scope["type"] != "http":
-            raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
+            raise ValueError(f"unsupported ASGI scope type {scope['type']!r}")
         headers = _lower_headers(scope.get("headers", []))
         length = request_body_length(headers, self.max_body)
         body, more = bytearray(), length is not None
@@ -3161,7 +3161,10 @@ class _ThreadsServer(AsyncDispatchServer):
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on
-            _log.warning("run %s was cut by the shutdown", _short(str(_header(conn.headers, HEADER_RUN_ID)), 40))
+            run_id = _header(conn.headers, HEADER_RUN_ID)
+            with contextlib.suppress(ValueError, LookupError, TypeError):
+                run_id = json.loads(body or b"{}")["run_id"]
+            _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
             raise
 
     def _work(self, jobs: Any) -> None:
@@ -3256,7 +3259,7 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope |
     """``fn(*args, **kwargs)`` on a new thread with ``envelope`` bound, its run token kept out of errors."""
     envelope = envelope if envelope is not None else _current.get()
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
+        return _on_fresh_thread(functools.partial(_call_agent, envelope, functools.partial(fn, *args, **kwargs)))
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
@@ -3285,8 +3288,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
         stats, token = _DispatchStats(), envelope.run_token
         bound = _dispatch_stats.set(stats)  # copied into the agent's thread
         try:
-            result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope),
-                                      limit)
+            result = _on_fresh_thread(functools.partial(_call_agent, envelope, agent, envelope), limit)
         except _AgentRaised as raised:
             error = raised.error
             failure = cast(BaseException, _redact_exception_chain(error, token))
