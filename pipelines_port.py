@@ -2708,7 +2708,7 @@ class DispatchApp:
             return _fallback_reply(exc)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
-        """§2 step 4, the reply to a connectivity check (§3.7, §7.1 kit-proxy-host-allow-list)."""
+        """The reply to a connectivity check (§2 step 4, §3.7, kit-proxy-host-allow-list)."""
         probe = await aprobe_proxy(proxy_url)
         if self.endpoint.proxy_hosts is None and not probe["reachable"]:
             probe = {"reachable": False, "status_code": None, "latency_ms": None,
@@ -2717,7 +2717,7 @@ class DispatchApp:
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent is ``async def`` (through partials and ``__call__``): it runs on the loop."""
+        """Whether the agent is ``async def`` (through partials and ``__call__``)."""
         import inspect
 
         agent = self.agent
@@ -2730,7 +2730,7 @@ class DispatchApp:
         return _on_loop(self.arun_agent(envelope, stats))
 
     async def arun_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
-        """The reply to running the agent on ``envelope`` within ``run_timeout_s`` (§7.3)."""
+        """The reply to running the agent on ``envelope`` (§7.3)."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
         secrets = self.secrets(envelope)
@@ -2762,7 +2762,7 @@ class DispatchApp:
             _dispatch_stats.reset(bound)
 
     def secrets(self, envelope: Envelope | None) -> Tuple[str | None, str | None]:
-        """The run token and the agent token, which no reply or log line shows."""
+        """The run token and the agent token: no reply or log shows them."""
         return envelope.run_token if envelope else None, self.token or os.environ.get(self.token_env or "")
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
@@ -2825,14 +2825,13 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """:func:`probe_proxy` on the running loop."""
     started = time.monotonic()
-    status: int | None = None
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
         exchange = _shared_transport().aexchange
         status = (await exchange(request.url, "POST", request.path, request.headers, request.body, timeout, 1 << 16))[0]
-        error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status} from the proxy"
+        error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status}"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
         status = getattr(failure, "status", None)
         cause = failure.__cause__ if isinstance(failure, _TransportFailure) else None
@@ -3037,7 +3036,7 @@ class _ServerConnection:
 
 
 def default_max_connections() -> int:
-    """Open connections the built-in server takes: 10,000, or half the open-file limit if lower."""
+    """Open connections the built-in server takes: 10,000, or half the file limit."""
     try:
         import resource
 
@@ -3048,7 +3047,7 @@ def default_max_connections() -> int:
 
 
 class AsyncDispatchServer:
-    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop, bound when made."""
+    """The built-in dispatch server: HTTP/1.1 on one asyncio loop, bound when made."""
 
     loop: Any = None
     draining = cutting = False
@@ -3123,7 +3122,7 @@ class AsyncDispatchServer:
         return not self.cutting
 
     def shutdown(self) -> None:
-        """:meth:`close` with no grace period (socketserver's name)."""
+        """:meth:`close` with no grace period."""
         self.close(0)
 
     server_close = shutdown
@@ -3225,7 +3224,7 @@ def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = 
 def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 8080,
           grace_s: float = DEFAULT_GRACE_S, ready: Callable[[Any], None] | None = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
-    """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 if every dispatch finished, else 1."""
+    """Serve until SIGTERM/SIGINT, then drain up to ``grace_s``: 0 if no dispatch was cut, else 1."""
     import gc
     import signal
 
@@ -3245,7 +3244,7 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
         _log.info("shutting down: draining for up to %g s", grace_s)
         if server.close(grace_s):
             return 0
-        _log.warning("grace period over with dispatches still running; exiting anyway")
+        _log.warning("grace period over: exiting anyway")
         return 1
     finally:
         for s, handler in previous.items():
