@@ -2483,7 +2483,7 @@ class _Overran(RunTimeoutError):
     pass
 
 
-class _AgentRaised(Exception):  # the agent's, not one hitting the waiter (a signal)
+class _AgentRaised(Exception):  # the agent's own, not a signal's
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
@@ -2520,10 +2520,6 @@ class _RedactedError(Exception):
     pass
 
 
-def _scrub(value: Any, secrets: Sequence[str]) -> Any:
-    return tuple(_scrub(v, secrets) for v in value) if type(value) is tuple else redact(value, *secrets)
-
-
 # exc's chain with no secret showing: each link cleaned in place, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
     wanted = [s for s in secrets if s]
@@ -2536,9 +2532,11 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
         for name in (*getattr(error, "__dict__", {}), "args", *fields):
             with contextlib.suppress(Exception):
-                setattr(error, name, _scrub(getattr(error, name), wanted))
+                value = getattr(error, name)
+                setattr(error, name, tuple(redact(v, *wanted) for v in value) if type(value) is tuple else
+                        redact(value, *wanted))
         for member in getattr(error, "exceptions", None) or ():
-            if isinstance(member, BaseException):  # a group's
+            if isinstance(member, BaseException):
                 clean(member)
         error.__cause__, error.__context__ = clean(error.__cause__), clean(error.__context__)
         try:
@@ -2652,7 +2650,7 @@ class DispatchApp:
         try:
             allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
         except ValueError as exc:
-            source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
+            source = ENV_PROXY_ALLOWED_HOSTS if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
         self.path, self.auth_header, self.max_body = path.rstrip("/") or "/", auth_header, int(max_body)
         self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
@@ -2662,11 +2660,10 @@ class DispatchApp:
         """Auth, for a start-up line (never the token)."""
         if self.no_auth:
             return "DISABLED (no_auth): anyone can dispatch"
-        value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
-        source = "the configured token" if self.token else f"${self.token_env}"
+        bearer = "Bearer " if self.auth_header.lower() == "authorization" else ""
+        line = f"{self.auth_header}: {bearer}<token> (token from {'token=' if self.token else f'${self.token_env}'})"
         unset = self.token_env and not os.environ.get(self.token_env)
-        return f"{self.auth_header}: {value} (token from {source})" + (
-            f"; {self.token_env} is NOT set: every request gets 503" if unset else "")
+        return line + (f"; {self.token_env} is NOT set: every request gets 503" if unset else "")
 
     def describe_proxy_hosts(self) -> str:
         """The allowed proxy hosts, for a start-up line."""
@@ -2680,8 +2677,7 @@ class DispatchApp:
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: bytes | None) -> HttpReply:
         """The reply to a request (``body`` as :func:`request_body_length` allowed), logged (kit-log-line)."""
-        started = time.monotonic()
-        stats = _DispatchStats()
+        started, stats = time.monotonic(), _DispatchStats()
         try:
             headers = _lower_headers(headers)
             expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
@@ -2710,9 +2706,8 @@ class DispatchApp:
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """The reply to a connectivity check (§2 step 4, §3.7, kit-proxy-host-allow-list)."""
         probe = await aprobe_proxy(proxy_url)
-        if self.endpoint.proxy_hosts is None and not probe["reachable"]:
-            probe = {"reachable": False, "status_code": None, "latency_ms": None,
-                     "error": "unreachable (details only with an allow-list)"}
+        if self.endpoint.proxy_hosts is None and not probe["reachable"]:  # every detail blanked
+            probe = {**dict.fromkeys(probe), "reachable": False, "error": "unreachable (no allow-list: no details)"}
         return json_reply(200, {"ok": True, "outbound": probe})
 
     @property
@@ -2744,7 +2739,7 @@ class DispatchApp:
             stats.cancelled = True
             _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
             return error_reply(overran)
-        except ResponseError as exc:  # from _built
+        except ResponseError as exc:
             return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
                                                     *secrets)))
         except Exception as exc:  # noqa: BLE001
@@ -2771,13 +2766,11 @@ class DispatchApp:
         pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
         headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
         length = request_body_length(headers, self.max_body)
-        body = None
-        if length is not None:
-            body = bytearray()  # a host may hand back short reads
-            while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
-                body += chunk
+        body, need = bytearray(), length or 0
+        while len(body) < need and (chunk := environ["wsgi.input"].read(min(need - len(body), 1 << 16))):
+            body += chunk
         reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
-                            None if body is None else bytes(body))
+                            None if length is None else bytes(body))
         start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)  # PEP 3333: no Connection header
         return [reply.body]
 
@@ -2888,7 +2881,7 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
 
 class _ServerConnection:
     transport: Any
-    head: RequestHead | None = None  # its body awaited
+    head: RequestHead | None = None
     headers: Mapping[str, str]
     length: int | None = 0  # of the body; None: unread, then a close
     task: Any = None
@@ -2913,7 +2906,7 @@ class _ServerConnection:
         self.buffer += data
         if self.task is None:
             self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -2945,7 +2938,7 @@ class _ServerConnection:
                 if not buffer:
                     return
                 if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)  # for the whole request
+                    self._arm(server.read_timeout_s)
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
@@ -2987,7 +2980,7 @@ class _ServerConnection:
         except BaseException:  # cancelled
             if not server.cutting:
                 raise
-            reply = error_reply(ShuttingDownError("the server shut down before this dispatch finished: retry it"))
+            reply = error_reply(ShuttingDownError("shut down before this dispatch finished: retry it"))
         finally:
             server.tasks.discard(self.task)
             self.task = None
@@ -3014,7 +3007,7 @@ class _ServerConnection:
     def _arm(self, seconds: float | None) -> None:
         server = self.server
         self.deadline = None if seconds is None else server.loop.time() + seconds
-        if self.timer is None and seconds is not None:  # due by any deadline
+        if self.timer is None and seconds is not None:
             wait = min(seconds, server.read_timeout_s, server.keepalive_s)
             self.timer = server.loop.call_later(wait, self._timed_out)
 
@@ -3027,7 +3020,7 @@ class _ServerConnection:
         if not (self.buffer or self.head):
             return self.cut()
         self._send(error_reply(RequestTimeoutError(
-            f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
+            f"request incomplete after {self.server.read_timeout_s:g} s")), True)
 
     def cut(self) -> None:
         if self.task is None and not self.closing:  # a running dispatch gets the grace period
@@ -3172,7 +3165,7 @@ class _ThreadsServer(AsyncDispatchServer):
                 reply = self.app.handle(head.method, head.target, headers, body)
             except Exception as exc:  # noqa: BLE001
                 reply = _fallback_reply(exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed
+            with contextlib.suppress(RuntimeError):  # loop closed
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
 
 
@@ -3204,10 +3197,10 @@ def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
     if isinstance(agent, DispatchApp) and options:
-        raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
+        raise TypeError(f"options {sorted(options)} need an agent, not a DispatchApp")
     app = agent if isinstance(agent, DispatchApp) else DispatchApp(agent, **options)
     if app.no_auth:
-        _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
+        _log.warning("auth is DISABLED: anyone can dispatch")
     return (AsyncDispatchServer if server == "asyncio" else _ThreadsServer)(
         app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, max_connections=max_connections)
 
@@ -3294,7 +3287,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
             if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else: a stale token
                 cause, failure = failure, AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, token)}")
                 failure.__cause__ = cause
-        except BaseException:  # _Overran or a kernel interrupt: the agent runs on, its proxy calls refused
+        except BaseException:  # _Overran or an interrupt: the agent runs on, its proxy calls refused
             stats.cancelled = True
             raise
         else:
