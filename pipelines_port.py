@@ -2856,10 +2856,7 @@ SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost 25 % of the CPU in a fan-out
 def _reason(status: int) -> str:
     from http import HTTPStatus
 
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
+    return HTTPStatus(status).phrase
 
 
 @functools.lru_cache(maxsize=4)
@@ -3161,10 +3158,7 @@ class _ThreadsServer(AsyncDispatchServer):
 
     def _work(self, jobs: Any) -> None:
         for future, head, headers, body in iter(jobs.get, None):
-            try:
-                reply = self.app.handle(head.method, head.target, headers, body)
-            except Exception as exc:  # noqa: BLE001
-                reply = _fallback_reply(exc)
+            reply = self.app.handle(head.method, head.target, headers, body)  # ahandle catches what it can
             with contextlib.suppress(RuntimeError):  # loop closed
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
 
