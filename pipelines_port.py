@@ -2551,7 +2551,7 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
         stand_in.__cause__, stand_in.__context__ = error.__cause__, error.__context__
         stand_in.__suppress_context__ = error.__suppress_context__
         seen[id(error)] = stand_in.with_traceback(error.__traceback__)
-        return seen[id(error)]
+        return stand_in
 
     return clean(exc)
 
@@ -2559,16 +2559,16 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
 def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
     import inspect
 
-    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
-        result = fn(*args)
-        if inspect.isawaitable(result):
-            import asyncio
+    _current.set(envelope)  # in the fresh thread's own context
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        import asyncio
 
-            async def awaited() -> Any:
-                return await result
+        async def awaited() -> Any:
+            return await result
 
-            result = asyncio.run(awaited())
-        return result
+        result = asyncio.run(awaited())
+    return result
 
 
 # agent(envelope) as a task or on a fresh thread: its result, else _AgentRaised or _Overran
@@ -2619,7 +2619,7 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes)
 
 
 class DispatchApp:
-    """An agent (sync or ``async def``) at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
+    """An agent at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: str | None = None, token_env: str | None = DEFAULT_TOKEN_ENV,
@@ -2737,7 +2737,7 @@ class DispatchApp:
             return reply if clean is body else json_reply(200, clean)
         except _Overran as overran:
             stats.cancelled = True
-            _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
+            _log.error("run %s: %s", envelope.run_id, overran)
             return error_reply(overran)
         except ResponseError as exc:
             return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
@@ -2822,8 +2822,8 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
-        exchange = _shared_transport().aexchange
-        status = (await exchange(request.url, "POST", request.path, request.headers, request.body, timeout, 1 << 16))[0]
+        status = (await _shared_transport().aexchange(request.url, "POST", request.path, request.headers, request.body,
+                                                      timeout, 1 << 16))[0]
         error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status}"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
         status = getattr(failure, "status", None)
@@ -2996,8 +2996,7 @@ class _ServerConnection:
                         else "\r\n"]).encode("latin-1")
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
-            self.closing = True
-            self.transport.close()
+            self.cut()
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
@@ -3168,7 +3167,7 @@ def _resolve(future: Any, result: Any) -> None:
         future.set_result(result)
 
 # ---------------------------------------------------------------------------
-# Starting a server: make_server, start_server, serve (signals and the drain)
+# Starting a server: make_server, start_server, serve (signals, the drain)
 
 def _raise_file_limit() -> None:
     with contextlib.suppress(ImportError, OSError, ValueError):
@@ -3238,7 +3237,7 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
             signal.signal(s, handler)
 
 # ---------------------------------------------------------------------------
-# Code mode (§5): one agent function, the sandbox's run() entrypoint
+# Code mode (§5): the sandbox's run() entrypoint
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope | None = None, **kwargs: Any) -> Any:
