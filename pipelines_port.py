@@ -2530,7 +2530,7 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*getattr(error, "__dict__", {}), "args", *fields):
+        for name in (*vars(error), "args", *fields):
             with contextlib.suppress(Exception):
                 value = getattr(error, name)
                 setattr(error, name, tuple(redact(v, *wanted) for v in value) if type(value) is tuple else
@@ -2611,7 +2611,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes) -> Dict[str, Any]:
     if envelope.run_token.encode() not in encoded:
         return body
-    _log.warning("the agent's response contained the run token; it was redacted")
+    _log.warning("the run token in the agent's response was redacted")
     return redact(body, envelope.run_token)  # type: ignore[no-any-return]
 
 # ---------------------------------------------------------------------------
@@ -2706,7 +2706,7 @@ class DispatchApp:
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """The reply to a connectivity check (§2 step 4, §3.7, kit-proxy-host-allow-list)."""
         probe = await aprobe_proxy(proxy_url)
-        if self.endpoint.proxy_hosts is None and not probe["reachable"]:  # every detail blanked
+        if self.endpoint.proxy_hosts is None and not probe["reachable"]:
             probe = {**dict.fromkeys(probe), "reachable": False, "error": "unreachable (no allow-list: no details)"}
         return json_reply(200, {"ok": True, "outbound": probe})
 
@@ -2715,10 +2715,7 @@ class DispatchApp:
         """Whether the agent is ``async def`` (through partials and ``__call__``)."""
         import inspect
 
-        agent = self.agent
-        while isinstance(agent, functools.partial):
-            agent = agent.func
-        return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
+        return inspect.iscoroutinefunction(self.agent) or inspect.iscoroutinefunction(type(self.agent).__call__)
 
     def run_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
         """:meth:`arun_agent` from a blocking thread."""
@@ -2817,7 +2814,7 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
 
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """:func:`probe_proxy` on the running loop."""
-    started = time.monotonic()
+    started, status = time.monotonic(), None
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
