@@ -3056,8 +3056,7 @@ class AsyncDispatchServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
-        self._backlog = backlog
-        self._lock = threading.Lock()
+        self._backlog, self._lock = backlog, threading.Lock()
 
     @property
     def url(self) -> str:
@@ -3239,7 +3238,7 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope | None = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on a new thread with ``envelope`` bound, its run token kept out of errors."""
-    envelope = envelope if envelope is not None else _current.get()
+    envelope = envelope or _current.get()
     try:
         return _on_fresh_thread(functools.partial(_call_agent, envelope, functools.partial(fn, *args, **kwargs)))
     except _AgentRaised as raised:
