@@ -2559,16 +2559,16 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
 def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
     import inspect
 
-    _current.set(envelope)  # in the fresh thread's own context
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        import asyncio
+    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
+        result = fn(*args)
+        if inspect.isawaitable(result):
+            import asyncio
 
-        async def awaited() -> Any:
-            return await result
+            async def awaited() -> Any:
+                return await result
 
-        result = asyncio.run(awaited())
-    return result
+            result = asyncio.run(awaited())
+        return result
 
 
 # agent(envelope) as a task or on a fresh thread: its result, else _AgentRaised or _Overran
