@@ -2480,7 +2480,8 @@ ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
 
 
 class _Overran(RunTimeoutError):
-    pass
+    def __init__(self, timeout_s: float | None) -> None:
+        super().__init__(f"agent did not finish within run_timeout_s={timeout_s:g} s")
 
 
 class _AgentRaised(Exception):  # the agent's own, not a signal's
@@ -2510,7 +2511,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: float | None = None) -> A
     worker = _start_thread(fn, lambda *pair: outcome.extend(pair))
     worker.join(timeout_s)
     if worker.is_alive():
-        raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
+        raise _Overran(timeout_s)
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
@@ -2598,8 +2599,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             return _call_agent(envelope, agent, envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
-    timer = loop.call_later(timeout_s, settle, None,
-                            _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
+    timer = loop.call_later(timeout_s, settle, None, _Overran(timeout_s))
     try:
         return await waiter
     finally:
@@ -2644,7 +2644,7 @@ class DispatchApp:
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
         self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
-        if self.tools_schema is not None:
+        if self.tools_schema:
             convert_tools(self.tools_schema, "platform")  # checked; served as given
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
         try:
