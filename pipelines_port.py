@@ -2885,8 +2885,7 @@ class _ServerConnection:
     jobs: Any = None  # server="threads": its thread's queue
 
     def __init__(self, server: AsyncDispatchServer) -> None:
-        self.server = server
-        self.buffer = bytearray()
+        self.server, self.buffer = server, bytearray()
 
     def connection_made(self, transport: Any) -> None:
         self.transport, server = transport, self.server
