@@ -2480,10 +2480,11 @@ ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
 
 
 class _Overran(RunTimeoutError):
-    pass
+    def __init__(self, timeout_s: float | None) -> None:
+        super().__init__(f"agent did not finish within run_timeout_s={timeout_s:g} s")
 
 
-class _AgentRaised(Exception):  # the agent's error, told apart from one hitting the waiter (a signal)
+class _AgentRaised(Exception):  # the agent's own, not a signal's
     def __init__(self, error: BaseException) -> None:
         super().__init__()
         self.error = error
@@ -2497,7 +2498,7 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | No
             outcome: Tuple[Any, BaseException | None] = (context.run(fn), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
-        with contextlib.suppress(RuntimeError):  # done's loop closed
+        with contextlib.suppress(RuntimeError):  # loop closed
             done(*outcome)
 
     thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
@@ -2510,7 +2511,7 @@ def _on_fresh_thread(fn: Callable[[], Any], timeout_s: float | None = None) -> A
     worker = _start_thread(fn, lambda *pair: outcome.extend(pair))
     worker.join(timeout_s)
     if worker.is_alive():
-        raise _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s")
+        raise _Overran(timeout_s)
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
@@ -2520,17 +2521,7 @@ class _RedactedError(Exception):
     pass
 
 
-def _scrub(value: Any, secrets: Sequence[str]) -> Any:
-    if type(value) is tuple:
-        return tuple(_scrub(v, secrets) for v in value)
-    if isinstance(value, (bytes, bytearray)):
-        for secret in secrets:
-            value = value.replace(secret.encode(), _REDACTED.encode())
-        return value
-    return redact(value, *secrets)
-
-
-# exc with no link of its chain showing a secret: each cleaned in place, or replaced by a _RedactedError
+# exc's chain with no secret showing: each link cleaned in place, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
     wanted = [s for s in secrets if s]
     seen: Dict[int, BaseException | None] = {}
@@ -2540,11 +2531,13 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*getattr(error, "__dict__", {}), "args", *fields):  # __notes__ among them
+        for name in (*vars(error), "args", *fields):
             with contextlib.suppress(Exception):
-                setattr(error, name, _scrub(getattr(error, name), wanted))
+                value = getattr(error, name)
+                setattr(error, name, tuple(redact(v, *wanted) for v in value) if type(value) is tuple else
+                        redact(value, *wanted))
         for member in getattr(error, "exceptions", None) or ():
-            if isinstance(member, BaseException):  # a group's; another class's attribute may hold anything
+            if isinstance(member, BaseException):
                 clean(member)
         error.__cause__, error.__context__ = clean(error.__cause__), clean(error.__context__)
         try:
@@ -2559,16 +2552,16 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
         stand_in.__cause__, stand_in.__context__ = error.__cause__, error.__context__
         stand_in.__suppress_context__ = error.__suppress_context__
         seen[id(error)] = stand_in.with_traceback(error.__traceback__)
-        return seen[id(error)]
+        return stand_in
 
     return clean(exc)
 
 
-def _call_agent(call: Callable[[], Any], envelope: Envelope | None) -> Any:
+def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
     import inspect
 
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
-        result = call()
+        result = fn(*args)
         if inspect.isawaitable(result):
             import asyncio
 
@@ -2579,7 +2572,7 @@ def _call_agent(call: Callable[[], Any], envelope: Envelope | None) -> Any:
         return result
 
 
-# agent(envelope) as a task of the running loop or on a fresh thread: its result, else _AgentRaised or _Overran
+# agent(envelope) as a task or on a fresh thread: its result, else _AgentRaised or _Overran
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
     import asyncio
 
@@ -2596,18 +2589,17 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _current.set(envelope)
             try:
                 settle(await agent(envelope), None)
-            except BaseException as exc:  # noqa: BLE001 - its cancellation too (§7.3 kit-base-exception-500)
+            except BaseException as exc:  # noqa: BLE001 - §7.3 kit-base-exception-500
                 settle(None, _AgentRaised(exc))
 
         task = loop.create_task(run())
     else:
         def run_sync() -> Any:
             _server_loop.set(loop)
-            return _call_agent(functools.partial(agent, envelope), envelope)
+            return _call_agent(envelope, agent, envelope)
 
         _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
-    timer = loop.call_later(timeout_s, settle, None,
-                            _Overran(f"agent did not finish within run_timeout_s={timeout_s:g} s"))
+    timer = loop.call_later(timeout_s, settle, None, _Overran(timeout_s))
     try:
         return await waiter
     finally:
@@ -2619,7 +2611,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
 def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes) -> Dict[str, Any]:
     if envelope.run_token.encode() not in encoded:
         return body
-    _log.warning("the agent's response contained the run token; it was redacted")
+    _log.warning("the run token in the agent's response was redacted")
     return redact(body, envelope.run_token)  # type: ignore[no-any-return]
 
 # ---------------------------------------------------------------------------
@@ -2627,7 +2619,7 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes)
 
 
 class DispatchApp:
-    """An agent (sync or ``async def``) at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
+    """An agent at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
 
     def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
                  token: str | None = None, token_env: str | None = DEFAULT_TOKEN_ENV,
@@ -2639,7 +2631,7 @@ class DispatchApp:
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
         for wrong, problem in (
                 (not path.startswith("/"), f"path must start with '/', got {path!r}"),
-                (no_auth and token, "no_auth=True and a token contradict each other: choose one"),
+                (no_auth and token, "no_auth=True contradicts a token: choose one"),
                 (not (no_auth or token or token_env), "auth needs a token or a token_env, or no_auth=True"),
                 (max_body < 1, f"max_body must be a positive number of bytes, got {max_body!r}"),
                 (not re.fullmatch(r"[A-Za-z0-9-]+", auth_header),
@@ -2648,34 +2640,33 @@ class DispatchApp:
                 raise ValueError(problem)
         self.run_timeout_s = check_run_timeout(run_timeout_s)
         self.agent, self.token, self.strict, self.no_auth = agent, token, strict, no_auth
-        self.token_env = None if token else token_env  # kit-token-env-per-request: read at each request
+        self.token_env = None if token else token_env  # kit-token-env-per-request
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
         self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
-        if self.tools_schema is not None:
-            convert_tools(self.tools_schema, "platform")  # checked, but served as given: the platform compares them
+        if self.tools_schema:
+            convert_tools(self.tools_schema, "platform")  # checked; served as given
         hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
         try:
             allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
         except ValueError as exc:
-            source = f"environment variable {ENV_PROXY_ALLOWED_HOSTS}" if proxy_hosts is None else "proxy_hosts"
+            source = ENV_PROXY_ALLOWED_HOSTS if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
         self.path, self.auth_header, self.max_body = path.rstrip("/") or "/", auth_header, int(max_body)
         self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
                                  allowed)
 
     def describe_auth(self) -> str:
-        """How auth is configured, for a start-up line (never the token)."""
+        """Auth, for a start-up line (never the token)."""
         if self.no_auth:
-            return "DISABLED (no_auth): anyone who can reach this endpoint can dispatch"
-        value = "Bearer <token>" if self.auth_header.lower() == "authorization" else "<token>"
-        source = "the configured token" if self.token else f"${self.token_env}"
+            return "DISABLED (no_auth): anyone can dispatch"
+        bearer = "Bearer " if self.auth_header.lower() == "authorization" else ""
+        line = f"{self.auth_header}: {bearer}<token> (token from {'token=' if self.token else f'${self.token_env}'})"
         unset = self.token_env and not os.environ.get(self.token_env)
-        return f"{self.auth_header}: {value} (token from {source})" + (
-            f"; {self.token_env} is NOT set: every request gets 503 until it is" if unset else "")
+        return line + (f"; {self.token_env} is NOT set: every request gets 503" if unset else "")
 
     def describe_proxy_hosts(self) -> str:
-        """Which proxy hosts dispatches may name, for a start-up line."""
+        """The allowed proxy hosts, for a start-up line."""
         hosts = self.endpoint.proxy_hosts
         return (f"any (no allow-list: set {ENV_PROXY_ALLOWED_HOSTS} or --proxy-hosts in production)" if hosts is None
                 else ", ".join(hosts) or "none")
@@ -2685,9 +2676,8 @@ class DispatchApp:
         return _on_loop(self.ahandle(method, target, headers, body))
 
     async def ahandle(self, method: str, target: str, headers: HeadersLike, body: bytes | None) -> HttpReply:
-        """The reply to a request whose ``body`` is what :func:`request_body_length` allowed, logged (kit-log-line)."""
-        started = time.monotonic()
-        stats = _DispatchStats()
+        """The reply to a request (``body`` as :func:`request_body_length` allowed), logged (kit-log-line)."""
+        started, stats = time.monotonic(), _DispatchStats()
         try:
             headers = _lower_headers(headers)
             expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
@@ -2710,33 +2700,29 @@ class DispatchApp:
                     urlsplit(target).path, reply.status, *ids, (time.monotonic() - started) * 1000, stats.proxy_calls,
                     "" if what == "dispatch" else f" ({what})")
             return reply
-        except Exception as exc:  # noqa: BLE001 - the last line of defence
+        except Exception as exc:  # noqa: BLE001
             return _fallback_reply(exc)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
-        """§2 step 4, the reply to a connectivity check (§3.7, §7.1 kit-proxy-host-allow-list)."""
+        """The reply to a connectivity check (§2 step 4, §3.7, kit-proxy-host-allow-list)."""
         probe = await aprobe_proxy(proxy_url)
         if self.endpoint.proxy_hosts is None and not probe["reachable"]:
-            probe = {"reachable": False, "status_code": None, "latency_ms": None,
-                     "error": "no proxy answered (details only with a proxy-host allow-list)"}
+            probe = {**dict.fromkeys(probe), "reachable": False, "error": "unreachable (no allow-list: no details)"}
         return json_reply(200, {"ok": True, "outbound": probe})
 
     @property
     def agent_is_async(self) -> bool:
-        """Whether the agent runs on the loop: ``async def``, through partials and ``__call__``."""
+        """Whether the agent is ``async def`` (through partials and ``__call__``)."""
         import inspect
 
-        agent = self.agent
-        while isinstance(agent, functools.partial):
-            agent = agent.func
-        return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
+        return inspect.iscoroutinefunction(self.agent) or inspect.iscoroutinefunction(type(self.agent).__call__)
 
     def run_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
         """:meth:`arun_agent` from a blocking thread."""
         return _on_loop(self.arun_agent(envelope, stats))
 
     async def arun_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
-        """The reply to running the agent on ``envelope`` within ``run_timeout_s`` (§7.3)."""
+        """The reply to running the agent on ``envelope`` (§7.3)."""
         stats = _DispatchStats() if stats is None else stats
         bound = _dispatch_stats.set(stats)
         secrets = self.secrets(envelope)
@@ -2748,9 +2734,9 @@ class DispatchApp:
             return reply if clean is body else json_reply(200, clean)
         except _Overran as overran:
             stats.cancelled = True
-            _log.error("run %s: no result within run_timeout_s=%g s", envelope.run_id, self.run_timeout_s)
+            _log.error("run %s: %s", envelope.run_id, overran)
             return error_reply(overran)
-        except ResponseError as exc:  # from _built (the agent's own is an _AgentRaised)
+        except ResponseError as exc:
             return error_reply(ResponseError(redact(f"agent returned a value that cannot become a response: {exc}",
                                                     *secrets)))
         except Exception as exc:  # noqa: BLE001
@@ -2760,7 +2746,7 @@ class DispatchApp:
             trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             _log.error("run %s: the agent raised:\n%s", envelope.run_id, redact(trace, *secrets))
             return error_reply(AgentError(describe_error(error, DETAIL_LIMIT, *secrets)))
-        except BaseException:  # this dispatch itself was cancelled
+        except BaseException:  # cancelled
             stats.cancelled = True
             _log.warning("run %s (jti %s) was cut by the shutdown", envelope.run_id, envelope.run_token_jti)
             raise
@@ -2768,7 +2754,7 @@ class DispatchApp:
             _dispatch_stats.reset(bound)
 
     def secrets(self, envelope: Envelope | None) -> Tuple[str | None, str | None]:
-        """The run token and the agent token, which no reply or log line shows."""
+        """The run token and the agent token: no reply or log shows them."""
         return envelope.run_token if envelope else None, self.token or os.environ.get(self.token_env or "")
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
@@ -2777,13 +2763,11 @@ class DispatchApp:
         pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
         headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
         length = request_body_length(headers, self.max_body)
-        body = None
-        if length is not None:
-            body = bytearray()  # to the end: a host may hand back short reads
-            while len(body) < length and (chunk := environ["wsgi.input"].read(min(length - len(body), 1 << 16))):
-                body += chunk
+        body, need = bytearray(), length or 0
+        while len(body) < need and (chunk := environ["wsgi.input"].read(min(need - len(body), 1 << 16))):
+            body += chunk
         reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
-                            None if body is None else bytes(body))
+                            None if length is None else bytes(body))
         start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)  # PEP 3333: no Connection header
         return [reply.body]
 
@@ -2795,7 +2779,7 @@ class DispatchApp:
             await send({"type": "lifespan.shutdown.complete"})
             return
         if scope["type"] != "http":
-            raise ValueError(f"DispatchApp.asgi serves http and lifespan scopes, not {scope['type']!r}")
+            raise ValueError(f"unsupported ASGI scope type {scope['type']!r}")
         headers = _lower_headers(scope.get("headers", []))
         length = request_body_length(headers, self.max_body)
         body, more = bytearray(), length is not None
@@ -2807,7 +2791,7 @@ class DispatchApp:
             more = message.get("more_body", False)
         reply = await self.ahandle(scope["method"], scope.get("path", "/"), headers,
                                    None if length is None else bytes(body))
-        # a body left unread, or refused before any agent ran (kit-strict-request-head)
+        # kit-strict-request-head
         close = length is None or 400 <= reply.status < 500 or reply.status == 503
         sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
         await send({"type": "http.response.start", "status": reply.status,
@@ -2816,7 +2800,7 @@ class DispatchApp:
 
     @property
     def asgi(self) -> Callable[..., Any]:
-        """The ASGI3 application as an ``async def`` function (hosts detect its interface)."""
+        """The ASGI3 application as an ``async def`` function."""
         async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
             await self(scope, receive, send)
 
@@ -2830,15 +2814,14 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
 
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """:func:`probe_proxy` on the running loop."""
-    started = time.monotonic()
-    status: int | None = None
+    started, status = time.monotonic(), None
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
         del request.headers["Idempotency-Key"], request.headers["Accept"]
-        exchange = _shared_transport().aexchange
-        status = (await exchange(request.url, "POST", request.path, request.headers, request.body, timeout, 1 << 16))[0]
-        error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status} from the proxy"
+        status = (await _shared_transport().aexchange(request.url, "POST", request.path, request.headers, request.body,
+                                                      timeout, 1 << 16))[0]
+        error = None if status in (401, 403) or 200 <= status < 300 else f"unexpected HTTP {status}"
     except (_TransportFailure, EnvelopeError, _ReplyTooLarge) as failure:
         status = getattr(failure, "status", None)
         cause = failure.__cause__ if isinstance(failure, _TransportFailure) else None
@@ -2863,17 +2846,14 @@ def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., 
 DEFAULT_READ_TIMEOUT_S = 30.0  # §7.1 kit-server-timeouts
 DEFAULT_GRACE_S = 30.0
 DEFAULT_KEEPALIVE_S = 75.0
-SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost a quarter of the CPU in a fan-out of 2,000 dispatches
+SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost 25 % of the CPU in a fan-out
 
 
 @functools.lru_cache(maxsize=64)
 def _reason(status: int) -> str:
     from http import HTTPStatus
 
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
+    return HTTPStatus(status).phrase
 
 
 @functools.lru_cache(maxsize=4)
@@ -2895,18 +2875,17 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
 
 class _ServerConnection:
     transport: Any
-    head: RequestHead | None = None  # its body not yet whole
+    head: RequestHead | None = None
     headers: Mapping[str, str]
     length: int | None = 0  # of the body; None: unread, then a close
     task: Any = None
     deadline: float | None = None  # of the read or keep-alive timeout
-    timer: Any = None  # due by the deadline, re-armed if early: a keep-alive request sets none
+    timer: Any = None  # due by the deadline, re-armed if early
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
     def __init__(self, server: AsyncDispatchServer) -> None:
-        self.server = server
-        self.buffer = bytearray()
+        self.server, self.buffer = server, bytearray()
 
     def connection_made(self, transport: Any) -> None:
         self.transport, server = transport, self.server
@@ -2914,13 +2893,13 @@ class _ServerConnection:
         if len(server.connections) <= server.max_connections:
             return self._arm(server.read_timeout_s)
         self._send(error_reply(OverloadedError(
-            f"this server is at its limit of {server.max_connections} open connections: retry shortly")), True)
+            f"at the limit of {server.max_connections} open connections: retry shortly")), True)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         if self.task is None:
             self._advance()
-        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:  # pipelined behind a running dispatch
+        elif len(self.buffer) > MAX_REQUEST_HEAD_BYTES:
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -2931,14 +2910,14 @@ class _ServerConnection:
         return not self.closing
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.closing = True  # a running dispatch finishes unanswered: its tool calls are real
+        self.closing = True  # a running dispatch finishes unanswered
         self.server.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()
         if self.jobs is not None:
             self.jobs.put(None)
 
-    def pause_writing(self) -> None:  # a reply is written whole: the transport buffers it
+    def pause_writing(self) -> None:  # the transport buffers a reply
         pass
 
     resume_writing = pause_writing
@@ -2952,7 +2931,7 @@ class _ServerConnection:
                 if not buffer:
                     return
                 if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)  # for the whole request, from its first byte
+                    self._arm(server.read_timeout_s)
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
@@ -2994,7 +2973,7 @@ class _ServerConnection:
         except BaseException:  # cancelled
             if not server.cutting:
                 raise
-            reply = error_reply(ShuttingDownError("the server shut down before this dispatch finished: retry it"))
+            reply = error_reply(ShuttingDownError("shut down before this dispatch finished: retry it"))
         finally:
             server.tasks.discard(self.task)
             self.task = None
@@ -3013,15 +2992,14 @@ class _ServerConnection:
                         else "\r\n"]).encode("latin-1")
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
-            self.closing = True
-            self.transport.close()
+            self.cut()
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
     def _arm(self, seconds: float | None) -> None:
         server = self.server
         self.deadline = None if seconds is None else server.loop.time() + seconds
-        if self.timer is None and seconds is not None:  # waits the shorter timeout at most: due by any deadline
+        if self.timer is None and seconds is not None:
             wait = min(seconds, server.read_timeout_s, server.keepalive_s)
             self.timer = server.loop.call_later(wait, self._timed_out)
 
@@ -3034,16 +3012,16 @@ class _ServerConnection:
         if not (self.buffer or self.head):
             return self.cut()
         self._send(error_reply(RequestTimeoutError(
-            f"the request did not arrive whole within {self.server.read_timeout_s:g} s")), True)
+            f"request incomplete after {self.server.read_timeout_s:g} s")), True)
 
     def cut(self) -> None:
-        if self.task is None and not self.closing:  # a running dispatch has a drain's grace period
+        if self.task is None and not self.closing:  # a running dispatch gets the grace period
             self.closing = True
             self.transport.close()
 
 
 def default_max_connections() -> int:
-    """Open connections the built-in server takes: 10,000, or half the open-file limit if lower."""
+    """Open connections the built-in server takes: 10,000, or half the file limit."""
     try:
         import resource
 
@@ -3054,7 +3032,7 @@ def default_max_connections() -> int:
 
 
 class AsyncDispatchServer:
-    """The built-in dispatch server, HTTP/1.1 on one asyncio event loop, bound when made."""
+    """The built-in dispatch server: HTTP/1.1 on one asyncio loop, bound when made."""
 
     loop: Any = None
     draining = cutting = False
@@ -3077,8 +3055,7 @@ class AsyncDispatchServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
-        self._backlog = backlog
-        self._lock = threading.Lock()
+        self._backlog, self._lock = backlog, threading.Lock()
 
     @property
     def url(self) -> str:
@@ -3108,7 +3085,7 @@ class AsyncDispatchServer:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         with self._lock:
-            if self.draining:  # close() came first (serve's SIGTERM)
+            if self.draining:  # close() came first
                 return
             self._listener = await self.loop.create_server(
                 lambda: _ServerConnection(self), sock=self.socket, backlog=self._backlog)
@@ -3129,7 +3106,7 @@ class AsyncDispatchServer:
         return not self.cutting
 
     def shutdown(self) -> None:
-        """:meth:`close` with no grace period (socketserver's name)."""
+        """:meth:`close` with no grace period."""
         self.close(0)
 
     server_close = shutdown
@@ -3175,11 +3152,8 @@ class _ThreadsServer(AsyncDispatchServer):
 
     def _work(self, jobs: Any) -> None:
         for future, head, headers, body in iter(jobs.get, None):
-            try:
-                reply = self.app.handle(head.method, head.target, headers, body)
-            except Exception as exc:  # noqa: BLE001
-                reply = _fallback_reply(exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed
+            reply = self.app.handle(head.method, head.target, headers, body)  # ahandle catches what it can
+            with contextlib.suppress(RuntimeError):  # loop closed
                 self.loop.call_soon_threadsafe(_resolve, future, reply)
 
 
@@ -3188,7 +3162,7 @@ def _resolve(future: Any, result: Any) -> None:
         future.set_result(result)
 
 # ---------------------------------------------------------------------------
-# Starting a server: make_server, start_server, serve (signals and the drain)
+# Starting a server: make_server, start_server, serve (signals, the drain)
 
 def _raise_file_limit() -> None:
     with contextlib.suppress(ImportError, OSError, ValueError):
@@ -3211,17 +3185,17 @@ def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
     if isinstance(agent, DispatchApp) and options:
-        raise TypeError(f"options {sorted(options)} apply when building the app; got an existing DispatchApp")
+        raise TypeError(f"options {sorted(options)} need an agent, not a DispatchApp")
     app = agent if isinstance(agent, DispatchApp) else DispatchApp(agent, **options)
     if app.no_auth:
-        _log.warning("auth is DISABLED: anyone who can reach this endpoint can dispatch")
+        _log.warning("auth is DISABLED: anyone can dispatch")
     return (AsyncDispatchServer if server == "asyncio" else _ThreadsServer)(
         app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, max_connections=max_connections)
 
 
 def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 0,
                  **options: Any) -> AsyncDispatchServer:
-    """:func:`make_server`'s server, serving on a background thread (tests, notebooks)."""
+    """:func:`make_server`'s server, serving on a background thread."""
     server = make_server(agent, host=host, port=port, **options)
     server._thread = threading.Thread(target=server.serve_forever, name="pipelines-server", daemon=True)
     server._thread.start()
@@ -3231,7 +3205,7 @@ def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = 
 def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 8080,
           grace_s: float = DEFAULT_GRACE_S, ready: Callable[[Any], None] | None = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
-    """Serve until SIGTERM or SIGINT, then drain for up to ``grace_s``: 0 if every dispatch finished, else 1."""
+    """Serve until SIGTERM/SIGINT, then drain up to ``grace_s``: 0 if no dispatch was cut, else 1."""
     import gc
     import signal
 
@@ -3240,34 +3214,32 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
     previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
-        if gc_threshold > 0 and gc.isenabled():  # gc_threshold=0 leaves the collector as it is
-            gc.freeze()  # what is loaded now (the agent, its imports) is never garbage
+        if gc_threshold > 0 and gc.isenabled():
+            gc.freeze()  # the agent and its imports are never garbage
             first, *rest = gc.get_threshold()
-            if 0 < first < gc_threshold:
-                gc.set_threshold(gc_threshold, *rest)
+            gc.set_threshold(first and max(first, gc_threshold), *rest)
         if ready is not None:
-            ready(server)  # listening
+            ready(server)
         while not stop.wait(0.5):
             pass
         _log.info("shutting down: draining for up to %g s", grace_s)
         if server.close(grace_s):
             return 0
-        _log.warning("grace period over with dispatches still running; exiting anyway")
+        _log.warning("grace period over: exiting anyway")
         return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 # ---------------------------------------------------------------------------
-# Code mode (§5): one agent function, the sandbox's run() entrypoint
+# Code mode (§5): the sandbox's run() entrypoint
 
 
 def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope | None = None, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` (default: the bound one) bound, its run token
-    redacted from what it raises."""
-    envelope = envelope if envelope is not None else _current.get()
+    """``fn(*args, **kwargs)`` on a new thread with ``envelope`` bound, its run token kept out of errors."""
+    envelope = envelope or _current.get()
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, functools.partial(fn, *args, **kwargs), envelope))
+        return _on_fresh_thread(functools.partial(_call_agent, envelope, functools.partial(fn, *args, **kwargs)))
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
@@ -3277,41 +3249,8 @@ def _run_argument(value: str | None, argument: str, variable: str) -> str:
     if value is None:
         value = os.environ.get(variable, "")
         if not value.strip():
-            raise EnvelopeError(f"run() got no {argument} argument, and environment variable {variable} is not set")
+            raise EnvelopeError(f"run() got no {argument}, and {variable} is not set")
     return value
-
-
-def _code_mode_run(agent: Callable[[Envelope], Any], envelope: Envelope, limit: float,
-                   strict: bool | None) -> Dict[str, Any]:
-    stats = _DispatchStats()
-    bound = _dispatch_stats.set(stats)  # copied into the agent's thread
-    token = envelope.run_token
-    try:
-        result = _on_fresh_thread(functools.partial(_call_agent, functools.partial(agent, envelope), envelope), limit)
-    except _Overran:
-        stats.cancelled = True
-        failure: BaseException = RunTimeoutError(f"agent did not finish within run_timeout_s={limit:g} s; its proxy "
-                                                 "calls are refused (its thread may still be running)")
-    except _AgentRaised as raised:
-        failure = cast(BaseException, _redact_exception_chain(raised.error, token))
-        if isinstance(raised.error, Exception) and not isinstance(raised.error, PipelinesError):  # else: a stale token
-            cause, failure = failure, AgentError(f"agent raised {describe_error(raised.error, DETAIL_LIMIT, token)}")
-            failure.__cause__ = cause
-    except BaseException:  # a kernel interrupt: the agent runs on, its proxy calls refused
-        stats.cancelled = True
-        raise
-    else:
-        try:
-            body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
-            return _without_run_token(body, envelope, json.dumps(body, ensure_ascii=False, allow_nan=False).encode())
-        except ResponseError as exc:
-            raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
-        except Exception as exc:  # noqa: BLE001
-            problem = describe_error(exc, DETAIL_LIMIT, token)
-            raise ResponseError(f"the response cannot be sent as JSON: {problem}") from None
-    finally:
-        _dispatch_stats.reset(bound)
-    raise failure  # outside the except clauses: no context shows the original
 
 
 def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
@@ -3326,11 +3265,34 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
         else:
             envelope = Envelope.from_run(task_input, proxy_url=_run_argument(proxy_url, "proxy_url", ENV_PROXY_URL),
                                          run_token=_run_argument(run_token, "run_token", ENV_RUN_TOKEN))
-        return _code_mode_run(agent, envelope, limit, strict)
+        stats, token = _DispatchStats(), envelope.run_token
+        bound = _dispatch_stats.set(stats)  # copied into the agent's thread
+        try:
+            result = _on_fresh_thread(functools.partial(_call_agent, envelope, agent, envelope), limit)
+        except _AgentRaised as raised:
+            error = raised.error
+            failure = cast(BaseException, _redact_exception_chain(error, token))
+            if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else: a stale token
+                cause, failure = failure, AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, token)}")
+                failure.__cause__ = cause
+        except BaseException:  # _Overran or an interrupt: the agent runs on, its proxy calls refused
+            stats.cancelled = True
+            raise
+        else:
+            try:
+                body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
+                encoded = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+                return _without_run_token(body, envelope, encoded)
+            except ResponseError as exc:
+                raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
+            except Exception as exc:  # noqa: BLE001
+                raise ResponseError("the response cannot be sent as JSON: "
+                                    + describe_error(exc, DETAIL_LIMIT, token)) from None
+        finally:
+            _dispatch_stats.reset(bound)
+        raise failure  # outside the except clauses: no context shows the original
 
     run.agent = agent  # type: ignore[attr-defined]
-    return run
-
     return run
 
 # ###########################################################################
