@@ -71,19 +71,18 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping  # isinstance against typing.Mapping costs a Python-level check per call
+from collections.abc import Mapping  # faster in isinstance than typing.Mapping
 from typing import (
     TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Deque, Dict, FrozenSet, Generic, Iterable,
     Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar, Union, cast,
 )
 from urllib.parse import quote, urlsplit
 
-if TYPE_CHECKING:  # imported lazily at run time: they cost import time
+if TYPE_CHECKING:  # imported lazily: it costs import time
     import ssl
 
 if __name__ == "__main__":
-    # Run as a script or with -m: an agent file's `import pipelines_port` must get this very
-    # module (one envelope binding, one proxy client), not a second copy.
+    # run as a script: an agent's `import pipelines_port` must get this module, not a second copy
     sys.modules.setdefault("pipelines_port", sys.modules[__name__])
 
 __version__ = "0.1.0"
@@ -122,7 +121,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pipelines_port")
-_access_log = logging.getLogger("pipelines_port.access")  # a line per request; serve --no-access-log quiets it
+_access_log = logging.getLogger("pipelines_port.access")  # a line per request
 
 # ###########################################################################
 #
