@@ -128,8 +128,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions, each rule named as in CONTRACT.md.
-#   No I/O but reading ``os.environ`` when ``environ`` is omitted.
+#   What a port must agree on: data and pure functions, no I/O but reading ``os.environ``.
 #
 # ###########################################################################
 
@@ -193,7 +192,7 @@ DETAIL_LIMIT = 500
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
 MAX_JSON_DEPTH = 100
-MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits, kept by the platform's parser
+MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits
 _REDACTED = "[redacted]"
 _USER_AGENT = "pipelines-port/" + __version__
 
@@ -202,7 +201,7 @@ _USER_AGENT = "pipelines-port/" + __version__
 # Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
 
 class PipelinesError(Exception):
-    """Base of this module's errors; ``headers`` are extra reply headers."""
+    """Base of this module's errors; ``headers``: extra reply headers."""
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
@@ -217,7 +216,7 @@ class RequestError(PipelinesError, ValueError, status=400):
 
 
 class EnvelopeError(RequestError):
-    """A dispatch envelope missing, malformed or not bound."""
+    """A dispatch envelope missing or malformed."""
 
 
 class NotFoundError(RequestError, status=404):
@@ -248,7 +247,7 @@ class UnsupportedTransferCodingError(RequestError, status=501):
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112: the connection closes."""
+    """A request head breaking RFC 9112: the connection closes."""
 
 
 class TargetTooLongError(FramingError, status=414):
@@ -256,7 +255,7 @@ class TargetTooLongError(FramingError, status=414):
 
 
 class HeadersTooLargeError(FramingError, status=431):
-    """A head over ``MAX_REQUEST_HEAD_BYTES`` or ``MAX_REQUEST_FIELDS``."""
+    """A request head too large."""
 
 
 class VersionNotSupportedError(FramingError, status=505):
@@ -268,7 +267,7 @@ class RequestTimeoutError(RequestError, status=408):
 
 
 class AuthError(PipelinesError, status=401):
-    """A missing or wrong credential, never echoed."""
+    """A missing or wrong credential."""
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
@@ -291,18 +290,18 @@ class RunTimeoutError(PipelinesError, status=504):
 
 
 class AgentError(PipelinesError):
-    """The agent raised: ``Type: message``, the original as ``__cause__``."""
+    """The agent raised; the original is ``__cause__``."""
 
 
 class ResponseError(PipelinesError, ValueError):
-    """A value that cannot become a response (§4); ``problems`` lists them all."""
+    """A value that cannot become a response (§4); ``problems`` lists why."""
     def __init__(self, problems: str | Sequence[str]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy request (§3.3); ``status_code`` None: no reply came."""
+    """A failed proxy request (§3.3); ``status_code`` None: no reply."""
     def __init__(self, message: str, *, status_code: int | None = None, error_class: str | None = None,
                  body: Any = None, tool_name: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -320,7 +319,8 @@ class ProxyRequestError(ProxyError, ValueError):
 
 
 class ProxyTransportError(ProxyError):
-    """No usable reply: a timeout, a refused or reset connection, TLS."""
+    """No usable reply: a timeout, refused or reset connection, TLS."""
+
 
 
 class StaleRunTokenError(ProxyError):
@@ -355,14 +355,14 @@ def validate_proxy_url(url: Any, where: str) -> str:
     if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
             parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
         return text
-    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a valid host "
-                        "name, no query, fragment or whitespace")
+    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
+                        "no query")
 
 
 def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
     if not text or _CONTROL_CHARACTER.search(text):  # it goes in a header
-        raise EnvelopeError(f"run token from {where} must be a non-empty string without control characters")
+        raise EnvelopeError(f"run token from {where} is empty or has control characters")
     return text
 
 
@@ -460,7 +460,7 @@ class Envelope:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages: the earlier texts, then this prompt."""
+        """This turn as chat messages."""
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
                  and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                  and m["content"].strip()]
@@ -491,7 +491,7 @@ class Envelope:
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
-        """Read an HTTP dispatch: the JSON body, then the headers (§2.2)."""
+        """Read an HTTP dispatch (§2.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
@@ -502,17 +502,16 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            url = ("proxy URL (looked for body field 'odyssey_proxy_url' or 'pwsa_proxy_url', header "
-                   "X-Pipelines-Odyssey-Proxy-Url or X-Pipelines-Pwsa-Proxy-Url)")
-            raise EnvelopeError("dispatch is missing " + " and ".join(
-                [url] * (found is None) + ["run token (looked for header X-Pipelines-Run-Token)"] * (token is None)))
+            missing = ["proxy URL (odyssey_proxy_url)"] * (found is None) + ["run token (X-Pipelines-Run-Token)"] * (
+                token is None)
+            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
         proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
     def from_run(cls, task_input: Mapping[str, Any] | None, *, proxy_url: str, run_token: str,
                  environ: Mapping[str, str] | None = None) -> Envelope:
-        """Read code mode's ``run()`` arguments and ``environ`` (§5)."""
+        """Read code mode's ``run()`` arguments (§5)."""
         if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
@@ -534,14 +533,14 @@ class Envelope:
         names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
         task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
         if not isinstance(task, Mapping):
-            raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
+            raise EnvelopeError(f"task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types read as absent
+        raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types are absent
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -587,7 +586,7 @@ def _env_json(text: str, name: str) -> Any:
     try:
         return json.loads(base64.b64decode(text, validate=True) if encoded else text)
     except (ValueError, binascii.Error) as exc:
-        raise EnvelopeError(f"{name} is not {'base64-encoded ' if encoded else 'valid '}JSON: {exc}") from None
+        raise EnvelopeError(f"{name} is not valid JSON: {exc}") from None
 
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2 kit-tools-schema-wrapped
@@ -598,7 +597,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
             if isinstance(value, dict) and isinstance(value.get("tools"), list):
                 value = value["tools"]
             if not isinstance(value, list):
-                raise EnvelopeError(f"{name} must hold a JSON list of tools, got {json_type(value)}")
+                raise EnvelopeError(f"{name} must be a JSON list, got {json_type(value)}")
             return value
     return None
 
@@ -607,7 +606,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
 # Inbound decisions (§2): ``decide`` says what a request gets, an adapter does it
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
+    """Whether the request carries the credential, in constant time (§2 step 1, §7.1 kit-bearer-case)."""
     expected = (expected or "").strip()
     received = _lower_headers(headers).get(header_name.lower())
     if not expected or received is None:
@@ -634,7 +633,7 @@ def _content_length(value: str | None) -> int | None:
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> int | None:
-    """The body bytes to read for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
+    """The body bytes to read; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
     try:
@@ -648,14 +647,12 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     if coding is not None and coding.strip().lower() != "chunked":
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if coding is not None or declared is None:
-        raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
-    if _repeated(headers, "content-length", conflicting=True):
-        raise RequestError("Content-Length headers that disagree")
+        raise LengthRequiredError("a Content-Length header is required, not chunked")
     digits = declared.strip()
-    if not (digits.isascii() and digits.isdigit()):
-        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
+    if _repeated(headers, "content-length", conflicting=True) or not (digits.isascii() and digits.isdigit()):
+        raise RequestError(f"bad Content-Length {_short(declared, 40)!r}")
     if len(digits) > 18 or int(digits) > max_body:
-        raise BodyTooLargeError(f"request body over this endpoint's {max_body}-byte cap")
+        raise BodyTooLargeError(f"request body over the {max_body}-byte cap")
     return int(digits)
 
 
@@ -684,10 +681,9 @@ def parse_request_head(head: bytes) -> RequestHead:
         head = head[2:]
     lines = head.split(b"\r\n")
     if len(lines[0]) > MAX_REQUEST_LINE_BYTES:
-        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
+        raise TargetTooLongError("request line too long")
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
-        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
-                                   "fields")
+        raise HeadersTooLargeError("request head too large")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     headers: List[Tuple[str, str]] = []
     for line in lines[1:] if request and request[3] == b"1" else ():
@@ -697,23 +693,22 @@ def parse_request_head(head: bytes) -> RequestHead:
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
         if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
-            raise FramingError("the request head has a bare CR or LF (RFC 9112 §2.2)")
+            raise FramingError("bare CR or LF in the request head")
         if request is None:
-            raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
+            raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)}")
         if request[3] != b"1":
-            raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
-        raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value without control "
-                           "characters (RFC 9112 §5: no line folding, no whitespace before the colon)")
+            raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not supported")
+        raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value (no line folding, "
+                           "no whitespace before the colon)")
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
-        raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
+        raise FramingError("an HTTP/1.1 request needs exactly one Host header")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
-        raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
-                           "(RFC 9112 §6.3)")
+        raise FramingError(f"bad Content-Length {_short(', '.join(lengths), 60)!r}")
     if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
-        raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
+        raise FramingError("Transfer-Encoding with a Content-Length or in HTTP/1.0")
     return RequestHead(request[1].decode("ascii"), request[2].decode("ascii"), version, headers)
 
 
@@ -746,8 +741,7 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: bytes | None, *,
            expected_token: str | None) -> Decision:
-    """What one request gets (§2.3): ``body`` as :func:`request_body_length` allowed, ``expected_token`` ``""``
-    when its variable is unset."""
+    """What one request gets (§2.3); ``expected_token`` is ``""`` when its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -759,11 +753,11 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
             expected_token: str | None) -> Decision:
     if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented")
+        raise UnknownMethodError(f"unknown method {_short(method, 40)}")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
-        raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
+        raise NotFoundError(f"no route for {_short(path, 100)}: use POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
     if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
@@ -775,21 +769,21 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         if not (expected_token or "").strip():
             raise MisconfiguredError(f"the wrapper is misconfigured: {endpoint.token_env} (the agent token) is not set")
         if _repeated(headers, name.lower()):
-            raise AuthError(f"the {name} header was sent more than once", bearer=bearer)
+            raise AuthError(f"{name} header sent more than once", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
             raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
     length = _body_length(headers, endpoint.max_body)
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
     if len(body) > endpoint.max_body:
-        raise BodyTooLargeError(f"request body over this endpoint's {endpoint.max_body}-byte cap")
+        raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
     try:
         payload = _json_from_bytes(body)
     except ValueError as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice")
+            raise RequestError("the ping body has 'ping' twice")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -797,8 +791,9 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     envelope = None if probe else Envelope.from_dispatch(payload, headers)
     proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
     if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
-        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on this "
-                            f"endpoint's allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
+                            f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+
     return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
         "run", envelope=envelope, what="dispatch")
 
