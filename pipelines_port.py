@@ -224,7 +224,7 @@ class NotFoundError(RequestError, status=404):
 
 
 class MethodNotAllowedError(RequestError, status=405):
-    """A method the path does not take; ``headers`` carry ``Allow``."""
+    """A method the path does not take."""
     def __init__(self, message: str, allowed: Sequence[str]) -> None:
         super().__init__(message)
         self.headers = (("Allow", ", ".join(allowed)),)
@@ -251,7 +251,8 @@ class FramingError(RequestError):
 
 
 class TargetTooLongError(FramingError, status=414):
-    """A request line over ``MAX_REQUEST_LINE_BYTES``."""
+    """A request line too long."""
+
 
 
 class HeadersTooLargeError(FramingError, status=431):
@@ -344,7 +345,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 def validate_proxy_url(url: Any, where: str) -> str:
-    """The proxy URL from ``where``, checked, without its trailing ``/`` (§7.2 kit-proxy-url-checked)."""
+    """The proxy URL checked, trailing ``/`` dropped (§7.2 kit-proxy-url-checked)."""
     text = url.strip().rstrip("/") if isinstance(url, str) else ""
     try:
         parts = urlsplit(text)
@@ -502,8 +503,8 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            missing = ["proxy URL (odyssey_proxy_url)"] * (found is None) + ["run token (X-Pipelines-Run-Token)"] * (
-                token is None)
+            missing = ["proxy URL (odyssey_proxy_url, pwsa_proxy_url, X-Pipelines-Odyssey-Proxy-Url)"] * (
+                found is None) + ["run token (X-Pipelines-Run-Token)"] * (token is None)
             raise EnvelopeError("dispatch is missing " + " and ".join(missing))
         proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
@@ -573,7 +574,7 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tu
 
 
 def json_type(value: Any) -> str:
-    """The JSON type of ``value`` as messages name it: ``"an object"``, ..."""
+    """``value``'s JSON type as messages name it: ``"an object"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
                         ((list, tuple), "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
@@ -606,7 +607,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
 # Inbound decisions (§2): ``decide`` says what a request gets, an adapter does it
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """Whether the request carries the credential, in constant time (§2 step 1, §7.1 kit-bearer-case)."""
+    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case)."""
     expected = (expected or "").strip()
     received = _lower_headers(headers).get(header_name.lower())
     if not expected or received is None:
@@ -676,7 +677,7 @@ class RequestHead(NamedTuple):
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head, before its empty line (§7.1 kit-strict-request-head)."""
+    """Read a request head (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     lines = head.split(b"\r\n")
@@ -713,7 +714,7 @@ def parse_request_head(head: bytes) -> RequestHead:
 
 
 class Endpoint(NamedTuple):
-    """A dispatch endpoint's settings, as :func:`decide` sees them."""
+    """A dispatch endpoint's settings."""
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
     token_env: str | None = DEFAULT_TOKEN_ENV
@@ -723,7 +724,7 @@ class Endpoint(NamedTuple):
     proxy_hosts: Tuple[str, ...] | None = None  # the proxy hosts allowed; None: any
 
     def allowed_methods(self, path: str) -> Tuple[str, ...] | None:
-        """The methods routed at ``path``, ``None`` for no route (§7.1 kit-routes)."""
+        """The methods routed at ``path``, or ``None`` (§7.1 kit-routes)."""
         if path == self.path:
             return ("POST",)
         tools = path == TOOLS_SCHEMA_PATH and self.tools_schema is not None
@@ -731,7 +732,7 @@ class Endpoint(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` ``envelope``."""
+    """What a request gets: ``"reply"``, ``"probe"`` (§3.7) or ``"run"``."""
     action: str
     reply: HttpReply | None = None
     proxy_url: str | None = None
@@ -741,7 +742,7 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: bytes | None, *,
            expected_token: str | None) -> Decision:
-    """What one request gets (§2.3); ``expected_token`` is ``""`` when its variable is unset."""
+    """What one request gets (§2.3); ``expected_token`` ``""``: its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -812,7 +813,7 @@ def _split_host_entry(entry: str) -> Tuple[str, int | None]:
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
-    """Whether a proxy URL's host and port are on an allow-list (``None``: any)."""
+    """Whether a proxy URL's host and port are allowed (``None``: any)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -837,7 +838,7 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 # Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
 
 def validate_tool_name(name: Any) -> str:
-    """``name`` when it matches ``TOOL_NAME_RE`` (§3.1, §7.5 kit-local-tool-name)."""
+    """``name``, checked (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
         raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match ^{TOOL_NAME_RE.pattern}$",
                                 tool_name=name if isinstance(name, str) else None)
@@ -870,7 +871,7 @@ _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """A request body: a JSON object (``None`` as ``{}``) within the cap (§3.1, §7.5)."""
+    """A request body: a JSON object within the cap (§3.1, §7.5)."""
     if not isinstance(args, Mapping) and args is not None:
         raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {json_type(args)}", tool_name=name)
     try:
@@ -891,7 +892,7 @@ def _header_problem(headers: Mapping[str, str]) -> str | None:
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as sent, and again on every retry (§3.1, §3.4)."""
+    """One proxy request, as sent on every attempt (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
     url: Any  # urllib.parse.SplitResult
@@ -902,7 +903,7 @@ class ProxyRequest(NamedTuple):
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
                   actor: str | None = None, idempotency_key: str | None = None) -> ProxyRequest:
-    """``POST {proxy_url}/{kind}/{name}`` with the run token, one Idempotency-Key, the actor (§3.1, §3.5)."""
+    """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
                "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
@@ -914,7 +915,7 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: str | None = None,
                       idempotency_key: str | None = None) -> ProxyRequest:
-    """A tool call, checked before anything is sent (§3.1, §3.5, §7.5)."""
+    """A tool call, checked (§3.1, §3.5, §7.5)."""
     validate_tool_name(name)
     label = validate_actor_label(actor)
     return proxy_request(proxy_url, run_token, "tools", name, encode_args(name, args), actor=label,
@@ -923,7 +924,7 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapping[str, Any] | None, *,
                   occurred_at: str, actor: str | None = None) -> ProxyRequest:
-    """A live trace event, ``__occurred_at`` stamped unless set (§3.4)."""
+    """A live trace event (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
         raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
@@ -951,7 +952,7 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None 
 # Reply interpretation (§3.2, §3.3) and the retry decision
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to; ``stale``: a pooled connection found closed, re-sent at once."""
+    """What one attempt came to; ``stale``: a pooled connection was closed."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: PipelinesError | None = None
@@ -969,7 +970,7 @@ def _model_retry_after(headers: Any) -> float | None:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds from a ``Retry-After`` header (seconds or an HTTP date), else ``None``."""
+    """Seconds from a ``Retry-After`` header, else ``None``."""
     text = (value or "").strip()
     try:
         seconds = float(text)
@@ -984,7 +985,7 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 def error_fields(body: Any) -> Tuple[str | None, str | None]:
-    """``(error_class, message)`` from the three error body shapes (§3.3 error-body-shapes)."""
+    """``(error_class, message)`` from an error body (§3.3 error-body-shapes)."""
     if not isinstance(body, dict):
         return None, None
     detail = body.get("detail")
@@ -1020,7 +1021,7 @@ def retry_decision(status: int, error_class: str | None) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: str | None = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body)."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
@@ -1042,7 +1043,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
 
 
 class RetryPolicy(NamedTuple):
-    """The retry policy of proxy requests (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
+    """The proxy requests' retry policy (§3.3, §7.4 kit-retry-numbers)."""
     max_attempts: int = 4
     base_delay_s: float = 0.5
     max_delay_s: float = 4.0
@@ -1051,7 +1052,7 @@ class RetryPolicy(NamedTuple):
     transport_retries: int = 2
 
     def delay(self, retry_number: int, retry_after: float | None = None) -> float:
-        """Seconds to wait before retry ``retry_number`` (1 for the first)."""
+        """Seconds to wait before retry ``retry_number`` (from 1)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
         wait = self.base_delay_s * (2 ** (retry_number - 1)) * random.uniform(1 - self.jitter, 1 + self.jitter)
@@ -1059,7 +1060,7 @@ class RetryPolicy(NamedTuple):
 
 
 class RetryStep(NamedTuple):
-    """What a driver does next: return ``value``, raise ``error``, or retry after ``wait_s``."""
+    """What a driver does next: ``"return"``, ``"raise"`` or ``"retry"``."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: PipelinesError | None = None
@@ -1067,14 +1068,14 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): a driver does what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3)."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
         self.policy, self.attempts, self.transport_failures = policy, 0, 0
 
     def step(self, outcome: ProxyOutcome) -> RetryStep:
-        """The next step after an attempt that came to ``outcome``."""
+        """The next step after ``outcome``."""
         self.attempts += 1
         policy, error, wait = self.policy, outcome.error, outcome.retry_after
         if outcome.kind == "value":
@@ -1134,8 +1135,7 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[str | No
                     getattr(value, "metadata", None) if whole else None, {})
     if mapping:
         return None, None, None, {}
-    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
-                        "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
+    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string or a mapping")
 
 
 def _tool_call_name(call: Any) -> str | None:
@@ -1184,7 +1184,7 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            notes.append(f"{problems[0]}{more}; {key} dropped, as the platform drops it")
+            notes.append(f"{problems[0]}{more}; {key} dropped, as the platform does")
             del body[key]
     return body, notes
 
@@ -1192,8 +1192,7 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
 def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
                       metadata: Mapping[str, Any] | None = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the response (§4) to an agent's result, ``messages`` and ``metadata`` overriding its
-    own (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
+    """``(body, warnings)``: the response to an agent's result (§4, §7.7 kit-result-shapes)."""
     notes: List[str] = []
     turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
         "final_response" not in value)
@@ -1202,12 +1201,13 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         if not strict:
             body["message"] = _final_text(body["message"], "message", notes=notes)
             if not isinstance(body["session_done"], bool):
-                notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
+                notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent false")
+
                 body["session_done"] = False
     else:
         if turn_reply:
             value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-            notes.append("session_done: a single-turn dispatch has no session to end; message sent as final_response")
+            notes.append("session_done: not a multi-turn dispatch; message sent as final_response")
         final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
         body, key = {**extra, "final_response": final}, "final_response"
         messages = found_messages if messages is None else messages
@@ -1239,7 +1239,7 @@ def build_turn_reply(message: Any, *, metadata: Mapping[str, Any] | None = None,
 
 
 def validate_response(body: Any) -> List[str]:
-    """A response body's problems, each from its JSON path, warnings last (§4.1, §7.7 kit-strict-transcript)."""
+    """A response body's problems, warnings last (§4.1, §7.7 kit-strict-transcript)."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
@@ -1256,10 +1256,10 @@ def _body_problems(body: Mapping[str, Any], key: str, warnings: List[str], json_
     elif not text:  # only final_response gets here
         problems.append(f"{key}: must not be empty (the judge has nothing to grade)")
     elif not text.strip():
-        warnings.append(f"warning: {key}: blank (only whitespace)")
+        warnings.append(f"warning: {key}: blank")
     elif key == "final_response" and len(text) > FINAL_RESPONSE_SOFT_LIMIT:
-        warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates it at "
-                        f"~{FINAL_RESPONSE_SOFT_LIMIT}")
+        warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates at "
+                        f"{FINAL_RESPONSE_SOFT_LIMIT}")
     if key == "message" and not isinstance(body.get("session_done"), bool):
         problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
     problems += _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
@@ -1307,7 +1307,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
         if calls and isinstance(calls, (list, tuple)) and role != "assistant":
-            warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
+            warnings.append(f"warning: {at}.tool_calls: on a {role!r} message, not an assistant's")
         for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
@@ -1317,7 +1317,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         if role == "tool" and not call_id and isinstance(call_id, str):
             problems.append(f"{at}.tool_call_id: required on role 'tool'")
         elif role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
-            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
+            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} matches no earlier tool call")
     return problems
 
 
@@ -1329,14 +1329,14 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
         call.get("type", "function") == "function")
     if flat and nested:
-        return [f"{at}: has both 'name' and 'function': send one"]
+        return [f"{at}: has both 'name' and 'function'"]
     if not flat and not nested:
         if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
-            return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
-        return [f"{at}.name: no resolvable tool name; the platform drops it"]
+            return [f"{at}.type: must be \"function\", got {_short(repr(call['type']), 40)}"]
+        return [f"{at}.name: no resolvable tool name"]
     arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
+        warnings.append(f"warning: {at}.arguments: should be an object or a string, got {json_type(arguments)}")
     call_id = call.get("id", "")
     if not isinstance(call_id, str):
         return [f"{at}.id: must be a string, got {json_type(call_id)}"]
@@ -1355,7 +1355,7 @@ class HttpReply(NamedTuple):
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """``payload`` as compact JSON in valid UTF-8, with its length."""
+    """``payload`` as compact JSON."""
     try:
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: sent as U+FFFD
@@ -1365,21 +1365,21 @@ def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str
 
 
 def error_reply(exc: BaseException) -> HttpReply:
-    """The one error path: ``exc.http_status`` (else 500), ``{"detail": message}`` (§7.1 kit-error-statuses)."""
+    """``{"detail": message}`` with ``exc.http_status``, else 500 (§7.1 kit-error-statuses)."""
     if isinstance(exc, PipelinesError):
         return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
 def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: str | None) -> str:
-    """``"TypeName: message"``, one line of at most ``limit`` characters, ``secrets`` redacted."""
+    """``"TypeName: message"``: one line, at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: str | None) -> Any:
-    """``value`` (a string or JSON value) with each secret replaced by ``[redacted]``."""
+    """``value`` (a string or JSON value) with each secret as ``[redacted]``."""
     kept = [secret for secret in secrets if secret]
     if isinstance(value, str):
         for secret in kept:
