@@ -608,13 +608,11 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
     """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case)."""
-    expected = (expected or "").strip()
-    received = _lower_headers(headers).get(header_name.lower())
+    expected, name = (expected or "").strip(), header_name.lower()
+    received = _lower_headers(headers).get(name)
     if not expected or received is None:
         return False
-    scheme, received = "bearer", received.strip()
-    if header_name.lower() == "authorization":
-        scheme, _, received = received.partition(" ")
+    scheme, _, received = received.strip().partition(" ") if name == "authorization" else ("bearer", "", received)
     received = received.strip()
     try:  # servers give header bytes as latin-1 text
         sent = received.encode("latin-1")
@@ -855,17 +853,17 @@ def validate_actor_label(label: Any) -> str | None:
     if not isinstance(label, str):
         problem = f"must be a string, got {type(label).__name__}"
     elif len(text) > ACTOR_MAX_LENGTH:
-        problem = f"is {len(text)} characters long (at most {ACTOR_MAX_LENGTH})"
+        problem = f"over {ACTOR_MAX_LENGTH} characters"
     elif len(segments) > ACTOR_MAX_SEGMENTS:
-        problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
+        problem = f"over {ACTOR_MAX_SEGMENTS} segments"
     elif bad:
-        problem = f"has segment {_short(repr(bad[0]), 80)}: not 1-64 characters from [A-Za-z0-9_.:-]"
+        problem = f"segment {_short(repr(bad[0]), 80)} is not 1-64 of [A-Za-z0-9_.:-]"
     else:
         return text
     raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# made once: json.dumps with options makes an encoder per call
+# made once: json.dumps with options makes one per call
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -879,15 +877,14 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     except (TypeError, ValueError) as exc:
         raise ProxyRequestError(f"{what} for {name!r} are not JSON: {exc}", tool_name=name) from None
     if len(body) > MAX_REQUEST_BYTES:
-        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes, over the {MAX_REQUEST_BYTES}-byte cap",
-                                tool_name=name)
+        raise ProxyRequestError(f"{what} for {name!r} over the {MAX_REQUEST_BYTES}-byte cap", tool_name=name)
     return body
 
 
 def _header_problem(headers: Mapping[str, str]) -> str | None:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return f"header {name} has a line break or control character in its value (not shown)"
+            return f"header {name} has a control character in its value"
     return None
 
 
@@ -926,8 +923,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapp
                   occurred_at: str, actor: str | None = None) -> ProxyRequest:
     """A live trace event (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
-        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
-                                + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
+        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}", tool_name=str(event_type))
     label = validate_actor_label(actor)
     if not isinstance(payload, Mapping) and payload is not None:
         raise ProxyRequestError(f"trace payload must be a JSON object, got {json_type(payload)}", tool_name=event_type)
@@ -942,7 +938,7 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None 
     """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
-        raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
+        raise ProxyRequestError("a handoff needs from and to labels", error_class="actor_id_invalid")
     extra = {"reason": reason, "payload_preview": payload_preview}
     return None if source == target else {"from_sub_agent": source, "to_sub_agent": target,
                                           **{k: v for k, v in extra.items() if v is not None}}
@@ -1146,18 +1142,14 @@ def _tool_call_name(call: Any) -> str | None:
 
 
 def _normalise_tool_call(call: Any) -> Any:
-    if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
-        flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
-        flat["name"] = call["function"].get("name")
-        if "arguments" in call["function"]:
-            flat["arguments"] = call["function"]["arguments"]
-        return flat
-    return dict(call) if isinstance(call, Mapping) else call
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or "name" in call:
+        return dict(call) if isinstance(call, Mapping) else call
+    flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
+    return {**flat, "name": function.get("name"), **{k: v for k, v in function.items() if k == "arguments"}}
 
 
 def _normalise_messages(messages: Any) -> Any:
-    if not isinstance(messages, (list, tuple)):
-        return messages
     out = [dict(message) if isinstance(message, Mapping) else message for message in messages]
     for message in out:
         if isinstance(message, dict) and isinstance(message.get("tool_calls"), (list, tuple)):
@@ -1213,7 +1205,8 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         messages = found_messages if messages is None else messages
         metadata = found_metadata if metadata is None else metadata
         if messages is not None:
-            body["messages"] = _normalise_messages(messages)
+            body["messages"] = _normalise_messages(messages) if isinstance(messages, (list, tuple)) else messages
+
         if metadata is not None:
             body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
@@ -1272,13 +1265,11 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
         return []
     if not isinstance(metadata, Mapping):
         return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
-    try:
+    with contextlib.suppress(Exception):  # a mapping that raises: _jsonable names it
         warnings += [f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}"
                      for key, kind, wanted in _METADATA_TYPES for value in (metadata.get(key),)
                      if value is not None and not (isinstance(value, kind) and (kind is str or (
                          not isinstance(value, bool) and 0 <= value < math.inf)))]
-    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
-        pass
     return []
 
 
