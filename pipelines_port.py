@@ -254,7 +254,6 @@ class TargetTooLongError(FramingError, status=414):
     """A request line too long."""
 
 
-
 class HeadersTooLargeError(FramingError, status=431):
     """A request head too large."""
 
@@ -321,7 +320,6 @@ class ProxyRequestError(ProxyError, ValueError):
 
 class ProxyTransportError(ProxyError):
     """No usable reply: a timeout, refused or reset connection, TLS."""
-
 
 
 class StaleRunTokenError(ProxyError):
@@ -792,7 +790,6 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
         raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
                             f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
-
     return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
         "run", envelope=envelope, what="dispatch")
 
@@ -1194,7 +1191,6 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
             body["message"] = _final_text(body["message"], "message", notes=notes)
             if not isinstance(body["session_done"], bool):
                 notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent false")
-
                 body["session_done"] = False
     else:
         if turn_reply:
@@ -1206,7 +1202,6 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         metadata = found_metadata if metadata is None else metadata
         if messages is not None:
             body["messages"] = _normalise_messages(messages) if isinstance(messages, (list, tuple)) else messages
-
         if metadata is not None:
             body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
