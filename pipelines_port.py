@@ -198,7 +198,7 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
+# Errors, each with its HTTP status (§7.1 kit-error-statuses)
 
 class PipelinesError(Exception):
     """Base of this module's errors; ``headers``: extra reply headers."""
@@ -531,8 +531,6 @@ class Envelope:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
         task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
-        if not isinstance(task, Mapping):
-            raise EnvelopeError(f"task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
@@ -602,7 +600,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): ``decide`` says what a request gets, an adapter does it
+# Inbound decisions (§2): what a request gets
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
     """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case)."""
@@ -764,7 +762,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"the wrapper is misconfigured: {endpoint.token_env} (the agent token) is not set")
+            raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
         if _repeated(headers, name.lower()):
             raise AuthError(f"{name} header sent more than once", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
@@ -830,7 +828,7 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 
 
 # ---------------------------------------------------------------------------
-# Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+# Request encoding (§3.1, §3.4, §3.5)
 
 def validate_tool_name(name: Any) -> str:
     """``name``, checked (§3.1, §7.5 kit-local-tool-name)."""
@@ -1001,7 +999,7 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
         return body.decode("utf-8", "replace"), False
 
 
-# §3.3 as data: (status, error classes or None for any, outcome)
+# §3.3: (status, error classes or None for any, outcome)
 RETRY_TABLE: Tuple[Tuple[int, FrozenSet[str] | None, str], ...] = (
     (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
@@ -1021,7 +1019,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
         return ProxyOutcome("value", value["response"] if is_json and isinstance(value, dict) and "response" in value
                             else value)
     value = redact(value, run_token)
-    error_class, message = error_fields(value) if is_json else (None, None)
+    error_class, message = error_fields(value)
     if message is None:
         message = _short(value if isinstance(value, str) else json.dumps(value) if value is not None else "")
     if isinstance(value, str) and not is_json:
@@ -1331,7 +1329,7 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
 
 
 # ---------------------------------------------------------------------------
-# HTTP replies of a dispatch endpoint: JSON bodies, one error path
+# HTTP replies of a dispatch endpoint
 
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers."""
