@@ -526,13 +526,10 @@ class Envelope:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Envelope:
         """Read the code-mode environment (§5)."""
         env = os.environ if environ is None else environ
-        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
-        if missing:
-            raise EnvelopeError("environment is missing " + " and ".join(missing))
+        proxy_url = validate_proxy_url(env.get(ENV_PROXY_URL), f"environment variable {ENV_PROXY_URL}")
+        run_token = _check_run_token(env.get(ENV_RUN_TOKEN), f"environment variable {ENV_RUN_TOKEN}")
         names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
         task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
-        proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
-        run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
 
     @classmethod
@@ -550,7 +547,7 @@ class Envelope:
             proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
             _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
             _first_id(raw.get("agent_id")),
-            jti.strip() if isinstance(jti, str) and jti.strip() else _header(headers, HEADER_RUN_TOKEN_JTI),
+            _first_id(jti if isinstance(jti, str) else None, _header(headers, HEADER_RUN_TOKEN_JTI)),
             typed("user_instruction", str) or "", typed("input", dict) or _FrozenDict(),
             typed("latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
             typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
@@ -769,7 +766,7 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
             raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
     length = _body_length(headers, endpoint.max_body)
     if body is None or len(body) < length:
-        raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
+        raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
     if len(body) > endpoint.max_body:
         raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
     try:
