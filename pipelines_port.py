@@ -606,11 +606,10 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
     if not expected or received is None:
         return False
     scheme, _, received = received.strip().partition(" ") if name == "authorization" else ("bearer", "", received)
-    received = received.strip()
     try:  # servers give header bytes as latin-1 text
-        sent = received.encode("latin-1")
+        sent = received.strip().encode("latin-1")
     except UnicodeEncodeError:
-        sent = received.encode("utf-8", "surrogateescape")
+        sent = received.strip().encode("utf-8", "surrogateescape")
     return hmac.compare_digest(sent, expected.encode("utf-8", "surrogateescape")) and scheme.lower() == "bearer"
 
 
@@ -684,7 +683,7 @@ def parse_request_head(head: bytes) -> RequestHead:
             break
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
-        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
+        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # a CR or LF outside a CRLF
             raise FramingError("bare CR or LF in the request head")
         if request is None:
             raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)}")
@@ -1162,8 +1161,8 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(calls, list):
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
-                      for j, call in enumerate(calls) if _tool_call_name(call) is None]
-            message["tool_calls"] = [call for call in calls if _tool_call_name(call) is not None]
+                      for j, call in enumerate(calls) if not _tool_call_name(call)]
+            message["tool_calls"] = [call for call in calls if _tool_call_name(call)]
     for key, problems in (("messages", _message_problems(messages, [])),
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
@@ -1305,14 +1304,14 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
 def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
-    function = call.get("function")  # the schema's oneOf: the flat form or the nested one
+    function = call.get("function")  # the schema's oneOf: flat or nested
     flat = isinstance(call.get("name"), str)
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
         call.get("type", "function") == "function")
     if flat and nested:
         return [f"{at}: has both 'name' and 'function'"]
     if not flat and not nested:
-        if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
+        if call.get("type", "function") != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\", got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name"]
     arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
