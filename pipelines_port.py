@@ -576,9 +576,8 @@ def json_type(value: Any) -> str:
 
 
 def _env_json(text: str, name: str) -> Any:
-    encoded = name.endswith("_B64")
     try:
-        return json.loads(base64.b64decode(text, validate=True) if encoded else text)
+        return json.loads(base64.b64decode(text, validate=True) if name.endswith("_B64") else text)
     except (ValueError, binascii.Error) as exc:
         raise EnvelopeError(f"{name} is not valid JSON: {exc}") from None
 
@@ -710,8 +709,8 @@ class Endpoint(NamedTuple):
     token_env: str | None = DEFAULT_TOKEN_ENV
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
-    tools_schema: Sequence[Any] | None = None  # served at GET /tools_schema when set
-    proxy_hosts: Tuple[str, ...] | None = None  # the proxy hosts allowed; None: any
+    tools_schema: Sequence[Any] | None = None  # served at GET /tools_schema
+    proxy_hosts: Tuple[str, ...] | None = None  # None: any host
 
     def allowed_methods(self, path: str) -> Tuple[str, ...] | None:
         """The methods routed at ``path``, or ``None`` (§7.1 kit-routes)."""
@@ -1152,10 +1151,10 @@ def _well_formed(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # lone surrogates as U+FFFD
 
 
-def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    notes: List[str] = []
-    body = _jsonable(body, "body", notes)
-    notes = [note.removeprefix("body.") for note in notes]
+def _as_the_platform_keeps(body: Dict[str, Any], notes: List[str]) -> Dict[str, Any]:
+    kept: List[str] = []
+    body = _jsonable(body, "body", kept)
+    notes += [note.removeprefix("body.") for note in kept]
     messages = body.get("messages")
     for i, message in enumerate(messages) if isinstance(messages, list) else ():
         calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -1169,7 +1168,7 @@ def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[s
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             notes.append(f"{problems[0]}{more}; {key} dropped, as the platform does")
             del body[key]
-    return body, notes
+    return body
 
 
 def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
@@ -1199,8 +1198,7 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         if metadata is not None:
             body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
-        body, kept = _as_the_platform_keeps(body)
-        notes += kept
+        body = _as_the_platform_keeps(body, notes)
     warnings: List[str] = []
     errors = _body_problems(body, key, warnings, not strict)
     soft = [w[len("warning: "):] for w in warnings]
