@@ -1136,7 +1136,10 @@ def _normalise_tool_call(call: Any) -> Any:
     if not isinstance(function, Mapping) or "name" in call:
         return dict(call) if isinstance(call, Mapping) else call
     flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
-    return {**flat, "name": function.get("name"), **{k: v for k, v in function.items() if k == "arguments"}}
+    flat["name"] = function.get("name")
+    if "arguments" in function:
+        flat["arguments"] = function["arguments"]
+    return flat
 
 
 def _normalise_messages(messages: Any) -> Any:
@@ -1252,11 +1255,13 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
         return []
     if not isinstance(metadata, Mapping):
         return [f"metadata: must be an object or null, got {json_type(metadata)} (the platform drops it)"]
-    with contextlib.suppress(Exception):  # a mapping that raises: _jsonable names it
+    try:
         warnings += [f"warning: metadata.{key}: should be {wanted}, got {_short(_safe_repr(value), 40)}"
                      for key, kind, wanted in _METADATA_TYPES for value in (metadata.get(key),)
                      if value is not None and not (isinstance(value, kind) and (kind is str or (
                          not isinstance(value, bool) and 0 <= value < math.inf)))]
+    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
+        pass
     return []
 
 
