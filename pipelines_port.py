@@ -136,7 +136,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request; 
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
 
-# §2.1 headers (stored lower-case), §2.2 body fields, §3.5
+# §2.1 headers (lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -235,7 +235,7 @@ class UnknownMethodError(RequestError, status=501):
 
 
 class LengthRequiredError(RequestError, status=411):
-    """A body without a usable Content-Length."""
+    """No usable Content-Length."""
 
 
 class BodyTooLargeError(RequestError, status=413):
@@ -263,7 +263,7 @@ class VersionNotSupportedError(FramingError, status=505):
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request not read within ``read_timeout_s``."""
+    """A request not read in time."""
 
 
 class AuthError(PipelinesError, status=401):
@@ -274,7 +274,7 @@ class AuthError(PipelinesError, status=401):
 
 
 class MisconfiguredError(PipelinesError, status=503):
-    """The agent token's variable is unset."""
+    """The agent token is unset."""
 
 
 class ShuttingDownError(PipelinesError, status=503):
@@ -925,7 +925,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapp
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
                   payload_preview: str | None = None) -> Dict[str, Any] | None:
-    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff."""
+    """A ``handoff`` event's payload (§3.4 handoff-shape), ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs from and to labels", error_class="actor_id_invalid")
@@ -1011,8 +1011,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
-        return ProxyOutcome("value", value["response"] if is_json and isinstance(value, dict) and "response" in value
-                            else value)
+        return ProxyOutcome("value", value["response"] if isinstance(value, dict) and "response" in value else value)
     value = redact(value, run_token)
     error_class, message = error_fields(value)
     if message is None:
@@ -1101,7 +1100,7 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: List[str] | No
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
-    dump = getattr(value, "model_dump_json", None)  # a pydantic model
+    dump = getattr(value, "model_dump_json", None)  # pydantic
     return _safe_text(value, dump if callable(dump) else None)
 
 
