@@ -198,7 +198,7 @@ _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors, each with its HTTP status (§7.1 kit-error-statuses)
+# Errors and their HTTP statuses (§7.1 kit-error-statuses)
 
 class PipelinesError(Exception):
     """Base of this module's errors; ``headers``: extra reply headers."""
@@ -355,7 +355,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
             parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
         return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
-                        "no query")
+                        "no query, fragment or whitespace")
 
 
 def _check_run_token(token: Any, where: str) -> str:
@@ -847,7 +847,7 @@ def validate_actor_label(label: Any) -> str | None:
     elif len(segments) > ACTOR_MAX_SEGMENTS:
         problem = f"over {ACTOR_MAX_SEGMENTS} segments"
     elif bad:
-        problem = f"segment {_short(repr(bad[0]), 80)} is not 1-64 of [A-Za-z0-9_.:-]"
+        problem = f"segment {_short(repr(bad[0]), 80)} is not 1-64 characters of [A-Za-z0-9_.:-]"
     else:
         return text
     raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
@@ -913,7 +913,8 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapp
                   occurred_at: str, actor: str | None = None) -> ProxyRequest:
     """A live trace event (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
-        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}", tool_name=str(event_type))
+        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: use one of "
+                                + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
     label = validate_actor_label(actor)
     if not isinstance(payload, Mapping) and payload is not None:
         raise ProxyRequestError(f"trace payload must be a JSON object, got {json_type(payload)}", tool_name=event_type)
@@ -935,7 +936,7 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None 
 
 
 # ---------------------------------------------------------------------------
-# Reply interpretation (§3.2, §3.3) and the retry decision
+# Reply interpretation (§3.2, §3.3) and retries
 
 class ProxyOutcome(NamedTuple):
     """What one attempt came to; ``stale``: a pooled connection was closed."""
@@ -1083,7 +1084,7 @@ class RetryState:
 
 
 # ---------------------------------------------------------------------------
-# Response envelope (§4): building and validation
+# Response envelope (§4): built and checked
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -1120,7 +1121,8 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[str | No
                     getattr(value, "metadata", None) if whole else None, {})
     if mapping:
         return None, None, None, {}
-    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string or a mapping")
+    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string or a mapping with "
+                        "'final_response'")
 
 
 def _tool_call_name(call: Any) -> str | None:
