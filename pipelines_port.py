@@ -526,8 +526,11 @@ class Envelope:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Envelope:
         """Read the code-mode environment (§5)."""
         env = os.environ if environ is None else environ
-        proxy_url = validate_proxy_url(env.get(ENV_PROXY_URL), f"environment variable {ENV_PROXY_URL}")
-        run_token = _check_run_token(env.get(ENV_RUN_TOKEN), f"environment variable {ENV_RUN_TOKEN}")
+        missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
+        if missing:
+            raise EnvelopeError("environment is missing " + " and ".join(missing))
+        proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
+        run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
         names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
         task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
@@ -874,7 +877,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 def _header_problem(headers: Mapping[str, str]) -> str | None:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return f"header {name} has a control character in its value"
+            return f"header {name} has a line break or control character in its value"
     return None
 
 
