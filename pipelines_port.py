@@ -1290,21 +1290,20 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         for key, kinds, wanted in _MESSAGE_FIELDS:
             if key in message and not isinstance(message[key], kinds):
                 problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
-        role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
+        role, call_id = message.get("role"), message.get("tool_call_id", "")
+        calls, thinking = message.get("tool_calls"), message.get("thinking")
+        calls, thinking = [v if isinstance(v, (list, tuple)) else () for v in (calls, thinking)]
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        if calls and isinstance(calls, (list, tuple)) and role != "assistant":
+        if calls and role != "assistant":
             warnings.append(f"warning: {at}.tool_calls: on a {role!r} message, not an assistant's")
-        for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
+        for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                     for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
-                     if not isinstance(block, Mapping)]
-        call_id = message.get("tool_call_id", "")
-        if role == "tool" and not call_id and isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: required on role 'tool'")
-        elif role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
-            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} matches no earlier tool call")
+                     for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
+        if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
+            problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} matches no earlier tool call"
+                                                      if call_id else "required on role 'tool'"))
     return problems
 
 
