@@ -1290,9 +1290,8 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         for key, kinds, wanted in _MESSAGE_FIELDS:
             if key in message and not isinstance(message[key], kinds):
                 problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
-        role, call_id = message.get("role"), message.get("tool_call_id", "")
-        calls, thinking = message.get("tool_calls"), message.get("thinking")
-        calls, thinking = [v if isinstance(v, (list, tuple)) else () for v in (calls, thinking)]
+        role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
+        calls = calls if isinstance(calls, (list, tuple)) else ()
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
         if calls and role != "assistant":
@@ -1300,7 +1299,9 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                     for j, block in enumerate(thinking) if not isinstance(block, Mapping)]
+                     for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
+                     if not isinstance(block, Mapping)]
+        call_id = message.get("tool_call_id", "")
         if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
             problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} matches no earlier tool call"
                                                       if call_id else "required on role 'tool'"))
