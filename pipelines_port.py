@@ -127,8 +127,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request
 #
 #   PART 1 - THE CONTRACT
 #
-#   What a port must agree on, as data and pure functions, each rule named as in CONTRACT.md.
-#   No I/O but reading ``os.environ`` when ``environ`` is omitted.
+#   What a port must agree on: data and pure functions, no I/O but reading ``os.environ``.
 #
 # ###########################################################################
 
@@ -136,7 +135,7 @@ _access_log = logging.getLogger("pipelines_port.access")  # a line per request
 # ---------------------------------------------------------------------------
 # Constants: the contract's names and numbers
 
-# §2.1 headers (stored lower-case), §2.2 body fields, §3.5
+# §2.1 headers (lower-case), §2.2 body fields, §3.5
 HEADER_RUN_TOKEN = "x-pipelines-run-token"
 HEADER_PROXY_URL = "x-pipelines-odyssey-proxy-url"
 HEADER_PROXY_URL_LEGACY = "x-pipelines-pwsa-proxy-url"
@@ -192,16 +191,16 @@ DETAIL_LIMIT = 500
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 FINAL_RESPONSE_SOFT_LIMIT = 50_000
 MAX_JSON_DEPTH = 100
-MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits, kept by the platform's parser
+MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits
 _REDACTED = "[redacted]"
 _USER_AGENT = "pipelines-port/" + __version__
 
 
 # ---------------------------------------------------------------------------
-# Errors, each with the HTTP status an endpoint answers (§7.1 kit-error-statuses)
+# Errors and their HTTP statuses (§7.1 kit-error-statuses)
 
 class PipelinesError(Exception):
-    """Base of this module's errors; ``headers`` are extra reply headers."""
+    """Base of this module's errors; ``headers``: extra reply headers."""
     http_status: int = 500
     headers: Tuple[Tuple[str, str], ...] = ()
 
@@ -216,7 +215,7 @@ class RequestError(PipelinesError, ValueError, status=400):
 
 
 class EnvelopeError(RequestError):
-    """A dispatch envelope missing, malformed or not bound."""
+    """A dispatch envelope missing or malformed."""
 
 
 class NotFoundError(RequestError, status=404):
@@ -224,7 +223,7 @@ class NotFoundError(RequestError, status=404):
 
 
 class MethodNotAllowedError(RequestError, status=405):
-    """A method the path does not take; ``headers`` carry ``Allow``."""
+    """A method the path does not take."""
     def __init__(self, message: str, allowed: Sequence[str]) -> None:
         super().__init__(message)
         self.headers = (("Allow", ", ".join(allowed)),)
@@ -235,7 +234,7 @@ class UnknownMethodError(RequestError, status=501):
 
 
 class LengthRequiredError(RequestError, status=411):
-    """A body without a usable Content-Length."""
+    """No usable Content-Length."""
 
 
 class BodyTooLargeError(RequestError, status=413):
@@ -247,15 +246,15 @@ class UnsupportedTransferCodingError(RequestError, status=501):
 
 
 class FramingError(RequestError):
-    """A request head that breaks RFC 9112: the connection closes."""
+    """A request head breaking RFC 9112: the connection closes."""
 
 
 class TargetTooLongError(FramingError, status=414):
-    """A request line over ``MAX_REQUEST_LINE_BYTES``."""
+    """A request line too long."""
 
 
 class HeadersTooLargeError(FramingError, status=431):
-    """A head over ``MAX_REQUEST_HEAD_BYTES`` or ``MAX_REQUEST_FIELDS``."""
+    """A request head too large."""
 
 
 class VersionNotSupportedError(FramingError, status=505):
@@ -263,18 +262,18 @@ class VersionNotSupportedError(FramingError, status=505):
 
 
 class RequestTimeoutError(RequestError, status=408):
-    """A request not read within ``read_timeout_s``."""
+    """A request not read in time."""
 
 
 class AuthError(PipelinesError, status=401):
-    """A missing or wrong credential, never echoed."""
+    """A missing or wrong credential."""
     def __init__(self, message: str, *, bearer: bool = True) -> None:
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
 
 
 class MisconfiguredError(PipelinesError, status=503):
-    """The agent token's variable is unset."""
+    """The agent token is unset."""
 
 
 class ShuttingDownError(PipelinesError, status=503):
@@ -290,18 +289,18 @@ class RunTimeoutError(PipelinesError, status=504):
 
 
 class AgentError(PipelinesError):
-    """The agent raised: ``Type: message``, the original as ``__cause__``."""
+    """The agent raised; the original is ``__cause__``."""
 
 
 class ResponseError(PipelinesError, ValueError):
-    """A value that cannot become a response (§4); ``problems`` lists them all."""
+    """A value that cannot become a response (§4); ``problems`` lists why."""
     def __init__(self, problems: str | Sequence[str]) -> None:
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
 
 class ProxyError(PipelinesError):
-    """A failed proxy request (§3.3); ``status_code`` None: no reply came."""
+    """A failed proxy request (§3.3); ``status_code`` None: no reply."""
     def __init__(self, message: str, *, status_code: int | None = None, error_class: str | None = None,
                  body: Any = None, tool_name: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -319,7 +318,7 @@ class ProxyRequestError(ProxyError, ValueError):
 
 
 class ProxyTransportError(ProxyError):
-    """No usable reply: a timeout, a refused or reset connection, TLS."""
+    """No usable reply: a timeout, refused or reset connection, TLS."""
 
 
 class StaleRunTokenError(ProxyError):
@@ -343,7 +342,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 def validate_proxy_url(url: Any, where: str) -> str:
-    """The proxy URL from ``where``, checked, without its trailing ``/`` (§7.2 kit-proxy-url-checked)."""
+    """The proxy URL checked, trailing ``/`` dropped (§7.2 kit-proxy-url-checked)."""
     text = url.strip().rstrip("/") if isinstance(url, str) else ""
     try:
         parts = urlsplit(text)
@@ -354,14 +353,14 @@ def validate_proxy_url(url: Any, where: str) -> str:
     if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
             parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
         return text
-    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a valid host "
-                        "name, no query, fragment or whitespace")
+    raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
+                        "no query, fragment or whitespace")
 
 
 def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
     if not text or _CONTROL_CHARACTER.search(text):  # it goes in a header
-        raise EnvelopeError(f"run token from {where} must be a non-empty string without control characters")
+        raise EnvelopeError(f"run token from {where} is empty or has control characters")
     return text
 
 
@@ -459,7 +458,7 @@ class Envelope:
         return self.session_id is not None or self.turn_id is not None
 
     def conversation(self) -> List[Dict[str, str]]:
-        """This turn as chat messages: the earlier texts, then this prompt."""
+        """This turn as chat messages."""
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages or () if isinstance(m, Mapping)
                  and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                  and m["content"].strip()]
@@ -490,7 +489,7 @@ class Envelope:
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
-        """Read an HTTP dispatch: the JSON body, then the headers (§2.2)."""
+        """Read an HTTP dispatch (§2.2)."""
         if isinstance(body, (bytes, bytearray, str)):
             try:
                 body = json.loads(body)
@@ -501,17 +500,16 @@ class Envelope:
         h = _lower_headers(headers)
         found, token = _proxy_url_source(body, h), _header(h, HEADER_RUN_TOKEN)
         if found is None or token is None:
-            url = ("proxy URL (looked for body field 'odyssey_proxy_url' or 'pwsa_proxy_url', header "
-                   "X-Pipelines-Odyssey-Proxy-Url or X-Pipelines-Pwsa-Proxy-Url)")
-            raise EnvelopeError("dispatch is missing " + " and ".join(
-                [url] * (found is None) + ["run token (looked for header X-Pipelines-Run-Token)"] * (token is None)))
+            missing = ["proxy URL (odyssey_proxy_url, pwsa_proxy_url, X-Pipelines-Odyssey-Proxy-Url)"] * (
+                found is None) + ["run token (X-Pipelines-Run-Token)"] * (token is None)
+            raise EnvelopeError("dispatch is missing " + " and ".join(missing))
         proxy_url = validate_proxy_url(found[1], found[0])
         return cls._read(body, proxy_url, _check_run_token(token, "header X-Pipelines-Run-Token"), h)
 
     @classmethod
     def from_run(cls, task_input: Mapping[str, Any] | None, *, proxy_url: str, run_token: str,
                  environ: Mapping[str, str] | None = None) -> Envelope:
-        """Read code mode's ``run()`` arguments and ``environ`` (§5)."""
+        """Read code mode's ``run()`` arguments (§5)."""
         if not isinstance(task_input, Mapping) and task_input is not None:
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
@@ -530,17 +528,15 @@ class Envelope:
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
-        task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
-        if not isinstance(task, Mapping):
-            raise EnvelopeError(f"the environment's task input must be a JSON object, got {json_type(task)}")
         proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
+        names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
+        task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
         return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
-        raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types read as absent
+        raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types are absent
         task = raw["input"] if isinstance(raw.get("input"), dict) else {}
         jti = raw.get("run_token_jti")
 
@@ -553,7 +549,7 @@ class Envelope:
             proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
             _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
             _first_id(raw.get("agent_id")),
-            jti.strip() if isinstance(jti, str) and jti.strip() else _header(headers, HEADER_RUN_TOKEN_JTI),
+            _first_id(jti if isinstance(jti, str) else None, _header(headers, HEADER_RUN_TOKEN_JTI)),
             typed("user_instruction", str) or "", typed("input", dict) or _FrozenDict(),
             typed("latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
             typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
@@ -573,7 +569,7 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tu
 
 
 def json_type(value: Any) -> str:
-    """The JSON type of ``value`` as messages name it: ``"an object"``, ..."""
+    """``value``'s JSON type as messages name it: ``"an object"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
                         ((list, tuple), "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
@@ -582,11 +578,10 @@ def json_type(value: Any) -> str:
 
 
 def _env_json(text: str, name: str) -> Any:
-    encoded = name.endswith("_B64")
     try:
-        return json.loads(base64.b64decode(text, validate=True) if encoded else text)
+        return json.loads(base64.b64decode(text, validate=True) if name.endswith("_B64") else text)
     except (ValueError, binascii.Error) as exc:
-        raise EnvelopeError(f"{name} is not {'base64-encoded ' if encoded else 'valid '}JSON: {exc}") from None
+        raise EnvelopeError(f"{name} is not valid JSON: {exc}") from None
 
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2 kit-tools-schema-wrapped
@@ -597,28 +592,25 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
             if isinstance(value, dict) and isinstance(value.get("tools"), list):
                 value = value["tools"]
             if not isinstance(value, list):
-                raise EnvelopeError(f"{name} must hold a JSON list of tools, got {json_type(value)}")
+                raise EnvelopeError(f"{name} must be a JSON list, got {json_type(value)}")
             return value
     return None
 
 
 # ---------------------------------------------------------------------------
-# Inbound decisions (§2): ``decide`` says what a request gets, an adapter does it
+# Inbound decisions (§2): what a request gets
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
-    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case), in constant time."""
-    expected = (expected or "").strip()
-    received = _lower_headers(headers).get(header_name.lower())
+    """Whether the request carries the credential (§2 step 1, §7.1 kit-bearer-case)."""
+    expected, name = (expected or "").strip(), header_name.lower()
+    received = _lower_headers(headers).get(name)
     if not expected or received is None:
         return False
-    scheme, received = "bearer", received.strip()
-    if header_name.lower() == "authorization":
-        scheme, _, received = received.partition(" ")
-    received = received.strip()
+    scheme, _, received = received.strip().partition(" ") if name == "authorization" else ("bearer", "", received)
     try:  # servers give header bytes as latin-1 text
-        sent = received.encode("latin-1")
+        sent = received.strip().encode("latin-1")
     except UnicodeEncodeError:
-        sent = received.encode("utf-8", "surrogateescape")
+        sent = received.strip().encode("utf-8", "surrogateescape")
     return hmac.compare_digest(sent, expected.encode("utf-8", "surrogateescape")) and scheme.lower() == "bearer"
 
 
@@ -633,7 +625,7 @@ def _content_length(value: str | None) -> int | None:
 
 
 def request_body_length(headers: Mapping[str, str], max_body: int) -> int | None:
-    """The body bytes to read for :func:`decide`; ``None``: none, then close (§7.1 kit-body-framing)."""
+    """The body bytes to read; ``None``: none, then close (§7.1 kit-body-framing)."""
     if "content-length" not in headers and "transfer-encoding" not in headers:
         return 0
     try:
@@ -647,14 +639,12 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     if coding is not None and coding.strip().lower() != "chunked":
         raise UnsupportedTransferCodingError(f"Transfer-Encoding {_short(coding, 60)!r} is not supported")
     if coding is not None or declared is None:
-        raise LengthRequiredError("a Content-Length header is required (chunked bodies are not read)")
-    if _repeated(headers, "content-length", conflicting=True):
-        raise RequestError("Content-Length headers that disagree")
+        raise LengthRequiredError("a Content-Length header is required, not chunked")
     digits = declared.strip()
-    if not (digits.isascii() and digits.isdigit()):
-        raise RequestError(f"Content-Length {_short(declared, 40)!r} is not a decimal number")
+    if _repeated(headers, "content-length", conflicting=True) or not (digits.isascii() and digits.isdigit()):
+        raise RequestError(f"bad Content-Length {_short(declared, 40)!r}")
     if len(digits) > 18 or int(digits) > max_body:
-        raise BodyTooLargeError(f"request body over this endpoint's {max_body}-byte cap")
+        raise BodyTooLargeError(f"request body over the {max_body}-byte cap")
     return int(digits)
 
 
@@ -678,15 +668,14 @@ class RequestHead(NamedTuple):
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Read a request head, before its empty line (§7.1 kit-strict-request-head)."""
+    """Read a request head (§7.1 kit-strict-request-head)."""
     while head.startswith(b"\r\n"):
         head = head[2:]
     lines = head.split(b"\r\n")
     if len(lines[0]) > MAX_REQUEST_LINE_BYTES:
-        raise TargetTooLongError(f"request line is over {MAX_REQUEST_LINE_BYTES} bytes")
+        raise TargetTooLongError("request line too long")
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
-        raise HeadersTooLargeError(f"request head is over {MAX_REQUEST_HEAD_BYTES} bytes or {MAX_REQUEST_FIELDS} "
-                                   "fields")
+        raise HeadersTooLargeError("request head too large")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     headers: List[Tuple[str, str]] = []
     for line in lines[1:] if request and request[3] == b"1" else ():
@@ -695,39 +684,38 @@ def parse_request_head(head: bytes) -> RequestHead:
             break
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
-        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # more than the CRLFs split on
-            raise FramingError("the request head has a bare CR or LF (RFC 9112 §2.2)")
+        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # a CR or LF outside a CRLF
+            raise FramingError("bare CR or LF in the request head")
         if request is None:
-            raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)} (RFC 9112 §3)")
+            raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)}")
         if request[3] != b"1":
-            raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not HTTP/1.x (RFC 9112 §2.3)")
-        raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value without control "
-                           "characters (RFC 9112 §5: no line folding, no whitespace before the colon)")
+            raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not supported")
+        raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value (no line folding, "
+                           "no whitespace before the colon)")
     names = [name.lower() for name, _ in headers]
     lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
-        raise FramingError("an HTTP/1.1 request needs exactly one Host header (RFC 9112 §3.2)")
+        raise FramingError("an HTTP/1.1 request needs exactly one Host header")
     if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
-        raise FramingError(f"Content-Length {_short(', '.join(lengths), 60)!r} is not one decimal number "
-                           "(RFC 9112 §6.3)")
+        raise FramingError(f"bad Content-Length {_short(', '.join(lengths), 60)!r}")
     if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
-        raise FramingError("Transfer-Encoding with a Content-Length, or in HTTP/1.0 (RFC 9112 §6.1)")
+        raise FramingError("Transfer-Encoding with a Content-Length or in HTTP/1.0")
     return RequestHead(request[1].decode("ascii"), request[2].decode("ascii"), version, headers)
 
 
 class Endpoint(NamedTuple):
-    """A dispatch endpoint's settings, as :func:`decide` sees them."""
+    """A dispatch endpoint's settings."""
     path: str = DEFAULT_DISPATCH_PATH
     auth_header: str = "Authorization"
     token_env: str | None = DEFAULT_TOKEN_ENV
     no_auth: bool = False
     max_body: int = DEFAULT_MAX_BODY_BYTES
-    tools_schema: Sequence[Any] | None = None  # served at GET /tools_schema when set
-    proxy_hosts: Tuple[str, ...] | None = None  # the proxy hosts allowed; None: any
+    tools_schema: Sequence[Any] | None = None  # served at GET /tools_schema
+    proxy_hosts: Tuple[str, ...] | None = None  # None: any host
 
     def allowed_methods(self, path: str) -> Tuple[str, ...] | None:
-        """The methods routed at ``path``, ``None`` for no route (§7.1 kit-routes)."""
+        """The methods routed at ``path``, or ``None`` (§7.1 kit-routes)."""
         if path == self.path:
             return ("POST",)
         tools = path == TOOLS_SCHEMA_PATH and self.tools_schema is not None
@@ -735,7 +723,7 @@ class Endpoint(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What a request gets: ``"reply"``, ``"probe"`` ``proxy_url`` (§3.7), or ``"run"`` ``envelope``."""
+    """What a request gets: ``"reply"``, ``"probe"`` (§3.7) or ``"run"``."""
     action: str
     reply: HttpReply | None = None
     proxy_url: str | None = None
@@ -745,8 +733,7 @@ class Decision(NamedTuple):
 
 def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, body: bytes | None, *,
            expected_token: str | None) -> Decision:
-    """What one request gets (§2.3): ``body`` as :func:`request_body_length` allowed, ``expected_token`` ``""``
-    when its variable is unset."""
+    """What one request gets (§2.3); ``expected_token`` ``""``: its variable is unset."""
     try:
         return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
     except PipelinesError as exc:
@@ -758,11 +745,11 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
 def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
             expected_token: str | None) -> Decision:
     if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"method {_short(method, 40)} is not implemented")
+        raise UnknownMethodError(f"unknown method {_short(method, 40)}")
     path = urlsplit(target).path.rstrip("/") or "/"
     allowed = endpoint.allowed_methods(path)
     if allowed is None:
-        raise NotFoundError(f"no route for {_short(path, 100)}: dispatches go to POST {endpoint.path}")
+        raise NotFoundError(f"no route for {_short(path, 100)}: use POST {endpoint.path}")
     if method not in allowed:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
     if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
@@ -772,23 +759,23 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     if not endpoint.no_auth:
         name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
-            raise MisconfiguredError(f"the wrapper is misconfigured: {endpoint.token_env} (the agent token) is not set")
+            raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
         if _repeated(headers, name.lower()):
-            raise AuthError(f"the {name} header was sent more than once", bearer=bearer)
+            raise AuthError(f"{name} header sent more than once", bearer=bearer)
         if not check_credential(headers, expected_token or "", header_name=name):
             raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
     length = _body_length(headers, endpoint.max_body)
     if body is None or len(body) < length:
-        raise RequestError(f"request body truncated: got {len(body or b'')} of {length} bytes")
+        raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
     if len(body) > endpoint.max_body:
-        raise BodyTooLargeError(f"request body over this endpoint's {endpoint.max_body}-byte cap")
+        raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
     try:
         payload = _json_from_bytes(body)
     except ValueError as exc:
         raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
     if is_ping(payload):
         if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has the key 'ping' twice")
+            raise RequestError("the ping body has 'ping' twice")
         return Decision("reply", json_reply(200, {"ok": True}), what="ping")
     if not isinstance(payload, dict):
         raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
@@ -796,8 +783,8 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
     envelope = None if probe else Envelope.from_dispatch(payload, headers)
     proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
     if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
-        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on this "
-                            f"endpoint's allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
+                            f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
     return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
         "run", envelope=envelope, what="dispatch")
 
@@ -816,7 +803,7 @@ def _split_host_entry(entry: str) -> Tuple[str, int | None]:
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
-    """Whether a proxy URL's host and port are on an allow-list (``None``: any)."""
+    """Whether a proxy URL's host and port are allowed (``None``: any)."""
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
@@ -838,10 +825,10 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
 
 
 # ---------------------------------------------------------------------------
-# Request encoding (§3.1, §3.4, §3.5): what goes on the wire to the proxy
+# Request encoding (§3.1, §3.4, §3.5)
 
 def validate_tool_name(name: Any) -> str:
-    """``name`` when it matches ``TOOL_NAME_RE`` (§3.1, §7.5 kit-local-tool-name)."""
+    """``name``, checked (§3.1, §7.5 kit-local-tool-name)."""
     if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
         raise ProxyRequestError(f"invalid tool name {_short(repr(name), 80)}: must match ^{TOOL_NAME_RE.pattern}$",
                                 tool_name=name if isinstance(name, str) else None)
@@ -858,23 +845,23 @@ def validate_actor_label(label: Any) -> str | None:
     if not isinstance(label, str):
         problem = f"must be a string, got {type(label).__name__}"
     elif len(text) > ACTOR_MAX_LENGTH:
-        problem = f"is {len(text)} characters long (at most {ACTOR_MAX_LENGTH})"
+        problem = f"over {ACTOR_MAX_LENGTH} characters"
     elif len(segments) > ACTOR_MAX_SEGMENTS:
-        problem = f"has {len(segments)} segments (at most {ACTOR_MAX_SEGMENTS})"
+        problem = f"over {ACTOR_MAX_SEGMENTS} segments"
     elif bad:
-        problem = f"has segment {_short(repr(bad[0]), 80)}: not 1-64 characters from [A-Za-z0-9_.:-]"
+        problem = f"segment {_short(repr(bad[0]), 80)} is not 1-64 characters of [A-Za-z0-9_.:-]"
     else:
         return text
     raise ProxyRequestError(f"invalid actor label {_short(repr(label), 80)}: {problem}", error_class="actor_id_invalid")
 
 
-# made once: json.dumps with options makes an encoder per call
+# made once: json.dumps with options makes one per call
 _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STRICT_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
-    """A request body: a JSON object (``None`` as ``{}``) within the cap (§3.1, §7.5)."""
+    """A request body: a JSON object within the cap (§3.1, §7.5)."""
     if not isinstance(args, Mapping) and args is not None:
         raise ProxyRequestError(f"{what} for {name!r} must be a JSON object, got {json_type(args)}", tool_name=name)
     try:
@@ -882,20 +869,19 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
     except (TypeError, ValueError) as exc:
         raise ProxyRequestError(f"{what} for {name!r} are not JSON: {exc}", tool_name=name) from None
     if len(body) > MAX_REQUEST_BYTES:
-        raise ProxyRequestError(f"{what} for {name!r} are {len(body)} bytes, over the {MAX_REQUEST_BYTES}-byte cap",
-                                tool_name=name)
+        raise ProxyRequestError(f"{what} for {name!r} over the {MAX_REQUEST_BYTES}-byte cap", tool_name=name)
     return body
 
 
 def _header_problem(headers: Mapping[str, str]) -> str | None:
     for name, value in headers.items():  # §7.5 kit-header-values
         if _CONTROL_CHARACTER.search(value):
-            return f"header {name} has a line break or control character in its value (not shown)"
+            return f"header {name} has a line break or control character in its value"
     return None
 
 
 class ProxyRequest(NamedTuple):
-    """One proxy request as sent, and again on every retry (§3.1, §3.4)."""
+    """One proxy request, as sent on every attempt (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
     name: str  # the tool, or the trace event type
     url: Any  # urllib.parse.SplitResult
@@ -906,7 +892,7 @@ class ProxyRequest(NamedTuple):
 
 def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: bytes, *,
                   actor: str | None = None, idempotency_key: str | None = None) -> ProxyRequest:
-    """``POST {proxy_url}/{kind}/{name}`` with the run token, one Idempotency-Key, the actor (§3.1, §3.5)."""
+    """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
                "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
@@ -918,7 +904,7 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
 
 def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, actor: str | None = None,
                       idempotency_key: str | None = None) -> ProxyRequest:
-    """A tool call, checked before anything is sent (§3.1, §3.5, §7.5)."""
+    """A tool call, checked (§3.1, §3.5, §7.5)."""
     validate_tool_name(name)
     label = validate_actor_label(actor)
     return proxy_request(proxy_url, run_token, "tools", name, encode_args(name, args), actor=label,
@@ -927,9 +913,9 @@ def tool_call_request(proxy_url: str, run_token: str, name: str, args: Any, *, a
 
 def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapping[str, Any] | None, *,
                   occurred_at: str, actor: str | None = None) -> ProxyRequest:
-    """A live trace event, ``__occurred_at`` stamped unless set (§3.4)."""
+    """A live trace event (§3.4)."""
     if event_type not in TRACE_EVENT_TYPES:
-        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: expected one of "
+        raise ProxyRequestError(f"unknown trace event type {_short(repr(event_type), 60)}: use one of "
                                 + ", ".join(sorted(TRACE_EVENT_TYPES)), tool_name=str(event_type))
     label = validate_actor_label(actor)
     if not isinstance(payload, Mapping) and payload is not None:
@@ -942,20 +928,20 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapp
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
                   payload_preview: str | None = None) -> Dict[str, Any] | None:
-    """A ``handoff`` event's payload (§3.4 handoff-shape); ``None`` for a self-handoff."""
+    """A ``handoff`` event's payload (§3.4 handoff-shape), ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
-        raise ProxyRequestError("a handoff needs non-empty from and to labels", error_class="actor_id_invalid")
+        raise ProxyRequestError("a handoff needs from and to labels", error_class="actor_id_invalid")
     extra = {"reason": reason, "payload_preview": payload_preview}
     return None if source == target else {"from_sub_agent": source, "to_sub_agent": target,
                                           **{k: v for k, v in extra.items() if v is not None}}
 
 
 # ---------------------------------------------------------------------------
-# Reply interpretation (§3.2, §3.3) and the retry decision
+# Reply interpretation (§3.2, §3.3) and retries
 
 class ProxyOutcome(NamedTuple):
-    """What one attempt came to; ``stale``: a pooled connection found closed, re-sent at once."""
+    """What one attempt came to; ``stale``: a pooled connection was closed."""
     kind: str  # "value" | "error" | "retry" | "transport"
     value: Any = None
     error: PipelinesError | None = None
@@ -973,7 +959,7 @@ def _model_retry_after(headers: Any) -> float | None:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds from a ``Retry-After`` header (seconds or an HTTP date), else ``None``."""
+    """Seconds from a ``Retry-After`` header, else ``None``."""
     text = (value or "").strip()
     try:
         seconds = float(text)
@@ -988,7 +974,7 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 def error_fields(body: Any) -> Tuple[str | None, str | None]:
-    """``(error_class, message)`` from the three error body shapes (§3.3 error-body-shapes)."""
+    """``(error_class, message)`` from an error body (§3.3 error-body-shapes)."""
     if not isinstance(body, dict):
         return None, None
     detail = body.get("detail")
@@ -1011,7 +997,7 @@ def _decode_body(body: bytes, content_type: str) -> Tuple[Any, bool]:
         return body.decode("utf-8", "replace"), False
 
 
-# §3.3 as data: (status, error classes or None for any, outcome)
+# §3.3: (status, error classes or None for any, outcome)
 RETRY_TABLE: Tuple[Tuple[int, FrozenSet[str] | None, str], ...] = (
     (429, None, "retry"), (503, TRANSIENT_503_CLASSES, "retry"), (401, STALE_TOKEN_CLASSES, "stale"))
 
@@ -1024,14 +1010,13 @@ def retry_decision(status: int, error_class: str | None) -> str:
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
                     run_token: str | None = None) -> ProxyOutcome:
-    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body), ``run_token`` redacted."""
+    """What a proxy reply means (§3.2, §3.3, §7.4 kit-legacy-whole-body)."""
     h = _lower_headers(headers)
     value, is_json = _decode_body(body, h.get("content-type", ""))
     if 200 <= status < 300:
-        return ProxyOutcome("value", value["response"] if is_json and isinstance(value, dict) and "response" in value
-                            else value)
+        return ProxyOutcome("value", value["response"] if isinstance(value, dict) and "response" in value else value)
     value = redact(value, run_token)
-    error_class, message = error_fields(value) if is_json else (None, None)
+    error_class, message = error_fields(value)
     if message is None:
         message = _short(value if isinstance(value, str) else json.dumps(value) if value is not None else "")
     if isinstance(value, str) and not is_json:
@@ -1046,7 +1031,7 @@ def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name
 
 
 class RetryPolicy(NamedTuple):
-    """The retry policy of proxy requests (§3.3, §7.4 kit-retry-numbers); attempts count the first."""
+    """The proxy requests' retry policy (§3.3, §7.4 kit-retry-numbers)."""
     max_attempts: int = 4
     base_delay_s: float = 0.5
     max_delay_s: float = 4.0
@@ -1055,7 +1040,7 @@ class RetryPolicy(NamedTuple):
     transport_retries: int = 2
 
     def delay(self, retry_number: int, retry_after: float | None = None) -> float:
-        """Seconds to wait before retry ``retry_number`` (1 for the first)."""
+        """Seconds to wait before retry ``retry_number`` (from 1)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
         wait = self.base_delay_s * (2 ** (retry_number - 1)) * random.uniform(1 - self.jitter, 1 + self.jitter)
@@ -1063,7 +1048,7 @@ class RetryPolicy(NamedTuple):
 
 
 class RetryStep(NamedTuple):
-    """What a driver does next: return ``value``, raise ``error``, or retry after ``wait_s``."""
+    """What a driver does next: ``"return"``, ``"raise"`` or ``"retry"``."""
     action: str  # "return" | "raise" | "retry"
     value: Any = None
     error: PipelinesError | None = None
@@ -1071,14 +1056,14 @@ class RetryStep(NamedTuple):
 
 
 class RetryState:
-    """One call's way through the retry policy (§3.3): a driver does what :meth:`step` says."""
+    """One call's way through the retry policy (§3.3)."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
     def __init__(self, policy: RetryPolicy) -> None:
         self.policy, self.attempts, self.transport_failures = policy, 0, 0
 
     def step(self, outcome: ProxyOutcome) -> RetryStep:
-        """The next step after an attempt that came to ``outcome``."""
+        """The next step after ``outcome``."""
         self.attempts += 1
         policy, error, wait = self.policy, outcome.error, outcome.retry_after
         if outcome.kind == "value":
@@ -1101,7 +1086,7 @@ class RetryState:
 
 
 # ---------------------------------------------------------------------------
-# Response envelope (§4): building and validation
+# Response envelope (§4): built and checked
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -1118,7 +1103,7 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: List[str] | No
         raise ResponseError(f"final_response must be a string, got {json_type(value)}")
     if isinstance(value, (dict, list, int, float, bool)):
         return json.dumps(_jsonable(value, key, [] if notes is None else notes), ensure_ascii=False)
-    dump = getattr(value, "model_dump_json", None)  # a pydantic model
+    dump = getattr(value, "model_dump_json", None)  # pydantic
     return _safe_text(value, dump if callable(dump) else None)
 
 
@@ -1138,8 +1123,8 @@ def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[str | No
                     getattr(value, "metadata", None) if whole else None, {})
     if mapping:
         return None, None, None, {}
-    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string, a mapping with "
-                        "'final_response', or an object with one of " + " / ".join(_FINAL_KEYS))
+    raise ResponseError(f"cannot build a response from {type(value).__name__}: return a string or a mapping with "
+                        "'final_response'")
 
 
 def _tool_call_name(call: Any) -> str | None:
@@ -1150,18 +1135,17 @@ def _tool_call_name(call: Any) -> str | None:
 
 
 def _normalise_tool_call(call: Any) -> Any:
-    if isinstance(call, Mapping) and "name" not in call and isinstance(call.get("function"), Mapping):
-        flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
-        flat["name"] = call["function"].get("name")
-        if "arguments" in call["function"]:
-            flat["arguments"] = call["function"]["arguments"]
-        return flat
-    return dict(call) if isinstance(call, Mapping) else call
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or "name" in call:
+        return dict(call) if isinstance(call, Mapping) else call
+    flat = {k: v for k, v in call.items() if k not in ("function", "type")}  # §7.7 kit-flat-tool-calls
+    flat["name"] = function.get("name")
+    if "arguments" in function:
+        flat["arguments"] = function["arguments"]
+    return flat
 
 
 def _normalise_messages(messages: Any) -> Any:
-    if not isinstance(messages, (list, tuple)):
-        return messages
     out = [dict(message) if isinstance(message, Mapping) else message for message in messages]
     for message in out:
         if isinstance(message, dict) and isinstance(message.get("tool_calls"), (list, tuple)):
@@ -1173,31 +1157,30 @@ def _well_formed(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # lone surrogates as U+FFFD
 
 
-def _as_the_platform_keeps(body: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    notes: List[str] = []
-    body = _jsonable(body, "body", notes)
-    notes = [note.removeprefix("body.") for note in notes]
+def _as_the_platform_keeps(body: Dict[str, Any], notes: List[str]) -> Dict[str, Any]:
+    kept: List[str] = []
+    body = _jsonable(body, "body", kept)
+    notes += [note.removeprefix("body.") for note in kept]
     messages = body.get("messages")
     for i, message in enumerate(messages) if isinstance(messages, list) else ():
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(calls, list):
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
-                      for j, call in enumerate(calls) if _tool_call_name(call) is None]
-            message["tool_calls"] = [call for call in calls if _tool_call_name(call) is not None]
+                      for j, call in enumerate(calls) if not _tool_call_name(call)]
+            message["tool_calls"] = [call for call in calls if _tool_call_name(call)]
     for key, problems in (("messages", _message_problems(messages, [])),
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            notes.append(f"{problems[0]}{more}; {key} dropped, as the platform drops it")
+            notes.append(f"{problems[0]}{more}; {key} dropped, as the platform does")
             del body[key]
-    return body, notes
+    return body
 
 
 def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
                       metadata: Mapping[str, Any] | None = None, strict: bool = False,
                       multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
-    """``(body, warnings)``: the response (§4) to an agent's result, ``messages`` and ``metadata`` overriding its
-    own (§7.7 kit-result-shapes, kit-strict-mode, kit-turn-reply-detected)."""
+    """``(body, warnings)``: the response to an agent's result (§4, §7.7 kit-result-shapes)."""
     notes: List[str] = []
     turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
         "final_response" not in value)
@@ -1206,23 +1189,22 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         if not strict:
             body["message"] = _final_text(body["message"], "message", notes=notes)
             if not isinstance(body["session_done"], bool):
-                notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent as false")
+                notes.append(f"session_done: must be a boolean, got {json_type(body['session_done'])}; sent false")
                 body["session_done"] = False
     else:
         if turn_reply:
             value = {("final_response" if k == "message" else k): v for k, v in value.items() if k != "session_done"}
-            notes.append("session_done: a single-turn dispatch has no session to end; message sent as final_response")
+            notes.append("session_done: not a multi-turn dispatch; message sent as final_response")
         final, found_messages, found_metadata, extra = _unpack_result(value, strict, notes)
         body, key = {**extra, "final_response": final}, "final_response"
         messages = found_messages if messages is None else messages
         metadata = found_metadata if metadata is None else metadata
         if messages is not None:
-            body["messages"] = _normalise_messages(messages)
+            body["messages"] = _normalise_messages(messages) if isinstance(messages, (list, tuple)) else messages
         if metadata is not None:
             body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
-        body, kept = _as_the_platform_keeps(body)
-        notes += kept
+        body = _as_the_platform_keeps(body, notes)
     warnings: List[str] = []
     errors = _body_problems(body, key, warnings, not strict)
     soft = [w[len("warning: "):] for w in warnings]
@@ -1243,7 +1225,7 @@ def build_turn_reply(message: Any, *, metadata: Mapping[str, Any] | None = None,
 
 
 def validate_response(body: Any) -> List[str]:
-    """A response body's problems, each from its JSON path, warnings last (§4.1, §7.7 kit-strict-transcript)."""
+    """A response body's problems, warnings last (§4.1, §7.7 kit-strict-transcript)."""
     if not isinstance(body, Mapping):
         return [f"body: must be a JSON object, got {json_type(body)}"]
     warnings: List[str] = []
@@ -1260,10 +1242,10 @@ def _body_problems(body: Mapping[str, Any], key: str, warnings: List[str], json_
     elif not text:  # only final_response gets here
         problems.append(f"{key}: must not be empty (the judge has nothing to grade)")
     elif not text.strip():
-        warnings.append(f"warning: {key}: blank (only whitespace)")
+        warnings.append(f"warning: {key}: blank")
     elif key == "final_response" and len(text) > FINAL_RESPONSE_SOFT_LIMIT:
-        warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates it at "
-                        f"~{FINAL_RESPONSE_SOFT_LIMIT}")
+        warnings.append(f"warning: final_response: {len(text)} characters; the platform truncates at "
+                        f"{FINAL_RESPONSE_SOFT_LIMIT}")
     if key == "message" and not isinstance(body.get("session_done"), bool):
         problems.append(f"session_done: must be a boolean, got {json_type(body.get('session_done'))}")
     problems += _message_problems(body.get("messages"), warnings) + _metadata_problems(body.get("metadata"), warnings)
@@ -1308,39 +1290,39 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
             if key in message and not isinstance(message[key], kinds):
                 problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
         role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
+        calls = calls if isinstance(calls, (list, tuple)) else ()
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
-        if calls and isinstance(calls, (list, tuple)) and role != "assistant":
-            warnings.append(f"warning: {at}.tool_calls: only assistant messages carry tool calls, not {role!r}")
-        for j, call in enumerate(calls if isinstance(calls, (list, tuple)) else ()):
+        if calls and role != "assistant":
+            warnings.append(f"warning: {at}.tool_calls: on a {role!r} message, not an assistant's")
+        for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
                      for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
                      if not isinstance(block, Mapping)]
         call_id = message.get("tool_call_id", "")
-        if role == "tool" and not call_id and isinstance(call_id, str):
-            problems.append(f"{at}.tool_call_id: required on role 'tool'")
-        elif role == "tool" and isinstance(call_id, str) and call_id not in call_ids:
-            problems.append(f"{at}.tool_call_id: {_short(repr(call_id), 60)} is not the id of an earlier tool call")
+        if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
+            problems.append(f"{at}.tool_call_id: " + (f"{_short(repr(call_id), 60)} matches no earlier tool call"
+                                                      if call_id else "required on role 'tool'"))
     return problems
 
 
 def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
-    function = call.get("function")  # the schema's oneOf: the flat form or the nested one
+    function = call.get("function")  # the schema's oneOf: flat or nested
     flat = isinstance(call.get("name"), str)
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
         call.get("type", "function") == "function")
     if flat and nested:
-        return [f"{at}: has both 'name' and 'function': send one"]
+        return [f"{at}: has both 'name' and 'function'"]
     if not flat and not nested:
-        if "type" in call and call["type"] != "function" and isinstance(function, Mapping):
-            return [f"{at}.type: must be \"function\" in the nested form, got {_short(repr(call['type']), 40)}"]
-        return [f"{at}.name: no resolvable tool name; the platform drops it"]
+        if call.get("type", "function") != "function" and isinstance(function, Mapping):
+            return [f"{at}.type: must be \"function\", got {_short(repr(call['type']), 40)}"]
+        return [f"{at}.name: no resolvable tool name"]
     arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
-        warnings.append(f"warning: {at}.arguments: should be an object or a JSON string, got {json_type(arguments)}")
+        warnings.append(f"warning: {at}.arguments: should be an object or a string, got {json_type(arguments)}")
     call_id = call.get("id", "")
     if not isinstance(call_id, str):
         return [f"{at}.id: must be a string, got {json_type(call_id)}"]
@@ -1349,7 +1331,7 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
 
 
 # ---------------------------------------------------------------------------
-# HTTP replies of a dispatch endpoint: JSON bodies, one error path
+# HTTP replies of a dispatch endpoint
 
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers."""
@@ -1359,7 +1341,7 @@ class HttpReply(NamedTuple):
 
 
 def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str]] = ()) -> HttpReply:
-    """``payload`` as compact JSON in valid UTF-8, with its length."""
+    """``payload`` as compact JSON."""
     try:
         body = _COMPACT_JSON.encode(payload).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: sent as U+FFFD
@@ -1369,21 +1351,21 @@ def json_reply(status: int, payload: Any, extra_headers: Sequence[Tuple[str, str
 
 
 def error_reply(exc: BaseException) -> HttpReply:
-    """The one error path: ``exc.http_status`` (else 500), ``{"detail": message}`` (§7.1 kit-error-statuses)."""
+    """``{"detail": message}`` with ``exc.http_status``, else 500 (§7.1 kit-error-statuses)."""
     if isinstance(exc, PipelinesError):
         return json_reply(exc.http_status, {"detail": _short(str(exc), DETAIL_LIMIT - 1)}, exc.headers)
     return json_reply(500, {"detail": describe_error(exc)})
 
 
 def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: str | None) -> str:
-    """``"TypeName: message"``, one line of at most ``limit`` characters, ``secrets`` redacted."""
+    """``"TypeName: message"``: one line, at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
     return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: str | None) -> Any:
-    """``value`` (a string or JSON value) with each secret replaced by ``[redacted]``."""
+    """``value`` (a string or JSON value) with each secret as ``[redacted]``."""
     kept = [secret for secret in secrets if secret]
     if isinstance(value, str):
         for secret in kept:
