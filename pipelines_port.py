@@ -1400,8 +1400,7 @@ def redact(value: Any, *secrets: str | None) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Part 1's decisions carried out with sockets, threads, the environment and
-#   the log.  Global state: ContextVars and lazy singletons.
+#   Part 1 carried out: sockets, threads, the environment, the log.
 #
 # ###########################################################################
 
@@ -1426,7 +1425,7 @@ class _Once(Generic[_T]):  # a lazy singleton
 
 
 # ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster; a port needs none
+# Speed paths (a port needs none)
 
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
@@ -1443,10 +1442,10 @@ def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers (§7.2), headers as one dict
+# Python data: read-only JSON containers (§7.2), headers
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
-    raise TypeError("envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))")
+    raise TypeError("envelope data is read-only; copy it first (copy.deepcopy(x))")
 
 
 class _FrozenDict(Dict[Any, Any]):
@@ -1525,7 +1524,7 @@ def _change(notes: List[str] | None, problem: str, sent: str, fix: str) -> None:
     notes.append(f"{problem}; {sent}")
 
 
-# value as JSON carries it, each change noted (notes None: strict, the first raises)
+# value as JSON carries it, each change noted (notes None: strict, a change raises)
 def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0,
               active: Set[int] | None = None) -> Any:
     if value is None or isinstance(value, bool):
@@ -1533,7 +1532,7 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0,
     if isinstance(value, str):
         if _SURROGATE_RE.search(value) is None:
             return value
-        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not UTF-8", "sent as U+FFFD",
+        _change(notes, f"{path}: lone surrogates are not UTF-8", "sent as U+FFFD",
                 "replace it")
         return _well_formed(value)
     if isinstance(value, int):
@@ -1678,7 +1677,7 @@ def parse_proxy_hosts(text: str | None) -> Tuple[str, ...] | None:
         return None
     entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
     if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the hosts, or leave it unset")
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name hosts or unset it")
     return entries
 
 
@@ -1693,8 +1692,7 @@ def _normal_host_entry(entry: str) -> str:
             return str(ipaddress.IPv6Address(entry))
     elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
         return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix, optionally with :port, "
-                     "without scheme or path")
+    raise ValueError(f"proxy host {shown!r} must be a host name, IP or .suffix [:port], without scheme or path")
 
 
 # ---------------------------------------------------------------------------
@@ -1705,7 +1703,7 @@ _current: contextvars.ContextVar[Envelope | None] = contextvars.ContextVar("pipe
 
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
-    """Bind ``envelope`` to this context (each thread and task has its own) for the ``with`` block."""
+    """Bind ``envelope`` to this context (thread or task) for the ``with`` block."""
     _check_envelope(envelope)
     token = _current.set(envelope)
     try:
@@ -1715,14 +1713,13 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound here, else the run in a ``PIPELINES_*`` environment (§5 child-env-explicit)."""
+    """The envelope bound here, else the ``PIPELINES_*`` environment's (§5 child-env-explicit)."""
     envelope = _current.get()
     if envelope is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: call inside a dispatch, "
-                        "use `with bind_envelope(envelope):` or pass envelope=...")
+    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: pass envelope= or use bind_envelope()")
 
 # ---------------------------------------------------------------------------
 # Event loops: a blocking caller's exchanges on its server's loop or the module's
@@ -1752,7 +1749,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has no such thread
     os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
 
 
-# on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
+# on this thread's server loop, else the module's; whatever interrupts the wait cancels it
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
     import asyncio
     import concurrent.futures
@@ -1782,7 +1779,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -
         raise
 
 # ---------------------------------------------------------------------------
-# Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
+# Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop
 
 class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
     def __init__(self, stale: bool = False) -> None:
@@ -1934,7 +1931,7 @@ class _Transport:  # every outbound call's I/O
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race; idle 60 s at most, as AWS ALB (nginx: 75 s)
+        if pool is None:  # made on its loop's thread: no race; idle 60 s at most (AWS ALB's)
             pool = self._pools[loop] = _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0)
         return pool
 
@@ -1957,14 +1954,13 @@ class _Transport:  # every outbound call's I/O
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
-    # base: the split URL; timeout bounds it, connecting included: its deadline cancels this task (asyncio.wait_for
-    # adds a task, a future and a timer before 3.12)
+    # base: the split URL; timeout bounds it, connecting included: its deadline cancels this task (cheaper than
+    # asyncio.wait_for before 3.12)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
         import asyncio
 
-        problem = _header_problem(headers)
-        if problem:
+        if problem := _header_problem(headers):
             raise ValueError(problem)
         loop = asyncio.get_running_loop()
         scheme, host = base.scheme.lower(), base.hostname
