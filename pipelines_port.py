@@ -1719,7 +1719,7 @@ def current_envelope() -> Envelope:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: pass envelope= or use bind_envelope()")
+    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: use bind_envelope()")
 
 # ---------------------------------------------------------------------------
 # Event loops: a blocking caller's exchanges on its server's loop or the module's
@@ -2084,8 +2084,7 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
     state = RetryState(policy)
     while True:
         try:
-            reply = send()
-            outcome = interpret(*(await reply if hasattr(reply, "__await__") else reply))
+            outcome = interpret(*await _awaited(send()))
         except _TransportFailure as failure:
             import socket
 
@@ -2102,11 +2101,15 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
         if outcome.stale:
-            _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
+            _log.info("%s (a stale connection); retrying", step.error)
         else:
             _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
-        if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
-            await slept
+        if step.wait_s is not None:
+            await _awaited(sleep(step.wait_s))
+
+
+async def _awaited(value: Any) -> Any:  # the value, or an awaitable's result
+    return await value if hasattr(value, "__await__") else value
 
 
 def _failed_before_reply(what: str, cause: BaseException) -> str:
@@ -2172,7 +2175,7 @@ class ProxyClient:
                  rate_per_minute: float | None = None, ssl_context: ssl.SSLContext | None = None,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
-        if not self.timeout > 0:  # 0 would make every exchange fail at once
+        if not self.timeout > 0:
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
         if rate_per_minute is None:
@@ -2267,12 +2270,10 @@ class ProxyClient:
         async def send() -> _Reply:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: its dispatch overran its run_timeout_s", tool_name=name)
-            wait = pacer.reserve(envelope.run_token) if pacer is not None else 0.0
-            if wait > 0 and hasattr(slept := pause(wait), "__await__"):
-                await slept
-            reply = exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                             MAX_REPLY_BYTES)
-            return cast(_Reply, await reply if hasattr(reply, "__await__") else reply)
+            if pacer is not None and (wait := pacer.reserve(envelope.run_token)) > 0:
+                await _awaited(pause(wait))
+            return cast(_Reply, await _awaited(exchange(request.url, "POST", request.path, request.headers,
+                                                        request.body, seconds, MAX_REPLY_BYTES)))
 
         try:
             return await _aretry_loop(
@@ -2452,7 +2453,7 @@ ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 def build_response(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
                    metadata: Mapping[str, Any] | None = None, strict: bool | None = None) -> Dict[str, Any]:
-    """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``PIPELINES_PORT_STRICT``) raises."""
+    """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``ENV_STRICT``) raises."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
