@@ -1566,12 +1566,31 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
         return "[nested too deeply]"
     active.add(id(value))
     try:
-        if isinstance(value, Mapping):
-            return _jsonable_object(value, path, notes, depth, active)
-        if not isinstance(value, (list, tuple)):
-            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
-            value = sorted(value, key=_safe_repr)
-        return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+        if not isinstance(value, Mapping):
+            if not isinstance(value, (list, tuple)):
+                _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
+                value = sorted(value, key=_safe_repr)
+            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+        out: Dict[str, Any] = {}
+        taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
+                name = str.__str__(key)  # a subclass's __str__ may raise
+            elif isinstance(key, str):
+                shown = _short(repr(_well_formed(key)), 40)
+                text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
+                name = _free_name(text, taken, out)
+                if name != text:
+                    cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
+            else:
+                name = _key_text(key)
+                sent = "sent as its text"
+                if name in taken or name in out:
+                    name = _free_name(f"{name} ({type(key).__name__})", taken, out)
+                    sent = f"its text is taken: sent as {name!r}"
+                _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
+            out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
+        return out
     except _Unsendable:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -1588,30 +1607,6 @@ def _unsendable(value: Any, path: str) -> str | None:
     except _Unsendable as exc:
         return str(exc)
     return None
-
-
-def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str] | None, depth: int,
-                     active: Set[int]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
-    for key, item in value.items():
-        if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
-            name = str.__str__(key)  # a subclass's __str__ may raise
-        elif isinstance(key, str):
-            shown = _short(repr(_well_formed(key)), 40)
-            text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
-            name = _free_name(text, taken, out)
-            if name != text:
-                cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
-        else:
-            name = _key_text(key)
-            sent = "sent as its text"
-            if name in taken or name in out:
-                name = _free_name(f"{name} ({type(key).__name__})", taken, out)
-                sent = f"its text is taken: sent as {name!r}"
-            _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
-        out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
-    return out
 
 
 def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
