@@ -1579,16 +1579,17 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
             elif isinstance(key, str):
                 shown = _short(repr(_well_formed(key)), 40)
                 text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
-                name = _free_name(text, taken, out)
+                name = _free_name(text, taken)
                 if name != text:
                     cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
             else:
                 name = _key_text(key)
                 sent = "sent as its text"
-                if name in taken or name in out:
-                    name = _free_name(f"{name} ({type(key).__name__})", taken, out)
+                if name in taken:
+                    name = _free_name(f"{name} ({type(key).__name__})", taken)
                     sent = f"its text is taken: sent as {name!r}"
                 _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
+            taken.add(name)
             out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
         return out
     except _Unsendable:
@@ -1609,9 +1610,9 @@ def _unsendable(value: Any, path: str) -> str | None:
     return None
 
 
-def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
+def _free_name(name: str, taken: Set[str]) -> str:
     base, n = name, 2
-    while name in taken or name in out:
+    while name in taken:
         name, n = f"{base} {n}", n + 1
     return name
 
@@ -1709,8 +1710,7 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 def current_envelope() -> Envelope:
     """The envelope bound here, else the ``PIPELINES_*`` environment's (§5 child-env-explicit)."""
-    envelope = _current.get()
-    if envelope is not None:
+    if (envelope := _current.get()) is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
@@ -1725,10 +1725,7 @@ _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_po
 def _runs_on(loop: Any) -> bool:
     import asyncio
 
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
+    return asyncio._get_running_loop() is loop
 
 
 def _start_loop() -> Any:
@@ -1842,7 +1839,7 @@ class _ClientConnection:
                     break
                 chunk = await reader.readexactly(size + 2)
                 if chunk[-2:] != b"\r\n":
-                    raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
+                    raise ConnectionError("malformed HTTP reply: chunk longer than its size")
                 body += chunk[:-2]
         elif coding is None and "content-length" in lowered:
             length = _content_length(lowered["content-length"])
@@ -2033,9 +2030,8 @@ _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-ke
 
 
 def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of the others only the key and actor
-    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
-             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
-    return (", " + ", ".join(shown)) if shown else ""
+    return "".join(f", {k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
+                   if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower()))
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
@@ -2072,7 +2068,7 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
-# The one driver of RetryState (§3.3); transport_error names an exchange without a reply (DNS or certificate: final)
+# The one driver of RetryState (§3.3); transport_error names an exchange without a reply
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
@@ -2231,8 +2227,7 @@ class ProxyClient:
             _check_envelope(envelope)
             request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
                                         idempotency_key=idempotency_key)
-            label = request.headers.get(HEADER_ACTOR_ID)
-            if label:
+            if label := request.headers.get(HEADER_ACTOR_ID):
                 _warn_if_undeclared(envelope, label)
             return await self._retried(envelope, request, timeout, blocking)
         except ProxyError as exc:
@@ -2272,8 +2267,7 @@ class ProxyClient:
 
         try:
             return await _aretry_loop(
-                send, lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
-                                                                   run_token=envelope.run_token),
+                send, functools.partial(self.interpret, tool_name=name, run_token=envelope.run_token),
                 policy=self.retry, sleep=pause, transport_error=lambda cause: ProxyTransportError(
                     _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name))
         except _ReplyTooLarge as big:
