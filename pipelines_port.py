@@ -1785,6 +1785,10 @@ class _ReplyTooLarge(Exception):
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
 
 
+def _malformed(what: str, text: Any = "") -> ConnectionError:
+    return ConnectionError(f"malformed HTTP reply: {what} {_short(repr(text), 80) if text else ''}".rstrip())
+
+
 class _ClientConnection:
     __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
 
@@ -1807,7 +1811,7 @@ class _ClientConnection:
             lines = head.replace(b"\r\n ", b" ").replace(b"\r\n\t", b" ").split(b"\r\n")  # obs-fold: a space
             version, _, rest = lines[0].partition(b" ")
             if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
-                raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
+                raise _malformed("status line", lines[0])
             status = int(rest[:3])
             if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
                 break
@@ -1815,7 +1819,7 @@ class _ClientConnection:
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name.strip():
-                raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
+                raise _malformed("header line", line)
             headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
         lowered = _lower_headers(headers)
         connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
@@ -1829,7 +1833,7 @@ class _ClientConnection:
                 line = (await reader.readuntil(b"\r\n"))[:-2]
                 size_text = line.split(b";", 1)[0].strip()
                 if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
-                    raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
+                    raise _malformed("chunk size", line)
                 size = int(size_text, 16)
                 if len(body) + size > max_reply:
                     raise _ReplyTooLarge(status, max_reply)
@@ -1839,12 +1843,12 @@ class _ClientConnection:
                     break
                 chunk = await reader.readexactly(size + 2)
                 if chunk[-2:] != b"\r\n":
-                    raise ConnectionError("malformed HTTP reply: chunk longer than its size")
+                    raise _malformed("chunk longer than its size")
                 body += chunk[:-2]
         elif coding is None and "content-length" in lowered:
             length = _content_length(lowered["content-length"])
             if length is None or _repeated(lowered, "content-length", conflicting=True):
-                raise ConnectionError(f"malformed HTTP reply: Content-Length {_short(lowered['content-length'], 40)!r}")
+                raise _malformed("Content-Length", lowered["content-length"])
             if length > max_reply:
                 raise _ReplyTooLarge(status, max_reply, length)
             body += await reader.readexactly(length)
@@ -1998,7 +2002,7 @@ class _Transport:  # every outbound call's I/O
                 cut = "before the reply was complete" if received else "before replying"
                 exc = ConnectionResetError(f"the proxy closed the connection {cut}")
             elif isinstance(exc, asyncio.LimitOverrunError):
-                exc = ConnectionError("malformed HTTP reply: a line over 64 KiB")
+                exc = _malformed("a line over 64 KiB")
             elif not isinstance(exc, OSError):
                 raise
             raise _TransportFailure(stale=reused and not received) from exc
@@ -2132,13 +2136,9 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
     def reserve(self, key: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log.get(key)
-            if log is None:
-                log = self._log[key] = deque(maxlen=self.limit)
-                if len(self._log) > self._max_tokens:
-                    self._log.popitem(last=False)
-            else:
-                self._log.move_to_end(key)
+            log = self._log[key] = self._log.pop(key, None) or deque(maxlen=self.limit)  # the latest last
+            if len(self._log) > self._max_tokens:
+                self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
         if slot > now:
