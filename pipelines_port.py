@@ -1512,7 +1512,7 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7): converted with a note, or refused (strict)
+# Python values as JSON (§7.7): converted with a note, or refused
 
 class _Unsendable(Exception):
     pass
@@ -1524,7 +1524,7 @@ def _change(notes: List[str] | None, problem: str, sent: str, fix: str) -> None:
     notes.append(f"{problem}; {sent}")
 
 
-# value as JSON carries it, each change noted (notes None: strict, a change raises)
+# each change noted; notes None: strict (a change raises)
 def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0,
               active: Set[int] | None = None) -> Any:
     if value is None or isinstance(value, bool):
@@ -1717,7 +1717,7 @@ def current_envelope() -> Envelope:
     raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: use bind_envelope()")
 
 # ---------------------------------------------------------------------------
-# Event loops: a blocking caller's exchanges on its server's loop or the module's
+# Event loops for blocking callers
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
@@ -1741,7 +1741,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has no such thread
     os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
 
 
-# on this thread's server loop, else the module's; whatever interrupts the wait cancels it
+# on this thread's server loop, else the module's; an interrupted wait cancels it
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
     import asyncio
     import concurrent.futures
@@ -1813,7 +1813,7 @@ class _ClientConnection:
             if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
                 raise _malformed("status line", lines[0])
             status = int(rest[:3])
-            if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
+            if not 100 <= status < 200:
                 break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
@@ -1898,7 +1898,7 @@ class _Pool:  # one loop's idle connections
         if self._reaper is not None:
             self._reaper.cancel()
 
-    # closes those idle too long, and all as asyncio.run() ends the loop (else its connections keep it alive)
+    # closes the stale idle ones, and all as asyncio.run() ends the loop (else they keep it alive)
     async def _reap(self) -> None:
         import asyncio
 
@@ -1950,8 +1950,7 @@ class _Transport:  # every outbound call's I/O
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
-    # base: the split URL; timeout bounds it, connecting included: its deadline cancels this task (cheaper than
-    # asyncio.wait_for before 3.12)
+    # base: the split URL; timeout bounds it all: its deadline cancels this task (cheaper than asyncio.wait_for)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
         import asyncio
@@ -2053,7 +2052,7 @@ def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CA
 _shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# Proxy client (§3): one retry loop for both drivers, tool calls, trace events, actors
+# Proxy client (§3): tool calls, trace events, actors
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
@@ -2252,7 +2251,7 @@ class ProxyClient:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
-        sleep = self._sleep or (time.sleep if blocking else _asleep)
+        sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
         pause = cast(Callable[[float], Any], (lambda s: sleep(s) and None) if blocking else sleep)  # no loop to await
         if stats is not None:
             stats.count()
@@ -2272,12 +2271,6 @@ class ProxyClient:
                     _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name))
         except _ReplyTooLarge as big:
             raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
-
-
-async def _asleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
 
 
 def _check_envelope(envelope: Any) -> None:
@@ -2300,7 +2293,7 @@ def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> No
 
 @functools.lru_cache(maxsize=4096)  # once per run and label
 def _warn_undeclared(label: str, catalog: Tuple[str, ...], *run: Any) -> None:
-    _log.warning("actor label %r is undeclared: not in this run's sub_agents %s", label, list(catalog))
+    _log.warning("actor label %r is not in this run's sub_agents %s", label, list(catalog))
 
 
 def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
