@@ -2293,7 +2293,7 @@ def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> No
 
 @functools.lru_cache(maxsize=4096)  # once per run and label
 def _warn_undeclared(label: str, catalog: Tuple[str, ...], *run: Any) -> None:
-    _log.warning("actor label %r is not in this run's sub_agents %s", label, list(catalog))
+    _log.warning("actor label %r is undeclared: not in this run's sub_agents %s", label, list(catalog))
 
 
 def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
