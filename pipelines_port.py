@@ -2135,7 +2135,7 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
     def reserve(self, key: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log[key] = self._log.pop(key, None) or deque(maxlen=self.limit)  # the latest last
+            log = self._log[key] = self._log.pop(key) if key in self._log else deque(maxlen=self.limit)
             if len(self._log) > self._max_tokens:
                 self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
@@ -2183,12 +2183,12 @@ class ProxyClient:
                     errors: str = "raise") -> Any:
         return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
-    def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: str | None = None,
-              timeout: float | None = None, best_effort: bool = False) -> _Accepted:
-        """Post a live trace event (§3.4); ``best_effort=True``: a failure is logged, ``None`` returned."""
+    def trace(self, envelope: Envelope | None, event_type: str, payload: _Payload = None, *,
+              actor: str | None = None, timeout: float | None = None, best_effort: bool = False) -> _Accepted:
+        """Post a live trace event (§3.4; ``envelope`` None: the bound one); ``best_effort``: a failure logged."""
         return _blocking(self._trace(envelope, event_type, payload, actor, timeout, best_effort, True))
 
-    async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
+    async def atrace(self, envelope: Envelope | None, event_type: str, payload: _Payload = None, *,
                      actor: str | None = None, timeout: float | None = None,
                      best_effort: bool = False) -> _Accepted:
         return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
@@ -2232,18 +2232,20 @@ class ProxyClient:
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
-    async def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: str | None,
+    async def _trace(self, envelope: Envelope | None, event_type: str, payload: _Payload, actor: str | None,
                      timeout: float | None, best_effort: bool, blocking: bool) -> _Accepted:
         try:
-            _check_envelope(envelope)
+            _check_envelope(envelope := envelope or current_envelope())
             now = time.time()
             request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
                                     occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
                                     + f"{int(now % 1 * 1000):03d}Z")
             result = await self._retried(envelope, request, timeout, blocking)
             return result if isinstance(result, dict) else None
-        except ProxyError as exc:
-            _trace_failed(exc, event_type, best_effort)
+        except (ProxyError, EnvelopeError) as exc:
+            if not best_effort:
+                raise
+            _log.warning("trace event %r not recorded: %s", event_type, exc)
         return None
 
     async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None,
@@ -2283,12 +2285,6 @@ def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
         raise exc
     _log.info("tool %r failed, returned to the agent: %s", name, exc)
     return exc.to_value()
-
-
-def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> None:
-    if not best_effort:
-        raise exc
-    _log.warning("trace event %r not recorded: %s", event_type, exc)
 
 
 @functools.lru_cache(maxsize=4096)  # once per run and label
@@ -2387,26 +2383,16 @@ def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope 
                actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
                client: ProxyClient | None = None) -> _Accepted:
     """:meth:`ProxyClient.trace` for ``envelope`` or the one bound here."""
-    envelope = _trace_envelope(envelope, event_type, best_effort)
-    return None if envelope is None else (client or _default_client()).trace(
-        envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
+    return (client or _default_client()).trace(envelope, event_type, payload, actor=actor, timeout=timeout,
+                                               best_effort=best_effort)
 
 
 async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
                       actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
                       client: ProxyClient | None = None) -> _Accepted:
     """:func:`post_trace` on the running loop."""
-    envelope = _trace_envelope(envelope, event_type, best_effort)
-    return None if envelope is None else await (client or _default_client()).atrace(
-        envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
-
-
-def _trace_envelope(envelope: Envelope | None, event_type: str, best_effort: bool) -> Envelope | None:
-    try:
-        return envelope or current_envelope()
-    except EnvelopeError as exc:
-        _trace_failed(exc, event_type, best_effort)
-        return None
+    return await (client or _default_client()).atrace(envelope, event_type, payload, actor=actor, timeout=timeout,
+                                                      best_effort=best_effort)
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
