@@ -1944,9 +1944,8 @@ class _Transport:  # every outbound call's I/O
         import asyncio
         import concurrent.futures
 
-        exchange = self.aexchange(base, method, path, headers, body, timeout, max_reply)
-        try:
-            return _on_loop(exchange, timeout + 5.0)  # the margin is for a stopped loop
+        try:  # the margin is for a stopped loop
+            return _on_loop(self.aexchange(base, method, path, headers, body, timeout, max_reply), timeout + 5.0)
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
@@ -2038,8 +2037,7 @@ def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of t
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
-    uncancel: Callable[[], int] | None = getattr(task, "uncancel", None)
-    return uncancel() if uncancel is not None else 0
+    return cast(int, task.uncancel()) if hasattr(task, "uncancel") else 0
 
 
 @functools.cache
@@ -2049,7 +2047,7 @@ def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CA
     return ssl.create_default_context()
 
 
-_shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
+_shared_transport = _Once(_Transport)  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
 # Proxy client (§3): tool calls, trace events, actors
@@ -2081,13 +2079,12 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             outcome = interpret(*await _awaited(send()))
         except _TransportFailure as failure:
             import socket
+            import ssl
 
             cause = failure.__cause__ or failure
             error = transport_error(cause)
             error.__cause__ = cause
-            ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
-            final = isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(
-                cause, ssl.SSLCertVerificationError))
+            final = isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
             outcome = ProxyOutcome("error" if final else "transport", error=error, stale=failure.stale)
         step = state.step(outcome)
         if step.action == "return":
@@ -2298,7 +2295,7 @@ def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
         _warn_undeclared(label, catalog, envelope.run_id, envelope.run_token_jti, envelope.proxy_url)
 
 
-_default_client = _Once(lambda: ProxyClient())
+_default_client = _Once(ProxyClient)
 
 
 def set_default_client(client: ProxyClient) -> ProxyClient:
