@@ -2020,8 +2020,7 @@ class _Transport:  # every outbound call's I/O
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         try:
-            return _ClientConnection(*await asyncio.open_connection(
-                host, port, ssl=context, server_hostname=host if context is not None else None))
+            return _ClientConnection(*await asyncio.open_connection(host, port, ssl=context))
         except (OSError, UnicodeError) as exc:
             if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
                 exc = type(exc)(exc.errno, os.strerror(exc.errno))
