@@ -1525,8 +1525,7 @@ def _change(notes: List[str] | None, problem: str, sent: str, fix: str) -> None:
 
 
 # each change noted; notes None: strict (a change raises)
-def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0,
-              active: Set[int] | None = None) -> Any:
+def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, active: Set[int] | None = None) -> Any:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -2175,8 +2174,7 @@ class ProxyClient:
         return _blocking(self._call(envelope, name, args, actor, timeout, idempotency_key, errors, True))
 
     async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: str | None = None,
-                    timeout: float | None = None, idempotency_key: str | None = None,
-                    errors: str = "raise") -> Any:
+                    timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise") -> Any:
         return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
     def trace(self, envelope: Envelope | None, event_type: str, payload: _Payload = None, *,
@@ -2185,8 +2183,7 @@ class ProxyClient:
         return _blocking(self._trace(envelope, event_type, payload, actor, timeout, best_effort, True))
 
     async def atrace(self, envelope: Envelope | None, event_type: str, payload: _Payload = None, *,
-                     actor: str | None = None, timeout: float | None = None,
-                     best_effort: bool = False) -> _Accepted:
+                     actor: str | None = None, timeout: float | None = None, best_effort: bool = False) -> _Accepted:
         return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
     def close(self) -> None:
@@ -2244,8 +2241,7 @@ class ProxyClient:
             _log.warning("trace event %r not recorded: %s", event_type, exc)
         return None
 
-    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None,
-                       blocking: bool) -> Any:
+    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None, blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
@@ -2314,9 +2310,8 @@ def proxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = 
                                               timeout=timeout, idempotency_key=idempotency_key, errors=errors)
 
 
-async def aproxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None,
-                      actor: str | None = None, timeout: float | None = None,
-                      idempotency_key: str | None = None, errors: str = "raise",
+async def aproxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None, actor: str | None = None,
+                      timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise",
                       client: ProxyClient | None = None) -> Any:
     """:func:`proxy_call` on the running loop."""
     return await (client or _default_client()).acall(envelope or current_envelope(), name, args, actor=actor,
@@ -2328,8 +2323,7 @@ class Actor:
 
     __slots__ = ("label", "_envelope", "_client")
 
-    def __init__(self, label: str, *, envelope: Envelope | None = None,
-                 client: ProxyClient | None = None) -> None:
+    def __init__(self, label: str, *, envelope: Envelope | None = None, client: ProxyClient | None = None) -> None:
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
@@ -2375,9 +2369,8 @@ def as_actor(label: str, *, envelope: Envelope | None = None, client: ProxyClien
     return Actor(label, envelope=envelope, client=client)
 
 
-def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
-               actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
-               client: ProxyClient | None = None) -> _Accepted:
+def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None, actor: str | None = None,
+               timeout: float | None = None, best_effort: bool = False, client: ProxyClient | None = None) -> _Accepted:
     """:meth:`ProxyClient.trace` for ``envelope`` or the one bound here."""
     return (client or _default_client()).trace(envelope, event_type, payload, actor=actor, timeout=timeout,
                                                best_effort=best_effort)
