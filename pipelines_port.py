@@ -1424,9 +1424,6 @@ class _Once(Generic[_T]):  # a lazy singleton
         self._value = value
 
 
-# ---------------------------------------------------------------------------
-# Speed paths (a port needs none)
-
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
@@ -1531,8 +1528,7 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
     if isinstance(value, str):
         if _SURROGATE_RE.search(value) is None:
             return value
-        _change(notes, f"{path}: lone surrogates are not UTF-8", "sent as U+FFFD",
-                "replace it")
+        _change(notes, f"{path}: lone surrogates are not UTF-8", "sent as U+FFFD", "replace it")
         return _well_formed(value)
     if isinstance(value, int):
         if value.bit_length() < 14_000 or abs(value) < 10 ** MAX_INT_DIGITS:
