@@ -1381,8 +1381,7 @@ def redact(value: Any, *secrets: str | None) -> Any:
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
-#   Part 1's decisions carried out with sockets, threads, the environment and
-#   the log.  Global state: ContextVars and lazy singletons.
+#   Part 1 carried out: sockets, threads, the environment, the log.
 #
 # ###########################################################################
 
@@ -1406,9 +1405,6 @@ class _Once(Generic[_T]):  # a lazy singleton
         self._value = value
 
 
-# ---------------------------------------------------------------------------
-# Speed paths: part 1's results computed faster; a port needs none
-
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
@@ -1424,10 +1420,10 @@ def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
 
 
 # ---------------------------------------------------------------------------
-# Python data: read-only JSON containers (§7.2), headers as one dict
+# Python data: read-only JSON containers (§7.2), headers
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
-    raise TypeError("envelope data is read-only; copy it first (dict(x), list(x) or copy.deepcopy(x))")
+    raise TypeError("envelope data is read-only; copy it first (copy.deepcopy(x))")
 
 
 class _FrozenDict(Dict[Any, Any]):
@@ -1494,7 +1490,7 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
 
 
 # ---------------------------------------------------------------------------
-# Python values as JSON (§7.7): converted with a note, or refused (strict)
+# Python values as JSON (§7.7): converted with a note, or refused
 
 class _Unsendable(Exception):
     pass
@@ -1506,16 +1502,14 @@ def _change(notes: List[str] | None, problem: str, sent: str, fix: str) -> None:
     notes.append(f"{problem}; {sent}")
 
 
-# value as JSON carries it, each change noted (notes None: strict, the first raises)
-def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0,
-              active: Set[int] | None = None) -> Any:
+# each change noted; notes None: strict (a change raises)
+def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, active: Set[int] | None = None) -> Any:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
         if _SURROGATE_RE.search(value) is None:
             return value
-        _change(notes, f"{path}: lone surrogates (text cut mid-character?) are not UTF-8", "sent as U+FFFD",
-                "replace it")
+        _change(notes, f"{path}: lone surrogates are not UTF-8", "sent as U+FFFD", "replace it")
         return _well_formed(value)
     if isinstance(value, int):
         if value.bit_length() < 14_000 or abs(value) < 10 ** MAX_INT_DIGITS:
@@ -1548,12 +1542,32 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
         return "[nested too deeply]"
     active.add(id(value))
     try:
-        if isinstance(value, Mapping):
-            return _jsonable_object(value, path, notes, depth, active)
-        if not isinstance(value, (list, tuple)):
-            _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
-            value = sorted(value, key=_safe_repr)
-        return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+        if not isinstance(value, Mapping):
+            if not isinstance(value, (list, tuple)):
+                _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
+                value = sorted(value, key=_safe_repr)
+            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+        out: Dict[str, Any] = {}
+        taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
+                name = str.__str__(key)  # a subclass's __str__ may raise
+            elif isinstance(key, str):
+                shown = _short(repr(_well_formed(key)), 40)
+                text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
+                name = _free_name(text, taken)
+                if name != text:
+                    cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
+            else:
+                name = _key_text(key)
+                sent = "sent as its text"
+                if name in taken:
+                    name = _free_name(f"{name} ({type(key).__name__})", taken)
+                    sent = f"its text is taken: sent as {name!r}"
+                _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
+            taken.add(name)
+            out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
+        return out
     except _Unsendable:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -1572,33 +1586,9 @@ def _unsendable(value: Any, path: str) -> str | None:
     return None
 
 
-def _jsonable_object(value: Mapping[Any, Any], path: str, notes: List[str] | None, depth: int,
-                     active: Set[int]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
-    for key, item in value.items():
-        if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
-            name = str.__str__(key)  # a subclass's __str__ may raise
-        elif isinstance(key, str):
-            shown = _short(repr(_well_formed(key)), 40)
-            text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
-            name = _free_name(text, taken, out)
-            if name != text:
-                cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
-        else:
-            name = _key_text(key)
-            sent = "sent as its text"
-            if name in taken or name in out:
-                name = _free_name(f"{name} ({type(key).__name__})", taken, out)
-                sent = f"its text is taken: sent as {name!r}"
-            _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
-        out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
-    return out
-
-
-def _free_name(name: str, taken: Set[str], out: Mapping[str, Any]) -> str:
+def _free_name(name: str, taken: Set[str]) -> str:
     base, n = name, 2
-    while name in taken or name in out:
+    while name in taken:
         name, n = f"{base} {n}", n + 1
     return name
 
@@ -1659,7 +1649,7 @@ def parse_proxy_hosts(text: str | None) -> Tuple[str, ...] | None:
         return None
     entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
     if not entries:
-        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name the hosts, or leave it unset")
+        raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name hosts or unset it")
     return entries
 
 
@@ -1674,8 +1664,7 @@ def _normal_host_entry(entry: str) -> str:
             return str(ipaddress.IPv6Address(entry))
     elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
         return entry.lower()
-    raise ValueError(f"proxy host {shown!r} must be a host name, an IP address or a .suffix, optionally with :port, "
-                     "without scheme or path")
+    raise ValueError(f"proxy host {shown!r} must be a host name, IP or .suffix [:port], without scheme or path")
 
 
 # ---------------------------------------------------------------------------
@@ -1686,7 +1675,7 @@ _current: contextvars.ContextVar[Envelope | None] = contextvars.ContextVar("pipe
 
 @contextlib.contextmanager
 def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
-    """Bind ``envelope`` to this context (each thread and task has its own) for the ``with`` block."""
+    """Bind ``envelope`` to this context (thread or task) for the ``with`` block."""
     _check_envelope(envelope)
     token = _current.set(envelope)
     try:
@@ -1696,17 +1685,15 @@ def bind_envelope(envelope: Envelope) -> Iterator[Envelope]:
 
 
 def current_envelope() -> Envelope:
-    """The envelope bound here, else the run in a ``PIPELINES_*`` environment (§5 child-env-explicit)."""
-    envelope = _current.get()
-    if envelope is not None:
+    """The envelope bound here, else the ``PIPELINES_*`` environment's (§5 child-env-explicit)."""
+    if (envelope := _current.get()) is not None:
         return envelope
     if (os.environ.get(ENV_RUN_TOKEN) or "").strip():
         return Envelope.from_env()
-    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: call inside a dispatch, "
-                        "use `with bind_envelope(envelope):` or pass envelope=...")
+    raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: use bind_envelope()")
 
 # ---------------------------------------------------------------------------
-# Event loops: a blocking caller's exchanges on its server's loop or the module's
+# Event loops for blocking callers
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
@@ -1714,10 +1701,7 @@ _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_po
 def _runs_on(loop: Any) -> bool:
     import asyncio
 
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
+    return asyncio._get_running_loop() is loop
 
 
 def _start_loop() -> Any:
@@ -1733,7 +1717,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has no such thread
     os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
 
 
-# on this thread's server loop, else the module's loop thread; whatever interrupts the wait cancels it
+# on this thread's server loop, else the module's; an interrupted wait cancels it
 def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
     import asyncio
     import concurrent.futures
@@ -1763,7 +1747,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -
         raise
 
 # ---------------------------------------------------------------------------
-# Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop and origin
+# Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop
 
 class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
     def __init__(self, stale: bool = False) -> None:
@@ -1775,6 +1759,10 @@ class _ReplyTooLarge(Exception):
     def __init__(self, status: int, cap: int, length: int | None = None) -> None:
         self.status = status
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
+
+
+def _malformed(what: str, text: Any = "") -> ConnectionError:
+    return ConnectionError(f"malformed HTTP reply: {what} {_short(repr(text), 80) if text else ''}".rstrip())
 
 
 class _ClientConnection:
@@ -1799,15 +1787,15 @@ class _ClientConnection:
             lines = head.replace(b"\r\n ", b" ").replace(b"\r\n\t", b" ").split(b"\r\n")  # obs-fold: a space
             version, _, rest = lines[0].partition(b" ")
             if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
-                raise ConnectionError(f"malformed HTTP reply: status line {_short(repr(lines[0]), 80)}")
+                raise _malformed("status line", lines[0])
             status = int(rest[:3])
-            if not 100 <= status < 200:  # 100 Continue, 103 Early Hints: the reply follows
+            if not 100 <= status < 200:
                 break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name.strip():
-                raise ConnectionError(f"malformed HTTP reply: header line {_short(repr(line), 80)}")
+                raise _malformed("header line", line)
             headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
         lowered = _lower_headers(headers)
         connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
@@ -1821,7 +1809,7 @@ class _ClientConnection:
                 line = (await reader.readuntil(b"\r\n"))[:-2]
                 size_text = line.split(b";", 1)[0].strip()
                 if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
-                    raise ConnectionError(f"malformed HTTP reply: chunk size {_short(repr(line), 40)}")
+                    raise _malformed("chunk size", line)
                 size = int(size_text, 16)
                 if len(body) + size > max_reply:
                     raise _ReplyTooLarge(status, max_reply)
@@ -1831,12 +1819,12 @@ class _ClientConnection:
                     break
                 chunk = await reader.readexactly(size + 2)
                 if chunk[-2:] != b"\r\n":
-                    raise ConnectionError("malformed HTTP reply: chunk data longer than its size")
+                    raise _malformed("chunk longer than its size")
                 body += chunk[:-2]
         elif coding is None and "content-length" in lowered:
             length = _content_length(lowered["content-length"])
             if length is None or _repeated(lowered, "content-length", conflicting=True):
-                raise ConnectionError(f"malformed HTTP reply: Content-Length {_short(lowered['content-length'], 40)!r}")
+                raise _malformed("Content-Length", lowered["content-length"])
             if length > max_reply:
                 raise _ReplyTooLarge(status, max_reply, length)
             body += await reader.readexactly(length)
@@ -1886,7 +1874,7 @@ class _Pool:  # one loop's idle connections
         if self._reaper is not None:
             self._reaper.cancel()
 
-    # closes those idle too long, and all as asyncio.run() ends the loop (else its connections keep it alive)
+    # closes the stale idle ones, and all as asyncio.run() ends the loop (else they keep it alive)
     async def _reap(self) -> None:
         import asyncio
 
@@ -1915,7 +1903,7 @@ class _Transport:  # every outbound call's I/O
 
     def _pool(self, loop: Any) -> _Pool:
         pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race; idle 60 s at most, as AWS ALB (nginx: 75 s)
+        if pool is None:  # made on its loop's thread: no race; idle 60 s at most (AWS ALB's)
             pool = self._pools[loop] = _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0)
         return pool
 
@@ -1932,20 +1920,17 @@ class _Transport:  # every outbound call's I/O
         import asyncio
         import concurrent.futures
 
-        exchange = self.aexchange(base, method, path, headers, body, timeout, max_reply)
-        try:
-            return _on_loop(exchange, timeout + 5.0)  # the margin is for a stopped loop
+        try:  # the margin is for a stopped loop
+            return _on_loop(self.aexchange(base, method, path, headers, body, timeout, max_reply), timeout + 5.0)
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
-    # base: the split URL; timeout bounds it, connecting included: its deadline cancels this task (asyncio.wait_for
-    # adds a task, a future and a timer before 3.12)
+    # base: the split URL; timeout bounds it all: its deadline cancels this task (cheaper than asyncio.wait_for)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
         import asyncio
 
-        problem = _header_problem(headers)
-        if problem:
+        if problem := _header_problem(headers):
             raise ValueError(problem)
         loop = asyncio.get_running_loop()
         scheme, host = base.scheme.lower(), base.hostname
@@ -1991,7 +1976,7 @@ class _Transport:  # every outbound call's I/O
                 cut = "before the reply was complete" if received else "before replying"
                 exc = ConnectionResetError(f"the proxy closed the connection {cut}")
             elif isinstance(exc, asyncio.LimitOverrunError):
-                exc = ConnectionError("malformed HTTP reply: a line over 64 KiB")
+                exc = _malformed("a line over 64 KiB")
             elif not isinstance(exc, OSError):
                 raise
             raise _TransportFailure(stale=reused and not received) from exc
@@ -2011,8 +1996,7 @@ class _Transport:  # every outbound call's I/O
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
         try:
-            return _ClientConnection(*await asyncio.open_connection(
-                host, port, ssl=context, server_hostname=host if context is not None else None))
+            return _ClientConnection(*await asyncio.open_connection(host, port, ssl=context))
         except (OSError, UnicodeError) as exc:
             if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
                 exc = type(exc)(exc.errno, os.strerror(exc.errno))
@@ -2023,14 +2007,12 @@ _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-ke
 
 
 def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of the others only the key and actor
-    shown = [f"{k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
-             if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower())]
-    return (", " + ", ".join(shown)) if shown else ""
+    return "".join(f", {k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
+                   if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower()))
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
-    uncancel: Callable[[], int] | None = getattr(task, "uncancel", None)
-    return uncancel() if uncancel is not None else 0
+    return cast(int, task.uncancel()) if hasattr(task, "uncancel") else 0
 
 
 @functools.cache
@@ -2040,10 +2022,10 @@ def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CA
     return ssl.create_default_context()
 
 
-_shared_transport = _Once(lambda: _Transport())  # each ProxyClient has its own
+_shared_transport = _Once(_Transport)  # each ProxyClient has its own
 
 # ---------------------------------------------------------------------------
-# Proxy client (§3): one retry loop for both drivers, tool calls, trace events, actors
+# Proxy client (§3): tool calls, trace events, actors
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
 
@@ -2062,24 +2044,22 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
-# The one driver of RetryState (§3.3); transport_error names an exchange without a reply (DNS or certificate: final)
+# The one driver of RetryState (§3.3); transport_error names an exchange without a reply
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
     state = RetryState(policy)
     while True:
         try:
-            reply = send()
-            outcome = interpret(*(await reply if hasattr(reply, "__await__") else reply))
+            outcome = interpret(*await _awaited(send()))
         except _TransportFailure as failure:
             import socket
+            import ssl
 
             cause = failure.__cause__ or failure
             error = transport_error(cause)
             error.__cause__ = cause
-            ssl = sys.modules.get("ssl")  # a certificate error implies ssl is loaded
-            final = isinstance(cause, socket.gaierror) or (ssl is not None and isinstance(
-                cause, ssl.SSLCertVerificationError))
+            final = isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
             outcome = ProxyOutcome("error" if final else "transport", error=error, stale=failure.stale)
         step = state.step(outcome)
         if step.action == "return":
@@ -2087,11 +2067,15 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
         if step.action == "raise":
             raise cast(PipelinesError, step.error)
         if outcome.stale:
-            _log.info("%s (a stale keep-alive connection); retrying at once", step.error)
+            _log.info("%s (a stale connection); retrying", step.error)
         else:
             _log.warning("%s; retry %d in %.2f s", step.error, state.attempts, step.wait_s or 0.0)
-        if step.wait_s is not None and hasattr(slept := sleep(step.wait_s), "__await__"):
-            await slept
+        if step.wait_s is not None:
+            await _awaited(sleep(step.wait_s))
+
+
+async def _awaited(value: Any) -> Any:  # the value, or an awaitable's result
+    return await value if hasattr(value, "__await__") else value
 
 
 def _failed_before_reply(what: str, cause: BaseException) -> str:
@@ -2123,13 +2107,9 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
     def reserve(self, key: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log.get(key)
-            if log is None:
-                log = self._log[key] = deque(maxlen=self.limit)
-                if len(self._log) > self._max_tokens:
-                    self._log.popitem(last=False)
-            else:
-                self._log.move_to_end(key)
+            log = self._log[key] = self._log.pop(key) if key in self._log else deque(maxlen=self.limit)
+            if len(self._log) > self._max_tokens:
+                self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
         if slot > now:
@@ -2157,7 +2137,7 @@ class ProxyClient:
                  rate_per_minute: float | None = None, ssl_context: ssl.SSLContext | None = None,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self.timeout = _env_float(ENV_PROXY_TIMEOUT_S, DEFAULT_PROXY_TIMEOUT_S) if timeout is None else float(timeout)
-        if not self.timeout > 0:  # 0 would make every exchange fail at once
+        if not self.timeout > 0:
             where = f"environment variable {ENV_PROXY_TIMEOUT_S}" if timeout is None else "timeout"
             raise PipelinesError(f"{where} must be a positive number of seconds, got {self.timeout:g}")
         if rate_per_minute is None:
@@ -2171,18 +2151,16 @@ class ProxyClient:
         return _blocking(self._call(envelope, name, args, actor, timeout, idempotency_key, errors, True))
 
     async def acall(self, envelope: Envelope, name: str, args: _Payload = None, *, actor: str | None = None,
-                    timeout: float | None = None, idempotency_key: str | None = None,
-                    errors: str = "raise") -> Any:
+                    timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise") -> Any:
         return await self._call(envelope, name, args, actor, timeout, idempotency_key, errors, False)
 
-    def trace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *, actor: str | None = None,
-              timeout: float | None = None, best_effort: bool = False) -> _Accepted:
-        """Post a live trace event (§3.4); ``best_effort=True``: a failure is logged, ``None`` returned."""
+    def trace(self, envelope: Envelope | None, event_type: str, payload: _Payload = None, *,
+              actor: str | None = None, timeout: float | None = None, best_effort: bool = False) -> _Accepted:
+        """Post a live trace event (§3.4; ``envelope`` None: the bound one); ``best_effort``: a failure logged."""
         return _blocking(self._trace(envelope, event_type, payload, actor, timeout, best_effort, True))
 
-    async def atrace(self, envelope: Envelope, event_type: str, payload: _Payload = None, *,
-                     actor: str | None = None, timeout: float | None = None,
-                     best_effort: bool = False) -> _Accepted:
+    async def atrace(self, envelope: Envelope | None, event_type: str, payload: _Payload = None, *,
+                     actor: str | None = None, timeout: float | None = None, best_effort: bool = False) -> _Accepted:
         return await self._trace(envelope, event_type, payload, actor, timeout, best_effort, False)
 
     def close(self) -> None:
@@ -2218,33 +2196,33 @@ class ProxyClient:
             _check_envelope(envelope)
             request = tool_call_request(envelope.proxy_url, envelope.run_token, name, args, actor=actor,
                                         idempotency_key=idempotency_key)
-            label = request.headers.get(HEADER_ACTOR_ID)
-            if label:
+            if label := request.headers.get(HEADER_ACTOR_ID):
                 _warn_if_undeclared(envelope, label)
             return await self._retried(envelope, request, timeout, blocking)
         except ProxyError as exc:
             return _call_failed(exc, name, errors)
 
-    async def _trace(self, envelope: Envelope, event_type: str, payload: _Payload, actor: str | None,
+    async def _trace(self, envelope: Envelope | None, event_type: str, payload: _Payload, actor: str | None,
                      timeout: float | None, best_effort: bool, blocking: bool) -> _Accepted:
         try:
-            _check_envelope(envelope)
+            _check_envelope(envelope := envelope or current_envelope())
             now = time.time()
             request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
                                     occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
                                     + f"{int(now % 1 * 1000):03d}Z")
             result = await self._retried(envelope, request, timeout, blocking)
             return result if isinstance(result, dict) else None
-        except ProxyError as exc:
-            _trace_failed(exc, event_type, best_effort)
+        except (ProxyError, EnvelopeError) as exc:
+            if not best_effort:
+                raise
+            _log.warning("trace event %r not recorded: %s", event_type, exc)
         return None
 
-    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None,
-                       blocking: bool) -> Any:
+    async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None, blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
         seconds = self.timeout if timeout is None else float(timeout)
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
-        sleep = self._sleep or (time.sleep if blocking else _asleep)
+        sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
         pause = cast(Callable[[float], Any], (lambda s: sleep(s) and None) if blocking else sleep)  # no loop to await
         if stats is not None:
             stats.count()
@@ -2252,27 +2230,18 @@ class ProxyClient:
         async def send() -> _Reply:
             if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: its dispatch overran its run_timeout_s", tool_name=name)
-            wait = pacer.reserve(envelope.run_token) if pacer is not None else 0.0
-            if wait > 0 and hasattr(slept := pause(wait), "__await__"):
-                await slept
-            reply = exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
-                             MAX_REPLY_BYTES)
-            return cast(_Reply, await reply if hasattr(reply, "__await__") else reply)
+            if pacer is not None and (wait := pacer.reserve(envelope.run_token)) > 0:
+                await _awaited(pause(wait))
+            return cast(_Reply, await _awaited(exchange(request.url, "POST", request.path, request.headers,
+                                                        request.body, seconds, MAX_REPLY_BYTES)))
 
         try:
             return await _aretry_loop(
-                send, lambda status, headers, body: self.interpret(status, headers, body, tool_name=name,
-                                                                   run_token=envelope.run_token),
+                send, functools.partial(self.interpret, tool_name=name, run_token=envelope.run_token),
                 policy=self.retry, sleep=pause, transport_error=lambda cause: ProxyTransportError(
                     _failed_before_reply(f"proxy call {name!r}", cause), tool_name=name))
         except _ReplyTooLarge as big:
             raise ProxyError(f"proxy reply to {name!r} {big}", status_code=big.status, tool_name=name) from None
-
-
-async def _asleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
 
 
 def _check_envelope(envelope: Any) -> None:
@@ -2287,12 +2256,6 @@ def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
     return exc.to_value()
 
 
-def _trace_failed(exc: PipelinesError, event_type: str, best_effort: bool) -> None:
-    if not best_effort:
-        raise exc
-    _log.warning("trace event %r not recorded: %s", event_type, exc)
-
-
 @functools.lru_cache(maxsize=4096)  # once per run and label
 def _warn_undeclared(label: str, catalog: Tuple[str, ...], *run: Any) -> None:
     _log.warning("actor label %r is undeclared: not in this run's sub_agents %s", label, list(catalog))
@@ -2304,7 +2267,7 @@ def _warn_if_undeclared(envelope: Envelope, label: str) -> None:
         _warn_undeclared(label, catalog, envelope.run_id, envelope.run_token_jti, envelope.proxy_url)
 
 
-_default_client = _Once(lambda: ProxyClient())
+_default_client = _Once(ProxyClient)
 
 
 def set_default_client(client: ProxyClient) -> ProxyClient:
@@ -2324,9 +2287,8 @@ def proxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = 
                                               timeout=timeout, idempotency_key=idempotency_key, errors=errors)
 
 
-async def aproxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None,
-                      actor: str | None = None, timeout: float | None = None,
-                      idempotency_key: str | None = None, errors: str = "raise",
+async def aproxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None, actor: str | None = None,
+                      timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise",
                       client: ProxyClient | None = None) -> Any:
     """:func:`proxy_call` on the running loop."""
     return await (client or _default_client()).acall(envelope or current_envelope(), name, args, actor=actor,
@@ -2338,8 +2300,7 @@ class Actor:
 
     __slots__ = ("label", "_envelope", "_client")
 
-    def __init__(self, label: str, *, envelope: Envelope | None = None,
-                 client: ProxyClient | None = None) -> None:
+    def __init__(self, label: str, *, envelope: Envelope | None = None, client: ProxyClient | None = None) -> None:
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
@@ -2385,30 +2346,19 @@ def as_actor(label: str, *, envelope: Envelope | None = None, client: ProxyClien
     return Actor(label, envelope=envelope, client=client)
 
 
-def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
-               actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
-               client: ProxyClient | None = None) -> _Accepted:
+def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None, actor: str | None = None,
+               timeout: float | None = None, best_effort: bool = False, client: ProxyClient | None = None) -> _Accepted:
     """:meth:`ProxyClient.trace` for ``envelope`` or the one bound here."""
-    envelope = _trace_envelope(envelope, event_type, best_effort)
-    return None if envelope is None else (client or _default_client()).trace(
-        envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
+    return (client or _default_client()).trace(envelope, event_type, payload, actor=actor, timeout=timeout,
+                                               best_effort=best_effort)
 
 
 async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
                       actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
                       client: ProxyClient | None = None) -> _Accepted:
     """:func:`post_trace` on the running loop."""
-    envelope = _trace_envelope(envelope, event_type, best_effort)
-    return None if envelope is None else await (client or _default_client()).atrace(
-        envelope, event_type, payload, actor=actor, timeout=timeout, best_effort=best_effort)
-
-
-def _trace_envelope(envelope: Envelope | None, event_type: str, best_effort: bool) -> Envelope | None:
-    try:
-        return envelope or current_envelope()
-    except EnvelopeError as exc:
-        _trace_failed(exc, event_type, best_effort)
-        return None
+    return await (client or _default_client()).atrace(envelope, event_type, payload, actor=actor, timeout=timeout,
+                                                      best_effort=best_effort)
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
@@ -2437,7 +2387,7 @@ ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 def build_response(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
                    metadata: Mapping[str, Any] | None = None, strict: bool | None = None) -> Dict[str, Any]:
-    """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``PIPELINES_PORT_STRICT``) raises."""
+    """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``ENV_STRICT``) raises."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
