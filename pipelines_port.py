@@ -123,16 +123,16 @@ __all__ = [
 _log = logging.getLogger("pipelines_port")
 _access_log = logging.getLogger("pipelines_port.access")  # a line per request
 
-# ###########################################################################
+# ########################################
 #
 #   PART 1 - THE CONTRACT
 #
 #   What a port must agree on: data and pure functions, no I/O but reading ``os.environ``.
 #
-# ###########################################################################
+# ########################################
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Constants: the contract's names and numbers
 
 # §2.1 headers (lower-case), §2.2 body fields, §3.5
@@ -196,7 +196,7 @@ _REDACTED = "[redacted]"
 _USER_AGENT = "pipelines-port/" + __version__
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Errors and their HTTP statuses (§7.1 kit-error-statuses)
 
 class PipelinesError(Exception):
@@ -325,7 +325,7 @@ class StaleRunTokenError(ProxyError):
     """The proxy refused the run token: the run is over (§3.3)."""
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
 
 Id = Union[int, str]
@@ -597,7 +597,7 @@ def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2
     return None
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Inbound decisions (§2): what a request gets
 
 def check_credential(headers: HeadersLike, expected: str, *, header_name: str = "Authorization") -> bool:
@@ -824,7 +824,7 @@ def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> 
     return validate_proxy_url(found[1], "the connectivity check")
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Request encoding (§3.1, §3.4, §3.5)
 
 def validate_tool_name(name: Any) -> str:
@@ -937,7 +937,7 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None 
                                           **{k: v for k, v in extra.items() if v is not None}}
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Reply interpretation (§3.2, §3.3) and retries
 
 class ProxyOutcome(NamedTuple):
@@ -1085,7 +1085,7 @@ class RetryState:
         return RetryStep("raise", error=error)
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Response envelope (§4): built and checked
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
@@ -1330,7 +1330,7 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
     return []
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # HTTP replies of a dispatch endpoint
 
 class HttpReply(NamedTuple):
@@ -1377,13 +1377,13 @@ def redact(value: Any, *secrets: str | None) -> Any:
     return value
 
 
-# ###########################################################################
+# ########################################
 #
 #   PART 2 - THE PYTHON RUNTIME
 #
 #   Part 1 carried out: sockets, threads, the environment, the log.
 #
-# ###########################################################################
+# ########################################
 
 
 _T = TypeVar("_T")
@@ -1419,7 +1419,7 @@ def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Python data: read-only JSON containers (§7.2), headers
 
 def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1489,7 +1489,7 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
     return any(value.strip() != first for value in extra) if conflicting else bool(extra)
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Python values as JSON (§7.7): converted with a note, or refused
 
 class _Unsendable(Exception):
@@ -1632,7 +1632,7 @@ def _safe_repr(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Start-up settings
 
 def check_run_timeout(run_timeout_s: Any) -> float:
@@ -1667,7 +1667,7 @@ def _normal_host_entry(entry: str) -> str:
     raise ValueError(f"proxy host {shown!r} must be a host name, IP or .suffix [:port], without scheme or path")
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Context binding: the running dispatch's envelope
 
 _current: contextvars.ContextVar[Envelope | None] = contextvars.ContextVar("pipelines_port_envelope", default=None)
@@ -1692,7 +1692,7 @@ def current_envelope() -> Envelope:
         return Envelope.from_env()
     raise EnvelopeError(f"no dispatch envelope is bound here and {ENV_RUN_TOKEN} is not set: use bind_envelope()")
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Event loops for blocking callers
 
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
@@ -1746,7 +1746,7 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -
             raise TimeoutError(f"no result within {timeout:g} s") from None
         raise
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop
 
 class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
@@ -2024,7 +2024,7 @@ def _default_tls_context() -> ssl.SSLContext:  # one per process: loading the CA
 
 _shared_transport = _Once(_Transport)  # each ProxyClient has its own
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Proxy client (§3): tool calls, trace events, actors
 
 _Reply = Tuple[int, List[Tuple[str, str]], bytes]
@@ -2403,7 +2403,7 @@ def _built(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
     return body
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Running agents: sync on a fresh thread, async as a task, within a deadline
 
 ENV_DEBUG = "PIPELINES_AGENT_SDK_DEBUG"
@@ -2545,7 +2545,7 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes)
     _log.warning("the run token in the agent's response was redacted")
     return redact(body, envelope.run_token)  # type: ignore[no-any-return]
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # The dispatch app (§2): decide(), then probe the proxy or run the agent
 
 
@@ -2760,7 +2760,7 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
     return {"reachable": error is None, "status_code": status,
             "latency_ms": round((time.monotonic() - started) * 1000, 1), "error": error}
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Server adapters (WSGI, ASGI) and the built-in servers' settings
 
 
@@ -2800,7 +2800,7 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
     body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # The built-in server: HTTP/1.1 on one asyncio loop, or a thread per connection
 
 
@@ -3092,7 +3092,7 @@ def _resolve(future: Any, result: Any) -> None:
     if not future.done():  # cancelled meanwhile
         future.set_result(result)
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Starting a server: make_server, start_server, serve (signals, the drain)
 
 def _raise_file_limit() -> None:
@@ -3162,7 +3162,7 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Code mode (§5): the sandbox's run() entrypoint
 
 
@@ -3226,16 +3226,16 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
     run.agent = agent  # type: ignore[attr-defined]
     return run
 
-# ###########################################################################
+# ########################################
 #
 #   PART 3 - CONVENIENCES
 #
 #   Helpers for writing an agent; last, the command line.
 #
-# ###########################################################################
+# ########################################
 
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Agent-loop helpers: tool formats (§3.6), tool calls, bounded output, post_json
 
 TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
@@ -3395,7 +3395,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
     return _retry_loop(send, interpret, policy=retry, sleep=sleep,
                        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
@@ -3577,7 +3577,7 @@ def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, A
     """Tools and tools_schema entries as one tool list in format ``to``."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Framework bridges (kit-framework-bridges): tools in and out, a run's response
 
 def _tools_of(source: Any) -> List[Any]:
@@ -3857,7 +3857,7 @@ def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, 
     return result.final_output, _read_turns(turns)[1], _run_metadata(
         usages, model if isinstance(model, str) else getattr(model, "model", None))
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
 
 MCP_PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
@@ -3990,7 +3990,7 @@ class McpShim:
                     answer(line)
         return 0
 
-# ---------------------------------------------------------------------------
+# ----------------------------------------
 # Command line: serve, mcp
 
 def load_agent(spec: str) -> Callable[..., Any]:
