@@ -41,15 +41,6 @@ Map: each part and section, the line it starts on and its size in kB (tests/test
      4221   8.0    MCP shim (§3.6)
      4364  12.1    Command line: serve, mcp
 
-Quick look::
-
-    import pipelines_port as pp
-
-    env = pp.Envelope.from_dispatch(body, headers)     # §2, raises EnvelopeError
-    with pp.bind_envelope(env):
-        order = pp.proxy_call("get_order", {"order_id": "4521"})   # §3, unwrapped
-    reply = pp.build_response("Refund issued.", messages=[...])      # §4
-
 Importing this module does no I/O and starts nothing.
 """
 
@@ -224,7 +215,7 @@ class NotFoundError(RequestError, status=404):
 
 class MethodNotAllowedError(RequestError, status=405):
     """A method the path does not take."""
-    def __init__(self, message: str, allowed: Sequence[str]) -> None:
+    def __init__(self, message: str, allowed: Sequence[str]):
         super().__init__(message)
         self.headers = (("Allow", ", ".join(allowed)),)
 
@@ -267,7 +258,7 @@ class RequestTimeoutError(RequestError, status=408):
 
 class AuthError(PipelinesError, status=401):
     """A missing or wrong credential."""
-    def __init__(self, message: str, *, bearer: bool = True) -> None:
+    def __init__(self, message: str, *, bearer: bool = True):
         super().__init__(message)
         self.headers = (("WWW-Authenticate", "Bearer"),) if bearer else ()
 
@@ -294,7 +285,7 @@ class AgentError(PipelinesError):
 
 class ResponseError(PipelinesError, ValueError):
     """A value that cannot become a response (§4); ``problems`` lists why."""
-    def __init__(self, problems: str | Sequence[str]) -> None:
+    def __init__(self, problems: str | Sequence[str]):
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
@@ -302,7 +293,7 @@ class ResponseError(PipelinesError, ValueError):
 class ProxyError(PipelinesError):
     """A failed proxy request (§3.3); ``status_code`` None: no reply."""
     def __init__(self, message: str, *, status_code: int | None = None, error_class: str | None = None,
-                 body: Any = None, tool_name: str | None = None, retry_after: float | None = None) -> None:
+                 body: Any = None, tool_name: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.message, self.status_code, self.error_class = message, status_code, error_class
         self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
@@ -880,6 +871,12 @@ def _header_problem(headers: Mapping[str, str]) -> str | None:
     return None
 
 
+def _uuid4() -> str:
+    import uuid  # at the first call: it costs 2 ms
+
+    return str(uuid.uuid4())
+
+
 class ProxyRequest(NamedTuple):
     """One proxy request, as sent on every attempt (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
@@ -895,7 +892,7 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
     """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
-               "Idempotency-Key": idempotency_key or _idempotency_key(), "User-Agent": _USER_AGENT}
+               "Idempotency-Key": idempotency_key or _uuid4(), "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
     quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")
@@ -1059,7 +1056,7 @@ class RetryState:
     """One call's way through the retry policy (§3.3)."""
     __slots__ = ("policy", "attempts", "transport_failures")
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    def __init__(self, policy: RetryPolicy):
         self.policy, self.attempts, self.transport_failures = policy, 0, 0
 
     def step(self, outcome: ProxyOutcome) -> RetryStep:
@@ -1390,7 +1387,7 @@ _T = TypeVar("_T")
 
 
 class _Once(Generic[_T]):  # a lazy singleton
-    def __init__(self, make: Callable[[], _T]) -> None:
+    def __init__(self, make: Callable[[], _T]):
         self._make, self._lock = make, threading.Lock()
         self._value: _T | None = None
 
@@ -1409,14 +1406,6 @@ def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sni
     if data[:1] == b"{" and data[1:2] != b"\x00":
         return json.loads(data.decode("utf-8", "surrogatepass"))
     return json.loads(data)
-
-
-def _idempotency_key() -> str:  # str(uuid.uuid4()) at half its cost
-    raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40
-    raw[8] = (raw[8] & 0x3F) | 0x80
-    text = raw.hex()
-    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 # ----------------------------------------
@@ -1750,13 +1739,13 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop
 
 class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
-    def __init__(self, stale: bool = False) -> None:
+    def __init__(self, stale: bool = False):
         super().__init__()
         self.stale = stale
 
 
 class _ReplyTooLarge(Exception):
-    def __init__(self, status: int, cap: int, length: int | None = None) -> None:
+    def __init__(self, status: int, cap: int, length: int | None = None):
         self.status = status
         super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
 
@@ -1768,7 +1757,7 @@ def _malformed(what: str, text: Any = "") -> ConnectionError:
 class _ClientConnection:
     __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
 
-    def __init__(self, reader: Any, writer: Any) -> None:
+    def __init__(self, reader: Any, writer: Any):
         self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
 
     @property
@@ -1840,7 +1829,7 @@ class _ClientConnection:
 
 
 class _Pool:  # one loop's idle connections
-    def __init__(self, loop: Any, max_idle: int, idle_s: float) -> None:
+    def __init__(self, loop: Any, max_idle: int, idle_s: float):
         import weakref
 
         self._loop = weakref.proxy(loop)
@@ -1895,7 +1884,7 @@ class _Pool:  # one loop's idle connections
 
 
 class _Transport:  # every outbound call's I/O
-    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None):
         import weakref
 
         self._ssl_context = ssl_context
@@ -2099,7 +2088,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any window_s
-    def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096) -> None:
+    def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096):
         self.limit, self.window_s, self._max_tokens = limit, window_s, max_tokens
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
         self._lock = threading.Lock()
@@ -2300,7 +2289,7 @@ class Actor:
 
     __slots__ = ("label", "_envelope", "_client")
 
-    def __init__(self, label: str, *, envelope: Envelope | None = None, client: ProxyClient | None = None) -> None:
+    def __init__(self, label: str, *, envelope: Envelope | None = None, client: ProxyClient | None = None):
         normalised = validate_actor_label(label)
         if not normalised:
             raise ProxyRequestError("actor label must not be empty", error_class="actor_id_invalid")
@@ -2411,12 +2400,12 @@ ENV_PROXY_ALLOWED_HOSTS = "PIPELINES_PROXY_ALLOWED_HOSTS"
 
 
 class _Overran(RunTimeoutError):
-    def __init__(self, timeout_s: float | None) -> None:
+    def __init__(self, timeout_s: float | None):
         super().__init__(f"agent did not finish within run_timeout_s={timeout_s:g} s")
 
 
 class _AgentRaised(Exception):  # the agent's own, not a signal's
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException):
         super().__init__()
         self.error = error
 
@@ -2557,7 +2546,7 @@ class DispatchApp:
                  auth_header: str = "Authorization", no_auth: bool = False, max_body: int = DEFAULT_MAX_BODY_BYTES,
                  run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
                  tools_schema: Sequence[Any] | str | os.PathLike[str] | None = None,
-                 proxy_hosts: Sequence[str] | str | None = None, strict: bool | None = None) -> None:
+                 proxy_hosts: Sequence[str] | str | None = None, strict: bool | None = None):
         if not callable(agent):
             raise TypeError(f"agent must be callable, got {type(agent).__name__}")
         for wrong, problem in (
@@ -2815,7 +2804,7 @@ class _ServerConnection:
     closing = eof = False
     jobs: Any = None  # server="threads": its thread's queue
 
-    def __init__(self, server: AsyncDispatchServer) -> None:
+    def __init__(self, server: AsyncDispatchServer):
         self.server, self.buffer = server, bytearray()
 
     def connection_made(self, transport: Any) -> None:
@@ -2973,7 +2962,7 @@ class AsyncDispatchServer:
 
     def __init__(self, app: DispatchApp, host: str = "127.0.0.1", port: int = 8080, *,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 max_connections: int | None = None, backlog: int = 4096) -> None:
+                 max_connections: int | None = None, backlog: int = 4096):
         import socket
 
         for name, value in (("read_timeout_s", read_timeout_s), ("keepalive_s", keepalive_s)):
@@ -3349,7 +3338,7 @@ def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, m
 class HTTPStatusError(PipelinesError):
     """A JSON API answered an error status after retries, or no JSON."""
 
-    def __init__(self, message: str, *, status_code: int | None = None, body: Any = None) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, body: Any = None):
         super().__init__(message)
         self.status_code, self.body = status_code, body
 
@@ -3501,7 +3490,7 @@ class Tool:
     """A function as a tool: in a dispatch a call is checked and proxied; outside, it runs."""
 
     def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
-                 default_execution_mode: str | None = None) -> None:
+                 default_execution_mode: str | None = None):
         import inspect
         import typing
 
@@ -3667,7 +3656,7 @@ def _jsonable_args(value: Any) -> Any:
 class Handoffs:
     """A run's ``handoff`` trace events (§3.4), one per change of sub-agent, best-effort."""
 
-    def __init__(self, first: str | None = None, *, envelope: Envelope | None = None) -> None:
+    def __init__(self, first: str | None = None, *, envelope: Envelope | None = None):
         self.current = validate_actor_label(first) if first else None
         self._envelope = envelope if envelope is not None else _current.get()
         self._lock = threading.Lock()
@@ -3870,7 +3859,7 @@ class _RpcError(Exception):  # (code, message)
 class McpShim:
     """A stdio MCP server (kit-mcp-shim) whose tools are called through the proxy."""
 
-    def __init__(self, *, environ: Mapping[str, str] | None = None, client: ProxyClient | None = None) -> None:
+    def __init__(self, *, environ: Mapping[str, str] | None = None, client: ProxyClient | None = None):
         self.environ = dict(os.environ if environ is None else environ)
         self.client = client
         self._tools: List[Dict[str, Any]] | None = None
