@@ -2428,9 +2428,8 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | No
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
     outcome: List[Any] = []
-    worker = _start_thread(fn, lambda *pair: outcome.extend(pair))
-    worker.join(timeout_s)
-    if worker.is_alive():
+    _start_thread(fn, lambda *pair: outcome.extend(pair)).join(timeout_s)
+    if not outcome:
         raise _Overran(timeout_s)
     if outcome[1] is not None:
         raise outcome[1]
@@ -2478,17 +2477,12 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
 
 
 def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
-    import inspect
-
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
         result = fn(*args)
-        if inspect.isawaitable(result):
+        if hasattr(result, "__await__"):
             import asyncio
 
-            async def awaited() -> Any:
-                return await result
-
-            result = asyncio.run(awaited())
+            result = asyncio.run(_awaited(result))
         return result
 
 
@@ -2518,7 +2512,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _server_loop.set(loop)
             return _call_agent(envelope, agent, envelope)
 
-        _start_thread(run_sync, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
+        _start_thread(run_sync, lambda *pair: loop.call_soon_threadsafe(settle, *pair))
     timer = loop.call_later(timeout_s, settle, None, _Overran(timeout_s))
     try:
         return await waiter
@@ -2566,11 +2560,11 @@ class DispatchApp:
         self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
         if self.tools_schema:
             convert_tools(self.tools_schema, "platform")  # checked; served as given
-        hosts = os.environ.get(ENV_PROXY_ALLOWED_HOSTS) if proxy_hosts is None else proxy_hosts
+        source = "proxy_hosts" if proxy_hosts is not None else ENV_PROXY_ALLOWED_HOSTS
+        hosts = os.environ.get(source) if proxy_hosts is None else proxy_hosts
         try:
             allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
         except ValueError as exc:
-            source = ENV_PROXY_ALLOWED_HOSTS if proxy_hosts is None else "proxy_hosts"
             raise ValueError(f"{source}: {exc}") from None
         self.path, self.auth_header, self.max_body = path.rstrip("/") or "/", auth_header, int(max_body)
         self.endpoint = Endpoint(self.path, auth_header, self.token_env, no_auth, self.max_body, self.tools_schema,
@@ -2643,7 +2637,7 @@ class DispatchApp:
 
     async def arun_agent(self, envelope: Envelope, stats: _DispatchStats | None = None) -> HttpReply:
         """The reply to running the agent on ``envelope`` (§7.3)."""
-        stats = _DispatchStats() if stats is None else stats
+        stats = stats or _DispatchStats()
         bound = _dispatch_stats.set(stats)
         secrets = self.secrets(envelope)
         try:
@@ -2721,8 +2715,8 @@ class DispatchApp:
     @property
     def asgi(self) -> Callable[..., Any]:
         """The ASGI3 application as an ``async def`` function."""
-        async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-            await self(scope, receive, send)
+        async def asgi(*args: Any) -> None:
+            await self(*args)
 
         return asgi
 
@@ -3166,11 +3160,9 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope |
 
 
 def _run_argument(value: str | None, argument: str, variable: str) -> str:
-    if value is None:
-        value = os.environ.get(variable, "")
-        if not value.strip():
-            raise EnvelopeError(f"run() got no {argument}, and {variable} is not set")
-    return value
+    if value is None and not (value := os.environ.get(variable, "")).strip():
+        raise EnvelopeError(f"run() got no {argument}, and {variable} is not set")
+    return value or ""
 
 
 def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
@@ -3204,7 +3196,7 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
                 encoded = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
                 return _without_run_token(body, envelope, encoded)
             except ResponseError as exc:
-                raise ResponseError([cast(str, redact(p, token)) for p in exc.problems]) from None
+                raise ResponseError(redact(exc.problems, token)) from None
             except Exception as exc:  # noqa: BLE001
                 raise ResponseError("the response cannot be sent as JSON: "
                                     + describe_error(exc, DETAIL_LIMIT, token)) from None
