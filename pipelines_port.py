@@ -3884,12 +3884,12 @@ class McpShim:
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
-        except _RpcError as exc:
-            reply = {"error": {"code": exc.args[0], "message": exc.args[1]}}
         except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
-            _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
-            reply = {"error": {"code": -32603, "message": describe_error(exc, DETAIL_LIMIT, token)}}
+            if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # the run's, its tools'
+                _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
+            code, text = exc.args if isinstance(exc, _RpcError) else (-32603, describe_error(exc, DETAIL_LIMIT, token))
+            reply = {"error": {"code": code, "message": text}}
         return json.dumps({"jsonrpc": "2.0", "id": request_id, **reply}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
@@ -3915,36 +3915,27 @@ class McpShim:
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
         if self._envelope is None:  # two threads reading it read the same run
-            try:
-                self._envelope = Envelope.from_env(self.environ)
-            except EnvelopeError as exc:
-                raise _RpcError(-32603, f"the shim has no run: {exc}") from None
+            self._envelope = Envelope.from_env(self.environ)
         return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
         """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
-            try:
-                inline = _tools_schema_from_env(self.environ)
-                self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
-            except ValueError as exc:
-                raise _RpcError(-32603, f"the tools schema is invalid: {exc}") from None
+            inline = _tools_schema_from_env(self.environ)
+            self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
         return self._tools
 
     def _fetch_tools(self) -> List[Any]:
         agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
         if not agent_id:
-            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
+            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
         envelope = self.envelope()
-        try:
-            api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
-            reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
-                              headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
-                              retry=RetryPolicy())  # the proxy's: a few seconds at most
-        except (EnvelopeError, HTTPStatusError) as exc:
-            raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
+        api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
+        reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
+                          headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
+                          retry=RetryPolicy())  # the proxy's: a few seconds at most
         if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
-            raise _RpcError(-32603, "cannot fetch the tools schema: no tools list")
+            raise ValueError("the tools schema reply has no tools list")
         return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
