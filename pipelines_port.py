@@ -3388,12 +3388,9 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); strings and arrays by their length
-_BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
-    "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
-    "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
-    "minLength": ("string", lambda v, b: v >= b), "maxLength": ("string", lambda v, b: v <= b),
-    "minItems": ("array", lambda v, b: v >= b), "maxItems": ("array", lambda v, b: v <= b)}
+# keyword: the JSON type it bounds, strings and arrays by their length
+_BOUNDS = {"minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
+           "minLength": "string", "maxLength": "string", "minItems": "array", "maxItems": "array"}
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
@@ -3410,10 +3407,10 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     problems: List[str] = []
     if value not in schema.get("enum", [value]) or ("const" in schema and schema["const"] != value):
         problems.append(f"{path}: not in {json.dumps(schema.get('enum', [schema.get('const')]))}")
-    for key, (kind, holds) in _BOUNDS.items():
+    for key, kind in _BOUNDS.items():
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
-            measure = value if kind == "number" else len(value)
-            if not holds(measure, schema[key]):
+            measure, bound = value if kind == "number" else len(value), schema[key]
+            if (measure < bound if "min" in key.lower() else measure > bound) or (measure == bound and "exc" in key):
                 problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
     if actual == "array" and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
