@@ -3923,11 +3923,11 @@ class McpShim:
         return self._tools
 
     def _fetch_tools(self) -> List[Any]:
-        agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
+        agent_id = _header(self.environ, ENV_AGENT_ID)
         if not agent_id:
             raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
         envelope = self.envelope()
-        api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
+        api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
         reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
                           headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
                           retry=RetryPolicy())  # the proxy's: a few seconds at most
@@ -3941,10 +3941,8 @@ class McpShim:
             value = proxy_call(name, arguments, envelope=self.envelope(), client=self.client)
         except ProxyError as exc:
             return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
-        result: Dict[str, Any] = {"content": [{"type": "text", "text": _as_text(value)}], "isError": False}
-        if isinstance(value, dict):
-            result["structuredContent"] = value
-        return result
+        return {"content": [{"type": "text", "text": _as_text(value)}], "isError": False,
+                **({"structuredContent": value} if isinstance(value, dict) else {})}
 
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
         """Answer lines until EOF, ``tools/call`` concurrently."""
@@ -4026,10 +4024,9 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
     def parse(text: str) -> Any:
         import argparse
 
-        try:
+        value = None
+        with contextlib.suppress(ValueError):
             value = convert(text)
-        except ValueError:
-            value = None
         if value is None or not holds(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
@@ -4092,7 +4089,7 @@ def _cmd_serve(args: Any) -> int:
         if app.tools_schema is not None:
             say(f"{len(app.tools_schema)} tools declared (GET /tools_schema)")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
-        if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
+        if _header(os.environ, ENV_RUN_TOKEN):  # §5 child-env-explicit
             say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
 
     try:
