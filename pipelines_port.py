@@ -3427,7 +3427,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            matches = sum(1 for option in options if not validate_args(option, value, path))
+            matches = sum(not validate_args(option, value, path) for option in options)
             if matches == 0 or (key == "oneOf" and matches > 1):
                 problems.append(f"{path}: matches {matches} of the {key} alternatives")
     return problems
@@ -3870,11 +3870,10 @@ class McpShim:
                 message = json.loads(line) if line.strip() else {}
             except ValueError as exc:
                 raise _RpcError(-32700, f"parse error: {exc}") from None
-            if not isinstance(message, dict):
-                raise _RpcError(-32600, f"expected a JSON object, got {json_type(message)}")
-            method, given = message.get("method"), message.get("id")
+            given = message.get("id") if isinstance(message, dict) else False
             if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
-                raise _RpcError(-32600, "id must be a string or a number")
+                raise _RpcError(-32600, "expected a JSON object, its id a string or a number")
+            method = message.get("method")
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
                 return None
             request_id = given
@@ -3959,10 +3958,7 @@ class McpShim:
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
-                if '"tools/call"' in line:
-                    pool.submit(answer, line)
-                else:
-                    answer(line)
+                pool.submit(answer, line) if '"tools/call"' in line else answer(line)
         return 0
 
 # ----------------------------------------
