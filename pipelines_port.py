@@ -3456,7 +3456,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
         items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
         return {"type": "array", **({"items": items[0] if len(items) == 1 else {"anyOf": items}} if items else {})}
     if (origin or annotation) is dict:
-        values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
+        values_schema = schema_for_type(args[1]) if len(args) == 2 else None  # Any's: {}
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
     raise TypeError(f"no JSON Schema for type {annotation!r}")
 
@@ -4038,7 +4038,7 @@ def _refuse_token(text: str) -> None:
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices
-_SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
+_SERVE_OPTIONS = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
     ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
      "port, 0: any free"),
