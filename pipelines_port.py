@@ -3412,7 +3412,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
             measure, bound = value if kind == "number" else len(value), schema[key]
             if (measure < bound if "min" in key.lower() else measure > bound) or (measure == bound and "exc" in key):
                 problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
-    if actual == "array" and isinstance(schema.get("items"), Mapping):
+    if actual == "array" and "items" in schema:
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
     if actual == "object":
@@ -3546,8 +3546,7 @@ class Tool:
         if _current.get() is None:
             return self.fn(*args, **kwargs)
         arguments = self.arguments(*args, **kwargs)
-        problems = self.validate(arguments)
-        if problems:
+        if problems := self.validate(arguments):
             raise ProxyRequestError(f"arguments for tool {self.name!r}: " + "; ".join(problems), tool_name=self.name)
         return (aproxy_call if self.is_async else proxy_call)(self.name, arguments)
 
@@ -3922,8 +3921,7 @@ class McpShim:
         return self._tools
 
     def _fetch_tools(self) -> List[Any]:
-        agent_id = _header(self.environ, ENV_AGENT_ID)
-        if not agent_id:
+        if not (agent_id := _header(self.environ, ENV_AGENT_ID)):
             raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
         envelope = self.envelope()
         api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
@@ -3996,7 +3994,6 @@ def load_agent(spec: str) -> Callable[..., Any]:
         sys.modules.pop(name, None)  # a module half run
         if isinstance(exc, SyntaxError):
             raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
-
         frames = traceback.extract_tb(exc.__traceback__)
         raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
@@ -4094,7 +4091,7 @@ def _cmd_serve(args: Any) -> int:
                        max_connections=args.max_connections, gc_threshold=args.gc_threshold)
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if status != 0:  # dispatches outlived the grace period: do not wait for their threads
+    if status:  # dispatches outlived the grace period: do not wait for their threads
         logging.shutdown()
         sys.stdout.flush()
         os._exit(status)
