@@ -3881,7 +3881,7 @@ class McpShim:
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
         except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
-            if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # the run's, its tools'
+            if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # setup problems: no traceback
                 _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
             code, text = exc.args if isinstance(exc, _RpcError) else (-32603, describe_error(exc, DETAIL_LIMIT, token))
             reply = {"error": {"code": code, "message": text}}
