@@ -3995,7 +3995,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
         if isinstance(exc, SyntaxError):
             raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
         frames = traceback.extract_tb(exc.__traceback__)
-        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
+        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})"
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
     target: Any = module
     for part in attr.split("."):
