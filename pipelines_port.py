@@ -3380,12 +3380,9 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-# keyword: (the JSON type it bounds, the test); strings and arrays by their length
-_BOUNDS: Dict[str, Tuple[str, Callable[[float, float], bool]]] = {
-    "minimum": ("number", lambda v, b: v >= b), "maximum": ("number", lambda v, b: v <= b),
-    "exclusiveMinimum": ("number", lambda v, b: v > b), "exclusiveMaximum": ("number", lambda v, b: v < b),
-    "minLength": ("string", lambda v, b: v >= b), "maxLength": ("string", lambda v, b: v <= b),
-    "minItems": ("array", lambda v, b: v >= b), "maxItems": ("array", lambda v, b: v <= b)}
+# keyword: the JSON type it bounds, strings and arrays by their length
+_BOUNDS = {"minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
+           "minLength": "string", "maxLength": "string", "minItems": "array", "maxItems": "array"}
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
@@ -3402,12 +3399,12 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     problems: List[str] = []
     if value not in schema.get("enum", [value]) or ("const" in schema and schema["const"] != value):
         problems.append(f"{path}: not in {json.dumps(schema.get('enum', [schema.get('const')]))}")
-    for key, (kind, holds) in _BOUNDS.items():
+    for key, kind in _BOUNDS.items():
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
-            measure = value if kind == "number" else len(value)
-            if not holds(measure, schema[key]):
+            measure, bound = value if kind == "number" else len(value), schema[key]
+            if (measure < bound if "min" in key.lower() else measure > bound) or (measure == bound and "exc" in key):
                 problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
-    if actual == "array" and isinstance(schema.get("items"), Mapping):
+    if actual == "array" and "items" in schema:
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
     if actual == "object":
@@ -3422,7 +3419,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            matches = sum(1 for option in options if not validate_args(option, value, path))
+            matches = sum(not validate_args(option, value, path) for option in options)
             if matches == 0 or (key == "oneOf" and matches > 1):
                 problems.append(f"{path}: matches {matches} of the {key} alternatives")
     return problems
@@ -3451,7 +3448,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
         items = [schema_for_type(a) for a in dict.fromkeys(args) if a is not Ellipsis]  # a tuple's: any of its types
         return {"type": "array", **({"items": items[0] if len(items) == 1 else {"anyOf": items}} if items else {})}
     if (origin or annotation) is dict:
-        values_schema = schema_for_type(args[1]) if len(args) == 2 and args[1] is not Any else None
+        values_schema = schema_for_type(args[1]) if len(args) == 2 else None  # Any's: {}
         return {"type": "object", **({"additionalProperties": values_schema} if values_schema else {})}
     raise TypeError(f"no JSON Schema for type {annotation!r}")
 
@@ -3541,8 +3538,7 @@ class Tool:
         if _current.get() is None:
             return self.fn(*args, **kwargs)
         arguments = self.arguments(*args, **kwargs)
-        problems = self.validate(arguments)
-        if problems:
+        if problems := self.validate(arguments):
             raise ProxyRequestError(f"arguments for tool {self.name!r}: " + "; ".join(problems), tool_name=self.name)
         return (aproxy_call if self.is_async else proxy_call)(self.name, arguments)
 
@@ -3865,23 +3861,22 @@ class McpShim:
                 message = json.loads(line) if line.strip() else {}
             except ValueError as exc:
                 raise _RpcError(-32700, f"parse error: {exc}") from None
-            if not isinstance(message, dict):
-                raise _RpcError(-32600, f"expected a JSON object, got {json_type(message)}")
-            method, given = message.get("method"), message.get("id")
+            given = message.get("id") if isinstance(message, dict) else False
             if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
-                raise _RpcError(-32600, "id must be a string or a number")
+                raise _RpcError(-32600, "expected a JSON object, its id a string or a number")
+            method = message.get("method")
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
                 return None
             request_id = given
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
             reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
-        except _RpcError as exc:
-            reply = {"error": {"code": exc.args[0], "message": exc.args[1]}}
         except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
-            _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
-            reply = {"error": {"code": -32603, "message": describe_error(exc, DETAIL_LIMIT, token)}}
+            if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # setup problems: no traceback
+                _log.error("mcp: %s failed", method, exc_info=_redact_exception_chain(exc, token))
+            code, text = exc.args if isinstance(exc, _RpcError) else (-32603, describe_error(exc, DETAIL_LIMIT, token))
+            reply = {"error": {"code": code, "message": text}}
         return json.dumps({"jsonrpc": "2.0", "id": request_id, **reply}, ensure_ascii=False)
 
     def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
@@ -3907,36 +3902,26 @@ class McpShim:
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
         if self._envelope is None:  # two threads reading it read the same run
-            try:
-                self._envelope = Envelope.from_env(self.environ)
-            except EnvelopeError as exc:
-                raise _RpcError(-32603, f"the shim has no run: {exc}") from None
+            self._envelope = Envelope.from_env(self.environ)
         return self._envelope
 
     def tools(self) -> List[Dict[str, Any]]:
         """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
-            try:
-                inline = _tools_schema_from_env(self.environ)
-                self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
-            except ValueError as exc:
-                raise _RpcError(-32603, f"the tools schema is invalid: {exc}") from None
+            inline = _tools_schema_from_env(self.environ)
+            self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
         return self._tools
 
     def _fetch_tools(self) -> List[Any]:
-        agent_id = (self.environ.get(ENV_AGENT_ID) or "").strip()
-        if not agent_id:
-            raise _RpcError(-32603, f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
+        if not (agent_id := _header(self.environ, ENV_AGENT_ID)):
+            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
         envelope = self.envelope()
-        try:
-            api = validate_proxy_url((self.environ.get(ENV_API_URL) or "").strip() or envelope.api_url, ENV_API_URL)
-            reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
-                              headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
-                              retry=RetryPolicy())  # the proxy's: a few seconds at most
-        except (EnvelopeError, HTTPStatusError) as exc:
-            raise _RpcError(-32603, f"cannot fetch the tools schema: {exc}") from None
+        api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
+        reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
+                          headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
+                          retry=RetryPolicy())  # the proxy's: a few seconds at most
         if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
-            raise _RpcError(-32603, "cannot fetch the tools schema: no tools list")
+            raise ValueError("the tools schema reply has no tools list")
         return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
@@ -3945,10 +3930,8 @@ class McpShim:
             value = proxy_call(name, arguments, envelope=self.envelope(), client=self.client)
         except ProxyError as exc:
             return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
-        result: Dict[str, Any] = {"content": [{"type": "text", "text": _as_text(value)}], "isError": False}
-        if isinstance(value, dict):
-            result["structuredContent"] = value
-        return result
+        return {"content": [{"type": "text", "text": _as_text(value)}], "isError": False,
+                **({"structuredContent": value} if isinstance(value, dict) else {})}
 
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
         """Answer lines until EOF, ``tools/call`` concurrently."""
@@ -3965,10 +3948,7 @@ class McpShim:
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
-                if '"tools/call"' in line:
-                    pool.submit(answer, line)
-                else:
-                    answer(line)
+                pool.submit(answer, line) if '"tools/call"' in line else answer(line)
         return 0
 
 # ----------------------------------------
@@ -4006,9 +3986,8 @@ def load_agent(spec: str) -> Callable[..., Any]:
         sys.modules.pop(name, None)  # a module half run
         if isinstance(exc, SyntaxError):
             raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
-
         frames = traceback.extract_tb(exc.__traceback__)
-        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
+        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})"
         raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
     target: Any = module
     for part in attr.split("."):
@@ -4030,10 +4009,9 @@ def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], ex
     def parse(text: str) -> Any:
         import argparse
 
-        try:
+        value = None
+        with contextlib.suppress(ValueError):
             value = convert(text)
-        except ValueError:
-            value = None
         if value is None or not holds(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
@@ -4049,7 +4027,7 @@ def _refuse_token(text: str) -> None:
 _SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 _POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices
-_SERVE_OPTIONS: Tuple[Tuple[str, Any, Any, str | None, str], ...] = (
+_SERVE_OPTIONS = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
     ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
      "port, 0: any free"),
@@ -4096,7 +4074,7 @@ def _cmd_serve(args: Any) -> int:
         if app.tools_schema is not None:
             say(f"{len(app.tools_schema)} tools declared (GET /tools_schema)")
         say(f"proxy hosts: {app.describe_proxy_hosts()}")
-        if (os.environ.get(ENV_RUN_TOKEN) or "").strip():  # §5 child-env-explicit
+        if _header(os.environ, ENV_RUN_TOKEN):  # §5 child-env-explicit
             say(f"WARNING: {ENV_RUN_TOKEN} is set: proxy calls outside a dispatch would use that run")
 
     try:
@@ -4105,7 +4083,7 @@ def _cmd_serve(args: Any) -> int:
                        max_connections=args.max_connections, gc_threshold=args.gc_threshold)
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if status != 0:  # dispatches outlived the grace period: do not wait for their threads
+    if status:  # dispatches outlived the grace period: do not wait for their threads
         logging.shutdown()
         sys.stdout.flush()
         os._exit(status)
