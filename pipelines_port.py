@@ -4111,7 +4111,8 @@ def _parser(prog: str | None = None) -> Any:
         serve_.add_argument(flag, default=default, help=f"{text} (default %(default)s)" if default else text, **how)
     serve_.add_argument("--token", type=_refuse_token, help=argparse.SUPPRESS)
     serve_.set_defaults(run=_cmd_serve)
-    mcp_ = commands.add_parser("mcp", help="MCP server on stdio, tools called through the proxy", allow_abbrev=False)
+    about = "MCP server on stdio, tools called through the proxy"
+    mcp_ = commands.add_parser("mcp", help=about, description=about, allow_abbrev=False)
     mcp_.add_argument("--debug", action="store_true", help="log proxy traffic")
     mcp_.set_defaults(run=_cmd_mcp)
     return parser
