@@ -2790,7 +2790,7 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
 # ----------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio loop, or a thread per connection
+# The built-in server: HTTP/1.1 on one asyncio loop, or a thread per request
 
 
 class _ServerConnection:
@@ -2802,7 +2802,6 @@ class _ServerConnection:
     deadline: float | None = None  # of the read or keep-alive timeout
     timer: Any = None  # due by the deadline, re-armed if early
     closing = eof = False
-    jobs: Any = None  # server="threads": its thread's queue
 
     def __init__(self, server: AsyncDispatchServer):
         self.server, self.buffer = server, bytearray()
@@ -2834,8 +2833,6 @@ class _ServerConnection:
         self.server.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()
-        if self.jobs is not None:
-            self.jobs.put(None)
 
     def pause_writing(self) -> None:  # the transport buffers a reply
         pass
@@ -3054,32 +3051,22 @@ class AsyncDispatchServer:
 
 class _ThreadsServer(AsyncDispatchServer):
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: bytes | None) -> HttpReply:
-        if conn.jobs is None:
-            import queue
-
-            conn.jobs = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
-        future = self.loop.create_future()
-        conn.jobs.put((future, head, conn.headers, body))
+        future, headers = self.loop.create_future(), conn.headers
+        _start_thread(lambda: self.app.handle(head.method, head.target, headers, body),
+                      lambda *pair: self.loop.call_soon_threadsafe(_resolve, future, *pair))
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on
-            run_id = _header(conn.headers, HEADER_RUN_ID)
+            run_id = _header(headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
             _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
             raise
 
-    def _work(self, jobs: Any) -> None:
-        for future, head, headers, body in iter(jobs.get, None):
-            reply = self.app.handle(head.method, head.target, headers, body)  # ahandle catches what it can
-            with contextlib.suppress(RuntimeError):  # loop closed
-                self.loop.call_soon_threadsafe(_resolve, future, reply)
 
-
-def _resolve(future: Any, result: Any) -> None:
+def _resolve(future: Any, reply: Any, error: Any) -> None:
     if not future.done():  # cancelled meanwhile
-        future.set_result(result)
+        future.set_result(reply or _fallback_reply(error.error))
 
 # ----------------------------------------
 # Starting a server: make_server, start_server, serve (signals, the drain)
@@ -3131,13 +3118,13 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
 
     _raise_file_limit()
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
         if gc_threshold > 0 and gc.isenabled():
             gc.freeze()  # the agent and its imports are never garbage
-            first, *rest = gc.get_threshold()
-            gc.set_threshold(first and max(first, gc_threshold), *rest)
+            first = gc.get_threshold()[0]
+            gc.set_threshold(first and max(first, gc_threshold))
         if ready is not None:
             ready(server)
         while not stop.wait(0.5):
