@@ -2790,7 +2790,7 @@ def _fallback_reply(exc: BaseException) -> HttpReply:
     return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
 # ----------------------------------------
-# The built-in server: HTTP/1.1 on one asyncio loop, or a thread per request
+# The built-in server: HTTP/1.1 on one asyncio loop, or a thread per connection
 
 
 class _ServerConnection:
@@ -2802,6 +2802,7 @@ class _ServerConnection:
     deadline: float | None = None  # of the read or keep-alive timeout
     timer: Any = None  # due by the deadline, re-armed if early
     closing = eof = False
+    jobs: Any = None  # server="threads": its thread's queue
 
     def __init__(self, server: AsyncDispatchServer):
         self.server, self.buffer = server, bytearray()
@@ -2833,6 +2834,8 @@ class _ServerConnection:
         self.server.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()
+        if self.jobs is not None:
+            self.jobs.put(None)
 
     def pause_writing(self) -> None:  # the transport buffers a reply
         pass
@@ -3051,9 +3054,14 @@ class AsyncDispatchServer:
 
 class _ThreadsServer(AsyncDispatchServer):
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: bytes | None) -> HttpReply:
+        if conn.jobs is None:
+            import queue
+
+            conn.jobs = queue.SimpleQueue()
+            threading.Thread(target=_work, args=(conn.jobs,), daemon=True).start()
         future, headers = self.loop.create_future(), conn.headers
-        _start_thread(lambda: self.app.handle(head.method, head.target, headers, body),
-                      lambda *pair: self.loop.call_soon_threadsafe(_resolve, future, *pair))
+        conn.jobs.put(lambda: self.loop.call_soon_threadsafe(
+            _resolve, future, self.app.handle(head.method, head.target, headers, body)))
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on
@@ -3064,9 +3072,15 @@ class _ThreadsServer(AsyncDispatchServer):
             raise
 
 
-def _resolve(future: Any, reply: Any, error: Any) -> None:
+def _work(jobs: Any) -> None:
+    for job in iter(jobs.get, None):
+        with contextlib.suppress(RuntimeError):  # loop closed
+            job()
+
+
+def _resolve(future: Any, result: Any) -> None:
     if not future.done():  # cancelled meanwhile
-        future.set_result(reply or _fallback_reply(error.error))
+        future.set_result(result)
 
 # ----------------------------------------
 # Starting a server: make_server, start_server, serve (signals, the drain)

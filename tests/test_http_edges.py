@@ -224,21 +224,21 @@ def test_threads_server_answers_503_to_each_dispatch_still_running_when_grace_ru
     assert RUN_TOKEN not in caplog.text
 
 
-def test_threads_server_answers_each_request_on_a_daemon_thread_of_its_own() -> None:
+def test_threads_server_answers_each_connection_on_a_thread_of_its_own() -> None:
     """``server="threads"``: every request goes through the blocking ``DispatchApp.handle`` (the seam
-    tests/broken_ports.py patches), on a fresh daemon thread, never on the server's loop."""
-    seen: List[Tuple[int, threading.Thread]] = []
+    tests/broken_ports.py patches), on its connection's thread, never on the server's loop."""
+    seen: List[Tuple[int, str]] = []
 
     class Recording(pp.DispatchApp):
         def handle(self, method: str, target: str, headers: Any, body: Any) -> pp.HttpReply:
-            seen.append((int(headers["x-connection"]), threading.current_thread()))
+            seen.append((int(headers["x-connection"]), threading.current_thread().name))
             return super().handle(method, target, headers, body)
 
     server = pp.start_server(Recording(lambda env: "ok", token=AGENT_TOKEN), server="threads")
     try:
         for connection in range(3):
             client = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
-            for _ in range(2):  # keep-alive
+            for _ in range(2):  # keep-alive: a connection closed after the first would show as a second thread
                 client.request("POST", "/dispatch", body=b'{"ping": true}',
                                headers={"Authorization": f"Bearer {AGENT_TOKEN}", "X-Connection": str(connection)})
                 reply = client.getresponse()
@@ -247,8 +247,9 @@ def test_threads_server_answers_each_request_on_a_daemon_thread_of_its_own() -> 
     finally:
         server.close(2)
     assert [c for c, _ in seen] == [0, 0, 1, 1, 2, 2]
-    threads = {thread for _, thread in seen}
-    assert len(threads) == 6 and all(t.daemon and t.name != "pipelines-server" for t in threads)
+    threads = {c: {name for k, name in seen if k == c} for c in range(3)}
+    assert all(len(names) == 1 for names in threads.values())  # one thread per connection, for all its requests
+    assert len(set.union(*threads.values())) == 3 and "pipelines-server" not in set.union(*threads.values())
 
 
 # -- what every reply carries, keep-alive and the connection limit (both servers) --------------------------
