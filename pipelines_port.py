@@ -3052,23 +3052,24 @@ class _ThreadsServer(AsyncDispatchServer):
             import queue
 
             conn.jobs = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(conn.jobs,), daemon=True).start()
-        future = self.loop.create_future()
-        conn.jobs.put((future, head, conn.headers, body))
+            threading.Thread(target=_work, args=(conn.jobs,), daemon=True).start()
+        future, headers = self.loop.create_future(), conn.headers
+        conn.jobs.put(lambda: self.loop.call_soon_threadsafe(
+            _resolve, future, self.app.handle(head.method, head.target, headers, body)))
         try:
             return cast(HttpReply, await future)
         except BaseException:  # cut by a drain: the thread runs on
-            run_id = _header(conn.headers, HEADER_RUN_ID)
+            run_id = _header(headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
                 run_id = json.loads(body or b"{}")["run_id"]
             _log.warning("run %s was cut by the shutdown", _short(str(run_id), 40))
             raise
 
-    def _work(self, jobs: Any) -> None:
-        for future, head, headers, body in iter(jobs.get, None):
-            reply = self.app.handle(head.method, head.target, headers, body)  # ahandle catches what it can
-            with contextlib.suppress(RuntimeError):  # loop closed
-                self.loop.call_soon_threadsafe(_resolve, future, reply)
+
+def _work(jobs: Any) -> None:
+    for job in iter(jobs.get, None):
+        with contextlib.suppress(RuntimeError):  # loop closed
+            job()
 
 
 def _resolve(future: Any, result: Any) -> None:
@@ -3125,13 +3126,13 @@ def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.
 
     _raise_file_limit()
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = start_server(agent, host=host, port=port, **options)
         if gc_threshold > 0 and gc.isenabled():
             gc.freeze()  # the agent and its imports are never garbage
-            first, *rest = gc.get_threshold()
-            gc.set_threshold(first and max(first, gc_threshold), *rest)
+            first = gc.get_threshold()[0]
+            gc.set_threshold(first and max(first, gc_threshold))
         if ready is not None:
             ready(server)
         while not stop.wait(0.5):
