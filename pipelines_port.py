@@ -10,36 +10,35 @@ mechanism per job, each rule named here and explained in CONTRACT.md.
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      130   0.3  PART 1 - THE CONTRACT
-      139   2.8    Constants
-      203   4.4    Errors
-      332  15.0    Envelope (§2 dispatch, §5 code mode)
-      621  13.3    Inbound decisions (§2)
-      872   6.3    Request encoding (§3.1, §3.4, §3.5)
-      992   7.3    Reply interpretation
-     1145  14.6    Response envelope (§4)
-     1403   2.3    HTTP replies of a dispatch endpoint
-     1452   0.8  PART 2 - THE PYTHON RUNTIME
-     1483   2.0    Speed paths
-     1533   2.7    Python data
-     1605   6.5    Python values as JSON (§7.7)
-     1757   1.8    Start-up settings
-     1795   1.3    Context binding
-     1825   4.9    Event loops
-     1955  14.0    Transport
-     2251  23.2    Proxy client (§3)
-     2695   6.3    Running agents
-     2850  14.2    The dispatch app (§2)
-     3080   1.8    Server adapters
-     3125  12.9    The built-in server
-     3418   3.7    Starting a server
-     3491   4.3    Code mode (§5)
-     3568   0.2  PART 3 - CONVENIENCES
-     3576   9.1    Agent-loop helpers
-     3743  11.4    Tools from code
-     3935  15.8    Framework bridges
-     4221   8.0    MCP shim (§3.6)
-     4364  12.1    Command line: serve, mcp
+      118   0.2  PART 1 - THE CONTRACT
+      126   2.7    Constants
+      190   4.1    Errors and their HTTP statuses
+      319  13.9    Envelope (§2 dispatch, §5 code mode)
+      591  11.8    Inbound decisions (§2)
+      818   5.9    Request encoding (§3.1, §3.4, §3.5)
+      937   6.7    Reply interpretation
+     1085  13.6    Response envelope (§4): built and checked
+     1330   2.1    HTTP replies of a dispatch endpoint
+     1378   0.9  PART 2 - THE PYTHON RUNTIME
+     1411   2.6    Python data
+     1481   6.1    Python values as JSON (§7.7)
+     1624   1.5    Start-up settings
+     1659   0.9    Context binding
+     1684   1.9    Event loops for blocking callers
+     1738  12.9    Transport
+     2016  20.2    Proxy client (§3)
+     2395   5.2    Running agents
+     2531  12.9    The dispatch app (§2)
+     2746   1.5    Server adapters
+     2786  12.5    The built-in server
+     3079   3.3    Starting a server
+     3149   3.5    Code mode (§5)
+     3212   0.1  PART 3 - CONVENIENCES
+     3220   8.4    Agent-loop helpers
+     3380  10.1    Tools from code
+     3558  14.9    Framework bridges
+     3838   6.3    MCP shim (§3.6)
+     3955   9.6    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
