@@ -2275,12 +2275,10 @@ def proxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = 
                                               timeout=timeout, idempotency_key=idempotency_key, errors=errors)
 
 
-async def aproxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = None, actor: str | None = None,
-                      timeout: float | None = None, idempotency_key: str | None = None, errors: str = "raise",
-                      client: ProxyClient | None = None) -> Any:
-    """:func:`proxy_call` on the running loop."""
-    return await (client or _default_client()).acall(envelope or current_envelope(), name, args, actor=actor,
-                                                     timeout=timeout, idempotency_key=idempotency_key, errors=errors)
+async def aproxy_call(name: str, args: _Payload = None, **options: Any) -> Any:
+    """:func:`proxy_call` on the running loop, with its options."""
+    client, envelope = options.pop("client", None), options.pop("envelope", None)
+    return await (client or _default_client()).acall(envelope or current_envelope(), name, args, **options)
 
 
 class Actor:
@@ -2341,12 +2339,10 @@ def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope 
                                                best_effort=best_effort)
 
 
-async def apost_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope | None = None,
-                      actor: str | None = None, timeout: float | None = None, best_effort: bool = False,
-                      client: ProxyClient | None = None) -> _Accepted:
-    """:func:`post_trace` on the running loop."""
-    return await (client or _default_client()).atrace(envelope, event_type, payload, actor=actor, timeout=timeout,
-                                                      best_effort=best_effort)
+async def apost_trace(event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
+    """:func:`post_trace` on the running loop, with its options."""
+    client = options.pop("client", None)
+    return await (client or _default_client()).atrace(options.pop("envelope", None), event_type, payload, **options)
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
