@@ -370,12 +370,11 @@ def _first_id(*candidates: Any) -> Id | None:
 
 
 def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog
-    labels: List[str | None] = []
+    labels = {"": None}
     for entry in value if isinstance(value, list) else ():
-        label = entry.get("actor_id") if isinstance(entry, dict) else entry
-        with contextlib.suppress(ProxyRequestError):
-            labels.append(validate_actor_label(label) if isinstance(label, str) else None)
-    return tuple(dict.fromkeys(label for label in labels if label))
+        with contextlib.suppress(ProxyRequestError):  # not a string, or not a label
+            labels[validate_actor_label(entry.get("actor_id") if isinstance(entry, dict) else entry) or ""] = None
+    return tuple(labels)[1:]
 
 
 class Envelope:
@@ -550,12 +549,10 @@ class Envelope:
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tuple[str, str] | None:
-    for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
-        if isinstance(body.get(name), str) and body[name].strip():
-            return f"body field {name!r}", body[name]
-    for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
-        if _header(headers, name):
-            return f"header {name.title()}", headers[name]
+    for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY, HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
+        value = (body if "_" in name else headers).get(name)
+        if isinstance(value, str) and value.strip():
+            return f"body field {name!r}" if "_" in name else f"header {name.title()}", value
     return None
 
 
@@ -747,14 +744,14 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
+    name = endpoint.auth_header
     if not endpoint.no_auth:
-        name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
             raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
-        if _repeated(headers, name.lower()):
-            raise AuthError(f"{name} header sent more than once", bearer=bearer)
-        if not check_credential(headers, expected_token or "", header_name=name):
-            raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
+        twice = _repeated(headers, name.lower())
+        if twice or not check_credential(headers, expected_token or "", header_name=name):
+            raise AuthError(f"{name} header sent more than once" if twice else
+                            f"missing or invalid credential in the {name} header", bearer=name.lower() == "authorization")
     length = _body_length(headers, endpoint.max_body)
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
