@@ -461,7 +461,6 @@ class Envelope:
 
     def child_env(self, base: Mapping[str, str] | None = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) with this run's variables (§5)."""
-        env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input), "task_id": self.task_id}
         values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
                   ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
@@ -470,12 +469,8 @@ class Envelope:
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode("ascii")
-        for key, value in values.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = str(value)
-        return env
+        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
+        return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
@@ -784,10 +779,9 @@ _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_
 def _split_host_entry(entry: str) -> Tuple[str, int | None]:
     entry = entry.strip().lower()
     match = _HOST_ENTRY.fullmatch(entry)
-    if match is None or (entry.count(":") > 1 and not entry.startswith("[")):
+    if match is None:
         return entry, None
-    port = match.group("port")
-    return match.group("name").strip("[]").rstrip("."), int(port) if port else None
+    return match["name"].strip("[]").rstrip("."), int(match["port"]) if match["port"] else None
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
@@ -800,8 +794,8 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    return any(entry_port in (None, port) and name and (host == name or (name[0] == "." and (
-        host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
+    return any(entry_port in (None, port) and name and (host == name or name[0] == "." and f".{host}".endswith(name))
+               for name, entry_port in map(_split_host_entry, allowed))
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
