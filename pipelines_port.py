@@ -468,7 +468,7 @@ class Envelope:
                       {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
-            values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode("ascii")
+            values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode()
         env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
         return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
 
@@ -495,7 +495,7 @@ class Envelope:
     def from_run(cls, task_input: Mapping[str, Any] | None, *, proxy_url: str, run_token: str,
                  environ: Mapping[str, str] | None = None) -> Envelope:
         """Read code mode's ``run()`` arguments (§5)."""
-        if not isinstance(task_input, Mapping) and task_input is not None:
+        if not isinstance(task_input, (Mapping, type(None))):
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
@@ -513,11 +513,10 @@ class Envelope:
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
-        run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
-        names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
-        task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
-        return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
+        url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
+        token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
+        task = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)), {})
+        return cls.from_run(task, proxy_url=url, run_token=token, environ=env)
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
@@ -569,8 +568,7 @@ def _env_json(text: str, name: str) -> Any:
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
-        text = _header(env, name)
-        if text:
+        if text := _header(env, name):
             value = _env_json(text, name)
             if isinstance(value, dict) and isinstance(value.get("tools"), list):
                 value = value["tools"]
