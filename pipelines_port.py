@@ -455,9 +455,8 @@ class Envelope:
         prompt = self.latest_user_prompt or self.user_instruction or "(no instruction given)"
         if self.task_input and not self.latest_user_prompt:
             prompt += "\n\nTask input:\n" + json.dumps(self.task_input, indent=2)
-        if not turns or turns[-1] != {"role": "user", "content": prompt}:
-            turns.append({"role": "user", "content": prompt})
-        return turns
+        last = {"role": "user", "content": prompt}
+        return turns if turns[-1:] == [last] else [*turns, last]
 
     def child_env(self, base: Mapping[str, str] | None = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) with this run's variables (§5)."""
@@ -665,7 +664,7 @@ def parse_request_head(head: bytes) -> RequestHead:
             break
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
-        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # a CR or LF outside a CRLF
+        if max(head.count(b"\r"), head.count(b"\n")) >= len(lines):  # a CR or LF outside a CRLF
             raise FramingError("bare CR or LF in the request head")
         if request is None:
             raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)}")
@@ -678,7 +677,7 @@ def parse_request_head(head: bytes) -> RequestHead:
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header")
-    if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
+    if lengths and (len(set(lengths)) != 1 or not (lengths[0].isascii() and lengths[0].isdigit())):
         raise FramingError(f"bad Content-Length {_short(', '.join(lengths), 60)!r}")
     if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
         raise FramingError("Transfer-Encoding with a Content-Length or in HTTP/1.0")
