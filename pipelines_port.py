@@ -412,9 +412,10 @@ class Envelope:
                                   scenario_state, workspace, tools_schema)),
                    _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
-    def _fill(self, *values: Any) -> None:
+    def _fill(self, *values: Any) -> Envelope:
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
+        return self
 
     def __setattr__(self, name: str, value: Any = None) -> None:
         raise AttributeError("Envelope is read-only: use replace()")
@@ -524,11 +525,9 @@ class Envelope:
         jti = raw.get("run_token_jti")
 
         def typed(key: str, kind: type) -> Any:
-            value = task.get(key)
-            return value if isinstance(value, kind) else None
+            return task[key] if isinstance(task.get(key), kind) else None
 
-        envelope = cls.__new__(cls)
-        envelope._fill(
+        return cls.__new__(cls)._fill(
             proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
             _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
             _first_id(raw.get("agent_id")),
@@ -538,7 +537,6 @@ class Envelope:
             typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
             raw["tools_schema"] if isinstance(raw.get("tools_schema"), list) else None,
             _sub_agent_catalog(raw.get("sub_agents")), raw)
-        return envelope
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tuple[str, str] | None:
