@@ -356,8 +356,7 @@ def _check_run_token(token: Any, where: str) -> str:
 
 
 def _env_id(value: str | None) -> Id | None:
-    number = _content_length(value)  # §7.2 kit-env-ids-numeric
-    return _first_id(value) if number is None else number
+    return _first_id(_content_length(value), value)  # §7.2 kit-env-ids-numeric
 
 
 def _first_id(*candidates: Any) -> Id | None:
@@ -367,6 +366,10 @@ def _first_id(*candidates: Any) -> Id | None:
         if isinstance(value, str) and value.strip():
             return value.strip()
     return None
+
+
+def _typed(source: Mapping[str, Any], key: str, kind: type) -> Any:
+    return source[key] if isinstance(source.get(key), kind) else None
 
 
 def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog
@@ -515,28 +518,23 @@ class Envelope:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
-        task = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)), {})
+        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
+                         {})
         return cls.from_run(task, proxy_url=url, run_token=token, environ=env)
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
         raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types are absent
-        task = raw["input"] if isinstance(raw.get("input"), dict) else {}
-        jti = raw.get("run_token_jti")
-
-        def typed(key: str, kind: type) -> Any:
-            return task[key] if isinstance(task.get(key), kind) else None
-
+        task = _typed(raw, "input", dict) or {}
         return cls.__new__(cls)._fill(
             proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
             _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
             _first_id(raw.get("agent_id")),
-            _first_id(jti if isinstance(jti, str) else None, _header(headers, HEADER_RUN_TOKEN_JTI)),
-            typed("user_instruction", str) or "", typed("input", dict) or _FrozenDict(),
-            typed("latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
-            typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
-            raw["tools_schema"] if isinstance(raw.get("tools_schema"), list) else None,
-            _sub_agent_catalog(raw.get("sub_agents")), raw)
+            _first_id(_typed(raw, "run_token_jti", str), _header(headers, HEADER_RUN_TOKEN_JTI)),
+            _typed(task, "user_instruction", str) or "", _typed(task, "input", dict) or _FrozenDict(),
+            _typed(task, "latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
+            _typed(task, "messages", list), _typed(task, "scenario_state", dict), _typed(task, "workspace", dict),
+            _typed(raw, "tools_schema", list), _sub_agent_catalog(raw.get("sub_agents")), raw)
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tuple[str, str] | None:
@@ -741,7 +739,8 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         twice = _repeated(headers, name.lower())
         if twice or not check_credential(headers, expected_token or "", header_name=name):
             raise AuthError(f"{name} header sent more than once" if twice else
-                            f"missing or invalid credential in the {name} header", bearer=name.lower() == "authorization")
+                            f"missing or invalid credential in the {name} header",
+                            bearer=name.lower() == "authorization")
     length = _body_length(headers, endpoint.max_body)
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
@@ -789,8 +788,8 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    return any(entry_port in (None, port) and name and (host == name or name[0] == "." and f".{host}".endswith(name))
-               for name, entry_port in map(_split_host_entry, allowed))
+    return any(entry_port in (None, port) and name and (host == name or (
+        name[0] == "." and f".{host}".endswith(name))) for name, entry_port in map(_split_host_entry, allowed))
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
