@@ -341,7 +341,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
         (parts.hostname or "").encode("idna")
     except ValueError:  # and UnicodeError
         parts = urlsplit("")
-    if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
+    if parts.scheme in ("http", "https") and parts.hostname and not (
             parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
         return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
@@ -783,7 +783,7 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
-    host = (parts.hostname or "").rstrip(".").lower()
+    host = (parts.hostname or "").rstrip(".")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
