@@ -340,7 +340,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
         (parts.hostname or "").encode("idna")
     except ValueError:  # and UnicodeError
         parts = urlsplit("")
-    if parts.scheme.lower() in ("http", "https") and parts.hostname and not (
+    if parts.scheme in ("http", "https") and parts.hostname and not (
             parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
         return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
@@ -355,8 +355,7 @@ def _check_run_token(token: Any, where: str) -> str:
 
 
 def _env_id(value: str | None) -> Id | None:
-    number = _content_length(value)  # §7.2 kit-env-ids-numeric
-    return _first_id(value) if number is None else number
+    return _first_id(_content_length(value), value)  # §7.2 kit-env-ids-numeric
 
 
 def _first_id(*candidates: Any) -> Id | None:
@@ -368,13 +367,16 @@ def _first_id(*candidates: Any) -> Id | None:
     return None
 
 
+def _typed(source: Mapping[str, Any], key: str, kind: type) -> Any:
+    return source[key] if isinstance(source.get(key), kind) else None
+
+
 def _sub_agent_catalog(value: Any) -> Tuple[str, ...]:  # §7.2 kit-sub-agents-catalog
-    labels: List[str | None] = []
+    labels = {"": None}
     for entry in value if isinstance(value, list) else ():
-        label = entry.get("actor_id") if isinstance(entry, dict) else entry
-        with contextlib.suppress(ProxyRequestError):
-            labels.append(validate_actor_label(label) if isinstance(label, str) else None)
-    return tuple(dict.fromkeys(label for label in labels if label))
+        with contextlib.suppress(ProxyRequestError):  # not a string, or not a label
+            labels[validate_actor_label(entry.get("actor_id") if isinstance(entry, dict) else entry) or ""] = None
+    return tuple(labels)[1:]
 
 
 class Envelope:
@@ -412,9 +414,10 @@ class Envelope:
                                   scenario_state, workspace, tools_schema)),
                    _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
 
-    def _fill(self, *values: Any) -> None:
+    def _fill(self, *values: Any) -> Envelope:
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
+        return self
 
     def __setattr__(self, name: str, value: Any = None) -> None:
         raise AttributeError("Envelope is read-only: use replace()")
@@ -455,13 +458,11 @@ class Envelope:
         prompt = self.latest_user_prompt or self.user_instruction or "(no instruction given)"
         if self.task_input and not self.latest_user_prompt:
             prompt += "\n\nTask input:\n" + json.dumps(self.task_input, indent=2)
-        if not turns or turns[-1] != {"role": "user", "content": prompt}:
-            turns.append({"role": "user", "content": prompt})
-        return turns
+        last = {"role": "user", "content": prompt}
+        return turns if turns[-1:] == [last] else [*turns, last]
 
     def child_env(self, base: Mapping[str, str] | None = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) with this run's variables (§5)."""
-        env = dict(os.environ if base is None else base)
         task = {"user_instruction": self.user_instruction, "input": _thaw(self.task_input), "task_id": self.task_id}
         values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
                   ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
@@ -469,13 +470,9 @@ class Envelope:
                       {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
-            values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode("ascii")
-        for key, value in values.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = str(value)
-        return env
+            values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode()
+        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
+        return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
@@ -500,7 +497,7 @@ class Envelope:
     def from_run(cls, task_input: Mapping[str, Any] | None, *, proxy_url: str, run_token: str,
                  environ: Mapping[str, str] | None = None) -> Envelope:
         """Read code mode's ``run()`` arguments (§5)."""
-        if not isinstance(task_input, Mapping) and task_input is not None:
+        if not isinstance(task_input, (Mapping, type(None))):
             raise EnvelopeError(f"task_input must be a mapping, got {json_type(task_input)}")
         env = os.environ if environ is None else environ
         proxy_url = validate_proxy_url(proxy_url, "the proxy_url argument")
@@ -518,43 +515,32 @@ class Envelope:
         missing = [name for name in (ENV_PROXY_URL, ENV_RUN_TOKEN) if not _header(env, name)]
         if missing:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
-        proxy_url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
-        run_token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
-        names = (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64)
-        task: Any = next((_env_json(env[name], name) for name in names if _header(env, name)), {})
-        return cls.from_run(task, proxy_url=proxy_url, run_token=run_token, environ=env)
+        url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
+        token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
+        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
+                         {})
+        return cls.from_run(task, proxy_url=url, run_token=token, environ=env)
 
     @classmethod
     def _read(cls, body: Mapping[str, Any], proxy_url: str, run_token: str, headers: Mapping[str, str]) -> Envelope:
         raw = _freeze(body if isinstance(body, dict) else dict(body))  # §7.2: wrong types are absent
-        task = raw["input"] if isinstance(raw.get("input"), dict) else {}
-        jti = raw.get("run_token_jti")
-
-        def typed(key: str, kind: type) -> Any:
-            value = task.get(key)
-            return value if isinstance(value, kind) else None
-
-        envelope = cls.__new__(cls)
-        envelope._fill(
+        task = _typed(raw, "input", dict) or {}
+        return cls.__new__(cls)._fill(
             proxy_url, run_token, _first_id(raw.get("run_id"), _header(headers, HEADER_RUN_ID)),
             _first_id(raw.get("task_id"), task.get("task_id"), _header(headers, HEADER_TASK_ID)),
             _first_id(raw.get("agent_id")),
-            _first_id(jti if isinstance(jti, str) else None, _header(headers, HEADER_RUN_TOKEN_JTI)),
-            typed("user_instruction", str) or "", typed("input", dict) or _FrozenDict(),
-            typed("latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
-            typed("messages", list), typed("scenario_state", dict), typed("workspace", dict),
-            raw["tools_schema"] if isinstance(raw.get("tools_schema"), list) else None,
-            _sub_agent_catalog(raw.get("sub_agents")), raw)
-        return envelope
+            _first_id(_typed(raw, "run_token_jti", str), _header(headers, HEADER_RUN_TOKEN_JTI)),
+            _typed(task, "user_instruction", str) or "", _typed(task, "input", dict) or _FrozenDict(),
+            _typed(task, "latest_user_prompt", str), _first_id(task.get("session_id")), task.get("turn_id"),
+            _typed(task, "messages", list), _typed(task, "scenario_state", dict), _typed(task, "workspace", dict),
+            _typed(raw, "tools_schema", list), _sub_agent_catalog(raw.get("sub_agents")), raw)
 
 
 def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tuple[str, str] | None:
-    for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY):
-        if isinstance(body.get(name), str) and body[name].strip():
-            return f"body field {name!r}", body[name]
-    for name in (HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
-        if _header(headers, name):
-            return f"header {name.title()}", headers[name]
+    for name in (BODY_PROXY_URL, BODY_PROXY_URL_LEGACY, HEADER_PROXY_URL, HEADER_PROXY_URL_LEGACY):
+        value = (body if "_" in name else headers).get(name)
+        if isinstance(value, str) and value.strip():
+            return f"body field {name!r}" if "_" in name else f"header {name.title()}", value
     return None
 
 
@@ -576,8 +562,7 @@ def _env_json(text: str, name: str) -> Any:
 
 def _tools_schema_from_env(env: Mapping[str, str]) -> List[Any] | None:  # §7.2 kit-tools-schema-wrapped
     for name in (ENV_TOOLS_SCHEMA_B64, ENV_TOOLS_SCHEMA_JSON):
-        text = _header(env, name)
-        if text:
+        if text := _header(env, name):
             value = _env_json(text, name)
             if isinstance(value, dict) and isinstance(value.get("tools"), list):
                 value = value["tools"]
@@ -674,7 +659,7 @@ def parse_request_head(head: bytes) -> RequestHead:
             break
         headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
-        if head.count(b"\r") >= len(lines) or head.count(b"\n") >= len(lines):  # a CR or LF outside a CRLF
+        if max(head.count(b"\r"), head.count(b"\n")) >= len(lines):  # a CR or LF outside a CRLF
             raise FramingError("bare CR or LF in the request head")
         if request is None:
             raise FramingError(f"malformed request line {_short(repr(lines[0]), 100)}")
@@ -687,7 +672,7 @@ def parse_request_head(head: bytes) -> RequestHead:
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header")
-    if lengths and (len(set(lengths)) != 1 or not all(v.isascii() and v.isdigit() for v in lengths)):
+    if lengths and (len(set(lengths)) != 1 or not (lengths[0].isascii() and lengths[0].isdigit())):
         raise FramingError(f"bad Content-Length {_short(', '.join(lengths), 60)!r}")
     if "transfer-encoding" in names and (lengths or version == "HTTP/1.0"):
         raise FramingError("Transfer-Encoding with a Content-Length or in HTTP/1.0")
@@ -746,14 +731,15 @@ def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, 
         return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
     if path == TOOLS_SCHEMA_PATH:
         return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
+    name = endpoint.auth_header
     if not endpoint.no_auth:
-        name, bearer = endpoint.auth_header, endpoint.auth_header.lower() == "authorization"
         if not (expected_token or "").strip():
             raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
-        if _repeated(headers, name.lower()):
-            raise AuthError(f"{name} header sent more than once", bearer=bearer)
-        if not check_credential(headers, expected_token or "", header_name=name):
-            raise AuthError(f"missing or invalid credential in the {name} header", bearer=bearer)
+        twice = _repeated(headers, name.lower())
+        if twice or not check_credential(headers, expected_token or "", header_name=name):
+            raise AuthError(f"{name} header sent more than once" if twice else
+                            f"missing or invalid credential in the {name} header",
+                            bearer=name.lower() == "authorization")
     length = _body_length(headers, endpoint.max_body)
     if body is None or len(body) < length:
         raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
@@ -786,10 +772,9 @@ _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_
 def _split_host_entry(entry: str) -> Tuple[str, int | None]:
     entry = entry.strip().lower()
     match = _HOST_ENTRY.fullmatch(entry)
-    if match is None or (entry.count(":") > 1 and not entry.startswith("[")):
+    if match is None:
         return entry, None
-    port = match.group("port")
-    return match.group("name").strip("[]").rstrip("."), int(port) if port else None
+    return match["name"].strip("[]").rstrip("."), int(match["port"]) if match["port"] else None
 
 
 def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
@@ -797,13 +782,13 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
     if allowed is None:
         return True
     parts = urlsplit(proxy_url)
-    host = (parts.hostname or "").rstrip(".").lower()
+    host = (parts.hostname or "").rstrip(".")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    return any(entry_port in (None, port) and name and (host == name or (name[0] == "." and (
-        host == name[1:] or host.endswith(name)))) for name, entry_port in map(_split_host_entry, allowed))
+    return any(entry_port in (None, port) and name and (host == name or (
+        name[0] == "." and f".{host}".endswith(name))) for name, entry_port in map(_split_host_entry, allowed))
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
