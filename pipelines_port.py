@@ -10,35 +10,35 @@ mechanism per job, each rule named here and explained in CONTRACT.md.
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      118   0.2  PART 1 - THE CONTRACT
-      126   2.7    Constants
-      190   4.1    Errors and their HTTP statuses
-      319  13.9    Envelope (§2 dispatch, §5 code mode)
-      591  11.8    Inbound decisions (§2)
-      818   5.9    Request encoding (§3.1, §3.4, §3.5)
-      937   6.7    Reply interpretation
-     1085  13.6    Response envelope (§4): built and checked
-     1330   2.1    HTTP replies of a dispatch endpoint
-     1378   0.9  PART 2 - THE PYTHON RUNTIME
-     1411   2.6    Python data
-     1481   6.1    Python values as JSON (§7.7)
-     1624   1.5    Start-up settings
-     1659   0.9    Context binding
-     1684   1.9    Event loops for blocking callers
-     1738  12.9    Transport
-     2016  20.2    Proxy client (§3)
-     2395   5.2    Running agents
-     2531  12.9    The dispatch app (§2)
-     2746   1.5    Server adapters
-     2786  12.5    The built-in server
-     3079   3.3    Starting a server
-     3149   3.5    Code mode (§5)
-     3212   0.1  PART 3 - CONVENIENCES
-     3220   8.4    Agent-loop helpers
-     3380  10.1    Tools from code
-     3558  14.9    Framework bridges
-     3838   6.3    MCP shim (§3.6)
-     3955   9.6    Command line: serve, mcp
+      113   0.2  PART 1 - THE CONTRACT
+      121   2.7    Constants
+      185   4.1    Errors and their HTTP statuses
+      314  13.0    Envelope (§2 dispatch, §5 code mode)
+      569  11.7    Inbound decisions (§2)
+      796   5.9    Request encoding (§3.1, §3.4, §3.5)
+      915   6.7    Reply interpretation
+     1063  13.6    Response envelope (§4): built and checked
+     1308   2.1    HTTP replies of a dispatch endpoint
+     1356   0.9  PART 2 - THE PYTHON RUNTIME
+     1389   2.6    Python data
+     1459   6.1    Python values as JSON (§7.7)
+     1602   1.5    Start-up settings
+     1637   0.9    Context binding
+     1662   1.9    Event loops for blocking callers
+     1716  12.9    Transport
+     1994  19.7    Proxy client (§3)
+     2369   5.2    Running agents
+     2505  12.9    The dispatch app (§2)
+     2720   1.5    Server adapters
+     2760  12.5    The built-in server
+     3053   3.3    Starting a server
+     3123   3.5    Code mode (§5)
+     3186   0.1  PART 3 - CONVENIENCES
+     3194   8.4    Agent-loop helpers
+     3354  10.1    Tools from code
+     3532  14.9    Framework bridges
+     3812   6.3    MCP shim (§3.6)
+     3929   9.6    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
@@ -78,24 +78,19 @@ if __name__ == "__main__":
 __version__ = "0.1.0"
 
 __all__ = [
-    # part 1, the contract: errors (each with its http_status)
+    # part 1: the contract
     "PipelinesError", "RequestError", "EnvelopeError", "NotFoundError", "MethodNotAllowedError", "UnknownMethodError",
     "LengthRequiredError", "BodyTooLargeError", "UnsupportedTransferCodingError", "FramingError", "TargetTooLongError",
     "HeadersTooLargeError", "VersionNotSupportedError", "AuthError", "MisconfiguredError", "ShuttingDownError",
     "OverloadedError", "RequestTimeoutError", "RunTimeoutError", "AgentError", "ResponseError", "ProxyError",
     "ProxyRequestError", "ProxyTransportError", "StaleRunTokenError",
-    # envelope
     "Envelope", "validate_proxy_url", "json_type",
-    # inbound decisions
     "check_credential", "is_ping", "request_body_length", "RequestHead", "parse_request_head", "connectivity_proxy_url",
     "Endpoint", "Decision", "decide",
-    # request encoding
     "validate_tool_name", "validate_actor_label", "encode_args", "ProxyRequest", "proxy_request", "tool_call_request",
     "trace_request", "handoff_event",
-    # reply interpretation and the retry decision
     "ProxyOutcome", "parse_retry_after", "error_fields", "interpret_reply", "RETRY_TABLE", "retry_decision",
     "RetryPolicy", "RetryStep", "RetryState", "TRACE_EVENT_TYPES",
-    # response envelope
     "response_envelope", "build_turn_reply", "validate_response", "MAX_JSON_DEPTH", "MAX_INT_DIGITS", "HttpReply",
     "json_reply", "error_reply", "describe_error", "redact",
     # part 2: the Python runtime
@@ -400,19 +395,17 @@ class Envelope:
     raw: Mapping[str, Any]  # the whole dispatch body
     __slots__ = tuple(__annotations__)
 
-    def __init__(self, *, proxy_url: str, run_token: str, run_id: Id | None = None, task_id: Id | None = None,
-                 agent_id: Id | None = None, run_token_jti: str | None = None, user_instruction: str = "",
-                 task_input: Mapping[str, Any] | None = None, latest_user_prompt: str | None = None,
-                 session_id: Id | None = None, turn_id: Any | None = None,
-                 messages: Sequence[Any] | None = None, scenario_state: Mapping[str, Any] | None = None,
-                 workspace: Mapping[str, Any] | None = None, tools_schema: Sequence[Any] | None = None,
-                 sub_agents: Iterable[Any] = (), raw: Mapping[str, Any] | None = None) -> None:
-        self._fill(*map(_freeze, (validate_proxy_url(proxy_url, "the proxy_url argument"),
-                                  _check_run_token(run_token, "the run_token argument"), run_id, task_id, agent_id,
-                                  run_token_jti, user_instruction if isinstance(user_instruction, str) else "",
-                                  dict(task_input or {}), latest_user_prompt, session_id, turn_id, messages,
-                                  scenario_state, workspace, tools_schema)),
-                   _sub_agent_catalog(list(sub_agents)), _freeze(dict(raw or {})))
+    def __init__(self, *, proxy_url: str, run_token: str, **fields: Any):  # the others by their names above
+        unknown = sorted(set(fields) - set(self.__slots__[2:]))
+        if unknown:
+            raise TypeError(f"Envelope() got an unexpected field {unknown[0]!r}")
+        text = fields.get("user_instruction")
+        fields.update(proxy_url=validate_proxy_url(proxy_url, "the proxy_url argument"),
+                      run_token=_check_run_token(run_token, "the run_token argument"),
+                      user_instruction=text if isinstance(text, str) else "",
+                      task_input=dict(fields.get("task_input") or {}), raw=dict(fields.get("raw") or {}))
+        sub_agents = _sub_agent_catalog(list(fields.pop("sub_agents", ())))
+        self._fill(*[sub_agents if name == "sub_agents" else _freeze(fields.get(name)) for name in self.__slots__])
 
     def _fill(self, *values: Any) -> Envelope:
         for name, value in zip(self.__slots__, values):
