@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # imported lazily: it costs import time
     import ssl
 
 if __name__ == "__main__":
-    # run as a script: an agent's `import pipelines_port` must get this module, not a second copy
+    # run as a script: `import pipelines_port` must get this module, not a copy
     sys.modules.setdefault("pipelines_port", sys.modules[__name__])
 
 __version__ = "0.1.0"
@@ -616,7 +616,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
     return int(digits)
 
 
-# RFC 9112: a field name is a token right before its colon, a value has no control character but HTAB
+# RFC 9112 §5: a token, a colon, a value without control characters but HTAB
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN)
 _FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN)
@@ -1840,7 +1840,7 @@ class _Pool:  # one loop's idle connections
         if self._reaper is not None:
             self._reaper.cancel()
 
-    # closes the stale idle ones, and all as asyncio.run() ends the loop (else they keep it alive)
+    # closes stale idle ones, and all as asyncio.run() ends the loop (they would keep it alive)
     async def _reap(self) -> None:
         import asyncio
 
@@ -1891,7 +1891,7 @@ class _Transport:  # every outbound call's I/O
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
-    # base: the split URL; timeout bounds it all: its deadline cancels this task (cheaper than asyncio.wait_for)
+    # base: the split URL; timeout bounds it all, cancelling this task (cheaper than asyncio.wait_for)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
         import asyncio
@@ -2010,7 +2010,7 @@ def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
-# The one driver of RetryState (§3.3); transport_error names an exchange without a reply
+# The one driver of RetryState (§3.3); transport_error names a failure without a reply
 async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
@@ -2413,7 +2413,7 @@ class _RedactedError(Exception):
     pass
 
 
-# exc's chain with no secret showing: each link cleaned in place, or replaced by a _RedactedError
+# exc's chain with no secret showing: each link cleaned, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
     wanted = [s for s in secrets if s]
     seen: Dict[int, BaseException | None] = {}
@@ -2459,7 +2459,7 @@ def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -
         return result
 
 
-# agent(envelope) as a task or on a fresh thread: its result, else _AgentRaised or _Overran
+# agent(envelope) as a task or on a fresh thread: its result, _AgentRaised or _Overran
 async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: float, is_async: bool) -> Any:
     import asyncio
 
