@@ -28,17 +28,17 @@ Map: each part and section, the line it starts on and its size in kB (tests/test
      1716  12.9    Transport
      1994  19.7    Proxy client (§3)
      2369   5.2    Running agents
-     2505  12.9    The dispatch app (§2)
+     2505  13.0    The dispatch app (§2)
      2720   1.5    Server adapters
      2760  12.5    The built-in server
      3053   3.3    Starting a server
-     3123   3.5    Code mode (§5)
-     3186   0.1  PART 3 - CONVENIENCES
-     3194   8.4    Agent-loop helpers
-     3354  10.1    Tools from code
-     3532  14.9    Framework bridges
-     3812   6.3    MCP shim (§3.6)
-     3929   9.6    Command line: serve, mcp
+     3123   3.6    Code mode (§5)
+     3188   0.1  PART 3 - CONVENIENCES
+     3196   8.4    Agent-loop helpers
+     3356  10.1    Tools from code
+     3534  14.9    Framework bridges
+     3814   6.3    MCP shim (§3.6)
+     3931   9.6    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
@@ -2688,8 +2688,8 @@ class DispatchApp:
     @property
     def asgi(self) -> Callable[..., Any]:
         """The ASGI3 application as an ``async def`` function."""
-        async def asgi(*args: Any) -> None:
-            await self(*args)
+        async def asgi(scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+            await self(scope, receive, send)  # three parameters: hosts count them
 
         return asgi
 
@@ -3161,9 +3161,11 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
             if isinstance(error, Exception) and not isinstance(error, PipelinesError):  # else: a stale token
                 cause, failure = failure, AgentError(f"agent raised {describe_error(error, DETAIL_LIMIT, token)}")
                 failure.__cause__ = cause
-        except BaseException:  # _Overran or an interrupt: the agent runs on, its proxy calls refused
+        except BaseException as exc:  # _Overran or an interrupt: the agent runs on, its proxy calls refused
             stats.cancelled = True
-            raise
+            if not isinstance(exc, _Overran):
+                raise
+            failure = RunTimeoutError(*exc.args)
         else:
             try:
                 body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
