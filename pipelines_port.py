@@ -13,32 +13,32 @@ Map: each part and section, the line it starts on and its size in kB (tests/test
       113   0.2  PART 1 - THE CONTRACT
       121   2.7    Constants
       185   4.1    Errors and their HTTP statuses
-      314  13.0    Envelope (§2 dispatch, §5 code mode)
+      314  13.0    Envelope
       569  11.7    Inbound decisions (§2)
-      796   5.9    Request encoding (§3.1, §3.4, §3.5)
+      796   5.9    Request encoding
       915   6.7    Reply interpretation
-     1063  13.6    Response envelope (§4): built and checked
-     1308   2.1    HTTP replies of a dispatch endpoint
-     1356   0.9  PART 2 - THE PYTHON RUNTIME
-     1389   2.6    Python data
-     1459   6.1    Python values as JSON (§7.7)
-     1602   1.5    Start-up settings
-     1637   0.9    Context binding
-     1662   1.9    Event loops for blocking callers
-     1716  12.9    Transport
-     1994  19.7    Proxy client (§3)
-     2369   5.2    Running agents
-     2505  13.0    The dispatch app (§2)
-     2720   1.5    Server adapters
-     2760  12.5    The built-in server
-     3053   3.3    Starting a server
-     3123   3.6    Code mode (§5)
-     3188   0.1  PART 3 - CONVENIENCES
-     3196   8.4    Agent-loop helpers
-     3356  10.1    Tools from code
-     3534  14.9    Framework bridges
-     3814   6.3    MCP shim (§3.6)
-     3931   9.6    Command line: serve, mcp
+     1063  13.6    Response envelope (§4)
+     1308   2.1    HTTP replies of a dispatch
+     1356   0.8  PART 2 - THE PYTHON RUNTIME
+     1386   2.6    Python data
+     1456   6.1    Python values as JSON (§7.7)
+     1599   1.5    Start-up settings
+     1634   0.9    Context binding
+     1659   1.9    Event loops for blocking callers
+     1713  12.9    Transport
+     1991  19.6    Proxy client (§3)
+     2363   5.2    Running agents
+     2499  13.0    The dispatch app (§2)
+     2714   1.5    Server adapters
+     2754  12.5    The built-in server
+     3047   3.3    Starting a server
+     3117   3.6    Code mode (§5)
+     3182   0.1  PART 3 - CONVENIENCES
+     3190   8.4    Agent-loop helpers
+     3350  10.0    Tools from code
+     3525  14.8    Framework bridges
+     3805   6.3    MCP shim (§3.6)
+     3922   9.6    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
@@ -1375,9 +1375,6 @@ class _Once(Generic[_T]):  # a lazy singleton
                     self._value = self._make()
         return self._value
 
-    def replace(self, value: _T | None) -> None:
-        self._value = value
-
 
 def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sniff
     if data[:1] == b"{" and data[1:2] != b"\x00":
@@ -1680,7 +1677,7 @@ def _start_loop() -> Any:
 
 _loop_thread = _Once(_start_loop)
 if hasattr(os, "register_at_fork"):  # a forked child has no such thread
-    os.register_at_fork(after_in_child=lambda: _loop_thread.replace(None))
+    os.register_at_fork(after_in_child=lambda: setattr(_loop_thread, "_value", None))
 
 
 # on this thread's server loop, else the module's; an interrupted wait cancels it
@@ -2065,8 +2062,8 @@ def _env_float(name: str, default: float) -> float:
 
 
 class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any window_s
-    def __init__(self, limit: int, window_s: float = 60.0, max_tokens: int = 4096):
-        self.limit, self.window_s, self._max_tokens = limit, window_s, max_tokens
+    def __init__(self, limit: int, window_s: float = 60.0):
+        self.limit, self.window_s = limit, window_s
         self._log: OrderedDict[str, Deque[float]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -2074,7 +2071,7 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         now = time.monotonic() if now is None else now
         with self._lock:
             log = self._log[key] = self._log.pop(key) if key in self._log else deque(maxlen=self.limit)
-            if len(self._log) > self._max_tokens:
+            if len(self._log) > 4096:
                 self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
             log.append(slot)
@@ -2241,7 +2238,7 @@ def set_default_client(client: ProxyClient) -> ProxyClient:
     if not isinstance(client, ProxyClient):
         raise TypeError(f"set_default_client() needs a ProxyClient, got {type(client).__name__}")
     previous = _default_client()
-    _default_client.replace(client)
+    _default_client._value = client
     return previous
 
 
@@ -2271,9 +2268,6 @@ class Actor:
         self.label, self._envelope, self._client = normalised, envelope, client
         if envelope is not None:
             _warn_if_undeclared(envelope, normalised)
-
-    def __repr__(self) -> str:
-        return f"Actor({self.label!r})"
 
     def _options(self, options: Dict[str, Any], actor: bool = True) -> Dict[str, Any]:
         return {"envelope": self._envelope, "client": self._client, **({"actor": self.label} if actor else {}),
@@ -2361,7 +2355,7 @@ def _built(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
     bound = _current.get()
     for warning in warnings:
-        _log.warning("response: %s", redact(warning, *secrets, bound.run_token if bound is not None else None))
+        _log.warning("response: %s", redact(warning, *secrets, bound.run_token if bound else None))
     return body
 
 
@@ -3492,9 +3486,6 @@ class Tool:
                                              **({"required": required} if required else {})}
         functools.update_wrapper(self, fn)
 
-    def __repr__(self) -> str:
-        return f"Tool({self.name!r})"
-
     @property
     def schema(self) -> Dict[str, Any]:
         """This tool as a tools_schema entry."""
@@ -3622,7 +3613,7 @@ class Handoffs:
 
     def __init__(self, first: str | None = None, *, envelope: Envelope | None = None):
         self.current = validate_actor_label(first) if first else None
-        self._envelope = envelope if envelope is not None else _current.get()
+        self._envelope = envelope or _current.get()
         self._lock = threading.Lock()
 
     def enter(self, label: str, reason: str | None = None) -> None:
