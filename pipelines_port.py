@@ -10,35 +10,35 @@ mechanism per job, each rule named here and explained in CONTRACT.md.
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      113   0.2  PART 1 - THE CONTRACT
-      121   2.7    Constants
-      185   4.1    Errors and their HTTP statuses
-      314  13.0    Envelope
-      569  11.7    Inbound decisions (§2)
+      111   0.2  PART 1 - THE CONTRACT
+      119   2.7    Constants
+      183   4.1    Errors and their HTTP statuses
+      312  13.0    Envelope
+      567  11.8    Inbound decisions (§2)
       796   5.9    Request encoding
-      915   6.7    Reply interpretation
-     1063  13.6    Response envelope (§4)
-     1308   2.1    HTTP replies of a dispatch
-     1356   0.8  PART 2 - THE PYTHON RUNTIME
-     1386   2.6    Python data
-     1456   6.1    Python values as JSON (§7.7)
-     1599   1.5    Start-up settings
-     1634   0.9    Context binding
-     1659   1.9    Event loops for blocking callers
-     1713  12.9    Transport
-     1991  19.6    Proxy client (§3)
-     2363   5.2    Running agents
-     2499  13.0    The dispatch app (§2)
-     2714   1.5    Server adapters
-     2754  12.5    The built-in server
-     3047   3.3    Starting a server
-     3117   3.6    Code mode (§5)
-     3182   0.1  PART 3 - CONVENIENCES
-     3190   8.4    Agent-loop helpers
-     3350  10.0    Tools from code
-     3525  14.8    Framework bridges
-     3805   6.3    MCP shim (§3.6)
-     3922   9.6    Command line: serve, mcp
+      915   6.8    Reply interpretation
+     1065  13.6    Response envelope (§4)
+     1310   2.1    HTTP replies of a dispatch
+     1358   0.8  PART 2 - THE PYTHON RUNTIME
+     1388   2.6    Python data
+     1458   6.1    Python values as JSON (§7.7)
+     1601   1.5    Start-up settings
+     1636   0.9    Context binding
+     1661   1.9    Event loops for blocking callers
+     1715  12.9    Transport
+     1993  19.6    Proxy client (§3)
+     2365   5.2    Running agents
+     2501  13.0    The dispatch app (§2)
+     2716   1.5    Server adapters
+     2756  12.5    The built-in server
+     3049   3.3    Starting a server
+     3119   3.6    Code mode (§5)
+     3184   0.1  PART 3 - CONVENIENCES
+     3192   8.4    Agent-loop helpers
+     3352  10.0    Tools from code
+     3527  14.8    Framework bridges
+     3807   6.3    MCP shim (§3.6)
+     3924   9.6    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
@@ -50,12 +50,10 @@ import contextlib
 import contextvars
 import enum
 import functools
-import hmac
 import json
 import logging
 import math
 import os
-import random
 import re
 import sys
 import threading
@@ -579,6 +577,8 @@ def check_credential(headers: HeadersLike, expected: str, *, header_name: str = 
         sent = received.strip().encode("latin-1")
     except UnicodeEncodeError:
         sent = received.strip().encode("utf-8", "surrogateescape")
+    import hmac  # at the first check: it loads OpenSSL (3 ms)
+
     return hmac.compare_digest(sent, expected.encode("utf-8", "surrogateescape")) and scheme.lower() == "bearer"
 
 
@@ -1017,6 +1017,8 @@ class RetryPolicy(NamedTuple):
         """Seconds to wait before retry ``retry_number`` (from 1)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after_s)
+        import random
+
         wait = self.base_delay_s * (2 ** (retry_number - 1)) * random.uniform(1 - self.jitter, 1 + self.jitter)
         return float(max(0.0, min(wait, self.max_delay_s)))
 
