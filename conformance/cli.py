@@ -13,6 +13,7 @@ never a traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -61,6 +62,14 @@ def _runner(command: str) -> Callable[[List[str]], Optional[int]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 a check failed, 2 bad usage)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`pipelines-port --help | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit fails no more
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(f"{prog()}: give a COMMAND ({', '.join(COMMANDS)}); {prog()} --help says more", file=sys.stderr)

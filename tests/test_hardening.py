@@ -361,6 +361,18 @@ def test_cli_usage_errors_are_one_line(args: List[str], needle: str) -> None:
     assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("args", [["--help"], ["check", "--list"], ["init", "--list"]])
+def test_the_kit_command_into_a_closed_pipe_ends_quietly(args: List[str]) -> None:
+    """``pipelines-port --help | head -1``: the reader has gone when the command writes; no traceback, no
+    "Exception ignored" from the flush at exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "conformance", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything: its first write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(60) == 1 and err == b"", err.decode(errors="replace")[-2000:]
+
+
 def test_doctor_finds_tools_schema_at_the_root_whatever_the_dispatch_path(tmp_path: Path, proxy: MockProxy) -> None:
     tools = [{"name": "get_order", "description": "", "input_schema": {"type": "object"}}]
     (tmp_path / "tools.json").write_text(json.dumps(tools))

@@ -21,6 +21,7 @@ from conformance.models.client import ChatClient, Endpoint, ModelServers
 from conformance.models.servers import ANSWERED, CRITICAL, DEFERRED, OTHER, OVERLOADED, Server, queueing_bound
 from conformance.simulator import report as report_text
 from tests.fake_chat_server import FakeChatServer, Reply
+from tests.test_model_client import ask_at_once
 from tests.test_simulate import ROOT, simulate_cli, write_csv
 
 GOOD = json.dumps({"task_completion": 5, "verdict": "PASS", "failure_mode": None, "instruction_adherence": None,
@@ -153,7 +154,7 @@ def test_a_server_that_sheds_load_gets_what_it_sustains() -> None:
     with FakeChatServer([Reply(GOOD, delay=0.05)], capacity=2) as server:
         c = ChatClient(Endpoint(server.base_url, "m", None, concurrency=16), sleep=lambda s: None,
                        servers=ModelServers())
-        answers = ask_at_once(c, 30)
+        answers = ask_at_once(c, 30, roles.judge_schema(False))
     assert all(not isinstance(a, Exception) and a.value["verdict"] == "PASS" for a in answers), answers
     assert server.shed <= 8, server.shed
     figures = c.server.figures()
@@ -166,7 +167,7 @@ def test_a_slow_server_that_answers_one_at_a_time_is_not_queued_into_timeouts() 
     with FakeChatServer([Reply(GOOD, delay=0.2)], serial=True) as server:
         c = ChatClient(Endpoint(server.base_url, "m", None, timeout_s=2.0, concurrency=16), sleep=time.sleep,
                        servers=ModelServers())
-        answers = ask_at_once(c, 12)
+        answers = ask_at_once(c, 12, roles.judge_schema(False))
     assert all(not isinstance(a, Exception) for a in answers), answers
     assert c.usage.retries == 0 and len(server.requests) == 12  # no timeout, no retry
     assert server.max_active <= 6
@@ -197,23 +198,6 @@ def test_the_critical_request_goes_before_the_judges_that_queued_first() -> None
             t.join(30)
     served = [json.loads(server.requests[i].json["messages"][1]["content"]).get("label") for i in server.served[1:]]
     assert served == ["first", "tool", "judge-1", "judge-2", "judge-3"]
-
-
-def ask_at_once(c: ChatClient, count: int) -> List[Any]:
-    answers: List[Any] = [None] * count
-
-    def one(i: int) -> None:
-        try:
-            answers[i] = c.ask_json(MESSAGES, roles.judge_schema(False), name=roles.JUDGE)
-        except Exception as exc:  # noqa: BLE001 - the test asserts on it
-            answers[i] = exc
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return answers
 
 
 STATE = json.dumps({"order": {"4521": {"status": "paid", "user_id": "u-1"}, "4522": {"status": "paid"}}})
