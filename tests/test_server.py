@@ -383,7 +383,8 @@ def test_run_timeout_answers_504_and_stops_further_proxy_calls(endpoints: Callab
 # -- http.server adapter ----------------------------------------------------------------------
 
 
-def test_hundred_concurrent_dispatches_never_cross_tokens(proxy: MockProxy) -> None:
+@pytest.mark.parametrize("kind", pp.SERVERS)
+def test_hundred_concurrent_dispatches_never_cross_tokens(proxy: MockProxy, kind: str) -> None:
     tokens = {i: f"run-token-{i:03d}-xxxxxxxx" for i in range(100)}
 
     def agent(env: pp.Envelope) -> str:
@@ -392,7 +393,7 @@ def test_hundred_concurrent_dispatches_never_cross_tokens(proxy: MockProxy) -> N
         return f"run {env.run_id} done"
 
     proxy.script("whoami", Together(20)(lambda r: {"response": {"args": r.json}}))
-    server = pp.start_server(agent, token=AGENT_TOKEN)
+    server = pp.start_server(agent, token=AGENT_TOKEN, server=kind)
     results: Dict[int, Reply] = {}
 
     def one(i: int) -> None:
