@@ -44,14 +44,12 @@ Importing this module does no I/O and starts nothing.
 """
 
 from __future__ import annotations
-import base64
 import binascii
 import contextlib
 import contextvars
 import enum
 import functools
 import json
-import logging
 import math
 import os
 import re
@@ -103,8 +101,19 @@ __all__ = [
     "tools_schema_from", "proxied_tools", "response_from", "Handoffs", "MCP_PROTOCOL_VERSIONS",
 ]
 
-_log = logging.getLogger("pipelines_port")
-_access_log = logging.getLogger("pipelines_port.access")  # a line per request
+class _Logger:  # logging imported at the first log call: it is 4 ms of every start
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str) -> Any:  # a method of the logger, kept: found directly from now on
+        import logging
+
+        setattr(self, attr, value := getattr(logging.getLogger(self.name), attr))
+        return value
+
+
+_log: Any = _Logger("pipelines_port")
+_access_log: Any = _Logger("pipelines_port.access")  # a line per request
 
 # ########################################
 #
@@ -461,6 +470,8 @@ class Envelope:
                       {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
+            import base64
+
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode()
         env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
         return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
@@ -545,6 +556,8 @@ def json_type(value: Any) -> str:
 
 
 def _env_json(text: str, name: str) -> Any:
+    import base64
+
     try:
         return json.loads(base64.b64decode(text, validate=True) if name.endswith("_B64") else text)
     except (ValueError, binascii.Error) as exc:
@@ -1911,7 +1924,7 @@ class _Transport:  # every outbound call's I/O
                        + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
-        where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(logging.DEBUG) else ""  # no query: keys
+        where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(10) else ""  # no query: keys
         if where:
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
         pool = self._pool(loop)
@@ -2572,7 +2585,7 @@ class DispatchApp:
                 reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
             else:
                 reply = cast(HttpReply, decision.reply)
-            level = logging.DEBUG if what in ("health", "ping") and reply.status < 400 else logging.INFO
+            level = 10 if what in ("health", "ping") and reply.status < 400 else 20  # logging.DEBUG, logging.INFO
             if _access_log.isEnabledFor(level):
                 ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
                        [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
@@ -4022,14 +4035,16 @@ _SERVE_OPTIONS = (
 
 
 def _configure_logging(debug: bool, level: int) -> None:
+    import logging
+
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log.setLevel(logging.DEBUG if debug or _truthy(os.environ.get(ENV_DEBUG)) else level)
 
 
 def _cmd_serve(args: Any) -> int:
-    _configure_logging(args.debug, logging.INFO)
+    _configure_logging(args.debug, 20)
     if args.no_access_log:
-        _access_log.setLevel(logging.WARNING)
+        _access_log.setLevel(30)
     agent = load_agent(args.agent)  # a ValueError is a usage error (main)
     app = agent if isinstance(agent, DispatchApp) else DispatchApp(
         agent, path=args.path, token_env=args.token_env, auth_header=args.auth_header, no_auth=args.no_auth,
@@ -4053,6 +4068,8 @@ def _cmd_serve(args: Any) -> int:
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     if status:  # dispatches outlived the grace period: do not wait for their threads
+        import logging
+
         logging.shutdown()
         sys.stdout.flush()
         os._exit(status)
@@ -4060,7 +4077,7 @@ def _cmd_serve(args: Any) -> int:
 
 
 def _cmd_mcp(args: Any) -> int:
-    _configure_logging(args.debug, logging.WARNING)
+    _configure_logging(args.debug, 30)
     return McpShim().serve()
 
 
