@@ -3235,9 +3235,9 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
             tool = {"type": "function", **tool, "parameters": schema, "strict": False}
         else:
             tool["input_schema"] = schema
-            if to == "platform":
-                tool.update((key, _thaw(value)) for key, value in entry.items()
-                            if key in ("output_schema", "default_execution_mode", "passthrough_binding"))
+            for key, value in entry.items() if to == "platform" else ():
+                if key in ("output_schema", "default_execution_mode", "passthrough_binding"):
+                    tool[key] = _thaw(value)
         out.append(tool)
     return out
 
@@ -3578,7 +3578,8 @@ def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
 def proxied_tools(source: Any, *, actor: str | None = None) -> List[Any]:
     """The same framework tools, each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
-    return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
+    proxied = functools.partial(_proxied_tool, actor=actor, errors="return", envelope=envelope)
+    return list(map(proxied, _tools_of(source)))
 
 
 def _proxied_tool(tool: Any, **options: Any) -> Any:
@@ -3689,7 +3690,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
-        turns = [_langchain_turn(m) if langchain else _message_turn(m) for m in items]
+        turns = list(map(_langchain_turn if langchain else _message_turn, items))
         if None in turns:
             return build_response(result, **fields)
         final, messages, metadata = _read_turns(cast(List[_Turn], turns))
@@ -3735,9 +3736,10 @@ def _field(item: Any, key: str) -> Any:
 
 def _run_metadata(usages: List[Any] | None, model: Any,
                   keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
-    metadata: Dict[str, Any] = {} if usages is None else {
-        "total_input_tokens": sum(int(_field(u, keys[0]) or 0) for u in usages),
-        "total_output_tokens": sum(int(_field(u, keys[1]) or 0) for u in usages)}
+    metadata: Dict[str, Any] = {} if usages is None else {"total_input_tokens": 0, "total_output_tokens": 0}
+    for usage in usages or ():
+        metadata["total_input_tokens"] += int(_field(usage, keys[0]) or 0)
+        metadata["total_output_tokens"] += int(_field(usage, keys[1]) or 0)
     if isinstance(model, str) and model:
         metadata["model"] = model
     return metadata
@@ -3748,13 +3750,15 @@ _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasonin
 
 def _message_turn(item: Any) -> _Turn | None:
     # an Anthropic Messages or a Bedrock Converse (Strands) message
-    if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
+    if hasattr(item, "model_dump"):
         item = item.model_dump()
     content = item.get("content") if isinstance(item, Mapping) else None
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in [b for b in content if isinstance(b, Mapping)]:
+    for block in content:
+        if not isinstance(block, Mapping):
+            continue
         kind = block.get("type")
         for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
             if isinstance(block.get(key), Mapping):
@@ -3781,17 +3785,19 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system"
 
 def _langchain_turn(item: Any) -> _Turn:
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-    blocks = [b for b in content if isinstance(b, Mapping)]
-    text = content if isinstance(content, str) else "".join(
-        str(b.get("text") or "") for b in blocks if b.get("type") == "text")
+    text, thinking = [content] if isinstance(content, str) else [], []
+    for block in () if isinstance(content, str) else content:
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if kind == "text":
+            text.append(str(block.get("text") or ""))
+        elif kind in ("thinking", "reasoning") and (thought := block.get("thinking") or block.get("text")):
+            thinking.append({"type": "text", "text": thought})
     if role == "tool":
-        return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
-    thoughts = [b.get("thinking") or b.get("text") for b in blocks if b.get("type") in ("thinking", "reasoning")]
+        return _Turn(role, results=[(getattr(item, "tool_call_id", None), "".join(text))])
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
     model = (getattr(item, "response_metadata", None) or {}).get("model_name")
-    return _Turn(role, text, calls, [{"type": "text", "text": t} for t in thoughts if t], (),
-                 getattr(item, "usage_metadata", None), model)
+    return _Turn(role, "".join(text), calls, thinking, (), getattr(item, "usage_metadata", None), model)
 
 
 def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
@@ -3987,14 +3993,15 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+def _option_type(convert: Callable[[str], Any], expected: str, low: float = 0, high: float = math.inf
+                 ) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         import argparse
 
         value = None
         with contextlib.suppress(ValueError):
             value = convert(text)
-        if value is None or not holds(value):
+        if value is None or not low < value < high:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
     return parse
@@ -4006,12 +4013,12 @@ def _refuse_token(text: str) -> None:
     raise argparse.ArgumentTypeError("--token is not accepted (ps shows it): use --token-env NAME")
 
 
-_SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
-_POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
+_SECONDS = _option_type(float, "a positive number of seconds")  # not nan, not inf
+_POSITIVE = _option_type(_content_length, "a positive whole number")  # digits: no -5 or 1_000
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
-    ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
+    ("--port", _option_type(_content_length, "a port number from 0 to 65535", -1, 65536), 8080, None,
      "port, 0: any free"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable"),
@@ -4029,7 +4036,7 @@ _SERVE_OPTIONS = (
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema"),
     ("--debug", None, False, None, f"log proxy traffic (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
-    ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
+    ("--gc-threshold", _option_type(_content_length, "a whole number, 0 or more", -1),
      SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold, 0: Python's"),
 )
 
