@@ -3546,32 +3546,34 @@ def _tools_of(source: Any) -> List[Any]:
     return list(tools)
 
 
-def _framework_tool(tool: Any) -> Dict[str, Any]:
-    name, description = getattr(tool, "name", None), getattr(tool, "description", "")
-    spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-    schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
-    mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
-    if isinstance(schema, Mapping):
-        pass
-    elif isinstance(spec, Mapping):
-        name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
-        schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
-    elif isinstance(mcp_schema, Mapping):
-        schema = mcp_schema
-    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain
-        schema = getattr(tool, "args_schema", None)
-        if not isinstance(schema, Mapping):
-            schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
-        schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
-    else:
-        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, Strands, MCP)")
-    return {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
-
-
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
     """The ``tools_schema`` (§3.6) of a framework's tools or agent."""
-    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
-               for t in _tools_of(source)]
+    entries: List[Any] = []
+    for tool in _tools_of(source):
+        if isinstance(tool, Mapping):
+            entries.append(tool)
+            continue
+        name, description = getattr(tool, "name", None), getattr(tool, "description", "")
+        spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
+        schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
+        mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+        if isinstance(schema, Mapping):
+            pass
+        elif isinstance(spec, Mapping):
+            name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
+            schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
+        elif isinstance(mcp_schema, Mapping):
+            schema = mcp_schema
+        elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain
+            schema = getattr(tool, "args_schema", None)
+            if not isinstance(schema, Mapping):
+                schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
+            schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
+        else:
+            raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, "
+                            "Strands, MCP)")
+        entries.append({"name": str(name), "description": str(description or ""), "input_schema": dict(schema),
+                        "default_execution_mode": "sandbox"})
     return convert_tools(entries, "platform")
 
 
@@ -3677,10 +3679,30 @@ class Handoffs:
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """The response envelope (§4) of a framework's run, else :func:`build_response`."""
-    if hasattr(result, "new_items") and hasattr(result, "final_output"):
-        final, messages, metadata = _from_agents_run(result)
-    elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
-        final, messages, _ = _read_turns([t for t in map(_message_turn, result.messages) if t])
+    if hasattr(result, "new_items") and hasattr(result, "final_output"):  # OpenAI Agents
+        turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
+        thinking: List[Dict[str, Any]] = []
+        for item in result.new_items:
+            kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
+            if kind == "reasoning_item":
+                for summary in _field(raw, "summary") or ():
+                    thinking.append({"type": "text", "text": getattr(summary, "text", "")})
+            elif kind in ("tool_call_output_item", "handoff_output_item"):
+                output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
+                turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
+            elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff: transfer_to_X
+                text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
+                calls = [] if kind == "message_output_item" else [{
+                    "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
+                    "arguments": _field(raw, "arguments") or "{}"}]
+                turns.append(_Turn("assistant", text, calls, thinking))
+                thinking = []
+        model = getattr(getattr(result, "last_agent", None), "model", None)
+        usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
+        final, messages = result.final_output, _read_turns(turns)[1]
+        metadata = _run_metadata(usages, model if isinstance(model, str) else getattr(model, "model", None))
+    elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):  # Strands
+        final, messages, _ = _read_turns(list(filter(None, map(_message_turn, result.messages))))
         usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
         model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
         metadata = _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
@@ -3713,7 +3735,8 @@ def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
     final, model = "", None
     for turn in turns:
         if turn.role != "assistant":
-            messages += [{"role": "tool", "tool_call_id": i, "content": _as_text(o)} for i, o in turn.results]
+            for call_id, output in turn.results:
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": _as_text(output)})
             if turn.text or not turn.results:
                 messages.append({"role": turn.role, "content": turn.text})
             continue
@@ -3798,29 +3821,6 @@ def _langchain_turn(item: Any) -> _Turn:
              for c in getattr(item, "tool_calls", None) or ()]
     model = (getattr(item, "response_metadata", None) or {}).get("model_name")
     return _Turn(role, "".join(text), calls, thinking, (), getattr(item, "usage_metadata", None), model)
-
-
-def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
-    thinking: List[Dict[str, Any]] = []
-    for item in result.new_items:
-        kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
-        if kind == "reasoning_item":
-            thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
-        elif kind in ("tool_call_output_item", "handoff_output_item"):
-            output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
-            turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
-        elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff calls transfer_to_X
-            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
-            calls = [] if kind == "message_output_item" else [{
-                "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                "arguments": _field(raw, "arguments") or "{}"}]
-            turns.append(_Turn("assistant", text, calls, thinking))
-            thinking = []
-    model = getattr(getattr(result, "last_agent", None), "model", None)
-    usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
-    return result.final_output, _read_turns(turns)[1], _run_metadata(
-        usages, model if isinstance(model, str) else getattr(model, "model", None))
 
 # ----------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
