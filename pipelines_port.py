@@ -3287,8 +3287,8 @@ def bound_output(text: Any, limit: int = 8000) -> str:
     if len(shown) <= limit:
         return shown
     keep = max(limit - 40, 2)
-    head, tail = keep - keep // 2, keep // 2
-    return f"{shown[:head]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
+    tail = keep // 2
+    return f"{shown[:keep - tail]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
 
 
 def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, max_concurrency: int = 8,
@@ -3364,7 +3364,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # ----------------------------------------
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null", None: "null"}
 # keyword: the JSON type it bounds, strings and arrays by their length
 _BOUNDS = {"minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
            "minLength": "string", "maxLength": "string", "minItems": "array", "maxItems": "array"}
@@ -3420,8 +3420,8 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is Any:
         return {}
-    if annotation is None or annotation in _JSON_TYPES:
-        return {"type": _JSON_TYPES.get(annotation, "null")}
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
     if origin is typing.Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
         values = list(args) if origin is typing.Literal else [m.value for m in annotation]
         kinds = set(map(_JSON_TYPES.get, map(type, values)))
@@ -3485,17 +3485,17 @@ class Tool:
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
         properties: Dict[str, Any] = {}
         required: List[str] = []
-        for param in self.signature.parameters.values():
+        for argument, param in self.signature.parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                raise TypeError(f"tool {self.name!r}: *{param.name} is not a named argument")
+                raise TypeError(f"tool {self.name!r}: *{argument} is not a named argument")
             try:
-                prop = properties[param.name] = schema_for_type(hints.get(param.name, Any))
+                prop = properties[argument] = schema_for_type(hints.get(argument, Any))
             except TypeError as exc:
-                raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
-            if param_docs.get(param.name):
-                prop["description"] = param_docs[param.name]
+                raise TypeError(f"tool {self.name!r}, argument {argument!r}: {exc}") from None
+            if param_docs.get(argument):
+                prop["description"] = param_docs[argument]
             if param.default is param.empty:
-                required.append(param.name)
+                required.append(argument)
             else:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
@@ -3855,13 +3855,32 @@ class McpShim:
             given = message.get("id") if isinstance(message, dict) else False
             if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
                 raise _RpcError(-32600, "expected a JSON object, its id a string or a number")
-            method = message.get("method")
+            method, params = message.get("method"), message.get("params", {})
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
                 return None
             request_id = given
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
-            reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
+            if not isinstance(params, dict):
+                raise _RpcError(-32602, "params must be an object")
+            if method == "initialize":
+                asked = params.get("protocolVersion")
+                result = {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
+                          "capabilities": {"tools": {"listChanged": False}},
+                          "serverInfo": {"name": "pipelines_port", "version": __version__}}
+            elif method == "tools/list":
+                result = {"tools": [{"name": t["name"], "description": t["description"],
+                                     "inputSchema": t["input_schema"]} for t in self.tools()]}
+            elif method == "tools/call":
+                name, arguments = params.get("name"), params.get("arguments")
+                if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
+                    raise _RpcError(-32602, "tools/call needs a string name and object arguments")
+                result = self.call_tool(name, arguments or {})
+            elif method == "ping":
+                result = {}
+            else:
+                raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
+            reply: Dict[str, Any] = {"result": result}
         except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
             if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # setup problems: no traceback
@@ -3869,26 +3888,6 @@ class McpShim:
             code, text = exc.args if isinstance(exc, _RpcError) else (-32603, describe_error(exc, DETAIL_LIMIT, token))
             reply = {"error": {"code": code, "message": text}}
         return json.dumps({"jsonrpc": "2.0", "id": request_id, **reply}, ensure_ascii=False)
-
-    def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
-        if not isinstance(params, dict):
-            raise _RpcError(-32602, "params must be an object")
-        if method == "initialize":
-            asked = params.get("protocolVersion")
-            return {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
-                    "capabilities": {"tools": {"listChanged": False}},
-                    "serverInfo": {"name": "pipelines_port", "version": __version__}}
-        if method == "ping":
-            return {}
-        if method == "tools/list":
-            return {"tools": [{"name": t["name"], "description": t["description"], "inputSchema": t["input_schema"]}
-                              for t in self.tools()]}
-        if method != "tools/call":
-            raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
-        name, arguments = params.get("name"), params.get("arguments")
-        if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(-32602, "tools/call needs a string name and object arguments")
-        return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
@@ -3899,21 +3898,20 @@ class McpShim:
     def tools(self) -> List[Dict[str, Any]]:
         """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
-            inline = _tools_schema_from_env(self.environ)
-            self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
+            tools = _tools_schema_from_env(self.environ)
+            if tools is None:  # the platform's
+                if not (agent_id := _header(self.environ, ENV_AGENT_ID)):
+                    raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
+                envelope = self.envelope()
+                api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
+                reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
+                                  headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
+                                  retry=RetryPolicy())  # the proxy's: a few seconds at most
+                if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
+                    raise ValueError("the tools schema reply has no tools list")
+                tools = reply["tools"]
+            self._tools = convert_tools(tools, "platform")
         return self._tools
-
-    def _fetch_tools(self) -> List[Any]:
-        if not (agent_id := _header(self.environ, ENV_AGENT_ID)):
-            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
-        envelope = self.envelope()
-        api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
-        reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
-                          headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
-                          retry=RetryPolicy())  # the proxy's: a few seconds at most
-        if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
-            raise ValueError("the tools schema reply has no tools list")
-        return reply["tools"]  # type: ignore[no-any-return]
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
         """One ``tools/call`` through the proxy, as an MCP result."""
