@@ -3407,7 +3407,9 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            matches = sum(not validate_args(option, value, path) for option in options)
+            matches = 0
+            for option in options:
+                matches += not validate_args(option, value, path)
             if matches == 0 or (key == "oneOf" and matches > 1):
                 problems.append(f"{path}: matches {matches} of the {key} alternatives")
     return problems
@@ -3571,7 +3573,9 @@ def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
             schema = getattr(tool, "args_schema", None)
             if not isinstance(schema, Mapping):
                 schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
-            schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
+            schema = dict(schema)
+            schema.pop("title", None)
+            schema.pop("description", None)
         else:
             raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, "
                             "Strands, MCP)")
