@@ -3443,28 +3443,6 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     raise TypeError(f"no JSON Schema for type {annotation!r}")
 
 
-def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
-    import inspect  # cleandoc expands tabs
-
-    summary: List[str] = []
-    params: Dict[str, str] = {}
-    section = current = None
-    for line in inspect.cleandoc(doc or "").splitlines():
-        text = line.strip()
-        found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
-            section in ("Args", "Arguments", "Parameters") and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line))
-        if found:
-            section, current = section or ":param", found[1]
-            params[current] = found[2]
-        elif re.fullmatch(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):|:.*", text):
-            section, current = text[:-1], None
-        elif current and text and line[:1] == " ":
-            params[current] = f"{params[current]} {text}".lstrip()
-        elif section is None:
-            summary.append(line)
-    return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
-
-
 class Tool:
     """A function as a tool: in a dispatch a call is checked and proxied; outside, it runs."""
 
@@ -3477,8 +3455,26 @@ class Tool:
             raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
-        summary, param_docs = _docstring_parts(fn.__doc__)
-        self.description = summary if description is None else description
+        summary: List[str] = []  # the docstring's text before its sections, then its Google or Sphinx parameters
+        param_docs: Dict[str, str] = {}
+        section = current = None
+        for line in inspect.cleandoc(fn.__doc__ or "").splitlines():  # cleandoc expands tabs
+            text = line.strip()
+            found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
+                section in ("Args", "Arguments", "Parameters")
+                and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line))
+            if found:
+                section, current = section or ":param", found[1]
+                param_docs[current] = found[2]
+            elif re.fullmatch(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):|:.*", text):
+                section, current = text[:-1], None
+            elif current and text and line[:1] == " ":
+                param_docs[current] = f"{param_docs[current]} {text}".lstrip()
+            elif section is None:
+                summary.append(line)
+        if description is None:
+            description = re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip())
+        self.description = description
         self.is_async = inspect.iscoroutinefunction(fn)
         self.signature = inspect.signature(fn)
         try:
