@@ -3736,23 +3736,23 @@ def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
     messages: List[Dict[str, Any]] = []
     usages: List[Any] = []
     final, model = "", None
-    for turn in turns:
-        if turn.role != "assistant":
-            for call_id, output in turn.results:
+    for role, text, tool_calls, thinking, results, usage, turn_model in turns:
+        if role != "assistant":
+            for call_id, output in results:
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": _as_text(output)})
-            if turn.text or not turn.results:
-                messages.append({"role": turn.role, "content": turn.text})
+            if text or not results:
+                messages.append({"role": role, "content": text})
             continue
-        message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
-        if turn.tool_calls:
-            message["tool_calls"] = turn.tool_calls
-        elif turn.text:
-            final = turn.text
-        if turn.thinking:
-            message["thinking"] = turn.thinking
+        message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        elif text:
+            final = text
+        if thinking:
+            message["thinking"] = thinking
         messages.append(message)
-        usages.append(turn.usage)
-        model = turn.model or model
+        usages.append(usage)
+        model = turn_model or model
     return final, messages, _run_metadata(usages, model)
 
 
@@ -3975,9 +3975,9 @@ def load_agent(spec: str) -> Callable[..., Any]:
         sys.modules.pop(name, None)  # a module half run
         if isinstance(exc, SyntaxError):
             raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
-        frames = traceback.extract_tb(exc.__traceback__)
-        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})"
-        raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raised = f"{describe_error(exc, 300)} ({os.path.basename(frame.filename)}, line {frame.lineno})"
+        raise ValueError(f"cannot import {where}: it raised {raised}") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
