@@ -3355,8 +3355,8 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
         error = HTTPStatusError(f"{where}: HTTP {status}{', not JSON' if ok else ''}: {text}",
                                 status_code=status, body=value)
-        kind = "retry" if status in _MODEL_RETRY_STATUSES else "error"
-        return ProxyOutcome(kind, error=error, retry_after=_model_retry_after(reply_headers))
+        return ProxyOutcome("retry" if status in _MODEL_RETRY_STATUSES else "error", error=error,
+                            retry_after=_model_retry_after(reply_headers))
 
     return _retry_loop(send, interpret, policy=retry, sleep=sleep,
                        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
@@ -3389,7 +3389,7 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure, bound = value if kind == "number" else len(value), schema[key]
             if (measure < bound if "min" in key.lower() else measure > bound) or (measure == bound and "exc" in key):
-                problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
+                problems.append(f"{path}: {measure} breaks {key} {bound}")
     if actual == "array" and "items" in schema:
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
@@ -3797,10 +3797,10 @@ def _message_turn(item: Any) -> _Turn | None:
             results.append((block.get("tool_use_id", call_id), "".join(
                 _as_text(p["json"]) if "json" in p else str(p.get("text") or "") for p in out if isinstance(p, Mapping))
                 if isinstance(out, list) else out))
-        elif kind == "thinking" and block.get("thinking"):
-            thinking.append({"type": "thinking", "text": block["thinking"]})
-        elif kind == "reasoning" and (block.get("reasoningText") or {}).get("text"):
-            thinking.append({"type": "text", "text": block["reasoningText"]["text"]})
+        elif kind == "thinking" and (thought := block.get("thinking")):
+            thinking.append({"type": "thinking", "text": thought})
+        elif kind == "reasoning" and (thought := (block.get("reasoningText") or {}).get("text")):
+            thinking.append({"type": "text", "text": thought})
         elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
             text.append(str(block.get("text") or ""))
     return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
