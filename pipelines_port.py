@@ -3683,7 +3683,7 @@ class Handoffs:
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """The response envelope (§4) of a framework's run, else :func:`build_response`."""
     if hasattr(result, "new_items") and hasattr(result, "final_output"):  # OpenAI Agents
-        turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
+        turns: List[Any] = [_Turn("user", result.input)] if isinstance(result.input, str) else []
         thinking: List[Dict[str, Any]] = []
         for item in result.new_items:
             kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
@@ -3715,7 +3715,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
-        turns = list(map(_langchain_turn if langchain else _message_turn, items))  # type: ignore[arg-type]
+        turns = list(map(_langchain_turn if langchain else _message_turn, items))
         if None in turns:
             return build_response(result, **fields)
         final, messages, metadata = _read_turns(turns)
