@@ -3626,14 +3626,14 @@ def _jsonable_args(value: Any) -> Any:
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {str(k): _jsonable_args(v) for k, v in value.items()}
-    return [_jsonable_args(v) for v in value] if isinstance(value, (list, tuple)) else value
+    return list(map(_jsonable_args, value)) if isinstance(value, (list, tuple)) else value
 
 
 class Handoffs:
     """A run's ``handoff`` trace events (§3.4), one per change of sub-agent, best-effort."""
 
     def __init__(self, first: str | None = None, *, envelope: Envelope | None = None):
-        self.current = validate_actor_label(first) if first else None
+        self.current = validate_actor_label(first)
         self._envelope = envelope or _current.get()
         self._lock = threading.Lock()
 
