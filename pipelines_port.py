@@ -3703,7 +3703,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         model = getattr(getattr(result, "last_agent", None), "model", None)
         usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
         final, messages = result.final_output, _read_turns(turns)[1]
-        metadata = _run_metadata(usages, model if isinstance(model, str) else getattr(model, "model", None))
+        metadata = _run_metadata(usages, getattr(model, "model", model))  # a name, or a model object's
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):  # Strands
         final, messages, _ = _read_turns(list(filter(None, map(_message_turn, result.messages))))
         usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
@@ -3764,8 +3764,8 @@ def _run_metadata(usages: List[Any] | None, model: Any,
                   keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
     metadata: Dict[str, Any] = {} if usages is None else {"total_input_tokens": 0, "total_output_tokens": 0}
     for usage in usages or ():
-        metadata["total_input_tokens"] += int(_field(usage, keys[0]) or 0)
-        metadata["total_output_tokens"] += int(_field(usage, keys[1]) or 0)
+        for total, key in zip(metadata, keys):
+            metadata[total] += int(_field(usage, key) or 0)
     if isinstance(model, str) and model:
         metadata["model"] = model
     return metadata
