@@ -3235,9 +3235,9 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
             tool = {"type": "function", **tool, "parameters": schema, "strict": False}
         else:
             tool["input_schema"] = schema
-            if to == "platform":
-                tool.update((key, _thaw(value)) for key, value in entry.items()
-                            if key in ("output_schema", "default_execution_mode", "passthrough_binding"))
+            for key, value in entry.items() if to == "platform" else ():
+                if key in ("output_schema", "default_execution_mode", "passthrough_binding"):
+                    tool[key] = _thaw(value)
         out.append(tool)
     return out
 
@@ -3287,8 +3287,8 @@ def bound_output(text: Any, limit: int = 8000) -> str:
     if len(shown) <= limit:
         return shown
     keep = max(limit - 40, 2)
-    head, tail = keep - keep // 2, keep // 2
-    return f"{shown[:head]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
+    tail = keep // 2
+    return f"{shown[:keep - tail]}\n...[{len(shown) - keep} characters truncated]...\n{shown[-tail:]}"
 
 
 def call_tools(calls: Iterable[Tuple[str, Mapping[str, Any] | str | None]], *, max_concurrency: int = 8,
@@ -3320,7 +3320,7 @@ class HTTPStatusError(PipelinesError):
         self.status_code, self.body = status_code, body
 
 
-_MODEL_RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
+_MODEL_RETRY_STATUSES = (408, 409, 425, 429, 500, 502, 503, 504, 529)
 _MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
 
 
@@ -3355,8 +3355,8 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
         error = HTTPStatusError(f"{where}: HTTP {status}{', not JSON' if ok else ''}: {text}",
                                 status_code=status, body=value)
-        kind = "retry" if status in _MODEL_RETRY_STATUSES else "error"
-        return ProxyOutcome(kind, error=error, retry_after=_model_retry_after(reply_headers))
+        return ProxyOutcome("retry" if status in _MODEL_RETRY_STATUSES else "error", error=error,
+                            retry_after=_model_retry_after(reply_headers))
 
     return _retry_loop(send, interpret, policy=retry, sleep=sleep,
                        transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
@@ -3364,10 +3364,11 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
 # ----------------------------------------
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
 
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null", None: "null"}
 # keyword: the JSON type it bounds, strings and arrays by their length
 _BOUNDS = {"minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
            "minLength": "string", "maxLength": "string", "minItems": "array", "maxItems": "array"}
+_JSON_TYPE_NAMES = frozenset((*_JSON_TYPES.values(), "array", "object"))
 
 
 def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> List[str]:
@@ -3378,8 +3379,8 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     kinds = schema.get("type")
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-        if not any(k == actual or k not in (*_JSON_TYPES.values(), "array", "object")
-                   or (k == "integer" and actual == "number" and value % 1 == 0) for k in kinds):
+        fits = {actual, "integer" if actual == "number" and value % 1 == 0 else actual}
+        if set(kinds) <= _JSON_TYPE_NAMES - fits:  # a type this check does not know passes
             return [f"{path}: expected {' or '.join(kinds)}, got {json_type(value)}"]
     problems: List[str] = []
     if value not in schema.get("enum", [value]) or ("const" in schema and schema["const"] != value):
@@ -3388,13 +3389,15 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
         if actual == kind and key in schema and json_type(schema[key]) == "a number":
             measure, bound = value if kind == "number" else len(value), schema[key]
             if (measure < bound if "min" in key.lower() else measure > bound) or (measure == bound and "exc" in key):
-                problems.append(f"{path}: {measure} breaks {key} {schema[key]}")
+                problems.append(f"{path}: {measure} breaks {key} {bound}")
     if actual == "array" and "items" in schema:
         for i, item in enumerate(value):
             problems += validate_args(schema["items"], item, f"{path}[{i}]")
     if actual == "object":
         properties: Mapping[str, Any] = schema["properties"] if isinstance(schema.get("properties"), Mapping) else {}
-        problems += [f"{path}.{name}: required" for name in schema.get("required") or () if name not in value]
+        for name in schema.get("required") or ():
+            if name not in value:
+                problems.append(f"{path}.{name}: required")
         extra = schema.get("additionalProperties", True)
         for name, item in value.items():
             if name in properties or isinstance(extra, Mapping):
@@ -3404,7 +3407,9 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            matches = sum(not validate_args(option, value, path) for option in options)
+            matches = 0
+            for option in options:
+                matches += not validate_args(option, value, path)
             if matches == 0 or (key == "oneOf" and matches > 1):
                 problems.append(f"{path}: matches {matches} of the {key} alternatives")
     return problems
@@ -3417,11 +3422,11 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is Any:
         return {}
-    if annotation is None or annotation in _JSON_TYPES:
-        return {"type": _JSON_TYPES.get(annotation, "null")}
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
     if origin is typing.Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
         values = list(args) if origin is typing.Literal else [m.value for m in annotation]
-        kinds = {_JSON_TYPES.get(type(v)) for v in values}
+        kinds = set(map(_JSON_TYPES.get, map(type, values)))
         return {"enum": values, **({"type": kinds.pop()} if len(kinds) == 1 and None not in kinds else {})}
     if origin is Union or type(annotation).__name__ == "UnionType":
         members = [schema_for_type(a) for a in args if a is not type(None)]
@@ -3438,28 +3443,6 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     raise TypeError(f"no JSON Schema for type {annotation!r}")
 
 
-def _docstring_parts(doc: str | None) -> Tuple[str, Dict[str, str]]:
-    import inspect  # cleandoc expands tabs
-
-    summary: List[str] = []
-    params: Dict[str, str] = {}
-    section = current = None
-    for line in inspect.cleandoc(doc or "").splitlines():
-        text = line.strip()
-        found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
-            section in ("Args", "Arguments", "Parameters") and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line))
-        if found:
-            section, current = section or ":param", found[1]
-            params[current] = found[2]
-        elif re.fullmatch(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):|:.*", text):
-            section, current = text[:-1], None
-        elif current and text and line[:1] == " ":
-            params[current] = f"{params[current]} {text}".lstrip()
-        elif section is None:
-            summary.append(line)
-    return re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip()), params
-
-
 class Tool:
     """A function as a tool: in a dispatch a call is checked and proxied; outside, it runs."""
 
@@ -3472,8 +3455,26 @@ class Tool:
             raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
-        summary, param_docs = _docstring_parts(fn.__doc__)
-        self.description = summary if description is None else description
+        summary: List[str] = []  # the docstring's text before its sections, then its Google or Sphinx parameters
+        param_docs: Dict[str, str] = {}
+        section = current = None
+        for line in inspect.cleandoc(fn.__doc__ or "").splitlines():  # cleandoc expands tabs
+            text = line.strip()
+            found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
+                section in ("Args", "Arguments", "Parameters")
+                and re.match(r" {4}(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line))
+            if found:
+                section, current = section or ":param", found[1]
+                param_docs[current] = found[2]
+            elif re.fullmatch(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):|:.*", text):
+                section, current = text[:-1], None
+            elif current and text and line[:1] == " ":
+                param_docs[current] = f"{param_docs[current]} {text}".lstrip()
+            elif section is None:
+                summary.append(line)
+        if description is None:
+            description = re.sub(r"\s*\n\s*\n\s*", "\n\n", "\n".join(summary).strip())
+        self.description = description
         self.is_async = inspect.iscoroutinefunction(fn)
         self.signature = inspect.signature(fn)
         try:
@@ -3482,17 +3483,17 @@ class Tool:
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
         properties: Dict[str, Any] = {}
         required: List[str] = []
-        for param in self.signature.parameters.values():
+        for argument, param in self.signature.parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                raise TypeError(f"tool {self.name!r}: *{param.name} is not a named argument")
+                raise TypeError(f"tool {self.name!r}: *{argument} is not a named argument")
             try:
-                prop = properties[param.name] = schema_for_type(hints.get(param.name, Any))
+                prop = properties[argument] = schema_for_type(hints.get(argument, Any))
             except TypeError as exc:
-                raise TypeError(f"tool {self.name!r}, argument {param.name!r}: {exc}") from None
-            if param_docs.get(param.name):
-                prop["description"] = param_docs[param.name]
+                raise TypeError(f"tool {self.name!r}, argument {argument!r}: {exc}") from None
+            if param_docs.get(argument):
+                prop["description"] = param_docs[argument]
             if param.default is param.empty:
-                required.append(param.name)
+                required.append(argument)
             else:
                 default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
@@ -3546,39 +3547,44 @@ def _tools_of(source: Any) -> List[Any]:
     return list(tools)
 
 
-def _framework_tool(tool: Any) -> Dict[str, Any]:
-    name, description = getattr(tool, "name", None), getattr(tool, "description", "")
-    spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
-    schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
-    mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
-    if isinstance(schema, Mapping):
-        pass
-    elif isinstance(spec, Mapping):
-        name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
-        schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
-    elif isinstance(mcp_schema, Mapping):
-        schema = mcp_schema
-    elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain
-        schema = getattr(tool, "args_schema", None)
-        if not isinstance(schema, Mapping):
-            schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
-        schema = {k: v for k, v in schema.items() if k not in ("title", "description")}
-    else:
-        raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, Strands, MCP)")
-    return {"name": str(name), "description": str(description or ""), "input_schema": dict(schema)}
-
-
 def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
     """The ``tools_schema`` (§3.6) of a framework's tools or agent."""
-    entries = [t if isinstance(t, Mapping) else {**_framework_tool(t), "default_execution_mode": "sandbox"}
-               for t in _tools_of(source)]
+    entries: List[Any] = []
+    for tool in _tools_of(source):
+        if isinstance(tool, Mapping):
+            entries.append(tool)
+            continue
+        name, description = getattr(tool, "name", None), getattr(tool, "description", "")
+        spec = getattr(tool, "tool_spec", None)  # Strands: {"name", "description", "inputSchema": {"json": schema}}
+        schema = getattr(tool, "params_json_schema", None)  # OpenAI Agents
+        mcp_schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+        if isinstance(schema, Mapping):
+            pass
+        elif isinstance(spec, Mapping):
+            name, description, schema = spec.get("name"), spec.get("description"), spec.get("inputSchema")
+            schema = schema.get("json", schema) if isinstance(schema, Mapping) else {}
+        elif isinstance(mcp_schema, Mapping):
+            schema = mcp_schema
+        elif hasattr(tool, "args_schema") or hasattr(tool, "get_input_schema"):  # LangChain
+            schema = getattr(tool, "args_schema", None)
+            if not isinstance(schema, Mapping):
+                schema = (getattr(tool, "tool_call_schema", None) or tool.get_input_schema()).model_json_schema()
+            schema = dict(schema)
+            schema.pop("title", None)
+            schema.pop("description", None)
+        else:
+            raise TypeError(f"not a tool this module knows: {type(tool).__name__} (OpenAI Agents, LangChain, "
+                            "Strands, MCP)")
+        entries.append({"name": str(name), "description": str(description or ""), "input_schema": dict(schema),
+                        "default_execution_mode": "sandbox"})
     return convert_tools(entries, "platform")
 
 
 def proxied_tools(source: Any, *, actor: str | None = None) -> List[Any]:
     """The same framework tools, each body a :func:`proxy_call` to the run bound here."""
     envelope = _current.get()  # a framework may call tools on threads of its own
-    return [_proxied_tool(tool, actor=actor, errors="return", envelope=envelope) for tool in _tools_of(source)]
+    proxied = functools.partial(_proxied_tool, actor=actor, errors="return", envelope=envelope)
+    return list(map(proxied, _tools_of(source)))
 
 
 def _proxied_tool(tool: Any, **options: Any) -> Any:
@@ -3620,14 +3626,14 @@ def _jsonable_args(value: Any) -> Any:
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {str(k): _jsonable_args(v) for k, v in value.items()}
-    return [_jsonable_args(v) for v in value] if isinstance(value, (list, tuple)) else value
+    return list(map(_jsonable_args, value)) if isinstance(value, (list, tuple)) else value
 
 
 class Handoffs:
     """A run's ``handoff`` trace events (§3.4), one per change of sub-agent, best-effort."""
 
     def __init__(self, first: str | None = None, *, envelope: Envelope | None = None):
-        self.current = validate_actor_label(first) if first else None
+        self.current = validate_actor_label(first)
         self._envelope = envelope or _current.get()
         self._lock = threading.Lock()
 
@@ -3642,7 +3648,7 @@ class Handoffs:
             await apost_handoff(*moved, reason=reason, envelope=self._envelope, best_effort=True)
 
     def _moves(self, label: str) -> List[Tuple[str, str]]:
-        label = cast(str, validate_actor_label(label))
+        label = validate_actor_label(label)  # type: ignore[assignment]
         with self._lock:
             previous, self.current = self.current, label
         return [(previous, label)] if previous and previous != label else []
@@ -3676,10 +3682,30 @@ class Handoffs:
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """The response envelope (§4) of a framework's run, else :func:`build_response`."""
-    if hasattr(result, "new_items") and hasattr(result, "final_output"):
-        final, messages, metadata = _from_agents_run(result)
-    elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):
-        final, messages, _ = _read_turns([t for t in map(_message_turn, result.messages) if t])
+    if hasattr(result, "new_items") and hasattr(result, "final_output"):  # OpenAI Agents
+        turns: List[Any] = [_Turn("user", result.input)] if isinstance(result.input, str) else []
+        thinking: List[Dict[str, Any]] = []
+        for item in result.new_items:
+            kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
+            if kind == "reasoning_item":
+                for summary in _field(raw, "summary") or ():
+                    thinking.append({"type": "text", "text": getattr(summary, "text", "")})
+            elif kind in ("tool_call_output_item", "handoff_output_item"):
+                output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
+                turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
+            elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff: transfer_to_X
+                text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
+                calls = [] if kind == "message_output_item" else [{
+                    "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
+                    "arguments": _field(raw, "arguments") or "{}"}]
+                turns.append(_Turn("assistant", text, calls, thinking))
+                thinking = []
+        model = getattr(getattr(result, "last_agent", None), "model", None)
+        usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
+        final, messages = result.final_output, _read_turns(turns)[1]
+        metadata = _run_metadata(usages, getattr(model, "model", model))  # a name, or a model object's
+    elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):  # Strands
+        final, messages, _ = _read_turns(list(filter(None, map(_message_turn, result.messages))))
         usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
         model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
         metadata = _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
@@ -3689,10 +3715,10 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         if not isinstance(items, (list, tuple)) or not items:
             return build_response(result, **fields)
         langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
-        turns = [_langchain_turn(m) if langchain else _message_turn(m) for m in items]
+        turns = list(map(_langchain_turn if langchain else _message_turn, items))
         if None in turns:
             return build_response(result, **fields)
-        final, messages, metadata = _read_turns(cast(List[_Turn], turns))
+        final, messages, metadata = _read_turns(turns)
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
@@ -3710,22 +3736,23 @@ def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str
     messages: List[Dict[str, Any]] = []
     usages: List[Any] = []
     final, model = "", None
-    for turn in turns:
-        if turn.role != "assistant":
-            messages += [{"role": "tool", "tool_call_id": i, "content": _as_text(o)} for i, o in turn.results]
-            if turn.text or not turn.results:
-                messages.append({"role": turn.role, "content": turn.text})
+    for role, text, tool_calls, thinking, results, usage, turn_model in turns:
+        if role != "assistant":
+            for call_id, output in results:
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": _as_text(output)})
+            if text or not results:
+                messages.append({"role": role, "content": text})
             continue
-        message: Dict[str, Any] = {"role": "assistant", "content": turn.text or None}
-        if turn.tool_calls:
-            message["tool_calls"] = turn.tool_calls
-        elif turn.text:
-            final = turn.text
-        if turn.thinking:
-            message["thinking"] = turn.thinking
+        message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        elif text:
+            final = text
+        if thinking:
+            message["thinking"] = thinking
         messages.append(message)
-        usages.append(turn.usage)
-        model = turn.model or model
+        usages.append(usage)
+        model = turn_model or model
     return final, messages, _run_metadata(usages, model)
 
 
@@ -3735,9 +3762,10 @@ def _field(item: Any, key: str) -> Any:
 
 def _run_metadata(usages: List[Any] | None, model: Any,
                   keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
-    metadata: Dict[str, Any] = {} if usages is None else {
-        "total_input_tokens": sum(int(_field(u, keys[0]) or 0) for u in usages),
-        "total_output_tokens": sum(int(_field(u, keys[1]) or 0) for u in usages)}
+    metadata: Dict[str, Any] = {} if usages is None else {"total_input_tokens": 0, "total_output_tokens": 0}
+    for usage in usages or ():
+        for total, key in zip(metadata, keys):
+            metadata[total] += int(_field(usage, key) or 0)
     if isinstance(model, str) and model:
         metadata["model"] = model
     return metadata
@@ -3748,13 +3776,15 @@ _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasonin
 
 def _message_turn(item: Any) -> _Turn | None:
     # an Anthropic Messages or a Bedrock Converse (Strands) message
-    if hasattr(item, "model_dump") and hasattr(item, "role") and hasattr(item, "content"):
+    if hasattr(item, "model_dump"):
         item = item.model_dump()
     content = item.get("content") if isinstance(item, Mapping) else None
     if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
         return None
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in [b for b in content if isinstance(b, Mapping)]:
+    for block in content:
+        if not isinstance(block, Mapping):
+            continue
         kind = block.get("type")
         for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
             if isinstance(block.get(key), Mapping):
@@ -3767,10 +3797,10 @@ def _message_turn(item: Any) -> _Turn | None:
             results.append((block.get("tool_use_id", call_id), "".join(
                 _as_text(p["json"]) if "json" in p else str(p.get("text") or "") for p in out if isinstance(p, Mapping))
                 if isinstance(out, list) else out))
-        elif kind == "thinking" and block.get("thinking"):
-            thinking.append({"type": "thinking", "text": block["thinking"]})
-        elif kind == "reasoning" and (block.get("reasoningText") or {}).get("text"):
-            thinking.append({"type": "text", "text": block["reasoningText"]["text"]})
+        elif kind == "thinking" and (thought := block.get("thinking")):
+            thinking.append({"type": "thinking", "text": thought})
+        elif kind == "reasoning" and (thought := (block.get("reasoningText") or {}).get("text")):
+            thinking.append({"type": "text", "text": thought})
         elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
             text.append(str(block.get("text") or ""))
     return _Turn(item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model"))
@@ -3781,40 +3811,19 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system"
 
 def _langchain_turn(item: Any) -> _Turn:
     role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-    blocks = [b for b in content if isinstance(b, Mapping)]
-    text = content if isinstance(content, str) else "".join(
-        str(b.get("text") or "") for b in blocks if b.get("type") == "text")
+    text, thinking = [content] if isinstance(content, str) else [], []
+    for block in () if isinstance(content, str) else content:
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if kind == "text":
+            text.append(str(block.get("text") or ""))
+        elif kind in ("thinking", "reasoning") and (thought := block.get("thinking") or block.get("text")):
+            thinking.append({"type": "text", "text": thought})
     if role == "tool":
-        return _Turn(role, results=[(getattr(item, "tool_call_id", None), text)])
-    thoughts = [b.get("thinking") or b.get("text") for b in blocks if b.get("type") in ("thinking", "reasoning")]
+        return _Turn(role, results=[(getattr(item, "tool_call_id", None), "".join(text))])
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
     model = (getattr(item, "response_metadata", None) or {}).get("model_name")
-    return _Turn(role, text, calls, [{"type": "text", "text": t} for t in thoughts if t], (),
-                 getattr(item, "usage_metadata", None), model)
-
-
-def _from_agents_run(result: Any) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    turns = [_Turn("user", result.input)] if isinstance(result.input, str) else []
-    thinking: List[Dict[str, Any]] = []
-    for item in result.new_items:
-        kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
-        if kind == "reasoning_item":
-            thinking += [{"type": "text", "text": getattr(s, "text", "")} for s in _field(raw, "summary") or ()]
-        elif kind in ("tool_call_output_item", "handoff_output_item"):
-            output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
-            turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
-        elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff calls transfer_to_X
-            text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
-            calls = [] if kind == "message_output_item" else [{
-                "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                "arguments": _field(raw, "arguments") or "{}"}]
-            turns.append(_Turn("assistant", text, calls, thinking))
-            thinking = []
-    model = getattr(getattr(result, "last_agent", None), "model", None)
-    usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
-    return result.final_output, _read_turns(turns)[1], _run_metadata(
-        usages, model if isinstance(model, str) else getattr(model, "model", None))
+    return _Turn(role, "".join(text), calls, thinking, (), getattr(item, "usage_metadata", None), model)
 
 # ----------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
@@ -3846,13 +3855,32 @@ class McpShim:
             given = message.get("id") if isinstance(message, dict) else False
             if isinstance(given, bool) or not isinstance(given, (str, int, type(None))):
                 raise _RpcError(-32600, "expected a JSON object, its id a string or a number")
-            method = message.get("method")
+            method, params = message.get("method"), message.get("params", {})
             if "id" not in message or (method is None and ("result" in message or "error" in message)):
                 return None
             request_id = given
             if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
                 raise _RpcError(-32600, 'expected {"jsonrpc": "2.0", "method": ...}')
-            reply: Dict[str, Any] = {"result": self._dispatch(method, message.get("params", {}))}
+            if not isinstance(params, dict):
+                raise _RpcError(-32602, "params must be an object")
+            if method == "initialize":
+                asked = params.get("protocolVersion")
+                result = {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
+                          "capabilities": {"tools": {"listChanged": False}},
+                          "serverInfo": {"name": "pipelines_port", "version": __version__}}
+            elif method == "tools/list":
+                result = {"tools": [{"name": t["name"], "description": t["description"],
+                                     "inputSchema": t["input_schema"]} for t in self.tools()]}
+            elif method == "tools/call":
+                name, arguments = params.get("name"), params.get("arguments")
+                if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
+                    raise _RpcError(-32602, "tools/call needs a string name and object arguments")
+                result = self.call_tool(name, arguments or {})
+            elif method == "ping":
+                result = {}
+            else:
+                raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
+            reply: Dict[str, Any] = {"result": result}
         except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
             if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # setup problems: no traceback
@@ -3860,26 +3888,6 @@ class McpShim:
             code, text = exc.args if isinstance(exc, _RpcError) else (-32603, describe_error(exc, DETAIL_LIMIT, token))
             reply = {"error": {"code": code, "message": text}}
         return json.dumps({"jsonrpc": "2.0", "id": request_id, **reply}, ensure_ascii=False)
-
-    def _dispatch(self, method: str, params: Any) -> Dict[str, Any]:
-        if not isinstance(params, dict):
-            raise _RpcError(-32602, "params must be an object")
-        if method == "initialize":
-            asked = params.get("protocolVersion")
-            return {"protocolVersion": asked if asked in MCP_PROTOCOL_VERSIONS else MCP_PROTOCOL_VERSIONS[0],
-                    "capabilities": {"tools": {"listChanged": False}},
-                    "serverInfo": {"name": "pipelines_port", "version": __version__}}
-        if method == "ping":
-            return {}
-        if method == "tools/list":
-            return {"tools": [{"name": t["name"], "description": t["description"], "inputSchema": t["input_schema"]}
-                              for t in self.tools()]}
-        if method != "tools/call":
-            raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
-        name, arguments = params.get("name"), params.get("arguments")
-        if not isinstance(name, str) or not isinstance(arguments, (dict, type(None))):
-            raise _RpcError(-32602, "tools/call needs a string name and object arguments")
-        return self.call_tool(name, arguments or {})
 
     def envelope(self) -> Envelope:
         """The run this shim serves, read once from its environment."""
@@ -3890,29 +3898,28 @@ class McpShim:
     def tools(self) -> List[Dict[str, Any]]:
         """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
-            inline = _tools_schema_from_env(self.environ)
-            self._tools = convert_tools(inline if inline is not None else self._fetch_tools(), "platform")
+            tools = _tools_schema_from_env(self.environ)
+            if tools is None:  # the platform's
+                if not (agent_id := _header(self.environ, ENV_AGENT_ID)):
+                    raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
+                envelope = self.envelope()
+                api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
+                reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
+                                  headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
+                                  retry=RetryPolicy())  # the proxy's: a few seconds at most
+                if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
+                    raise ValueError("the tools schema reply has no tools list")
+                tools = reply["tools"]
+            self._tools = convert_tools(tools, "platform")
         return self._tools
-
-    def _fetch_tools(self) -> List[Any]:
-        if not (agent_id := _header(self.environ, ENV_AGENT_ID)):
-            raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_AGENT_ID}")
-        envelope = self.envelope()
-        api = validate_proxy_url(_header(self.environ, ENV_API_URL) or envelope.api_url, ENV_API_URL)
-        reply = post_json(f"{api}/api/agents/{quote(agent_id, safe='')}/tools-schema", None, method="GET",
-                          headers={"Authorization": "Bearer " + envelope.run_token}, timeout=30.0,
-                          retry=RetryPolicy())  # the proxy's: a few seconds at most
-        if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
-            raise ValueError("the tools schema reply has no tools list")
-        return cast(List[Any], reply["tools"])
 
     def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
         """One ``tools/call`` through the proxy, as an MCP result."""
         try:
-            value = proxy_call(name, arguments, envelope=self.envelope(), client=self.client)
+            value, failed = proxy_call(name, arguments, envelope=self.envelope(), client=self.client), False
         except ProxyError as exc:
-            return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
-        return {"content": [{"type": "text", "text": _as_text(value)}], "isError": False,
+            value, failed = str(exc), True
+        return {"content": [{"type": "text", "text": _as_text(value)}], "isError": failed,
                 **({"structuredContent": value} if isinstance(value, dict) else {})}
 
     def serve(self, stdin: Any = None, stdout: Any = None, *, max_concurrency: int = 8) -> int:
@@ -3960,7 +3967,7 @@ def load_agent(spec: str) -> Callable[..., Any]:
                 name = f"_pipelines_agent_{name}"  # another module has this name
             loader = importlib.machinery.SourceFileLoader(name, path)
             module = sys.modules[name] = importlib.util.module_from_spec(
-                cast(Any, importlib.util.spec_from_file_location(name, path, loader=loader)))
+                importlib.util.spec_from_file_location(name, path, loader=loader))  # type: ignore[arg-type]
             loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         import traceback
@@ -3968,9 +3975,9 @@ def load_agent(spec: str) -> Callable[..., Any]:
         sys.modules.pop(name, None)  # a module half run
         if isinstance(exc, SyntaxError):
             raise ValueError(f"{where} has a syntax error: {exc.msg} (line {exc.lineno})") from None
-        frames = traceback.extract_tb(exc.__traceback__)
-        raised = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})"
-        raise ValueError(f"cannot import {where}: it raised {describe_error(exc, 300)}{raised}") from exc
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raised = f"{describe_error(exc, 300)} ({os.path.basename(frame.filename)}, line {frame.lineno})"
+        raise ValueError(f"cannot import {where}: it raised {raised}") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -3980,21 +3987,22 @@ def load_agent(spec: str) -> Callable[..., Any]:
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"{where}:{attr} is a {type(target).__name__}, not a function")
-    return cast(Callable[..., Any], target)
+    return target  # type: ignore[no-any-return]
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _option_type(convert: Callable[[str], Any], holds: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+def _option_type(convert: Callable[[str], Any], expected: str, low: float = 0, high: float = math.inf
+                 ) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         import argparse
 
         value = None
         with contextlib.suppress(ValueError):
             value = convert(text)
-        if value is None or not holds(value):
+        if value is None or not low < value < high:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
     return parse
@@ -4006,12 +4014,12 @@ def _refuse_token(text: str) -> None:
     raise argparse.ArgumentTypeError("--token is not accepted (ps shows it): use --token-env NAME")
 
 
-_SECONDS = _option_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
-_POSITIVE = _option_type(_content_length, lambda v: v > 0, "a positive whole number")  # digits: no -5 or 1_000
+_SECONDS = _option_type(float, "a positive number of seconds")  # not nan, not inf
+_POSITIVE = _option_type(_content_length, "a positive whole number")  # digits: no -5 or 1_000
 # (flag, type, default, metavar, help): type None is a switch, a tuple the choices
 _SERVE_OPTIONS = (
     ("--host", str, "127.0.0.1", None, "interface to listen on"),
-    ("--port", _option_type(_content_length, lambda v: v <= 65535, "a port number from 0 to 65535"), 8080, None,
+    ("--port", _option_type(_content_length, "a port number from 0 to 65535", -1, 65536), 8080, None,
      "port, 0: any free"),
     ("--path", str, DEFAULT_DISPATCH_PATH, None, "dispatch path"),
     ("--token-env", str, DEFAULT_TOKEN_ENV, "NAME", "agent token's variable"),
@@ -4029,7 +4037,7 @@ _SERVE_OPTIONS = (
     ("--tools-schema", str, None, "FILE", "served at GET /tools_schema"),
     ("--debug", None, False, None, f"log proxy traffic (or {ENV_DEBUG}=1)"),
     ("--no-access-log", None, False, None, "no line per request"),
-    ("--gc-threshold", _option_type(_content_length, lambda v: True, "a whole number, 0 or more"),
+    ("--gc-threshold", _option_type(_content_length, "a whole number, 0 or more", -1),
      SERVE_GC_THRESHOLD, "N", "gen-0 GC threshold, 0: Python's"),
 )
 
@@ -4116,7 +4124,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return cast(int, args.run(args))
+        return args.run(args)  # type: ignore[no-any-return]
     except ValueError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
