@@ -301,8 +301,8 @@ class ProxyError(PipelinesError):
 
     def to_value(self) -> Dict[str, Any]:
         """The failure as a tool result (§7.4 kit-errors-return)."""
-        extra = {"error_class": self.error_class or None, "status_code": self.status_code}
-        return {"error": self.message, **{k: v for k, v in extra.items() if v is not None}}
+        return {"error": self.message,
+                **_without_none({"error_class": self.error_class or None, "status_code": self.status_code})}
 
 
 class ProxyRequestError(ProxyError, ValueError):
@@ -347,6 +347,10 @@ def validate_proxy_url(url: Any, where: str) -> str:
         return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
                         "no query, fragment or whitespace")
+
+
+def _without_none(mapping: Mapping[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in mapping.items() if v is not None}
 
 
 def _check_run_token(token: Any, where: str) -> str:
@@ -467,14 +471,18 @@ class Envelope:
         values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
                   ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
                   ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None, ENV_TASK_INPUT_JSON: json.dumps(
-                      {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
+                      _without_none(task), separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
             import base64
 
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode()
-        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
-        return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
+        env = dict(os.environ if base is None else base)
+        for name, value in values.items():  # a stale inherited variable goes, None or not
+            env.pop(name, None)
+            if value is not None:
+                env[name] = str(value)
+        return env
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
@@ -508,7 +516,7 @@ class Envelope:
         raw = {"input": task, BODY_PROXY_URL: proxy_url, "task_id": _first_id(task.get("task_id"), _env_id(
             env.get(ENV_TASK_ID))), "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
                "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
-        return cls._read({k: v for k, v in raw.items() if v is not None}, proxy_url, run_token, {})
+        return cls._read(_without_none(raw), proxy_url, run_token, {})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Envelope:
@@ -519,8 +527,11 @@ class Envelope:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
-        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
-                         {})
+        task: Any = {}
+        for name in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64):
+            if _header(env, name):
+                task = _env_json(env[name], name)
+                break
         return cls.from_run(task, proxy_url=url, run_token=token, environ=env)
 
     @classmethod
@@ -919,9 +930,8 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None 
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs from and to labels", error_class="actor_id_invalid")
-    extra = {"reason": reason, "payload_preview": payload_preview}
-    return None if source == target else {"from_sub_agent": source, "to_sub_agent": target,
-                                          **{k: v for k, v in extra.items() if v is not None}}
+    return None if source == target else _without_none({"from_sub_agent": source, "to_sub_agent": target,
+                                                        "reason": reason, "payload_preview": payload_preview})
 
 
 # ----------------------------------------
@@ -991,8 +1001,10 @@ RETRY_TABLE: Tuple[Tuple[int, FrozenSet[str] | None, str], ...] = (
 
 def retry_decision(status: int, error_class: str | None) -> str:
     """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
-    return next((outcome for table_status, classes, outcome in RETRY_TABLE
-                 if status == table_status and (classes is None or error_class in classes)), "fail")
+    for table_status, classes, outcome in RETRY_TABLE:
+        if status == table_status and (classes is None or error_class in classes):
+            return outcome
+    return "fail"
 
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -1138,7 +1150,7 @@ def _normalise_messages(messages: Any) -> Any:
     out = [dict(message) if isinstance(message, Mapping) else message for message in messages]
     for message in out:
         if isinstance(message, dict) and isinstance(message.get("tool_calls"), (list, tuple)):
-            message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
+            message["tool_calls"] = list(map(_normalise_tool_call, message["tool_calls"]))
     return out
 
 
@@ -1156,7 +1168,7 @@ def _as_the_platform_keeps(body: Dict[str, Any], notes: List[str]) -> Dict[str, 
         if isinstance(calls, list):
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
                       for j, call in enumerate(calls) if not _tool_call_name(call)]
-            message["tool_calls"] = [call for call in calls if _tool_call_name(call)]
+            message["tool_calls"] = list(filter(_tool_call_name, calls))
     for key, problems in (("messages", _message_problems(messages, [])),
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
@@ -1309,7 +1321,7 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
         if call.get("type", "function") != "function" and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\", got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name"]
-    arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
+    arguments = call.get("arguments") if flat else function.get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a string, got {json_type(arguments)}")
     call_id = call.get("id", "")
@@ -1350,12 +1362,12 @@ def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: str 
     """``"TypeName: message"``: one line, at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
-    return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
+    return _short(" ".join(redact(text, *secrets).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: str | None) -> Any:
     """``value`` (a string or JSON value) with each secret as ``[redacted]``."""
-    kept = [secret for secret in secrets if secret]
+    kept = list(filter(None, secrets))
     if isinstance(value, str):
         for secret in kept:
             value = value.replace(secret, _REDACTED)
