@@ -727,59 +727,55 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
            expected_token: str | None) -> Decision:
     """What one request gets (§2.3); ``expected_token`` ``""``: its variable is unset."""
     try:
-        return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
+        method, headers = method.upper(), _lower_headers(headers)
+        if method not in HTTP_METHODS:
+            raise UnknownMethodError(f"unknown method {_short(method, 40)}")
+        path = urlsplit(target).path.rstrip("/") or "/"
+        allowed = endpoint.allowed_methods(path)
+        if allowed is None:
+            raise NotFoundError(f"no route for {_short(path, 100)}: use POST {endpoint.path}")
+        if method not in allowed:
+            raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
+        if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
+            return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
+        if path == TOOLS_SCHEMA_PATH:
+            return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
+        name = endpoint.auth_header
+        if not endpoint.no_auth:
+            if not (expected_token or "").strip():
+                raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
+            twice = _repeated(headers, name.lower())
+            if twice or not check_credential(headers, expected_token or "", header_name=name):
+                raise AuthError(f"{name} header sent more than once" if twice else
+                                f"missing or invalid credential in the {name} header",
+                                bearer=name.lower() == "authorization")
+        length = _body_length(headers, endpoint.max_body)
+        if body is None or len(body) < length:
+            raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
+        if len(body) > endpoint.max_body:
+            raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
+        try:
+            payload = _json_from_bytes(body)
+        except ValueError as exc:
+            raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
+        if is_ping(payload):
+            if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
+                raise RequestError("the ping body has 'ping' twice")
+            return Decision("reply", json_reply(200, {"ok": True}), what="ping")
+        if not isinstance(payload, dict):
+            raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
+        probe = payload.get("connectivity_check") is True
+        envelope = None if probe else Envelope.from_dispatch(payload, headers)
+        proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
+        if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
+            raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
+                                f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+        return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
+            "run", envelope=envelope, what="dispatch")
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
     except RecursionError:  # JSON nested too deep to parse
         return Decision("reply", error_reply(RequestError("body is nested too deeply")))
-
-
-def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
-            expected_token: str | None) -> Decision:
-    if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"unknown method {_short(method, 40)}")
-    path = urlsplit(target).path.rstrip("/") or "/"
-    allowed = endpoint.allowed_methods(path)
-    if allowed is None:
-        raise NotFoundError(f"no route for {_short(path, 100)}: use POST {endpoint.path}")
-    if method not in allowed:
-        raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
-        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
-    if path == TOOLS_SCHEMA_PATH:
-        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
-    name = endpoint.auth_header
-    if not endpoint.no_auth:
-        if not (expected_token or "").strip():
-            raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
-        twice = _repeated(headers, name.lower())
-        if twice or not check_credential(headers, expected_token or "", header_name=name):
-            raise AuthError(f"{name} header sent more than once" if twice else
-                            f"missing or invalid credential in the {name} header",
-                            bearer=name.lower() == "authorization")
-    length = _body_length(headers, endpoint.max_body)
-    if body is None or len(body) < length:
-        raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
-    if len(body) > endpoint.max_body:
-        raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
-    try:
-        payload = _json_from_bytes(body)
-    except ValueError as exc:
-        raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
-    if is_ping(payload):
-        if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has 'ping' twice")
-        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
-    if not isinstance(payload, dict):
-        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
-    probe = payload.get("connectivity_check") is True
-    envelope = None if probe else Envelope.from_dispatch(payload, headers)
-    proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
-    if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
-        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
-                            f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
-    return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
-        "run", envelope=envelope, what="dispatch")
 
 
 _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
@@ -804,8 +800,10 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    return any(entry_port in (None, port) and name and (host == name or (
-        name[0] == "." and f".{host}".endswith(name))) for name, entry_port in map(_split_host_entry, allowed))
+    for name, entry_port in map(_split_host_entry, allowed):
+        if entry_port in (None, port) and name and (host == name or (name[0] == "." and f".{host}".endswith(name))):
+            return True
+    return False
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
@@ -872,12 +870,6 @@ def _header_problem(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def _uuid4() -> str:
-    import uuid  # at the first call: it costs 2 ms
-
-    return str(uuid.uuid4())
-
-
 class ProxyRequest(NamedTuple):
     """One proxy request, as sent on every attempt (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
@@ -892,8 +884,12 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
                   actor: str | None = None, idempotency_key: str | None = None) -> ProxyRequest:
     """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
+    if not idempotency_key:
+        import uuid  # at the first call: it costs 2 ms
+
+        idempotency_key = str(uuid.uuid4())
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
-               "Idempotency-Key": idempotency_key or _uuid4(), "User-Agent": _USER_AGENT}
+               "Idempotency-Key": idempotency_key, "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
     quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")
@@ -1312,16 +1308,15 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
     function = call.get("function")  # the schema's oneOf: flat or nested
-    flat = isinstance(call.get("name"), str)
-    nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
-        call.get("type", "function") == "function")
-    if flat and nested:
-        return [f"{at}: has both 'name' and 'function'"]
-    if not flat and not nested:
-        if call.get("type", "function") != "function" and isinstance(function, Mapping):
+    flat, typed = isinstance(call.get("name"), str), call.get("type", "function") == "function"
+    nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and typed
+    if flat == nested:
+        if flat:
+            return [f"{at}: has both 'name' and 'function'"]
+        if not typed and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\", got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name"]
-    arguments = call.get("arguments") if flat else function.get("arguments")
+    arguments = (call if flat else function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a string, got {json_type(arguments)}")
     call_id = call.get("id", "")
