@@ -670,11 +670,17 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise HeadersTooLargeError("request head too large")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     headers: List[Tuple[str, str]] = []
+    names: List[str] = []
+    lengths: List[str] = []
     for line in lines[1:] if request and request[3] == b"1" else ():
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
             break
-        headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
+        name, value = field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")
+        headers.append((name, value))
+        names.append(name.lower())
+        if names[-1] == "content-length":
+            lengths += map(str.strip, value.split(","))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
         if max(head.count(b"\r"), head.count(b"\n")) >= len(lines):  # a CR or LF outside a CRLF
             raise FramingError("bare CR or LF in the request head")
@@ -684,8 +690,6 @@ def parse_request_head(head: bytes) -> RequestHead:
             raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not supported")
         raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value (no line folding, "
                            "no whitespace before the colon)")
-    names = [name.lower() for name, _ in headers]
-    lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header")
