@@ -1311,7 +1311,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
 def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
-    function = call.get("function")  # the schema's oneOf: flat or nested
+    function: Any = call.get("function")  # the schema's oneOf: flat or nested
     flat, typed = isinstance(call.get("name"), str), call.get("type", "function") == "function"
     nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and typed
     if flat == nested:
