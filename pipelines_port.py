@@ -321,6 +321,7 @@ class StaleRunTokenError(ProxyError):
 # Envelope (§2 dispatch, §5 code mode)
 
 Id = Union[int, str]
+_ARRAY_TYPES = (list, tuple)  # what a JSON array may be here
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
@@ -407,9 +408,9 @@ class Envelope:
     __slots__ = tuple(__annotations__)
 
     def __init__(self, *, proxy_url: str, run_token: str, **fields: Any):  # the others by their names above
-        unknown = sorted(set(fields) - set(self.__slots__[2:]))
+        unknown = set(fields).difference(self.__slots__[2:])
         if unknown:
-            raise TypeError(f"Envelope() got an unexpected field {unknown[0]!r}")
+            raise TypeError(f"Envelope() got an unexpected field {min(unknown)!r}")
         text = fields.get("user_instruction")
         fields.update(proxy_url=validate_proxy_url(proxy_url, "the proxy_url argument"),
                       run_token=_check_run_token(run_token, "the run_token argument"),
@@ -560,7 +561,7 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tu
 def json_type(value: Any) -> str:
     """``value``'s JSON type as messages name it: ``"an object"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
-                        ((list, tuple), "an array"), (Mapping, "an object")):
+                        (_ARRAY_TYPES, "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
             return name
     return type(value).__name__
@@ -1149,7 +1150,7 @@ def _normalise_tool_call(call: Any) -> Any:
 def _normalise_messages(messages: Any) -> Any:
     out = [dict(message) if isinstance(message, Mapping) else message for message in messages]
     for message in out:
-        if isinstance(message, dict) and isinstance(message.get("tool_calls"), (list, tuple)):
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), _ARRAY_TYPES):
             message["tool_calls"] = list(map(_normalise_tool_call, message["tool_calls"]))
     return out
 
@@ -1201,7 +1202,7 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         messages = found_messages if messages is None else messages
         metadata = found_metadata if metadata is None else metadata
         if messages is not None:
-            body["messages"] = _normalise_messages(messages) if isinstance(messages, (list, tuple)) else messages
+            body["messages"] = _normalise_messages(messages) if isinstance(messages, _ARRAY_TYPES) else messages
         if metadata is not None:
             body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
@@ -1271,14 +1272,14 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
 
 _MESSAGE_FIELDS = (  # each present field's types (§4.1)
     ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
-    ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
+    ("tool_calls", _ARRAY_TYPES, "an array"), ("thinking", _ARRAY_TYPES, "an array of objects"),
     ("tool_call_id", str, "a string"))
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
     if messages is None:
         return []
-    if not isinstance(messages, (list, tuple)):
+    if not isinstance(messages, _ARRAY_TYPES):
         return [f"messages: must be an array or null, got {json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
     call_ids: Set[str] = set()
@@ -1291,7 +1292,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
             if key in message and not isinstance(message[key], kinds):
                 problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
         role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
-        calls = calls if isinstance(calls, (list, tuple)) else ()
+        calls = calls if isinstance(calls, _ARRAY_TYPES) else ()
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
         if calls and role != "assistant":
@@ -1299,7 +1300,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                     for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
+                     for j, block in enumerate(thinking if isinstance(thinking, _ARRAY_TYPES) else ())
                      if not isinstance(block, Mapping)]
         call_id = message.get("tool_call_id", "")
         if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
