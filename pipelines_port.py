@@ -832,18 +832,17 @@ def validate_tool_name(name: Any) -> str:
 
 def validate_actor_label(label: Any) -> str | None:
     """The actor label trimmed, ``None`` for an empty one (§3.5)."""
-    if label is None or (isinstance(label, str) and not label.strip()):
-        return None
-    text = label.strip() if isinstance(label, str) else ""
-    segments = text.split("/")
-    bad = [segment for segment in segments if not ACTOR_SEGMENT_RE.fullmatch(segment)]
     if not isinstance(label, str):
+        if label is None:
+            return None
         problem = f"must be a string, got {type(label).__name__}"
+    elif not (text := label.strip()):
+        return None
     elif len(text) > ACTOR_MAX_LENGTH:
         problem = f"over {ACTOR_MAX_LENGTH} characters"
-    elif len(segments) > ACTOR_MAX_SEGMENTS:
+    elif text.count("/") >= ACTOR_MAX_SEGMENTS:  # one "/" fewer than segments
         problem = f"over {ACTOR_MAX_SEGMENTS} segments"
-    elif bad:
+    elif bad := [segment for segment in text.split("/") if not ACTOR_SEGMENT_RE.fullmatch(segment)]:
         problem = f"segment {_short(repr(bad[0]), 80)} is not 1-64 characters of [A-Za-z0-9_.:-]"
     else:
         return text
