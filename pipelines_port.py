@@ -301,8 +301,8 @@ class ProxyError(PipelinesError):
 
     def to_value(self) -> Dict[str, Any]:
         """The failure as a tool result (§7.4 kit-errors-return)."""
-        extra = {"error_class": self.error_class or None, "status_code": self.status_code}
-        return {"error": self.message, **{k: v for k, v in extra.items() if v is not None}}
+        return {"error": self.message,
+                **_without_none({"error_class": self.error_class or None, "status_code": self.status_code})}
 
 
 class ProxyRequestError(ProxyError, ValueError):
@@ -321,6 +321,7 @@ class StaleRunTokenError(ProxyError):
 # Envelope (§2 dispatch, §5 code mode)
 
 Id = Union[int, str]
+_ARRAY_TYPES = (list, tuple)  # what a JSON array may be here
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
@@ -347,6 +348,10 @@ def validate_proxy_url(url: Any, where: str) -> str:
         return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
                         "no query, fragment or whitespace")
+
+
+def _without_none(mapping: Mapping[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in mapping.items() if v is not None}
 
 
 def _check_run_token(token: Any, where: str) -> str:
@@ -403,9 +408,9 @@ class Envelope:
     __slots__ = tuple(__annotations__)
 
     def __init__(self, *, proxy_url: str, run_token: str, **fields: Any):  # the others by their names above
-        unknown = sorted(set(fields) - set(self.__slots__[2:]))
+        unknown = set(fields).difference(self.__slots__[2:])
         if unknown:
-            raise TypeError(f"Envelope() got an unexpected field {unknown[0]!r}")
+            raise TypeError(f"Envelope() got an unexpected field {min(unknown)!r}")
         text = fields.get("user_instruction")
         fields.update(proxy_url=validate_proxy_url(proxy_url, "the proxy_url argument"),
                       run_token=_check_run_token(run_token, "the run_token argument"),
@@ -467,14 +472,18 @@ class Envelope:
         values = {ENV_PROXY_URL: self.proxy_url, ENV_RUN_TOKEN: self.run_token, ENV_API_URL: self.api_url,
                   ENV_RUN_TOKEN_JTI: self.run_token_jti, ENV_RUN_ID: self.run_id, ENV_TASK_ID: self.task_id,
                   ENV_AGENT_ID: self.agent_id, ENV_TASK_INPUT_B64: None, ENV_TASK_INPUT_JSON: json.dumps(
-                      {k: v for k, v in task.items() if v is not None}, separators=(",", ":"))}
+                      _without_none(task), separators=(",", ":"))}
         if self.tools_schema is not None:
             schema = json.dumps(self.tools_schema, separators=(",", ":")).encode()
             import base64
 
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode()
-        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
-        return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
+        env = dict(os.environ if base is None else base)
+        for name, value in values.items():  # a stale inherited variable goes, None or not
+            env.pop(name, None)
+            if value is not None:
+                env[name] = str(value)
+        return env
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
@@ -508,7 +517,7 @@ class Envelope:
         raw = {"input": task, BODY_PROXY_URL: proxy_url, "task_id": _first_id(task.get("task_id"), _env_id(
             env.get(ENV_TASK_ID))), "run_id": _env_id(env.get(ENV_RUN_ID)), "agent_id": _env_id(env.get(ENV_AGENT_ID)),
                "run_token_jti": _header(env, ENV_RUN_TOKEN_JTI), "tools_schema": _tools_schema_from_env(env)}
-        return cls._read({k: v for k, v in raw.items() if v is not None}, proxy_url, run_token, {})
+        return cls._read(_without_none(raw), proxy_url, run_token, {})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Envelope:
@@ -519,8 +528,11 @@ class Envelope:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
-        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
-                         {})
+        task: Any = {}
+        for name in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64):
+            if _header(env, name):
+                task = _env_json(env[name], name)
+                break
         return cls.from_run(task, proxy_url=url, run_token=token, environ=env)
 
     @classmethod
@@ -549,7 +561,7 @@ def _proxy_url_source(body: Mapping[str, Any], headers: Mapping[str, str]) -> Tu
 def json_type(value: Any) -> str:
     """``value``'s JSON type as messages name it: ``"an object"``, ..."""
     for kinds, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
-                        ((list, tuple), "an array"), (Mapping, "an object")):
+                        (_ARRAY_TYPES, "an array"), (Mapping, "an object")):
         if isinstance(value, kinds):
             return name
     return type(value).__name__
@@ -659,11 +671,17 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise HeadersTooLargeError("request head too large")
     request = _REQUEST_LINE_RE.fullmatch(lines[0])
     headers: List[Tuple[str, str]] = []
+    names: List[str] = []
+    lengths: List[str] = []
     for line in lines[1:] if request and request[3] == b"1" else ():
         field = _FIELD_LINE_RE.fullmatch(line)
         if field is None:
             break
-        headers.append((field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")))
+        name, value = field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")
+        headers.append((name, value))
+        names.append(name.lower())
+        if names[-1] == "content-length":
+            lengths += map(str.strip, value.split(","))
     if request is None or request[3] != b"1" or len(headers) < len(lines) - 1:  # which rule broke, in RFC order
         if max(head.count(b"\r"), head.count(b"\n")) >= len(lines):  # a CR or LF outside a CRLF
             raise FramingError("bare CR or LF in the request head")
@@ -673,8 +691,6 @@ def parse_request_head(head: bytes) -> RequestHead:
             raise VersionNotSupportedError(f"HTTP/{request[3].decode()} is not supported")
         raise FramingError(f"header line {len(headers) + 1} is not a token, a colon and a value (no line folding, "
                            "no whitespace before the colon)")
-    names = [name.lower() for name, _ in headers]
-    lengths = [v.strip() for name, value in headers if name.lower() == "content-length" for v in value.split(",")]
     version = "HTTP/1.0" if request[4] == b"0" else "HTTP/1.1"  # 1.2 and up read as 1.1 (RFC 9110 §2.5)
     if version == "HTTP/1.1" and names.count("host") != 1:
         raise FramingError("an HTTP/1.1 request needs exactly one Host header")
@@ -716,59 +732,55 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
            expected_token: str | None) -> Decision:
     """What one request gets (§2.3); ``expected_token`` ``""``: its variable is unset."""
     try:
-        return _decide(endpoint, method.upper(), target, _lower_headers(headers), body, expected_token)
+        method, headers = method.upper(), _lower_headers(headers)
+        if method not in HTTP_METHODS:
+            raise UnknownMethodError(f"unknown method {_short(method, 40)}")
+        path = urlsplit(target).path.rstrip("/") or "/"
+        allowed = endpoint.allowed_methods(path)
+        if allowed is None:
+            raise NotFoundError(f"no route for {_short(path, 100)}: use POST {endpoint.path}")
+        if method not in allowed:
+            raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
+        if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
+            return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
+        if path == TOOLS_SCHEMA_PATH:
+            return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
+        name = endpoint.auth_header
+        if not endpoint.no_auth:
+            if not (expected_token or "").strip():
+                raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
+            twice = _repeated(headers, name.lower())
+            if twice or not check_credential(headers, expected_token or "", header_name=name):
+                raise AuthError(f"{name} header sent more than once" if twice else
+                                f"missing or invalid credential in the {name} header",
+                                bearer=name.lower() == "authorization")
+        length = _body_length(headers, endpoint.max_body)
+        if body is None or len(body) < length:
+            raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
+        if len(body) > endpoint.max_body:
+            raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
+        try:
+            payload = _json_from_bytes(body)
+        except ValueError as exc:
+            raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
+        if is_ping(payload):
+            if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
+                raise RequestError("the ping body has 'ping' twice")
+            return Decision("reply", json_reply(200, {"ok": True}), what="ping")
+        if not isinstance(payload, dict):
+            raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
+        probe = payload.get("connectivity_check") is True
+        envelope = None if probe else Envelope.from_dispatch(payload, headers)
+        proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
+        if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
+            raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
+                                f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
+        return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
+            "run", envelope=envelope, what="dispatch")
     except PipelinesError as exc:
         return Decision("reply", error_reply(exc))
     except RecursionError:  # JSON nested too deep to parse
         return Decision("reply", error_reply(RequestError("body is nested too deeply")))
-
-
-def _decide(endpoint: Endpoint, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
-            expected_token: str | None) -> Decision:
-    if method not in HTTP_METHODS:
-        raise UnknownMethodError(f"unknown method {_short(method, 40)}")
-    path = urlsplit(target).path.rstrip("/") or "/"
-    allowed = endpoint.allowed_methods(path)
-    if allowed is None:
-        raise NotFoundError(f"no route for {_short(path, 100)}: use POST {endpoint.path}")
-    if method not in allowed:
-        raise MethodNotAllowedError(f"{method} is not allowed on {path}: use {' or '.join(allowed)}", allowed)
-    if path == HEALTH_PATH:  # GET routes come before auth (kit-routes)
-        return Decision("reply", json_reply(200, {"ok": True, "version": __version__}), what="health")
-    if path == TOOLS_SCHEMA_PATH:
-        return Decision("reply", json_reply(200, {"tools_schema": endpoint.tools_schema}), what="tools schema")
-    name = endpoint.auth_header
-    if not endpoint.no_auth:
-        if not (expected_token or "").strip():
-            raise MisconfiguredError(f"misconfigured: {endpoint.token_env} (the agent token) is not set")
-        twice = _repeated(headers, name.lower())
-        if twice or not check_credential(headers, expected_token or "", header_name=name):
-            raise AuthError(f"{name} header sent more than once" if twice else
-                            f"missing or invalid credential in the {name} header",
-                            bearer=name.lower() == "authorization")
-    length = _body_length(headers, endpoint.max_body)
-    if body is None or len(body) < length:
-        raise RequestError(f"request body truncated at {len(body or b'')} of {length} bytes")
-    if len(body) > endpoint.max_body:
-        raise BodyTooLargeError(f"request body over the {endpoint.max_body}-byte cap")
-    try:
-        payload = _json_from_bytes(body)
-    except ValueError as exc:
-        raise RequestError(f"body is not valid JSON: {_short(str(exc))}") from None
-    if is_ping(payload):
-        if json.loads(body, object_pairs_hook=len) != 1:  # the keys as sent: {"ping": false, "ping": true}
-            raise RequestError("the ping body has 'ping' twice")
-        return Decision("reply", json_reply(200, {"ok": True}), what="ping")
-    if not isinstance(payload, dict):
-        raise RequestError(f"body must be a JSON object, got {json_type(payload)}")
-    probe = payload.get("connectivity_check") is True
-    envelope = None if probe else Envelope.from_dispatch(payload, headers)
-    proxy_url = envelope.proxy_url if envelope else connectivity_proxy_url(payload, headers)
-    if not proxy_host_allowed(proxy_url, endpoint.proxy_hosts):
-        raise EnvelopeError(f"proxy URL host {_short(str(urlsplit(proxy_url).hostname), 100)!r} is not on the "
-                            f"allow-list: {', '.join(endpoint.proxy_hosts or ())}")
-    return Decision("probe", proxy_url=proxy_url, what="connectivity check") if probe else Decision(
-        "run", envelope=envelope, what="dispatch")
 
 
 _HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
@@ -793,8 +805,10 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    return any(entry_port in (None, port) and name and (host == name or (
-        name[0] == "." and f".{host}".endswith(name))) for name, entry_port in map(_split_host_entry, allowed))
+    for name, entry_port in map(_split_host_entry, allowed):
+        if entry_port in (None, port) and name and (host == name or (name[0] == "." and f".{host}".endswith(name))):
+            return True
+    return False
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
@@ -818,18 +832,17 @@ def validate_tool_name(name: Any) -> str:
 
 def validate_actor_label(label: Any) -> str | None:
     """The actor label trimmed, ``None`` for an empty one (§3.5)."""
-    if label is None or (isinstance(label, str) and not label.strip()):
-        return None
-    text = label.strip() if isinstance(label, str) else ""
-    segments = text.split("/")
-    bad = [segment for segment in segments if not ACTOR_SEGMENT_RE.fullmatch(segment)]
     if not isinstance(label, str):
+        if label is None:
+            return None
         problem = f"must be a string, got {type(label).__name__}"
+    elif not (text := label.strip()):
+        return None
     elif len(text) > ACTOR_MAX_LENGTH:
         problem = f"over {ACTOR_MAX_LENGTH} characters"
-    elif len(segments) > ACTOR_MAX_SEGMENTS:
+    elif text.count("/") >= ACTOR_MAX_SEGMENTS:  # one "/" fewer than segments
         problem = f"over {ACTOR_MAX_SEGMENTS} segments"
-    elif bad:
+    elif bad := [segment for segment in text.split("/") if not ACTOR_SEGMENT_RE.fullmatch(segment)]:
         problem = f"segment {_short(repr(bad[0]), 80)} is not 1-64 characters of [A-Za-z0-9_.:-]"
     else:
         return text
@@ -861,12 +874,6 @@ def _header_problem(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def _uuid4() -> str:
-    import uuid  # at the first call: it costs 2 ms
-
-    return str(uuid.uuid4())
-
-
 class ProxyRequest(NamedTuple):
     """One proxy request, as sent on every attempt (§3.1, §3.4)."""
     kind: str  # "tools" | "traces"
@@ -881,8 +888,12 @@ def proxy_request(proxy_url: str, run_token: str, kind: str, name: str, body: by
                   actor: str | None = None, idempotency_key: str | None = None) -> ProxyRequest:
     """``POST {proxy_url}/{kind}/{name}`` (§3.1, §3.5)."""
     url = urlsplit(proxy_url)
+    if not idempotency_key:
+        import uuid  # at the first call: it costs 2 ms
+
+        idempotency_key = str(uuid.uuid4())
     headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": "Bearer " + run_token,
-               "Idempotency-Key": idempotency_key or _uuid4(), "User-Agent": _USER_AGENT}
+               "Idempotency-Key": idempotency_key, "User-Agent": _USER_AGENT}
     if actor:
         headers[HEADER_ACTOR_ID] = actor
     quoted = name if TOOL_NAME_RE.fullmatch(name) else quote(name, safe="")
@@ -919,9 +930,8 @@ def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None 
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
         raise ProxyRequestError("a handoff needs from and to labels", error_class="actor_id_invalid")
-    extra = {"reason": reason, "payload_preview": payload_preview}
-    return None if source == target else {"from_sub_agent": source, "to_sub_agent": target,
-                                          **{k: v for k, v in extra.items() if v is not None}}
+    return None if source == target else _without_none({"from_sub_agent": source, "to_sub_agent": target,
+                                                        "reason": reason, "payload_preview": payload_preview})
 
 
 # ----------------------------------------
@@ -991,8 +1001,10 @@ RETRY_TABLE: Tuple[Tuple[int, FrozenSet[str] | None, str], ...] = (
 
 def retry_decision(status: int, error_class: str | None) -> str:
     """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
-    return next((outcome for table_status, classes, outcome in RETRY_TABLE
-                 if status == table_status and (classes is None or error_class in classes)), "fail")
+    for table_status, classes, outcome in RETRY_TABLE:
+        if status == table_status and (classes is None or error_class in classes):
+            return outcome
+    return "fail"
 
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -1137,8 +1149,8 @@ def _normalise_tool_call(call: Any) -> Any:
 def _normalise_messages(messages: Any) -> Any:
     out = [dict(message) if isinstance(message, Mapping) else message for message in messages]
     for message in out:
-        if isinstance(message, dict) and isinstance(message.get("tool_calls"), (list, tuple)):
-            message["tool_calls"] = [_normalise_tool_call(c) for c in message["tool_calls"]]
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), _ARRAY_TYPES):
+            message["tool_calls"] = list(map(_normalise_tool_call, message["tool_calls"]))
     return out
 
 
@@ -1156,7 +1168,7 @@ def _as_the_platform_keeps(body: Dict[str, Any], notes: List[str]) -> Dict[str, 
         if isinstance(calls, list):
             notes += [f"messages[{i}].tool_calls[{j}]: no resolvable tool name; dropped"
                       for j, call in enumerate(calls) if not _tool_call_name(call)]
-            message["tool_calls"] = [call for call in calls if _tool_call_name(call)]
+            message["tool_calls"] = list(filter(_tool_call_name, calls))
     for key, problems in (("messages", _message_problems(messages, [])),
                           ("metadata", _metadata_problems(body.get("metadata"), []))):
         if problems:
@@ -1189,7 +1201,7 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
         messages = found_messages if messages is None else messages
         metadata = found_metadata if metadata is None else metadata
         if messages is not None:
-            body["messages"] = _normalise_messages(messages) if isinstance(messages, (list, tuple)) else messages
+            body["messages"] = _normalise_messages(messages) if isinstance(messages, _ARRAY_TYPES) else messages
         if metadata is not None:
             body["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     if not strict:
@@ -1259,14 +1271,14 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
 
 _MESSAGE_FIELDS = (  # each present field's types (§4.1)
     ("content", (str, list, tuple, type(None)), "a string, an array of parts or null"),
-    ("tool_calls", (list, tuple), "an array"), ("thinking", (list, tuple), "an array of objects"),
+    ("tool_calls", _ARRAY_TYPES, "an array"), ("thinking", _ARRAY_TYPES, "an array of objects"),
     ("tool_call_id", str, "a string"))
 
 
 def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
     if messages is None:
         return []
-    if not isinstance(messages, (list, tuple)):
+    if not isinstance(messages, _ARRAY_TYPES):
         return [f"messages: must be an array or null, got {json_type(messages)} (the platform drops it)"]
     problems: List[str] = []
     call_ids: Set[str] = set()
@@ -1279,7 +1291,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
             if key in message and not isinstance(message[key], kinds):
                 problems.append(f"{at}.{key}: must be {wanted}, got {json_type(message[key])}")
         role, calls, thinking = message.get("role"), message.get("tool_calls"), message.get("thinking")
-        calls = calls if isinstance(calls, (list, tuple)) else ()
+        calls = calls if isinstance(calls, _ARRAY_TYPES) else ()
         if role not in MESSAGE_ROLES:
             problems.append(f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {_short(repr(role), 40)}")
         if calls and role != "assistant":
@@ -1287,7 +1299,7 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
         for j, call in enumerate(calls):
             problems += _tool_call_problems(call, f"{at}.tool_calls[{j}]", call_ids, warnings)
         problems += [f"{at}.thinking[{j}]: must be an object, got {json_type(block)}"
-                     for j, block in enumerate(thinking if isinstance(thinking, (list, tuple)) else ())
+                     for j, block in enumerate(thinking if isinstance(thinking, _ARRAY_TYPES) else ())
                      if not isinstance(block, Mapping)]
         call_id = message.get("tool_call_id", "")
         if role == "tool" and isinstance(call_id, str) and (not call_id or call_id not in call_ids):
@@ -1299,17 +1311,16 @@ def _message_problems(messages: Any, warnings: List[str]) -> List[str]:
 def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[str]) -> List[str]:
     if not isinstance(call, Mapping):
         return [f"{at}: must be an object, got {json_type(call)}"]
-    function = call.get("function")  # the schema's oneOf: flat or nested
-    flat = isinstance(call.get("name"), str)
-    nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and (
-        call.get("type", "function") == "function")
-    if flat and nested:
-        return [f"{at}: has both 'name' and 'function'"]
-    if not flat and not nested:
-        if call.get("type", "function") != "function" and isinstance(function, Mapping):
+    function: Any = call.get("function")  # the schema's oneOf: flat or nested
+    flat, typed = isinstance(call.get("name"), str), call.get("type", "function") == "function"
+    nested = isinstance(function, Mapping) and isinstance(function.get("name"), str) and typed
+    if flat == nested:
+        if flat:
+            return [f"{at}: has both 'name' and 'function'"]
+        if not typed and isinstance(function, Mapping):
             return [f"{at}.type: must be \"function\", got {_short(repr(call['type']), 40)}"]
         return [f"{at}.name: no resolvable tool name"]
-    arguments = call.get("arguments") if flat else cast(Mapping[str, Any], function).get("arguments")
+    arguments = (call if flat else function).get("arguments")
     if arguments is not None and not isinstance(arguments, (Mapping, str)):
         warnings.append(f"warning: {at}.arguments: should be an object or a string, got {json_type(arguments)}")
     call_id = call.get("id", "")
@@ -1350,12 +1361,12 @@ def describe_error(exc: BaseException, limit: int = DETAIL_LIMIT, *secrets: str 
     """``"TypeName: message"``: one line, at most ``limit`` characters, ``secrets`` redacted."""
     message = _safe_text(exc)
     text = _well_formed(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
-    return _short(" ".join(cast(str, redact(text, *secrets)).split()), limit - 1)  # with its "…": ``limit``
+    return _short(" ".join(redact(text, *secrets).split()), limit - 1)  # with its "…": ``limit``
 
 
 def redact(value: Any, *secrets: str | None) -> Any:
     """``value`` (a string or JSON value) with each secret as ``[redacted]``."""
-    kept = [secret for secret in secrets if secret]
+    kept = list(filter(None, secrets))
     if isinstance(value, str):
         for secret in kept:
             value = value.replace(secret, _REDACTED)
