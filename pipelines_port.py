@@ -1500,18 +1500,16 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
             return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
-    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
-        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    iso = getattr(value, "isoformat", None)
-    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
-    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
-    _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
-    if raw:
-        return bytes(value).decode("utf-8", "replace")
-    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
-
-
-def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: int, active: Set[int]) -> Any:
+    kind = type(value).__name__
+    if not isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        iso = getattr(value, "isoformat", None)
+        raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
+        sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+        _change(notes, f"{path}: {kind} is not a JSON type", f"sent as its {sent}", "convert it")
+        if raw:
+            return bytes(value).decode("utf-8", "replace")
+        return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
+    active = set() if active is None else active
     if id(value) in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
@@ -1519,12 +1517,13 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
         _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there", "flatten it")
         return "[nested too deeply]"
     active.add(id(value))
+    depth += 1
     try:
         if not isinstance(value, Mapping):
             if not isinstance(value, (list, tuple)):
-                _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
+                _change(notes, f"{path}: {kind} is not a JSON type", "sent as an array", "convert it")
                 value = sorted(value, key=_safe_repr)
-            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+            return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
         out: Dict[str, Any] = {}
         taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
         for key, item in value.items():
@@ -1537,21 +1536,24 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 if name != text:
                     cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
             else:
-                name = _key_text(key)
+                if key is None or isinstance(key, (bool, float)):
+                    name = json.dumps(_jsonable(key, "key", []))
+                else:
+                    name = _int_text(int.__int__(key)) if isinstance(key, int) else _well_formed(_safe_text(key))
                 sent = "sent as its text"
                 if name in taken:
                     name = _free_name(f"{name} ({type(key).__name__})", taken)
                     sent = f"its text is taken: sent as {name!r}"
                 _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
             taken.add(name)
-            out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
+            out[name] = _jsonable(item, f"{path}.{name}", notes, depth, active)
         return out
     except _Unsendable:
         raise
     except Exception as exc:  # noqa: BLE001
-        _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
+        _change(notes, f"{_short(path)}: reading its {kind} raised {type(exc).__name__}",
                 "cut there", "send plain dicts and lists")
-        return f"[unreadable {type(value).__name__}]"
+        return f"[unreadable {kind}]"
     finally:
         active.discard(id(value))
 
@@ -1586,14 +1588,6 @@ def _int_text(number: int) -> str:  # str() without its digit limit (640 at the 
     half = number.bit_length() * 30103 // 200000  # half its digits
     high, low = divmod(number, 10 ** half)
     return _int_text(high) + _int_text(low).zfill(half)
-
-
-def _key_text(key: Any) -> str:
-    if key is None or isinstance(key, (bool, float)):
-        return json.dumps(_jsonable(key, "key", []))
-    if isinstance(key, int):
-        return _int_text(int.__int__(key))
-    return _well_formed(_safe_text(key))
 
 
 def _safe_text(value: Any, method: Callable[[], Any] | None = None) -> str:
@@ -1847,8 +1841,9 @@ class _Pool:  # one loop's idle connections
 
     def close(self) -> None:
         idle, self._idle = self._idle, {}
-        for conn in (c for conns in idle.values() for c in conns):
-            conn.close()
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
         if self._reaper is not None:
             self._reaper.cancel()
 
@@ -1861,10 +1856,10 @@ class _Pool:  # one loop's idle connections
                 await asyncio.sleep(self._idle_s / 2)
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
-                    for conn in conns:
+                    for conn in list(conns):
                         if conn.closed or conn.idle_since <= cutoff:
                             conn.close()
-                    conns[:] = [c for c in conns if not c.closed]
+                            conns.remove(conn)
         except asyncio.CancelledError:
             self.close()
             raise
@@ -1918,7 +1913,7 @@ class _Transport:  # every outbound call's I/O
         started = loop.time()
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
-            fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            fields = "".join(map("%s: %s\r\n".__mod__, headers.items()))
             request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
                        f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
                        + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -1926,18 +1921,17 @@ class _Transport:  # every outbound call's I/O
             raise _TransportFailure() from exc
         where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(10) else ""  # no query: keys
         if where:
-            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
+            shown = ""  # secrets redacted; of the others only the key and actor
+            for name, value in headers.items():
+                if (lower := name.lower()) in _SECRET_HEADERS or lower in ("idempotency-key", "x-pipelines-actor-id"):
+                    shown += f", {name}: {_REDACTED if lower in _SECRET_HEADERS else value}"
+            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), shown)
         pool = self._pool(loop)
         conn = pool.take(key)
         reused = conn is not None
         task = cast(Any, asyncio.current_task())
         expired: List[bool] = []
-
-        def expire() -> None:
-            expired.append(True)
-            task.cancel()
-
-        timer = loop.call_at(started + timeout, expire)
+        timer = loop.call_at(started + timeout, lambda: expired.append(task.cancel()))
         try:
             if conn is None:
                 conn = await self._connect(scheme, host, port)
@@ -1983,10 +1977,6 @@ class _Transport:  # every outbound call's I/O
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
 
-
-def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of the others only the key and actor
-    return "".join(f", {k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
-                   if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower()))
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
