@@ -1421,12 +1421,11 @@ class _FrozenList(List[Any]):
         return (list, (list(self),))
 
 
-_LEAVES = frozenset({str, int, float, bool, type(None)})
+_LEAVES = frozenset({str, int, float, bool, type(None), _FrozenDict, _FrozenList})  # what _freeze returns as is
 
 
 def _freeze(value: Any) -> Any:
-    kind = type(value)
-    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
+    if type(value) in _LEAVES:
         return value
     if isinstance(value, dict):
         return _FrozenDict({k: v if type(v) in _LEAVES else _freeze(v) for k, v in value.items()})
@@ -1437,8 +1436,8 @@ def _freeze(value: Any) -> Any:
 
 def _thaw(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _thaw(v) for k, v in value.items()}
-    return [_thaw(v) for v in value] if isinstance(value, (list, tuple)) else value
+        return dict(zip(value, map(_thaw, value.values())))
+    return list(map(_thaw, value)) if isinstance(value, (list, tuple)) else value
 
 
 class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeats: the others
@@ -1754,24 +1753,25 @@ class _ClientConnection:
     async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
         reader, self.received = self.reader, False
         while True:
-            head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
+            head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
             self.received = True
-            lines = head.replace(b"\r\n ", b" ").replace(b"\r\n\t", b" ").split(b"\r\n")  # obs-fold: a space
-            version, _, rest = lines[0].partition(b" ")
-            if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
+            lines = head.replace("\r\n ", " ").replace("\r\n\t", " ").split("\r\n")  # obs-fold: a space
+            version, _, code = lines[0].partition(" ")
+            code = code[:3]
+            if not version.startswith("HTTP/1.") or len(code) < 3 or not code.isdecimal() or code == "101":
                 raise _malformed("status line", lines[0])
-            status = int(rest[:3])
+            status = int(code)
             if not 100 <= status < 200:
                 break
         headers: List[Tuple[str, str]] = []
         for line in lines[1:]:
-            name, colon, value = line.partition(b":")
+            name, colon, value = line.partition(":")
             if not colon or not name.strip():
                 raise _malformed("header line", line)
-            headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
+            headers.append((name.strip(), value.strip()))
         lowered = _lower_headers(headers)
-        connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
-        keep_alive = "close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection
+        connection = set(map(str.strip, lowered.get("connection", "").lower().split(",")))
+        keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
         coding = lowered.get("transfer-encoding")
         body = bytearray()
         if status in (204, 304):
@@ -2075,7 +2075,8 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
     def reserve(self, key: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log[key] = self._log.pop(key) if key in self._log else deque(maxlen=self.limit)
+            log = self._log[key] = self._log.pop(key, None) or deque(maxlen=self.limit)
+
             if len(self._log) > 4096:
                 self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
@@ -2187,21 +2188,20 @@ class ProxyClient:
         return None
 
     async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None, blocking: bool) -> Any:
-        name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
+        name, pacer, stats = request.name, self._pacer, _dispatch_stats.get() or _DispatchStats()
         seconds = self.timeout if timeout is None else float(timeout)
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
-        pause = cast(Callable[[float], Any], (lambda s: sleep(s) and None) if blocking else sleep)  # no loop to await
-        if stats is not None:
-            stats.count()
+        pause = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
+        stats.count()
 
-        async def send() -> _Reply:
-            if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
+        async def send() -> Any:
+            if stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: its dispatch overran its run_timeout_s", tool_name=name)
             if pacer is not None and (wait := pacer.reserve(envelope.run_token)) > 0:
                 await _awaited(pause(wait))
-            return cast(_Reply, await _awaited(exchange(request.url, "POST", request.path, request.headers,
-                                                        request.body, seconds, MAX_REPLY_BYTES)))
+            return await _awaited(exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                                           MAX_REPLY_BYTES))
 
         try:
             return await _aretry_loop(
