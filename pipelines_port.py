@@ -1451,6 +1451,7 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a
     out.repeats = {}
     items = getattr(headers, "items", None)
     for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
+
         key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
         text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
         if key in out:
@@ -1463,7 +1464,7 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a
 def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
     extra = getattr(headers, "repeats", {}).get(name, ())
     first = (headers.get(name) or "").strip()
-    return any(value.strip() != first for value in extra) if conflicting else bool(extra)
+    return bool(set(map(str.strip, extra)) - {first}) if conflicting else bool(extra)
 
 
 # ----------------------------------------
@@ -1508,14 +1509,14 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
         if raw:
             return bytes(value).decode("utf-8", "replace")
         return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
-    active = set() if active is None else active
-    if id(value) in active:
+    active, ident = set() if active is None else active, id(value)
+    if ident in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
     if depth >= MAX_JSON_DEPTH:
         _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there", "flatten it")
         return "[nested too deeply]"
-    active.add(id(value))
+    active.add(ident)
     depth += 1
     try:
         if not isinstance(value, Mapping):
@@ -1554,7 +1555,8 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
                 "cut there", "send plain dicts and lists")
         return f"[unreadable {kind}]"
     finally:
-        active.discard(id(value))
+        active.discard(ident)
+
 
 
 def _unsendable(value: Any, path: str) -> str | None:
@@ -1618,7 +1620,7 @@ def parse_proxy_hosts(text: str | None) -> Tuple[str, ...] | None:
     """The allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``; §7.1 kit-proxy-host-allow-list)."""
     if text is None:
         return None
-    entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
+    entries = tuple(map(_normal_host_entry, filter(None, map(str.strip, text.split(",")))))
     if not entries:
         raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name hosts or unset it")
     return entries
@@ -1875,10 +1877,9 @@ class _Transport:  # every outbound call's I/O
         self._pools: weakref.WeakKeyDictionary[Any, _Pool] = weakref.WeakKeyDictionary()
 
     def _pool(self, loop: Any) -> _Pool:
-        pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race; idle 60 s at most (AWS ALB's)
-            pool = self._pools[loop] = _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0)
-        return pool
+        # made on its loop's thread: no race; idle 60 s at most (AWS ALB's)
+        return self._pools.get(loop) or self._pools.setdefault(
+            loop, _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0))
 
     def close(self) -> None:  # each pool on its loop's thread
         for loop, pool in list(self._pools.items()):
@@ -2058,8 +2059,9 @@ _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 def _env_float(name: str, default: float) -> float:
     text = (os.environ.get(name) or "").strip()
     try:
-        value = float(text) if text else default
+        value = float(text or default)
     except ValueError:
+
         value = math.nan
     if not 0 <= value < math.inf:
         raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
@@ -2075,7 +2077,7 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
     def reserve(self, key: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            log = self._log[key] = self._log.pop(key, None) or deque(maxlen=self.limit)
+            log = self._log[key] = self._log.pop(key) if key in self._log else deque(maxlen=self.limit)
 
             if len(self._log) > 4096:
                 self._log.popitem(last=False)
@@ -2177,8 +2179,8 @@ class ProxyClient:
             _check_envelope(envelope := envelope or current_envelope())
             now = time.time()
             request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
-                                    occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
-                                    + f"{int(now % 1 * 1000):03d}Z")
+                                    occurred_at="%s.%03dZ" % (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)),
+                                                              now % 1 * 1000))
             result = await self._retried(envelope, request, timeout, blocking)
             return result if isinstance(result, dict) else None
         except (ProxyError, EnvelopeError) as exc:
