@@ -1534,7 +1534,7 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
                 text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
                 name = _free_name(text, taken)
                 if name != text:
-                    cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
+                    _change(notes, f"{path}: key {shown} would collide with another", f"sent as {name!r}", "")
             else:
                 if key is None or isinstance(key, (bool, float)):
                     name = json.dumps(_jsonable(key, "key", []))
@@ -1731,7 +1731,8 @@ class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: 
 class _ReplyTooLarge(Exception):
     def __init__(self, status: int, cap: int, length: int | None = None):
         self.status = status
-        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
+        super().__init__(f"{f'is {length} bytes, over' if length else 'exceeds'} the {cap}-byte cap")
+
 
 
 def _malformed(what: str, text: Any = "") -> ConnectionError:
@@ -1739,10 +1740,10 @@ def _malformed(what: str, text: Any = "") -> ConnectionError:
 
 
 class _ClientConnection:
-    __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
+    __slots__ = ("reader", "writer", "idle_since")
 
     def __init__(self, reader: Any, writer: Any):
-        self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
+        self.reader, self.writer, self.idle_since = reader, writer, 0.0
 
     @property
     def closed(self) -> bool:
@@ -1750,67 +1751,6 @@ class _ClientConnection:
 
     def close(self) -> None:
         self.writer.close()
-
-    # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
-    async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        reader, self.received = self.reader, False
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
-            self.received = True
-            lines = head.replace("\r\n ", " ").replace("\r\n\t", " ").split("\r\n")  # obs-fold: a space
-            version, _, code = lines[0].partition(" ")
-            code = code[:3]
-            if not version.startswith("HTTP/1.") or len(code) < 3 or not code.isdecimal() or code == "101":
-                raise _malformed("status line", lines[0])
-            status = int(code)
-            if not 100 <= status < 200:
-                break
-        headers: List[Tuple[str, str]] = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if not colon or not name.strip():
-                raise _malformed("header line", line)
-            headers.append((name.strip(), value.strip()))
-        lowered = _lower_headers(headers)
-        connection = set(map(str.strip, lowered.get("connection", "").lower().split(",")))
-        keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-        coding = lowered.get("transfer-encoding")
-        body = bytearray()
-        if status in (204, 304):
-            pass
-        elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
-            while True:
-                line = (await reader.readuntil(b"\r\n"))[:-2]
-                size_text = line.split(b";", 1)[0].strip()
-                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
-                    raise _malformed("chunk size", line)
-                size = int(size_text, 16)
-                if len(body) + size > max_reply:
-                    raise _ReplyTooLarge(status, max_reply)
-                if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                        pass
-                    break
-                chunk = await reader.readexactly(size + 2)
-                if chunk[-2:] != b"\r\n":
-                    raise _malformed("chunk longer than its size")
-                body += chunk[:-2]
-        elif coding is None and "content-length" in lowered:
-            length = _content_length(lowered["content-length"])
-            if length is None or _repeated(lowered, "content-length", conflicting=True):
-                raise _malformed("Content-Length", lowered["content-length"])
-            if length > max_reply:
-                raise _ReplyTooLarge(status, max_reply, length)
-            body += await reader.readexactly(length)
-        else:  # the connection's end frames the body (RFC 9112 §6.3)
-            keep_alive = False
-            while chunk := await reader.read(1 << 16):
-                if len(body) + len(chunk) > max_reply:
-                    raise _ReplyTooLarge(status, max_reply)
-                body += chunk
-        if reader._buffer:  # bytes past the reply's end: nothing asked for them
-            keep_alive = False
-        return status, headers, bytes(body), keep_alive
 
 
 class _Pool:  # one loop's idle connections
@@ -1929,7 +1869,7 @@ class _Transport:  # every outbound call's I/O
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), shown)
         pool = self._pool(loop)
         conn = pool.take(key)
-        reused = conn is not None
+        reused, received = conn is not None, False  # received: a drop before it is a stale connection
         task = cast(Any, asyncio.current_task())
         expired: List[bool] = []
         timer = loop.call_at(started + timeout, lambda: expired.append(task.cancel()))
@@ -1937,9 +1877,64 @@ class _Transport:  # every outbound call's I/O
             if conn is None:
                 conn = await self._connect(scheme, host, port)
             conn.writer.write(request)
-            status, headers_, reply, keep_alive = await conn.reply(max_reply)
+            reader = conn.reader  # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
+                received = True
+                lines = head.replace("\r\n ", " ").replace("\r\n\t", " ").split("\r\n")  # obs-fold: a space
+                version, _, code = lines[0].partition(" ")
+                code = code[:3]
+                if not version.startswith("HTTP/1.") or len(code) < 3 or not code.isdecimal() or code == "101":
+                    raise _malformed("status line", lines[0])
+                status = int(code)
+                if not 100 <= status < 200:
+                    break
+            reply_headers: List[Tuple[str, str]] = []
+            for line in lines[1:]:
+                name, colon, value = line.partition(":")
+                if not colon or not name.strip():
+                    raise _malformed("header line", line)
+                reply_headers.append((name.strip(), value.strip()))
+            lowered = _lower_headers(reply_headers)
+            connection = set(map(str.strip, lowered.get("connection", "").lower().split(",")))
+            keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
+            coding = lowered.get("transfer-encoding")
+            reply = bytearray()
+            if status in (204, 304):
+                pass
+            elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
+                while True:
+                    size_line = (await reader.readuntil(b"\r\n"))[:-2]
+                    size_text = size_line.split(b";", 1)[0].strip()
+                    if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+                        raise _malformed("chunk size", size_line)
+                    size = int(size_text, 16)
+                    if len(reply) + size > max_reply:
+                        raise _ReplyTooLarge(status, max_reply)
+                    if size == 0:
+                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                            pass
+                        break
+                    chunk = await reader.readexactly(size + 2)
+                    if chunk[-2:] != b"\r\n":
+                        raise _malformed("chunk longer than its size")
+                    reply += chunk[:-2]
+            elif coding is None and "content-length" in lowered:
+                length = _content_length(lowered["content-length"])
+                if length is None or _repeated(lowered, "content-length", conflicting=True):
+                    raise _malformed("Content-Length", lowered["content-length"])
+                if length > max_reply:
+                    raise _ReplyTooLarge(status, max_reply, length)
+                reply += await reader.readexactly(length)
+            else:  # the connection's end frames the body (RFC 9112 §6.3)
+                keep_alive = False
+                while chunk := await reader.read(1 << 16):
+                    if len(reply) + len(chunk) > max_reply:
+                        raise _ReplyTooLarge(status, max_reply)
+                    reply += chunk
+            if reader._buffer:  # bytes past the reply's end: nothing asked for them
+                keep_alive = False
         except BaseException as exc:  # EOFError: IncompleteReadError
-            received = conn is not None and conn.received
             if conn is not None:  # what is left of the reply must not meet the next request
                 conn.writer.transport.abort()
             if isinstance(exc, asyncio.CancelledError) and expired and _uncancel(task) == 0:
@@ -1955,14 +1950,14 @@ class _Transport:  # every outbound call's I/O
             raise _TransportFailure(stale=reused and not received) from exc
         finally:
             timer.cancel()
-        if keep_alive and not conn.closed:
+        if keep_alive:  # give() closes a closed one
             pool.give(key, conn)
         else:
             conn.close()
         if where:
             _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                        (loop.time() - started) * 1000)
-        return status, headers_, reply
+        return status, reply_headers, bytes(reply)
 
     async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
         import asyncio
@@ -2179,8 +2174,9 @@ class ProxyClient:
             _check_envelope(envelope := envelope or current_envelope())
             now = time.time()
             request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
-                                    occurred_at="%s.%03dZ" % (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)),
-                                                              now % 1 * 1000))
+                                    occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
+                                    + f"{int(now % 1 * 1000):03d}Z")
+
             result = await self._retried(envelope, request, timeout, blocking)
             return result if isinstance(result, dict) else None
         except (ProxyError, EnvelopeError) as exc:
