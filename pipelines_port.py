@@ -1497,7 +1497,8 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
-            return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
+            return float.__float__(value)  # a plain float: a subclass's repr may raise
+
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
     kind = type(value).__name__
@@ -2083,13 +2084,9 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         return slot - now
 
 
-class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over
+class _DispatchStats:  # a dispatch's proxy calls (counted under lock), for its log line; cancelled: the run is over
     def __init__(self) -> None:
-        self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
-
-    def count(self) -> None:
-        with self._lock:
-            self.proxy_calls += 1
+        self.proxy_calls, self.cancelled, self.lock = 0, False, threading.Lock()
 
 
 _dispatch_stats: contextvars.ContextVar[_DispatchStats | None] = contextvars.ContextVar(
@@ -2191,7 +2188,9 @@ class ProxyClient:
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
         pause = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
-        stats.count()
+        with stats.lock:
+            stats.proxy_calls += 1
+
 
         async def send() -> Any:
             if stats.cancelled:  # before every attempt: no retry runs a tool late
