@@ -1463,8 +1463,10 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a
 
 def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
     extra = getattr(headers, "repeats", {}).get(name, ())
-    first = (headers.get(name) or "").strip()
-    return bool(set(map(str.strip, extra)) - {first}) if conflicting else bool(extra)
+    if conflicting:
+        return bool(set(map(str.strip, extra)) - {(headers.get(name) or "").strip()})
+    return bool(extra)
+
 
 
 # ----------------------------------------
@@ -1501,16 +1503,19 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
 
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
-    kind = type(value).__name__
-    if not isinstance(value, (Mapping, list, tuple, set, frozenset)):
-        iso = getattr(value, "isoformat", None)
-        raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
-        sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
-        _change(notes, f"{path}: {kind} is not a JSON type", f"sent as its {sent}", "convert it")
-        if raw:
-            return bytes(value).decode("utf-8", "replace")
-        return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
-    active, ident = set() if active is None else active, id(value)
+    if isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        return _jsonable_container(value, path, notes, depth, set() if active is None else active)
+    iso = getattr(value, "isoformat", None)
+    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
+    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+    _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
+    if raw:
+        return bytes(value).decode("utf-8", "replace")
+    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
+
+
+def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: int, active: Set[int]) -> Any:
+    kind, ident = type(value).__name__, id(value)
     if ident in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
@@ -1557,7 +1562,6 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
         return f"[unreadable {kind}]"
     finally:
         active.discard(ident)
-
 
 
 def _unsendable(value: Any, path: str) -> str | None:
