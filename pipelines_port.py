@@ -1859,7 +1859,8 @@ class _Transport:  # every outbound call's I/O
         started = loop.time()
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
-            fields = "".join(map("%s: %s\r\n".__mod__, headers.items()))
+            fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+
             request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
                        f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
                        + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
