@@ -1499,7 +1499,8 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
         return _int_text(int(value))
     if isinstance(value, float):
         if math.isfinite(value):
-            return float.__float__(value)  # a plain float: a subclass's repr may raise
+            return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
+
 
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
