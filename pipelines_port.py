@@ -2030,8 +2030,8 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             cause = failure.__cause__ or failure
             error = transport_error(cause)
             error.__cause__ = cause
-            final = isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
-            outcome = ProxyOutcome("error" if final else "transport", error=error, stale=failure.stale)
+            outcome = ProxyOutcome("error" if isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
+                                   else "transport", error=error, stale=failure.stale)
         step = state.step(outcome)
         if step.action == "return":
             return step.value
@@ -2050,8 +2050,9 @@ async def _awaited(value: Any) -> Any:  # the value, or an awaitable's result
 
 
 def _failed_before_reply(what: str, cause: BaseException) -> str:
-    reason = str(cause) or type(cause).__name__
-    return f"{what} failed before a reply arrived: {type(cause).__name__}: {_short(reason, 200)}"
+    kind = type(cause).__name__
+    return f"{what} failed before a reply arrived: {kind}: {_short(str(cause) or kind, 200)}"
+
 
 
 _Payload = Optional[Mapping[str, Any]]
