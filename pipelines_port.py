@@ -2261,8 +2261,8 @@ def proxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = 
 
 async def aproxy_call(name: str, args: _Payload = None, **options: Any) -> Any:
     """:func:`proxy_call` on the running loop, with its options."""
-    client, envelope = options.pop("client", None), options.pop("envelope", None)
-    return await (client or _default_client()).acall(envelope or current_envelope(), name, args, **options)
+    return await (options.pop("client", None) or _default_client()).acall(
+        options.pop("envelope", None) or current_envelope(), name, args, **options)
 
 
 class Actor:
@@ -2322,8 +2322,9 @@ def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope 
 
 async def apost_trace(event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
     """:func:`post_trace` on the running loop, with its options."""
-    client = options.pop("client", None)
-    return await (client or _default_client()).atrace(options.pop("envelope", None), event_type, payload, **options)
+    return await (options.pop("client", None) or _default_client()).atrace(options.pop("envelope", None), event_type,
+                                                                              payload, **options)
+
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
