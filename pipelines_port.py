@@ -1451,7 +1451,6 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a
     out.repeats = {}
     items = getattr(headers, "items", None)
     for name, value in cast("Iterable[Tuple[Any, Any]]", items() if callable(items) else headers or ()):
-
         key = (name.decode("latin-1") if isinstance(name, bytes) else str(name)).lower()
         text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
         if key in out:
@@ -1466,7 +1465,6 @@ def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = Fals
     if conflicting:
         return bool(set(map(str.strip, extra)) - {(headers.get(name) or "").strip()})
     return bool(extra)
-
 
 
 # ----------------------------------------
@@ -1500,8 +1498,6 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
     if isinstance(value, float):
         if math.isfinite(value):
             return value if type(value) is float else float.__float__(value)  # a subclass's repr may raise
-
-
         _change(notes, f"{path}: {float.__repr__(value)} is not JSON", "sent as null", "send null or a string")
         return None
     if isinstance(value, (Mapping, list, tuple, set, frozenset)):
@@ -1740,7 +1736,6 @@ class _ReplyTooLarge(Exception):
         super().__init__(f"{f'is {length} bytes, over' if length else 'exceeds'} the {cap}-byte cap")
 
 
-
 def _malformed(what: str, text: Any = "") -> ConnectionError:
     return ConnectionError(f"malformed HTTP reply: {what} {_short(repr(text), 80) if text else ''}".rstrip())
 
@@ -1861,7 +1856,6 @@ class _Transport:  # every outbound call's I/O
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
             fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-
             request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
                        f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
                        + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -1981,7 +1975,6 @@ class _Transport:  # every outbound call's I/O
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
 
 
-
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
     return cast(int, task.uncancel()) if hasattr(task, "uncancel") else 0
 
@@ -2054,7 +2047,6 @@ def _failed_before_reply(what: str, cause: BaseException) -> str:
     return f"{what} failed before a reply arrived: {kind}: {_short(str(cause) or kind, 200)}"
 
 
-
 _Payload = Optional[Mapping[str, Any]]
 _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
@@ -2064,7 +2056,6 @@ def _env_float(name: str, default: float) -> float:
     try:
         value = float(text or default)
     except ValueError:
-
         value = math.nan
     if not 0 <= value < math.inf:
         raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
@@ -2081,7 +2072,6 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         now = time.monotonic() if now is None else now
         with self._lock:
             log = self._log[key] = self._log.pop(key) if key in self._log else deque(maxlen=self.limit)
-
             if len(self._log) > 4096:
                 self._log.popitem(last=False)
             slot = now if len(log) < self.limit else max(now, log[0] + self.window_s)
@@ -2180,7 +2170,6 @@ class ProxyClient:
             request = trace_request(envelope.proxy_url, envelope.run_token, event_type, payload, actor=actor,
                                     occurred_at=time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(now))
                                     + f"{int(now % 1 * 1000):03d}Z")
-
             result = await self._retried(envelope, request, timeout, blocking)
             return result if isinstance(result, dict) else None
         except (ProxyError, EnvelopeError) as exc:
@@ -2197,7 +2186,6 @@ class ProxyClient:
         pause = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
         with stats.lock:
             stats.proxy_calls += 1
-
 
         async def send() -> Any:
             if stats.cancelled:  # before every attempt: no retry runs a tool late
@@ -2324,7 +2312,6 @@ async def apost_trace(event_type: str, payload: _Payload = None, **options: Any)
     """:func:`post_trace` on the running loop, with its options."""
     return await (options.pop("client", None) or _default_client()).atrace(options.pop("envelope", None), event_type,
                                                                               payload, **options)
-
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
