@@ -1432,12 +1432,11 @@ class _FrozenList(List[Any]):
         return (list, (list(self),))
 
 
-_LEAVES = frozenset({str, int, float, bool, type(None)})
+_LEAVES = frozenset({str, int, float, bool, type(None), _FrozenDict, _FrozenList})  # what _freeze returns as is
 
 
 def _freeze(value: Any) -> Any:
-    kind = type(value)
-    if kind in _LEAVES or kind is _FrozenDict or kind is _FrozenList:
+    if type(value) in _LEAVES:
         return value
     if isinstance(value, dict):
         return _FrozenDict({k: v if type(v) in _LEAVES else _freeze(v) for k, v in value.items()})
@@ -1448,8 +1447,8 @@ def _freeze(value: Any) -> Any:
 
 def _thaw(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _thaw(v) for k, v in value.items()}
-    return [_thaw(v) for v in value] if isinstance(value, (list, tuple)) else value
+        return dict(zip(value, map(_thaw, value.values())))
+    return list(map(_thaw, value)) if isinstance(value, (list, tuple)) else value
 
 
 class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeats: the others
@@ -1474,8 +1473,9 @@ def _lower_headers(headers: HeadersLike) -> Dict[str, str]:  # from a mapping, a
 
 def _repeated(headers: Mapping[str, str], name: str, *, conflicting: bool = False) -> bool:
     extra = getattr(headers, "repeats", {}).get(name, ())
-    first = (headers.get(name) or "").strip()
-    return any(value.strip() != first for value in extra) if conflicting else bool(extra)
+    if conflicting:
+        return bool(set(map(str.strip, extra)) - {(headers.get(name) or "").strip()})
+    return bool(extra)
 
 
 # ----------------------------------------
@@ -1523,19 +1523,21 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
 
 
 def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: int, active: Set[int]) -> Any:
-    if id(value) in active:
+    kind, ident = type(value).__name__, id(value)
+    if ident in active:
         _change(notes, f"{_short(path)}: contains itself", "cut there", "send a copy without the back-reference")
         return "[cycle]"
     if depth >= MAX_JSON_DEPTH:
         _change(notes, f"{_short(path)}: nested more than {MAX_JSON_DEPTH} levels", "cut there", "flatten it")
         return "[nested too deeply]"
-    active.add(id(value))
+    active.add(ident)
+    depth += 1
     try:
         if not isinstance(value, Mapping):
             if not isinstance(value, (list, tuple)):
-                _change(notes, f"{path}: {type(value).__name__} is not a JSON type", "sent as an array", "convert it")
+                _change(notes, f"{path}: {kind} is not a JSON type", "sent as an array", "convert it")
                 value = sorted(value, key=_safe_repr)
-            return [_jsonable(item, f"{path}[{i}]", notes, depth + 1, active) for i, item in enumerate(value)]
+            return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
         out: Dict[str, Any] = {}
         taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
         for key, item in value.items():
@@ -1546,25 +1548,28 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 text = _jsonable(str.__str__(key), f"{path}: key {shown}", notes)
                 name = _free_name(text, taken)
                 if name != text:
-                    cast(List[str], notes).append(f"{path}: key {shown} would collide with another; sent as {name!r}")
+                    _change(notes, f"{path}: key {shown} would collide with another", f"sent as {name!r}", "")
             else:
-                name = _key_text(key)
+                if key is None or isinstance(key, (bool, float)):
+                    name = json.dumps(_jsonable(key, "key", []))
+                else:
+                    name = _int_text(int.__int__(key)) if isinstance(key, int) else _well_formed(_safe_text(key))
                 sent = "sent as its text"
                 if name in taken:
                     name = _free_name(f"{name} ({type(key).__name__})", taken)
                     sent = f"its text is taken: sent as {name!r}"
                 _change(notes, f"{path}: key {_short(_safe_repr(key), 40)} is not a string", sent, "use string keys")
             taken.add(name)
-            out[name] = _jsonable(item, f"{path}.{name}", notes, depth + 1, active)
+            out[name] = _jsonable(item, f"{path}.{name}", notes, depth, active)
         return out
     except _Unsendable:
         raise
     except Exception as exc:  # noqa: BLE001
-        _change(notes, f"{_short(path)}: reading its {type(value).__name__} raised {type(exc).__name__}",
+        _change(notes, f"{_short(path)}: reading its {kind} raised {type(exc).__name__}",
                 "cut there", "send plain dicts and lists")
-        return f"[unreadable {type(value).__name__}]"
+        return f"[unreadable {kind}]"
     finally:
-        active.discard(id(value))
+        active.discard(ident)
 
 
 def _unsendable(value: Any, path: str) -> str | None:
@@ -1599,14 +1604,6 @@ def _int_text(number: int) -> str:  # str() without its digit limit (640 at the 
     return _int_text(high) + _int_text(low).zfill(half)
 
 
-def _key_text(key: Any) -> str:
-    if key is None or isinstance(key, (bool, float)):
-        return json.dumps(_jsonable(key, "key", []))
-    if isinstance(key, int):
-        return _int_text(int.__int__(key))
-    return _well_formed(_safe_text(key))
-
-
 def _safe_text(value: Any, method: Callable[[], Any] | None = None) -> str:
     try:
         return str(value if method is None else method())
@@ -1636,7 +1633,7 @@ def parse_proxy_hosts(text: str | None) -> Tuple[str, ...] | None:
     """The allow-list in ``text`` (``".pipelines.tech, 127.0.0.1:8080"``; §7.1 kit-proxy-host-allow-list)."""
     if text is None:
         return None
-    entries = tuple(_normal_host_entry(e.strip()) for e in text.split(",") if e.strip())
+    entries = tuple(map(_normal_host_entry, filter(None, map(str.strip, text.split(",")))))
     if not entries:
         raise ValueError(f"the proxy host allow-list is set but empty ({text!r}): name hosts or unset it")
     return entries
@@ -1747,7 +1744,7 @@ class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: 
 class _ReplyTooLarge(Exception):
     def __init__(self, status: int, cap: int, length: int | None = None):
         self.status = status
-        super().__init__(f"is {length} bytes, over the {cap}-byte cap" if length else f"exceeds the {cap}-byte cap")
+        super().__init__(f"{f'is {length} bytes, over' if length else 'exceeds'} the {cap}-byte cap")
 
 
 def _malformed(what: str, text: Any = "") -> ConnectionError:
@@ -1755,10 +1752,10 @@ def _malformed(what: str, text: Any = "") -> ConnectionError:
 
 
 class _ClientConnection:
-    __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
+    __slots__ = ("reader", "writer", "idle_since")
 
     def __init__(self, reader: Any, writer: Any):
-        self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
+        self.reader, self.writer, self.idle_since = reader, writer, 0.0
 
     @property
     def closed(self) -> bool:
@@ -1766,66 +1763,6 @@ class _ClientConnection:
 
     def close(self) -> None:
         self.writer.close()
-
-    # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
-    async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
-        reader, self.received = self.reader, False
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
-            self.received = True
-            lines = head.replace(b"\r\n ", b" ").replace(b"\r\n\t", b" ").split(b"\r\n")  # obs-fold: a space
-            version, _, rest = lines[0].partition(b" ")
-            if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit() or rest[:3] == b"101":
-                raise _malformed("status line", lines[0])
-            status = int(rest[:3])
-            if not 100 <= status < 200:
-                break
-        headers: List[Tuple[str, str]] = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name.strip():
-                raise _malformed("header line", line)
-            headers.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
-        lowered = _lower_headers(headers)
-        connection = {t.strip().lower() for t in lowered.get("connection", "").split(",")}
-        keep_alive = "close" not in connection if version == b"HTTP/1.1" else "keep-alive" in connection
-        coding = lowered.get("transfer-encoding")
-        body = bytearray()
-        if status in (204, 304):
-            pass
-        elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
-            while True:
-                line = (await reader.readuntil(b"\r\n"))[:-2]
-                size_text = line.split(b";", 1)[0].strip()
-                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
-                    raise _malformed("chunk size", line)
-                size = int(size_text, 16)
-                if len(body) + size > max_reply:
-                    raise _ReplyTooLarge(status, max_reply)
-                if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                        pass
-                    break
-                chunk = await reader.readexactly(size + 2)
-                if chunk[-2:] != b"\r\n":
-                    raise _malformed("chunk longer than its size")
-                body += chunk[:-2]
-        elif coding is None and "content-length" in lowered:
-            length = _content_length(lowered["content-length"])
-            if length is None or _repeated(lowered, "content-length", conflicting=True):
-                raise _malformed("Content-Length", lowered["content-length"])
-            if length > max_reply:
-                raise _ReplyTooLarge(status, max_reply, length)
-            body += await reader.readexactly(length)
-        else:  # the connection's end frames the body (RFC 9112 §6.3)
-            keep_alive = False
-            while chunk := await reader.read(1 << 16):
-                if len(body) + len(chunk) > max_reply:
-                    raise _ReplyTooLarge(status, max_reply)
-                body += chunk
-        if reader._buffer:  # bytes past the reply's end: nothing asked for them
-            keep_alive = False
-        return status, headers, bytes(body), keep_alive
 
 
 class _Pool:  # one loop's idle connections
@@ -1858,8 +1795,9 @@ class _Pool:  # one loop's idle connections
 
     def close(self) -> None:
         idle, self._idle = self._idle, {}
-        for conn in (c for conns in idle.values() for c in conns):
-            conn.close()
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
         if self._reaper is not None:
             self._reaper.cancel()
 
@@ -1872,10 +1810,10 @@ class _Pool:  # one loop's idle connections
                 await asyncio.sleep(self._idle_s / 2)
                 cutoff = self._loop.time() - self._idle_s
                 for conns in self._idle.values():
-                    for conn in conns:
+                    for conn in list(conns):
                         if conn.closed or conn.idle_since <= cutoff:
                             conn.close()
-                    conns[:] = [c for c in conns if not c.closed]
+                            conns.remove(conn)
         except asyncio.CancelledError:
             self.close()
             raise
@@ -1891,10 +1829,9 @@ class _Transport:  # every outbound call's I/O
         self._pools: weakref.WeakKeyDictionary[Any, _Pool] = weakref.WeakKeyDictionary()
 
     def _pool(self, loop: Any) -> _Pool:
-        pool = self._pools.get(loop)
-        if pool is None:  # made on its loop's thread: no race; idle 60 s at most (AWS ALB's)
-            pool = self._pools[loop] = _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0)
-        return pool
+        # made on its loop's thread: no race; idle 60 s at most (AWS ALB's)
+        return self._pools.get(loop) or self._pools.setdefault(
+            loop, _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0))
 
     def close(self) -> None:  # each pool on its loop's thread
         for loop, pool in list(self._pools.items()):
@@ -1937,25 +1874,79 @@ class _Transport:  # every outbound call's I/O
             raise _TransportFailure() from exc
         where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(10) else ""  # no query: keys
         if where:
-            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), _debug_headers(headers))
+            shown = ""  # secrets redacted; of the others only the key and actor
+            for name, value in headers.items():
+                if (lower := name.lower()) in _SECRET_HEADERS or lower in ("idempotency-key", "x-pipelines-actor-id"):
+                    shown += f", {name}: {_REDACTED if lower in _SECRET_HEADERS else value}"
+            _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), shown)
         pool = self._pool(loop)
         conn = pool.take(key)
-        reused = conn is not None
+        reused, received = conn is not None, False  # received: a drop before it is a stale connection
         task = cast(Any, asyncio.current_task())
         expired: List[bool] = []
-
-        def expire() -> None:
-            expired.append(True)
-            task.cancel()
-
-        timer = loop.call_at(started + timeout, expire)
+        timer = loop.call_at(started + timeout, lambda: expired.append(task.cancel()))
         try:
             if conn is None:
                 conn = await self._connect(scheme, host, port)
             conn.writer.write(request)
-            status, headers_, reply, keep_alive = await conn.reply(max_reply)
+            reader = conn.reader  # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
+                received = True
+                lines = head.replace("\r\n ", " ").replace("\r\n\t", " ").split("\r\n")  # obs-fold: a space
+                version, _, code = lines[0].partition(" ")
+                code = code[:3]
+                if not version.startswith("HTTP/1.") or len(code) < 3 or not code.isdecimal() or code == "101":
+                    raise _malformed("status line", lines[0])
+                status = int(code)
+                if not 100 <= status < 200:
+                    break
+            reply_headers: List[Tuple[str, str]] = []
+            for line in lines[1:]:
+                name, colon, value = line.partition(":")
+                if not colon or not name.strip():
+                    raise _malformed("header line", line)
+                reply_headers.append((name.strip(), value.strip()))
+            lowered = _lower_headers(reply_headers)
+            connection = set(map(str.strip, lowered.get("connection", "").lower().split(",")))
+            keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
+            coding = lowered.get("transfer-encoding")
+            reply = bytearray()
+            if status in (204, 304):
+                pass
+            elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
+                while True:
+                    size_line = (await reader.readuntil(b"\r\n"))[:-2]
+                    size_text = size_line.split(b";", 1)[0].strip()
+                    if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+                        raise _malformed("chunk size", size_line)
+                    size = int(size_text, 16)
+                    if len(reply) + size > max_reply:
+                        raise _ReplyTooLarge(status, max_reply)
+                    if size == 0:
+                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                            pass
+                        break
+                    chunk = await reader.readexactly(size + 2)
+                    if chunk[-2:] != b"\r\n":
+                        raise _malformed("chunk longer than its size")
+                    reply += chunk[:-2]
+            elif coding is None and "content-length" in lowered:
+                length = _content_length(lowered["content-length"])
+                if length is None or _repeated(lowered, "content-length", conflicting=True):
+                    raise _malformed("Content-Length", lowered["content-length"])
+                if length > max_reply:
+                    raise _ReplyTooLarge(status, max_reply, length)
+                reply += await reader.readexactly(length)
+            else:  # the connection's end frames the body (RFC 9112 §6.3)
+                keep_alive = False
+                while chunk := await reader.read(1 << 16):
+                    if len(reply) + len(chunk) > max_reply:
+                        raise _ReplyTooLarge(status, max_reply)
+                    reply += chunk
+            if reader._buffer:  # bytes past the reply's end: nothing asked for them
+                keep_alive = False
         except BaseException as exc:  # EOFError: IncompleteReadError
-            received = conn is not None and conn.received
             if conn is not None:  # what is left of the reply must not meet the next request
                 conn.writer.transport.abort()
             if isinstance(exc, asyncio.CancelledError) and expired and _uncancel(task) == 0:
@@ -1971,14 +1962,14 @@ class _Transport:  # every outbound call's I/O
             raise _TransportFailure(stale=reused and not received) from exc
         finally:
             timer.cancel()
-        if keep_alive and not conn.closed:
+        if keep_alive:  # give() closes a closed one
             pool.give(key, conn)
         else:
             conn.close()
         if where:
             _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                        (loop.time() - started) * 1000)
-        return status, headers_, reply
+        return status, reply_headers, bytes(reply)
 
     async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
         import asyncio
@@ -1993,11 +1984,6 @@ class _Transport:  # every outbound call's I/O
 
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
-
-
-def _debug_headers(headers: Mapping[str, str]) -> str:  # secrets redacted; of the others only the key and actor
-    return "".join(f", {k}: {_REDACTED if k.lower() in _SECRET_HEADERS else v}" for k, v in headers.items()
-                   if k.lower() in _SECRET_HEADERS or k.lower() in ("idempotency-key", HEADER_ACTOR_ID.lower()))
 
 
 def _uncancel(task: Any) -> int:  # before 3.11, 0: a cancel as the deadline fires counts as the timeout
@@ -2048,8 +2034,8 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             cause = failure.__cause__ or failure
             error = transport_error(cause)
             error.__cause__ = cause
-            final = isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
-            outcome = ProxyOutcome("error" if final else "transport", error=error, stale=failure.stale)
+            outcome = ProxyOutcome("error" if isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
+                                   else "transport", error=error, stale=failure.stale)
         step = state.step(outcome)
         if step.action == "return":
             return step.value
@@ -2068,8 +2054,8 @@ async def _awaited(value: Any) -> Any:  # the value, or an awaitable's result
 
 
 def _failed_before_reply(what: str, cause: BaseException) -> str:
-    reason = str(cause) or type(cause).__name__
-    return f"{what} failed before a reply arrived: {type(cause).__name__}: {_short(reason, 200)}"
+    kind = type(cause).__name__
+    return f"{what} failed before a reply arrived: {kind}: {_short(str(cause) or kind, 200)}"
 
 
 _Payload = Optional[Mapping[str, Any]]
@@ -2079,7 +2065,7 @@ _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 def _env_float(name: str, default: float) -> float:
     text = (os.environ.get(name) or "").strip()
     try:
-        value = float(text) if text else default
+        value = float(text or default)
     except ValueError:
         value = math.nan
     if not 0 <= value < math.inf:
@@ -2106,13 +2092,9 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         return slot - now
 
 
-class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over
+class _DispatchStats:  # a dispatch's proxy calls (counted under lock), for its log line; cancelled: the run is over
     def __init__(self) -> None:
-        self.proxy_calls, self.cancelled, self._lock = 0, False, threading.Lock()
-
-    def count(self) -> None:
-        with self._lock:
-            self.proxy_calls += 1
+        self.proxy_calls, self.cancelled, self.lock = 0, False, threading.Lock()
 
 
 _dispatch_stats: contextvars.ContextVar[_DispatchStats | None] = contextvars.ContextVar(
@@ -2208,21 +2190,21 @@ class ProxyClient:
         return None
 
     async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None, blocking: bool) -> Any:
-        name, pacer, stats = request.name, self._pacer, _dispatch_stats.get()
+        name, pacer, stats = request.name, self._pacer, _dispatch_stats.get() or _DispatchStats()
         seconds = self.timeout if timeout is None else float(timeout)
         exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
-        pause = cast(Callable[[float], Any], (lambda s: sleep(s) and None) if blocking else sleep)  # no loop to await
-        if stats is not None:
-            stats.count()
+        pause = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
+        with stats.lock:
+            stats.proxy_calls += 1
 
-        async def send() -> _Reply:
-            if stats is not None and stats.cancelled:  # before every attempt: no retry runs a tool late
+        async def send() -> Any:
+            if stats.cancelled:  # before every attempt: no retry runs a tool late
                 raise ProxyError(f"proxy call {name!r} refused: its dispatch overran its run_timeout_s", tool_name=name)
             if pacer is not None and (wait := pacer.reserve(envelope.run_token)) > 0:
                 await _awaited(pause(wait))
-            return cast(_Reply, await _awaited(exchange(request.url, "POST", request.path, request.headers,
-                                                        request.body, seconds, MAX_REPLY_BYTES)))
+            return await _awaited(exchange(request.url, "POST", request.path, request.headers, request.body, seconds,
+                                           MAX_REPLY_BYTES))
 
         try:
             return await _aretry_loop(
@@ -2278,8 +2260,8 @@ def proxy_call(name: str, args: _Payload = None, *, envelope: Envelope | None = 
 
 async def aproxy_call(name: str, args: _Payload = None, **options: Any) -> Any:
     """:func:`proxy_call` on the running loop, with its options."""
-    client, envelope = options.pop("client", None), options.pop("envelope", None)
-    return await (client or _default_client()).acall(envelope or current_envelope(), name, args, **options)
+    return await (options.pop("client", None) or _default_client()).acall(
+        options.pop("envelope", None) or current_envelope(), name, args, **options)
 
 
 class Actor:
@@ -2339,8 +2321,8 @@ def post_trace(event_type: str, payload: _Payload = None, *, envelope: Envelope 
 
 async def apost_trace(event_type: str, payload: _Payload = None, **options: Any) -> _Accepted:
     """:func:`post_trace` on the running loop, with its options."""
-    client = options.pop("client", None)
-    return await (client or _default_client()).atrace(options.pop("envelope", None), event_type, payload, **options)
+    return await (options.pop("client", None) or _default_client()).atrace(options.pop("envelope", None), event_type,
+                                                                              payload, **options)
 
 
 def post_handoff(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
