@@ -2393,17 +2393,16 @@ class _AgentRaised(Exception):  # the agent's own, not a signal's
 
 
 def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | None], Any]) -> threading.Thread:
-    context = contextvars.copy_context()
-
     def target() -> None:
         try:
-            outcome: Tuple[Any, BaseException | None] = (context.run(fn), None)
+            outcome: Tuple[Any, BaseException | None] = (fn(), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
         with contextlib.suppress(RuntimeError):  # loop closed
             done(*outcome)
 
-    thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(target,), name="pipelines-agent",
+                              daemon=True)
     thread.start()
     return thread
 
@@ -2424,18 +2423,18 @@ class _RedactedError(Exception):
 
 # exc's chain with no secret showing: each link cleaned, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
-    wanted = [s for s in secrets if s]
-    seen: Dict[int, BaseException | None] = {}
+    wanted = list(filter(None, secrets))
+    seen: Dict[int, BaseException | None] = {id(None): None}
 
     def clean(error: BaseException | None) -> BaseException | None:
-        if error is None or not wanted or id(error) in seen:
+        if not wanted or id(error) in seen:
             return seen.get(id(error), error)
         seen[id(error)] = error
         fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
         for name in (*vars(error), "args", *fields):
             with contextlib.suppress(Exception):
                 value = getattr(error, name)
-                setattr(error, name, tuple(redact(v, *wanted) for v in value) if type(value) is tuple else
+                setattr(error, name, tuple(redact(list(value), *wanted)) if type(value) is tuple else
                         redact(value, *wanted))
         for member in getattr(error, "exceptions", None) or ():
             if isinstance(member, BaseException):
@@ -2446,7 +2445,7 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
             shown = f"{message}\n{error!r}"
         except Exception:  # noqa: BLE001
             message = shown = ""
-        if not any(secret in shown for secret in wanted):
+        if redact(shown, *wanted) == shown:
             return error
         name = type(error).__name__
         stand_in = _RedactedError(f"{name}: {redact(message, *wanted)}" if message else name)
@@ -2458,14 +2457,16 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
     return clean(exc)
 
 
-def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
-    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
-        result = fn(*args)
-        if hasattr(result, "__await__"):
-            import asyncio
+def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:  # in a copied context
+    if envelope is not None:
+        _check_envelope(envelope)
+        _current.set(envelope)
+    result = fn(*args)
+    if hasattr(result, "__await__"):
+        import asyncio
 
-            result = asyncio.run(_awaited(result))
-        return result
+        result = asyncio.run(_awaited(result))
+    return result
 
 
 # agent(envelope) as a task or on a fresh thread: its result, _AgentRaised or _Overran
@@ -2579,16 +2580,17 @@ class DispatchApp:
             expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
             decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
             envelope, what = decision.envelope, decision.what
-            if decision.action == "run":
-                reply = await self.arun_agent(cast(Envelope, envelope), stats)
-            elif decision.action == "probe":
-                reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
+            if envelope:
+                reply = await self.arun_agent(envelope, stats)
+            elif decision.proxy_url:
+                reply = await self.aconnectivity_check(decision.proxy_url)
             else:
                 reply = cast(HttpReply, decision.reply)
             level = 10 if what in ("health", "ping") and reply.status < 400 else 20  # logging.DEBUG, logging.INFO
             if _access_log.isEnabledFor(level):
-                ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
-                       [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
+                ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope else
+                       (_header(headers, HEADER_RUN_ID), _header(headers, HEADER_TASK_ID),
+                        _header(headers, HEADER_RUN_TOKEN_JTI)))
                 if what != "dispatch" and reply.status >= 400:
                     what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
                 _access_log.log(
@@ -2655,9 +2657,8 @@ class DispatchApp:
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
-        pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
-        pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
-        headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
+        headers = _lower_headers([(k.removeprefix("HTTP_").replace("_", "-"), v) for k, v in environ.items()
+                                  if k.startswith("HTTP_") or v and k in ("CONTENT_TYPE", "CONTENT_LENGTH")])
         length = request_body_length(headers, self.max_body)
         body, need = bytearray(), length or 0
         while len(body) < need and (chunk := environ["wsgi.input"].read(min(need - len(body), 1 << 16))):
@@ -2670,15 +2671,16 @@ class DispatchApp:
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         """The ASGI3 application (HTTP and lifespan)."""
         if scope["type"] == "lifespan":
-            while (kind := (await receive())["type"]) != "lifespan.shutdown":
+            while True:
+                kind = (await receive())["type"]
                 await send({"type": kind + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+                if kind == "lifespan.shutdown":
+                    return
         if scope["type"] != "http":
             raise ValueError(f"unsupported ASGI scope type {scope['type']!r}")
         headers = _lower_headers(scope.get("headers", []))
         length = request_body_length(headers, self.max_body)
-        body, more = bytearray(), length is not None
+        body, more = bytearray(), True
         while more and len(body) < (length or 0):
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -2903,8 +2905,8 @@ class _ServerConnection:
         self.timer = None
         if self.deadline is None:
             return
-        if self.deadline > self.server.loop.time():
-            return self._arm(self.deadline - self.server.loop.time())
+        if (left := self.deadline - self.server.loop.time()) > 0:
+            return self._arm(left)
         if not (self.buffer or self.head):
             return self.cut()
         self._send(error_reply(RequestTimeoutError(
