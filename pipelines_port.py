@@ -2392,14 +2392,14 @@ class _AgentRaised(Exception):  # the agent's own, not a signal's
         self.error = error
 
 
-def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | None], Any]) -> threading.Thread:
+def _start_thread(fn: Callable[[], Any], done: Callable[[Tuple[Any, BaseException | None]], Any]) -> threading.Thread:
     def target() -> None:
         try:
             outcome: Tuple[Any, BaseException | None] = (fn(), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
         with contextlib.suppress(RuntimeError):  # loop closed
-            done(*outcome)
+            done(outcome)
 
     thread = threading.Thread(target=contextvars.copy_context().run, args=(target,), name="pipelines-agent",
                               daemon=True)
@@ -2408,13 +2408,14 @@ def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | No
 
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
-    outcome: List[Any] = []
-    _start_thread(fn, lambda *pair: outcome.extend(pair)).join(timeout_s)
+    outcome: List[Tuple[Any, BaseException | None]] = []
+    _start_thread(fn, outcome.append).join(timeout_s)
     if not outcome:
         raise _Overran(timeout_s)
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return result
 
 
 class _RedactedError(Exception):
@@ -2430,8 +2431,7 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
         if not wanted or id(error) in seen:
             return seen.get(id(error), error)
         seen[id(error)] = error
-        fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*vars(error), "args", *fields):
+        for name in (*vars(error), "args", "strerror", "filename", "filename2"):  # the last three: OSError's
             with contextlib.suppress(Exception):
                 value = getattr(error, name)
                 setattr(error, name, tuple(redact(list(value), *wanted)) if type(value) is tuple else
@@ -2477,17 +2477,17 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     waiter = loop.create_future()
     task: Any = None
 
-    def settle(result: Any, error: BaseException | None) -> None:
+    def settle(outcome: Tuple[Any, BaseException | None]) -> None:
         if not waiter.done():
-            waiter.set_result(result) if error is None else waiter.set_exception(error)
+            waiter.set_result(outcome[0]) if outcome[1] is None else waiter.set_exception(outcome[1])
 
     if is_async:
         async def run() -> None:
             _current.set(envelope)
             try:
-                settle(await agent(envelope), None)
+                settle((await agent(envelope), None))
             except BaseException as exc:  # noqa: BLE001 - §7.3 kit-base-exception-500
-                settle(None, _AgentRaised(exc))
+                settle((None, _AgentRaised(exc)))
 
         task = loop.create_task(run())
     else:
@@ -2495,8 +2495,8 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _server_loop.set(loop)
             return _call_agent(envelope, agent, envelope)
 
-        _start_thread(run_sync, lambda *pair: loop.call_soon_threadsafe(settle, *pair))
-    timer = loop.call_later(timeout_s, settle, None, _Overran(timeout_s))
+        _start_thread(run_sync, functools.partial(loop.call_soon_threadsafe, settle))
+    timer = loop.call_later(timeout_s, settle, (None, _Overran(timeout_s)))
     try:
         return await waiter
     finally:
@@ -2577,7 +2577,7 @@ class DispatchApp:
         started, stats = time.monotonic(), _DispatchStats()
         try:
             headers = _lower_headers(headers)
-            expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
+            expected = None if self.no_auth else (self.secrets(None)[1] or "").strip()
             decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
             envelope, what = decision.envelope, decision.what
             if envelope:
@@ -2837,13 +2837,12 @@ class _ServerConnection:
                             MAX_REQUEST_HEAD_BYTES if line_ended else MAX_REQUEST_LINE_BYTES):
                         return
                     end = len(buffer)  # a bare LF or past a limit: refused now
-                raw = bytes(buffer[:end])
-                del buffer[:end + 4]
                 try:
-                    self.head = head = parse_request_head(raw)
+                    self.head = head = parse_request_head(bytes(buffer[:end]))
                 except PipelinesError as exc:
                     _log.info("refused a request from %s: %s", self.transport.get_extra_info("peername"), exc)
                     return self._send(error_reply(exc), True)
+                del buffer[:end + 4]
                 self.headers = _lower_headers(head.headers)
                 self.length = request_body_length(self.headers, server.app.max_body)
                 if (self.length and len(buffer) < self.length
@@ -2865,9 +2864,7 @@ class _ServerConnection:
     async def _run(self, head: RequestHead, body: bytes | None) -> None:
         server = self.server
         try:
-            reply = await server._answer(self, head, body)
-        except Exception as exc:  # noqa: BLE001
-            reply = _fallback_reply(exc)
+            reply = await server._answer(self, head, body)  # ahandle answers every Exception
         except BaseException:  # cancelled
             if not server.cutting:
                 raise
@@ -3015,7 +3012,7 @@ class AsyncDispatchServer:
 
         self.draining = True
         self._listener.close()
-        for conn in list(self.connections):
+        for conn in self.connections:  # each closed later, by the loop
             conn.cut()
         pending = (await asyncio.wait(self.tasks, timeout=grace_s))[1] if self.tasks else set()
         if pending:
@@ -3024,7 +3021,7 @@ class AsyncDispatchServer:
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending, timeout=5)
-        for conn in list(self.connections):
+        for conn in self.connections:
             conn.transport.close()
         self._stop.set()
         return not self.cutting
