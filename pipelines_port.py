@@ -2543,10 +2543,12 @@ class DispatchApp:
         self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
         if self.tools_schema:
             convert_tools(self.tools_schema, "platform")  # checked; served as given
-        source = "proxy_hosts" if proxy_hosts is not None else ENV_PROXY_ALLOWED_HOSTS
-        hosts = os.environ.get(source) if proxy_hosts is None else proxy_hosts
+        if proxy_hosts is None:
+            source, hosts = ENV_PROXY_ALLOWED_HOSTS, os.environ.get(ENV_PROXY_ALLOWED_HOSTS)
+        else:
+            source, hosts = "proxy_hosts", proxy_hosts if isinstance(proxy_hosts, str) else ",".join(proxy_hosts)
         try:
-            allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
+            allowed = parse_proxy_hosts(hosts)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
         self.path, self.auth_header, self.max_body = path.rstrip("/") or "/", auth_header, int(max_body)
@@ -2599,7 +2601,10 @@ class DispatchApp:
                     "" if what == "dispatch" else f" ({what})")
             return reply
         except Exception as exc:  # noqa: BLE001
-            return _fallback_reply(exc)
+            _log.error("building the reply failed", exc_info=exc)
+            name = type(exc).__name__.encode("ascii", "replace")  # json itself may be what failed
+            body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
+            return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """The reply to a connectivity check (§2 step 4, §3.7, kit-proxy-host-allow-list)."""
@@ -2657,6 +2662,8 @@ class DispatchApp:
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
+        from http import HTTPStatus
+
         headers = _lower_headers([(k.removeprefix("HTTP_").replace("_", "-"), v) for k, v in environ.items()
                                   if k.startswith("HTTP_") or v and k in ("CONTENT_TYPE", "CONTENT_LENGTH")])
         length = request_body_length(headers, self.max_body)
@@ -2665,7 +2672,7 @@ class DispatchApp:
             body += chunk
         reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
                             None if length is None else bytes(body))
-        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)  # PEP 3333: no Connection header
+        start_response(f"{reply.status} {HTTPStatus(reply.status).phrase}", reply.headers)  # PEP 3333: no Connection
         return [reply.body]
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -2712,7 +2719,7 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
 
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """:func:`probe_proxy` on the running loop."""
-    started, status = time.monotonic(), None
+    started = time.monotonic()
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
@@ -2748,24 +2755,12 @@ SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost 25 % of the CPU in a fan-out
 
 
 @functools.lru_cache(maxsize=64)
-def _reason(status: int) -> str:
+def _reply_head(status: int, second: int) -> str:  # the status line, Server and Date
     from http import HTTPStatus
-
-    return HTTPStatus(status).phrase
-
-
-@functools.lru_cache(maxsize=4)
-def _server_and_date(second: int) -> str:
     from wsgiref.handlers import format_date_time
 
-    return f"Server: pipelines-port/{__version__}\r\nDate: {format_date_time(second)}\r\n"
-
-
-def _fallback_reply(exc: BaseException) -> HttpReply:
-    _log.error("building the reply failed", exc_info=exc)
-    name = type(exc).__name__.encode("ascii", "replace")  # json itself may be what failed
-    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
-    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nServer: pipelines-port/{__version__}\r\n"
+            f"Date: {format_date_time(second)}")
 
 # ----------------------------------------
 # The built-in server: HTTP/1.1 on one asyncio loop, or a thread per connection
@@ -2881,10 +2876,9 @@ class _ServerConnection:
         if self.closing:
             return
         http10 = request is not None and request.version == "HTTP/1.0"
-        head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
-                        *[f"{name}: {value}\r\n" for name, value in reply.headers],
-                        "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
-                        else "\r\n"]).encode("latin-1")
+        head = "\r\n".join([_reply_head(reply.status, int(time.time())), *map(": ".join, reply.headers),
+                          "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
+                          else "\r\n"]).encode("latin-1")
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
             self.cut()
