@@ -2698,7 +2698,7 @@ class DispatchApp:
                                    None if length is None else bytes(body))
         # kit-strict-request-head
         close = length is None or 400 <= reply.status < 500 or reply.status == 503
-        sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
+        sent = reply.headers + [("Connection", "close")] * close
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
         await send({"type": "http.response.body", "body": reply.body})
@@ -2849,7 +2849,7 @@ class _ServerConnection:
             body = None if self.length is None else bytes(buffer[:need])
             del buffer[:need]
             head, self.head = self.head, None
-            self._arm(None)
+            self.deadline = None
             if server.draining:
                 self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")), True)
             else:
@@ -2885,12 +2885,12 @@ class _ServerConnection:
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
-    def _arm(self, seconds: float | None) -> None:
+    def _arm(self, seconds: float) -> None:
         server = self.server
-        self.deadline = None if seconds is None else server.loop.time() + seconds
-        if self.timer is None and seconds is not None:
-            wait = min(seconds, server.read_timeout_s, server.keepalive_s)
-            self.timer = server.loop.call_later(wait, self._timed_out)
+        self.deadline = server.loop.time() + seconds
+        if self.timer is None:
+            self.timer = server.loop.call_later(min(seconds, server.read_timeout_s, server.keepalive_s),
+                                                self._timed_out)
 
     def _timed_out(self) -> None:
         self.timer = None
@@ -2977,7 +2977,7 @@ class AsyncDispatchServer:
             if self.draining:  # close() came first
                 return
             self._listener = await self.loop.create_server(
-                lambda: _ServerConnection(self), sock=self.socket, backlog=self._backlog)
+                functools.partial(_ServerConnection, self), sock=self.socket, backlog=self._backlog)
         await self._stop.wait()
 
     def close(self, grace_s: float = 5.0) -> bool:
@@ -3074,9 +3074,9 @@ def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "
     """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`."""
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
-    if isinstance(agent, DispatchApp) and options:
-        raise TypeError(f"options {sorted(options)} need an agent, not a DispatchApp")
     app = agent if isinstance(agent, DispatchApp) else DispatchApp(agent, **options)
+    if app is agent and options:
+        raise TypeError(f"options {sorted(options)} need an agent, not a DispatchApp")
     if app.no_auth:
         _log.warning("auth is DISABLED: anyone can dispatch")
     return (AsyncDispatchServer if server == "asyncio" else _ThreadsServer)(
