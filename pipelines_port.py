@@ -2457,11 +2457,11 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
     return clean(exc)
 
 
-def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:  # in a copied context
-    if envelope is not None:
+def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:  # in a copy
+    if envelope is not None:  # of the caller's context
         _check_envelope(envelope)
         _current.set(envelope)
-    result = fn(*args)
+    result = fn(*args, **kwargs)
     if hasattr(result, "__await__"):
         import asyncio
 
@@ -2823,8 +2823,7 @@ class _ServerConnection:
                     del buffer[:2]
                 if not buffer:
                     return
-                if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)
+                self._arm(server.read_timeout_s)
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
@@ -2887,7 +2886,9 @@ class _ServerConnection:
 
     def _arm(self, seconds: float) -> None:
         server = self.server
-        self.deadline = server.loop.time() + seconds
+        due = server.loop.time() + seconds
+        if self.deadline is None or self.deadline > due:  # only sooner: a trickled head gets no more time
+            self.deadline = due
         if self.timer is None:
             self.timer = server.loop.call_later(min(seconds, server.read_timeout_s, server.keepalive_s),
                                                 self._timed_out)
@@ -2941,8 +2942,8 @@ class AsyncDispatchServer:
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                           backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
         self._backlog, self._lock = backlog, threading.Lock()
 
@@ -3023,6 +3024,8 @@ class AsyncDispatchServer:
 
 class _ThreadsServer(AsyncDispatchServer):
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: bytes | None) -> HttpReply:
+        import asyncio
+
         if conn.jobs is None:
             import queue
 
@@ -3030,9 +3033,9 @@ class _ThreadsServer(AsyncDispatchServer):
             threading.Thread(target=_work, args=(conn.jobs,), daemon=True).start()
         future, headers = self.loop.create_future(), conn.headers
         conn.jobs.put(lambda: self.loop.call_soon_threadsafe(
-            _resolve, future, self.app.handle(head.method, head.target, headers, body)))
+            future.set_result, self.app.handle(head.method, head.target, headers, body)))
         try:
-            return cast(HttpReply, await future)
+            return cast(HttpReply, await asyncio.shield(future))  # shielded: never cancelled, so settable
         except BaseException:  # cut by a drain: the thread runs on
             run_id = _header(headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
@@ -3045,11 +3048,6 @@ def _work(jobs: Any) -> None:
     for job in iter(jobs.get, None):
         with contextlib.suppress(RuntimeError):  # loop closed
             job()
-
-
-def _resolve(future: Any, result: Any) -> None:
-    if not future.done():  # cancelled meanwhile
-        future.set_result(result)
 
 # ----------------------------------------
 # Starting a server: make_server, start_server, serve (signals, the drain)
@@ -3129,7 +3127,7 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope |
     """``fn(*args, **kwargs)`` on a new thread with ``envelope`` bound, its run token kept out of errors."""
     envelope = envelope or _current.get()
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, envelope, functools.partial(fn, *args, **kwargs)))
+        return _on_fresh_thread(functools.partial(_call_agent, envelope, fn, *args, **kwargs))
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
@@ -3171,8 +3169,8 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
         else:
             try:
                 body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
-                encoded = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-                return _without_run_token(body, envelope, encoded)
+                return _without_run_token(body, envelope,
+                                          json.dumps(body, ensure_ascii=False, allow_nan=False).encode())
             except ResponseError as exc:
                 raise ResponseError(redact(exc.problems, token)) from None
             except Exception as exc:  # noqa: BLE001
