@@ -2425,10 +2425,10 @@ class _RedactedError(Exception):
 # exc's chain with no secret showing: each link cleaned, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
     wanted = list(filter(None, secrets))
-    seen: Dict[int, BaseException | None] = {id(None): None}
+    seen: Dict[int, BaseException | None] = {}
 
     def clean(error: BaseException | None) -> BaseException | None:
-        if not wanted or id(error) in seen:
+        if error is None or not wanted or id(error) in seen:
             return seen.get(id(error), error)
         seen[id(error)] = error
         for name in (*vars(error), "args", "strerror", "filename", "filename2"):  # the last three: OSError's
@@ -2495,7 +2495,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _server_loop.set(loop)
             return _call_agent(envelope, agent, envelope)
 
-        _start_thread(run_sync, functools.partial(loop.call_soon_threadsafe, settle))
+        _start_thread(run_sync, lambda outcome: loop.call_soon_threadsafe(settle, outcome))
     timer = loop.call_later(timeout_s, settle, (None, _Overran(timeout_s)))
     try:
         return await waiter
@@ -2665,7 +2665,7 @@ class DispatchApp:
         from http import HTTPStatus
 
         headers = _lower_headers([(k.removeprefix("HTTP_").replace("_", "-"), v) for k, v in environ.items()
-                                  if k.startswith("HTTP_") or v and k in ("CONTENT_TYPE", "CONTENT_LENGTH")])
+                                  if k.startswith("HTTP_") or (v and k in ("CONTENT_TYPE", "CONTENT_LENGTH"))])
         length = request_body_length(headers, self.max_body)
         body, need = bytearray(), length or 0
         while len(body) < need and (chunk := environ["wsgi.input"].read(min(need - len(body), 1 << 16))):
@@ -2719,7 +2719,7 @@ def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
 
 async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
     """:func:`probe_proxy` on the running loop."""
-    started = time.monotonic()
+    started, status = time.monotonic(), None
     try:
         request = proxy_request(validate_proxy_url(proxy_url, "the probe"), "fake-token", "tools",
                                 "__reachability_probe__", b"{}")
