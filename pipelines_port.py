@@ -2457,16 +2457,14 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
     return clean(exc)
 
 
-def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:  # in a copy
-    if envelope is not None:  # of the caller's context
-        _check_envelope(envelope)
-        _current.set(envelope)
-    result = fn(*args, **kwargs)
-    if hasattr(result, "__await__"):
-        import asyncio
+def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
+        result = fn(*args, **kwargs)
+        if hasattr(result, "__await__"):
+            import asyncio
 
-        result = asyncio.run(_awaited(result))
-    return result
+            result = asyncio.run(_awaited(result))
+        return result
 
 
 # agent(envelope) as a task or on a fresh thread: its result, _AgentRaised or _Overran
@@ -2579,7 +2577,7 @@ class DispatchApp:
         started, stats = time.monotonic(), _DispatchStats()
         try:
             headers = _lower_headers(headers)
-            expected = None if self.no_auth else (self.secrets(None)[1] or "").strip()
+            expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
             decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
             envelope, what = decision.envelope, decision.what
             if envelope:
