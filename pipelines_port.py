@@ -2385,30 +2385,30 @@ class _AgentRaised(Exception):  # the agent's own, not a signal's
         self.error = error
 
 
-def _start_thread(fn: Callable[[], Any], done: Callable[[Any, BaseException | None], Any]) -> threading.Thread:
-    context = contextvars.copy_context()
-
+def _start_thread(fn: Callable[[], Any], done: Callable[[Tuple[Any, BaseException | None]], Any]) -> threading.Thread:
     def target() -> None:
         try:
-            outcome: Tuple[Any, BaseException | None] = (context.run(fn), None)
+            outcome: Tuple[Any, BaseException | None] = (fn(), None)
         except BaseException as exc:  # noqa: BLE001
             outcome = (None, _AgentRaised(exc))
         with contextlib.suppress(RuntimeError):  # loop closed
-            done(*outcome)
+            done(outcome)
 
-    thread = threading.Thread(target=target, name="pipelines-agent", daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(target,), name="pipelines-agent",
+                              daemon=True)
     thread.start()
     return thread
 
 
 def _on_fresh_thread(fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
-    outcome: List[Any] = []
-    _start_thread(fn, lambda *pair: outcome.extend(pair)).join(timeout_s)
+    outcome: List[Tuple[Any, BaseException | None]] = []
+    _start_thread(fn, outcome.append).join(timeout_s)
     if not outcome:
         raise _Overran(timeout_s)
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return result
 
 
 class _RedactedError(Exception):
@@ -2417,18 +2417,17 @@ class _RedactedError(Exception):
 
 # exc's chain with no secret showing: each link cleaned, or replaced by a _RedactedError
 def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> BaseException | None:
-    wanted = [s for s in secrets if s]
+    wanted = list(filter(None, secrets))
     seen: Dict[int, BaseException | None] = {}
 
     def clean(error: BaseException | None) -> BaseException | None:
         if error is None or not wanted or id(error) in seen:
             return seen.get(id(error), error)
         seen[id(error)] = error
-        fields = ("strerror", "filename", "filename2") if isinstance(error, OSError) else ()
-        for name in (*vars(error), "args", *fields):
+        for name in (*vars(error), "args", "strerror", "filename", "filename2"):  # the last three: OSError's
             with contextlib.suppress(Exception):
                 value = getattr(error, name)
-                setattr(error, name, tuple(redact(v, *wanted) for v in value) if type(value) is tuple else
+                setattr(error, name, tuple(redact(list(value), *wanted)) if type(value) is tuple else
                         redact(value, *wanted))
         for member in getattr(error, "exceptions", None) or ():
             if isinstance(member, BaseException):
@@ -2439,7 +2438,7 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
             shown = f"{message}\n{error!r}"
         except Exception:  # noqa: BLE001
             message = shown = ""
-        if not any(secret in shown for secret in wanted):
+        if redact(shown, *wanted) == shown:
             return error
         name = type(error).__name__
         stand_in = _RedactedError(f"{name}: {redact(message, *wanted)}" if message else name)
@@ -2451,9 +2450,9 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
     return clean(exc)
 
 
-def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], *args: Any) -> Any:
+def _call_agent(envelope: Envelope | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     with bind_envelope(envelope) if envelope is not None else contextlib.nullcontext():
-        result = fn(*args)
+        result = fn(*args, **kwargs)
         if hasattr(result, "__await__"):
             import asyncio
 
@@ -2469,17 +2468,17 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
     waiter = loop.create_future()
     task: Any = None
 
-    def settle(result: Any, error: BaseException | None) -> None:
+    def settle(outcome: Tuple[Any, BaseException | None]) -> None:
         if not waiter.done():
-            waiter.set_result(result) if error is None else waiter.set_exception(error)
+            waiter.set_result(outcome[0]) if outcome[1] is None else waiter.set_exception(outcome[1])
 
     if is_async:
         async def run() -> None:
             _current.set(envelope)
             try:
-                settle(await agent(envelope), None)
+                settle((await agent(envelope), None))
             except BaseException as exc:  # noqa: BLE001 - §7.3 kit-base-exception-500
-                settle(None, _AgentRaised(exc))
+                settle((None, _AgentRaised(exc)))
 
         task = loop.create_task(run())
     else:
@@ -2487,8 +2486,8 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             _server_loop.set(loop)
             return _call_agent(envelope, agent, envelope)
 
-        _start_thread(run_sync, lambda *pair: loop.call_soon_threadsafe(settle, *pair))
-    timer = loop.call_later(timeout_s, settle, None, _Overran(timeout_s))
+        _start_thread(run_sync, lambda outcome: loop.call_soon_threadsafe(settle, outcome))
+    timer = loop.call_later(timeout_s, settle, (None, _Overran(timeout_s)))
     try:
         return await waiter
     finally:
@@ -2535,10 +2534,12 @@ class DispatchApp:
         self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
         if self.tools_schema:
             convert_tools(self.tools_schema, "platform")  # checked; served as given
-        source = "proxy_hosts" if proxy_hosts is not None else ENV_PROXY_ALLOWED_HOSTS
-        hosts = os.environ.get(source) if proxy_hosts is None else proxy_hosts
+        if proxy_hosts is None:
+            source, hosts = ENV_PROXY_ALLOWED_HOSTS, os.environ.get(ENV_PROXY_ALLOWED_HOSTS)
+        else:
+            source, hosts = "proxy_hosts", proxy_hosts if isinstance(proxy_hosts, str) else ",".join(proxy_hosts)
         try:
-            allowed = parse_proxy_hosts(hosts if hosts is None or isinstance(hosts, str) else ",".join(hosts))
+            allowed = parse_proxy_hosts(hosts)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
         self.path, self.auth_header, self.max_body = path.rstrip("/") or "/", auth_header, int(max_body)
@@ -2572,16 +2573,17 @@ class DispatchApp:
             expected = None if self.no_auth else (self.token or os.environ.get(self.token_env or "") or "").strip()
             decision = decide(self.endpoint, method, target, headers, body, expected_token=expected)
             envelope, what = decision.envelope, decision.what
-            if decision.action == "run":
-                reply = await self.arun_agent(cast(Envelope, envelope), stats)
-            elif decision.action == "probe":
-                reply = await self.aconnectivity_check(cast(str, decision.proxy_url))
+            if envelope:
+                reply = await self.arun_agent(envelope, stats)
+            elif decision.proxy_url:
+                reply = await self.aconnectivity_check(decision.proxy_url)
             else:
                 reply = cast(HttpReply, decision.reply)
             level = 10 if what in ("health", "ping") and reply.status < 400 else 20  # logging.DEBUG, logging.INFO
             if _access_log.isEnabledFor(level):
-                ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope is not None else
-                       [_header(headers, name) for name in (HEADER_RUN_ID, HEADER_TASK_ID, HEADER_RUN_TOKEN_JTI)])
+                ids = ((envelope.run_id, envelope.task_id, envelope.run_token_jti) if envelope else
+                       (_header(headers, HEADER_RUN_ID), _header(headers, HEADER_TASK_ID),
+                        _header(headers, HEADER_RUN_TOKEN_JTI)))
                 if what != "dispatch" and reply.status >= 400:
                     what = "rejected: " + str(json.loads(reply.body).get("detail", ""))[:200]
                 _access_log.log(
@@ -2590,7 +2592,10 @@ class DispatchApp:
                     "" if what == "dispatch" else f" ({what})")
             return reply
         except Exception as exc:  # noqa: BLE001
-            return _fallback_reply(exc)
+            _log.error("building the reply failed", exc_info=exc)
+            name = type(exc).__name__.encode("ascii", "replace")  # json itself may be what failed
+            body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
+            return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
 
     async def aconnectivity_check(self, proxy_url: str) -> HttpReply:
         """The reply to a connectivity check (§2 step 4, §3.7, kit-proxy-host-allow-list)."""
@@ -2648,30 +2653,32 @@ class DispatchApp:
 
     def wsgi(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
         """The WSGI application (PEP 3333)."""
-        pairs = [(k[5:], v) for k, v in environ.items() if k.startswith("HTTP_")]
-        pairs += [(k, environ[k]) for k in ("CONTENT_TYPE", "CONTENT_LENGTH") if environ.get(k)]
-        headers = _lower_headers([(k.replace("_", "-"), v) for k, v in pairs])
+        from http import HTTPStatus
+
+        headers = _lower_headers([(k.removeprefix("HTTP_").replace("_", "-"), v) for k, v in environ.items()
+                                  if k.startswith("HTTP_") or (v and k in ("CONTENT_TYPE", "CONTENT_LENGTH"))])
         length = request_body_length(headers, self.max_body)
         body, need = bytearray(), length or 0
         while len(body) < need and (chunk := environ["wsgi.input"].read(min(need - len(body), 1 << 16))):
             body += chunk
         reply = self.handle(environ["REQUEST_METHOD"], environ.get("PATH_INFO") or "/", headers,
                             None if length is None else bytes(body))
-        start_response(f"{reply.status} {_reason(reply.status)}", reply.headers)  # PEP 3333: no Connection header
+        start_response(f"{reply.status} {HTTPStatus(reply.status).phrase}", reply.headers)  # PEP 3333: no Connection
         return [reply.body]
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         """The ASGI3 application (HTTP and lifespan)."""
         if scope["type"] == "lifespan":
-            while (kind := (await receive())["type"]) != "lifespan.shutdown":
+            while True:
+                kind = (await receive())["type"]
                 await send({"type": kind + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+                if kind == "lifespan.shutdown":
+                    return
         if scope["type"] != "http":
             raise ValueError(f"unsupported ASGI scope type {scope['type']!r}")
         headers = _lower_headers(scope.get("headers", []))
         length = request_body_length(headers, self.max_body)
-        body, more = bytearray(), length is not None
+        body, more = bytearray(), True
         while more and len(body) < (length or 0):
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -2682,7 +2689,7 @@ class DispatchApp:
                                    None if length is None else bytes(body))
         # kit-strict-request-head
         close = length is None or 400 <= reply.status < 500 or reply.status == 503
-        sent = [*reply.headers, ("Connection", "close")] if close else reply.headers
+        sent = reply.headers + [("Connection", "close")] * close
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent]})
         await send({"type": "http.response.body", "body": reply.body})
@@ -2739,24 +2746,12 @@ SERVE_GC_THRESHOLD = 50_000  # CPython's 700 cost 25 % of the CPU in a fan-out
 
 
 @functools.lru_cache(maxsize=64)
-def _reason(status: int) -> str:
+def _reply_head(status: int, second: int) -> str:  # the status line, Server and Date
     from http import HTTPStatus
-
-    return HTTPStatus(status).phrase
-
-
-@functools.lru_cache(maxsize=4)
-def _server_and_date(second: int) -> str:
     from wsgiref.handlers import format_date_time
 
-    return f"Server: pipelines-port/{__version__}\r\nDate: {format_date_time(second)}\r\n"
-
-
-def _fallback_reply(exc: BaseException) -> HttpReply:
-    _log.error("building the reply failed", exc_info=exc)
-    name = type(exc).__name__.encode("ascii", "replace")  # json itself may be what failed
-    body = b'{"detail":"internal error while building the reply: ' + name + b'"}'
-    return HttpReply(500, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nServer: pipelines-port/{__version__}\r\n"
+            f"Date: {format_date_time(second)}")
 
 # ----------------------------------------
 # The built-in server: HTTP/1.1 on one asyncio loop, or a thread per connection
@@ -2819,8 +2814,7 @@ class _ServerConnection:
                     del buffer[:2]
                 if not buffer:
                     return
-                if self.deadline is None or self.deadline > server.loop.time() + server.read_timeout_s:
-                    self._arm(server.read_timeout_s)
+                self._arm(server.read_timeout_s)
                 end = buffer.find(b"\r\n\r\n")
                 if end < 0:
                     line_ended = buffer.find(b"\r\n", 0, MAX_REQUEST_LINE_BYTES + 2) >= 0
@@ -2828,13 +2822,12 @@ class _ServerConnection:
                             MAX_REQUEST_HEAD_BYTES if line_ended else MAX_REQUEST_LINE_BYTES):
                         return
                     end = len(buffer)  # a bare LF or past a limit: refused now
-                raw = bytes(buffer[:end])
-                del buffer[:end + 4]
                 try:
-                    self.head = head = parse_request_head(raw)
+                    self.head = head = parse_request_head(bytes(buffer[:end]))
                 except PipelinesError as exc:
                     _log.info("refused a request from %s: %s", self.transport.get_extra_info("peername"), exc)
                     return self._send(error_reply(exc), True)
+                del buffer[:end + 4]
                 self.headers = _lower_headers(head.headers)
                 self.length = request_body_length(self.headers, server.app.max_body)
                 if (self.length and len(buffer) < self.length
@@ -2846,7 +2839,7 @@ class _ServerConnection:
             body = None if self.length is None else bytes(buffer[:need])
             del buffer[:need]
             head, self.head = self.head, None
-            self._arm(None)
+            self.deadline = None
             if server.draining:
                 self._send(error_reply(ShuttingDownError("server is shutting down: retry on another instance")), True)
             else:
@@ -2856,9 +2849,7 @@ class _ServerConnection:
     async def _run(self, head: RequestHead, body: bytes | None) -> None:
         server = self.server
         try:
-            reply = await server._answer(self, head, body)
-        except Exception as exc:  # noqa: BLE001
-            reply = _fallback_reply(exc)
+            reply = await server._answer(self, head, body)  # ahandle answers every Exception
         except BaseException:  # cancelled
             if not server.cutting:
                 raise
@@ -2875,29 +2866,30 @@ class _ServerConnection:
         if self.closing:
             return
         http10 = request is not None and request.version == "HTTP/1.0"
-        head = "".join([f"HTTP/1.1 {reply.status} {_reason(reply.status)}\r\n{_server_and_date(int(time.time()))}",
-                        *[f"{name}: {value}\r\n" for name, value in reply.headers],
-                        "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
-                        else "\r\n"]).encode("latin-1")
+        head = "\r\n".join([_reply_head(reply.status, int(time.time())), *map(": ".join, reply.headers),
+                          "Connection: close\r\n\r\n" if close else "Connection: keep-alive\r\n\r\n" if http10
+                          else "\r\n"]).encode("latin-1")
         self.transport.write(head if request is not None and request.method == "HEAD" else head + reply.body)
         if close:
             self.cut()
         elif not self.buffer:
             self._arm(self.server.keepalive_s)
 
-    def _arm(self, seconds: float | None) -> None:
+    def _arm(self, seconds: float) -> None:
         server = self.server
-        self.deadline = None if seconds is None else server.loop.time() + seconds
-        if self.timer is None and seconds is not None:
-            wait = min(seconds, server.read_timeout_s, server.keepalive_s)
-            self.timer = server.loop.call_later(wait, self._timed_out)
+        due = server.loop.time() + seconds
+        if self.deadline is None or self.deadline > due:  # only sooner: a trickled head gets no more time
+            self.deadline = due
+        if self.timer is None:
+            self.timer = server.loop.call_later(min(seconds, server.read_timeout_s, server.keepalive_s),
+                                                self._timed_out)
 
     def _timed_out(self) -> None:
         self.timer = None
         if self.deadline is None:
             return
-        if self.deadline > self.server.loop.time():
-            return self._arm(self.deadline - self.server.loop.time())
+        if (left := self.deadline - self.server.loop.time()) > 0:
+            return self._arm(left)
         if not (self.buffer or self.head):
             return self.cut()
         self._send(error_reply(RequestTimeoutError(
@@ -2941,8 +2933,8 @@ class AsyncDispatchServer:
         self.max_connections = max_connections or default_max_connections()
         self.connections: Set[_ServerConnection] = set()
         self.tasks: Set[Any] = set()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=backlog)
+        self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                           backlog=backlog)
         self.server_address: Tuple[Any, ...] = self.socket.getsockname()
         self._backlog, self._lock = backlog, threading.Lock()
 
@@ -2977,7 +2969,7 @@ class AsyncDispatchServer:
             if self.draining:  # close() came first
                 return
             self._listener = await self.loop.create_server(
-                lambda: _ServerConnection(self), sock=self.socket, backlog=self._backlog)
+                functools.partial(_ServerConnection, self), sock=self.socket, backlog=self._backlog)
         await self._stop.wait()
 
     def close(self, grace_s: float = 5.0) -> bool:
@@ -3006,7 +2998,7 @@ class AsyncDispatchServer:
 
         self.draining = True
         self._listener.close()
-        for conn in list(self.connections):
+        for conn in self.connections:  # each closed later, by the loop
             conn.cut()
         pending = (await asyncio.wait(self.tasks, timeout=grace_s))[1] if self.tasks else set()
         if pending:
@@ -3015,7 +3007,7 @@ class AsyncDispatchServer:
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending, timeout=5)
-        for conn in list(self.connections):
+        for conn in self.connections:
             conn.transport.close()
         self._stop.set()
         return not self.cutting
@@ -3023,6 +3015,8 @@ class AsyncDispatchServer:
 
 class _ThreadsServer(AsyncDispatchServer):
     async def _answer(self, conn: _ServerConnection, head: RequestHead, body: bytes | None) -> HttpReply:
+        import asyncio
+
         if conn.jobs is None:
             import queue
 
@@ -3030,9 +3024,9 @@ class _ThreadsServer(AsyncDispatchServer):
             threading.Thread(target=_work, args=(conn.jobs,), daemon=True).start()
         future, headers = self.loop.create_future(), conn.headers
         conn.jobs.put(lambda: self.loop.call_soon_threadsafe(
-            _resolve, future, self.app.handle(head.method, head.target, headers, body)))
+            future.set_result, self.app.handle(head.method, head.target, headers, body)))
         try:
-            return cast(HttpReply, await future)
+            return cast(HttpReply, await asyncio.shield(future))  # shielded: never cancelled, so settable
         except BaseException:  # cut by a drain: the thread runs on
             run_id = _header(headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
@@ -3045,11 +3039,6 @@ def _work(jobs: Any) -> None:
     for job in iter(jobs.get, None):
         with contextlib.suppress(RuntimeError):  # loop closed
             job()
-
-
-def _resolve(future: Any, result: Any) -> None:
-    if not future.done():  # cancelled meanwhile
-        future.set_result(result)
 
 # ----------------------------------------
 # Starting a server: make_server, start_server, serve (signals, the drain)
@@ -3074,9 +3063,9 @@ def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "
     """A bound dispatch server, not yet serving; ``options`` as for :class:`DispatchApp`."""
     if server not in SERVERS:
         raise ValueError(f"server must be one of {', '.join(SERVERS)}, got {server!r}")
-    if isinstance(agent, DispatchApp) and options:
-        raise TypeError(f"options {sorted(options)} need an agent, not a DispatchApp")
     app = agent if isinstance(agent, DispatchApp) else DispatchApp(agent, **options)
+    if app is agent and options:
+        raise TypeError(f"options {sorted(options)} need an agent, not a DispatchApp")
     if app.no_auth:
         _log.warning("auth is DISABLED: anyone can dispatch")
     return (AsyncDispatchServer if server == "asyncio" else _ThreadsServer)(
@@ -3129,7 +3118,7 @@ def run_in_fresh_thread(fn: Callable[..., Any], *args: Any, envelope: Envelope |
     """``fn(*args, **kwargs)`` on a new thread with ``envelope`` bound, its run token kept out of errors."""
     envelope = envelope or _current.get()
     try:
-        return _on_fresh_thread(functools.partial(_call_agent, envelope, functools.partial(fn, *args, **kwargs)))
+        return _on_fresh_thread(functools.partial(_call_agent, envelope, fn, *args, **kwargs))
     except _AgentRaised as raised:
         error = raised.error
     raise cast(BaseException, _redact_exception_chain(error, envelope.run_token if envelope else None))
@@ -3171,8 +3160,8 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
         else:
             try:
                 body = _built(result, strict=strict, secrets=(token,), multi_turn=envelope.is_multi_turn)
-                encoded = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-                return _without_run_token(body, envelope, encoded)
+                return _without_run_token(body, envelope,
+                                          json.dumps(body, ensure_ascii=False, allow_nan=False).encode())
             except ResponseError as exc:
                 raise ResponseError(redact(exc.problems, token)) from None
             except Exception as exc:  # noqa: BLE001
