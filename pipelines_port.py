@@ -5,40 +5,40 @@ speaks the wire contract of CONTRACT.md (the § marks point there) in three part
 do: 1. THE CONTRACT, pure, what a porter reads alone; 2. THE PYTHON RUNTIME: one asyncio transport under both
 drivers, the proxy client, the dispatch app and its servers, code mode; 3. CONVENIENCES.
 
-Bytes are a budget (the platform takes 200,000 per file; a sandbox compiles the file at each start): one
-mechanism per job, each rule named here and explained in CONTRACT.md.
+Bytes are a budget (200,000 per file; a sandbox compiles it at each start): one mechanism per job, each rule
+named here and explained in CONTRACT.md.
 
 Map: each part and section, the line it starts on and its size in kB (tests/test_repo.py keeps both true)::
 
-      111   0.2  PART 1 - THE CONTRACT
-      119   2.7    Constants
-      183   4.1    Errors and their HTTP statuses
-      312  13.0    Envelope
-      567  11.8    Inbound decisions (§2)
-      796   5.9    Request encoding
-      915   6.8    Reply interpretation
-     1065  13.6    Response envelope (§4)
-     1310   2.1    HTTP replies of a dispatch
-     1358   0.8  PART 2 - THE PYTHON RUNTIME
-     1388   2.6    Python data
-     1458   6.1    Python values as JSON (§7.7)
-     1601   1.5    Start-up settings
-     1636   0.9    Context binding
-     1661   1.9    Event loops for blocking callers
-     1715  12.9    Transport
-     1993  19.6    Proxy client (§3)
-     2365   5.2    Running agents
-     2501  13.0    The dispatch app (§2)
-     2716   1.5    Server adapters
-     2756  12.5    The built-in server
-     3049   3.3    Starting a server
-     3119   3.6    Code mode (§5)
-     3184   0.1  PART 3 - CONVENIENCES
-     3192   8.4    Agent-loop helpers
-     3352  10.0    Tools from code
-     3527  14.8    Framework bridges
-     3807   6.3    MCP shim (§3.6)
-     3924   9.6    Command line: serve, mcp
+      120   0.2  PART 1 - THE CONTRACT
+      128   2.7    Constants
+      192   4.0    Errors and their HTTP statuses
+      321  13.2    Envelope
+      585  11.8    Inbound decisions (§2)
+      815   5.9    Request encoding
+      930   6.8    Reply interpretation
+     1080  13.6    Response envelope (§4)
+     1327   2.1    HTTP replies of a dispatch
+     1375   0.8  PART 2 - THE PYTHON RUNTIME
+     1405   2.6    Python data
+     1475   6.0    Python values as JSON (§7.7)
+     1615   1.6    Start-up settings
+     1650   0.9    Context binding
+     1675   1.9    Event loops for blocking callers
+     1729  12.8    Transport
+     2002  19.4    Proxy client (§3)
+     2370   5.2    Running agents
+     2505  13.3    The dispatch app (§2)
+     2728   1.1    Server adapters
+     2756  12.3    The built-in server
+     3043   3.3    Starting a server
+     3113   3.6    Code mode (§5)
+     3178   0.1  PART 3 - CONVENIENCES
+     3186   8.3    Agent-loop helpers
+     3346  10.1    Tools from code
+     3522  15.1    Framework bridges
+     3810   6.4    MCP shim (§3.6)
+     3925   9.6    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
@@ -101,11 +101,11 @@ __all__ = [
     "tools_schema_from", "proxied_tools", "response_from", "Handoffs", "MCP_PROTOCOL_VERSIONS",
 ]
 
-class _Logger:  # logging imported at the first log call: it is 4 ms of every start
+class _Logger:  # logging imported at first use: 4 ms
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __getattr__(self, attr: str) -> Any:  # a method of the logger, kept: found directly from now on
+    def __getattr__(self, attr: str) -> Any:  # cached: found directly next time
         import logging
 
         setattr(self, attr, value := getattr(logging.getLogger(self.name), attr))
@@ -321,7 +321,7 @@ class StaleRunTokenError(ProxyError):
 # Envelope (§2 dispatch, §5 code mode)
 
 Id = Union[int, str]
-_ARRAY_TYPES = (list, tuple)  # what a JSON array may be here
+_ARRAY_TYPES = (list, tuple)
 HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
@@ -478,12 +478,8 @@ class Envelope:
             import base64
 
             values[ENV_TOOLS_SCHEMA_B64] = base64.b64encode(schema).decode()
-        env = dict(os.environ if base is None else base)
-        for name, value in values.items():  # a stale inherited variable goes, None or not
-            env.pop(name, None)
-            if value is not None:
-                env[name] = str(value)
-        return env
+        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in values}
+        return {**env, **{k: str(v) for k, v in values.items() if v is not None}}
 
     @classmethod
     def from_dispatch(cls, body: Mapping[str, Any] | bytes | str, headers: HeadersLike = None) -> Envelope:
@@ -528,11 +524,8 @@ class Envelope:
             raise EnvelopeError("environment is missing " + " and ".join(missing))
         url = validate_proxy_url(env[ENV_PROXY_URL], f"environment variable {ENV_PROXY_URL}")
         token = _check_run_token(env[ENV_RUN_TOKEN], f"environment variable {ENV_RUN_TOKEN}")
-        task: Any = {}
-        for name in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64):
-            if _header(env, name):
-                task = _env_json(env[name], name)
-                break
+        task: Any = next((_env_json(env[n], n) for n in (ENV_TASK_INPUT_JSON, ENV_TASK_INPUT_B64) if _header(env, n)),
+                         {})
         return cls.from_run(task, proxy_url=url, run_token=token, environ=env)
 
     @classmethod
@@ -783,13 +776,14 @@ def decide(endpoint: Endpoint, method: str, target: str, headers: HeadersLike, b
         return Decision("reply", error_reply(RequestError("body is nested too deeply")))
 
 
-_HOST_ENTRY = re.compile(r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
-                         r"(?::(?P<port>[0-9]{1,5}))?")
+# compiled by re at first use
+_HOST_ENTRY = (r"(?P<name>\.?[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\])"
+               r"(?::(?P<port>[0-9]{1,5}))?")
 
 
 def _split_host_entry(entry: str) -> Tuple[str, int | None]:
     entry = entry.strip().lower()
-    match = _HOST_ENTRY.fullmatch(entry)
+    match = re.fullmatch(_HOST_ENTRY, entry)
     if match is None:
         return entry, None
     return match["name"].strip("[]").rstrip("."), int(match["port"]) if match["port"] else None
@@ -805,10 +799,8 @@ def proxy_host_allowed(proxy_url: str, allowed: Sequence[str] | None) -> bool:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         return False
-    for name, entry_port in map(_split_host_entry, allowed):
-        if entry_port in (None, port) and name and (host == name or (name[0] == "." and f".{host}".endswith(name))):
-            return True
-    return False
+    return any(entry_port in (None, port) and name and (host == name or (
+        name[0] == "." and f".{host}".endswith(name))) for name, entry_port in map(_split_host_entry, allowed))
 
 
 def connectivity_proxy_url(payload: Mapping[str, Any], headers: HeadersLike) -> str:
@@ -1001,10 +993,8 @@ RETRY_TABLE: Tuple[Tuple[int, FrozenSet[str] | None, str], ...] = (
 
 def retry_decision(status: int, error_class: str | None) -> str:
     """``"retry"``, ``"stale"`` or ``"fail"`` for a non-2xx proxy reply (§3.3)."""
-    for table_status, classes, outcome in RETRY_TABLE:
-        if status == table_status and (classes is None or error_class in classes):
-            return outcome
-    return "fail"
+    return next((outcome for table_status, classes, outcome in RETRY_TABLE
+                 if status == table_status and (classes is None or error_class in classes)), "fail")
 
 
 def interpret_reply(status: int, headers: HeadersLike, body: bytes, *, tool_name: str,
@@ -1090,7 +1080,6 @@ class RetryState:
 # Response envelope (§4): built and checked
 
 _FINAL_KEYS = ("final_response", "final_output", "output", "message")
-_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 _METADATA_TYPES: Tuple[Tuple[str, Any, str], ...] = (  # §7.7 kit-metadata-types
     ("model", str, "a string"), ("system_prompt_id", str, "a string"),
     ("total_input_tokens", int, "a non-negative integer"), ("total_output_tokens", int, "a non-negative integer"),
@@ -1152,6 +1141,10 @@ def _normalise_messages(messages: Any) -> Any:
         if isinstance(message, dict) and isinstance(message.get("tool_calls"), _ARRAY_TYPES):
             message["tool_calls"] = list(map(_normalise_tool_call, message["tool_calls"]))
     return out
+
+
+def _has_surrogates(text: str) -> bool:  # lone ones are not UTF-8
+    return not text.isascii() and re.search("[\ud800-\udfff]", text) is not None
 
 
 def _well_formed(text: str) -> str:
@@ -1264,7 +1257,7 @@ def _metadata_problems(metadata: Any, warnings: List[str]) -> List[str]:
                      for key, kind, wanted in _METADATA_TYPES for value in (metadata.get(key),)
                      if value is not None and not (isinstance(value, kind) and (kind is str or (
                          not isinstance(value, bool) and 0 <= value < math.inf)))]
-    except Exception:  # noqa: BLE001 - a mapping that raises: _jsonable names it
+    except Exception:  # noqa: BLE001 - _jsonable names a raising mapping
         pass
     return []
 
@@ -1496,7 +1489,7 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
-        if _SURROGATE_RE.search(value) is None:
+        if not _has_surrogates(value):
             return value
         _change(notes, f"{path}: lone surrogates are not UTF-8", "sent as U+FFFD", "replace it")
         return _well_formed(value)
@@ -1539,9 +1532,9 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 value = sorted(value, key=_safe_repr)
             return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
         out: Dict[str, Any] = {}
-        taken = {k for k in value if isinstance(k, str) and _SURROGATE_RE.search(k) is None}
+        taken = {k for k in value if isinstance(k, str) and not _has_surrogates(k)}
         for key, item in value.items():
-            if isinstance(key, str) and _SURROGATE_RE.search(key) is None:
+            if isinstance(key, str) and not _has_surrogates(key):
                 name = str.__str__(key)  # a subclass's __str__ may raise
             elif isinstance(key, str):
                 shown = _short(repr(_well_formed(key)), 40)
@@ -1648,7 +1641,7 @@ def _normal_host_entry(entry: str) -> str:
 
         with contextlib.suppress(ValueError):
             return str(ipaddress.IPv6Address(entry))
-    elif _HOST_ENTRY.fullmatch(entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
+    elif re.fullmatch(_HOST_ENTRY, entry) and ((port := _split_host_entry(entry)[1]) is None or 0 < port < 65536):
         return entry.lower()
     raise ValueError(f"proxy host {shown!r} must be a host name, IP or .suffix [:port], without scheme or path")
 
@@ -1752,10 +1745,10 @@ def _malformed(what: str, text: Any = "") -> ConnectionError:
 
 
 class _ClientConnection:
-    __slots__ = ("reader", "writer", "idle_since")
+    __slots__ = ("reader", "writer", "idle_since", "received")  # received: a drop before it is a stale connection
 
     def __init__(self, reader: Any, writer: Any):
-        self.reader, self.writer, self.idle_since = reader, writer, 0.0
+        self.reader, self.writer, self.idle_since, self.received = reader, writer, 0.0, False
 
     @property
     def closed(self) -> bool:
@@ -1763,6 +1756,67 @@ class _ClientConnection:
 
     def close(self) -> None:
         self.writer.close()
+
+    # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
+    async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
+        reader, self.received = self.reader, False
+        while True:
+            head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
+            self.received = True
+            lines = head.replace("\r\n ", " ").replace("\r\n\t", " ").split("\r\n")  # obs-fold: a space
+            version, _, code = lines[0].partition(" ")
+            code = code[:3]
+            if not version.startswith("HTTP/1.") or len(code) < 3 or not code.isdecimal() or code == "101":
+                raise _malformed("status line", lines[0])
+            status = int(code)
+            if not 100 <= status < 200:
+                break
+        reply_headers: List[Tuple[str, str]] = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not name.strip():
+                raise _malformed("header line", line)
+            reply_headers.append((name.strip(), value.strip()))
+        lowered = _lower_headers(reply_headers)
+        connection = set(map(str.strip, lowered.get("connection", "").lower().split(",")))
+        keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
+        coding = lowered.get("transfer-encoding")
+        reply = bytearray()
+        if status in (204, 304):
+            pass
+        elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
+            while True:
+                size_line = (await reader.readuntil(b"\r\n"))[:-2]
+                size_text = size_line.split(b";", 1)[0].strip()
+                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+                    raise _malformed("chunk size", size_line)
+                size = int(size_text, 16)
+                if len(reply) + size > max_reply:
+                    raise _ReplyTooLarge(status, max_reply)
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                        pass
+                    break
+                chunk = await reader.readexactly(size + 2)
+                if chunk[-2:] != b"\r\n":
+                    raise _malformed("chunk longer than its size")
+                reply += chunk[:-2]
+        elif coding is None and "content-length" in lowered:
+            length = _content_length(lowered["content-length"])
+            if length is None or _repeated(lowered, "content-length", conflicting=True):
+                raise _malformed("Content-Length", lowered["content-length"])
+            if length > max_reply:
+                raise _ReplyTooLarge(status, max_reply, length)
+            reply += await reader.readexactly(length)
+        else:  # the connection's end frames the body (RFC 9112 §6.3)
+            keep_alive = False
+            while chunk := await reader.read(1 << 16):
+                if len(reply) + len(chunk) > max_reply:
+                    raise _ReplyTooLarge(status, max_reply)
+                reply += chunk
+        if reader._buffer:  # bytes past the reply's end: nothing asked for them
+            keep_alive = False
+        return status, reply_headers, bytes(reply), keep_alive
 
 
 class _Pool:  # one loop's idle connections
@@ -1874,14 +1928,14 @@ class _Transport:  # every outbound call's I/O
             raise _TransportFailure() from exc
         where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(10) else ""  # no query: keys
         if where:
-            shown = ""  # secrets redacted; of the others only the key and actor
+            shown = ""  # secrets redacted; of the rest only the key and actor
             for name, value in headers.items():
                 if (lower := name.lower()) in _SECRET_HEADERS or lower in ("idempotency-key", "x-pipelines-actor-id"):
                     shown += f", {name}: {_REDACTED if lower in _SECRET_HEADERS else value}"
             _log.debug("-> %s %s (%d bytes%s)", method, where, len(body), shown)
         pool = self._pool(loop)
         conn = pool.take(key)
-        reused, received = conn is not None, False  # received: a drop before it is a stale connection
+        reused = conn is not None
         task = cast(Any, asyncio.current_task())
         expired: List[bool] = []
         timer = loop.call_at(started + timeout, lambda: expired.append(task.cancel()))
@@ -1889,64 +1943,9 @@ class _Transport:  # every outbound call's I/O
             if conn is None:
                 conn = await self._connect(scheme, host, port)
             conn.writer.write(request)
-            reader = conn.reader  # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
-            while True:
-                head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
-                received = True
-                lines = head.replace("\r\n ", " ").replace("\r\n\t", " ").split("\r\n")  # obs-fold: a space
-                version, _, code = lines[0].partition(" ")
-                code = code[:3]
-                if not version.startswith("HTTP/1.") or len(code) < 3 or not code.isdecimal() or code == "101":
-                    raise _malformed("status line", lines[0])
-                status = int(code)
-                if not 100 <= status < 200:
-                    break
-            reply_headers: List[Tuple[str, str]] = []
-            for line in lines[1:]:
-                name, colon, value = line.partition(":")
-                if not colon or not name.strip():
-                    raise _malformed("header line", line)
-                reply_headers.append((name.strip(), value.strip()))
-            lowered = _lower_headers(reply_headers)
-            connection = set(map(str.strip, lowered.get("connection", "").lower().split(",")))
-            keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-            coding = lowered.get("transfer-encoding")
-            reply = bytearray()
-            if status in (204, 304):
-                pass
-            elif coding is not None and coding.split(",")[-1].strip().lower() == "chunked":
-                while True:
-                    size_line = (await reader.readuntil(b"\r\n"))[:-2]
-                    size_text = size_line.split(b";", 1)[0].strip()
-                    if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
-                        raise _malformed("chunk size", size_line)
-                    size = int(size_text, 16)
-                    if len(reply) + size > max_reply:
-                        raise _ReplyTooLarge(status, max_reply)
-                    if size == 0:
-                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                            pass
-                        break
-                    chunk = await reader.readexactly(size + 2)
-                    if chunk[-2:] != b"\r\n":
-                        raise _malformed("chunk longer than its size")
-                    reply += chunk[:-2]
-            elif coding is None and "content-length" in lowered:
-                length = _content_length(lowered["content-length"])
-                if length is None or _repeated(lowered, "content-length", conflicting=True):
-                    raise _malformed("Content-Length", lowered["content-length"])
-                if length > max_reply:
-                    raise _ReplyTooLarge(status, max_reply, length)
-                reply += await reader.readexactly(length)
-            else:  # the connection's end frames the body (RFC 9112 §6.3)
-                keep_alive = False
-                while chunk := await reader.read(1 << 16):
-                    if len(reply) + len(chunk) > max_reply:
-                        raise _ReplyTooLarge(status, max_reply)
-                    reply += chunk
-            if reader._buffer:  # bytes past the reply's end: nothing asked for them
-                keep_alive = False
+            status, reply_headers, reply, keep_alive = await conn.reply(max_reply)
         except BaseException as exc:  # EOFError: IncompleteReadError
+            received = conn is not None and conn.received
             if conn is not None:  # what is left of the reply must not meet the next request
                 conn.writer.transport.abort()
             if isinstance(exc, asyncio.CancelledError) and expired and _uncancel(task) == 0:
@@ -1969,7 +1968,7 @@ class _Transport:  # every outbound call's I/O
         if where:
             _log.debug("<- %s %s HTTP %d (%d bytes) in %.1f ms", method, where, status, len(reply),
                        (loop.time() - started) * 1000)
-        return status, reply_headers, bytes(reply)
+        return status, reply_headers, reply
 
     async def _connect(self, scheme: str, host: str, port: int) -> _ClientConnection:
         import asyncio
@@ -2092,7 +2091,7 @@ class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any w
         return slot - now
 
 
-class _DispatchStats:  # a dispatch's proxy calls (counted under lock), for its log line; cancelled: the run is over
+class _DispatchStats:  # a dispatch's proxy calls, for its log line; cancelled: the run is over
     def __init__(self) -> None:
         self.proxy_calls, self.cancelled, self.lock = 0, False, threading.Lock()
 
@@ -2424,7 +2423,7 @@ def _redact_exception_chain(exc: BaseException | None, *secrets: str | None) -> 
         if error is None or not wanted or id(error) in seen:
             return seen.get(id(error), error)
         seen[id(error)] = error
-        for name in (*vars(error), "args", "strerror", "filename", "filename2"):  # the last three: OSError's
+        for name in (*vars(error), "args", "strerror", "filename", "filename2"):  # OSError's last
             with contextlib.suppress(Exception):
                 value = getattr(error, name)
                 setattr(error, name, tuple(redact(list(value), *wanted)) if type(value) is tuple else
@@ -3026,7 +3025,7 @@ class _ThreadsServer(AsyncDispatchServer):
         conn.jobs.put(lambda: self.loop.call_soon_threadsafe(
             future.set_result, self.app.handle(head.method, head.target, headers, body)))
         try:
-            return cast(HttpReply, await asyncio.shield(future))  # shielded: never cancelled, so settable
+            return cast(HttpReply, await asyncio.shield(future))  # never cancelled: settable
         except BaseException:  # cut by a drain: the thread runs on
             run_id = _header(headers, HEADER_RUN_ID)
             with contextlib.suppress(ValueError, LookupError, TypeError):
@@ -3437,10 +3436,10 @@ class Tool:
             raise ValueError("default_execution_mode must be 'sandbox' or 'passthrough'")
         self.fn, self.default_execution_mode = fn, default_execution_mode
         self.name = validate_tool_name(name or fn.__name__)
-        summary: List[str] = []  # the docstring's text before its sections, then its Google or Sphinx parameters
+        summary: List[str] = []  # the docstring's, Google or Sphinx style
         param_docs: Dict[str, str] = {}
         section = current = None
-        for line in inspect.cleandoc(fn.__doc__ or "").splitlines():  # cleandoc expands tabs
+        for line in inspect.cleandoc(fn.__doc__ or "").splitlines():
             text = line.strip()
             found = re.match(r":param\s+(?:[^:]*\s)?(\w+):\s*(.*)", text) or (
                 section in ("Args", "Arguments", "Parameters")
@@ -3675,7 +3674,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
             elif kind in ("tool_call_output_item", "handoff_output_item"):
                 output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
                 turns.append(_Turn("tool", results=[(_field(raw, "call_id"), output)]))
-            elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # a handoff: transfer_to_X
+            elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # handoff: transfer_to_X
                 text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
                 calls = [] if kind == "message_output_item" else [{
                     "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
