@@ -131,3 +131,19 @@ def test_strict_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(pp.ResponseError, match="messages\\[0\\].role"):
         pp.build_response(value)
     assert pp.build_response(value, strict=False) == {"final_response": "x"}
+
+
+def test_a_container_that_contains_itself_is_cut_there_but_one_met_twice_is_sent_twice() -> None:
+    """§7.7 kit-json-safe-response: a back-reference is cut with a note; a shared, acyclic value is not one."""
+    looped: List[Any] = [1]
+    looped.append(looped)
+    body, warnings = pp.response_envelope({"final_response": "ok", "metadata": {"trail": looped}})
+    assert body["metadata"] == {"trail": [1, "[cycle]"]}
+    assert any("metadata.trail[1]: contains itself; cut there" in w for w in warnings), warnings
+
+    shared = frozenset({1, 2})  # converted on each visit: a set's sorted copy is not the set
+    listed = [3, 4]
+    value = {"a": shared, "b": [shared, shared], "c": [listed, listed]}
+    body, warnings = pp.response_envelope({"final_response": value})
+    assert json.loads(body["final_response"]) == {"a": [1, 2], "b": [[1, 2], [1, 2]], "c": [[3, 4], [3, 4]]}
+    assert not any("contains itself" in w for w in warnings), warnings
