@@ -160,7 +160,7 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # but a tab
+_CONTROL_CHARACTER = r"[\x00-\x08\x0a-\x1f\x7f]"  # but a tab; patterns as text: compiled by re at first use
 # §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -320,10 +320,10 @@ class StaleRunTokenError(ProxyError):
 # ----------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
 
-Id = Union[int, str]
+if TYPE_CHECKING:  # names for annotations: not made at import
+    Id = Union[int, str]
+    HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _ARRAY_TYPES = (list, tuple)
-HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
-_SPACE_OR_CONTROL = re.compile("[\x00-\x20\x7f]")
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -344,7 +344,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
     except ValueError:  # and UnicodeError
         parts = urlsplit("")
     if parts.scheme in ("http", "https") and parts.hostname and not (
-            parts.query or parts.fragment or _SPACE_OR_CONTROL.search(text)):
+            parts.query or parts.fragment or re.search("[\x00-\x20\x7f]", text)):
         return text
     raise EnvelopeError(f"proxy URL {_short(text)!r} from {where} must be an http:// or https:// URL with a host name, "
                         "no query, fragment or whitespace")
@@ -356,7 +356,7 @@ def _without_none(mapping: Mapping[str, Any]) -> Dict[str, Any]:
 
 def _check_run_token(token: Any, where: str) -> str:
     text = token.strip() if isinstance(token, str) else ""
-    if not text or _CONTROL_CHARACTER.search(text):  # it goes in a header
+    if not text or re.search(_CONTROL_CHARACTER, text):  # it goes in a header
         raise EnvelopeError(f"run token from {where} is empty or has control characters")
     return text
 
@@ -636,8 +636,12 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
 
 # RFC 9112 §5: a token, a colon, a value without control characters but HTAB
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_REQUEST_LINE_RE = re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN)
-_FIELD_LINE_RE = re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN)
+
+
+@functools.cache  # compiled at the first request: 0.25 ms of every import
+def _head_patterns() -> Tuple[re.Pattern[bytes], re.Pattern[bytes]]:  # the request line, a field line
+    return (re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN),
+            re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN))
 
 
 class RequestHead(NamedTuple):
@@ -662,12 +666,13 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise TargetTooLongError("request line too long")
     if len(head) > MAX_REQUEST_HEAD_BYTES or len(lines) > MAX_REQUEST_FIELDS + 1:
         raise HeadersTooLargeError("request head too large")
-    request = _REQUEST_LINE_RE.fullmatch(lines[0])
+    request_line, field_line = _head_patterns()
+    request = request_line.fullmatch(lines[0])
     headers: List[Tuple[str, str]] = []
     names: List[str] = []
     lengths: List[str] = []
     for line in lines[1:] if request and request[3] == b"1" else ():
-        field = _FIELD_LINE_RE.fullmatch(line)
+        field = field_line.fullmatch(line)
         if field is None:
             break
         name, value = field[1].decode("ascii"), field[2].strip(b" \t").decode("latin-1")
@@ -861,7 +866,7 @@ def encode_args(name: str, args: Any, *, what: str = "tool arguments") -> bytes:
 
 def _header_problem(headers: Mapping[str, str]) -> str | None:
     for name, value in headers.items():  # §7.5 kit-header-values
-        if _CONTROL_CHARACTER.search(value):
+        if re.search(_CONTROL_CHARACTER, value):
             return f"header {name} has a line break or control character in its value"
     return None
 
@@ -1408,7 +1413,7 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise TypeError("envelope data is read-only; copy it first (copy.deepcopy(x))")
 
 
-class _FrozenDict(Dict[Any, Any]):
+class _FrozenDict(dict[Any, Any]):  # builtin generics: typing's cost 30 us each at import
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
@@ -1416,7 +1421,7 @@ class _FrozenDict(Dict[Any, Any]):
         return (dict, (dict(self),))
 
 
-class _FrozenList(List[Any]):
+class _FrozenList(list[Any]):
     __slots__ = ()
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
@@ -1444,7 +1449,7 @@ def _thaw(value: Any) -> Any:
     return list(map(_thaw, value)) if isinstance(value, (list, tuple)) else value
 
 
-class _LowerHeaders(Dict[str, str]):  # first values by lower-cased name; repeats: the others
+class _LowerHeaders(dict[str, str]):  # first values by lower-cased name; repeats: the others
     repeats: Dict[str, List[str]]
 
 
@@ -2001,7 +2006,10 @@ _shared_transport = _Once(_Transport)  # each ProxyClient has its own
 # ----------------------------------------
 # Proxy client (§3): tool calls, trace events, actors
 
-_Reply = Tuple[int, List[Tuple[str, str]], bytes]
+if TYPE_CHECKING:
+    _Reply = Tuple[int, List[Tuple[str, str]], bytes]  # status, headers, body
+    _Payload = Optional[Mapping[str, Any]]
+    _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
 
 def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:  # run here: it must not suspend
@@ -2055,10 +2063,6 @@ async def _awaited(value: Any) -> Any:  # the value, or an awaitable's result
 def _failed_before_reply(what: str, cause: BaseException) -> str:
     kind = type(cause).__name__
     return f"{what} failed before a reply arrived: {kind}: {_short(str(cause) or kind, 200)}"
-
-
-_Payload = Optional[Mapping[str, Any]]
-_Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
 
 def _env_float(name: str, default: float) -> float:
