@@ -1506,13 +1506,14 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
         return None
     if isinstance(value, (Mapping, list, tuple, set, frozenset)):
         return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    iso = getattr(value, "isoformat", None)
-    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
-    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+    if not callable(iso := getattr(value, "isoformat", None)):
+        iso = None
+    raw = iso is None and isinstance(value, (bytes, bytearray, memoryview))
+    sent = "UTF-8 text" if raw else "text" if iso is None else "ISO text"
     _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
     if raw:
         return bytes(value).decode("utf-8", "replace")
-    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
+    return _jsonable(_safe_text(value, iso), path, notes, depth, active)
 
 
 def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: int, active: Set[int]) -> Any:
@@ -1677,12 +1678,6 @@ def current_envelope() -> Envelope:
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
 
-def _runs_on(loop: Any) -> bool:
-    import asyncio
-
-    return asyncio._get_running_loop() is loop
-
-
 def _start_loop() -> Any:
     import asyncio
 
@@ -1701,37 +1696,37 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -
     import asyncio
     import concurrent.futures
 
-    loop = _server_loop.get()
-    if loop is None or not loop.is_running() or _runs_on(loop):
+    loop, running = _server_loop.get(), asyncio._get_running_loop()
+    if loop is None or not loop.is_running() or running is loop:
         loop = _loop_thread()
-    if _runs_on(loop):
+    try:
+        if running is loop:
+            try:
+                return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
+            except _AgentRaised as raised:
+                error = raised.error
+            raise error  # outside the except: no _AgentRaised as its context
         try:
-            return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
-        except _Overran:
-            raise TimeoutError(f"no result within {timeout:g} s") from None
-        except _AgentRaised as raised:
-            error = raised.error
-        raise error  # outside the except: no _AgentRaised as its context
-
-    try:
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-    except RuntimeError:  # the server's loop closed after the check
-        future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
-    try:
-        return future.result(timeout)
-    except BaseException as exc:
-        future.cancel()
-        if isinstance(exc, concurrent.futures.TimeoutError):
-            raise TimeoutError(f"no result within {timeout:g} s") from None
-        raise
+            future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        except RuntimeError:  # the server's loop closed after the check
+            future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+    except (_Overran, concurrent.futures.TimeoutError):
+        raise TimeoutError(f"no result within {timeout:g} s") from None
 
 # ----------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop
 
-class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
-    def __init__(self, stale: bool = False):
-        super().__init__()
-        self.stale = stale
+class _TransportFailure(Exception):  # no usable reply (why: __cause__)
+    pass
+
+
+class _StaleConnection(_TransportFailure):  # a reused connection was closed before replying
+    pass
 
 
 class _ReplyTooLarge(Exception):
@@ -1888,8 +1883,10 @@ class _Transport:  # every outbound call's I/O
             loop, _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0))
 
     def close(self) -> None:  # each pool on its loop's thread
+        import asyncio
+
         for loop, pool in list(self._pools.items()):
-            if _runs_on(loop) or not loop.is_running():
+            if asyncio._get_running_loop() is loop or not loop.is_running():
                 pool.close()
             else:
                 with contextlib.suppress(RuntimeError):
@@ -1958,7 +1955,7 @@ class _Transport:  # every outbound call's I/O
                 exc = _malformed("a line over 64 KiB")
             elif not isinstance(exc, OSError):
                 raise
-            raise _TransportFailure(stale=reused and not received) from exc
+            raise (_StaleConnection if reused and not received else _TransportFailure)() from exc
         finally:
             timer.cancel()
         if keep_alive:  # give() closes a closed one
@@ -2034,7 +2031,8 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             error = transport_error(cause)
             error.__cause__ = cause
             outcome = ProxyOutcome("error" if isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
-                                   else "transport", error=error, stale=failure.stale)
+                                   else "transport", error=error,
+                                   stale=isinstance(failure, _StaleConnection))
         step = state.step(outcome)
         if step.action == "return":
             return step.value
@@ -2063,13 +2061,10 @@ _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
 def _env_float(name: str, default: float) -> float:
     text = (os.environ.get(name) or "").strip()
-    try:
-        value = float(text or default)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
-    return value
+    with contextlib.suppress(ValueError):
+        if 0 <= (value := float(text or default)) < math.inf:
+            return value
+    raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
 
 
 class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any window_s
@@ -2191,7 +2186,7 @@ class ProxyClient:
     async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None, blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get() or _DispatchStats()
         seconds = self.timeout if timeout is None else float(timeout)
-        exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
+        exchange = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
         pause = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
         with stats.lock:
