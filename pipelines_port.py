@@ -1953,7 +1953,9 @@ class _Transport:  # every outbound call's I/O
                 exc = ConnectionResetError(f"the proxy closed the connection {cut}")
             elif isinstance(exc, asyncio.LimitOverrunError):
                 exc = _malformed("a line over 64 KiB")
-            elif not isinstance(exc, OSError):
+            elif isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
+                exc = type(exc)(exc.errno, os.strerror(exc.errno))
+            elif not isinstance(exc, (OSError, UnicodeError)):  # UnicodeError: a host IDNA refuses
                 raise
             raise (_StaleConnection if reused and not received else _TransportFailure)() from exc
         finally:
@@ -1971,12 +1973,7 @@ class _Transport:  # every outbound call's I/O
         import asyncio
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
-        try:
-            return _ClientConnection(*await asyncio.open_connection(host, port, ssl=context))
-        except (OSError, UnicodeError) as exc:
-            if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
-                exc = type(exc)(exc.errno, os.strerror(exc.errno))
-            raise _TransportFailure() from exc
+        return _ClientConnection(*await asyncio.open_connection(host, port, ssl=context))
 
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
