@@ -1533,7 +1533,7 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 value = sorted(value, key=_safe_repr)
             return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
         out: Dict[str, Any] = {}
-        taken = {k for k in value if isinstance(k, str) and not _has_surrogates(k)}
+        taken = set(value)  # a name given out is well-formed text: never one of the other keys
         for key, item in value.items():
             if isinstance(key, str) and not _has_surrogates(key):
                 name = str.__str__(key)  # a subclass's __str__ may raise
