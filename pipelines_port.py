@@ -1917,10 +1917,10 @@ class _Transport:  # every outbound call's I/O
         started = loop.time()
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
-            fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            fields = "\r\n".join((*map(": ".join, headers.items()), f"Content-Length: {len(body)}"))
             request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
                        f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
-                       + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                       + fields.encode("latin-1") + b"\r\n\r\n" + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
         where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(10) else ""  # no query: keys
