@@ -1404,7 +1404,7 @@ def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sni
 # ----------------------------------------
 # Python data: read-only JSON containers (§7.2), headers
 
-def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _read_only(*args: Any, **kwargs: Any) -> Any:  # as a method: the container first
     raise TypeError("envelope data is read-only; copy it first (copy.deepcopy(x))")
 
 
