@@ -1409,7 +1409,7 @@ def _json_from_bytes(data: bytes) -> Any:  # json.loads without its encoding sni
 # ----------------------------------------
 # Python data: read-only JSON containers (§7.2), headers
 
-def _read_only(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _read_only(*args: Any, **kwargs: Any) -> Any:  # as a method: the container first
     raise TypeError("envelope data is read-only; copy it first (copy.deepcopy(x))")
 
 
@@ -1511,13 +1511,14 @@ def _jsonable(value: Any, path: str, notes: List[str] | None, depth: int = 0, ac
         return None
     if isinstance(value, (Mapping, list, tuple, set, frozenset)):
         return _jsonable_container(value, path, notes, depth, set() if active is None else active)
-    iso = getattr(value, "isoformat", None)
-    raw = not callable(iso) and isinstance(value, (bytes, bytearray, memoryview))
-    sent = "ISO text" if callable(iso) else "UTF-8 text" if raw else "text"
+    if not callable(iso := getattr(value, "isoformat", None)):
+        iso = None
+    raw = iso is None and isinstance(value, (bytes, bytearray, memoryview))
+    sent = "UTF-8 text" if raw else "text" if iso is None else "ISO text"
     _change(notes, f"{path}: {type(value).__name__} is not a JSON type", f"sent as its {sent}", "convert it")
     if raw:
         return bytes(value).decode("utf-8", "replace")
-    return _jsonable(_safe_text(value, iso if callable(iso) else None), path, notes, depth, active)
+    return _jsonable(_safe_text(value, iso), path, notes, depth, active)
 
 
 def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: int, active: Set[int]) -> Any:
@@ -1537,7 +1538,7 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 value = sorted(value, key=_safe_repr)
             return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
         out: Dict[str, Any] = {}
-        taken = {k for k in value if isinstance(k, str) and not _has_surrogates(k)}
+        taken = set(value)  # a name given out is well-formed text: never one of the other keys
         for key, item in value.items():
             if isinstance(key, str) and not _has_surrogates(key):
                 name = str.__str__(key)  # a subclass's __str__ may raise
@@ -1682,12 +1683,6 @@ def current_envelope() -> Envelope:
 _server_loop: contextvars.ContextVar[Any] = contextvars.ContextVar("pipelines_port_server_loop", default=None)
 
 
-def _runs_on(loop: Any) -> bool:
-    import asyncio
-
-    return asyncio._get_running_loop() is loop
-
-
 def _start_loop() -> Any:
     import asyncio
 
@@ -1706,37 +1701,37 @@ def _on_loop(coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -
     import asyncio
     import concurrent.futures
 
-    loop = _server_loop.get()
-    if loop is None or not loop.is_running() or _runs_on(loop):
+    loop, running = _server_loop.get(), asyncio._get_running_loop()
+    if loop is None or not loop.is_running() or running is loop:
         loop = _loop_thread()
-    if _runs_on(loop):
+    try:
+        if running is loop:
+            try:
+                return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
+            except _AgentRaised as raised:
+                error = raised.error
+            raise error  # outside the except: no _AgentRaised as its context
         try:
-            return cast(_T, _on_fresh_thread(functools.partial(asyncio.run, coroutine), timeout))
-        except _Overran:
-            raise TimeoutError(f"no result within {timeout:g} s") from None
-        except _AgentRaised as raised:
-            error = raised.error
-        raise error  # outside the except: no _AgentRaised as its context
-
-    try:
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-    except RuntimeError:  # the server's loop closed after the check
-        future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
-    try:
-        return future.result(timeout)
-    except BaseException as exc:
-        future.cancel()
-        if isinstance(exc, concurrent.futures.TimeoutError):
-            raise TimeoutError(f"no result within {timeout:g} s") from None
-        raise
+            future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        except RuntimeError:  # the server's loop closed after the check
+            future = asyncio.run_coroutine_threadsafe(coroutine, _loop_thread())
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+    except (_Overran, concurrent.futures.TimeoutError):
+        raise TimeoutError(f"no result within {timeout:g} s") from None
 
 # ----------------------------------------
 # Transport: HTTP/1.1 on asyncio streams, keep-alive connections pooled per loop
 
-class _TransportFailure(Exception):  # no usable reply (why: __cause__); stale: a reused connection was closed
-    def __init__(self, stale: bool = False):
-        super().__init__()
-        self.stale = stale
+class _TransportFailure(Exception):  # no usable reply (why: __cause__)
+    pass
+
+
+class _StaleConnection(_TransportFailure):  # a reused connection was closed before replying
+    pass
 
 
 class _ReplyTooLarge(Exception):
@@ -1893,8 +1888,10 @@ class _Transport:  # every outbound call's I/O
             loop, _Pool(loop, max(64, min(4096, default_max_connections() // 2)), 60.0))
 
     def close(self) -> None:  # each pool on its loop's thread
+        import asyncio
+
         for loop, pool in list(self._pools.items()):
-            if _runs_on(loop) or not loop.is_running():
+            if asyncio._get_running_loop() is loop or not loop.is_running():
                 pool.close()
             else:
                 with contextlib.suppress(RuntimeError):
@@ -1925,10 +1922,10 @@ class _Transport:  # every outbound call's I/O
         started = loop.time()
         try:
             named = host if host.isascii() else host.encode("idna").decode("ascii")
-            fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            fields = "\r\n".join((*map(": ".join, headers.items()), f"Content-Length: {len(body)}"))
             request = (f"{method} {path} HTTP/1.1\r\nHost: {f'[{named}]' if ':' in named else named}"
                        f"{'' if port == default_port else f':{port}'}\r\n".encode("ascii")
-                       + fields.encode("latin-1") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                       + fields.encode("latin-1") + b"\r\n\r\n" + body)
         except UnicodeError as exc:
             raise _TransportFailure() from exc
         where = f"{host}:{port}{path.split('?')[0]}" if _log.isEnabledFor(10) else ""  # no query: keys
@@ -1961,9 +1958,11 @@ class _Transport:  # every outbound call's I/O
                 exc = ConnectionResetError(f"the proxy closed the connection {cut}")
             elif isinstance(exc, asyncio.LimitOverrunError):
                 exc = _malformed("a line over 64 KiB")
-            elif not isinstance(exc, OSError):
+            elif isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
+                exc = type(exc)(exc.errno, os.strerror(exc.errno))
+            elif not isinstance(exc, (OSError, UnicodeError)):  # UnicodeError: a host IDNA refuses
                 raise
-            raise _TransportFailure(stale=reused and not received) from exc
+            raise (_StaleConnection if reused and not received else _TransportFailure)() from exc
         finally:
             timer.cancel()
         if keep_alive:  # give() closes a closed one
@@ -1979,12 +1978,7 @@ class _Transport:  # every outbound call's I/O
         import asyncio
 
         context = (self._ssl_context or _default_tls_context()) if scheme == "https" else None
-        try:
-            return _ClientConnection(*await asyncio.open_connection(host, port, ssl=context))
-        except (OSError, UnicodeError) as exc:
-            if isinstance(exc, ConnectionError) and exc.errno:  # not asyncio's "Connect call failed (...)"
-                exc = type(exc)(exc.errno, os.strerror(exc.errno))
-            raise _TransportFailure() from exc
+        return _ClientConnection(*await asyncio.open_connection(host, port, ssl=context))
 
 
 _SECRET_HEADERS = frozenset({"authorization", "x-pipelines-run-token", "x-api-key", "api-key", "proxy-authorization"})
@@ -2042,7 +2036,8 @@ async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[T
             error = transport_error(cause)
             error.__cause__ = cause
             outcome = ProxyOutcome("error" if isinstance(cause, (socket.gaierror, ssl.SSLCertVerificationError))
-                                   else "transport", error=error, stale=failure.stale)
+                                   else "transport", error=error,
+                                   stale=isinstance(failure, _StaleConnection))
         step = state.step(outcome)
         if step.action == "return":
             return step.value
@@ -2067,13 +2062,10 @@ def _failed_before_reply(what: str, cause: BaseException) -> str:
 
 def _env_float(name: str, default: float) -> float:
     text = (os.environ.get(name) or "").strip()
-    try:
-        value = float(text or default)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
-    return value
+    with contextlib.suppress(ValueError):
+        if 0 <= (value := float(text or default)) < math.inf:
+            return value
+    raise PipelinesError(f"environment variable {name} must be a non-negative number, got {_short(text, 40)!r}")
 
 
 class _Pacer:  # §7.4 kit-pacing: at most limit requests per run token in any window_s
@@ -2195,7 +2187,7 @@ class ProxyClient:
     async def _retried(self, envelope: Envelope, request: ProxyRequest, timeout: float | None, blocking: bool) -> Any:
         name, pacer, stats = request.name, self._pacer, _dispatch_stats.get() or _DispatchStats()
         seconds = self.timeout if timeout is None else float(timeout)
-        exchange: Callable[..., Any] = self.exchange if blocking else self.aexchange
+        exchange = self.exchange if blocking else self.aexchange
         sleep = self._sleep or (time.sleep if blocking else sys.modules["asyncio"].sleep)  # a loop runs: it is loaded
         pause = (lambda s: sleep(s) and None) if blocking else sleep  # no loop to await
         with stats.lock:
