@@ -3396,6 +3396,10 @@ def validate_args(schema: Mapping[str, Any], value: Any, path: str = "args") -> 
     return problems
 
 
+def _enum_value(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def schema_for_type(annotation: Any) -> Dict[str, Any]:
     """The JSON Schema of a type hint (JSON's, Any, Union, containers, Literal, Enum)."""
     import typing
@@ -3406,7 +3410,7 @@ def schema_for_type(annotation: Any) -> Dict[str, Any]:
     if annotation in _JSON_TYPES:
         return {"type": _JSON_TYPES[annotation]}
     if origin is typing.Literal or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
-        values = list(args) if origin is typing.Literal else [m.value for m in annotation]
+        values = list(args if origin is typing.Literal else map(_enum_value, annotation))
         kinds = set(map(_JSON_TYPES.get, map(type, values)))
         return {"enum": values, **({"type": kinds.pop()} if len(kinds) == 1 and None not in kinds else {})}
     if origin is Union or type(annotation).__name__ == "UnionType":
@@ -3476,9 +3480,8 @@ class Tool:
             if param.default is param.empty:
                 required.append(argument)
             else:
-                default = param.default.value if isinstance(param.default, enum.Enum) else param.default
                 with contextlib.suppress(TypeError, ValueError):
-                    prop["default"] = json.loads(json.dumps(default))
+                    prop["default"] = json.loads(json.dumps(_enum_value(param.default)))
         self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
                                              **({"required": required} if required else {})}
         functools.update_wrapper(self, fn)
@@ -3496,7 +3499,7 @@ class Tool:
     def arguments(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """The JSON arguments a call sends."""
         bound = self.signature.bind(*args, **kwargs)
-        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in bound.arguments.items()}
+        return dict(zip(bound.arguments, map(_enum_value, bound.arguments.values())))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _current.get() is None:
@@ -3606,7 +3609,7 @@ def _jsonable_args(value: Any) -> Any:
     if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
     if isinstance(value, Mapping):
-        return {str(k): _jsonable_args(v) for k, v in value.items()}
+        return dict(zip(map(str, value), map(_jsonable_args, value.values())))
     return list(map(_jsonable_args, value)) if isinstance(value, (list, tuple)) else value
 
 
@@ -3682,7 +3685,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
                 turns.append(("assistant", text, calls, thinking, (), None, None))
                 thinking = []
         model = getattr(getattr(result, "last_agent", None), "model", None)
-        usages = [getattr(r, "usage", None) for r in getattr(result, "raw_responses", ()) or ()]
+        usages = list(map(functools.partial(_field, key="usage"), getattr(result, "raw_responses", ()) or ()))
         final, messages = result.final_output, _read_turns(turns)[1]
         metadata = _run_metadata(usages, getattr(model, "model", model))  # a name, or a model object's
     elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):  # Strands
