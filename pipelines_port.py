@@ -3322,12 +3322,6 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
             **(headers or {})}
     where = f"{method} {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
 
-    def send() -> _Reply:
-        try:
-            return _shared_transport().exchange(base, method, path, sent, body, timeout, max_reply_bytes)
-        except _ReplyTooLarge as big:
-            raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
-
     def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> ProxyOutcome:
         value, is_json = _decode_body(reply, "")
         ok = 200 <= status < 300
@@ -3339,8 +3333,12 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
         return ProxyOutcome("retry" if status in _MODEL_RETRY_STATUSES else "error", error=error,
                             retry_after=_model_retry_after(reply_headers))
 
-    return _retry_loop(send, interpret, policy=retry, sleep=sleep,
-                       transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
+    send = functools.partial(_shared_transport().exchange, base, method, path, sent, body, timeout, max_reply_bytes)
+    try:
+        return _retry_loop(send, interpret, policy=retry, sleep=sleep,
+                           transport_error=lambda cause: HTTPStatusError(_failed_before_reply(where, cause)))
+    except _ReplyTooLarge as big:
+        raise HTTPStatusError(f"{where}: reply {big}", status_code=big.status) from None
 
 # ----------------------------------------
 # Tools from code: a signature's JSON Schema, arguments checked and proxied (§3.6)
@@ -3678,7 +3676,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
                 output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
                 turns.append(("tool", "", (), (), [(_field(raw, "call_id"), output)], None, None))
             elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # handoff: transfer_to_X
-                text = "".join(getattr(part, "text", "") or "" for part in _field(raw, "content") or ())
+                text = "".join(filter(None, map(functools.partial(_field, key="text"), _field(raw, "content") or ())))
                 calls = [] if kind == "message_output_item" else [{
                     "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
                     "arguments": _field(raw, "arguments") or "{}"}]
