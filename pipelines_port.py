@@ -3577,7 +3577,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
         import dataclasses
 
         async def on_invoke_tool(context: Any, arguments: str) -> str:
-            return _as_text(await acall(json.loads(arguments) if arguments and arguments.strip() else {}))
+            return _as_text(await acall(json.loads(arguments.strip() or "{}")))
 
         return dataclasses.replace(tool, on_invoke_tool=on_invoke_tool)
     if hasattr(tool, "args_schema") and hasattr(tool, "invoke"):  # LangChain
