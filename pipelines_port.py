@@ -3225,14 +3225,13 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
 
 def load_tools_schema(source: str | os.PathLike[str] | None = None) -> List[Dict[str, Any]]:
     """The platform tool list from a JSON file, else from the environment (§3.6)."""
-    where = "the environment" if source is None else os.fspath(source)
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
     if tools is None:
         raise ValueError(f"no tools schema: set {ENV_TOOLS_SCHEMA_B64} or {ENV_TOOLS_SCHEMA_JSON}, or pass a file")
     try:
         return convert_tools(tools, "platform")
     except ValueError as exc:
-        raise ValueError(f"tools schema {where}: {exc}") from None
+        raise ValueError(f"tools schema {'the environment' if source is None else os.fspath(source)}: {exc}") from None
 
 
 def _read_tools_file(source: str | os.PathLike[str]) -> List[Any]:
@@ -3487,8 +3486,8 @@ class Tool:
     @property
     def schema(self) -> Dict[str, Any]:
         """This tool as a tools_schema entry."""
-        mode = {"default_execution_mode": self.default_execution_mode} if self.default_execution_mode else {}
-        return {"name": self.name, "description": self.description, "input_schema": _thaw(self.input_schema), **mode}
+        return {"name": self.name, "description": self.description, "input_schema": _thaw(self.input_schema),
+                **({"default_execution_mode": self.default_execution_mode} if self.default_execution_mode else {})}
 
     def validate(self, arguments: Mapping[str, Any]) -> List[str]:
         """Every way ``arguments`` break the input schema."""
@@ -3799,8 +3798,8 @@ def _langchain_turn(item: Any) -> _Turn:
         return role, "", (), (), [(getattr(item, "tool_call_id", None), "".join(text))], None, None
     calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
              for c in getattr(item, "tool_calls", None) or ()]
-    model = (getattr(item, "response_metadata", None) or {}).get("model_name")
-    return role, "".join(text), calls, thinking, (), getattr(item, "usage_metadata", None), model
+    return (role, "".join(text), calls, thinking, (), getattr(item, "usage_metadata", None),
+            (getattr(item, "response_metadata", None) or {}).get("model_name"))
 
 # ----------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
