@@ -4065,9 +4065,14 @@ def _cmd_mcp(args: Any) -> int:
     return McpShim().serve()
 
 
-def _parser(prog: str | None = None) -> Any:
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """The command line (``serve``, ``mcp``); returns the exit status."""
     import argparse
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
+        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}`", file=sys.stderr)
+        return 2
     # allow_abbrev=False: `--token SECRET` taken for `--token-env SECRET` would print the secret
     parser = argparse.ArgumentParser(prog=prog or "python3 -m pipelines_port", allow_abbrev=False,
                                      description="Put an agent under test on Pipelines.")
@@ -4085,16 +4090,7 @@ def _parser(prog: str | None = None) -> Any:
     mcp_ = commands.add_parser("mcp", help=about, description=about, allow_abbrev=False)
     mcp_.add_argument("--debug", action="store_true", help="log proxy traffic")
     mcp_.set_defaults(run=_cmd_mcp)
-    return parser
 
-
-def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
-    """The command line (``serve``, ``mcp``); returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("init", "doctor", "check", "dataset", "simulate", "demo"):
-        print(f"{argv[0]} is a kit command: `pipelines-port {argv[0]}`", file=sys.stderr)
-        return 2
-    parser = _parser(prog)
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help()
