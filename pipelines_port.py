@@ -3300,13 +3300,10 @@ class HTTPStatusError(PipelinesError):
         self.status_code, self.body = status_code, body
 
 
-_MODEL_RETRY_STATUSES = (408, 409, 425, 429, 500, 502, 503, 504, 529)
-_MODEL_RETRY = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2)
-
-
 def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[str, str] | None = None,
-              timeout: float = 300.0, retry: RetryPolicy = _MODEL_RETRY, max_reply_bytes: int = 64 << 20,
-              sleep: Callable[[float], None] = time.sleep, method: str = "POST") -> Any:
+              timeout: float = 300.0, method: str = "POST",
+              retry: RetryPolicy = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2),
+              max_reply_bytes: int = 64 << 20, sleep: Callable[[float], None] = time.sleep) -> Any:
     """``payload`` (None: no body) sent by ``method`` to a JSON API; its JSON reply, retried."""
     try:
         base = urlsplit(url)
@@ -3329,8 +3326,8 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
         text = json.dumps(value)[:500] if is_json else _short(str(value or ""), 500)
         error = HTTPStatusError(f"{where}: HTTP {status}{', not JSON' if ok else ''}: {text}",
                                 status_code=status, body=value)
-        return ProxyOutcome("retry" if status in _MODEL_RETRY_STATUSES else "error", error=error,
-                            retry_after=_model_retry_after(reply_headers))
+        return ProxyOutcome("retry" if status in (408, 409, 425, 429, 500, 502, 503, 504, 529) else "error",
+                            error=error, retry_after=_model_retry_after(reply_headers))
 
     send = functools.partial(_shared_transport().exchange, base, method, path, sent, body, timeout, max_reply_bytes)
     try:
@@ -3782,11 +3779,9 @@ def _message_turn(item: Any) -> _Turn | None:
     return item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model")
 
 
-_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
-
-
 def _langchain_turn(item: Any) -> _Turn:
-    role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
+    role = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}.get(item.type, "assistant")
+    content = item.content
     text, thinking = [content] if isinstance(content, str) else [], []
     for block in () if isinstance(content, str) else content:
         kind = block.get("type") if isinstance(block, Mapping) else None
