@@ -3301,9 +3301,10 @@ class HTTPStatusError(PipelinesError):
 
 
 def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[str, str] | None = None,
-              timeout: float = 300.0, method: str = "POST",
+              timeout: float = 300.0,
               retry: RetryPolicy = RetryPolicy(max_attempts=5, base_delay_s=1.0, max_delay_s=20.0, transport_retries=2),
-              max_reply_bytes: int = 64 << 20, sleep: Callable[[float], None] = time.sleep) -> Any:
+              max_reply_bytes: int = 64 << 20, sleep: Callable[[float], None] = time.sleep,
+              method: str = "POST") -> Any:
     """``payload`` (None: no body) sent by ``method`` to a JSON API; its JSON reply, retried."""
     try:
         base = urlsplit(url)
