@@ -3904,8 +3904,7 @@ class McpShim:
             reply = self.handle_line(line)
             if reply is not None:
                 with write_lock:
-                    out.write(reply + "\n")
-                    out.flush()
+                    print(reply, file=out, flush=True)
 
         with ThreadPoolExecutor(max_concurrency, "pipelines-mcp") as pool:
             for line in stdin or sys.stdin:
