@@ -160,7 +160,7 @@ RATE_LIMIT_PER_MINUTE = 60
 ACTOR_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 ACTOR_MAX_SEGMENTS = 8
 ACTOR_MAX_LENGTH = 256
-_CONTROL_CHARACTER = r"[\x00-\x08\x0a-\x1f\x7f]"  # but a tab; patterns as text: compiled by re at first use
+_CONTROL_CHARACTER = r"[\x00-\x08\x0a-\x1f\x7f]"  # but a tab; compiled by re at first use
 # §3.3, §3.4
 TRANSIENT_503_CLASSES = frozenset({"lock_contention", "context_store_unavailable", "trace_sequence_contended"})
 STALE_TOKEN_CLASSES = frozenset({"run_token_expired", "run_token_invalid", "run_token_rejected"})
@@ -320,7 +320,7 @@ class StaleRunTokenError(ProxyError):
 # ----------------------------------------
 # Envelope (§2 dispatch, §5 code mode)
 
-if TYPE_CHECKING:  # names for annotations: not made at import
+if TYPE_CHECKING:  # for annotations only
     Id = Union[int, str]
     HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
 _ARRAY_TYPES = (list, tuple)
@@ -638,7 +638,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 
 
-@functools.cache  # compiled at the first request: 0.25 ms of every import
+@functools.cache  # compiled at first use: 0.25 ms of an import
 def _head_patterns() -> Tuple[re.Pattern[bytes], re.Pattern[bytes]]:  # the request line, a field line
     return (re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN),
             re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN))
@@ -1413,7 +1413,7 @@ def _read_only(*args: Any, **kwargs: Any) -> Any:  # as a method: the container 
     raise TypeError("envelope data is read-only; copy it first (copy.deepcopy(x))")
 
 
-class _FrozenDict(dict[Any, Any]):  # builtin generics: typing's cost 30 us each at import
+class _FrozenDict(dict[Any, Any]):  # dict[]: cheaper to import than Dict[]
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
@@ -1538,7 +1538,7 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 value = sorted(value, key=_safe_repr)
             return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
         out: Dict[str, Any] = {}
-        taken = set(value)  # a name given out is well-formed text: never one of the other keys
+        taken = set(value)  # a name given out is well-formed text: never another key
         for key, item in value.items():
             if isinstance(key, str) and not _has_surrogates(key):
                 name = str.__str__(key)  # a subclass's __str__ may raise
@@ -1907,7 +1907,7 @@ class _Transport:  # every outbound call's I/O
         except (TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
             raise _TransportFailure() from exc
 
-    # base: the split URL; timeout bounds it all, cancelling this task (cheaper than asyncio.wait_for)
+    # base: the split URL; timeout bounds it all by cancelling this task (cheaper than wait_for)
     async def aexchange(self, base: Any, method: str, path: str, headers: Mapping[str, str], body: bytes,
                         timeout: float, max_reply: int) -> _Reply:
         import asyncio
@@ -2001,7 +2001,7 @@ _shared_transport = _Once(_Transport)  # each ProxyClient has its own
 # Proxy client (§3): tool calls, trace events, actors
 
 if TYPE_CHECKING:
-    _Reply = Tuple[int, List[Tuple[str, str]], bytes]  # status, headers, body
+    _Reply = Tuple[int, List[Tuple[str, str]], bytes]
     _Payload = Optional[Mapping[str, Any]]
     _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
@@ -3697,8 +3697,8 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
 
 
-if TYPE_CHECKING:  # a plain tuple: a NamedTuple's fields cost 0.3 ms of every import
-    # (role, text, tool calls, thinking, results: (tool call id, output) pairs, usage, model)
+if TYPE_CHECKING:  # a tuple: a NamedTuple costs 0.3 ms of an import
+    # role, text, tool calls, thinking, (tool call id, output) results, usage, model
     _Turn = Tuple[str, str, Sequence[Dict[str, Any]], Sequence[Dict[str, Any]], Sequence[Tuple[Any, Any]], Any, Any]
 
 
