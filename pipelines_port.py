@@ -14,31 +14,31 @@ Map: each part and section, the line it starts on and its size in kB (tests/test
       128   2.7    Constants
       192   4.0    Errors and their HTTP statuses
       321  13.2    Envelope
-      585  11.8    Inbound decisions (§2)
-      815   5.9    Request encoding
-      930   6.8    Reply interpretation
-     1080  13.6    Response envelope (§4)
-     1327   2.1    HTTP replies of a dispatch
-     1375   0.8  PART 2 - THE PYTHON RUNTIME
-     1405   2.6    Python data
-     1475   6.0    Python values as JSON (§7.7)
-     1615   1.6    Start-up settings
-     1650   0.9    Context binding
-     1675   1.9    Event loops for blocking callers
-     1729  12.8    Transport
-     2002  19.4    Proxy client (§3)
-     2370   5.2    Running agents
-     2505  13.3    The dispatch app (§2)
-     2728   1.1    Server adapters
-     2756  12.3    The built-in server
-     3043   3.3    Starting a server
-     3113   3.6    Code mode (§5)
-     3178   0.1  PART 3 - CONVENIENCES
-     3186   8.3    Agent-loop helpers
-     3346  10.1    Tools from code
-     3522  15.1    Framework bridges
-     3810   6.4    MCP shim (§3.6)
-     3925   9.6    Command line: serve, mcp
+      585  12.0    Inbound decisions (§2)
+      820   5.9    Request encoding
+      935   6.8    Reply interpretation
+     1085  13.6    Response envelope (§4)
+     1332   2.1    HTTP replies of a dispatch
+     1380   0.8  PART 2 - THE PYTHON RUNTIME
+     1410   2.6    Python data
+     1480   6.0    Python values as JSON (§7.7)
+     1621   1.6    Start-up settings
+     1656   0.9    Context binding
+     1681   1.8    Event loops for blocking callers
+     1727  12.7    Transport
+     2001  19.5    Proxy client (§3)
+     2366   5.2    Running agents
+     2501  13.3    The dispatch app (§2)
+     2724   1.1    Server adapters
+     2752  12.3    The built-in server
+     3039   3.3    Starting a server
+     3109   3.6    Code mode (§5)
+     3174   0.1  PART 3 - CONVENIENCES
+     3182   8.2    Agent-loop helpers
+     3337  10.1    Tools from code
+     3516  15.2    Framework bridges
+     3797   6.3    MCP shim (§3.6)
+     3911   9.5    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
@@ -638,7 +638,7 @@ def _body_length(headers: Mapping[str, str], max_body: int) -> int:
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 
 
-@functools.cache  # compiled at first use: 0.25 ms of an import
+@functools.cache  # compiled at first use
 def _head_patterns() -> Tuple[re.Pattern[bytes], re.Pattern[bytes]]:  # the request line, a field line
     return (re.compile(rb"(%s) ([^\x00-\x20\x7f-\xff]+) HTTP/([0-9])\.([0-9])" % _TOKEN),
             re.compile(rb"(%s):([^\x00-\x08\x0a-\x1f\x7f]*)" % _TOKEN))
@@ -1855,7 +1855,7 @@ class _Pool:  # one loop's idle connections
         if self._reaper is not None:
             self._reaper.cancel()
 
-    # closes stale idle ones, and all as asyncio.run() ends the loop (they would keep it alive)
+    # closes stale idle ones; all as asyncio.run() ends the loop (they would keep it alive)
     async def _reap(self) -> None:
         import asyncio
 
