@@ -41,6 +41,27 @@ def test_overrides_win_and_other_values_go_to_build_response() -> None:
     assert pp.response_from({"final_response": "ok", "extra": 1})["final_response"] == "ok"
 
 
+def _agents_run(part: object, raw_response: object) -> object:
+    """An OpenAI Agents ``RunResult`` as the bridge reads it: attributes, with the raw items' parts inside."""
+    from types import SimpleNamespace as NS
+
+    message = NS(type="message_output_item", raw_item=NS(content=[part]))
+    return NS(input="Where is order 4521?", new_items=[message], final_output="It has shipped.",
+              last_agent=NS(model="gpt-test"), raw_responses=[raw_response])
+
+
+def test_an_openai_agents_run_reads_text_parts_and_usage_as_objects_or_dicts() -> None:
+    from types import SimpleNamespace as NS
+
+    usage = {"input_tokens": 11, "output_tokens": 4}
+    as_objects = pp.response_from(_agents_run(NS(type="output_text", text="It has shipped."), NS(usage=NS(**usage))))
+    as_dicts = pp.response_from(_agents_run({"type": "output_text", "text": "It has shipped."}, {"usage": usage}))
+    assert as_objects == as_dicts
+    assert as_dicts["messages"] == [{"role": "user", "content": "Where is order 4521?"},
+                                    {"role": "assistant", "content": "It has shipped."}]
+    assert as_dicts["metadata"] == {"total_input_tokens": 11, "total_output_tokens": 4, "model": "gpt-test"}
+
+
 def test_objects_no_bridge_knows_are_clear_errors() -> None:
     with pytest.raises(TypeError, match="not a tool this module knows"):
         pp.tools_schema_from([object()])
