@@ -3689,10 +3689,9 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
             items = items.get("messages", items)
         if not isinstance(items, (list, tuple)) or not (items or strands):
             return build_response(result, **fields)
-        langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
         final, messages, usages, model = "", [], [], None
         for item in items:
-            read = _message_turn(item, langchain)
+            read = _message_turn(item)
             if read is None:
                 return build_response(result, **fields)
             said, usage, turn_model = read
@@ -3730,22 +3729,22 @@ def _assistant_message(text: str, calls: List[Dict[str, Any]], thinking: List[Di
 
 
 _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasoningContent": "reasoning"}
-_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "AIMessageChunk": "assistant", "tool": "tool",
+                    "system": "system"}
 
 
-def _message_turn(item: Any, langchain: bool) -> Tuple[List[Dict[str, Any]], Any, Any] | None:
+def _message_turn(item: Any) -> Tuple[List[Dict[str, Any]], Any, Any] | None:
     # an Anthropic Messages, Bedrock Converse (Strands) or LangChain message: the platform's messages, usage, model
-    if langchain:
-        role, content = _LANGCHAIN_ROLES.get(item.type, "assistant"), item.content
-        usage, model = getattr(item, "usage_metadata", None), (getattr(item, "response_metadata", None) or {}).get(
-            "model_name")
-    else:
-        if hasattr(item, "model_dump"):
-            item = item.model_dump()
-        role = item.get("role") if isinstance(item, Mapping) else None
-        if role not in ("user", "assistant") or not isinstance(item.get("content"), (str, list)):
-            return None
-        content, usage, model = item["content"], item.get("usage"), item.get("model")
+    if hasattr(item, "model_dump"):
+        item = item.model_dump()
+    if not isinstance(item, Mapping) or not isinstance(item.get("content"), (str, list)):
+        return None
+    langchain = "role" not in item  # LangChain's: {"type": "human", "content": ...}
+    role = _LANGCHAIN_ROLES.get(item.get("type")) if langchain else item["role"]
+    if role is None or (not langchain and role not in ("user", "assistant")):
+        return None
+    content, usage = item["content"], item.get("usage", item.get("usage_metadata"))
+    model = item.get("model") or (item.get("response_metadata") or {}).get("model_name")
     text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
     for block in () if isinstance(content, str) else content:
         if not isinstance(block, Mapping):
@@ -3771,10 +3770,10 @@ def _message_turn(item: Any, langchain: bool) -> Tuple[List[Dict[str, Any]], Any
             text.append(str(block.get("text") or ""))
     if langchain:
         calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
-                 for c in getattr(item, "tool_calls", None) or ()]
+                 for c in item.get("tool_calls") or ()]
     said = "".join(text)
     if langchain and role == "tool":
-        results, said = [(getattr(item, "tool_call_id", None), said)], ""
+        results, said = [(item.get("tool_call_id"), said)], ""
     if role == "assistant":
         return [_assistant_message(said, calls, thinking)], usage, model
     messages = []
