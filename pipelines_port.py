@@ -3673,11 +3673,14 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
                 messages.append({"role": "tool", "tool_call_id": _field(raw, "call_id"), "content": _as_text(output)})
             elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # handoff: transfer_to_X
                 text = "".join(filter(None, map(functools.partial(_field, key="text"), _field(raw, "content") or ())))
-                calls = [] if kind == "message_output_item" else [{
-                    "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                    "arguments": _field(raw, "arguments") or "{}"}]
-                messages.append(_assistant_message(text, calls, thinking))
-                thinking = []
+                message = {"role": "assistant", "content": text or None}
+                if kind != "message_output_item":
+                    message["tool_calls"] = [{"id": _field(raw, "call_id") or _field(raw, "id"),
+                                              "name": _field(raw, "name"), "arguments": _field(raw, "arguments") or "{}"}]
+                if thinking:
+                    message["thinking"] = thinking
+                    thinking = []
+                messages.append(message)
         model = getattr(getattr(result, "last_agent", None), "model", None)
         model = getattr(model, "model", model)  # a name, or a model object's
         usages: List[Any] | None = list(map(functools.partial(_field, key="usage"),
@@ -3687,20 +3690,10 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
         items = result.messages if strands else result
         if isinstance(items, Mapping):
             items = items.get("messages", items)
-        if not isinstance(items, (list, tuple)) or not (items or strands):
+        read = _conversation(items) if isinstance(items, (list, tuple)) and (items or strands) else None
+        if read is None:
             return build_response(result, **fields)
-        final, messages, usages, model = "", [], [], None
-        for item in items:
-            read = _message_turn(item)
-            if read is None:
-                return build_response(result, **fields)
-            said, usage, turn_model = read
-            messages += said
-            usages.append(usage)
-            model = turn_model or model
-        for message in messages:
-            if message["role"] == "assistant" and message["content"] and "tool_calls" not in message:
-                final = message["content"]
+        final, messages, usages, model = read
         if strands:
             usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
             usages = [usage] if isinstance(usage, Mapping) else None
@@ -3719,69 +3712,70 @@ def _field(item: Any, key: str) -> Any:
     return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
 
 
-def _assistant_message(text: str, calls: List[Dict[str, Any]], thinking: List[Dict[str, Any]]) -> Dict[str, Any]:
-    message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-    if calls:
-        message["tool_calls"] = calls
-    if thinking:
-        message["thinking"] = thinking
-    return message
-
-
 _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasoningContent": "reasoning"}
 _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "AIMessageChunk": "assistant", "tool": "tool",
                     "system": "system"}
 
 
-def _message_turn(item: Any) -> Tuple[List[Dict[str, Any]], Any, Any] | None:
-    # an Anthropic Messages, Bedrock Converse (Strands) or LangChain message: the platform's messages, usage, model
-    if hasattr(item, "model_dump"):
-        item = item.model_dump()
-    if not isinstance(item, Mapping) or not isinstance(item.get("content"), (str, list)):
-        return None
-    langchain = "role" not in item  # LangChain's: {"type": "human", "content": ...}
-    role = _LANGCHAIN_ROLES.get(item.get("type")) if langchain else item["role"]
-    if role is None or (not langchain and role not in ("user", "assistant")):
-        return None
-    content, usage = item["content"], item.get("usage", item.get("usage_metadata"))
-    model = item.get("model") or (item.get("response_metadata") or {}).get("model_name")
-    text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in () if isinstance(content, str) else content:
-        if not isinstance(block, Mapping):
-            continue
-        kind = block.get("type")
-        for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
-            if isinstance(block.get(key), Mapping):
-                kind, block = _BEDROCK_BLOCKS[key], block[key]
-        call_id = block.get("id", block.get("toolUseId"))
-        if kind == "tool_use":
-            calls.append({"id": call_id, "name": block.get("name"), "arguments": block.get("input") or {}})
-        elif kind == "tool_result":
-            out = block.get("content")
-            results.append((block.get("tool_use_id", call_id), "".join(
-                _as_text(p["json"]) if "json" in p else str(p.get("text") or "") for p in out if isinstance(p, Mapping))
-                if isinstance(out, list) else out))
-        elif kind in ("thinking", "reasoning"):
-            thought = block.get("thinking") or block.get("text") or (block.get("reasoningText") or {}).get("text")
-            if thought:  # LangChain's and Bedrock's are plain text
-                thinking.append({"type": "thinking" if kind == "thinking" and not langchain else "text",
-                                 "text": thought})
-        elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
-            text.append(str(block.get("text") or ""))
-    if langchain:
-        calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
-                 for c in item.get("tool_calls") or ()]
-    said = "".join(text)
-    if langchain and role == "tool":
-        results, said = [(item.get("tool_call_id"), said)], ""
-    if role == "assistant":
-        return [_assistant_message(said, calls, thinking)], usage, model
-    messages = []
-    for call_id, output in results:
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": _as_text(output)})
-    if said or not results:
-        messages.append({"role": role, "content": said})
-    return messages, usage, model
+def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List[Any], Any] | None:
+    # Anthropic Messages, Bedrock Converse (Strands) or LangChain messages: the final text, the platform's
+    # messages, each message's usage and the model; None for any other list
+    final, messages, usages, model = "", [], [], None
+    for item in items:
+        if hasattr(item, "model_dump"):
+            item = item.model_dump()
+        if not isinstance(item, Mapping) or not isinstance(item.get("content"), (str, list)):
+            return None
+        langchain = "role" not in item  # LangChain's: {"type": "human", "content": ...}
+        role = _LANGCHAIN_ROLES.get(item.get("type")) if langchain else item["role"]
+        if role is None or (not langchain and role not in ("user", "assistant")):
+            return None
+        usages.append(item.get("usage", item.get("usage_metadata")))
+        model = item.get("model") or (item.get("response_metadata") or {}).get("model_name") or model
+        content, results = item["content"], len(messages)
+        text, calls, thinking = [content] if isinstance(content, str) else [], [], []
+        for block in () if isinstance(content, str) else content:
+            if not isinstance(block, Mapping):
+                continue
+            kind = block.get("type")
+            for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
+                if isinstance(block.get(key), Mapping):
+                    kind, block = _BEDROCK_BLOCKS[key], block[key]
+            call_id = block.get("id", block.get("toolUseId"))
+            if kind == "tool_use":
+                calls.append({"id": call_id, "name": block.get("name"), "arguments": block.get("input") or {}})
+            elif kind == "tool_result" and role != "assistant":
+                out = block.get("content")
+                if isinstance(out, list):  # text parts, or Bedrock's {"json": value}
+                    out = "".join(_as_text(p.get("json", p.get("text") or "")) for p in out if isinstance(p, Mapping))
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id", call_id),
+                                 "content": _as_text(out)})
+            elif kind in ("thinking", "reasoning"):
+                thought = block.get("thinking") or block.get("text") or (block.get("reasoningText") or {}).get("text")
+                if thought:  # LangChain's and Bedrock's are plain text
+                    thinking.append({"type": "thinking" if kind == "thinking" and not langchain else "text",
+                                     "text": thought})
+            elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
+                text.append(str(block.get("text") or ""))
+        said = "".join(text)
+        if langchain and role == "tool":
+            messages.append({"role": "tool", "tool_call_id": item.get("tool_call_id"), "content": said})
+        elif role != "assistant":
+            if said or len(messages) == results:
+                messages.append({"role": role, "content": said})
+        else:
+            message: Dict[str, Any] = {"role": "assistant", "content": said or None}
+            if langchain:
+                calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
+                         for c in item.get("tool_calls") or ()]
+            if calls:
+                message["tool_calls"] = calls
+            elif said:
+                final = said
+            if thinking:
+                message["thinking"] = thinking
+            messages.append(message)
+    return final, messages, usages, model
 
 # ----------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
