@@ -3673,10 +3673,11 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
                 messages.append({"role": "tool", "tool_call_id": _field(raw, "call_id"), "content": _as_text(output)})
             elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # handoff: transfer_to_X
                 text = "".join(filter(None, map(functools.partial(_field, key="text"), _field(raw, "content") or ())))
-                message = {"role": "assistant", "content": text or None}
+                message: Dict[str, Any] = {"role": "assistant", "content": text or None}
                 if kind != "message_output_item":
                     message["tool_calls"] = [{"id": _field(raw, "call_id") or _field(raw, "id"),
-                                              "name": _field(raw, "name"), "arguments": _field(raw, "arguments") or "{}"}]
+                                              "name": _field(raw, "name"),
+                                              "arguments": _field(raw, "arguments") or "{}"}]
                 if thinking:
                     message["thinking"] = thinking
                     thinking = []
@@ -3720,14 +3721,15 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "AIMessageChunk": "assis
 def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List[Any], Any] | None:
     # Anthropic Messages, Bedrock Converse (Strands) or LangChain messages: the final text, the platform's
     # messages, each message's usage and the model; None for any other list
-    final, messages, usages, model = "", [], [], None
+    messages: List[Dict[str, Any]] = []
+    final, usages, model = "", [], None
     for item in items:
         if hasattr(item, "model_dump"):
             item = item.model_dump()
         if not isinstance(item, Mapping) or not isinstance(item.get("content"), (str, list)):
             return None
         langchain = "role" not in item  # LangChain's: {"type": "human", "content": ...}
-        role = _LANGCHAIN_ROLES.get(item.get("type")) if langchain else item["role"]
+        role = _LANGCHAIN_ROLES.get(item.get("type", "")) if langchain else item["role"]
         if role is None or (not langchain and role not in ("user", "assistant")):
             return None
         usages.append(item.get("usage", item.get("usage_metadata")))
