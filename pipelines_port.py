@@ -3659,9 +3659,8 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """The response envelope (§4) of a framework's run, else :func:`build_response`."""
     keys = ("input_tokens", "output_tokens")
     if hasattr(result, "new_items") and hasattr(result, "final_output"):  # OpenAI Agents
-        final, messages = result.final_output, [{"role": "user", "content": result.input}]
-        if not isinstance(result.input, str):
-            messages = []
+        final = result.final_output
+        messages = [{"role": "user", "content": result.input}] if isinstance(result.input, str) else []
         thinking: List[Dict[str, Any]] = []
         for item in result.new_items:
             kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
@@ -3734,9 +3733,11 @@ def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List
             return None
         usages.append(item.get("usage", item.get("usage_metadata")))
         model = item.get("model") or (item.get("response_metadata") or {}).get("model_name") or model
-        content, results = item["content"], len(messages)
-        text, calls, thinking = [content] if isinstance(content, str) else [], [], []
-        for block in () if isinstance(content, str) else content:
+        blocks, results = item["content"], len(messages)
+        if isinstance(blocks, str):
+            blocks = [{"type": "text", "text": blocks}]
+        text, calls, thinking = [], [], []
+        for block in blocks:
             if not isinstance(block, Mapping):
                 continue
             kind = block.get("type")
