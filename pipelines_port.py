@@ -3733,7 +3733,7 @@ def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List
             return None
         usages.append(item.get("usage", item.get("usage_metadata")))
         model = item.get("model") or (item.get("response_metadata") or {}).get("model_name") or model
-        blocks, results = item["content"], len(messages)
+        blocks, start = item["content"], len(messages)
         if isinstance(blocks, str):
             blocks = [{"type": "text", "text": blocks}]
         text, calls, thinking = [], [], []
@@ -3764,7 +3764,7 @@ def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List
         if langchain and role == "tool":
             messages.append({"role": "tool", "tool_call_id": item.get("tool_call_id"), "content": said})
         elif role != "assistant":
-            if said or len(messages) == results:
+            if said or len(messages) == start:  # text, or no tool result to carry
                 messages.append({"role": role, "content": said})
         else:
             message: Dict[str, Any] = {"role": "assistant", "content": said or None}
