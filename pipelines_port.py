@@ -3733,11 +3733,9 @@ def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List
             return None
         usages.append(item.get("usage", item.get("usage_metadata")))
         model = item.get("model") or (item.get("response_metadata") or {}).get("model_name") or model
-        blocks, start = item["content"], len(messages)
-        if isinstance(blocks, str):
-            blocks = [{"type": "text", "text": blocks}]
-        text, calls, thinking = [], [], []
-        for block in blocks:
+        content, start = item["content"], len(messages)
+        text, calls, thinking = [content] if isinstance(content, str) else [], [], []
+        for block in () if isinstance(content, str) else content:
             if not isinstance(block, Mapping):
                 continue
             kind = block.get("type")
