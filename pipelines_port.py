@@ -3657,8 +3657,10 @@ class Handoffs:
 
 def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
     """The response envelope (§4) of a framework's run, else :func:`build_response`."""
+    keys = ("input_tokens", "output_tokens")
     if hasattr(result, "new_items") and hasattr(result, "final_output"):  # OpenAI Agents
-        turns: List[Any] = [("user", result.input, (), (), (), None, None)] if isinstance(result.input, str) else []
+        final = result.final_output
+        messages = [{"role": "user", "content": result.input}] if isinstance(result.input, str) else []
         thinking: List[Dict[str, Any]] = []
         for item in result.new_items:
             kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
@@ -3667,131 +3669,114 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
                     thinking.append({"type": "text", "text": getattr(summary, "text", "")})
             elif kind in ("tool_call_output_item", "handoff_output_item"):
                 output = getattr(item, "output", None) if kind == "tool_call_output_item" else _field(raw, "output")
-                turns.append(("tool", "", (), (), [(_field(raw, "call_id"), output)], None, None))
+                messages.append({"role": "tool", "tool_call_id": _field(raw, "call_id"), "content": _as_text(output)})
             elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # handoff: transfer_to_X
                 text = "".join(filter(None, map(functools.partial(_field, key="text"), _field(raw, "content") or ())))
-                calls = [] if kind == "message_output_item" else [{
-                    "id": _field(raw, "call_id") or _field(raw, "id"), "name": _field(raw, "name"),
-                    "arguments": _field(raw, "arguments") or "{}"}]
-                turns.append(("assistant", text, calls, thinking, (), None, None))
-                thinking = []
+                message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+                if kind != "message_output_item":
+                    message["tool_calls"] = [{"id": _field(raw, "call_id") or _field(raw, "id"),
+                                              "name": _field(raw, "name"),
+                                              "arguments": _field(raw, "arguments") or "{}"}]
+                if thinking:
+                    message["thinking"] = thinking
+                    thinking = []
+                messages.append(message)
         model = getattr(getattr(result, "last_agent", None), "model", None)
-        usages = list(map(functools.partial(_field, key="usage"), getattr(result, "raw_responses", ()) or ()))
-        final, messages = result.final_output, _read_turns(turns)[1]
-        metadata = _run_metadata(usages, getattr(model, "model", model))  # a name, or a model object's
-    elif hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list):  # Strands
-        final, messages, _ = _read_turns(list(filter(None, map(_message_turn, result.messages))))
-        usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
-        model_id = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
-        metadata = _run_metadata([usage] if isinstance(usage, Mapping) else None, model_id,
-                                 ("inputTokens", "outputTokens"))
+        model = getattr(model, "model", model)  # a name, or a model object's
+        usages: List[Any] | None = list(map(functools.partial(_field, key="usage"),
+                                            getattr(result, "raw_responses", ()) or ()))
     else:
-        items = result.get("messages", result) if isinstance(result, Mapping) else result
-        if not isinstance(items, (list, tuple)) or not items:
+        strands = hasattr(result, "tool_registry") and isinstance(getattr(result, "messages", None), list)
+        items = result.messages if strands else result
+        if isinstance(items, Mapping):
+            items = items.get("messages", items)
+        read = _conversation(items) if isinstance(items, (list, tuple)) and (items or strands) else None
+        if read is None:
             return build_response(result, **fields)
-        langchain = all(hasattr(m, "type") and hasattr(m, "content") and not isinstance(m, Mapping) for m in items)
-        turns = list(map(_langchain_turn if langchain else _message_turn, items))
-        if None in turns:
-            return build_response(result, **fields)
-        final, messages, metadata = _read_turns(turns)
-    return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
-
-
-if TYPE_CHECKING:  # a tuple: a NamedTuple costs 0.3 ms of an import
-    # role, text, tool calls, thinking, (tool call id, output) results, usage, model
-    _Turn = Tuple[str, str, Sequence[Dict[str, Any]], Sequence[Dict[str, Any]], Sequence[Tuple[Any, Any]], Any, Any]
-
-
-def _read_turns(turns: List[_Turn]) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
-    messages: List[Dict[str, Any]] = []
-    usages: List[Any] = []
-    final, model = "", None
-    for role, text, tool_calls, thinking, results, usage, turn_model in turns:
-        if role != "assistant":
-            for call_id, output in results:
-                messages.append({"role": "tool", "tool_call_id": call_id, "content": _as_text(output)})
-            if text or not results:
-                messages.append({"role": role, "content": text})
-            continue
-        message: Dict[str, Any] = {"role": "assistant", "content": text or None}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        elif text:
-            final = text
-        if thinking:
-            message["thinking"] = thinking
-        messages.append(message)
-        usages.append(usage)
-        model = turn_model or model
-    return final, messages, _run_metadata(usages, model)
-
-
-def _field(item: Any, key: str) -> Any:
-    return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
-
-
-def _run_metadata(usages: List[Any] | None, model: Any,
-                  keys: Tuple[str, str] = ("input_tokens", "output_tokens")) -> Dict[str, Any]:
+        final, messages, usages, model = read
+        if strands:
+            usage = getattr(getattr(result, "event_loop_metrics", None), "accumulated_usage", None)
+            usages = [usage] if isinstance(usage, Mapping) else None
+            model = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
+            keys = ("inputTokens", "outputTokens")
     metadata: Dict[str, Any] = {} if usages is None else {"total_input_tokens": 0, "total_output_tokens": 0}
     for usage in usages or ():
         for total, key in zip(metadata, keys):
             metadata[total] += int(_field(usage, key) or 0)
     if isinstance(model, str) and model:
         metadata["model"] = model
-    return metadata
+    return build_response(final, **{"messages": messages, "metadata": metadata, **fields})
+
+
+def _field(item: Any, key: str) -> Any:
+    return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
 
 
 _BEDROCK_BLOCKS = {"toolUse": "tool_use", "toolResult": "tool_result", "reasoningContent": "reasoning"}
+_LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "AIMessageChunk": "assistant", "tool": "tool",
+                    "system": "system"}
 
 
-def _message_turn(item: Any) -> _Turn | None:
-    # an Anthropic Messages or a Bedrock Converse (Strands) message
-    if hasattr(item, "model_dump"):
-        item = item.model_dump()
-    content = item.get("content") if isinstance(item, Mapping) else None
-    if not isinstance(content, (str, list)) or item.get("role") not in ("user", "assistant"):
-        return None
-    text, calls, thinking, results = [content] if isinstance(content, str) else [], [], [], []
-    for block in content:
-        if not isinstance(block, Mapping):
-            continue
-        kind = block.get("type")
-        for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
-            if isinstance(block.get(key), Mapping):
-                kind, block = _BEDROCK_BLOCKS[key], block[key]
-        call_id = block.get("id", block.get("toolUseId"))
-        if kind == "tool_use":
-            calls.append({"id": call_id, "name": block.get("name"), "arguments": block.get("input") or {}})
-        elif kind == "tool_result":
-            out = block.get("content")
-            results.append((block.get("tool_use_id", call_id), "".join(
-                _as_text(p["json"]) if "json" in p else str(p.get("text") or "") for p in out if isinstance(p, Mapping))
-                if isinstance(out, list) else out))
-        elif kind == "thinking" and (thought := block.get("thinking")):
-            thinking.append({"type": "thinking", "text": thought})
-        elif kind == "reasoning" and (thought := (block.get("reasoningText") or {}).get("text")):
-            thinking.append({"type": "text", "text": thought})
-        elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
-            text.append(str(block.get("text") or ""))
-    return item["role"], "".join(text), calls, thinking, results, item.get("usage"), item.get("model")
-
-
-def _langchain_turn(item: Any) -> _Turn:
-    role = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}.get(item.type, "assistant")
-    content = item.content
-    text, thinking = [content] if isinstance(content, str) else [], []
-    for block in () if isinstance(content, str) else content:
-        kind = block.get("type") if isinstance(block, Mapping) else None
-        if kind == "text":
-            text.append(str(block.get("text") or ""))
-        elif kind in ("thinking", "reasoning") and (thought := block.get("thinking") or block.get("text")):
-            thinking.append({"type": "text", "text": thought})
-    if role == "tool":
-        return role, "", (), (), [(getattr(item, "tool_call_id", None), "".join(text))], None, None
-    calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
-             for c in getattr(item, "tool_calls", None) or ()]
-    return (role, "".join(text), calls, thinking, (), getattr(item, "usage_metadata", None),
-            (getattr(item, "response_metadata", None) or {}).get("model_name"))
+def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List[Any], Any] | None:
+    # Anthropic Messages, Bedrock Converse (Strands) or LangChain messages: the final text, the platform's
+    # messages, each message's usage and the model; None for any other list
+    messages: List[Dict[str, Any]] = []
+    final, usages, model = "", [], None
+    for item in items:
+        if hasattr(item, "model_dump"):
+            item = item.model_dump()
+        if not isinstance(item, Mapping) or not isinstance(item.get("content"), (str, list)):
+            return None
+        langchain = "role" not in item  # LangChain's: {"type": "human", "content": ...}
+        role = _LANGCHAIN_ROLES.get(item.get("type", "")) if langchain else item["role"]
+        if role is None or (not langchain and role not in ("user", "assistant")):
+            return None
+        usages.append(item.get("usage", item.get("usage_metadata")))
+        model = item.get("model") or (item.get("response_metadata") or {}).get("model_name") or model
+        content, start = item["content"], len(messages)
+        text, calls, thinking = [content] if isinstance(content, str) else [], [], []
+        for block in () if isinstance(content, str) else content:
+            if not isinstance(block, Mapping):
+                continue
+            kind = block.get("type")
+            for key in _BEDROCK_BLOCKS:  # Bedrock's {"toolUse": {...}}
+                if isinstance(block.get(key), Mapping):
+                    kind, block = _BEDROCK_BLOCKS[key], block[key]
+            call_id = block.get("id", block.get("toolUseId"))
+            if kind == "tool_use":
+                calls.append({"id": call_id, "name": block.get("name"), "arguments": block.get("input") or {}})
+            elif kind == "tool_result" and role != "assistant":
+                out = block.get("content")
+                if isinstance(out, list):  # text parts, or Bedrock's {"json": value}
+                    out = "".join(_as_text(p.get("json", p.get("text") or "")) for p in out if isinstance(p, Mapping))
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id", call_id),
+                                 "content": _as_text(out)})
+            elif kind in ("thinking", "reasoning"):
+                thought = block.get("thinking") or block.get("text") or (block.get("reasoningText") or {}).get("text")
+                if thought:  # LangChain's and Bedrock's are plain text
+                    thinking.append({"type": "thinking" if kind == "thinking" and not langchain else "text",
+                                     "text": thought})
+            elif kind == "text" or (kind is None and isinstance(block.get("text"), str)):
+                text.append(str(block.get("text") or ""))
+        said = "".join(text)
+        if langchain and role == "tool":
+            messages.append({"role": "tool", "tool_call_id": item.get("tool_call_id"), "content": said})
+        elif role != "assistant":
+            if said or len(messages) == start:  # text, or no tool result to carry
+                messages.append({"role": role, "content": said})
+        else:
+            message: Dict[str, Any] = {"role": "assistant", "content": said or None}
+            if langchain:
+                calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
+                         for c in item.get("tool_calls") or ()]
+            if calls:
+                message["tool_calls"] = calls
+            elif said:
+                final = said
+            if thinking:
+                message["thinking"] = thinking
+            messages.append(message)
+    return final, messages, usages, model
 
 # ----------------------------------------
 # MCP shim (§3.6): a stdio MCP server whose tools go through the proxy
