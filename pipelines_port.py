@@ -299,7 +299,7 @@ class ProxyError(PipelinesError):
         self.message, self.status_code, self.error_class = message, status_code, error_class
         self.body, self.tool_name, self.retry_after = body, tool_name, retry_after
 
-    def to_value(self) -> Dict[str, Any]:
+    def to_value(self) -> JsonObject:
         """The failure as a tool result (§7.4 kit-errors-return)."""
         return {"error": self.message,
                 **_without_none({"error_class": self.error_class or None, "status_code": self.status_code})}
@@ -323,6 +323,9 @@ class StaleRunTokenError(ProxyError):
 if TYPE_CHECKING:  # for annotations only
     Id = Union[int, str]
     HeadersLike = Union[Mapping[str, str], Iterable[Tuple[Any, Any]], None]
+    HeaderFields = List[Tuple[str, str]]  # in order, names as sent
+    JsonObject = Dict[str, Any]
+    Agent = Callable[["Envelope"], Any]  # its value becomes the response (§4)
 _ARRAY_TYPES = (list, tuple)
 
 
@@ -350,7 +353,7 @@ def validate_proxy_url(url: Any, where: str) -> str:
                         "no query, fragment or whitespace")
 
 
-def _without_none(mapping: Mapping[str, Any]) -> Dict[str, Any]:
+def _without_none(mapping: Mapping[str, Any]) -> JsonObject:
     return {k: v for k, v in mapping.items() if v is not None}
 
 
@@ -433,7 +436,7 @@ class Envelope:
         return (f"Envelope(run_id={self.run_id!r}, task_id={self.task_id!r}, agent_id={self.agent_id!r}, "
                 f"run_token_jti={self.run_token_jti!r}, proxy_url={self.proxy_url!r}, run_token={_REDACTED!r})")
 
-    def _fields(self) -> Dict[str, Any]:
+    def _fields(self) -> JsonObject:
         return {n: getattr(self, n) for n in self.__slots__}
 
     def __eq__(self, other: object) -> bool:
@@ -649,7 +652,7 @@ class RequestHead(NamedTuple):
     method: str
     target: str
     version: str  # "HTTP/1.1" or "HTTP/1.0"
-    headers: List[Tuple[str, str]]  # names as sent
+    headers: HeaderFields  # names as sent
 
     def keep_alive(self) -> bool:
         """Whether the connection may carry another request (RFC 9112 §9.3)."""
@@ -668,7 +671,7 @@ def parse_request_head(head: bytes) -> RequestHead:
         raise HeadersTooLargeError("request head too large")
     request_line, field_line = _head_patterns()
     request = request_line.fullmatch(lines[0])
-    headers: List[Tuple[str, str]] = []
+    headers: HeaderFields = []
     names: List[str] = []
     lengths: List[str] = []
     for line in lines[1:] if request and request[3] == b"1" else ():
@@ -922,7 +925,7 @@ def trace_request(proxy_url: str, run_token: str, event_type: str, payload: Mapp
 
 
 def handoff_event(from_sub_agent: str, to_sub_agent: str, *, reason: str | None = None,
-                  payload_preview: str | None = None) -> Dict[str, Any] | None:
+                  payload_preview: str | None = None) -> JsonObject | None:
     """A ``handoff`` event's payload (§3.4 handoff-shape), ``None`` for a self-handoff."""
     source, target = validate_actor_label(from_sub_agent), validate_actor_label(to_sub_agent)
     if not source or not target:
@@ -1102,7 +1105,7 @@ def _final_text(value: Any, key: str, strict: bool = True, notes: List[str] | No
     return _safe_text(value, dump if callable(dump) else None)
 
 
-def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[str | None, Any, Any, Dict[str, Any]]:
+def _unpack_result(value: Any, strict: bool, notes: List[str]) -> Tuple[str | None, Any, Any, JsonObject]:
     if value is None or isinstance(value, str):
         return value, None, None, {}
     mapping = isinstance(value, Mapping)
@@ -1156,7 +1159,7 @@ def _well_formed(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # lone surrogates as U+FFFD
 
 
-def _as_the_platform_keeps(body: Dict[str, Any], notes: List[str]) -> Dict[str, Any]:
+def _as_the_platform_keeps(body: JsonObject, notes: List[str]) -> JsonObject:
     kept: List[str] = []
     body = _jsonable(body, "body", kept)
     notes += [note.removeprefix("body.") for note in kept]
@@ -1178,7 +1181,7 @@ def _as_the_platform_keeps(body: Dict[str, Any], notes: List[str]) -> Dict[str, 
 
 def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
                       metadata: Mapping[str, Any] | None = None, strict: bool = False,
-                      multi_turn: bool = False) -> Tuple[Dict[str, Any], List[str]]:
+                      multi_turn: bool = False) -> Tuple[JsonObject, List[str]]:
     """``(body, warnings)``: the response to an agent's result (§4, §7.7 kit-result-shapes)."""
     notes: List[str] = []
     turn_reply = isinstance(value, Mapping) and "message" in value and "session_done" in value and (
@@ -1215,9 +1218,9 @@ def response_envelope(value: Any, *, messages: Sequence[Mapping[str, Any]] | Non
 
 
 def build_turn_reply(message: Any, *, metadata: Mapping[str, Any] | None = None,
-                     session_done: bool = False) -> Dict[str, Any]:
+                     session_done: bool = False) -> JsonObject:
     """A multi-turn reply (§4.2), checked strictly (§7.7 kit-turn-reply-checked)."""
-    reply: Dict[str, Any] = {"message": _final_text(message, "message"), "session_done": session_done}
+    reply: JsonObject = {"message": _final_text(message, "message"), "session_done": session_done}
     if metadata is not None:
         reply["metadata"] = _copied(metadata) if isinstance(metadata, Mapping) else metadata
     return response_envelope(reply, strict=True, multi_turn=True)[0]
@@ -1334,7 +1337,7 @@ def _tool_call_problems(call: Any, at: str, call_ids: Set[str], warnings: List[s
 class HttpReply(NamedTuple):
     """What a dispatch endpoint answers."""
     status: int
-    headers: List[Tuple[str, str]]
+    headers: HeaderFields
     body: bytes
 
 
@@ -1537,7 +1540,7 @@ def _jsonable_container(value: Any, path: str, notes: List[str] | None, depth: i
                 _change(notes, f"{path}: {kind} is not a JSON type", "sent as an array", "convert it")
                 value = sorted(value, key=_safe_repr)
             return [_jsonable(item, f"{path}[{i}]", notes, depth, active) for i, item in enumerate(value)]
-        out: Dict[str, Any] = {}
+        out: JsonObject = {}
         taken = set(value)  # a name given out is well-formed text: never another key
         for key, item in value.items():
             if isinstance(key, str) and not _has_surrogates(key):
@@ -1758,7 +1761,7 @@ class _ClientConnection:
         self.writer.close()
 
     # one reply, RFC 9112 framing, 1xx skipped; malformed: ConnectionError
-    async def reply(self, max_reply: int) -> Tuple[int, List[Tuple[str, str]], bytes, bool]:
+    async def reply(self, max_reply: int) -> Tuple[int, HeaderFields, bytes, bool]:
         reader, self.received = self.reader, False
         while True:
             head = (await reader.readuntil(b"\r\n\r\n"))[:-4].decode("latin-1")
@@ -1771,7 +1774,7 @@ class _ClientConnection:
             status = int(code)
             if not 100 <= status < 200:
                 break
-        reply_headers: List[Tuple[str, str]] = []
+        reply_headers: HeaderFields = []
         for line in lines[1:]:
             name, colon, value = line.partition(":")
             if not colon or not name.strip():
@@ -2015,13 +2018,13 @@ def _blocking(coroutine: Coroutine[Any, Any, _T]) -> _T:  # run here: it must no
     raise RuntimeError("a blocking call awaited something pending")
 
 
-def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+def _retry_loop(send: Callable[[], _Reply], interpret: Callable[[int, HeaderFields, bytes], ProxyOutcome],
                 *, sleep: Callable[[float], Any], **options: Any) -> Any:
     return _blocking(_aretry_loop(send, interpret, sleep=lambda s: sleep(s) and None, **options))  # never awaited
 
 
 # The one driver of RetryState (§3.3); transport_error names a failure without a reply
-async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, List[Tuple[str, str]], bytes], ProxyOutcome],
+async def _aretry_loop(send: Callable[[], Any], interpret: Callable[[int, HeaderFields, bytes], ProxyOutcome],
                        *, policy: RetryPolicy, sleep: Callable[[float], Any],
                        transport_error: Callable[[BaseException], PipelinesError]) -> Any:
     state = RetryState(policy)
@@ -2215,7 +2218,7 @@ def _check_envelope(envelope: Any) -> None:
         raise TypeError(f"envelope must be an Envelope, got {type(envelope).__name__}")
 
 
-def _call_failed(exc: ProxyError, name: str, errors: str) -> Dict[str, Any]:
+def _call_failed(exc: ProxyError, name: str, errors: str) -> JsonObject:
     if errors == "raise" or isinstance(exc, StaleRunTokenError):  # a stale token: the run is over
         raise exc
     _log.info("tool %r failed, returned to the agent: %s", name, exc)
@@ -2345,14 +2348,14 @@ ENV_STRICT = "PIPELINES_PORT_STRICT"
 
 
 def build_response(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
-                   metadata: Mapping[str, Any] | None = None, strict: bool | None = None) -> Dict[str, Any]:
+                   metadata: Mapping[str, Any] | None = None, strict: bool | None = None) -> JsonObject:
     """The response envelope (§4, §7.7) for a result, warnings logged; ``strict`` (``ENV_STRICT``) raises."""
     return _built(value, messages=messages, metadata=metadata, strict=strict)
 
 
 def _built(value: Any, *, messages: Sequence[Mapping[str, Any]] | None = None,
            metadata: Mapping[str, Any] | None = None, strict: bool | None = None,
-           secrets: Sequence[str | None] = (), multi_turn: bool = False) -> Dict[str, Any]:
+           secrets: Sequence[str | None] = (), multi_turn: bool = False) -> JsonObject:
     # as the servers send it: no warning shows the secrets or the run token
     body, warnings = response_envelope(value, messages=messages, metadata=metadata, multi_turn=multi_turn,
                                        strict=_truthy(os.environ.get(ENV_STRICT)) if strict is None else strict)
@@ -2491,7 +2494,7 @@ async def _run_agent(agent: Callable[..., Any], envelope: Envelope, timeout_s: f
             task.cancel()
 
 
-def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes) -> Dict[str, Any]:
+def _without_run_token(body: JsonObject, envelope: Envelope, encoded: bytes) -> JsonObject:
     if envelope.run_token.encode() not in encoded:
         return body
     _log.warning("the run token in the agent's response was redacted")
@@ -2504,7 +2507,7 @@ def _without_run_token(body: Dict[str, Any], envelope: Envelope, encoded: bytes)
 class DispatchApp:
     """An agent at its endpoint (§2, §7.1): :meth:`ahandle`, WSGI, ASGI3."""
 
-    def __init__(self, agent: Callable[[Envelope], Any], *, path: str = DEFAULT_DISPATCH_PATH,
+    def __init__(self, agent: Agent, *, path: str = DEFAULT_DISPATCH_PATH,
                  token: str | None = None, token_env: str | None = DEFAULT_TOKEN_ENV,
                  auth_header: str = "Authorization", no_auth: bool = False, max_body: int = DEFAULT_MAX_BODY_BYTES,
                  run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
@@ -2526,7 +2529,7 @@ class DispatchApp:
         self.token_env = None if token else token_env  # kit-token-env-per-request
         if isinstance(tools_schema, (str, os.PathLike)):
             tools_schema = _read_tools_file(tools_schema)
-        self.tools_schema: List[Dict[str, Any]] | None = None if tools_schema is None else _thaw(list(tools_schema))
+        self.tools_schema: List[JsonObject] | None = None if tools_schema is None else _thaw(list(tools_schema))
         if self.tools_schema:
             convert_tools(self.tools_schema, "platform")  # checked; served as given
         if proxy_hosts is None:
@@ -2698,12 +2701,12 @@ class DispatchApp:
         return asgi
 
 
-def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
+def probe_proxy(proxy_url: str, *, timeout: float = 10.0) -> JsonObject:
     """The §3.7 reachability probe, never raising: ``{reachable, status_code, latency_ms, error}``."""
     return _on_loop(aprobe_proxy(proxy_url, timeout=timeout))
 
 
-async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, Any]:
+async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> JsonObject:
     """:func:`probe_proxy` on the running loop."""
     started, status = time.monotonic(), None
     try:
@@ -2724,12 +2727,12 @@ async def aprobe_proxy(proxy_url: str, *, timeout: float = 10.0) -> Dict[str, An
 # Server adapters (WSGI, ASGI) and the built-in servers' settings
 
 
-def wsgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., List[bytes]]:
+def wsgi_app(agent: Agent, **options: Any) -> Callable[..., List[bytes]]:
     """A WSGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
     return DispatchApp(agent, **options).wsgi
 
 
-def asgi_app(agent: Callable[[Envelope], Any], **options: Any) -> Callable[..., Any]:
+def asgi_app(agent: Agent, **options: Any) -> Callable[..., Any]:
     """An ASGI application for ``agent``; ``options`` as for :class:`DispatchApp`."""
     return DispatchApp(agent, **options).asgi
 
@@ -3051,7 +3054,7 @@ def _raise_file_limit() -> None:
 SERVERS = ("asyncio", "threads")
 
 
-def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 8080,
+def make_server(agent: DispatchApp | Agent, *, host: str = "127.0.0.1", port: int = 8080,
                 server: str = "asyncio", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                 keepalive_s: float = DEFAULT_KEEPALIVE_S, max_connections: int | None = None,
                 **options: Any) -> AsyncDispatchServer:
@@ -3067,7 +3070,7 @@ def make_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "
         app, host, port, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s, max_connections=max_connections)
 
 
-def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 0,
+def start_server(agent: DispatchApp | Agent, *, host: str = "127.0.0.1", port: int = 0,
                  **options: Any) -> AsyncDispatchServer:
     """:func:`make_server`'s server, serving on a background thread."""
     server = make_server(agent, host=host, port=port, **options)
@@ -3076,7 +3079,7 @@ def start_server(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = 
     return server
 
 
-def serve(agent: DispatchApp | Callable[[Envelope], Any], *, host: str = "127.0.0.1", port: int = 8080,
+def serve(agent: DispatchApp | Agent, *, host: str = "127.0.0.1", port: int = 8080,
           grace_s: float = DEFAULT_GRACE_S, ready: Callable[[Any], None] | None = None,
           gc_threshold: int = SERVE_GC_THRESHOLD, **options: Any) -> int:
     """Serve until SIGTERM/SIGINT, then drain up to ``grace_s``: 0 if no dispatch was cut, else 1."""
@@ -3125,13 +3128,13 @@ def _run_argument(value: str | None, argument: str, variable: str) -> str:
     return value or ""
 
 
-def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
-              run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., Dict[str, Any]]:
+def code_mode(agent: Agent, *, strict: bool | None = None,
+              run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S) -> Callable[..., JsonObject]:
     """The sandbox entrypoint ``run(task_input, *, proxy_url, run_token) -> dict`` for ``agent`` (§5, §7.8)."""
     limit = check_run_timeout(run_timeout_s)
 
     def run(task_input: Mapping[str, Any] | None = None, *, proxy_url: str | None = None,
-            run_token: str | None = None) -> Dict[str, Any]:
+            run_token: str | None = None) -> JsonObject:
         if proxy_url is None and run_token is None and task_input is None:
             envelope = Envelope.from_env()
         else:
@@ -3184,11 +3187,11 @@ def code_mode(agent: Callable[[Envelope], Any], *, strict: bool | None = None,
 TOOL_FORMATS = ("platform", "openai_chat", "openai_responses", "anthropic")
 
 
-def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
+def convert_tools(tools: Iterable[Any], to: str) -> List[JsonObject]:
     """Tools in any of :data:`TOOL_FORMATS` as format ``to`` (§3.6, kit-model-tool-names)."""
     if to not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {to!r}: expected one of {', '.join(TOOL_FORMATS)}")
-    out: List[Dict[str, Any]] = []
+    out: List[JsonObject] = []
     seen: Set[str] = set()
     for i, entry in enumerate(tools):
         spec = entry["function"] if isinstance(entry, Mapping) and isinstance(entry.get("function"), Mapping) else entry
@@ -3204,7 +3207,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
         if problem:
             raise ValueError(f"tools[{i}] ({name}): {problem}")
         seen.add(name)
-        tool: Dict[str, Any] = {"name": name, "description": str(spec.get("description") or "")}
+        tool: JsonObject = {"name": name, "description": str(spec.get("description") or "")}
         schema = _thaw(schema) if schema is not None else {"type": "object", "properties": {}}
         if to == "openai_chat":
             tool = {"type": "function", "function": {**tool, "parameters": schema}}
@@ -3219,7 +3222,7 @@ def convert_tools(tools: Iterable[Any], to: str) -> List[Dict[str, Any]]:
     return out
 
 
-def load_tools_schema(source: str | os.PathLike[str] | None = None) -> List[Dict[str, Any]]:
+def load_tools_schema(source: str | os.PathLike[str] | None = None) -> List[JsonObject]:
     """The platform tool list from a JSON file, else from the environment (§3.6)."""
     tools = _tools_schema_from_env(os.environ) if source is None else _read_tools_file(source)
     if tools is None:
@@ -3315,7 +3318,7 @@ def post_json(url: str, payload: Mapping[str, Any] | None, *, headers: Mapping[s
             **(headers or {})}
     where = f"{method} {base.scheme}://{base.hostname}{port}{base.path}"  # no userinfo or query: they may hold keys
 
-    def interpret(status: int, reply_headers: List[Tuple[str, str]], reply: bytes) -> ProxyOutcome:
+    def interpret(status: int, reply_headers: HeaderFields, reply: bytes) -> ProxyOutcome:
         value, is_json = _decode_body(reply, "")
         ok = 200 <= status < 300
         if ok and is_json:
@@ -3391,7 +3394,7 @@ def _enum_value(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def schema_for_type(annotation: Any) -> Dict[str, Any]:
+def schema_for_type(annotation: Any) -> JsonObject:
     """The JSON Schema of a type hint (JSON's, Any, Union, containers, Literal, Enum)."""
     import typing
 
@@ -3457,7 +3460,7 @@ class Tool:
             hints = typing.get_type_hints(fn)
         except Exception as exc:  # noqa: BLE001
             raise TypeError(f"tool {self.name!r}: cannot resolve its type hints: {exc}") from None
-        properties: Dict[str, Any] = {}
+        properties: JsonObject = {}
         required: List[str] = []
         for argument, param in self.signature.parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
@@ -3473,12 +3476,12 @@ class Tool:
             else:
                 with contextlib.suppress(TypeError, ValueError):
                     prop["default"] = json.loads(json.dumps(_enum_value(param.default)))
-        self.input_schema: Dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False,
+        self.input_schema: JsonObject = {"type": "object", "properties": properties, "additionalProperties": False,
                                              **({"required": required} if required else {})}
         functools.update_wrapper(self, fn)
 
     @property
-    def schema(self) -> Dict[str, Any]:
+    def schema(self) -> JsonObject:
         """This tool as a tools_schema entry."""
         return {"name": self.name, "description": self.description, "input_schema": _thaw(self.input_schema),
                 **({"default_execution_mode": self.default_execution_mode} if self.default_execution_mode else {})}
@@ -3487,7 +3490,7 @@ class Tool:
         """Every way ``arguments`` break the input schema."""
         return validate_args(self.input_schema, arguments)
 
-    def arguments(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    def arguments(self, *args: Any, **kwargs: Any) -> JsonObject:
         """The JSON arguments a call sends."""
         bound = self.signature.bind(*args, **kwargs)
         return dict(zip(bound.arguments, map(_enum_value, bound.arguments.values())))
@@ -3508,7 +3511,7 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, descr
     return make(fn) if fn is not None else make
 
 
-def export_tools(tools: Iterable[Any], to: str = "platform") -> List[Dict[str, Any]]:
+def export_tools(tools: Iterable[Any], to: str = "platform") -> List[JsonObject]:
     """Tools and tools_schema entries as one tool list in format ``to``."""
     return convert_tools([t.schema if isinstance(t, Tool) else t for t in tools], to)
 
@@ -3522,7 +3525,7 @@ def _tools_of(source: Any) -> List[Any]:
     return list(tools)
 
 
-def tools_schema_from(source: Any) -> List[Dict[str, Any]]:
+def tools_schema_from(source: Any) -> List[JsonObject]:
     """The ``tools_schema`` (§3.6) of a framework's tools or agent."""
     entries: List[Any] = []
     for tool in _tools_of(source):
@@ -3585,7 +3588,7 @@ def _proxied_tool(tool: Any, **options: Any) -> Any:
             args_schema=tool.args_schema if tool.args_schema is not None else tool.get_input_schema(),
             return_direct=getattr(tool, "return_direct", False))
     if isinstance(getattr(tool, "tool_spec", None), Mapping) and hasattr(tool, "stream"):  # Strands
-        async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> Dict[str, Any]:
+        async def tool_func(tool_use: Mapping[str, Any], **invocation_state: Any) -> JsonObject:
             result = await aproxy_call(tool.tool_spec["name"], tool_use.get("input") or {}, **options)
             failed = isinstance(result, Mapping) and "error" in result
             return {"toolUseId": tool_use.get("toolUseId"), "status": "error" if failed else "success",
@@ -3655,13 +3658,13 @@ class Handoffs:
         return _Hooks()
 
 
-def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
+def response_from(result: Any, **fields: Any) -> JsonObject:
     """The response envelope (§4) of a framework's run, else :func:`build_response`."""
     keys = ("input_tokens", "output_tokens")
     if hasattr(result, "new_items") and hasattr(result, "final_output"):  # OpenAI Agents
         final = result.final_output
         messages = [{"role": "user", "content": result.input}] if isinstance(result.input, str) else []
-        thinking: List[Dict[str, Any]] = []
+        thinking: List[JsonObject] = []
         for item in result.new_items:
             kind, raw = getattr(item, "type", ""), getattr(item, "raw_item", None)
             if kind == "reasoning_item":
@@ -3672,7 +3675,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
                 messages.append({"role": "tool", "tool_call_id": _field(raw, "call_id"), "content": _as_text(output)})
             elif kind in ("message_output_item", "tool_call_item", "handoff_call_item"):  # handoff: transfer_to_X
                 text = "".join(filter(None, map(functools.partial(_field, key="text"), _field(raw, "content") or ())))
-                message: Dict[str, Any] = {"role": "assistant", "content": text or None}
+                message: JsonObject = {"role": "assistant", "content": text or None}
                 if kind != "message_output_item":
                     message["tool_calls"] = [{"id": _field(raw, "call_id") or _field(raw, "id"),
                                               "name": _field(raw, "name"),
@@ -3699,7 +3702,7 @@ def response_from(result: Any, **fields: Any) -> Dict[str, Any]:
             usages = [usage] if isinstance(usage, Mapping) else None
             model = (getattr(getattr(result, "model", None), "config", None) or {}).get("model_id")
             keys = ("inputTokens", "outputTokens")
-    metadata: Dict[str, Any] = {} if usages is None else {"total_input_tokens": 0, "total_output_tokens": 0}
+    metadata: JsonObject = {} if usages is None else {"total_input_tokens": 0, "total_output_tokens": 0}
     for usage in usages or ():
         for total, key in zip(metadata, keys):
             metadata[total] += int(_field(usage, key) or 0)
@@ -3717,10 +3720,10 @@ _LANGCHAIN_ROLES = {"human": "user", "ai": "assistant", "AIMessageChunk": "assis
                     "system": "system"}
 
 
-def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List[Any], Any] | None:
+def _conversation(items: Sequence[Any]) -> Tuple[str, List[JsonObject], List[Any], Any] | None:
     # Anthropic Messages, Bedrock Converse (Strands) or LangChain messages: the final text, the platform's
     # messages, each message's usage and the model; None for any other list
-    messages: List[Dict[str, Any]] = []
+    messages: List[JsonObject] = []
     final, usages, model = "", [], None
     for item in items:
         if hasattr(item, "model_dump"):
@@ -3765,7 +3768,7 @@ def _conversation(items: Sequence[Any]) -> Tuple[str, List[Dict[str, Any]], List
             if said or len(messages) == start:  # text, or no tool result to carry
                 messages.append({"role": role, "content": said})
         else:
-            message: Dict[str, Any] = {"role": "assistant", "content": said or None}
+            message: JsonObject = {"role": "assistant", "content": said or None}
             if langchain:
                 calls = [{"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args") or {}}
                          for c in item.get("tool_calls") or ()]
@@ -3794,7 +3797,7 @@ class McpShim:
     def __init__(self, *, environ: Mapping[str, str] | None = None, client: ProxyClient | None = None):
         self.environ = dict(os.environ if environ is None else environ)
         self.client = client
-        self._tools: List[Dict[str, Any]] | None = None
+        self._tools: List[JsonObject] | None = None
         self._envelope: Envelope | None = None
 
     def handle_line(self, line: str) -> str | None:
@@ -3833,7 +3836,7 @@ class McpShim:
                 result = {}
             else:
                 raise _RpcError(-32601, f"method not found: {_short(method, 80)}")
-            reply: Dict[str, Any] = {"result": result}
+            reply: JsonObject = {"result": result}
         except Exception as exc:  # noqa: BLE001
             token = self._envelope.run_token if self._envelope else None
             if not isinstance(exc, (_RpcError, HTTPStatusError, ValueError)):  # setup problems: no traceback
@@ -3848,7 +3851,7 @@ class McpShim:
             self._envelope = Envelope.from_env(self.environ)
         return self._envelope
 
-    def tools(self) -> List[Dict[str, Any]]:
+    def tools(self) -> List[JsonObject]:
         """The platform tool list, read once: from the environment, else the platform."""
         if self._tools is None:
             tools = _tools_schema_from_env(self.environ)
@@ -3866,7 +3869,7 @@ class McpShim:
             self._tools = convert_tools(tools, "platform")
         return self._tools
 
-    def call_tool(self, name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
+    def call_tool(self, name: str, arguments: JsonObject) -> JsonObject:
         """One ``tools/call`` through the proxy, as an MCP result."""
         try:
             value, failed = proxy_call(name, arguments, envelope=self.envelope(), client=self.client), False
