@@ -13,32 +13,32 @@ Map: each part and section, the line it starts on and its size in kB (tests/test
       120   0.2  PART 1 - THE CONTRACT
       128   2.7    Constants
       192   4.0    Errors and their HTTP statuses
-      321  13.2    Envelope
-      585  12.0    Inbound decisions (§2)
-      820   5.9    Request encoding
-      935   6.8    Reply interpretation
-     1085  13.6    Response envelope (§4)
-     1332   2.1    HTTP replies of a dispatch
-     1380   0.8  PART 2 - THE PYTHON RUNTIME
-     1410   2.6    Python data
-     1480   6.0    Python values as JSON (§7.7)
-     1621   1.6    Start-up settings
-     1656   0.9    Context binding
-     1681   1.8    Event loops for blocking callers
-     1727  12.7    Transport
-     2001  19.5    Proxy client (§3)
-     2366   5.2    Running agents
-     2501  13.3    The dispatch app (§2)
-     2724   1.1    Server adapters
-     2752  12.3    The built-in server
-     3039   3.3    Starting a server
-     3109   3.6    Code mode (§5)
-     3174   0.1  PART 3 - CONVENIENCES
-     3182   8.2    Agent-loop helpers
-     3337  10.1    Tools from code
-     3516  15.2    Framework bridges
-     3797   6.3    MCP shim (§3.6)
-     3911   9.5    Command line: serve, mcp
+      321  13.4    Envelope
+      588  12.0    Inbound decisions (§2)
+      823   5.9    Request encoding
+      938   6.8    Reply interpretation
+     1088  13.6    Response envelope (§4)
+     1335   2.1    HTTP replies of a dispatch
+     1383   0.8  PART 2 - THE PYTHON RUNTIME
+     1413   2.6    Python data
+     1483   6.0    Python values as JSON (§7.7)
+     1624   1.6    Start-up settings
+     1659   0.9    Context binding
+     1684   1.8    Event loops for blocking callers
+     1730  12.7    Transport
+     2004  19.5    Proxy client (§3)
+     2369   5.2    Running agents
+     2504  13.3    The dispatch app (§2)
+     2727   1.1    Server adapters
+     2755  12.3    The built-in server
+     3042   3.2    Starting a server
+     3112   3.5    Code mode (§5)
+     3177   0.1  PART 3 - CONVENIENCES
+     3185   8.2    Agent-loop helpers
+     3340  10.1    Tools from code
+     3519  14.6    Framework bridges
+     3785   6.3    MCP shim (§3.6)
+     3899   9.5    Command line: serve, mcp
 
 Importing this module does no I/O and starts nothing.
 """
