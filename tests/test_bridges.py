@@ -62,6 +62,38 @@ def test_an_openai_agents_run_reads_text_parts_and_usage_as_objects_or_dicts() -
     assert as_dicts["metadata"] == {"total_input_tokens": 11, "total_output_tokens": 4, "model": "gpt-test"}
 
 
+LANGCHAIN_DUMPED = [  # LangChain messages as their model_dump() gives them
+    {"type": "human", "content": "Where is order 4521?"},
+    {"type": "ai", "content": [{"type": "thinking", "thinking": "Look it up."}, {"type": "text", "text": ""}],
+     "tool_calls": [{"id": "call_1", "name": "get_order", "args": {"order_id": "4521"}}],
+     "usage_metadata": {"input_tokens": 50, "output_tokens": 9}, "response_metadata": {"model_name": "lc-test"}},
+    {"type": "tool", "tool_call_id": "call_1", "content": '{"status": "shipped"}'},
+]
+
+
+def test_langchain_messages_read_by_the_one_reader_as_objects_dicts_or_mixed_with_anthropic_ones() -> None:
+    class Message:  # a LangChain message object: read through its model_dump()
+        def __init__(self, dumped: dict) -> None:
+            self.dumped = dumped
+
+        def model_dump(self) -> dict:
+            return dict(self.dumped)
+
+    final = {"role": "assistant", "model": "claude-test", "content": [{"type": "text", "text": "It has shipped."}]}
+    as_dicts = pp.response_from([*LANGCHAIN_DUMPED, final])
+    as_objects = pp.response_from({"messages": [*map(Message, LANGCHAIN_DUMPED), final]})
+    assert as_dicts == as_objects
+    assert pp.validate_response(as_dicts) == []
+    assert as_dicts["final_response"] == "It has shipped."
+    assert as_dicts["messages"] == [
+        {"role": "user", "content": "Where is order 4521?"},
+        {"role": "assistant", "content": None, "thinking": [{"type": "text", "text": "Look it up."}],
+         "tool_calls": [{"id": "call_1", "name": "get_order", "arguments": {"order_id": "4521"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"status": "shipped"}'},
+        {"role": "assistant", "content": "It has shipped."}]
+    assert as_dicts["metadata"] == {"total_input_tokens": 50, "total_output_tokens": 9, "model": "claude-test"}
+
+
 def test_objects_no_bridge_knows_are_clear_errors() -> None:
     with pytest.raises(TypeError, match="not a tool this module knows"):
         pp.tools_schema_from([object()])
