@@ -2004,7 +2004,7 @@ _shared_transport = _Once(_Transport)  # each ProxyClient has its own
 # Proxy client (§3): tool calls, trace events, actors
 
 if TYPE_CHECKING:
-    _Reply = Tuple[int, List[Tuple[str, str]], bytes]
+    _Reply = Tuple[int, HeaderFields, bytes]  # status, headers, body
     _Payload = Optional[Mapping[str, Any]]
     _Accepted = Optional[Dict[str, Any]]  # {"accepted": true, "sequence": N}
 
